@@ -1,0 +1,92 @@
+// y = alpha * x W^T (+ bias) (+ y when accumulating): the linear layers of every model.
+// x: [M, K] f32 rows (row stride ldx); W: [N, K] as Hugging Face stores nn.Linear weights, f32 or
+// bf16 (WEIGHT_BF16=1, widened inside the loop: never a converted copy in memory); y: [M, N]
+// f32 (row stride ldy). Accumulating into y is how residual adds happen (h += o_proj(attn)).
+//
+// Shaped for CPU OpenCL: one work-item owns a TM x TN tile of y and walks K with 16-wide vector
+// loads; launched with local size 1. Dimension 0 walks N (tiles of TN output features), dimension
+// 1 walks M (tiles of TM rows). Build options: -DTM=1|4 -DTN=4 -DWEIGHT_BF16=0|1.
+
+#ifndef TM
+#define TM 1
+#endif
+#ifndef TN
+#define TN 4
+#endif
+
+#if WEIGHT_BF16
+typedef ushort wtype;
+#define LOADW16(i, p) bf16x16_to_f32(vload16((i), (p)))
+#define LOADW1(p) bf16_to_f32(*(p))
+#else
+typedef float wtype;
+#define LOADW16(i, p) vload16((i), (p))
+#define LOADW1(p) (*(p))
+#endif
+
+kernel void linear(global const float* x, uint x_off, uint ldx,
+                   global const wtype* w, global const wtype* bias, int has_bias,
+                   global float* y, uint y_off, uint ldy,
+                   uint M, uint N, uint K, float alpha, int accumulate) {
+  const uint n0 = get_global_id(0) * TN;
+  const uint m0 = get_global_id(1) * TM;
+  // Rows and columns past the edge compute on a valid row (clamped) and are not stored.
+  global const float* xr[TM];
+  global const wtype* wr[TN];
+#pragma unroll
+  for (int i = 0; i < TM; ++i) xr[i] = x + x_off + (size_t)min(m0 + i, M - 1) * ldx;
+#pragma unroll
+  for (int j = 0; j < TN; ++j) wr[j] = w + (size_t)min(n0 + j, N - 1) * K;
+
+  float16 acc[TM][TN];
+#pragma unroll
+  for (int i = 0; i < TM; ++i)
+#pragma unroll
+    for (int j = 0; j < TN; ++j) acc[i][j] = (float16)(0.0f);
+
+  const uint K16 = K / 16;
+  for (uint k = 0; k < K16; ++k) {
+    float16 wv[TN];
+#pragma unroll
+    for (int j = 0; j < TN; ++j) wv[j] = LOADW16(k, wr[j]);
+#pragma unroll
+    for (int i = 0; i < TM; ++i) {
+      const float16 xv = vload16(k, xr[i]);
+#pragma unroll
+      for (int j = 0; j < TN; ++j) acc[i][j] = fma(xv, wv[j], acc[i][j]);
+    }
+  }
+
+  float out[TM][TN];
+#pragma unroll
+  for (int i = 0; i < TM; ++i)
+#pragma unroll
+    for (int j = 0; j < TN; ++j) {
+      const float16 a = acc[i][j];
+      const float8 s8 = a.lo + a.hi;
+      const float4 s4 = s8.lo + s8.hi;
+      const float2 s2 = s4.lo + s4.hi;
+      out[i][j] = s2.x + s2.y;
+    }
+  for (uint k = K16 * 16; k < K; ++k) {
+#pragma unroll
+    for (int i = 0; i < TM; ++i)
+#pragma unroll
+      for (int j = 0; j < TN; ++j) out[i][j] = fma(xr[i][k], LOADW1(wr[j] + k), out[i][j]);
+  }
+
+#pragma unroll
+  for (int i = 0; i < TM; ++i) {
+    if (m0 + i >= M) break;
+    global float* yr = y + y_off + (size_t)(m0 + i) * ldy;
+#pragma unroll
+    for (int j = 0; j < TN; ++j) {
+      const uint n = n0 + j;
+      if (n >= N) break;
+      float v = out[i][j];
+      if (has_bias) v += LOADW1(bias + n);
+      v *= alpha;
+      yr[n] = accumulate ? yr[n] + v : v;
+    }
+  }
+}

@@ -1,0 +1,25 @@
+// RMSNorm over rows: y = x / sqrt(mean(x^2) + eps) * w, computed in f32 (Llama style: normalise,
+// then scale). One work-item per row; rows are short (hidden size), so this is launch-bound.
+// Build option: -DWEIGHT_BF16=0|1 for the norm weight.
+
+#if WEIGHT_BF16
+typedef ushort wtype;
+#define LOADW(p) bf16_to_f32(*(p))
+#else
+typedef float wtype;
+#define LOADW(p) (*(p))
+#endif
+
+// rows: optional row indexes into x (gather), when use_rows != 0: y row r = norm(x row rows[r]).
+kernel void rmsnorm(global const float* x, uint x_off, uint ldx, global const uint* rows,
+                    int use_rows, global const wtype* w, global float* y, uint y_off, uint ldy,
+                    uint H, float eps) {
+  const uint r = get_global_id(0);
+  const uint src = use_rows ? rows[r] : r;
+  global const float* xr = x + x_off + (size_t)src * ldx;
+  global float* yr = y + y_off + (size_t)r * ldy;
+  float ss = 0.0f;
+  for (uint i = 0; i < H; ++i) ss = fma(xr[i], xr[i], ss);
+  const float inv = 1.0f / sqrt(ss / (float)H + eps);
+  for (uint i = 0; i < H; ++i) yr[i] = (xr[i] * inv) * LOADW(w + i);
+}

@@ -1,0 +1,42 @@
+// RoPE on the new tokens' queries and keys, and the store of keys and values into the paged cache.
+// Hugging Face checkpoints rotate half-split pairs (x[i], x[i + d/2]). The angle is
+// position * inv_freq[i] in f32, as the reference implementations compute it.
+//
+// Paged MHA cache of one layer: [num_pages + 1][2 (K, V)][page_size][n_kv_heads][head_dim]; the
+// last page is the null page that pads lookup tables. One work-item per new token.
+
+kernel void rope_store_kv(global float* qkv, uint ld, uint n_heads, uint n_kv_heads,
+                          uint head_dim, global const float* inv_freq,
+                          global const float* inv_freq_long, uint long_from,
+                          global const uint* token_row, global const uint* token_pos,
+                          global const uint* lookup, uint pages_per_row, uint page_size,
+                          global float* cache) {
+  const uint t = get_global_id(0);
+  const uint pos = token_pos[t];
+  const uint half_dim = head_dim / 2;
+  global const float* freqs = pos >= long_from ? inv_freq_long : inv_freq;
+  global float* row = qkv + (size_t)t * ld;
+  const uint n_rot = n_heads + n_kv_heads;  // queries then keys; values are not rotated
+  for (uint i = 0; i < half_dim; ++i) {
+    const float angle = (float)pos * freqs[i];
+    const float c = cos(angle), s = sin(angle);
+    for (uint h = 0; h < n_rot; ++h) {
+      global float* x = row + h * head_dim;
+      const float a = x[i], b = x[i + half_dim];
+      x[i] = a * c - b * s;
+      x[i + half_dim] = b * c + a * s;
+    }
+  }
+  const uint b = token_row[t];
+  const uint page = lookup[b * pages_per_row + pos / page_size];
+  const uint slot = pos % page_size;
+  const size_t kv_row = (size_t)n_kv_heads * head_dim;
+  global float* kdst = cache + ((size_t)page * 2 * page_size + slot) * kv_row;
+  global float* vdst = kdst + (size_t)page_size * kv_row;
+  global const float* k = row + (size_t)n_heads * head_dim;
+  global const float* v = k + kv_row;
+  for (uint i = 0; i < kv_row; ++i) {
+    kdst[i] = k[i];
+    vdst[i] = v[i];
+  }
+}

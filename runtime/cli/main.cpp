@@ -1,0 +1,3 @@
+#include "runtime/cli/commands.h"
+
+int main(int argc, char** argv) { return clshard::cli::run(argc, argv); }

@@ -1,0 +1,142 @@
+// Devices: an OpenCL device (or sub-device) with its context, in-order queue, compiled programs and
+// a pool of scratch buffers. Everything that runs on a device goes through one of these.
+#pragma once
+
+#include <CL/cl.h>
+
+#include <array>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "runtime/cl.h"
+
+namespace clshard {
+
+enum class DeviceKind { Cpu, Gpu, Accelerator, Other };
+const char* device_kind_name(DeviceKind k);
+
+// Where a device sits in the machine, as hwloc sees it.
+struct DeviceLocality {
+  std::vector<int> numa_nodes;  // NUMA node os indexes
+  int cores = 0;                // cores under the device's locality
+  std::string pci_bus;          // "dddd:bb:dd.f" for GPUs when known
+};
+
+struct DeviceInfo {
+  std::string platform;
+  std::string platform_version;
+  std::string name;
+  std::string vendor;
+  std::string driver_version;
+  std::string opencl_version;
+  DeviceKind kind = DeviceKind::Other;
+  uint32_t compute_units = 0;
+  uint64_t global_mem = 0;
+  uint64_t max_alloc = 0;
+  bool host_unified_memory = false;  // buffers can wrap host memory without a copy
+  bool fp16 = false;
+  bool fp64 = false;
+  DeviceLocality locality;
+  bool is_sub_device = false;
+};
+
+DeviceInfo query_device_info(cl_device_id id, cl_platform_id platform);
+
+// A buffer pool: scratch buffers are reused across steps by size class (powers of two), so a
+// decode loop does not allocate. Buffers go back to the pool when their Scratch handle dies.
+class BufferPool {
+ public:
+  explicit BufferPool(cl_context ctx) : ctx_(ctx) {}
+  cl::Mem take(size_t bytes);
+  void give_back(cl::Mem m, size_t bytes);
+  size_t bytes_held() const { return held_; }
+
+ private:
+  static size_t size_class(size_t bytes);
+  cl_context ctx_;
+  std::multimap<size_t, cl::Mem> free_;
+  size_t held_ = 0;
+  std::mutex mu_;
+};
+
+class Device {
+ public:
+  Device(cl_platform_id platform, cl_device_id id, cl::Context ctx, int index);
+  Device(const Device&) = delete;
+  Device& operator=(const Device&) = delete;
+
+  const DeviceInfo& info() const { return info_; }
+  int index() const { return index_; }
+  cl_device_id id() const { return id_; }
+  cl_context context() const { return ctx_.get(); }
+  cl_command_queue queue() const { return queue_.get(); }
+  bool is_cpu() const { return info_.kind == DeviceKind::Cpu; }
+  // A short label for messages: "device 0 (pthread-skylake-avx512 on Portable Computing Language)".
+  std::string label() const;
+
+  // Kernels by name from a kernels_cl/ file, built with the given build options (-D...).
+  // The program is built once per (file, options) and cached on disk (program_cache.h).
+  cl::Kernel kernel(const std::string& file, const std::string& name,
+                    const std::string& options = "");
+
+  // Buffers.
+  cl::Mem alloc(size_t bytes, cl_mem_flags flags = CL_MEM_READ_WRITE) const;
+  // A read-only buffer over host memory that outlives it: wraps it where the device shares host
+  // memory (no copy), uploads it otherwise.
+  cl::Mem wrap_host(const void* data, size_t bytes) const;
+  void write(const cl::Mem& m, const void* src, size_t bytes, size_t offset = 0) const;
+  void read(const cl::Mem& m, void* dst, size_t bytes, size_t offset = 0) const;
+  void fill_zero(const cl::Mem& m, size_t bytes) const;
+  void finish() const;
+
+  // Enqueues an NDRange with local size 1 in every dimension on CPU devices (a work-item owns a
+  // contiguous chunk there), and lets the driver choose on GPUs unless `local` is given.
+  void launch(const cl::Kernel& k, std::array<size_t, 3> global, int dims = 1,
+              const size_t* local = nullptr) const;
+
+  BufferPool& pool() { return *pool_; }
+
+ private:
+  cl_device_id id_;
+  cl::Context ctx_;
+  cl::Queue queue_;
+  DeviceInfo info_;
+  int index_;
+  std::unique_ptr<BufferPool> pool_;
+  std::map<std::string, cl::Program> programs_;
+  std::map<std::string, cl::Kernel> kernels_;
+  std::mutex mu_;
+};
+
+// A scratch buffer from a device's pool that goes back when it goes out of scope.
+class Scratch {
+ public:
+  Scratch() = default;
+  Scratch(Device& dev, size_t bytes) : dev_(&dev), bytes_(bytes), mem_(dev.pool().take(bytes)) {}
+  Scratch(Scratch&& o) noexcept { *this = std::move(o); }
+  Scratch& operator=(Scratch&& o) noexcept {
+    release();
+    dev_ = std::exchange(o.dev_, nullptr);
+    bytes_ = o.bytes_;
+    mem_ = std::move(o.mem_);
+    return *this;
+  }
+  ~Scratch() { release(); }
+  const cl::Mem& mem() const { return mem_; }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  void release() {
+    if (dev_ && mem_) dev_->pool().give_back(std::move(mem_), bytes_);
+    dev_ = nullptr;
+  }
+  Device* dev_ = nullptr;
+  size_t bytes_ = 0;
+  cl::Mem mem_;
+};
+
+}  // namespace clshard

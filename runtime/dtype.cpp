@@ -1,0 +1,48 @@
+#include "runtime/dtype.h"
+
+#include <cmath>
+
+namespace clshard {
+
+namespace {
+struct DTypeRow {
+  DType t;
+  const char* name;
+  size_t size;
+};
+constexpr DTypeRow kTypes[] = {
+    {DType::F64, "F64", 8},         {DType::F32, "F32", 4},         {DType::F16, "F16", 2},
+    {DType::BF16, "BF16", 2},       {DType::F8_E4M3, "F8_E4M3", 1}, {DType::F8_E5M2, "F8_E5M2", 1},
+    {DType::I64, "I64", 8},         {DType::I32, "I32", 4},         {DType::I16, "I16", 2},
+    {DType::I8, "I8", 1},           {DType::U8, "U8", 1},           {DType::Bool, "BOOL", 1},
+};
+}  // namespace
+
+size_t dtype_size(DType t) {
+  for (const auto& r : kTypes)
+    if (r.t == t) return r.size;
+  return 0;
+}
+
+const char* dtype_name(DType t) {
+  for (const auto& r : kTypes)
+    if (r.t == t) return r.name;
+  return "?";
+}
+
+std::optional<DType> dtype_from_name(std::string_view name) {
+  for (const auto& r : kTypes)
+    if (name == r.name) return r.t;
+  return std::nullopt;
+}
+
+float f16_to_f32(uint16_t h) {
+  const int sign = (h >> 15) & 1, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
+  float v;
+  if (exp == 0) v = std::ldexp(float(mant), -24);
+  else if (exp == 31) v = mant ? NAN : INFINITY;
+  else v = std::ldexp(float(mant | 0x400), exp - 25);
+  return sign ? -v : v;
+}
+
+}  // namespace clshard

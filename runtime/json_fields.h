@@ -1,0 +1,87 @@
+// Typed reads of a JSON object's fields (config.json and friends) with errors that name the file,
+// the field, what was expected and what was found.
+#pragma once
+
+#include <filesystem>
+#include <optional>
+#include <stdexcept>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+namespace clshard {
+
+class JsonFields {
+ public:
+  JsonFields(const nlohmann::json& obj, std::string where) : obj_(obj), where_(std::move(where)) {}
+
+  bool has(const std::string& key) const { return obj_.contains(key) && !obj_[key].is_null(); }
+  const nlohmann::json& raw(const std::string& key) const { return obj_.at(key); }
+  const std::string& where() const { return where_; }
+
+  int64_t integer(const std::string& key) const {
+    if (!has(key)) error(key, "missing");
+    return as_int(key);
+  }
+  int64_t integer(const std::string& key, int64_t dflt) const {
+    return has(key) ? integer(key) : dflt;
+  }
+  std::optional<int64_t> optional_integer(const std::string& key) const {
+    return has(key) ? std::optional<int64_t>(integer(key)) : std::nullopt;
+  }
+  double number(const std::string& key) const {
+    if (!has(key)) error(key, "missing");
+    return as_number(key);
+  }
+  double number(const std::string& key, double dflt) const { return has(key) ? number(key) : dflt; }
+  std::optional<double> optional_number(const std::string& key) const {
+    return has(key) ? std::optional<double>(number(key)) : std::nullopt;
+  }
+  bool boolean(const std::string& key, bool dflt) const {
+    if (!has(key)) return dflt;
+    const auto& v = obj_[key];
+    if (!v.is_boolean()) type_error(key, "true or false", v);
+    return v.get<bool>();
+  }
+  std::string string(const std::string& key, const std::string& dflt) const {
+    if (!has(key)) return dflt;
+    const auto& v = obj_[key];
+    if (!v.is_string()) type_error(key, "a string", v);
+    return v.get<std::string>();
+  }
+  // A nested object, for reading its fields; throws if present but not an object.
+  std::optional<JsonFields> object(const std::string& key) const {
+    if (!has(key)) return std::nullopt;
+    const auto& v = obj_[key];
+    if (!v.is_object()) type_error(key, "an object", v);
+    return JsonFields(v, where_ + ": " + key);
+  }
+
+  [[noreturn]] void error(const std::string& key, const std::string& msg) const {
+    throw std::runtime_error(where_ + ": field '" + key + "': " + msg);
+  }
+  [[noreturn]] void type_error(const std::string& key, const std::string& expected,
+                               const nlohmann::json& got) const {
+    error(key, "expected " + expected + ", got " + std::string(got.type_name()) + " " +
+                   got.dump().substr(0, 60));
+  }
+
+ private:
+  int64_t as_int(const std::string& key) const {
+    const auto& v = obj_[key];
+    if (v.is_number_integer()) return v.get<int64_t>();
+    if (v.is_number_float() && v.get<double>() == double(int64_t(v.get<double>())))
+      return int64_t(v.get<double>());
+    type_error(key, "an integer", v);
+  }
+  double as_number(const std::string& key) const {
+    const auto& v = obj_[key];
+    if (!v.is_number()) type_error(key, "a number", v);
+    return v.get<double>();
+  }
+
+  const nlohmann::json& obj_;
+  std::string where_;
+};
+
+}  // namespace clshard

@@ -1,0 +1,63 @@
+// What the engine sees of a model: one forward step over a ragged batch with a paged KV cache.
+// runtime/ knows no model; models/registry.cpp maps a checkpoint's architecture to its class.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "runtime/step.h"
+
+namespace clshard {
+
+class Device;
+
+struct ModelInfo {
+  std::string architecture;  // config.json architectures[0]
+  uint32_t vocab_size = 0;
+  uint32_t hidden_size = 0;
+  uint32_t num_layers = 0;
+  uint32_t max_seq_len = 0;
+  std::vector<int32_t> eos_token_ids;
+  std::optional<int32_t> bos_token_id;
+  uint64_t weight_bytes = 0;
+};
+
+class CausalLM {
+ public:
+  virtual ~CausalLM() = default;
+  virtual const ModelInfo& info() const = 0;
+  // Bytes one token's KV takes over all layers (sizes the page pool).
+  virtual uint64_t kv_bytes_per_token() const = 0;
+  // (Re)allocates the paged KV cache: num_pages pages of page_size tokens plus the null page.
+  virtual void allocate_kv_cache(uint32_t num_pages, uint32_t page_size) = 0;
+  virtual uint32_t kv_num_pages() const = 0;
+  virtual uint32_t kv_page_size() const = 0;
+  // One step: writes the new tokens' KV, returns logits for the positions the step asks for.
+  virtual StepOutputs forward(const StepInputs& step) = 0;
+  // The devices the model runs on (logits land on the first).
+  virtual std::vector<Device*> devices() const = 0;
+};
+
+struct LoadOptions {
+  std::vector<Device*> devices;      // one for now; several with parallel/
+  std::optional<uint32_t> max_length;  // caps max_position_embeddings
+};
+
+// Defined in models/registry.cpp: reads config.json, picks the architecture, loads the weights.
+std::unique_ptr<CausalLM> load_model(const std::filesystem::path& dir, const LoadOptions& opts);
+
+struct MakeModelOptions {
+  std::string dtype = "f32";  // f32 | bf16 (| fp8 for DeepSeek)
+  uint64_t seed = 0;
+};
+// Defined in models/registry.cpp: writes a random checkpoint of a named preset in exact Hugging
+// Face layout. Returns the preset names when `preset` is unknown (in the error).
+void make_model(const std::string& preset, const std::filesystem::path& out,
+                const MakeModelOptions& opts);
+std::vector<std::string> model_presets();
+
+}  // namespace clshard

@@ -1,0 +1,91 @@
+#include "runtime/ops.h"
+
+#include <stdexcept>
+#include <string>
+
+#include "runtime/device.h"
+
+namespace clshard::ops {
+
+namespace {
+
+// Build option for kernels that read a weight: bf16 is widened in the kernel, f32 read as is.
+std::string weight_option(const Weight& w) {
+  switch (w.dtype) {
+    case DType::F32: return "-DWEIGHT_BF16=0";
+    case DType::BF16: return "-DWEIGHT_BF16=1";
+    default:
+      throw std::runtime_error("weight '" + w.name + "' has dtype " + dtype_name(w.dtype) +
+                               "; this kernel takes F32 or BF16");
+  }
+}
+
+}  // namespace
+
+void linear(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const Weight& w,
+            const Weight* bias, const cl::Mem& y, uint32_t y_off, uint32_t ldy, uint32_t M,
+            float alpha, bool accumulate) {
+  const uint32_t N = uint32_t(w.dim(0)), K = uint32_t(w.dim(1));
+  // Decode-sized batches take a one-row tile (the weights stream once either way); larger ones a
+  // 4x4 tile that reuses each loaded x and W vector four times.
+  const uint32_t tm = M < 4 ? 1 : 4, tn = 4;
+  cl::Kernel k = dev.kernel("linear.cl", "linear",
+                            weight_option(w) + " -DTM=" + std::to_string(tm) +
+                                " -DTN=" + std::to_string(tn));
+  const int has_bias = bias != nullptr;
+  cl::set_args(k, x, x_off, ldx, w.mem, has_bias ? bias->mem : w.mem, has_bias, y, y_off, ldy, M,
+               N, K, alpha, int(accumulate));
+  dev.launch(k, {(N + tn - 1) / tn, (M + tm - 1) / tm, 1}, 2);
+}
+
+void rmsnorm(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const cl::Mem* rows,
+             const Weight& w, const cl::Mem& y, uint32_t y_off, uint32_t ldy, uint32_t R,
+             uint32_t H, float eps) {
+  cl::Kernel k = dev.kernel("norm.cl", "rmsnorm", weight_option(w));
+  const int use_rows = rows != nullptr;
+  cl::set_args(k, x, x_off, ldx, use_rows ? *rows : x, use_rows, w.mem, y, y_off, ldy, H, eps);
+  dev.launch(k, {R, 1, 1}, 1);
+}
+
+void embedding(Device& dev, const cl::Mem& tokens, uint32_t T, const Weight& table,
+               const cl::Mem& y, float multiplier) {
+  cl::Kernel k = dev.kernel("embedding.cl", "embedding", weight_option(table));
+  cl::set_args(k, tokens, table.mem, y, uint32_t(table.dim(1)), uint32_t(table.dim(0)),
+               multiplier);
+  dev.launch(k, {T, 1, 1}, 1);
+}
+
+void silu_mul(Device& dev, const cl::Mem& gate, uint32_t gate_off, uint32_t ldg, const cl::Mem& up,
+              uint32_t up_off, uint32_t ldu, const cl::Mem& y, uint32_t ldy, uint32_t T,
+              uint32_t F) {
+  constexpr uint32_t chunk = 256;  // CHUNK in activation.cl
+  cl::Kernel k = dev.kernel("activation.cl", "silu_mul");
+  cl::set_args(k, gate, gate_off, ldg, up, up_off, ldu, y, ldy, F);
+  dev.launch(k, {T, (F + chunk - 1) / chunk, 1}, 2);
+}
+
+void rope_store_kv(Device& dev, const cl::Mem& qkv, uint32_t ld, uint32_t n_heads,
+                   uint32_t n_kv_heads, uint32_t head_dim, const cl::Mem& inv_freq,
+                   const cl::Mem& inv_freq_long, uint32_t long_from, const StepTokens& st,
+                   const cl::Mem& cache_layer) {
+  cl::Kernel k = dev.kernel("rope.cl", "rope_store_kv");
+  cl::set_args(k, qkv, ld, n_heads, n_kv_heads, head_dim, inv_freq, inv_freq_long, long_from,
+               st.token_row, st.token_pos, st.lookup, st.pages_per_row, st.page_size,
+               cache_layer);
+  dev.launch(k, {st.T, 1, 1}, 1);
+}
+
+void paged_attention(Device& dev, const cl::Mem& q, uint32_t ldq, const cl::Mem& cache_layer,
+                     const StepTokens& st, uint32_t n_heads, uint32_t n_kv_heads,
+                     uint32_t head_dim, float scale, const cl::Mem& out, uint32_t ldo) {
+  if (head_dim % 8 != 0)
+    throw std::runtime_error("paged_attention: head_dim " + std::to_string(head_dim) +
+                             " is not a multiple of 8");
+  cl::Kernel k = dev.kernel("attention.cl", "paged_attention",
+                            "-DHEAD_DIM=" + std::to_string(head_dim));
+  cl::set_args(k, q, ldq, cache_layer, st.token_row, st.token_pos, st.lookup, st.pages_per_row,
+               st.page_size, n_heads, n_kv_heads, scale, out, ldo);
+  dev.launch(k, {st.T, n_heads, 1}, 2);
+}
+
+}  // namespace clshard::ops

@@ -1,0 +1,59 @@
+// The kernels of kernels_cl/ as plain functions: each sets its kernel's arguments and enqueues it
+// on the device's in-order queue (no wait). Buffers are f32 activations unless a Weight.
+#pragma once
+
+#include <cstdint>
+
+#include "runtime/cl.h"
+#include "runtime/tensor.h"
+
+namespace clshard {
+class Device;
+}
+
+namespace clshard::ops {
+
+// y[M, N] (+)= alpha * (x[M, K] W^T + bias). W is [N, K], f32 or bf16. Offsets and row strides
+// are in elements.
+void linear(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const Weight& w,
+            const Weight* bias, const cl::Mem& y, uint32_t y_off, uint32_t ldy, uint32_t M,
+            float alpha = 1.0f, bool accumulate = false);
+
+// y[r] = rmsnorm(x[rows ? rows[r] : r]) * w, for R rows of width H.
+void rmsnorm(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const cl::Mem* rows,
+             const Weight& w, const cl::Mem& y, uint32_t y_off, uint32_t ldy, uint32_t R,
+             uint32_t H, float eps);
+
+// y[t] = table[tokens[t]] * multiplier, T tokens.
+void embedding(Device& dev, const cl::Mem& tokens, uint32_t T, const Weight& table,
+               const cl::Mem& y, float multiplier);
+
+// y[t, :F] = silu(gate[t]) * up[t].
+void silu_mul(Device& dev, const cl::Mem& gate, uint32_t gate_off, uint32_t ldg, const cl::Mem& up,
+              uint32_t up_off, uint32_t ldu, const cl::Mem& y, uint32_t ldy, uint32_t T,
+              uint32_t F);
+
+// Per-token metadata of a step on the device: row index and absolute position of each new token,
+// and the page table.
+struct StepTokens {
+  cl::Mem token_row;  // uint[T]
+  cl::Mem token_pos;  // uint[T]
+  cl::Mem lookup;     // uint[B, pages_per_row]
+  uint32_t T = 0;
+  uint32_t pages_per_row = 0;
+  uint32_t page_size = 0;
+};
+
+// RoPE (half-split) on the queries and keys of qkv [T, (nh + 2 nkv) * hd] in place, and the store
+// of keys and values into one layer's paged cache. Positions >= long_from use inv_freq_long.
+void rope_store_kv(Device& dev, const cl::Mem& qkv, uint32_t ld, uint32_t n_heads,
+                   uint32_t n_kv_heads, uint32_t head_dim, const cl::Mem& inv_freq,
+                   const cl::Mem& inv_freq_long, uint32_t long_from, const StepTokens& st,
+                   const cl::Mem& cache_layer);
+
+// Causal GQA attention of the T new tokens over the paged cache: out[t, h*hd:(h+1)*hd].
+void paged_attention(Device& dev, const cl::Mem& q, uint32_t ldq, const cl::Mem& cache_layer,
+                     const StepTokens& st, uint32_t n_heads, uint32_t n_kv_heads,
+                     uint32_t head_dim, float scale, const cl::Mem& out, uint32_t ldo);
+
+}  // namespace clshard::ops

@@ -1,0 +1,132 @@
+#include "runtime/program_cache.h"
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <stdexcept>
+#include <unistd.h>
+
+#include "runtime/device.h"
+
+namespace clshard {
+
+const std::map<std::string, std::string_view>& embedded_kernels();  // generated
+
+namespace {
+
+uint64_t fnv1a(std::string_view s, uint64_t h = 1469598103934665603ull) {
+  for (unsigned char c : s) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+std::string hex(uint64_t v) {
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+std::string build_log(cl_program p, cl_device_id d) {
+  size_t n = 0;
+  clGetProgramBuildInfo(p, d, CL_PROGRAM_BUILD_LOG, 0, nullptr, &n);
+  std::string log(n, '\0');
+  clGetProgramBuildInfo(p, d, CL_PROGRAM_BUILD_LOG, n, log.data(), nullptr);
+  return log;
+}
+
+void build(cl_program p, cl_device_id d, const std::string& options, const std::string& what) {
+  cl_int err = clBuildProgram(p, 1, &d, options.c_str(), nullptr, nullptr);
+  if (err != CL_SUCCESS) {
+    throw cl::Error(err, "building " + what + " with options '" + options + "':\n" +
+                             build_log(p, d));
+  }
+}
+
+}  // namespace
+
+std::string kernel_source(const std::string& file) {
+  const auto& all = embedded_kernels();
+  auto common = all.find("common.cl");
+  auto it = all.find(file);
+  if (it == all.end()) throw std::runtime_error("no embedded kernel file kernels_cl/" + file);
+  std::string src;
+  if (common != all.end() && file != "common.cl") src.append(common->second);
+  src.append("\n#line 1\n");
+  src.append(it->second);
+  return src;
+}
+
+std::filesystem::path kernel_cache_dir() {
+  if (const char* d = std::getenv("CLSHARD_KERNEL_CACHE"); d && *d) return d;
+  if (const char* x = std::getenv("XDG_CACHE_HOME"); x && *x)
+    return std::filesystem::path(x) / "clshard" / "kernels";
+  if (const char* h = std::getenv("HOME"); h && *h)
+    return std::filesystem::path(h) / ".cache" / "clshard" / "kernels";
+  return std::filesystem::temp_directory_path() / "clshard-kernels";
+}
+
+std::string program_cache_key(const DeviceInfo& info, std::string_view source,
+                              const std::string& options) {
+  std::string id = info.platform + "|" + info.platform_version + "|" + info.name + "|" +
+                   info.driver_version + "|" + options;
+  return hex(fnv1a(id)) + "-" + hex(fnv1a(source));
+}
+
+cl::Program build_program(cl_context ctx, cl_device_id dev, const DeviceInfo& info,
+                          const std::string& file, const std::string& options) {
+  const std::string src = kernel_source(file);
+  const std::string what = "kernels_cl/" + file + " for " + info.name;
+  const auto dir = kernel_cache_dir();
+  const auto path = dir / (file + "-" + program_cache_key(info, src, options) + ".bin");
+
+  std::error_code ec;
+  if (std::filesystem::exists(path, ec)) {
+    std::ifstream in(path, std::ios::binary);
+    std::string bin((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    const unsigned char* bp = reinterpret_cast<const unsigned char*>(bin.data());
+    size_t bn = bin.size();
+    cl_int status = CL_SUCCESS, err = CL_SUCCESS;
+    cl_program p = clCreateProgramWithBinary(ctx, 1, &dev, &bn, &bp, &status, &err);
+    if (err == CL_SUCCESS && status == CL_SUCCESS) {
+      cl::Program prog(p);
+      if (clBuildProgram(p, 1, &dev, options.c_str(), nullptr, nullptr) == CL_SUCCESS) return prog;
+    }
+    // A stale or corrupt binary: fall through and rebuild from source.
+  }
+
+  const char* s = src.c_str();
+  size_t n = src.size();
+  cl_int err = CL_SUCCESS;
+  cl::Program prog(clCreateProgramWithSource(ctx, 1, &s, &n, &err));
+  cl::check(err, "creating program " + what);
+  build(prog.get(), dev, options, what);
+
+  size_t bin_size = 0;
+  if (clGetProgramInfo(prog.get(), CL_PROGRAM_BINARY_SIZES, sizeof bin_size, &bin_size, nullptr) ==
+          CL_SUCCESS &&
+      bin_size > 0) {
+    std::string bin(bin_size, '\0');
+    unsigned char* bp = reinterpret_cast<unsigned char*>(bin.data());
+    if (clGetProgramInfo(prog.get(), CL_PROGRAM_BINARIES, sizeof bp, &bp, nullptr) ==
+        CL_SUCCESS) {
+      std::filesystem::create_directories(dir, ec);
+      // Write then rename, so a concurrent reader never sees half a file.
+      auto tmp = path;
+      tmp += ".tmp" + std::to_string(::getpid());
+      {
+        std::ofstream out(tmp, std::ios::binary);
+        out.write(bin.data(), static_cast<std::streamsize>(bin.size()));
+      }
+      std::filesystem::rename(tmp, path, ec);
+      if (ec) std::filesystem::remove(tmp, ec);
+    }
+  }
+  return prog;
+}
+
+}  // namespace clshard

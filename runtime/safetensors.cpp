@@ -1,0 +1,248 @@
+#include "runtime/safetensors.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <set>
+#include <sstream>
+#include <stdexcept>
+
+namespace clshard {
+
+namespace {
+
+std::string shape_str(const std::vector<int64_t>& s) {
+  std::string o = "[";
+  for (size_t i = 0; i < s.size(); ++i) o += (i ? ", " : "") + std::to_string(s[i]);
+  return o + "]";
+}
+
+[[noreturn]] void fail(const std::filesystem::path& p, const std::string& msg) {
+  throw std::runtime_error(p.string() + ": " + msg);
+}
+
+}  // namespace
+
+int64_t TensorView::numel() const {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+std::string TensorView::describe() const {
+  return name + " " + shape_str(shape) + " " + dtype_name(dtype);
+}
+
+SafetensorsFile::SafetensorsFile(const std::filesystem::path& path) : path_(path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) fail(path, std::string("cannot open: ") + std::strerror(errno));
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    ::close(fd);
+    fail(path, "cannot stat");
+  }
+  map_size_ = size_t(st.st_size);
+  if (map_size_ < 8) {
+    ::close(fd);
+    fail(path, "truncated: " + std::to_string(map_size_) + " bytes, not even the 8-byte header "
+                                                             "length");
+  }
+  map_ = ::mmap(nullptr, map_size_, PROT_READ, MAP_PRIVATE, fd, 0);
+  ::close(fd);
+  if (map_ == MAP_FAILED) {
+    map_ = nullptr;
+    fail(path, std::string("cannot mmap: ") + std::strerror(errno));
+  }
+  const uint8_t* base = static_cast<const uint8_t*>(map_);
+  uint64_t header_len = 0;
+  std::memcpy(&header_len, base, 8);
+  if (header_len > map_size_ - 8 || header_len > (100u << 20))
+    fail(path, "header length " + std::to_string(header_len) + " does not fit in a file of " +
+                   std::to_string(map_size_) + " bytes (truncated or not a safetensors file)");
+  nlohmann::json header;
+  try {
+    header = nlohmann::json::parse(base + 8, base + 8 + header_len);
+  } catch (const std::exception& e) {
+    fail(path, std::string("header is not valid JSON: ") + e.what());
+  }
+  if (!header.is_object()) fail(path, "header is not a JSON object");
+  const uint8_t* data = base + 8 + header_len;
+  const size_t data_size = map_size_ - 8 - header_len;
+
+  std::vector<std::pair<uint64_t, const TensorView*>> spans;
+  for (auto& [name, entry] : header.items()) {
+    if (name == "__metadata__") {
+      if (entry.is_object())
+        for (auto& [k, v] : entry.items())
+          if (v.is_string()) metadata_[k] = v.get<std::string>();
+      continue;
+    }
+    const std::string where = "tensor '" + name + "'";
+    if (!entry.is_object() || !entry.contains("dtype") || !entry.contains("shape") ||
+        !entry.contains("data_offsets"))
+      fail(path, where + ": expected an object with dtype, shape and data_offsets");
+    if (!entry["dtype"].is_string()) fail(path, where + ": dtype is not a string");
+    auto dt = dtype_from_name(entry["dtype"].get<std::string>());
+    if (!dt) fail(path, where + ": unknown dtype '" + entry["dtype"].get<std::string>() + "'");
+    TensorView v;
+    v.name = name;
+    v.dtype = *dt;
+    if (!entry["shape"].is_array()) fail(path, where + ": shape is not an array");
+    for (auto& d : entry["shape"]) {
+      if (!d.is_number_integer() || d.get<int64_t>() < 0)
+        fail(path, where + ": shape holds a non-integer or negative dimension");
+      v.shape.push_back(d.get<int64_t>());
+    }
+    auto& off = entry["data_offsets"];
+    if (!off.is_array() || off.size() != 2 || !off[0].is_number_unsigned() ||
+        !off[1].is_number_unsigned())
+      fail(path, where + ": data_offsets must be two non-negative integers");
+    uint64_t begin = off[0].get<uint64_t>(), end = off[1].get<uint64_t>();
+    if (end < begin || end > data_size)
+      fail(path, where + ": data_offsets [" + std::to_string(begin) + ", " + std::to_string(end) +
+                     "] fall outside the data section of " + std::to_string(data_size) +
+                     " bytes (truncated file?)");
+    const uint64_t expect = uint64_t(v.numel()) * dtype_size(v.dtype);
+    if (end - begin != expect)
+      fail(path, where + ": shape " + shape_str(v.shape) + " x " + dtype_name(v.dtype) + " is " +
+                     std::to_string(expect) + " bytes but data_offsets span " +
+                     std::to_string(end - begin));
+    v.data = data + begin;
+    v.bytes = end - begin;
+    v.file = &path_;
+    auto [it, inserted] = tensors_.emplace(name, std::move(v));
+    spans.emplace_back(begin, &it->second);
+  }
+  std::sort(spans.begin(), spans.end(),
+            [](const auto& a, const auto& b) { return a.first < b.first; });
+  for (size_t i = 1; i < spans.size(); ++i) {
+    const TensorView* prev = spans[i - 1].second;
+    if (spans[i - 1].first + prev->bytes > spans[i].first)
+      fail(path, "tensors '" + prev->name + "' and '" + spans[i].second->name + "' overlap");
+  }
+}
+
+SafetensorsFile::~SafetensorsFile() {
+  if (map_) ::munmap(map_, map_size_);
+}
+
+nlohmann::json read_json_file(const std::filesystem::path& path) {
+  std::ifstream in(path);
+  if (!in) throw std::runtime_error(path.string() + ": cannot open (missing file?)");
+  try {
+    return nlohmann::json::parse(in);
+  } catch (const nlohmann::json::parse_error& e) {
+    throw std::runtime_error(path.string() + ": not valid JSON: " + e.what());
+  }
+}
+
+WeightStore::WeightStore(const std::filesystem::path& dir) : dir_(dir) {
+  namespace fs = std::filesystem;
+  if (!fs::is_directory(dir)) throw std::runtime_error(dir.string() + ": not a directory");
+  std::vector<fs::path> shards;
+  const fs::path index = dir / "model.safetensors.index.json";
+  if (fs::exists(dir / "model.safetensors")) {
+    shards.push_back(dir / "model.safetensors");
+  } else if (fs::exists(index)) {
+    auto j = read_json_file(index);
+    if (!j.contains("weight_map") || !j["weight_map"].is_object())
+      throw std::runtime_error(index.string() + ": expected a weight_map object");
+    std::set<std::string> names;
+    for (auto& [tensor, file] : j["weight_map"].items()) {
+      if (!file.is_string())
+        throw std::runtime_error(index.string() + ": weight_map['" + tensor + "'] is not a string");
+      names.insert(file.get<std::string>());
+    }
+    for (const auto& n : names) shards.push_back(dir / n);
+    for (const auto& s : shards)
+      if (!fs::exists(s))
+        throw std::runtime_error(index.string() + " names shard " + s.filename().string() +
+                                 ", which is missing");
+  } else {
+    for (const auto& e : fs::directory_iterator(dir))
+      if (e.path().extension() == ".safetensors") shards.push_back(e.path());
+    std::sort(shards.begin(), shards.end());
+  }
+  if (shards.empty())
+    throw std::runtime_error(dir.string() + ": no model.safetensors, no "
+                                            "model.safetensors.index.json and no *.safetensors");
+  for (const auto& s : shards) {
+    files_.push_back(std::make_unique<SafetensorsFile>(s));
+    for (const auto& [name, view] : files_.back()->tensors()) {
+      if (index_.count(name))
+        throw std::runtime_error(dir.string() + ": tensor '" + name + "' appears in " +
+                                 index_[name]->file->filename().string() + " and " +
+                                 s.filename().string());
+      index_[name] = &view;
+    }
+  }
+}
+
+const TensorView& WeightStore::get(const std::string& name) const {
+  auto it = index_.find(name);
+  if (it == index_.end())
+    throw std::runtime_error("missing tensor '" + name + "' in " + dir_.string());
+  return *it->second;
+}
+
+const TensorView& WeightStore::expect(const std::string& name, const std::vector<int64_t>& shape,
+                                      const std::vector<DType>& dtypes) const {
+  const TensorView& v = get(name);
+  if (std::find(dtypes.begin(), dtypes.end(), v.dtype) == dtypes.end()) {
+    std::string want;
+    for (size_t i = 0; i < dtypes.size(); ++i) want += (i ? " or " : "") + std::string(dtype_name(dtypes[i]));
+    throw std::runtime_error(v.file->string() + ": tensor '" + name + "' has dtype " +
+                             dtype_name(v.dtype) + ", expected " + want);
+  }
+  if (v.shape != shape)
+    throw std::runtime_error(v.file->string() + ": tensor '" + name + "' has shape " +
+                             shape_str(v.shape) + ", expected " + shape_str(shape));
+  return v;
+}
+
+std::vector<std::string> WeightStore::names() const {
+  std::vector<std::string> n;
+  for (const auto& [k, v] : index_) n.push_back(k);
+  return n;
+}
+
+uint64_t WeightStore::total_bytes() const {
+  uint64_t b = 0;
+  for (const auto& [k, v] : index_) b += v->bytes;
+  return b;
+}
+
+void write_safetensors(const std::filesystem::path& path, const std::vector<TensorToWrite>& tensors,
+                       const std::map<std::string, std::string>& metadata) {
+  nlohmann::ordered_json header;
+  if (!metadata.empty()) header["__metadata__"] = metadata;
+  uint64_t offset = 0;
+  for (const auto& t : tensors) {
+    int64_t n = 1;
+    for (int64_t d : t.shape) n *= d;
+    if (uint64_t(n) * dtype_size(t.dtype) != t.data.size())
+      throw std::logic_error("write_safetensors: " + t.name + " has the wrong byte count");
+    header[t.name] = {{"dtype", dtype_name(t.dtype)},
+                      {"shape", t.shape},
+                      {"data_offsets", {offset, offset + t.data.size()}}};
+    offset += t.data.size();
+  }
+  std::string h = header.dump();
+  while ((8 + h.size()) % 8) h.push_back(' ');  // keep the data section 8-byte aligned
+  std::ofstream out(path, std::ios::binary);
+  if (!out) throw std::runtime_error(path.string() + ": cannot write");
+  uint64_t len = h.size();
+  out.write(reinterpret_cast<const char*>(&len), 8);
+  out.write(h.data(), std::streamsize(h.size()));
+  for (const auto& t : tensors)
+    out.write(reinterpret_cast<const char*>(t.data.data()), std::streamsize(t.data.size()));
+  if (!out) throw std::runtime_error(path.string() + ": write failed (disk full?)");
+}
+
+}  // namespace clshard

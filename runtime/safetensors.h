@@ -1,0 +1,88 @@
+// Safetensors checkpoints: single files and sharded directories, memory-mapped and validated.
+// A tensor is a view into the mapping; nothing is copied when it is read.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "runtime/dtype.h"
+
+namespace clshard {
+
+struct TensorView {
+  std::string name;
+  DType dtype = DType::F32;
+  std::vector<int64_t> shape;
+  const uint8_t* data = nullptr;
+  size_t bytes = 0;
+  const std::filesystem::path* file = nullptr;  // owned by the SafetensorsFile
+
+  int64_t numel() const;
+  int64_t dim(size_t i) const { return shape.at(i); }
+  std::string describe() const;  // "name [a, b] BF16"
+};
+
+// One mmapped .safetensors file. Validation on open: header length inside the file, header JSON,
+// dtype names, shape x dtype size == byte span, spans inside the data section and not overlapping.
+class SafetensorsFile {
+ public:
+  explicit SafetensorsFile(const std::filesystem::path& path);
+  ~SafetensorsFile();
+  SafetensorsFile(const SafetensorsFile&) = delete;
+  SafetensorsFile& operator=(const SafetensorsFile&) = delete;
+
+  const std::map<std::string, TensorView>& tensors() const { return tensors_; }
+  const std::map<std::string, std::string>& metadata() const { return metadata_; }
+  const std::filesystem::path& path() const { return path_; }
+
+ private:
+  std::filesystem::path path_;
+  void* map_ = nullptr;
+  size_t map_size_ = 0;
+  std::map<std::string, TensorView> tensors_;
+  std::map<std::string, std::string> metadata_;
+};
+
+// All the weights of a checkpoint directory: model.safetensors, or the shards named by
+// model.safetensors.index.json, or else every *.safetensors file in the directory.
+class WeightStore {
+ public:
+  explicit WeightStore(const std::filesystem::path& dir);
+
+  bool has(const std::string& name) const { return index_.count(name) != 0; }
+  // Throws "missing tensor NAME in DIR" when absent.
+  const TensorView& get(const std::string& name) const;
+  // get() plus checks: dtype among `dtypes`, and shape equal to `shape`; errors name the tensor,
+  // the file, what was found and what was expected.
+  const TensorView& expect(const std::string& name, const std::vector<int64_t>& shape,
+                           const std::vector<DType>& dtypes) const;
+  std::vector<std::string> names() const;
+  const std::filesystem::path& dir() const { return dir_; }
+  uint64_t total_bytes() const;
+
+ private:
+  std::filesystem::path dir_;
+  std::vector<std::unique_ptr<SafetensorsFile>> files_;
+  std::map<std::string, const TensorView*> index_;
+};
+
+// One tensor to write. `data` must hold numel x dtype_size bytes.
+struct TensorToWrite {
+  std::string name;
+  DType dtype;
+  std::vector<int64_t> shape;
+  std::vector<uint8_t> data;
+};
+void write_safetensors(const std::filesystem::path& path, const std::vector<TensorToWrite>& tensors,
+                       const std::map<std::string, std::string>& metadata = {});
+
+// Reads a JSON file with errors that name it.
+nlohmann::json read_json_file(const std::filesystem::path& path);
+
+}  // namespace clshard

@@ -1,0 +1,54 @@
+// The inputs of one forward step, the same for every model: a ragged batch of rows (requests),
+// each with its new tokens, the length of what its KV cache already holds, and its page table.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "runtime/cl.h"
+
+namespace clshard {
+
+// Which positions get logits (as MAX's ReturnLogits).
+enum class ReturnLogits {
+  LastToken,  // one row per request: its last new token
+  All,        // every new token
+  Variable,   // the last `return_n_logits` tokens of each request (speculative verification)
+};
+
+struct StepInputs {
+  std::vector<int32_t> tokens;              // [T] the new tokens of every row, concatenated
+  std::vector<uint32_t> input_row_offsets;  // [B+1] prefix sums of the rows' token counts
+  std::vector<uint32_t> cache_lengths;      // [B] tokens already in each row's KV cache
+  // [B, pages_per_row] page ids; position p of row b lives in page lookup_table[b][p / page_size]
+  // at slot p % page_size. Unused entries hold the pool's null page.
+  std::vector<uint32_t> lookup_table;
+  uint32_t pages_per_row = 0;
+  ReturnLogits return_logits = ReturnLogits::LastToken;
+  uint32_t return_n_logits = 1;  // for Variable
+
+  size_t num_rows() const { return input_row_offsets.empty() ? 0 : input_row_offsets.size() - 1; }
+  size_t num_tokens() const { return tokens.size(); }
+  uint32_t row_length(size_t b) const { return input_row_offsets[b + 1] - input_row_offsets[b]; }
+  // The token indices (into `tokens`) whose logits this step returns, in output order.
+  std::vector<uint32_t> logit_token_indices() const;
+  // Throws std::invalid_argument naming the first inconsistency (offsets, table size, lengths).
+  void validate(uint32_t page_size, uint32_t num_pages) const;
+};
+
+class Device;
+
+// What a step returns: f32 logits [rows, vocab] on `device` (where sampling runs), in the order of
+// logit_token_indices(), and per request the range of its rows: [logit_offsets[b],
+// logit_offsets[b+1]).
+struct StepOutputs {
+  Device* device = nullptr;
+  cl::Mem logits;  // rows * vocab floats
+  uint32_t rows = 0;
+  uint32_t vocab = 0;
+  std::vector<uint32_t> logit_offsets;
+  std::vector<float> read_logits() const;  // copies the logits to the host
+};
+
+}  // namespace clshard

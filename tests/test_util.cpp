@@ -1,0 +1,97 @@
+#include "tests/test_util.h"
+
+#include <sys/wait.h>
+
+#include <array>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <memory>
+#include <stdexcept>
+
+#include "runtime/device_manager.h"
+
+#ifndef CLSHARD_SOURCE_DIR
+#define CLSHARD_SOURCE_DIR "."
+#endif
+#ifndef CLSHARD_BINARY_DIR
+#define CLSHARD_BINARY_DIR "."
+#endif
+
+namespace clshard::test {
+
+std::filesystem::path shared_dir() {
+  if (const char* d = std::getenv("CLSHARD_SHARED_DIR"); d && *d) return d;
+  return std::filesystem::path(CLSHARD_SOURCE_DIR) / ".." / "shared";
+}
+std::filesystem::path reference_dir() { return shared_dir() / "reference"; }
+std::filesystem::path tokenizers_dir() { return shared_dir() / "tokenizers"; }
+
+const nlohmann::json& reference_index() {
+  static const nlohmann::json index = [] {
+    std::ifstream in(reference_dir() / "index.json");
+    if (!in) throw std::runtime_error("cannot open " + (reference_dir() / "index.json").string());
+    return nlohmann::json::parse(in);
+  }();
+  return index;
+}
+
+std::filesystem::path temp_dir(const std::string& name) {
+  auto p = std::filesystem::path(CLSHARD_BINARY_DIR) / "test-tmp" / name;
+  std::filesystem::remove_all(p);
+  std::filesystem::create_directories(p);
+  return p;
+}
+
+std::vector<float> read_f32(const std::filesystem::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  if (!in) throw std::runtime_error("cannot open " + p.string());
+  in.seekg(0, std::ios::end);
+  std::vector<float> v(size_t(in.tellg()) / sizeof(float));
+  in.seekg(0);
+  in.read(reinterpret_cast<char*>(v.data()), std::streamsize(v.size() * sizeof(float)));
+  return v;
+}
+
+Device& default_device() {
+  static DeviceManager manager(DeviceSelection{});
+  return manager[0];
+}
+
+namespace {
+std::string slurp(const std::filesystem::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+std::string quote(const std::string& s) {
+  std::string q = "'";
+  for (char c : s) {
+    if (c == '\'') q += "'\\''";
+    else q += c;
+  }
+  return q + "'";
+}
+}  // namespace
+
+int run_clshard(const std::vector<std::string>& args, std::string* out, std::string* err) {
+#ifdef CLSHARD_EXE
+  std::string cmd = quote(CLSHARD_EXE);
+#else
+  std::string cmd = "clshard";
+#endif
+  for (const auto& a : args) cmd += " " + quote(a);
+  static int counter = 0;
+  auto dir = std::filesystem::path(CLSHARD_BINARY_DIR) / "test-tmp";
+  std::filesystem::create_directories(dir);
+  auto o = dir / ("run" + std::to_string(::getpid()) + "_" + std::to_string(counter) + ".out");
+  auto e = dir / ("run" + std::to_string(::getpid()) + "_" + std::to_string(counter++) + ".err");
+  cmd += " >" + quote(o.string()) + " 2>" + quote(e.string()) + " </dev/null";
+  int status = std::system(cmd.c_str());
+  if (out) *out = slurp(o);
+  if (err) *err = slurp(e);
+  std::filesystem::remove(o);
+  std::filesystem::remove(e);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+}  // namespace clshard::test
