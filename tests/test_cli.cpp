@@ -1,0 +1,107 @@
+// The command line as a user drives it: the stable `logits` interface checked against the
+// reference, make-model, generate, devices, and errors with exit codes.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+
+#include "runtime/safetensors.h"
+#include "tests/test_util.h"
+
+namespace clshard {
+namespace {
+
+std::string join(const std::vector<int32_t>& v) {
+  std::string s;
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? "," : "") + std::to_string(v[i]);
+  return s;
+}
+
+TEST(Cli, DevicesListsTheCpuDevice) {
+  std::string out, err;
+  ASSERT_EQ(test::run_clshard({"devices"}, &out, &err), 0) << err;
+  EXPECT_NE(out.find("type:           cpu"), std::string::npos) << out;
+  EXPECT_NE(out.find("compute units:"), std::string::npos);
+  EXPECT_NE(out.find("locality:       NUMA node(s)"), std::string::npos);
+}
+
+// `clshard logits` writes raw f32 logits per sequence that match Meta's reference.
+TEST(Cli, LogitsCommandMatchesReference) {
+  auto manifest_path = test::reference_dir() / "cases" / "llama3-tiny-bf16.short" / "manifest.json";
+  auto manifest = nlohmann::json::parse(std::ifstream(manifest_path));
+  auto out_dir = test::temp_dir("cli_logits");
+  std::vector<std::string> args = {"logits", "--model",
+                                   (test::reference_dir() / "ckpt" / "llama3-tiny-bf16").string(),
+                                   "--out", out_dir.string(), "--page-size", "16"};
+  for (const auto& s : manifest["sequences"]) {
+    args.push_back("--tokens");
+    args.push_back(join(s["sequence"].get<std::vector<int32_t>>()));
+  }
+  std::string out, err;
+  ASSERT_EQ(test::run_clshard(args, &out, &err), 0) << err;
+  auto written = read_json_file(out_dir / "manifest.json");
+  ASSERT_EQ(written["sequences"].size(), manifest["sequences"].size());
+  for (size_t i = 0; i < manifest["sequences"].size(); ++i) {
+    const auto& ref = manifest["sequences"][i];
+    auto want = test::read_f32(manifest_path.parent_path() / ref["logits_raw"].get<std::string>());
+    auto got = test::read_f32(out_dir / written["sequences"][i]["file"].get<std::string>());
+    ASSERT_EQ(got.size(), want.size());
+    EXPECT_EQ(written["sequences"][i]["shape"][1].get<int>(), 512);
+    float worst = 0;
+    for (size_t j = 0; j < got.size(); ++j) worst = std::max(worst, std::abs(got[j] - want[j]));
+    EXPECT_LT(worst, 1e-3f) << "sequence " << i;
+  }
+}
+
+TEST(Cli, MakeModelThenGenerateIsDeterministic) {
+  auto dir = test::temp_dir("cli_make_model");
+  std::string out, err;
+  ASSERT_EQ(test::run_clshard({"make-model", "--preset", "llama3-tiny", "--out", dir.string(),
+                               "--dtype", "bf16", "--seed", "7"},
+                              &out, &err),
+            0)
+      << err;
+  for (const char* f : {"config.json", "generation_config.json", "model.safetensors",
+                        "tokenizer.json", "tokenizer_config.json"})
+    EXPECT_TRUE(std::filesystem::exists(dir / f)) << f;
+  WeightStore w(dir);
+  EXPECT_EQ(w.get("model.embed_tokens.weight").shape, (std::vector<int64_t>{512, 128}));
+  EXPECT_EQ(w.get("model.embed_tokens.weight").dtype, DType::BF16);
+  auto tok = read_json_file(dir / "tokenizer.json");
+  EXPECT_EQ(tok["model"]["vocab"].size() + tok["added_tokens"].size(), 512u);
+
+  std::string a, b;
+  ASSERT_EQ(test::run_clshard({"generate", "--model", dir.string(), "--tokens", "1,2,3",
+                               "--max-new-tokens", "6"},
+                              &a, &err),
+            0)
+      << err;
+  ASSERT_EQ(test::run_clshard({"generate", "--model", dir.string(), "--tokens", "1,2,3",
+                               "--max-new-tokens", "6"},
+                              &b, &err),
+            0);
+  EXPECT_EQ(a, b);
+  EXPECT_EQ(std::count(a.begin(), a.end(), ','), 5) << a;
+}
+
+TEST(Cli, ErrorsAreClearAndExitNonZero) {
+  std::string out, err;
+  EXPECT_EQ(test::run_clshard({"generate", "--model", "/nonexistent", "--tokens", "1,2"}, &out,
+                              &err),
+            1);
+  EXPECT_NE(err.find("/nonexistent: model directory not found"), std::string::npos) << err;
+  auto ref = (test::reference_dir() / "ckpt" / "llama3-tiny-f32").string();
+  EXPECT_EQ(test::run_clshard({"generate", "--model", ref, "--tokens", "1,x,2"}, &out, &err), 1);
+  EXPECT_NE(err.find("--tokens: 'x' is not a token id"), std::string::npos) << err;
+  EXPECT_EQ(test::run_clshard({"generate", "--model", ref, "--tokens", "1,600"}, &out, &err), 1);
+  EXPECT_NE(err.find("token 600 at index 1 is outside the vocabulary of 512"), std::string::npos)
+      << err;
+  EXPECT_EQ(test::run_clshard({"make-model", "--preset", "nope", "--out", "/tmp/x"}, &out, &err),
+            1);
+  EXPECT_NE(err.find("unknown preset 'nope'"), std::string::npos) << err;
+  EXPECT_NE(test::run_clshard({"frobnicate"}, &out, &err), 0);
+}
+
+}  // namespace
+}  // namespace clshard

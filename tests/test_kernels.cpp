@@ -1,0 +1,273 @@
+// Each kernel against plain C++ on random inputs, odd sizes included.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+
+#include "runtime/device.h"
+#include "runtime/ops.h"
+#include "tests/test_util.h"
+
+namespace clshard {
+namespace {
+
+std::vector<float> random_vec(size_t n, uint32_t seed, float scale = 1.0f) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> d(-scale, scale);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+
+cl::Mem upload(Device& dev, const std::vector<float>& v) {
+  cl::Mem m = dev.alloc(v.size() * 4);
+  dev.write(m, v.data(), v.size() * 4);
+  return m;
+}
+
+std::vector<float> download(Device& dev, const cl::Mem& m, size_t n) {
+  std::vector<float> v(n);
+  dev.read(m, v.data(), n * 4);
+  return v;
+}
+
+// A weight in the given dtype, and the f32 values the kernel must see (bf16-rounded).
+Weight make_weight(Device& dev, std::vector<float>& values, std::vector<int64_t> shape, DType dt) {
+  Weight w;
+  w.dtype = dt;
+  w.shape = shape;
+  w.name = "test";
+  if (dt == DType::BF16) {
+    std::vector<uint16_t> b(values.size());
+    for (size_t i = 0; i < values.size(); ++i) {
+      b[i] = f32_to_bf16(values[i]);
+      values[i] = bf16_to_f32(b[i]);
+    }
+    w.mem = dev.alloc(b.size() * 2);
+    dev.write(w.mem, b.data(), b.size() * 2);
+  } else {
+    w.mem = upload(dev, values);
+  }
+  return w;
+}
+
+struct LinearCase {
+  uint32_t M, N, K;
+  DType dt;
+};
+
+class LinearKernel : public ::testing::TestWithParam<LinearCase> {};
+
+TEST_P(LinearKernel, MatchesCpp) {
+  const auto [M, N, K, dt] = GetParam();
+  Device& dev = test::default_device();
+  auto x = random_vec(size_t(M) * K, 1);
+  auto wv = random_vec(size_t(N) * K, 2);
+  auto bv = random_vec(N, 3);
+  auto y0 = random_vec(size_t(M) * N, 4);
+  Weight w = make_weight(dev, wv, {N, K}, dt);
+  Weight b = make_weight(dev, bv, {N}, dt);
+  cl::Mem xm = upload(dev, x);
+  // Plain product with bias.
+  cl::Mem ym = dev.alloc(size_t(M) * N * 4);
+  ops::linear(dev, xm, 0, K, w, &b, ym, 0, N, M, 0.5f, false);
+  // Accumulating into an existing y without bias.
+  cl::Mem ya = upload(dev, y0);
+  ops::linear(dev, xm, 0, K, w, nullptr, ya, 0, N, M, 2.0f, true);
+  auto y = download(dev, ym, size_t(M) * N);
+  auto yacc = download(dev, ya, size_t(M) * N);
+  double worst = 0;
+  for (uint32_t m = 0; m < M; ++m)
+    for (uint32_t n = 0; n < N; ++n) {
+      double dot = 0;
+      for (uint32_t k = 0; k < K; ++k) dot += double(x[m * K + k]) * wv[n * K + k];
+      const double tol = 1e-5 * std::sqrt(double(K)) * 4;
+      worst = std::max(worst, std::abs(y[m * N + n] - 0.5 * (dot + bv[n])));
+      ASSERT_NEAR(y[m * N + n], 0.5 * (dot + bv[n]), tol) << m << "," << n;
+      ASSERT_NEAR(yacc[m * N + n], y0[m * N + n] + 2.0 * dot, 2 * tol) << m << "," << n;
+    }
+  RecordProperty("max_abs_err", std::to_string(worst));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, LinearKernel,
+    ::testing::Values(LinearCase{1, 1, 1, DType::F32}, LinearCase{1, 37, 100, DType::F32},
+                      LinearCase{3, 64, 64, DType::F32}, LinearCase{4, 5, 17, DType::F32},
+                      LinearCase{7, 33, 129, DType::F32}, LinearCase{65, 130, 48, DType::F32},
+                      LinearCase{1, 37, 100, DType::BF16}, LinearCase{5, 67, 257, DType::BF16},
+                      LinearCase{64, 128, 64, DType::BF16}));
+
+// A strided view: x rows inside a wider buffer at an offset, y written into a column block.
+TEST(LinearKernel, OffsetsAndStrides) {
+  Device& dev = test::default_device();
+  const uint32_t M = 6, N = 10, K = 20, ldx = 31, xoff = 5, ldy = 25, yoff = 7;
+  auto xbig = random_vec(size_t(M) * ldx + xoff, 7);
+  auto wv = random_vec(size_t(N) * K, 8);
+  Weight w = make_weight(dev, wv, {N, K}, DType::F32);
+  cl::Mem xm = upload(dev, xbig);
+  std::vector<float> ybig(size_t(M) * ldy + yoff, -7.0f);
+  cl::Mem ym = upload(dev, ybig);
+  ops::linear(dev, xm, xoff, ldx, w, nullptr, ym, yoff, ldy, M);
+  auto y = download(dev, ym, ybig.size());
+  for (uint32_t m = 0; m < M; ++m)
+    for (uint32_t c = 0; c < ldy; ++c) {
+      const size_t idx = yoff + size_t(m) * ldy + c;
+      if (c < N) {
+        double dot = 0;
+        for (uint32_t k = 0; k < K; ++k) dot += double(xbig[xoff + m * ldx + k]) * wv[c * K + k];
+        EXPECT_NEAR(y[idx], dot, 1e-4);
+      } else if (idx < y.size()) {
+        EXPECT_EQ(y[idx], -7.0f) << "wrote outside the column block";
+      }
+    }
+  EXPECT_EQ(y[0], -7.0f);
+}
+
+TEST(NormKernel, RmsNormWithAndWithoutGather) {
+  Device& dev = test::default_device();
+  const uint32_t R = 5, H = 77;
+  auto x = random_vec(size_t(R) * H, 11, 3.0f);
+  auto wv = random_vec(H, 12);
+  for (DType dt : {DType::F32, DType::BF16}) {
+    auto wcopy = wv;
+    Weight w = make_weight(dev, wcopy, {H}, dt);
+    cl::Mem xm = upload(dev, x), ym = dev.alloc(size_t(R) * H * 4);
+    std::vector<uint32_t> rows = {4, 0, 2};
+    cl::Mem rm = dev.alloc(rows.size() * 4);
+    dev.write(rm, rows.data(), rows.size() * 4);
+    ops::rmsnorm(dev, xm, 0, H, nullptr, w, ym, 0, H, R, H, 1e-5f);
+    auto y = download(dev, ym, size_t(R) * H);
+    ops::rmsnorm(dev, xm, 0, H, &rm, w, ym, 0, H, 3, H, 1e-5f);
+    auto yg = download(dev, ym, size_t(3) * H);
+    for (uint32_t r = 0; r < R; ++r) {
+      double ss = 0;
+      for (uint32_t i = 0; i < H; ++i) ss += double(x[r * H + i]) * x[r * H + i];
+      const double inv = 1.0 / std::sqrt(ss / H + 1e-5);
+      for (uint32_t i = 0; i < H; ++i) {
+        const double want = x[r * H + i] * inv * wcopy[i];
+        ASSERT_NEAR(y[r * H + i], want, 1e-5);
+        for (size_t g = 0; g < rows.size(); ++g)
+          if (rows[g] == r) ASSERT_NEAR(yg[g * H + i], want, 1e-5);
+      }
+    }
+  }
+}
+
+TEST(EmbeddingKernel, LooksUpAndScales) {
+  Device& dev = test::default_device();
+  const uint32_t V = 13, H = 9;
+  auto table = random_vec(size_t(V) * H, 21);
+  Weight w = make_weight(dev, table, {V, H}, DType::BF16);
+  std::vector<int32_t> toks = {12, 0, 5, 5};
+  cl::Mem tm = dev.alloc(toks.size() * 4), ym = dev.alloc(toks.size() * H * 4);
+  dev.write(tm, toks.data(), toks.size() * 4);
+  ops::embedding(dev, tm, uint32_t(toks.size()), w, ym, 2.5f);
+  auto y = download(dev, ym, toks.size() * H);
+  for (size_t t = 0; t < toks.size(); ++t)
+    for (uint32_t i = 0; i < H; ++i) EXPECT_FLOAT_EQ(y[t * H + i], 2.5f * table[toks[t] * H + i]);
+}
+
+TEST(ActivationKernel, SiluMulOverStackedGateUp) {
+  Device& dev = test::default_device();
+  const uint32_t T = 3, F = 300;  // F over one 256-column chunk
+  auto gu = random_vec(size_t(T) * 2 * F, 31, 4.0f);
+  cl::Mem m = upload(dev, gu);
+  ops::silu_mul(dev, m, 0, 2 * F, m, F, 2 * F, m, 2 * F, T, F);
+  auto y = download(dev, m, gu.size());
+  for (uint32_t t = 0; t < T; ++t)
+    for (uint32_t i = 0; i < F; ++i) {
+      const double g = gu[t * 2 * F + i], u = gu[t * 2 * F + F + i];
+      EXPECT_NEAR(y[t * 2 * F + i], g / (1 + std::exp(-g)) * u, 1e-5);
+    }
+}
+
+// RoPE + KV store + paged attention against a direct C++ computation, two rows with different
+// cached lengths, pages scattered in the pool (not in order).
+TEST(AttentionKernels, RopeStoreAndPagedAttentionMatchCpp) {
+  Device& dev = test::default_device();
+  const uint32_t nh = 4, nkv = 2, hd = 16, page = 16, npages = 8;
+  const uint32_t ld = (nh + 2 * nkv) * hd;
+  // Row 0: 20 cached tokens + 3 new; row 1: 0 cached + 18 new.
+  const std::vector<uint32_t> cached = {20, 0}, fresh = {3, 18};
+  const uint32_t ppr = 2;
+  const std::vector<uint32_t> lut = {5, 2, 7, 0};
+  std::vector<float> inv(hd / 2);
+  for (uint32_t i = 0; i < hd / 2; ++i) inv[i] = std::pow(10000.0f, -float(2 * i) / hd);
+  // Full K/V history per row (pre-rope q/k/v for every position).
+  std::vector<std::vector<float>> hist(2);
+  for (int b = 0; b < 2; ++b) hist[b] = random_vec(size_t(cached[b] + fresh[b]) * ld, 40 + b);
+  auto rope = [&](float* x, uint32_t pos) {
+    for (uint32_t i = 0; i < hd / 2; ++i) {
+      const float a = float(pos) * inv[i];
+      const float c = std::cos(a), s = std::sin(a), x0 = x[i], x1 = x[i + hd / 2];
+      x[i] = x0 * c - x1 * s;
+      x[i + hd / 2] = x1 * c + x0 * s;
+    }
+  };
+  cl::Mem cache = dev.alloc(size_t(npages + 1) * 2 * page * nkv * hd * 4);
+  dev.fill_zero(cache, size_t(npages + 1) * 2 * page * nkv * hd * 4);
+  cl::Mem invm = upload(dev, inv);
+  auto run_step = [&](const std::vector<std::pair<uint32_t, uint32_t>>& spans,
+                      std::vector<float>* att_out, std::vector<float>* qkv_rows) {
+    // spans[b] = (first position, count) of row b's new tokens in this step.
+    std::vector<float> qkv;
+    std::vector<uint32_t> row, pos;
+    for (uint32_t b = 0; b < spans.size(); ++b)
+      for (uint32_t j = 0; j < spans[b].second; ++j) {
+        const uint32_t p = spans[b].first + j;
+        qkv.insert(qkv.end(), hist[b].begin() + size_t(p) * ld, hist[b].begin() + size_t(p + 1) * ld);
+        row.push_back(b);
+        pos.push_back(p);
+      }
+    const uint32_t T = uint32_t(row.size());
+    cl::Mem qm = upload(dev, qkv), rm = dev.alloc(T * 4), pm = dev.alloc(T * 4),
+            lm = dev.alloc(lut.size() * 4), om = dev.alloc(size_t(T) * nh * hd * 4);
+    dev.write(rm, row.data(), T * 4);
+    dev.write(pm, pos.data(), T * 4);
+    dev.write(lm, lut.data(), lut.size() * 4);
+    ops::StepTokens st{rm, pm, lm, T, ppr, page};
+    ops::rope_store_kv(dev, qm, ld, nh, nkv, hd, invm, invm, 0xffffffffu, st, cache);
+    ops::paged_attention(dev, qm, ld, cache, st, nh, nkv, hd, 0.25f, om, nh * hd);
+    *att_out = download(dev, om, size_t(T) * nh * hd);
+    *qkv_rows = download(dev, qm, qkv.size());
+  };
+  std::vector<float> att, roped;
+  run_step({{0, cached[0]}, {0, 0}}, &att, &roped);  // fill row 0's history first
+  run_step({{cached[0], fresh[0]}, {0, fresh[1]}}, &att, &roped);
+  // C++ reference for the second step's tokens.
+  size_t t = 0;
+  for (uint32_t b = 0; b < 2; ++b) {
+    std::vector<float> h = hist[b];
+    for (uint32_t p = 0; p < cached[b] + fresh[b]; ++p)
+      for (uint32_t head = 0; head < nh + nkv; ++head) rope(&h[size_t(p) * ld + head * hd], p);
+    for (uint32_t j = 0; j < fresh[b]; ++j, ++t) {
+      const uint32_t p = cached[b] + j;
+      for (uint32_t i = 0; i < ld - nkv * hd; ++i)
+        ASSERT_NEAR(roped[t * ld + i], h[size_t(p) * ld + i], 1e-5) << "roped q/k";
+      for (uint32_t head = 0; head < nh; ++head) {
+        const uint32_t kvh = head / (nh / nkv);
+        std::vector<double> s(p + 1);
+        double mx = -1e30;
+        for (uint32_t q = 0; q <= p; ++q) {
+          double d = 0;
+          for (uint32_t i = 0; i < hd; ++i)
+            d += double(h[size_t(p) * ld + head * hd + i]) *
+                 h[size_t(q) * ld + (nh + kvh) * hd + i];
+          s[q] = d * 0.25;
+          mx = std::max(mx, s[q]);
+        }
+        double sum = 0;
+        for (auto& v : s) sum += (v = std::exp(v - mx));
+        for (uint32_t i = 0; i < hd; ++i) {
+          double o = 0;
+          for (uint32_t q = 0; q <= p; ++q)
+            o += s[q] / sum * h[size_t(q) * ld + (nh + nkv + kvh) * hd + i];
+          ASSERT_NEAR(att[t * nh * hd + head * hd + i], o, 1e-5) << "row " << b << " pos " << p;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace clshard
