@@ -190,10 +190,10 @@ void Device::read(const cl::Mem& m, void* dst, size_t bytes, size_t offset) cons
             "reading a buffer on " + label());
 }
 
-void Device::fill_zero(const cl::Mem& m, size_t bytes) const {
+void Device::fill_zero(const cl::Mem& m, size_t bytes, size_t offset) const {
   if (bytes == 0) return;
   const cl_uchar zero = 0;
-  cl::check(clEnqueueFillBuffer(queue_.get(), m.get(), &zero, 1, 0, bytes, 0, nullptr, nullptr),
+  cl::check(clEnqueueFillBuffer(queue_.get(), m.get(), &zero, 1, offset, bytes, 0, nullptr, nullptr),
             "zeroing a buffer on " + label());
 }
 

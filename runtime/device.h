@@ -90,7 +90,7 @@ class Device {
   cl::Mem wrap_host(const void* data, size_t bytes) const;
   void write(const cl::Mem& m, const void* src, size_t bytes, size_t offset = 0) const;
   void read(const cl::Mem& m, void* dst, size_t bytes, size_t offset = 0) const;
-  void fill_zero(const cl::Mem& m, size_t bytes) const;
+  void fill_zero(const cl::Mem& m, size_t bytes, size_t offset = 0) const;
   void finish() const;
 
   // Enqueues an NDRange with local size 1 in every dimension on CPU devices (a work-item owns a

@@ -67,9 +67,13 @@ void Llama3Model::allocate_kv_cache(uint32_t num_pages, uint32_t page_size) {
                              std::to_string(layer_bytes) + " bytes per layer, over the " +
                              std::to_string(dev_.info().max_alloc) +
                              "-byte allocation limit of " + dev_.label());
+  const size_t page_bytes = layer_bytes / (num_pages + 1);
   for (int64_t l = 0; l < cfg_.num_hidden_layers; ++l) {
     kv_.push_back(dev_.alloc(layer_bytes));
-    dev_.fill_zero(kv_.back(), layer_bytes);  // the null page must hold finite values
+    // Only the null page is ever read before it is written; keep it finite. The other pages are
+    // left untouched, so a large pool costs no time and, on host memory, no resident memory
+    // until used.
+    dev_.fill_zero(kv_.back(), page_bytes, size_t(num_pages) * page_bytes);
   }
   num_pages_ = num_pages;
   page_size_ = page_size;

@@ -9,10 +9,13 @@
 
 #include <nlohmann/json.hpp>
 
+#include "runtime/batch_job.h"
+#include "runtime/deployment.h"
 #include "runtime/device.h"
 #include "runtime/device_manager.h"
 #include "runtime/generation.h"
 #include "runtime/model.h"
+#include "runtime/tokenizer.h"
 
 namespace clshard::cli {
 
@@ -40,25 +43,35 @@ std::vector<int32_t> parse_ids(const std::string& s, const std::string& flag) {
   return ids;
 }
 
+// A model named either by a deployment file (positional) or by --model DIR plus device flags.
 struct ModelFlags {
+  std::string deploy;
   std::string model_dir;
   std::string device_type = "any";
   std::string platform;
   int device_id = 0;
   void add(CLI::App* app) {
-    app->add_option("--model", model_dir, "Hugging Face checkpoint directory")->required();
+    app->add_option("deploy", deploy, "deployment YAML (instead of --model)");
+    app->add_option("--model", model_dir, "Hugging Face checkpoint directory");
     app->add_option("--device-type", device_type, "cpu | gpu | accelerator | any")
         ->capture_default_str();
     app->add_option("--platform", platform, "substring of the OpenCL platform name");
     app->add_option("--device", device_id, "index among the matching devices")
         ->capture_default_str();
   }
-  DeviceSelection selection() const {
-    DeviceSelection sel;
-    sel.platform = platform;
-    sel.type = device_type;
-    sel.ids = {device_id};
-    return sel;
+  // The deployment: the YAML file, or one made of the flags.
+  DeployConfig config() const {
+    if (deploy.empty() == model_dir.empty())
+      throw std::runtime_error("name the model with a deployment file or with --model DIR (one of "
+                               "the two)");
+    if (!deploy.empty()) return load_deploy_config(deploy);
+    DeployConfig cfg;
+    cfg.source = "--model";
+    cfg.model.path = model_dir;
+    cfg.devices.platform = platform;
+    cfg.devices.type = device_type;
+    cfg.devices.ids = {device_id};
+    return cfg;
   }
 };
 
@@ -100,21 +113,33 @@ int run(int argc, char** argv) {
   ModelFlags lg_model;
   lg_model.add(lg);
   std::vector<std::string> lg_tokens;
-  std::string lg_out;
+  std::string lg_out, lg_tokens_file;
   uint32_t lg_page = 128;
   lg->add_option("--tokens", lg_tokens, "comma-separated token ids; repeat for more sequences")
-      ->required();
+  ;
+  lg->add_option("--tokens-file", lg_tokens_file, "a file of token-id lines (one sequence each)");
   lg->add_option("--out", lg_out, "output directory")->required();
   lg->add_option("--page-size", lg_page, "KV cache page size")->capture_default_str();
   lg->callback([&] {
     std::vector<std::vector<int32_t>> seqs;
     for (const auto& t : lg_tokens) seqs.push_back(parse_ids(t, "--tokens"));
-    DeviceManager mgr(lg_model.selection());
-    auto model = load_model(lg_model.model_dir, LoadOptions{mgr.devices(), std::nullopt});
-    auto logits = all_position_logits(*model, seqs, lg_page);
+    if (!lg_tokens_file.empty()) {
+      std::ifstream in(lg_tokens_file);
+      if (!in) throw std::runtime_error(lg_tokens_file + ": cannot open");
+      std::string line;
+      while (std::getline(in, line))
+        if (!line.empty()) seqs.push_back(parse_ids(line, lg_tokens_file));
+    }
+    if (seqs.empty()) throw std::runtime_error("logits: give --tokens or --tokens-file");
+    DeployConfig cfg = lg_model.config();
+    if (lg->count("--page-size")) cfg.kv_cache.page_size = int(lg_page);
+    cfg.kv_cache.pages = 1;  // all_position_logits lays out its own pages
+    Deployment d = Deployment::open(cfg);
+    auto& model = d.model;
+    auto logits = all_position_logits(*model, seqs, uint32_t(cfg.kv_cache.page_size));
     std::filesystem::create_directories(lg_out);
     nlohmann::ordered_json manifest;
-    manifest["model"] = lg_model.model_dir;
+    manifest["model"] = cfg.model.path.string();
     manifest["architecture"] = model->info().architecture;
     manifest["vocab_size"] = model->info().vocab_size;
     manifest["dtype"] = "float32";
@@ -137,25 +162,115 @@ int run(int argc, char** argv) {
     std::cerr << "wrote logits of " << seqs.size() << " sequence(s) to " << lg_out << "\n";
   });
 
-  // generate (token ids; the YAML form with a text prompt comes with the tokenizer)
-  auto* gen = app.add_subcommand("generate", "Greedy continuation of token ids");
+  // generate: a text prompt streamed to stdout with the deployment's sampling, or greedy
+  // continuation of token ids (usable before any tokenizer exists).
+  auto* gen = app.add_subcommand("generate", "Stream one completion (or greedy token ids)");
   ModelFlags gen_model;
   gen_model.add(gen);
   std::vector<std::string> gen_tokens;
-  uint32_t gen_max = 16;
-  gen->add_option("--tokens", gen_tokens, "comma-separated prompt token ids; repeat for a batch")
-      ->required();
-  gen->add_option("--max-new-tokens", gen_max, "tokens to generate")->capture_default_str();
+  std::string gen_prompt;
+  uint32_t gen_max = 0;
+  gen->add_option("--prompt", gen_prompt, "prompt text, streamed completion to stdout");
+  gen->add_option("--tokens", gen_tokens,
+                  "comma-separated prompt token ids; repeat for a batch (greedy)");
+  gen->add_option("--max-new-tokens", gen_max, "tokens to generate (default: sampling.max_tokens)");
   gen->callback([&] {
-    std::vector<std::vector<int32_t>> prompts;
-    for (const auto& t : gen_tokens) prompts.push_back(parse_ids(t, "--tokens"));
-    DeviceManager mgr(gen_model.selection());
-    auto model = load_model(gen_model.model_dir, LoadOptions{mgr.devices(), std::nullopt});
+    DeployConfig cfg = gen_model.config();
+    if (gen_tokens.empty() == gen_prompt.empty())
+      throw std::runtime_error("generate: give --prompt TEXT or --tokens IDS (one of the two)");
+    const uint32_t max_new = gen_max ? gen_max : uint32_t(cfg.sampling.max_tokens);
+    if (!gen_tokens.empty()) {
+      std::vector<std::vector<int32_t>> prompts;
+      for (const auto& t : gen_tokens) prompts.push_back(parse_ids(t, "--tokens"));
+      cfg.kv_cache.pages = 1;  // greedy_generate lays out its own pages
+      Deployment d = Deployment::open(cfg);
+      auto t0 = std::chrono::steady_clock::now();
+      auto out = greedy_generate(*d.model, prompts, max_new, uint32_t(cfg.kv_cache.page_size));
+      double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      for (const auto& o : out) std::cout << join_ids(o) << "\n";
+      std::cerr << prompts.size() * max_new << " tokens in " << s << " s\n";
+      return;
+    }
+    Deployment d = Deployment::open(cfg);
+    auto engine = d.make_engine();
+    GenerationRequest req;
+    req.prompt = d.prompt_ids(gen_prompt, std::nullopt, std::nullopt);
+    req.sampling = Deployment::sampling_params(cfg.sampling);
+    req.max_tokens = max_new;
+    req.stop = cfg.sampling.stop;
+    req.stop_token_ids = cfg.sampling.stop_token_ids;
+    engine->on_token([](uint64_t, int32_t, const std::string& text) {
+      std::cout << text << std::flush;
+    });
+    engine->submit(std::move(req));
     auto t0 = std::chrono::steady_clock::now();
-    auto out = greedy_generate(*model, prompts, gen_max);
+    std::vector<GenerationResult> done;
+    while (engine->has_work())
+      for (auto& r : engine->step()) done.push_back(std::move(r));
     double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    for (const auto& o : out) std::cout << join_ids(o) << "\n";
-    std::cerr << prompts.size() * gen_max << " tokens in " << s << " s\n";
+    std::cout << "\n";
+    if (!done.empty() && done[0].reason == EndReason::Error)
+      throw std::runtime_error(done[0].error);
+    const size_t n = done.empty() ? 0 : done[0].token_ids.size();
+    std::cerr << n << " tokens in " << s << " s (" << (s > 0 ? n / s : 0) << " tokens/s), finish: "
+              << (done.empty() ? "?" : end_reason_name(done[0].reason)) << "\n";
+  });
+
+  // run: the batch job of a deployment file.
+  auto* runc = app.add_subcommand("run", "Run the batch job of a deployment file");
+  std::string run_deploy;
+  runc->add_option("deploy", run_deploy, "deployment YAML")->required();
+  runc->callback([&] {
+    Deployment d = Deployment::open(load_deploy_config(run_deploy));
+    run_batch_job(d, std::cerr);
+  });
+
+  // tokenize / detokenize: the stable way to check the tokenizer from outside.
+  auto* tk = app.add_subcommand("tokenize", "Print token ids of a text file (JSON array)");
+  std::string tk_dir, tk_file, tk_jsonl;
+  bool tk_special = false;
+  tk->add_option("--tokenizer", tk_dir, "directory with tokenizer.json")->required();
+  tk->add_option("--text-file", tk_file, "text file, encoded byte for byte");
+  tk->add_option("--jsonl", tk_jsonl, "one {\"text\": ...} object per line");
+  tk->add_flag("--add-special-tokens", tk_special, "add BOS etc. as the tokenizer asks");
+  tk->callback([&] {
+    Tokenizer tok = Tokenizer::from_dir(tk_dir);
+    auto print = [](const std::vector<int32_t>& ids) {
+      std::cout << nlohmann::json(ids).dump() << "\n";
+    };
+    if (tk_file.empty() == tk_jsonl.empty())
+      throw std::runtime_error("tokenize: give --text-file or --jsonl (one of the two)");
+    if (!tk_file.empty()) {
+      std::ifstream in(tk_file, std::ios::binary);
+      if (!in) throw std::runtime_error(tk_file + ": cannot open");
+      std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      print(tok.encode(text, tk_special));
+      return;
+    }
+    std::ifstream in(tk_jsonl);
+    if (!in) throw std::runtime_error(tk_jsonl + ": cannot open");
+    std::string line;
+    for (size_t n = 1; std::getline(in, line); ++n) {
+      if (line.empty()) continue;
+      nlohmann::json j;
+      try {
+        j = nlohmann::json::parse(line);
+      } catch (const std::exception& e) {
+        throw std::runtime_error(tk_jsonl + ":" + std::to_string(n) + ": not JSON: " + e.what());
+      }
+      if (!j.is_object() || !j.contains("text") || !j["text"].is_string())
+        throw std::runtime_error(tk_jsonl + ":" + std::to_string(n) +
+                                 ": expected an object with a string field \"text\"");
+      print(tok.encode(j["text"].get<std::string>(), tk_special));
+    }
+  });
+  auto* dt = app.add_subcommand("detokenize", "Print the text of token ids");
+  std::string dt_dir, dt_ids;
+  dt->add_option("--tokenizer", dt_dir, "directory with tokenizer.json")->required();
+  dt->add_option("--ids", dt_ids, "comma-separated token ids")->required();
+  dt->callback([&] {
+    Tokenizer tok = Tokenizer::from_dir(dt_dir);
+    std::cout << tok.decode(parse_ids(dt_ids, "--ids"));
   });
 
   try {

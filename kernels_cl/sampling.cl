@@ -1,0 +1,484 @@
+// Batched token sampling: one work-item per logits row (runtime/sampling.h has the semantics and
+// the host reference that mirrors this file's arithmetic).
+//
+// A row is scanned in chunks of 16 tokens with float16 loads: on PoCL's CPU device a work-item
+// that owns a contiguous range and uses wide loads runs at memory speed, while GPU-style
+// work-groups run several times slower. Per row:
+//   1. max pass: allowed-token count and argmax (highest order key, ties to the lowest id);
+//      greedy rows stop here.
+//   2. top-k boundary: a bounded min-heap in private memory when k <= TOPK_HEAP_MAX (one pass;
+//      most groups of 64 tokens are rejected by vector compares against the heap's worst key),
+//      else a radix select on the order keys above a lower bound taken from the chunk maxima.
+//   3. mass pass: w = exp((l - max) / T) for the kept tokens (allowed, in the top-k, w >= min_p),
+//      0 for the rest, stored in `work` so later passes do not recompute exp.
+//   4. draw: inverse-CDF walk in id order over w. With top_p < 1 the draw is a rejection loop
+//      (no sort, no threshold search): draw j from the current set S; j is in the nucleus iff the
+//      mass of the tokens ranked above it is < top_p * Z; if not, S shrinks to the tokens ranked
+//      above j (which still hold the whole nucleus) and a fresh uniform is drawn. Conditioned on
+//      acceptance every round samples w restricted to the nucleus, so the result has exactly the
+//      nucleus distribution, and each round accepts with probability >= top_p.
+//
+// Token order ("rank"): by order key of the logit (descending), ties to the lower id. The order key
+// maps a float to a uint that sorts the same way, so ranks compare exactly on every device.
+
+#ifndef TOPK_HEAP_MAX
+#define TOPK_HEAP_MAX 256
+#endif
+
+#define CHUNK 16
+
+// Per-row parameters, filled by runtime/sampling.cpp (SamplingRowArgs there; 4-byte fields only
+// so the layout is the same on both sides).
+typedef struct {
+  float inv_temperature;  // 1 / max(T, 1e-6)
+  uint top_k;             // 0: no top-k filter
+  float top_p;            // 1: no nucleus filter
+  float min_p;            // keep w >= min_p (w of the best token is 1)
+  uint seed_lo;
+  uint seed_hi;
+  uint greedy;            // temperature 0 or top_k 1
+  uint pad;
+} SamplingRowArgs;
+
+// Floats of `work` per row: the kept masses, and before them the radix top-k's scratch (candidate
+// keys and chunk maxima). runtime/sampling.cpp allocates rows * work_stride.
+inline size_t work_stride(uint vocab) { return (size_t)vocab + (vocab + CHUNK - 1) / CHUNK; }
+
+constant uint16 kLane = (uint16)(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+
+// Philox4x32-10 (Salmon et al., Random123): a counter-based generator, so a row's draws depend
+// only on its seed and the round number.
+inline uint4 philox4x32_10(uint4 ctr, uint2 key) {
+  for (int i = 0; i < 10; ++i) {
+    const uint lo0 = 0xD2511F53u * ctr.x, hi0 = mul_hi(0xD2511F53u, ctr.x);
+    const uint lo1 = 0xCD9E8D57u * ctr.z, hi1 = mul_hi(0xCD9E8D57u, ctr.z);
+    ctr = (uint4)(hi1 ^ ctr.y ^ key.x, lo1, hi0 ^ ctr.w ^ key.y, lo0);
+    key += (uint2)(0x9E3779B9u, 0xBB67AE85u);
+  }
+  return ctr;
+}
+
+// Uniform in [0, 1) with 24 random bits (every value exact in float).
+inline float uniform_draw(uint2 seed, uint round) {
+  return (float)(philox4x32_10((uint4)(round, 0u, 0u, 0u), seed).x >> 8) * 0x1.0p-24f;
+}
+
+// Monotone float -> uint map: a < b as floats (with -0 < +0) iff key(a) < key(b).
+inline uint16 order_keys(float16 x) {
+  const uint16 u = as_uint16(x);
+  return u ^ (((uint16)0u - (u >> 31)) | 0x80000000u);
+}
+inline uint order_key(float x) {
+  const uint u = as_uint(x);
+  return u ^ ((0u - (u >> 31)) | 0x80000000u);
+}
+
+inline float hsum16(float16 v) {
+  const float8 a = v.lo + v.hi;
+  const float4 b = a.lo + a.hi;
+  const float2 c = b.lo + b.hi;
+  return c.x + c.y;
+}
+
+// The n (1..16) tokens from i; missing lanes read -inf (never allowed).
+inline float16 load_logits(global const float* row, uint i, uint n) {
+  if (n == CHUNK) return vload16(0, row + i);
+  float t[CHUNK];
+  for (uint j = 0; j < CHUNK; ++j) t[j] = j < n ? row[i + j] : -INFINITY;
+  return vload16(0, t);
+}
+
+inline float16 load_work(global const float* w, uint i, uint n) {
+  if (n == CHUNK) return vload16(0, w + i);
+  float t[CHUNK];
+  for (uint j = 0; j < CHUNK; ++j) t[j] = j < n ? w[i + j] : 0.0f;
+  return vload16(0, t);
+}
+
+inline void store_work(global float* w, uint i, uint n, float16 v) {
+  if (n == CHUNK) {
+    vstore16(v, 0, w + i);
+    return;
+  }
+  float t[CHUNK];
+  vstore16(v, 0, t);
+  for (uint j = 0; j < n; ++j) w[i + j] = t[j];
+}
+
+// Lanes (-1) whose token may be sampled: inside the row, allowed by the bitmask (bit set), and
+// with a logit that is neither NaN nor -inf. i is a multiple of 16.
+inline int16 allowed_lanes(float16 l, global const uint* mask_row, uint i, uint n) {
+  uint bits = n == CHUNK ? 0xFFFFu : ((1u << n) - 1u);
+  if (mask_row) bits &= mask_row[i >> 5] >> (i & 31u);
+  const int16 bit_set = as_int16(((uint16)bits >> kLane) & 1u);
+  return (bit_set != 0) & (l > (float16)(-INFINITY));
+}
+
+// Logits are clamped so +inf behaves as the largest float (its tokens share the mass).
+inline float16 clamped(float16 l) { return fmin(l, (float16)FLT_MAX); }
+
+// Lanes ranked at or above the boundary token (bkey, bid): key > bkey, or key == bkey and
+// id <= bid.
+inline int16 at_or_above(uint16 key, uint16 id, uint bkey, uint bid) {
+  return (key > bkey) | ((key == bkey) & (id <= bid));
+}
+// Lanes ranked strictly above token (pkey, pid).
+inline int16 strictly_above(uint16 key, uint16 id, uint pkey, uint pid) {
+  return (key > pkey) | ((key == pkey) & (id < pid));
+}
+
+// ---- top-k boundaries: the k-th best allowed token as (key, id) ---------------------------------
+
+inline void heap_sift_up(ulong* h, uint pos) {
+  while (pos > 0) {
+    const uint parent = (pos - 1) / 2;
+    if (h[parent] <= h[pos]) break;
+    const ulong t = h[parent];
+    h[parent] = h[pos];
+    h[pos] = t;
+    pos = parent;
+  }
+}
+
+inline void heap_sift_down(ulong* h, uint n) {
+  uint pos = 0;
+  for (;;) {
+    const uint l = 2 * pos + 1, r = l + 1;
+    uint m = pos;
+    if (l < n && h[l] < h[m]) m = l;
+    if (r < n && h[r] < h[m]) m = r;
+    if (m == pos) break;
+    const ulong t = h[m];
+    h[m] = h[pos];
+    h[pos] = t;
+    pos = m;
+  }
+}
+
+#define GROUP (4 * CHUNK)
+
+// The lanes set in `lanes` (-1/0 per lane) as bits of a uint, so scalar code visits only those
+// (lowest_lane + clear) instead of testing all 16.
+inline uint lane_bits(int16 lanes) {
+  const uint16 b = as_uint16(lanes) & ((uint16)1u << kLane);
+  const uint8 a = b.lo | b.hi;
+  const uint4 c = a.lo | a.hi;
+  const uint2 d = c.lo | c.hi;
+  return d.x | d.y;
+}
+inline uint lowest_lane(uint bits) { return 31u - clz(bits & (0u - bits)); }
+
+// Whether any allowed token of [g, g + GROUP) has a key in [lo, hi]. Passes that look for a few
+// tokens test a group with this first: one branch per 64 tokens instead of one per 16 made such a
+// pass about a third cheaper on PoCL.
+inline bool group_has_key_in(global const float* row, global const uint* mask_row, uint vocab,
+                             uint g, uint lo, uint hi) {
+  int16 hit = 0;
+  const uint end = min(vocab, g + GROUP);
+  for (uint i = g; i < end; i += CHUNK) {
+    const uint n = min((uint)CHUNK, vocab - i);
+    const float16 l = load_logits(row, i, n);
+    const uint16 key = order_keys(clamped(l));
+    hit |= allowed_lanes(l, mask_row, i, n) & (key >= lo) & (key <= hi);
+  }
+  return any(hit);
+}
+
+// A min-heap of the k best ranks seen so far; rank = key << 32 | ~id, so a larger rank is a better
+// token and, ids arriving in ascending order, a later token with the root's key never displaces it.
+inline uint2 topk_boundary_heap(global const float* row, global const uint* mask_row, uint vocab,
+                                uint k) {
+  ulong heap[TOPK_HEAP_MAX];
+  uint size = 0;
+  uint root_key = 0;  // 0 while filling: every allowed key is larger
+  for (uint g = 0; g < vocab; g += GROUP) {
+    if (!group_has_key_in(row, mask_row, vocab, g, root_key + 1, 0xFFFFFFFFu)) continue;
+    for (uint i = g; i < min(vocab, g + GROUP); i += CHUNK) {
+      const uint n = min((uint)CHUNK, vocab - i);
+      const float16 l = load_logits(row, i, n);
+      const uint16 key = order_keys(clamped(l));
+      uint cand = lane_bits(allowed_lanes(l, mask_row, i, n) & (key > root_key));
+      if (!cand) continue;
+      uint kt[CHUNK];
+      vstore16(key, 0, kt);
+      for (; cand; cand &= cand - 1) {
+        const uint j = lowest_lane(cand);
+        const ulong rank = ((ulong)kt[j] << 32) | (ulong)(~(i + j));
+        if (size < k) {
+          heap[size] = rank;
+          heap_sift_up(heap, size);
+          if (++size == k) root_key = (uint)(heap[0] >> 32);
+        } else if (rank > heap[0]) {
+          heap[0] = rank;
+          heap_sift_down(heap, size);
+          root_key = (uint)(heap[0] >> 32);
+        }
+      }
+    }
+  }
+  return (uint2)((uint)(heap[0] >> 32), ~(uint)heap[0]);
+}
+
+// The n (1..16) keys from i; missing lanes read 0 (below every floor, as disallowed tokens).
+inline uint16 load_keys(global const uint* keys, uint i, uint n) {
+  if (n == CHUNK) return vload16(0, keys + i);
+  uint t[CHUNK];
+  for (uint j = 0; j < CHUNK; ++j) t[j] = j < n ? keys[i + j] : 0u;
+  return vload16(0, t);
+}
+
+inline uint hmax16(uint16 v) {
+  const uint8 a = max(v.lo, v.hi);
+  const uint4 b = max(a.lo, a.hi);
+  const uint2 c = max(b.lo, b.hi);
+  return max(c.x, c.y);
+}
+
+// Radix select, 8 bits a level from the top, of the k-th largest of keys[0, n) counting only
+// keys >= key_floor (at least k of them). Returns (prefix, prefix_mask, above) after `levels`
+// levels or as soon as the k-th key is alone in its bucket: the k-th key has bits `prefix` under
+// `prefix_mask`, and `above` counted keys lie above every key with that prefix.
+inline uint4 radix_select(global const uint* keys, uint n, uint k, uint key_floor, int levels) {
+  uint prefix = 0, prefix_mask = 0, above = 0;
+  for (int level = 0; level < levels; ++level) {
+    const int shift = 24 - 8 * level;
+    uint hist[256];
+    for (uint b = 0; b < 256; ++b) hist[b] = 0;
+    for (uint i = 0; i < n; i += CHUNK) {
+      const uint16 key = load_keys(keys, i, min((uint)CHUNK, n - i));
+      uint match = lane_bits((key >= key_floor) & ((key & prefix_mask) == prefix));
+      if (!match) continue;
+      uint kt[CHUNK];
+      vstore16(key, 0, kt);
+      for (; match; match &= match - 1) ++hist[(kt[lowest_lane(match)] >> shift) & 255u];
+    }
+    uint b = 256;
+    while (b-- > 1 && above + hist[b] < k) above += hist[b];
+    prefix |= b << shift;
+    prefix_mask |= 255u << shift;
+    if (hist[b] == 1) break;
+  }
+  return (uint4)(prefix, prefix_mask, above, 0u);
+}
+
+// Top-k boundary for k above the heap's capacity (and below the allowed count). `scratch` holds
+// vocab + ceil(vocab / 16) uints. The k-th largest chunk maximum is a lower bound of the k-th
+// largest key (the k best chunks each hold a key at least that large), so after a cheap select
+// over the V/16 chunk maxima only the keys above that bound, compacted into a short list, go
+// through the radix select; a last pass over the row finds the boundary among equal keys.
+inline uint2 topk_boundary_radix(global const float* row, global const uint* mask_row, uint vocab,
+                                 uint k, global uint* scratch) {
+  global uint* chunk_max = scratch + vocab;
+  const uint n_chunks = (vocab + CHUNK - 1) / CHUNK;
+  uint filled_chunks = 0;
+  for (uint i = 0, c = 0; i < vocab; i += CHUNK, ++c) {
+    const uint n = min((uint)CHUNK, vocab - i);
+    const float16 l = load_logits(row, i, n);
+    chunk_max[c] =
+        hmax16(select((uint16)0u, order_keys(clamped(l)), allowed_lanes(l, mask_row, i, n)));
+    filled_chunks += chunk_max[c] != 0u;
+  }
+  uint key_floor = 1u;  // every allowed key is >= 1
+  if (filled_chunks >= k) {
+    // Two levels give the top 16 bits of the bound, which is bound enough.
+    key_floor = max(1u, radix_select(chunk_max, n_chunks, k, 1u, 2).x);
+  }
+
+  // The allowed keys >= key_floor, in id order, into scratch[0, count).
+  uint count = 0;
+  for (uint g = 0; g < vocab; g += GROUP) {
+    if (!group_has_key_in(row, mask_row, vocab, g, key_floor, 0xFFFFFFFFu)) continue;
+    for (uint i = g; i < min(vocab, g + GROUP); i += CHUNK) {
+      const uint n = min((uint)CHUNK, vocab - i);
+      const float16 l = load_logits(row, i, n);
+      const uint16 key = order_keys(clamped(l));
+      uint keep = lane_bits(allowed_lanes(l, mask_row, i, n) & (key >= key_floor));
+      if (!keep) continue;
+      uint kt[CHUNK];
+      vstore16(key, 0, kt);
+      for (; keep; keep &= keep - 1) scratch[count++] = kt[lowest_lane(keep)];
+    }
+  }
+  const uint4 sel = radix_select(scratch, count, k, key_floor, 4);
+
+  // The boundary is the (k - above)-th token, in id order, among the allowed keys >= key_floor
+  // with the prefix (equal keys, or the single token left).
+  const uint lo = max(key_floor, sel.x), hi = sel.x | ~sel.y;
+  uint need = k - sel.z;
+  for (uint g = 0; g < vocab; g += GROUP) {
+    if (!group_has_key_in(row, mask_row, vocab, g, lo, hi)) continue;
+    for (uint i = g; i < min(vocab, g + GROUP); i += CHUNK) {
+      const uint n = min((uint)CHUNK, vocab - i);
+      const float16 l = load_logits(row, i, n);
+      const uint16 key = order_keys(clamped(l));
+      uint match = lane_bits(allowed_lanes(l, mask_row, i, n) & (key >= lo) & (key <= hi));
+      if (!match) continue;
+      uint kt[CHUNK];
+      vstore16(key, 0, kt);
+      for (; match; match &= match - 1) {
+        const uint j = lowest_lane(match);
+        if (--need == 0) return (uint2)(kt[j], i + j);
+      }
+    }
+  }
+  return (uint2)(0u, 0xFFFFFFFFu);  // unreachable when k < allowed tokens
+}
+
+// ---- drawing ------------------------------------------------------------------------------------
+
+// Inverse CDF in id order: the first token whose running mass exceeds r. Mass is summed a chunk
+// at a time (hsum16), then token by token inside the chunk that crosses r. With `restricted`, only
+// tokens ranked strictly above (pkey, pid) count. Rounding can leave r at or above the total; the
+// last token with mass is taken then.
+inline uint walk_cdf(global const float* work, global const float* row, uint vocab, float r,
+                     int restricted, uint pkey, uint pid) {
+  float cum = 0.0f;
+  uint last_chunk = 0;
+  for (uint i = 0; i < vocab; i += CHUNK) {
+    const uint n = min((uint)CHUNK, vocab - i);
+    float16 w = load_work(work, i, n);
+    if (restricted) {
+      const uint16 key = order_keys(clamped(load_logits(row, i, n)));
+      w = select((float16)0.0f, w, strictly_above(key, (uint16)i + kLane, pkey, pid));
+    }
+    const float s = hsum16(w);
+    if (s > 0.0f) last_chunk = i;
+    if (cum + s > r) {
+      float wt[CHUNK];
+      vstore16(w, 0, wt);
+      uint pick = i;
+      for (uint j = 0; j < n; ++j) {
+        if (wt[j] > 0.0f) {
+          pick = i + j;
+          cum += wt[j];
+          if (cum > r) break;
+        }
+      }
+      return pick;
+    }
+    cum += s;
+  }
+  const uint n = min((uint)CHUNK, vocab - last_chunk);
+  float16 w = load_work(work, last_chunk, n);
+  if (restricted) {
+    const uint16 key = order_keys(clamped(load_logits(row, last_chunk, n)));
+    w = select((float16)0.0f, w, strictly_above(key, (uint16)last_chunk + kLane, pkey, pid));
+  }
+  float wt[CHUNK];
+  vstore16(w, 0, wt);
+  uint pick = last_chunk;
+  for (uint j = 0; j < n; ++j)
+    if (wt[j] > 0.0f) pick = last_chunk + j;
+  return pick;
+}
+
+// Mass of the tokens ranked strictly above (pkey, pid), summed per lane then across lanes.
+inline float mass_above(global const float* work, global const float* row, uint vocab, uint pkey,
+                        uint pid) {
+  float16 acc = 0.0f;
+  for (uint i = 0; i < vocab; i += CHUNK) {
+    const uint n = min((uint)CHUNK, vocab - i);
+    const float16 w = load_work(work, i, n);
+    const uint16 key = order_keys(clamped(load_logits(row, i, n)));
+    acc += select((float16)0.0f, w, strictly_above(key, (uint16)i + kLane, pkey, pid));
+  }
+  return hsum16(acc);
+}
+
+// One token per row. out[r] = -1 when the row allows no token at all.
+kernel void sample_rows(global const float* logits, uint rows, uint vocab,
+                        global const SamplingRowArgs* args, global const uint* bitmask,
+                        uint bitmask_words, global float* work, global int* out) {
+  const uint r = get_global_id(0);
+  if (r >= rows) return;
+  global const float* row = logits + (size_t)r * vocab;
+  global const uint* mask_row = bitmask ? bitmask + (size_t)r * bitmask_words : 0;
+  const SamplingRowArgs p = args[r];
+
+  // 1. Allowed count and argmax. Each lane keeps its first best (strict >), so across lanes the
+  // lowest id wins among equal keys.
+  uint16 best_key = 0u, best_id = 0xFFFFFFFFu;
+  int16 allowed_count = 0;
+  for (uint i = 0; i < vocab; i += CHUNK) {
+    const uint n = min((uint)CHUNK, vocab - i);
+    const float16 l = load_logits(row, i, n);
+    const int16 ok = allowed_lanes(l, mask_row, i, n);
+    const uint16 key = order_keys(clamped(l));
+    const int16 better = ok & (key > best_key);
+    best_key = select(best_key, key, better);
+    best_id = select(best_id, (uint16)i + kLane, better);
+    allowed_count -= ok;
+  }
+  uint bk[CHUNK], bi[CHUNK];
+  int ac[CHUNK];
+  vstore16(best_key, 0, bk);
+  vstore16(best_id, 0, bi);
+  vstore16(allowed_count, 0, ac);
+  uint max_key = 0, argmax = 0xFFFFFFFFu, n_allowed = 0;
+  for (uint j = 0; j < CHUNK; ++j) {
+    n_allowed += (uint)ac[j];
+    if (bk[j] > max_key || (bk[j] == max_key && bi[j] < argmax)) {
+      max_key = bk[j];
+      argmax = bi[j];
+    }
+  }
+  if (n_allowed == 0) {
+    out[r] = -1;
+    return;
+  }
+  if (p.greedy) {
+    out[r] = (int)argmax;
+    return;
+  }
+  const float max_logit = fmin(row[argmax], FLT_MAX);
+
+  // 2. Top-k boundary; (0, ~0) keeps every allowed token (all keys are above 0).
+  uint2 boundary = (uint2)(0u, 0xFFFFFFFFu);
+  global float* work_row = work + (size_t)r * work_stride(vocab);
+  if (p.top_k > 0 && p.top_k < n_allowed)
+    boundary = p.top_k <= TOPK_HEAP_MAX
+                   ? topk_boundary_heap(row, mask_row, vocab, p.top_k)
+                   : topk_boundary_radix(row, mask_row, vocab, p.top_k, (global uint*)work_row);
+
+  // 3. Kept mass (overwrites the radix select's scratch).
+  float total = 0.0f;
+  for (uint i = 0; i < vocab; i += CHUNK) {
+    const uint n = min((uint)CHUNK, vocab - i);
+    const float16 l = load_logits(row, i, n);
+    const uint16 key = order_keys(clamped(l));
+    float16 w = exp((clamped(l) - max_logit) * p.inv_temperature);
+    const int16 keep = allowed_lanes(l, mask_row, i, n) &
+                       at_or_above(key, (uint16)i + kLane, boundary.x, boundary.y) &
+                       (w >= p.min_p);
+    w = select((float16)0.0f, w, keep);
+    store_work(work_row, i, n, w);
+    total += hsum16(w);
+  }
+
+  // 4. Draw.
+  const uint2 seed = (uint2)(p.seed_lo, p.seed_hi);
+  if (p.top_p >= 1.0f) {
+    out[r] = (int)walk_cdf(work_row, row, vocab, uniform_draw(seed, 0) * total, 0, 0, 0);
+    return;
+  }
+  const float target = p.top_p * total;
+  float set_mass = total;
+  int restricted = 0;
+  uint pkey = 0, pid = 0;
+  for (uint round = 0;; ++round) {
+    const float u = uniform_draw(seed, round);
+    const uint j = walk_cdf(work_row, row, vocab, u * set_mass, restricted, pkey, pid);
+    const uint jkey = order_key(fmin(row[j], FLT_MAX));
+    const float above = mass_above(work_row, row, vocab, jkey, j);
+    // The best token has nothing above it, so the loop ends; every rejection removes j and all
+    // tokens ranked below it.
+    if (above < target) {
+      out[r] = (int)j;
+      return;
+    }
+    restricted = 1;
+    pkey = jkey;
+    pid = j;
+    set_mass = above;
+  }
+}

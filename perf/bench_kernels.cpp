@@ -1,0 +1,153 @@
+// Kernel throughput on the first OpenCL device: memory bandwidth (the decode roofline), GEMV GB/s
+// for f32 and bf16 weights, GEMM GFLOP/s at M = 1, 8, 64, 512, next to OpenBLAS sgemm.
+// Usage: bench_kernels [--quick]
+#include <cblas.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "runtime/device.h"
+#include "runtime/device_manager.h"
+#include "runtime/ops.h"
+
+using namespace clshard;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// Median of `reps` timings of fn() (each ends with a finish inside fn).
+template <typename F>
+double median_time(int reps, F fn) {
+  std::vector<double> t;
+  fn();  // warm-up (and kernel build)
+  for (int i = 0; i < reps; ++i) {
+    auto t0 = Clock::now();
+    fn();
+    t.push_back(seconds_since(t0));
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+Weight random_weight(Device& dev, int64_t N, int64_t K, DType dt, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> d(-1, 1);
+  Weight w;
+  w.dtype = dt;
+  w.shape = {N, K};
+  w.name = "bench";
+  const size_t n = size_t(N) * K;
+  if (dt == DType::BF16) {
+    std::vector<uint16_t> v(n);
+    for (auto& x : v) x = f32_to_bf16(d(rng));
+    w.mem = dev.alloc(n * 2);
+    dev.write(w.mem, v.data(), n * 2);
+  } else {
+    std::vector<float> v(n);
+    for (auto& x : v) x = d(rng);
+    w.mem = dev.alloc(n * 4);
+    dev.write(w.mem, v.data(), n * 4);
+  }
+  return w;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
+  const int reps = quick ? 3 : 9;
+  DeviceManager mgr(DeviceSelection{});
+  Device& dev = mgr[0];
+  std::printf("device: %s (%s), %u compute units\n", dev.info().name.c_str(),
+              dev.info().platform.c_str(), dev.info().compute_units);
+
+  // 1. Bandwidth: 256 MiB read, far past the caches.
+  const size_t bw_bytes = size_t(256) << 20;
+  cl::Mem big = dev.alloc(bw_bytes);
+  dev.fill_zero(big, bw_bytes);
+  const uint32_t items = 64, chunk16 = uint32_t(bw_bytes / 4 / 16 / items);
+  cl::Mem sums = dev.alloc(items * 4);
+  cl::Kernel rs = dev.kernel("bandwidth.cl", "read_sum");
+  double t_cl = median_time(reps, [&] {
+    cl::set_args(rs, big, chunk16, sums);
+    dev.launch(rs, {items, 1, 1});
+    dev.finish();
+  });
+  const double bw_cl = bw_bytes / t_cl / 1e9;
+  std::vector<float> host(bw_bytes / 4, 1.0f);
+  const unsigned nthreads = std::max(1u, std::thread::hardware_concurrency());
+  double t_host = median_time(reps, [&] {
+    std::vector<std::thread> th;
+    std::vector<double> part(nthreads);
+    for (unsigned i = 0; i < nthreads; ++i)
+      th.emplace_back([&, i] {
+        const size_t n = host.size() / nthreads;
+        float acc[16] = {};
+        const float* p = host.data() + i * n;
+        for (size_t j = 0; j + 16 <= n; j += 16)
+          for (int k = 0; k < 16; ++k) acc[k] += p[j + k];
+        double s = 0;
+        for (float a : acc) s += a;
+        part[i] = s;
+      });
+    for (auto& t : th) t.join();
+  });
+  const double bw_host = bw_bytes / t_host / 1e9;
+  std::printf("\nmemory bandwidth (read, 256 MiB): OpenCL %.1f GB/s, host C++ %u threads %.1f GB/s\n",
+              bw_cl, nthreads, bw_host);
+  const double roofline = std::max(bw_cl, bw_host);
+
+  // 2. GEMV, N=8192 x K=2048, alternating between weight copies so the caches stay cold.
+  std::printf("\nGEMV (M=1), N=8192 x K=2048, cold cache:\n");
+  for (DType dt : {DType::F32, DType::BF16}) {
+    const int64_t N = 8192, K = 2048;
+    std::vector<Weight> ws;
+    for (int i = 0; i < 3; ++i) ws.push_back(random_weight(dev, N, K, dt, 10 + i));
+    cl::Mem x = dev.alloc(K * 4), y = dev.alloc(N * 4);
+    dev.fill_zero(x, K * 4);
+    int which = 0;
+    double t = median_time(reps * 2, [&] {
+      ops::linear(dev, x, 0, K, ws[which++ % 3], nullptr, y, 0, N, 1);
+      dev.finish();
+    });
+    const double bytes = double(N) * K * dtype_size(dt);
+    std::printf("  %-5s %7.3f ms  %6.1f GB/s of weights  (%.0f%% of measured bandwidth)\n",
+                dtype_name(dt), t * 1e3, bytes / t / 1e9, 100.0 * bytes / t / 1e9 / roofline);
+  }
+
+  // 3. GEMM at M = 1, 8, 64, 512 (N = K = 2048), f32 and bf16 weights, vs OpenBLAS sgemm.
+  std::printf("\nGEMM y[M,N] = x[M,K] W^T, N=K=2048, GFLOP/s:\n");
+  std::printf("  %5s %10s %10s %14s\n", "M", "f32 (ours)", "bf16 (ours)", "OpenBLAS sgemm");
+  const int64_t N = 2048, K = 2048;
+  Weight wf = random_weight(dev, N, K, DType::F32, 1), wb = random_weight(dev, N, K, DType::BF16, 2);
+  std::vector<float> wh(size_t(N) * K, 0.5f), xh(512 * K, 0.25f), yh(512 * N);
+  for (uint32_t M : {1u, 8u, 64u, 512u}) {
+    cl::Mem x = dev.alloc(size_t(M) * K * 4), y = dev.alloc(size_t(M) * N * 4);
+    dev.fill_zero(x, size_t(M) * K * 4);
+    const double flops = 2.0 * M * N * K;
+    double tf = median_time(reps, [&] {
+      ops::linear(dev, x, 0, K, wf, nullptr, y, 0, N, M);
+      dev.finish();
+    });
+    double tb = median_time(reps, [&] {
+      ops::linear(dev, x, 0, K, wb, nullptr, y, 0, N, M);
+      dev.finish();
+    });
+    double tblas = median_time(reps, [&] {
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(M), int(N), int(K), 1.0f,
+                  xh.data(), int(K), wh.data(), int(K), 0.0f, yh.data(), int(N));
+    });
+    std::printf("  %5u %10.1f %10.1f %14.1f\n", M, flops / tf / 1e9, flops / tb / 1e9,
+                flops / tblas / 1e9);
+  }
+  return 0;
+}

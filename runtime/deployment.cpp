@@ -1,0 +1,69 @@
+#include "runtime/deployment.h"
+
+#include <filesystem>
+#include <stdexcept>
+
+#include "runtime/chat_template.h"
+
+namespace clshard {
+
+Deployment Deployment::open(const DeployConfig& cfg) {
+  check_engine_supports(cfg);
+  Deployment d;
+  d.config = cfg;
+  d.devices = std::make_unique<DeviceManager>(cfg.devices);
+  check_device_count(cfg, d.devices->size());
+  LoadOptions opts;
+  opts.devices = d.devices->devices();
+  if (cfg.model.max_length) opts.max_length = uint32_t(*cfg.model.max_length);
+  try {
+    d.model = load_model(cfg.model.path, opts);
+  } catch (const std::exception& e) {
+    throw std::runtime_error(cfg.where("model.path") + ": " + e.what());
+  }
+  if (std::filesystem::exists(cfg.model.path / "tokenizer.json"))
+    d.tokenizer = Tokenizer::from_dir(cfg.model.path);
+
+  const uint32_t page_size = uint32_t(cfg.kv_cache.page_size);
+  const uint32_t max_length = d.model->info().max_seq_len;
+  const uint32_t pages =
+      plan_kv_pages(*d.model, page_size, cfg.kv_cache.pages, cfg.kv_cache.memory_fraction,
+                    uint32_t(cfg.batch.max_batch_size), max_length);
+  d.model->allocate_kv_cache(pages, page_size);
+  d.limits.max_batch_size = uint32_t(cfg.batch.max_batch_size);
+  d.limits.max_batch_input_tokens = uint32_t(cfg.batch.max_batch_input_tokens);
+  d.limits.page_size = page_size;
+  d.limits.total_pages = pages;
+  d.limits.max_length = max_length;
+  return d;
+}
+
+std::unique_ptr<Engine> Deployment::make_engine() {
+  return std::make_unique<Engine>(*model, tokenizer ? &*tokenizer : nullptr, limits);
+}
+
+SamplingParams Deployment::sampling_params(const SamplingDefaults& s) {
+  SamplingParams p;
+  p.temperature = s.temperature;
+  p.top_k = s.top_k;
+  p.top_p = s.top_p;
+  p.min_p = s.min_p;
+  p.seed = s.seed;
+  return p;
+}
+
+std::vector<int32_t> Deployment::prompt_ids(
+    const std::optional<std::string>& prompt, const std::optional<std::vector<int32_t>>& ids,
+    const std::optional<std::vector<ChatTurn>>& messages) const {
+  if (ids) return *ids;
+  if (!tokenizer)
+    throw std::runtime_error("text prompts need a tokenizer.json in " +
+                             config.model.path.string() + " (or give prompt_token_ids)");
+  if (prompt) return tokenizer->encode(*prompt, /*add_special_tokens=*/true);
+  std::vector<ChatMessage> turns;
+  for (const auto& t : *messages) turns.push_back({t.role, t.content});
+  // The template writes the BOS text itself.
+  return tokenizer->encode(apply_chat_template(*tokenizer, turns, true), false);
+}
+
+}  // namespace clshard

@@ -1,0 +1,151 @@
+// The generation loop: continuous batching with preemption gives what one-at-a-time gives, seeded
+// sampling does not depend on the batch, stop tokens and lengths end requests.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <map>
+
+#include "runtime/device.h"
+#include "runtime/engine.h"
+#include "runtime/generation.h"
+#include "tests/test_util.h"
+
+namespace clshard {
+namespace {
+
+std::unique_ptr<CausalLM> tiny_model() {
+  return load_model(test::reference_dir() / "ckpt" / "llama3-tiny-f32",
+                    LoadOptions{{&test::default_device()}, std::nullopt});
+}
+
+std::vector<std::vector<int32_t>> prompts() {
+  std::vector<std::vector<int32_t>> p;
+  for (int i = 0; i < 10; ++i) {
+    std::vector<int32_t> t;
+    for (int j = 0; j < 3 + i * 7; ++j) t.push_back((i * 37 + j * 11) % 500 + 1);
+    p.push_back(t);
+  }
+  return p;
+}
+
+std::vector<GenerationResult> run_all(CausalLM& model, const SchedulerLimits& lim,
+                                      std::vector<GenerationRequest> reqs, EngineStats* stats) {
+  model.allocate_kv_cache(lim.total_pages, lim.page_size);
+  Engine engine(model, nullptr, lim);
+  std::vector<uint64_t> handles;
+  for (auto& r : reqs) handles.push_back(engine.submit(r));
+  std::map<uint64_t, GenerationResult> by;
+  while (engine.has_work())
+    for (auto& r : engine.step()) by[r.handle] = r;
+  if (stats) *stats = engine.stats();
+  std::vector<GenerationResult> out;
+  for (uint64_t h : handles) out.push_back(by.at(h));
+  return out;
+}
+
+GenerationRequest greedy(const std::vector<int32_t>& prompt, uint32_t n) {
+  GenerationRequest r;
+  r.prompt = prompt;
+  r.sampling.temperature = 0;
+  r.max_tokens = n;
+  return r;
+}
+
+TEST(Engine, BatchedWithPreemptionEqualsOneAtATime) {
+  auto model = tiny_model();
+  const uint32_t n_new = 12;
+  std::vector<GenerationRequest> reqs;
+  for (const auto& p : prompts()) reqs.push_back(greedy(p, n_new));
+  // Each request alone, with room to spare.
+  std::vector<std::vector<int32_t>> alone;
+  for (const auto& p : prompts()) alone.push_back(greedy_generate(*model, {p}, n_new, 16)[0]);
+  // Together, with 14 pages of 16 tokens for requests of up to 78 tokens each: preemption must
+  // happen, and chunked prefill (max 40 tokens a step).
+  SchedulerLimits lim;
+  lim.max_batch_size = 6;
+  lim.max_batch_input_tokens = 40;
+  lim.page_size = 16;
+  lim.total_pages = 14;
+  lim.max_length = 4096;
+  EngineStats stats;
+  auto together = run_all(*model, lim, reqs, &stats);
+  EXPECT_GT(stats.preemptions, 0u) << "the KV budget was meant to force preemption";
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    EXPECT_EQ(together[i].reason, EndReason::Length);
+    EXPECT_EQ(together[i].token_ids, alone[i]) << "request " << i;
+    EXPECT_EQ(together[i].prompt_tokens, reqs[i].prompt.size());
+  }
+}
+
+TEST(Engine, SeededSamplingDoesNotDependOnTheBatch) {
+  auto model = tiny_model();
+  SchedulerLimits lim;
+  lim.page_size = 16;
+  lim.total_pages = 64;
+  GenerationRequest a = greedy(prompts()[3], 16);
+  a.sampling.temperature = 0.9f;
+  a.sampling.top_p = 0.95f;
+  a.sampling.seed = 1234;
+  auto solo = run_all(*model, lim, {a}, nullptr);
+  std::vector<GenerationRequest> crowd = {greedy(prompts()[0], 5), a, greedy(prompts()[7], 9)};
+  crowd[0].sampling.temperature = 1.5f;
+  crowd[0].sampling.seed = 9;
+  auto mixed = run_all(*model, lim, crowd, nullptr);
+  EXPECT_EQ(mixed[1].token_ids, solo[0].token_ids);
+  auto again = run_all(*model, lim, {a}, nullptr);
+  EXPECT_EQ(again[0].token_ids, solo[0].token_ids);
+  GenerationRequest b = a;
+  b.sampling.seed = 4321;
+  auto other = run_all(*model, lim, {b}, nullptr);
+  EXPECT_NE(other[0].token_ids, solo[0].token_ids) << "a different seed should sample differently";
+}
+
+TEST(Engine, StopTokenEndsTheRequestAndIsNotReturned) {
+  auto model = tiny_model();
+  SchedulerLimits lim;
+  lim.page_size = 16;
+  lim.total_pages = 32;
+  auto free_run = run_all(*model, lim, {greedy(prompts()[2], 10)}, nullptr);
+  ASSERT_EQ(free_run[0].token_ids.size(), 10u);
+  // Stop at the first occurrence of the fourth token.
+  const int32_t stop = free_run[0].token_ids[3];
+  size_t first = 0;
+  while (free_run[0].token_ids[first] != stop) ++first;
+  GenerationRequest r = greedy(prompts()[2], 10);
+  r.stop_token_ids = {stop};
+  auto stopped = run_all(*model, lim, {r}, nullptr);
+  EXPECT_EQ(stopped[0].reason, EndReason::Stop);
+  EXPECT_EQ(stopped[0].token_ids, std::vector<int32_t>(free_run[0].token_ids.begin(),
+                                                       free_run[0].token_ids.begin() + first));
+}
+
+TEST(Engine, BadRequestsAreRefusedOrFailClearly) {
+  auto model = tiny_model();
+  SchedulerLimits lim;
+  lim.page_size = 16;
+  lim.total_pages = 4;  // 64 tokens at most
+  model->allocate_kv_cache(lim.total_pages, lim.page_size);
+  Engine engine(*model, nullptr, lim);
+  EXPECT_THROW(engine.submit(greedy({1, 2, 600}, 3)), std::invalid_argument);
+  GenerationRequest bad_p = greedy({1, 2}, 3);
+  bad_p.sampling.top_p = 0;
+  EXPECT_THROW(engine.submit(bad_p), std::invalid_argument);
+  GenerationRequest strings = greedy({1, 2}, 3);
+  strings.stop = {"x"};
+  EXPECT_THROW(engine.submit(strings), std::invalid_argument);  // no tokenizer
+  std::vector<int32_t> long_prompt(100, 7);
+  engine.submit(greedy(long_prompt, 3));
+  engine.submit(greedy({1, 2, 3}, 3));
+  std::vector<GenerationResult> done;
+  while (engine.has_work())
+    for (auto& r : engine.step()) done.push_back(r);
+  ASSERT_EQ(done.size(), 2u);
+  std::sort(done.begin(), done.end(), [](auto& a, auto& b) { return a.handle < b.handle; });
+  EXPECT_EQ(done[0].reason, EndReason::Error);
+  EXPECT_NE(done[0].error.find("pages"), std::string::npos) << done[0].error;
+  EXPECT_EQ(done[1].reason, EndReason::Length);
+  EXPECT_EQ(done[1].token_ids.size(), 3u);
+}
+
+}  // namespace
+}  // namespace clshard
