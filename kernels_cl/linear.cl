@@ -3,9 +3,12 @@
 // bf16 (WEIGHT_BF16=1, widened inside the loop: never a converted copy in memory); y: [M, N]
 // f32 (row stride ldy). Accumulating into y is how residual adds happen (h += o_proj(attn)).
 //
-// Shaped for CPU OpenCL: one work-item owns a TM x TN tile of y and walks K with 16-wide vector
-// loads; launched with local size 1. Dimension 0 walks N (tiles of TN output features), dimension
-// 1 walks M (tiles of TM rows). Build options: -DTM=1|4 -DTN=4 -DWEIGHT_BF16=0|1.
+// Shaped for CPU OpenCL: the inner tile is TM x TN outputs, walking K with 16-wide vector loads.
+// One work-item (local size 1) owns a block of n_tiles column tiles x m_rows rows and loops over
+// its tiles itself: PoCL pays about a microsecond per work-group, so a work-item per tile would
+// spend more time scheduling than computing. The column tile is the outer loop, so its TN weight
+// rows stay in L1 while the block's x rows stream from L2. Dimension 0 walks column blocks,
+// dimension 1 row blocks. Build options: -DTM=1|4 -DTN=4 -DWEIGHT_BF16=0|1.
 
 #ifndef TM
 #define TM 1
@@ -24,12 +27,11 @@ typedef float wtype;
 #define LOADW1(p) (*(p))
 #endif
 
-kernel void linear(global const float* x, uint x_off, uint ldx,
-                   global const wtype* w, global const wtype* bias, int has_bias,
-                   global float* y, uint y_off, uint ldy,
-                   uint M, uint N, uint K, float alpha, int accumulate) {
-  const uint n0 = get_global_id(0) * TN;
-  const uint m0 = get_global_id(1) * TM;
+// One TM x TN tile at (m0, n0).
+inline void linear_tile(global const float* x, uint x_off, uint ldx, global const wtype* w,
+                        global const wtype* bias, int has_bias, global float* y, uint y_off,
+                        uint ldy, uint M, uint N, uint K, float alpha, int accumulate, uint m0,
+                        uint n0) {
   // Rows and columns past the edge compute on a valid row (clamped) and are not stored.
   global const float* xr[TM];
   global const wtype* wr[TN];
@@ -89,4 +91,19 @@ kernel void linear(global const float* x, uint x_off, uint ldx,
       yr[n] = accumulate ? yr[n] + v : v;
     }
   }
+}
+
+kernel void linear(global const float* x, uint x_off, uint ldx,
+                   global const wtype* w, global const wtype* bias, int has_bias,
+                   global float* y, uint y_off, uint ldy,
+                   uint M, uint N, uint K, float alpha, int accumulate,
+                   uint n_tiles, uint m_rows) {
+  const uint n_begin = get_global_id(0) * n_tiles * TN;
+  const uint n_end = min(n_begin + n_tiles * TN, N);
+  const uint m_begin = get_global_id(1) * m_rows;
+  const uint m_end = min(m_begin + m_rows, M);
+  for (uint n0 = n_begin; n0 < n_end; n0 += TN)
+    for (uint m0 = m_begin; m0 < m_end; m0 += TM)
+      linear_tile(x, x_off, ldx, w, bias, has_bias, y, y_off, ldy, M, N, K, alpha, accumulate,
+                  m0, n0);
 }

@@ -1,5 +1,6 @@
 #include "runtime/ops.h"
 
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 
@@ -32,10 +33,17 @@ void linear(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const W
   cl::Kernel k = dev.kernel("linear.cl", "linear",
                             weight_option(w) + " -DTM=" + std::to_string(tm) +
                                 " -DTN=" + std::to_string(tn));
+  // Work per work-item (see linear.cl): up to 64 rows, and on CPUs enough column tiles that a
+  // launch is a few hundred work-items rather than tens of thousands.
+  const uint32_t m_rows = std::min<uint32_t>((M + tm - 1) / tm * tm, 64);
+  const uint32_t col_tiles = (N + tn - 1) / tn, row_blocks = (M + m_rows - 1) / m_rows;
+  uint32_t n_tiles = 1;
+  if (dev.is_cpu())
+    while (n_tiles < 16 && uint64_t(col_tiles) * row_blocks / (n_tiles * 2) >= 256) n_tiles *= 2;
   const int has_bias = bias != nullptr;
   cl::set_args(k, x, x_off, ldx, w.mem, has_bias ? bias->mem : w.mem, has_bias, y, y_off, ldy, M,
-               N, K, alpha, int(accumulate));
-  dev.launch(k, {(N + tn - 1) / tn, (M + tm - 1) / tm, 1}, 2);
+               N, K, alpha, int(accumulate), n_tiles, m_rows);
+  dev.launch(k, {(col_tiles + n_tiles - 1) / n_tiles, row_blocks, 1}, 2);
 }
 
 void rmsnorm(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const cl::Mem* rows,

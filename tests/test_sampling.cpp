@@ -15,13 +15,12 @@
 #include "runtime/device.h"
 #include "runtime/device_manager.h"
 
+#include "tests/test_util.h"
+
 namespace clshard {
 namespace {
 
-Device& dev() {
-  static DeviceManager mgr(DeviceSelection{});
-  return mgr[0];
-}
+Device& dev() { return test::default_device(); }
 
 cl::Mem upload(const std::vector<float>& v) {
   cl::Mem m = dev().alloc(v.size() * sizeof(float));

@@ -1,0 +1,91 @@
+// End-to-end Llama 3 speed on the first OpenCL device: decode tokens/s at batch 1 and prefill
+// tokens/s for a 512-token prompt, with decode as a fraction of the bandwidth roofline (weight bytes
+// read per token / measured bandwidth).
+// Usage: bench_llama [MODEL_DIR]   (default: .cache/models/llama3-1b-bf16, made if missing)
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+
+#include "runtime/device.h"
+#include "runtime/device_manager.h"
+#include "runtime/generation.h"
+#include "runtime/model.h"
+#include "runtime/safetensors.h"
+
+using namespace clshard;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+double measure_bandwidth(Device& dev) {
+  const size_t bytes = size_t(256) << 20;
+  cl::Mem big = dev.alloc(bytes);
+  dev.fill_zero(big, bytes);
+  cl::Mem sums = dev.alloc(64 * 4);
+  cl::Kernel k = dev.kernel("bandwidth.cl", "read_sum");
+  const uint32_t chunk16 = uint32_t(bytes / 4 / 16 / 64);
+  std::vector<double> t;
+  for (int i = 0; i < 7; ++i) {
+    auto t0 = Clock::now();
+    cl::set_args(k, big, chunk16, sums);
+    dev.launch(k, {64, 1, 1});
+    dev.finish();
+    t.push_back(since(t0));
+  }
+  std::sort(t.begin(), t.end());
+  return bytes / t[t.size() / 2] / 1e9;
+}
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::filesystem::path dir = argc > 1 ? argv[1] : ".cache/models/llama3-1b-bf16";
+  if (!std::filesystem::exists(dir / "model.safetensors")) {
+    std::printf("writing the llama3-1b preset (bf16) to %s ...\n", dir.c_str());
+    make_model("llama3-1b", dir, MakeModelOptions{"bf16", 0});
+  }
+  DeviceManager mgr(DeviceSelection{});
+  Device& dev = mgr[0];
+  auto model = load_model(dir, LoadOptions{{&dev}, std::nullopt});
+  const auto& info = model->info();
+  WeightStore store(dir);
+  // Bytes a decode step reads: every weight once; the embedding table only for its lookup row
+  // unless it doubles as the lm_head (tied), which reads it whole.
+  const auto& emb = store.get("model.embed_tokens.weight");
+  const bool tied = !store.has("lm_head.weight");
+  const double bytes_per_token = double(store.total_bytes()) - (tied ? 0.0 : double(emb.bytes));
+  const double bw = measure_bandwidth(dev);
+  std::printf("model %s: %u layers, hidden %u, vocab %u, %.2f GB of weights\n", dir.c_str(),
+              info.num_layers, info.hidden_size, info.vocab_size, store.total_bytes() / 1e9);
+  std::printf("device %s: measured read bandwidth %.1f GB/s\n", dev.info().name.c_str(), bw);
+
+  // Decode at batch 1: prefill 16 tokens, then time 32 single-token steps.
+  std::vector<int32_t> prompt(16);
+  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = int32_t(100 + i * 7);
+  greedy_generate(*model, {prompt}, 4, 128);  // warm-up: kernel builds
+  auto t0 = Clock::now();
+  greedy_generate(*model, {prompt}, 1, 128);
+  const double prefill16 = since(t0);
+  t0 = Clock::now();
+  const uint32_t n = 33;
+  greedy_generate(*model, {prompt}, n, 128);
+  const double per_token = (since(t0) - prefill16) / (n - 1);
+  const double roofline_s = bytes_per_token / (bw * 1e9);
+  std::printf("\ndecode, batch 1: %.1f ms/token, %.2f tokens/s; roofline %.1f ms/token "
+              "(%.2f GB read per token) -> %.0f%% of roofline\n",
+              per_token * 1e3, 1.0 / per_token, roofline_s * 1e3, bytes_per_token / 1e9,
+              100.0 * roofline_s / per_token);
+
+  // Prefill of a 512-token prompt (one step, last-token logits).
+  std::vector<int32_t> long_prompt(512);
+  for (size_t i = 0; i < long_prompt.size(); ++i) long_prompt[i] = int32_t((i * 31) % 120000 + 5);
+  greedy_generate(*model, {long_prompt}, 1, 128);  // warm-up
+  t0 = Clock::now();
+  greedy_generate(*model, {long_prompt}, 1, 128);
+  const double tp = since(t0);
+  const double flops = 2.0 * 512 * (double(store.total_bytes()) / 2 - double(emb.numel()));
+  std::printf("prefill, 512 tokens: %.2f s, %.1f tokens/s, %.1f GFLOP/s in the linear layers\n",
+              tp, 512 / tp, flops / tp / 1e9);
+  return 0;
+}

@@ -1,0 +1,259 @@
+#include "runtime/ops_moe.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "runtime/device.h"
+
+namespace clshard {
+
+namespace {
+
+constexpr uint32_t kQuantBlock = 128;  // DeepSeek-V3's weight_block_size [128, 128]
+constexpr uint32_t kRowChunk = 256;    // CHUNK in moe.cl
+
+uint32_t ceil_div(uint32_t a, uint32_t b) { return (a + b - 1) / b; }
+
+std::string shape_str(const std::vector<int64_t>& s) {
+  std::string r = "[";
+  for (size_t i = 0; i < s.size(); ++i) r += (i ? ", " : "") + std::to_string(s[i]);
+  return r + "]";
+}
+
+// The (N, K) of an FP8 weight after checking it and its scale tensor against each other.
+std::pair<uint32_t, uint32_t> check_fp8_weight(const char* op, const Weight& w,
+                                               const Weight& scale_inv) {
+  if (w.dtype != DType::F8_E4M3 || w.shape.size() != 2)
+    throw std::invalid_argument(std::string(op) + ": weight '" + w.name + "' is " +
+                                dtype_name(w.dtype) + " " + shape_str(w.shape) +
+                                "; expected a 2-D F8_E4M3 tensor");
+  const uint32_t N = uint32_t(w.dim(0)), K = uint32_t(w.dim(1));
+  const std::vector<int64_t> want = {ceil_div(N, kQuantBlock), ceil_div(K, kQuantBlock)};
+  if (scale_inv.dtype != DType::F32 || scale_inv.shape != want)
+    throw std::invalid_argument(std::string(op) + ": scale '" + scale_inv.name + "' of weight '" +
+                                w.name + "' is " + dtype_name(scale_inv.dtype) + " " +
+                                shape_str(scale_inv.shape) + "; expected F32 " + shape_str(want) +
+                                " (one scale per 128x128 block)");
+  return {N, K};
+}
+
+// Which e4m3 decode linear_fp8.cl compiles (see there): the shortest one builds f32 denormals and
+// needs a device that keeps them; others take the f16 route. CLSHARD_FP8_DECODE=f16 forces the
+// latter, so that it can be tested on devices where it would not be chosen.
+std::string fp8_decode_option(const Device& dev) {
+  const auto fp = cl::device_value<cl_device_fp_config>(dev.id(), CL_DEVICE_SINGLE_FP_CONFIG);
+  bool denorm = (fp & CL_FP_DENORM) != 0;
+  if (const char* force = std::getenv("CLSHARD_FP8_DECODE"); force && std::string(force) == "f16")
+    denorm = false;
+  return denorm ? "-DFP8_DENORM=1" : "-DFP8_DENORM=0";
+}
+
+}  // namespace
+
+namespace ops {
+
+void linear_fp8(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const Weight& w,
+                const Weight& scale_inv, const cl::Mem& y, uint32_t y_off, uint32_t ldy, uint32_t M,
+                float alpha, bool accumulate) {
+  const auto [N, K] = check_fp8_weight("linear_fp8", w, scale_inv);
+  // As ops::linear: a one-row tile for decode-sized batches, 4x4 tiles that reuse every decoded
+  // weight vector four times for larger ones.
+  const uint32_t tm = M < 4 ? 1 : 4, tn = 4;
+  cl::Kernel k = dev.kernel(
+      "linear_fp8.cl", "linear_fp8",
+      fp8_decode_option(dev) + " -DTM=" + std::to_string(tm) + " -DTN=" + std::to_string(tn));
+  cl::set_args(k, x, x_off, ldx, w.mem, scale_inv.mem, ceil_div(K, kQuantBlock), y, y_off, ldy, M,
+               N, K, alpha, int(accumulate));
+  dev.launch(k, {ceil_div(N, tn), ceil_div(M, tm), 1}, 2);
+}
+
+void dequantize_fp8(Device& dev, const Weight& w, const Weight& scale_inv, const cl::Mem& out) {
+  const auto [N, K] = check_fp8_weight("dequantize_fp8", w, scale_inv);
+  cl::Kernel k = dev.kernel("linear_fp8.cl", "dequantize_fp8", fp8_decode_option(dev));
+  cl::set_args(k, w.mem, scale_inv.mem, ceil_div(K, kQuantBlock), out, N, K);
+  dev.launch(k, {N, 1, 1}, 1);
+}
+
+void validate(const RouterConfig& c) {
+  auto fail = [&](const std::string& why) {
+    throw std::invalid_argument("router config (n_experts " + std::to_string(c.n_experts) +
+                                ", top_k " + std::to_string(c.top_k) + ", n_group " +
+                                std::to_string(c.n_group) + ", topk_group " +
+                                std::to_string(c.topk_group) + "): " + why);
+  };
+  if (c.n_experts == 0) fail("n_experts must be > 0");
+  if (c.top_k == 0) fail("top_k (num_experts_per_tok) must be > 0");
+  if (c.n_group == 0) fail("n_group must be > 0");
+  if (c.n_experts % c.n_group != 0) fail("n_experts must be a multiple of n_group");
+  if (c.topk_group == 0 || c.topk_group > c.n_group)
+    fail("topk_group must be between 1 and n_group");
+  const uint32_t per_group = c.n_experts / c.n_group;
+  if (c.n_group > 1 && per_group < 2)
+    fail("each group needs at least 2 experts: the group score is the sum of its top 2");
+  if (c.top_k > c.topk_group * per_group)
+    fail("top_k exceeds the " + std::to_string(c.topk_group * per_group) +
+         " experts in the kept groups");
+  if (!std::isfinite(c.routed_scaling_factor)) fail("routed_scaling_factor must be finite");
+}
+
+void moe_route(Device& dev, const cl::Mem& logits, const Weight* correction_bias, uint32_t T,
+               const RouterConfig& cfg, const cl::Mem& topk_ids, const cl::Mem& topk_weights) {
+  validate(cfg);
+  int bias_mode = 0;
+  if (correction_bias) {
+    const Weight& b = *correction_bias;
+    if (b.shape != std::vector<int64_t>{cfg.n_experts} ||
+        (b.dtype != DType::F32 && b.dtype != DType::BF16))
+      throw std::invalid_argument("moe_route: correction bias '" + b.name + "' is " +
+                                  dtype_name(b.dtype) + " " + shape_str(b.shape) +
+                                  "; expected F32 or BF16 [" + std::to_string(cfg.n_experts) + "]");
+    bias_mode = b.dtype == DType::F32 ? 1 : 2;
+  }
+  const std::string options = "-DN_EXPERTS=" + std::to_string(cfg.n_experts) +
+                              " -DTOP_K=" + std::to_string(cfg.top_k) +
+                              " -DN_GROUP=" + std::to_string(cfg.n_group) +
+                              " -DTOPK_GROUP=" + std::to_string(cfg.topk_group) +
+                              " -DNORM_TOPK=" + std::to_string(int(cfg.norm_topk_prob)) +
+                              " -DBIAS=" + std::to_string(bias_mode);
+  cl::Kernel k = dev.kernel("moe.cl", "moe_route", options);
+  // Without a bias the kernel never reads its bias argument; any valid buffer fills the slot.
+  cl::set_args(k, logits, correction_bias ? correction_bias->mem : logits,
+               cfg.routed_scaling_factor, topk_ids, topk_weights);
+  dev.launch(k, {T, 1, 1}, 1);
+}
+
+ExpertBatches group_by_expert(const std::vector<int32_t>& topk_ids, uint32_t T, uint32_t top_k,
+                              uint32_t n_experts) {
+  const size_t n = size_t(T) * top_k;
+  if (topk_ids.size() != n)
+    throw std::invalid_argument("group_by_expert: " + std::to_string(topk_ids.size()) +
+                                " ids for " + std::to_string(T) + " tokens x top_k " +
+                                std::to_string(top_k));
+  ExpertBatches b;
+  b.expert_offsets.assign(size_t(n_experts) + 1, 0);
+  for (size_t i = 0; i < n; ++i) {
+    const int32_t e = topk_ids[i];
+    if (e < 0 || uint32_t(e) >= n_experts)
+      throw std::out_of_range("group_by_expert: token " + std::to_string(i / top_k) + " slot " +
+                              std::to_string(i % top_k) + " names expert " + std::to_string(e) +
+                              " of " + std::to_string(n_experts));
+    ++b.expert_offsets[size_t(e) + 1];
+  }
+  for (uint32_t e = 0; e < n_experts; ++e) b.expert_offsets[e + 1] += b.expert_offsets[e];
+  // A counting sort: walking tokens and slots in order fills each expert's rows in ascending
+  // (token, slot) order.
+  std::vector<uint32_t> next(b.expert_offsets.begin(), b.expert_offsets.end() - 1);
+  b.src_token.resize(n);
+  b.slot_row.resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    const uint32_t row = next[size_t(topk_ids[i])]++;
+    b.src_token[row] = uint32_t(i / top_k);
+    b.slot_row[i] = row;
+  }
+  return b;
+}
+
+void gather_rows(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::Mem& rows, uint32_t n,
+                 uint32_t width, const cl::Mem& y, uint32_t ldy) {
+  cl::Kernel k = dev.kernel("moe.cl", "gather_rows");
+  cl::set_args(k, x, ldx, rows, y, ldy, width);
+  dev.launch(k, {n, ceil_div(width, kRowChunk), 1}, 2);
+}
+
+void moe_combine(Device& dev, const cl::Mem& expert_out, uint32_t ld, const cl::Mem& slot_row,
+                 const cl::Mem& topk_weights, uint32_t T, uint32_t top_k, uint32_t H,
+                 const cl::Mem& out, uint32_t ldo, bool accumulate) {
+  cl::Kernel k = dev.kernel("moe.cl", "moe_combine");
+  cl::set_args(k, expert_out, ld, slot_row, topk_weights, top_k, H, out, ldo, int(accumulate));
+  dev.launch(k, {T, ceil_div(H, kRowChunk), 1}, 2);
+}
+
+}  // namespace ops
+
+namespace reference {
+
+void route(const float* logits, const float* bias, uint32_t T, const ops::RouterConfig& cfg,
+           int32_t* ids, float* weights) {
+  ops::validate(cfg);
+  const uint32_t E = cfg.n_experts, per_group = E / cfg.n_group;
+  std::vector<float> score(E), sel(E), group_score(cfg.n_group);
+  std::vector<char> eligible(E), group_kept(cfg.n_group);
+  for (uint32_t t = 0; t < T; ++t) {
+    const float* lt = logits + size_t(t) * E;
+    for (uint32_t e = 0; e < E; ++e) {
+      score[e] = 1.0f / (1.0f + std::exp(-lt[e]));
+      sel[e] = bias ? score[e] + bias[e] : score[e];
+    }
+    if (cfg.n_group > 1) {
+      for (uint32_t g = 0; g < cfg.n_group; ++g) {
+        float best = -std::numeric_limits<float>::infinity(), second = best;
+        for (uint32_t e = g * per_group; e < (g + 1) * per_group; ++e) {
+          if (sel[e] > best) {
+            second = best;
+            best = sel[e];
+          } else if (sel[e] > second) {
+            second = sel[e];
+          }
+        }
+        group_score[g] = best + second;
+      }
+      std::fill(group_kept.begin(), group_kept.end(), 0);
+      for (uint32_t r = 0; r < cfg.topk_group; ++r) {
+        int bi = -1;
+        for (uint32_t g = 0; g < cfg.n_group; ++g)
+          if (!group_kept[g] && (bi < 0 || group_score[g] > group_score[size_t(bi)])) bi = int(g);
+        group_kept[size_t(bi)] = 1;
+      }
+      for (uint32_t e = 0; e < E; ++e) eligible[e] = group_kept[e / per_group];
+    } else {
+      std::fill(eligible.begin(), eligible.end(), 1);
+    }
+    int32_t* it = ids + size_t(t) * cfg.top_k;
+    float* wt = weights + size_t(t) * cfg.top_k;
+    float sum = 0.0f;
+    for (uint32_t r = 0; r < cfg.top_k; ++r) {
+      int bi = -1;
+      for (uint32_t e = 0; e < E; ++e)
+        if (eligible[e] && (bi < 0 || sel[e] > sel[size_t(bi)])) bi = int(e);
+      eligible[size_t(bi)] = 0;
+      it[r] = bi;
+      sum += score[size_t(bi)];
+    }
+    for (uint32_t r = 0; r < cfg.top_k; ++r) {
+      float w = score[size_t(it[r])];
+      if (cfg.norm_topk_prob) w = w / sum;
+      wt[r] = w * cfg.routed_scaling_factor;
+    }
+  }
+}
+
+float e4m3_to_f32(uint8_t v) {
+  const bool negative = v & 0x80;
+  const int exponent = (v >> 3) & 0xF, mantissa = v & 0x7;
+  float mag;
+  if (exponent == 0xF && mantissa == 0x7)
+    mag = std::numeric_limits<float>::quiet_NaN();
+  else if (exponent == 0)
+    mag = std::ldexp(float(mantissa), -9);  // subnormal: 0.mmm x 2^(1-7)
+  else
+    mag = std::ldexp(1.0f + float(mantissa) / 8.0f, exponent - 7);
+  return negative ? -mag : mag;
+}
+
+void dequantize_fp8(const uint8_t* w, const float* scale_inv, uint32_t N, uint32_t K, float* out) {
+  const uint32_t KB = ceil_div(K, kQuantBlock);
+  for (uint32_t n = 0; n < N; ++n)
+    for (uint32_t k = 0; k < K; ++k)
+      out[size_t(n) * K + k] = e4m3_to_f32(w[size_t(n) * K + k]) *
+                               scale_inv[size_t(n / kQuantBlock) * KB + k / kQuantBlock];
+}
+
+}  // namespace reference
+
+}  // namespace clshard

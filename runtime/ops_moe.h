@@ -1,0 +1,96 @@
+// The Mixture-of-Experts and FP8 pieces of DeepSeek-V3 as plain functions, in the style of ops.h:
+// each sets its kernel's arguments and enqueues it on the device's in-order queue (no wait), except
+// group_by_expert, which plans on the host. Buffers are f32 activations unless a Weight or said
+// otherwise. Offsets and row strides are in elements.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "runtime/cl.h"
+#include "runtime/tensor.h"
+
+namespace clshard {
+class Device;
+}
+
+namespace clshard::ops {
+
+// y[M, N] (+)= alpha * x[M, K] W^T, W F8_E4M3 [N, K] with block scales scale_inv F32
+// [ceil(N/128), ceil(K/128)] that MULTIPLY each 128x128 block (partial blocks at the edges).
+// Dequantized inside the kernel (e4m3fn: 1 sign, 4 exponent bits bias 7, 3 mantissa bits,
+// subnormals, no infinities, 0x7F/0xFF NaN) — never expanded to an f32 copy in memory.
+// Same tiling as linear.cl (TM=1 for M<4 else 4; TN=4; 16-wide loads along K). The decode is
+// chosen per device (kernels_cl/linear_fp8.cl): f32-denormal based where the device keeps
+// denormals, f16 based elsewhere or when CLSHARD_FP8_DECODE=f16. Either agrees with f32 arithmetic
+// on the dequantized weight to rounding (the scale multiplies x, not W) while |x * scale| < 2^28.
+// A NaN code makes its output feature NaN.
+void linear_fp8(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const Weight& w,
+                const Weight& scale_inv, const cl::Mem& y, uint32_t y_off, uint32_t ldy, uint32_t M,
+                float alpha = 1.0f, bool accumulate = false);
+
+// out[N, K] f32 = e4m3(w) * scale_inv[n/128, k/128]: the dequantized weight, for the places that
+// need it materialised (MLA's absorbed kv_b_proj slices, checks against a reference). Uses the
+// same in-kernel decode as linear_fp8.
+void dequantize_fp8(Device& dev, const Weight& w, const Weight& scale_inv, const cl::Mem& out);
+
+struct RouterConfig {
+  uint32_t n_experts = 0, top_k = 0, n_group = 1, topk_group = 1;
+  bool norm_topk_prob = true;
+  float routed_scaling_factor = 1.0f;
+};
+// Throws std::invalid_argument naming the broken rule: n_experts > 0, top_k > 0, n_group > 0,
+// n_experts % n_group == 0, 1 <= topk_group <= n_group, top_k <= experts in the kept groups, and
+// at least 2 experts per group when there is more than one group (the group score is a top-2 sum).
+void validate(const RouterConfig& cfg);
+
+// DeepSeek-V3 noaux_tc routing for T tokens from router logits [T, E] (f32, = x . gate^T, computed
+// by the caller with ops::linear): scores = sigmoid(logits); selection uses scores + correction
+// bias (bias may be null; F32 or BF16 [E]); group score = sum of the top-2 (biased) scores in each
+// group; keep the top `topk_group` groups; pick the top `top_k` experts among them; weights come
+// from the UNBIASED scores, normalised to sum 1 when norm_topk_prob, times routed_scaling_factor.
+// Ties go to the lower expert / group id. n_group == 1 works. Outputs topk_ids int32 [T, top_k]
+// (in descending selection-score order) and topk_weights f32 [T, top_k]. One work-item per token.
+void moe_route(Device& dev, const cl::Mem& logits, const Weight* correction_bias, uint32_t T,
+               const RouterConfig& cfg, const cl::Mem& topk_ids, const cl::Mem& topk_weights);
+
+// Host-side plan of the expert computation after routing (topk_ids read back to the host):
+// token-slot pairs grouped by expert, in ascending (expert, token, slot) order.
+struct ExpertBatches {
+  std::vector<uint32_t> expert_offsets;  // [E+1] rows of expert e are [offsets[e], offsets[e+1])
+  std::vector<uint32_t> src_token;       // [T*k] the token each grouped row comes from
+  std::vector<uint32_t> slot_row;        // [T*k] for token t slot s: its grouped row index
+};
+// Throws std::out_of_range on an id outside [0, n_experts) and std::invalid_argument when
+// topk_ids does not hold T * top_k ids.
+ExpertBatches group_by_expert(const std::vector<int32_t>& topk_ids, uint32_t T, uint32_t top_k,
+                              uint32_t n_experts);
+
+// y[i] = x[rows[i]] for i < n (row width `width` floats): permute tokens into expert order.
+// rows: uint32 [n].
+void gather_rows(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::Mem& rows, uint32_t n,
+                 uint32_t width, const cl::Mem& y, uint32_t ldy);
+
+// out[t] (+)= sum over s in 0..k-1, IN SLOT ORDER, of weights[t, s] * expert_out[slot_row[t*k + s]]
+// — the combine; the fixed order makes the sum independent of which device computed which expert.
+// slot_row: uint32 [T*k]; topk_weights: f32 [T, k]; expert_out rows have stride ld.
+void moe_combine(Device& dev, const cl::Mem& expert_out, uint32_t ld, const cl::Mem& slot_row,
+                 const cl::Mem& topk_weights, uint32_t T, uint32_t top_k, uint32_t H,
+                 const cl::Mem& out, uint32_t ldo, bool accumulate);
+
+}  // namespace clshard::ops
+
+// Plain C++ references used by the tests (and by the model's tests).
+namespace clshard::reference {
+
+// The same routing as ops::moe_route, on the host (validates cfg).
+void route(const float* logits, const float* bias /*nullable*/, uint32_t T,
+           const ops::RouterConfig& cfg, int32_t* ids, float* weights);
+
+// One e4m3fn code as f32 (exact: every e4m3fn value is an f32 value).
+float e4m3_to_f32(uint8_t v);
+
+// out[N*K] = e4m3_to_f32(w[n, k]) * scale_inv[n/128, k/128], the checkpoint's dequantization.
+void dequantize_fp8(const uint8_t* w, const float* scale_inv, uint32_t N, uint32_t K, float* out);
+
+}  // namespace clshard::reference

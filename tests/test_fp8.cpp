@@ -1,0 +1,390 @@
+// FP8 (e4m3fn, 128x128 block scales): the decode of every code, linear_fp8 against an f32 product
+// with the dequantized weight on partial-block shapes, and the shared reference case `fp8_gemm`
+// (real F8_E4M3 tensors of the deepseek-v3-tiny-grouped-fp8 checkpoint).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <random>
+
+#include <nlohmann/json.hpp>
+
+#include "runtime/device.h"
+#include "runtime/device_manager.h"
+#include "runtime/ops_moe.h"
+#include "runtime/safetensors.h"
+#include "runtime/tensor.h"
+
+#include "tests/test_util.h"
+
+namespace clshard {
+namespace {
+
+Device& device() { return test::default_device(); }
+
+std::filesystem::path shared_dir() { return test::shared_dir(); }
+
+
+cl::Mem upload(Device& dev, const std::vector<float>& v) {
+  cl::Mem m = dev.alloc(v.size() * sizeof(float));
+  dev.write(m, v.data(), v.size() * sizeof(float));
+  return m;
+}
+
+std::vector<float> download(Device& dev, const cl::Mem& m, size_t n) {
+  std::vector<float> v(n);
+  dev.read(m, v.data(), n * sizeof(float));
+  return v;
+}
+
+// A device weight holding host bytes (copied, so the host vector may go away).
+Weight fp8_weight(Device& dev, const std::vector<uint8_t>& bytes, int64_t N, int64_t K) {
+  Weight w;
+  w.mem = dev.alloc(bytes.size(), CL_MEM_READ_ONLY);
+  dev.write(w.mem, bytes.data(), bytes.size());
+  w.dtype = DType::F8_E4M3;
+  w.shape = {N, K};
+  w.name = "test.fp8.weight";
+  return w;
+}
+
+uint32_t ceil128(uint32_t v) { return (v + 127) / 128; }
+
+bool same_bits_or_both_nan(float a, float b) {
+  if (std::isnan(a) || std::isnan(b)) return std::isnan(a) && std::isnan(b);
+  return std::bit_cast<uint32_t>(a) == std::bit_cast<uint32_t>(b);
+}
+
+// Both e4m3 decodes of linear_fp8.cl: the device's default (f32-denormal based on PoCL) and the
+// f16-based one that devices without denormals get, forced through CLSHARD_FP8_DECODE.
+class Fp8Decodes : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    if (GetParam() == "f16")
+      setenv("CLSHARD_FP8_DECODE", "f16", 1);
+    else
+      unsetenv("CLSHARD_FP8_DECODE");
+  }
+  void TearDown() override { unsetenv("CLSHARD_FP8_DECODE"); }
+};
+INSTANTIATE_TEST_SUITE_P(Fp8, Fp8Decodes, ::testing::Values("device_default", "f16"),
+                         [](const auto& info) { return info.param; });
+
+// ---------------------------------------------------------------------------------------------
+// Decode
+
+TEST(Fp8Decode, ReferenceDecodesKnownCodes) {
+  using reference::e4m3_to_f32;
+  EXPECT_EQ(std::bit_cast<uint32_t>(e4m3_to_f32(0x00)), 0u);
+  EXPECT_EQ(std::bit_cast<uint32_t>(e4m3_to_f32(0x80)), 0x80000000u);  // -0
+  EXPECT_EQ(e4m3_to_f32(0x01), std::ldexp(1.0f, -9));                  // smallest subnormal
+  EXPECT_EQ(e4m3_to_f32(0x07), 7 * std::ldexp(1.0f, -9));              // largest subnormal
+  EXPECT_EQ(e4m3_to_f32(0x08), std::ldexp(1.0f, -6));                  // smallest normal
+  EXPECT_EQ(e4m3_to_f32(0x38), 1.0f);
+  EXPECT_EQ(e4m3_to_f32(0x3C), 1.5f);
+  EXPECT_EQ(e4m3_to_f32(0xB8), -1.0f);
+  EXPECT_EQ(e4m3_to_f32(0x7E), 448.0f);  // largest finite
+  EXPECT_EQ(e4m3_to_f32(0xFE), -448.0f);
+  EXPECT_EQ(e4m3_to_f32(0x78), 256.0f);  // exponent 15 is finite in the fn variant
+  EXPECT_TRUE(std::isnan(e4m3_to_f32(0x7F)));
+  EXPECT_TRUE(std::isnan(e4m3_to_f32(0xFF)));
+  // Positive codes are ordered like their values; negative codes mirror them.
+  for (int c = 1; c < 0x7F; ++c) {
+    EXPECT_LT(e4m3_to_f32(uint8_t(c - 1)), e4m3_to_f32(uint8_t(c))) << "code " << c;
+    EXPECT_EQ(e4m3_to_f32(uint8_t(c | 0x80)), -e4m3_to_f32(uint8_t(c))) << "code " << c;
+  }
+}
+
+// Every code through the kernel's 16-wide decode (row 0 and row 1 hold all 256 codes in the
+// vector part) and the scalar tail (the last 7 columns: NaN, -0, subnormals, normals, max), with
+// power-of-two block scales so that the scaled values stay exact.
+TEST_P(Fp8Decodes, KernelDecodesAll256CodesExactly) {
+  Device& dev = device();
+  const uint32_t N = 2, K = 263;  // 16 vectors of 16 + a 7-column tail; 3 K blocks
+  const uint8_t tail[7] = {0x7F, 0xFF, 0x80, 0x01, 0x87, 0x08, 0x7E};
+  std::vector<uint8_t> w(N * K);
+  for (uint32_t k = 0; k < 256; ++k) {
+    w[k] = uint8_t(k);
+    w[K + k] = uint8_t(255 - k);
+  }
+  for (uint32_t k = 0; k < 7; ++k) w[256 + k] = w[K + 256 + k] = tail[k];
+  const std::vector<float> scales = {1.0f, 0.25f, 8.0f};  // [1, 3]
+  Weight wq = fp8_weight(dev, w, N, K);
+  Weight sc = to_device_f32(dev, scales, {1, 3}, "test.fp8.scale_inv");
+  cl::Mem out = dev.alloc(N * K * sizeof(float));
+  ops::dequantize_fp8(dev, wq, sc, out);
+  const std::vector<float> got = download(dev, out, N * K);
+  for (uint32_t n = 0; n < N; ++n)
+    for (uint32_t k = 0; k < K; ++k) {
+      const uint8_t code = w[n * K + k];
+      const float want = reference::e4m3_to_f32(code) * scales[k / 128];
+      EXPECT_TRUE(same_bits_or_both_nan(got[n * K + k], want))
+          << "row " << n << " col " << k << " code 0x" << std::hex << int(code) << ": got "
+          << got[n * K + k] << " want " << want;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// linear_fp8 against x . dequant(W)^T computed in double on the host
+
+struct Fp8Problem {
+  uint32_t N, K;
+  std::vector<uint8_t> w;
+  std::vector<float> scales;  // [ceil(N/128), ceil(K/128)]
+  std::vector<float> w_deq;   // [N, K]
+};
+
+Fp8Problem random_problem(uint32_t N, uint32_t K, uint32_t seed) {
+  std::mt19937 rng(seed);
+  Fp8Problem p{N, K, std::vector<uint8_t>(size_t(N) * K), {}, std::vector<float>(size_t(N) * K)};
+  std::uniform_int_distribution<int> code(0, 255);
+  for (auto& b : p.w) {
+    do b = uint8_t(code(rng));
+    while ((b & 0x7F) == 0x7F);  // no NaN codes in a weight
+  }
+  // Scales of different magnitudes per block, as a real checkpoint has (~amax/448).
+  std::uniform_real_distribution<float> mant(0.5f, 1.0f);
+  std::uniform_int_distribution<int> exp2(-12, -4);
+  p.scales.resize(size_t(ceil128(N)) * ceil128(K));
+  for (auto& s : p.scales) s = std::ldexp(mant(rng), exp2(rng));
+  reference::dequantize_fp8(p.w.data(), p.scales.data(), N, K, p.w_deq.data());
+  return p;
+}
+
+// Runs y = alpha * x W^T (+ y0) with row strides and offsets around the data, and checks every
+// output against the double-precision product: max |diff| <= 1e-5 * max |y| (the fp8_gemm case's
+// fp32 tolerance), and that the padding around y was not written.
+void check_linear_fp8(uint32_t M, uint32_t N, uint32_t K, float alpha, bool accumulate,
+                      uint32_t seed) {
+  SCOPED_TRACE("M=" + std::to_string(M) + " N=" + std::to_string(N) + " K=" + std::to_string(K) +
+               " alpha=" + std::to_string(alpha) + " accumulate=" + std::to_string(accumulate));
+  Device& dev = device();
+  const Fp8Problem p = random_problem(N, K, seed);
+  const uint32_t x_off = 5, ldx = K + 3, y_off = 7, ldy = N + 9;
+  std::mt19937 rng(seed + 1);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> x(x_off + size_t(M) * ldx), y0(y_off + size_t(M) * ldy);
+  for (auto& v : x) v = normal(rng);
+  for (auto& v : y0) v = normal(rng);
+
+  Weight wq = fp8_weight(dev, p.w, N, K);
+  Weight sc = to_device_f32(dev, p.scales, {ceil128(N), ceil128(K)}, "test.scale_inv");
+  cl::Mem xb = upload(dev, x), yb = upload(dev, y0);
+  ops::linear_fp8(dev, xb, x_off, ldx, wq, sc, yb, y_off, ldy, M, alpha, accumulate);
+  const std::vector<float> y = download(dev, yb, y0.size());
+
+  std::vector<double> want(size_t(M) * N);
+  double max_abs = 0;
+  for (uint32_t m = 0; m < M; ++m)
+    for (uint32_t n = 0; n < N; ++n) {
+      double acc = 0;
+      for (uint32_t k = 0; k < K; ++k)
+        acc += double(x[x_off + size_t(m) * ldx + k]) * double(p.w_deq[size_t(n) * K + k]);
+      acc *= alpha;
+      if (accumulate) acc += y0[y_off + size_t(m) * ldy + n];
+      want[size_t(m) * N + n] = acc;
+      max_abs = std::max(max_abs, std::abs(acc));
+    }
+  ASSERT_GT(max_abs, 0.0);
+  double max_err = 0;
+  for (uint32_t m = 0; m < M; ++m)
+    for (uint32_t n = 0; n < N; ++n)
+      max_err = std::max(
+          max_err, std::abs(double(y[y_off + size_t(m) * ldy + n]) - want[size_t(m) * N + n]));
+  EXPECT_LE(max_err, 1e-5 * max_abs) << "max abs error " << max_err << " of max |y| " << max_abs;
+  // Everything outside the M x N window keeps its old value.
+  for (size_t i = 0; i < y.size(); ++i) {
+    const bool inside = i >= y_off && (i - y_off) % ldy < N && (i - y_off) / ldy < M;
+    if (!inside) {
+      ASSERT_EQ(y[i], y0[i]) << "element " << i << " outside the output was written";
+    }
+  }
+}
+
+TEST_P(Fp8Decodes, LinearPartialBlocksAllTileShapes) {
+  // N=200, K=300: two block rows (128 + 72), three block columns (128 + 128 + 44), a 12-column
+  // tail past the last 16-wide vector and a last N tile of 4 that is complete; M covers the TM=1
+  // path (1, 3) and the TM=4 path with full and partial row tiles (4, 7, 65).
+  for (uint32_t M : {1u, 3u, 4u, 7u, 65u}) check_linear_fp8(M, 200, 300, 1.0f, false, 100 + M);
+}
+
+TEST_P(Fp8Decodes, LinearEdgeShapes) {
+  check_linear_fp8(5, 202, 96, 1.0f, false, 1);   // N tile cut at 2 of 4; K < one block
+  check_linear_fp8(2, 131, 10, 1.0f, false, 2);   // K below one vector: the tail alone
+  check_linear_fp8(9, 129, 128, 1.0f, false, 3);  // one full K block; a 1-row last block row
+  check_linear_fp8(1, 64, 2048, 1.0f, false, 4);  // 16 K blocks, decode
+  check_linear_fp8(6, 256, 384, 1.0f, false, 5);  // whole blocks only
+}
+
+TEST_P(Fp8Decodes, LinearAlphaAndAccumulate) {
+  check_linear_fp8(1, 200, 300, 0.5f, true, 7);
+  check_linear_fp8(7, 200, 300, -2.0f, true, 8);
+  check_linear_fp8(7, 200, 300, 3.0f, false, 9);
+}
+
+// A NaN code (0x7F or 0xFF) makes its output feature NaN, as x . W^T with a NaN weight is, in the
+// vector part and in the K % 16 tail, for every row of x; the other features stay exact.
+TEST_P(Fp8Decodes, LinearNanCodePoisonsItsFeatureOnly) {
+  Device& dev = device();
+  const uint32_t M = 5, N = 12, K = 150;  // tail of 6 columns
+  Fp8Problem p = random_problem(N, K, 31);
+  p.w[1 * K + 17] = 0x7F;   // feature 1, vector part
+  p.w[6 * K + 149] = 0xFF;  // feature 6, tail
+  p.w[9 * K + 130] = 0xFF;  // feature 9, second K block
+  std::vector<float> x(M * K, 0.25f);
+  Weight wq = fp8_weight(dev, p.w, N, K);
+  Weight sc = to_device_f32(dev, p.scales, {1, 2}, "test.scale_inv");
+  cl::Mem xb = upload(dev, x), yb = dev.alloc(M * N * sizeof(float));
+  ops::linear_fp8(dev, xb, 0, K, wq, sc, yb, 0, N, M);
+  const std::vector<float> y = download(dev, yb, M * N);
+  for (uint32_t m = 0; m < M; ++m)
+    for (uint32_t n = 0; n < N; ++n) {
+      if (n == 1 || n == 6 || n == 9) {
+        EXPECT_TRUE(std::isnan(y[m * N + n])) << "row " << m << " feature " << n;
+        continue;
+      }
+      double want = 0, mag = 0;
+      for (uint32_t k = 0; k < K; ++k) {
+        want += 0.25 * p.w_deq[n * K + k];
+        mag += std::abs(0.25 * p.w_deq[n * K + k]);
+      }
+      EXPECT_NEAR(y[m * N + n], want, 1e-6 * mag) << "row " << m << " feature " << n;
+    }
+}
+
+// The denormal-based decode carries 2^100 on the activation side and 2^-120 on the weights:
+// activations of 1e4 against scales of 1e3 (|x * scale| = 1e7, below its 2^28 limit) and of 1e-20
+// (products ~1e-23, far above its 2^-106 floor) come out as exact as plain f32.
+TEST_P(Fp8Decodes, LinearExtremeActivationsAndScales) {
+  Device& dev = device();
+  const uint32_t N = 8, K = 256;
+  Fp8Problem p = random_problem(N, K, 41);
+  p.scales = {1e3f, 2e-3f};
+  reference::dequantize_fp8(p.w.data(), p.scales.data(), N, K, p.w_deq.data());
+  for (float x_mag : {1e4f, 1e-20f}) {
+    SCOPED_TRACE(x_mag);
+    std::vector<float> x(K);
+    for (uint32_t k = 0; k < K; ++k) x[k] = (k % 3 == 0 ? -x_mag : x_mag) * (1 + k % 7) / 7.0f;
+    Weight wq = fp8_weight(dev, p.w, N, K);
+    Weight sc = to_device_f32(dev, p.scales, {1, 2}, "test.scale_inv");
+    cl::Mem xb = upload(dev, x), yb = dev.alloc(N * sizeof(float));
+    ops::linear_fp8(dev, xb, 0, K, wq, sc, yb, 0, N, 1);
+    const std::vector<float> y = download(dev, yb, N);
+    for (uint32_t n = 0; n < N; ++n) {
+      double want = 0, mag = 0;
+      for (uint32_t k = 0; k < K; ++k) {
+        want += double(x[k]) * p.w_deq[n * K + k];
+        mag += std::abs(double(x[k]) * p.w_deq[n * K + k]);
+      }
+      ASSERT_TRUE(std::isfinite(y[n])) << "feature " << n;
+      EXPECT_NEAR(y[n], want, 1e-6 * mag) << "feature " << n;
+    }
+  }
+}
+
+TEST(LinearFp8, RejectsWrongDtypeAndScaleShape) {
+  Device& dev = device();
+  const Fp8Problem p = random_problem(200, 300, 11);
+  Weight wq = fp8_weight(dev, p.w, 200, 300);
+  Weight sc = to_device_f32(dev, p.scales, {2, 3}, "good.scale_inv");
+  Weight bad_scale = to_device_f32(dev, p.scales, {3, 2}, "bad.scale_inv");
+  Weight f32_weight = to_device_f32(dev, p.w_deq, {200, 300}, "f32.weight");
+  cl::Mem x = dev.alloc(300 * sizeof(float)), y = dev.alloc(200 * sizeof(float));
+  try {
+    ops::linear_fp8(dev, x, 0, 300, wq, bad_scale, y, 0, 200, 1);
+    FAIL() << "a [3, 2] scale for a [200, 300] weight was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("expected F32 [2, 3]"), std::string::npos) << e.what();
+  }
+  try {
+    ops::linear_fp8(dev, x, 0, 300, f32_weight, sc, y, 0, 200, 1);
+    FAIL() << "an F32 weight was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("F8_E4M3"), std::string::npos) << e.what();
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The shared reference case: real checkpoint tensors, x and y = x . w_dequant^T in float64.
+
+TEST_P(Fp8Decodes, LinearReferenceCaseFp8Gemm) {
+  Device& dev = device();
+  const auto ref = shared_dir() / "reference";
+  const auto index = read_json_file(ref / "index.json");
+  const nlohmann::json* fp8_case = nullptr;
+  for (const auto& c : index["cases"])
+    if (c["id"] == "deepseek-v3-tiny-grouped-fp8/fp8_gemm") fp8_case = &c;
+  ASSERT_NE(fp8_case, nullptr) << "no fp8_gemm case in " << (ref / "index.json");
+  ASSERT_EQ((*fp8_case)["kind"], "fp8_gemm");
+  const double rel_tol = (*fp8_case)["tolerance"]["gemm_fp32"]["rel"].get<double>();  // 1e-5
+  WeightStore store(ref / (*fp8_case)["checkpoint"].get<std::string>());
+
+  ASSERT_FALSE((*fp8_case)["weights"].empty());
+  for (const auto& wc : (*fp8_case)["weights"]) {
+    const std::string name = wc["tensor"];
+    SCOPED_TRACE(name);
+    const auto wshape = wc["weight_shape"].get<std::vector<int64_t>>();
+    const auto sshape = wc["scale_shape"].get<std::vector<int64_t>>();
+    const TensorView& wv = store.expect(name, wshape, {DType::F8_E4M3});
+    const TensorView& sv = store.expect(wc["scale_tensor"], sshape, {DType::F32});
+    const uint32_t N = uint32_t(wshape[0]), K = uint32_t(wshape[1]);
+    const auto& files = wc["files"];
+    const std::vector<float> x = test::read_f32(ref / files["x"]["file"].get<std::string>());
+    const std::vector<float> w_dequant =
+        test::read_f32(ref / files["w_dequant"]["file"].get<std::string>());
+    const std::vector<float> y_ref =
+        test::read_f32(ref / files["y_dequant_only"]["file"].get<std::string>());
+    const uint32_t M = files["x"]["shape"][0].get<uint32_t>();
+    ASSERT_EQ(x.size(), size_t(M) * K);
+    ASSERT_EQ(w_dequant.size(), size_t(N) * K);
+    ASSERT_EQ(y_ref.size(), size_t(M) * N);
+
+    // Host dequantization reproduces the reference's float32(e4m3fn) * scale bit for bit. The
+    // scale tensor is copied out of the mapping: safetensors does not promise 4-byte alignment.
+    std::vector<float> scales(sv.bytes / sizeof(float));
+    std::memcpy(scales.data(), sv.data, sv.bytes);
+    std::vector<float> host_deq(size_t(N) * K);
+    reference::dequantize_fp8(wv.data, scales.data(), N, K, host_deq.data());
+    size_t host_mismatches = 0;
+    for (size_t i = 0; i < host_deq.size(); ++i)
+      host_mismatches += !same_bits_or_both_nan(host_deq[i], w_dequant[i]);
+    EXPECT_EQ(host_mismatches, 0u) << "host dequantization differs from w_dequant";
+
+    // The device's dequantization is the same, bit for bit.
+    Weight wq = to_device(dev, wv);
+    Weight sc = to_device(dev, sv);
+    cl::Mem deq = dev.alloc(size_t(N) * K * sizeof(float));
+    ops::dequantize_fp8(dev, wq, sc, deq);
+    const std::vector<float> dev_deq = download(dev, deq, size_t(N) * K);
+    size_t dev_mismatches = 0;
+    for (size_t i = 0; i < dev_deq.size(); ++i)
+      dev_mismatches += !same_bits_or_both_nan(dev_deq[i], w_dequant[i]);
+    EXPECT_EQ(dev_mismatches, 0u) << "device dequantization differs from w_dequant";
+
+    // The GEMM: per row (the rows span scales from 1e-6 to 5000), max |diff| <= rel * max |y|;
+    // the all-zero row must come out exactly zero.
+    cl::Mem xb = upload(dev, x), yb = dev.alloc(size_t(M) * N * sizeof(float));
+    ops::linear_fp8(dev, xb, 0, K, wq, sc, yb, 0, N, M);
+    const std::vector<float> y = download(dev, yb, size_t(M) * N);
+    for (uint32_t m = 0; m < M; ++m) {
+      double max_y = 0, max_err = 0;
+      for (uint32_t n = 0; n < N; ++n) {
+        max_y = std::max(max_y, std::abs(double(y_ref[m * N + n])));
+        max_err = std::max(max_err, std::abs(double(y[m * N + n]) - double(y_ref[m * N + n])));
+      }
+      if (max_y == 0)
+        EXPECT_EQ(max_err, 0.0) << "row " << m << " should be exactly zero";
+      else
+        EXPECT_LE(max_err, rel_tol * max_y)
+            << "row " << m << ": max |diff| " << max_err << " of max |y| " << max_y;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace clshard

@@ -1,0 +1,419 @@
+// MoE ops: the DeepSeek-V3 router (kernel and host reference) on hand-made scores and on random
+// logits, its config validation, the host plan of expert batches, the gather into expert order and
+// the slot-ordered combine.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <numeric>
+#include <random>
+
+#include "runtime/device.h"
+#include "runtime/device_manager.h"
+#include "runtime/ops_moe.h"
+#include "runtime/tensor.h"
+
+#include "tests/test_util.h"
+
+namespace clshard {
+namespace {
+
+Device& device() { return test::default_device(); }
+
+template <typename T>
+cl::Mem upload(Device& dev, const std::vector<T>& v) {
+  cl::Mem m = dev.alloc(v.size() * sizeof(T));
+  dev.write(m, v.data(), v.size() * sizeof(T));
+  return m;
+}
+
+template <typename T>
+std::vector<T> download(Device& dev, const cl::Mem& m, size_t n) {
+  std::vector<T> v(n);
+  dev.read(m, v.data(), n * sizeof(T));
+  return v;
+}
+
+// The logit whose sigmoid is p: hand-made cases are written as router scores.
+std::vector<float> logits_of(const std::vector<float>& scores) {
+  std::vector<float> l;
+  for (float p : scores) l.push_back(std::log(p / (1.0f - p)));
+  return l;
+}
+
+struct Routing {
+  std::vector<int32_t> ids;
+  std::vector<float> weights;
+};
+
+Routing route_on_device(const std::vector<float>& logits, const std::vector<float>* bias,
+                        uint32_t T, const ops::RouterConfig& cfg, DType bias_dtype = DType::F32) {
+  Device& dev = device();
+  cl::Mem lb = upload(dev, logits);
+  Weight bw;
+  if (bias) {
+    if (bias_dtype == DType::BF16) {
+      std::vector<uint16_t> b16;
+      for (float b : *bias) b16.push_back(f32_to_bf16(b));
+      bw.mem = upload(dev, b16);
+      bw.dtype = DType::BF16;
+      bw.shape = {int64_t(bias->size())};
+      bw.name = "test.e_score_correction_bias";
+    } else {
+      bw = to_device_f32(dev, *bias, {int64_t(bias->size())}, "test.e_score_correction_bias");
+    }
+  }
+  cl::Mem ids = dev.alloc(size_t(T) * cfg.top_k * sizeof(int32_t));
+  cl::Mem wts = dev.alloc(size_t(T) * cfg.top_k * sizeof(float));
+  ops::moe_route(dev, lb, bias ? &bw : nullptr, T, cfg, ids, wts);
+  return {download<int32_t>(dev, ids, size_t(T) * cfg.top_k),
+          download<float>(dev, wts, size_t(T) * cfg.top_k)};
+}
+
+Routing route_on_host(const std::vector<float>& logits, const std::vector<float>* bias, uint32_t T,
+                      const ops::RouterConfig& cfg) {
+  Routing r{std::vector<int32_t>(size_t(T) * cfg.top_k), std::vector<float>(size_t(T) * cfg.top_k)};
+  reference::route(logits.data(), bias ? bias->data() : nullptr, T, cfg, r.ids.data(),
+                   r.weights.data());
+  return r;
+}
+
+// One token routed by the kernel and by the host reference: both must give `ids` exactly and
+// `weights` to float rounding (the logits came from scores through log, the kernel's exp may
+// differ from the host's by a few ulps).
+void expect_route(const std::vector<float>& scores, const std::vector<float>* bias,
+                  const ops::RouterConfig& cfg, const std::vector<int32_t>& ids,
+                  const std::vector<float>& weights) {
+  const std::vector<float> logits = logits_of(scores);
+  for (const char* where : {"device", "host"}) {
+    SCOPED_TRACE(where);
+    const Routing r = std::string(where) == "device" ? route_on_device(logits, bias, 1, cfg)
+                                                     : route_on_host(logits, bias, 1, cfg);
+    EXPECT_EQ(r.ids, ids);
+    ASSERT_EQ(r.weights.size(), weights.size());
+    for (size_t i = 0; i < weights.size(); ++i)
+      EXPECT_NEAR(r.weights[i], weights[i], 2e-6f * std::max(1.0f, std::abs(weights[i])))
+          << "slot " << i;
+  }
+}
+
+ops::RouterConfig config(uint32_t E, uint32_t top_k, uint32_t n_group, uint32_t topk_group,
+                         bool norm = true, float scale = 1.0f) {
+  ops::RouterConfig c;
+  c.n_experts = E;
+  c.top_k = top_k;
+  c.n_group = n_group;
+  c.topk_group = topk_group;
+  c.norm_topk_prob = norm;
+  c.routed_scaling_factor = scale;
+  return c;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Router on hand-made scores
+
+TEST(MoeRoute, BestExpertInMaskedGroupIsNotChosen) {
+  // 4 groups of 2. Group scores (top-2 sums): 1.0, 1.2, 1.1, 0.5 -> groups 1 and 2 stay. Expert 0
+  // (0.9) is the best overall but sits in group 0, which loses to groups whose top-2 sums are
+  // larger.
+  const std::vector<float> scores = {0.9f, 0.1f, 0.7f, 0.5f, 0.6f, 0.5f, 0.2f, 0.3f};
+  expect_route(scores, nullptr, config(8, 2, 4, 2), {2, 4}, {0.7f / 1.3f, 0.6f / 1.3f});
+  // With three groups kept, group 0 joins and expert 0 wins.
+  expect_route(scores, nullptr, config(8, 2, 4, 3), {0, 2}, {0.9f / 1.6f, 0.7f / 1.6f});
+}
+
+TEST(MoeRoute, GroupScoreIsTopTwoSumNotMax) {
+  // Group 0 has the single best expert (0.95) but a weak second (0.05): sum 1.0. Group 1 sums
+  // 0.6 + 0.6 = 1.2 and wins the one kept group.
+  const std::vector<float> scores = {0.95f, 0.05f, 0.6f, 0.6f};
+  expect_route(scores, nullptr, config(4, 1, 2, 1), {2}, {1.0f});
+}
+
+TEST(MoeRoute, BiasSelectsButWeightsAreUnbiased) {
+  // Bias lifts expert 2 (0.3 + 0.7 = 1.0) above experts 0 (0.9) and 1 (0.8); the weights are the
+  // sigmoid scores 0.3 and 0.9 normalised, not the biased 1.0 and 0.9.
+  const std::vector<float> scores = {0.9f, 0.8f, 0.3f, 0.2f};
+  const std::vector<float> bias = {0.0f, 0.0f, 0.7f, 0.0f};
+  expect_route(scores, &bias, config(4, 2, 1, 1), {2, 0}, {0.3f / 1.2f, 0.9f / 1.2f});
+  // The bias also decides the groups: unbiased, group 0 (0.9 + 0.8) beats group 1 (0.2 + 0.3);
+  // biased, group 0 sums 0.4 + 0.3 = 0.7 against group 1's 0.7 + 0.8 = 1.5.
+  const std::vector<float> grouped_scores = {0.9f, 0.8f, 0.2f, 0.3f};
+  const std::vector<float> grouped_bias = {-0.5f, -0.5f, 0.5f, 0.5f};
+  expect_route(grouped_scores, &grouped_bias, config(4, 2, 2, 1), {3, 2},
+               {0.3f / 0.5f, 0.2f / 0.5f});
+}
+
+TEST(MoeRoute, TiesGoToLowerIds) {
+  // All scores equal: the groups tie (keep 0 and 1), the experts tie (0, 1, 2 in that order).
+  const std::vector<float> flat(8, 0.5f);
+  expect_route(flat, nullptr, config(8, 3, 4, 2), {0, 1, 2}, {1 / 3.0f, 1 / 3.0f, 1 / 3.0f});
+  // Groups 1 and 3 tie for best (identical scores), group 3 loses the single kept slot; inside
+  // group 1 the two equal experts come out lower id first.
+  const std::vector<float> scores = {0.1f, 0.2f, 0.6f, 0.6f, 0.3f, 0.3f, 0.6f, 0.6f};
+  expect_route(scores, nullptr, config(8, 2, 4, 1), {2, 3}, {0.5f, 0.5f});
+}
+
+TEST(MoeRoute, SingleGroup) {
+  const std::vector<float> scores = {0.2f, 0.7f, 0.4f, 0.9f, 0.1f, 0.7f};
+  expect_route(scores, nullptr, config(6, 3, 1, 1), {3, 1, 5},
+               {0.9f / 2.3f, 0.7f / 2.3f, 0.7f / 2.3f});
+}
+
+TEST(MoeRoute, UnnormalisedAndScaled) {
+  const std::vector<float> scores = {0.2f, 0.7f, 0.4f, 0.9f};
+  // norm_topk_prob false: the raw scores times the scaling factor.
+  expect_route(scores, nullptr, config(4, 2, 2, 2, false, 2.5f), {3, 1},
+               {0.9f * 2.5f, 0.7f * 2.5f});
+  // Normalised and scaled: the weights sum to the scaling factor.
+  expect_route(scores, nullptr, config(4, 2, 2, 2, true, 2.5f), {3, 1},
+               {0.9f / 1.6f * 2.5f, 0.7f / 1.6f * 2.5f});
+}
+
+// ---------------------------------------------------------------------------------------------
+// Kernel against the host reference on random logits
+
+void compare_random(uint32_t T, const ops::RouterConfig& cfg, bool with_bias, uint32_t seed,
+                    DType bias_dtype = DType::F32) {
+  SCOPED_TRACE("E=" + std::to_string(cfg.n_experts) + " groups=" + std::to_string(cfg.n_group) +
+               " bias=" + std::to_string(with_bias));
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  std::vector<float> logits(size_t(T) * cfg.n_experts), bias(cfg.n_experts);
+  for (auto& l : logits) l = normal(rng);
+  // Bias of the size a trained router has (a few tenths), rounded to what the device will hold.
+  for (auto& b : bias) {
+    b = 0.2f * normal(rng);
+    if (bias_dtype == DType::BF16) b = bf16_to_f32(f32_to_bf16(b));
+  }
+  const auto* bp = with_bias ? &bias : nullptr;
+  const Routing dev = route_on_device(logits, bp, T, cfg, bias_dtype);
+  const Routing host = route_on_host(logits, bp, T, cfg);
+  EXPECT_EQ(dev.ids, host.ids);
+  ASSERT_EQ(dev.weights.size(), host.weights.size());
+  for (size_t i = 0; i < host.weights.size(); ++i)
+    EXPECT_NEAR(dev.weights[i], host.weights[i], 2e-6f * cfg.routed_scaling_factor) << i;
+
+  // What the routing must satisfy regardless of the implementation: distinct ids, from at most
+  // topk_group groups, in descending selection-score order, weights summing to the scale.
+  const uint32_t per_group = cfg.n_experts / cfg.n_group;
+  for (uint32_t t = 0; t < T; ++t) {
+    std::vector<int> groups;
+    float sum = 0;
+    for (uint32_t s = 0; s < cfg.top_k; ++s) {
+      const int32_t id = host.ids[t * cfg.top_k + s];
+      ASSERT_GE(id, 0);
+      ASSERT_LT(uint32_t(id), cfg.n_experts);
+      for (uint32_t s2 = 0; s2 < s; ++s2) EXPECT_NE(host.ids[t * cfg.top_k + s2], id);
+      if (std::find(groups.begin(), groups.end(), id / per_group) == groups.end())
+        groups.push_back(int(id / per_group));
+      if (s > 0) {
+        auto sel = [&](int32_t e) {
+          const float sc = 1.0f / (1.0f + std::exp(-logits[t * cfg.n_experts + e]));
+          return with_bias ? sc + bias[e] : sc;
+        };
+        EXPECT_GE(sel(host.ids[t * cfg.top_k + s - 1]), sel(id));
+      }
+      sum += host.weights[t * cfg.top_k + s];
+    }
+    EXPECT_LE(groups.size(), cfg.topk_group);
+    EXPECT_NEAR(sum, cfg.routed_scaling_factor, 1e-5f);
+  }
+}
+
+TEST(MoeRoute, KernelMatchesReference16Experts4Groups) {
+  compare_random(37, config(16, 4, 4, 2, true, 2.5f), true, 1);
+  compare_random(37, config(16, 4, 4, 2, true, 2.5f), false, 2);
+  compare_random(37, config(16, 4, 4, 2, true, 2.5f), true, 3, DType::BF16);
+}
+
+TEST(MoeRoute, KernelMatchesReference64Experts8Groups) {
+  compare_random(37, config(64, 8, 8, 4, true, 2.5f), true, 4);
+  compare_random(1, config(64, 8, 8, 4, true, 1.0f), true, 5);
+}
+
+TEST(MoeRoute, KernelMatchesReferenceDeepSeekV3Shape) {
+  compare_random(9, config(256, 8, 8, 4, true, 2.5f), true, 6);
+}
+
+TEST(MoeRoute, ValidateNamesTheBrokenRule) {
+  auto expect_invalid = [](const ops::RouterConfig& c, const std::string& needle) {
+    try {
+      ops::validate(c);
+      ADD_FAILURE() << "accepted a config that breaks: " << needle;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  expect_invalid(config(0, 1, 1, 1), "n_experts must be > 0");
+  expect_invalid(config(16, 0, 4, 2), "top_k (num_experts_per_tok) must be > 0");
+  expect_invalid(config(16, 4, 0, 1), "n_group must be > 0");
+  expect_invalid(config(18, 4, 4, 2), "multiple of n_group");
+  expect_invalid(config(16, 4, 4, 5), "topk_group must be between 1 and n_group");
+  expect_invalid(config(16, 4, 4, 0), "topk_group must be between 1 and n_group");
+  expect_invalid(config(16, 9, 4, 2), "top_k exceeds the 8 experts in the kept groups");
+  expect_invalid(config(4, 1, 4, 2), "at least 2 experts");
+  EXPECT_NO_THROW(ops::validate(config(256, 8, 8, 4, true, 2.5f)));
+  EXPECT_NO_THROW(ops::validate(config(8, 2, 1, 1)));
+  EXPECT_NO_THROW(ops::validate(config(1, 1, 1, 1)));  // one group: no top-2 group score needed
+  // The op validates before building anything.
+  Device& dev = device();
+  cl::Mem m = dev.alloc(64);
+  EXPECT_THROW(ops::moe_route(dev, m, nullptr, 1, config(18, 4, 4, 2), m, m),
+               std::invalid_argument);
+}
+
+// ---------------------------------------------------------------------------------------------
+// group_by_expert
+
+TEST(GroupByExpert, OrdersByExpertThenTokenThenSlot) {
+  // Tokens: t0 -> {2, 0}, t1 -> {2, 3}, t2 -> {0, 2}; expert 1 gets nothing.
+  const std::vector<int32_t> ids = {2, 0, 2, 3, 0, 2};
+  const ops::ExpertBatches b = ops::group_by_expert(ids, 3, 2, 4);
+  EXPECT_EQ(b.expert_offsets, (std::vector<uint32_t>{0, 2, 2, 5, 6}));
+  // Rows: e0: (t0,s1) (t2,s0); e2: (t0,s0) (t1,s0) (t2,s1); e3: (t1,s1).
+  EXPECT_EQ(b.src_token, (std::vector<uint32_t>{0, 2, 0, 1, 2, 1}));
+  EXPECT_EQ(b.slot_row, (std::vector<uint32_t>{2, 0, 3, 5, 1, 4}));
+}
+
+TEST(GroupByExpert, RandomRoutingIsAConsistentPermutation) {
+  const uint32_t T = 53, k = 4, E = 16;
+  std::mt19937 rng(9);
+  std::vector<int32_t> ids(T * k);
+  for (uint32_t t = 0; t < T; ++t) {
+    std::vector<int32_t> perm(E);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    std::copy(perm.begin(), perm.begin() + k, ids.begin() + t * k);
+  }
+  const ops::ExpertBatches b = ops::group_by_expert(ids, T, k, E);
+  ASSERT_EQ(b.expert_offsets.size(), E + 1);
+  EXPECT_EQ(b.expert_offsets.front(), 0u);
+  EXPECT_EQ(b.expert_offsets.back(), T * k);
+  std::vector<int> seen(T * k, 0);
+  for (uint32_t t = 0; t < T; ++t)
+    for (uint32_t s = 0; s < k; ++s) {
+      const uint32_t row = b.slot_row[t * k + s];
+      const int32_t e = ids[t * k + s];
+      ASSERT_LT(row, T * k);
+      ++seen[row];
+      EXPECT_EQ(b.src_token[row], t);
+      EXPECT_GE(row, b.expert_offsets[e]);
+      EXPECT_LT(row, b.expert_offsets[e + 1]);
+    }
+  for (uint32_t r = 0; r < T * k; ++r) EXPECT_EQ(seen[r], 1) << "row " << r;
+  // Within an expert, source tokens ascend.
+  for (uint32_t e = 0; e < E; ++e)
+    for (uint32_t r = b.expert_offsets[e] + 1; r < b.expert_offsets[e + 1]; ++r)
+      EXPECT_LT(b.src_token[r - 1], b.src_token[r]);
+}
+
+TEST(GroupByExpert, RejectsBadIds) {
+  EXPECT_THROW(ops::group_by_expert({0, 4}, 1, 2, 4), std::out_of_range);
+  EXPECT_THROW(ops::group_by_expert({0, -1}, 1, 2, 4), std::out_of_range);
+  EXPECT_THROW(ops::group_by_expert({0, 1, 2}, 1, 2, 4), std::invalid_argument);
+  const ops::ExpertBatches empty = ops::group_by_expert({}, 0, 2, 3);
+  EXPECT_EQ(empty.expert_offsets, (std::vector<uint32_t>{0, 0, 0, 0}));
+}
+
+// ---------------------------------------------------------------------------------------------
+// gather_rows and moe_combine
+
+TEST(GatherRows, CopiesSelectedRowsAndNothingElse) {
+  Device& dev = device();
+  const uint32_t rows_in = 10, width = 300, ldx = 310, ldy = 305;  // 256-float chunk + 44 tail
+  std::vector<float> x(rows_in * ldx);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = float(i) * 0.5f - 7.0f;
+  const std::vector<uint32_t> rows = {3, 0, 9, 3, 7, 1, 1};  // repeats, as a token in 2 experts
+  const uint32_t n = uint32_t(rows.size());
+  std::vector<float> y0(n * ldy, -1.0f);
+  cl::Mem xb = upload(dev, x), rb = upload(dev, rows), yb = upload(dev, y0);
+  ops::gather_rows(dev, xb, ldx, rb, n, width, yb, ldy);
+  const std::vector<float> y = download<float>(dev, yb, y0.size());
+  for (uint32_t i = 0; i < n; ++i)
+    for (uint32_t c = 0; c < ldy; ++c) {
+      const float want = c < width ? x[rows[i] * ldx + c] : -1.0f;
+      ASSERT_EQ(y[i * ldy + c], want) << "row " << i << " col " << c;
+    }
+}
+
+// The C++ loop of the combine: fma in slot order starting from 0, then added to out.
+std::vector<float> combine_on_host(const std::vector<float>& expert_out, uint32_t ld,
+                                   const std::vector<uint32_t>& slot_row,
+                                   const std::vector<float>& w, uint32_t T, uint32_t k, uint32_t H,
+                                   std::vector<float> out, uint32_t ldo, bool accumulate) {
+  for (uint32_t t = 0; t < T; ++t)
+    for (uint32_t c = 0; c < H; ++c) {
+      float acc = 0;
+      for (uint32_t s = 0; s < k; ++s)
+        acc = std::fma(w[t * k + s], expert_out[size_t(slot_row[t * k + s]) * ld + c], acc);
+      float& o = out[size_t(t) * ldo + c];
+      o = accumulate ? o + acc : acc;
+    }
+  return out;
+}
+
+TEST(MoeCombine, MatchesSlotOrderedLoopBitForBit) {
+  Device& dev = device();
+  const uint32_t T = 5, k = 3, E = 6, H = 300, ld = 310, ldo = 307;
+  std::mt19937 rng(21);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<int32_t> ids = {0, 3, 5, 2, 3, 4, 5, 1, 0, 3, 2, 1, 4, 0, 2};
+  const ops::ExpertBatches b = ops::group_by_expert(ids, T, k, E);
+  std::vector<float> expert_out(T * k * ld), w(T * k), out0(T * ldo);
+  for (auto& v : expert_out) v = normal(rng);
+  for (auto& v : w) v = std::abs(normal(rng));
+  for (auto& v : out0) v = normal(rng);
+  cl::Mem eb = upload(dev, expert_out), sb = upload(dev, b.slot_row), wb = upload(dev, w);
+  for (bool accumulate : {false, true}) {
+    SCOPED_TRACE(accumulate ? "accumulate" : "overwrite");
+    cl::Mem ob = upload(dev, out0);
+    ops::moe_combine(dev, eb, ld, sb, wb, T, k, H, ob, ldo, accumulate);
+    const std::vector<float> got = download<float>(dev, ob, out0.size());
+    const std::vector<float> want =
+        combine_on_host(expert_out, ld, b.slot_row, w, T, k, H, out0, ldo, accumulate);
+    for (size_t i = 0; i < got.size(); ++i)
+      ASSERT_EQ(std::bit_cast<uint32_t>(got[i]), std::bit_cast<uint32_t>(want[i]))
+          << "element " << i << ": " << got[i] << " vs " << want[i];
+  }
+}
+
+// Moving expert rows around (as when other devices computed other experts and their outputs land
+// in a different layout) leaves the combined result bit-identical: the sum runs over slots.
+TEST(MoeCombine, ResultIndependentOfExpertRowLayout) {
+  Device& dev = device();
+  const uint32_t T = 4, k = 2, H = 40;
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> per_slot(T * k * H), w(T * k);  // output of token t's slot s
+  for (auto& v : per_slot) v = normal(rng);
+  for (auto& v : w) v = normal(rng);
+  cl::Mem wb = upload(dev, w);
+  std::vector<std::vector<float>> results;
+  for (uint32_t layout = 0; layout < 3; ++layout) {
+    std::vector<uint32_t> perm(T * k);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    std::vector<float> expert_out(T * k * H);
+    for (uint32_t i = 0; i < T * k; ++i)
+      std::copy_n(per_slot.begin() + i * H, H, expert_out.begin() + perm[i] * H);
+    cl::Mem eb = upload(dev, expert_out), sb = upload(dev, perm);
+    cl::Mem ob = dev.alloc(T * H * sizeof(float));
+    ops::moe_combine(dev, eb, H, sb, wb, T, k, H, ob, H, false);
+    results.push_back(download<float>(dev, ob, T * H));
+  }
+  for (size_t i = 0; i < results[0].size(); ++i) {
+    EXPECT_EQ(std::bit_cast<uint32_t>(results[1][i]), std::bit_cast<uint32_t>(results[0][i]));
+    EXPECT_EQ(std::bit_cast<uint32_t>(results[2][i]), std::bit_cast<uint32_t>(results[0][i]));
+  }
+  // And it is the weighted sum (to rounding).
+  for (uint32_t t = 0; t < T; ++t)
+    for (uint32_t c = 0; c < H; ++c) {
+      double want = 0;
+      for (uint32_t s = 0; s < k; ++s) want += double(w[t * k + s]) * per_slot[(t * k + s) * H + c];
+      EXPECT_NEAR(results[0][t * H + c], want, 1e-5);
+    }
+}
+
+}  // namespace
+}  // namespace clshard
