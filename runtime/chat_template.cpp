@@ -685,6 +685,7 @@ struct Node {
   std::vector<std::pair<std::string, std::unique_ptr<Node>>> kwargs;
   std::vector<std::string> ops;
   bool negated = false;
+  int depth = 1;  // height of this subtree, bounded so evaluation cannot exhaust the stack
 };
 using NodePtr = std::unique_ptr<Node>;
 
@@ -780,6 +781,35 @@ class Parser {
     return advance().value;
   }
 
+  // Templates come with model files; bound nesting so a hostile one cannot overflow the stack
+  // while parsing (recursion) or evaluating (tree height).
+  static constexpr int kMaxDepth = 200;
+
+  class NestingGuard {
+   public:
+    explicit NestingGuard(Parser& parser) : parser_(parser) {
+      if (++parser_.nesting_ > kMaxDepth)
+        fail_at(parser_.src_, parser_.peek().pos, "template nested too deeply");
+    }
+    ~NestingGuard() { --parser_.nesting_; }
+    NestingGuard(const NestingGuard&) = delete;
+    NestingGuard& operator=(const NestingGuard&) = delete;
+
+   private:
+    Parser& parser_;
+  };
+
+  void check_depth(Node& parent, const Node& child) {
+    parent.depth = std::max(parent.depth, child.depth + 1);
+    if (parent.depth > kMaxDepth) fail_at(src_, parent.pos, "expression nested too deeply");
+  }
+
+  // Every child is attached through here, so no tree grows past kMaxDepth.
+  void add_child(Node& parent, NodePtr child) {
+    if (child) check_depth(parent, *child);
+    parent.args.push_back(std::move(child));
+  }
+
   static NodePtr node(Node::Kind kind, size_t pos) {
     auto n = std::make_unique<Node>();
     n->kind = kind;
@@ -790,6 +820,7 @@ class Parser {
   // Statements until one of end_tags opens a block tag; the tag name is consumed and returned in
   // ended_by, the rest of that tag is left to the caller.
   Body parse_body(std::initializer_list<std::string_view> end_tags, std::string& ended_by) {
+    const NestingGuard guard(*this);
     Body body;
     while (true) {
       const Token& token = peek();
@@ -938,15 +969,16 @@ class Parser {
     NodePtr first = parse_expression(with_condition);
     if (!at_op(",")) return first;
     NodePtr tuple = node(Node::Kind::List, pos);
-    tuple->args.push_back(std::move(first));
+    add_child(*tuple, std::move(first));
     while (skip_op(",")) {
       if (peek().type == Tok::VarEnd || peek().type == Tok::BlockEnd || at_op(")")) break;
-      tuple->args.push_back(parse_expression(with_condition));
+      add_child(*tuple, parse_expression(with_condition));
     }
     return tuple;
   }
 
   NodePtr parse_expression(bool with_condition) {
+    const NestingGuard guard(*this);
     NodePtr expr = parse_or();
     if (!with_condition) return expr;
     while (at_name("if")) {
@@ -954,9 +986,9 @@ class Parser {
       NodePtr condition = parse_or();
       NodePtr otherwise = skip_name("else") ? parse_expression(true) : nullptr;
       NodePtr cond = node(Node::Kind::Condition, pos);
-      cond->args.push_back(std::move(expr));
-      cond->args.push_back(std::move(condition));
-      cond->args.push_back(std::move(otherwise));
+      add_child(*cond, std::move(expr));
+      add_child(*cond, std::move(condition));
+      add_child(*cond, std::move(otherwise));
       expr = std::move(cond);
     }
     return expr;
@@ -966,8 +998,8 @@ class Parser {
     NodePtr left = parse_and();
     while (at_name("or")) {
       NodePtr n = node(Node::Kind::Or, advance().pos);
-      n->args.push_back(std::move(left));
-      n->args.push_back(parse_and());
+      add_child(*n, std::move(left));
+      add_child(*n, parse_and());
       left = std::move(n);
     }
     return left;
@@ -977,17 +1009,18 @@ class Parser {
     NodePtr left = parse_not();
     while (at_name("and")) {
       NodePtr n = node(Node::Kind::And, advance().pos);
-      n->args.push_back(std::move(left));
-      n->args.push_back(parse_not());
+      add_child(*n, std::move(left));
+      add_child(*n, parse_not());
       left = std::move(n);
     }
     return left;
   }
 
   NodePtr parse_not() {
+    const NestingGuard guard(*this);
     if (at_name("not")) {
       NodePtr n = node(Node::Kind::Not, advance().pos);
-      n->args.push_back(parse_not());
+      add_child(*n, parse_not());
       return n;
     }
     return parse_compare();
@@ -1014,10 +1047,10 @@ class Parser {
       }
       if (!compare) {
         compare = node(Node::Kind::Compare, pos);
-        compare->args.push_back(std::move(first));
+        add_child(*compare, std::move(first));
       }
       compare->ops.push_back(op);
-      compare->args.push_back(parse_math1());
+      add_child(*compare, parse_math1());
     }
     return compare ? std::move(compare) : std::move(first);
   }
@@ -1025,8 +1058,8 @@ class Parser {
   NodePtr binary(std::string op, size_t pos, NodePtr left, NodePtr right) {
     NodePtr n = node(Node::Kind::Binary, pos);
     n->name = std::move(op);
-    n->args.push_back(std::move(left));
-    n->args.push_back(std::move(right));
+    add_child(*n, std::move(left));
+    add_child(*n, std::move(right));
     return n;
   }
 
@@ -1067,11 +1100,12 @@ class Parser {
   }
 
   NodePtr parse_unary(bool with_filter) {
+    const NestingGuard guard(*this);
     NodePtr result;
     if (at_op("-") || at_op("+")) {
       const Token& op = advance();
       result = node(op.value == "-" ? Node::Kind::Negate : Node::Kind::Plus, op.pos);
-      result->args.push_back(parse_unary(false));
+      add_child(*result, parse_unary(false));
     } else {
       result = parse_postfix(parse_primary());
     }
@@ -1123,8 +1157,8 @@ class Parser {
           NodePtr inner = parse_expression(true);
           if (at_op(",")) {
             NodePtr tuple = node(Node::Kind::List, pos);
-            tuple->args.push_back(std::move(inner));
-            while (skip_op(",") && !at_op(")")) tuple->args.push_back(parse_expression(true));
+            add_child(*tuple, std::move(inner));
+            while (skip_op(",") && !at_op(")")) add_child(*tuple, parse_expression(true));
             inner = std::move(tuple);
           }
           expect_op(")");
@@ -1134,7 +1168,7 @@ class Parser {
           ++index_;
           NodePtr list = node(Node::Kind::List, pos);
           while (!at_op("]")) {
-            list->args.push_back(parse_expression(true));
+            add_child(*list, parse_expression(true));
             if (!skip_op(",")) break;
           }
           expect_op("]");
@@ -1144,9 +1178,9 @@ class Parser {
           ++index_;
           NodePtr dict = node(Node::Kind::Dict, pos);
           while (!at_op("}")) {
-            dict->args.push_back(parse_expression(true));
+            add_child(*dict, parse_expression(true));
             expect_op(":");
-            dict->args.push_back(parse_expression(true));
+            add_child(*dict, parse_expression(true));
             if (!skip_op(",")) break;
           }
           expect_op("}");
@@ -1165,11 +1199,13 @@ class Parser {
       if (peek().type == Tok::Name && peek(1).type == Tok::Op && peek(1).value == "=") {
         std::string name = advance().value;
         ++index_;
-        call.kwargs.emplace_back(std::move(name), parse_expression(true));
+        NodePtr value = parse_expression(true);
+        check_depth(call, *value);
+        call.kwargs.emplace_back(std::move(name), std::move(value));
       } else {
         if (!call.kwargs.empty())
           fail_at(src_, peek().pos, "positional argument after keyword argument");
-        call.args.push_back(parse_expression(true));
+        add_child(call, parse_expression(true));
       }
       if (!skip_op(",")) break;
     }
@@ -1187,12 +1223,12 @@ class Parser {
           n = node(Node::Kind::Item, pos);
           NodePtr index = node(Node::Kind::Literal, peek().pos);
           index->literal = advance().integer;
-          n->args.push_back(std::move(expr));
-          n->args.push_back(std::move(index));
+          add_child(*n, std::move(expr));
+          add_child(*n, std::move(index));
         } else {
           n = node(Node::Kind::Attr, pos);
           n->name = expect_name();
-          n->args.push_back(std::move(expr));
+          add_child(*n, std::move(expr));
         }
         expr = std::move(n);
       } else if (at_op("[")) {
@@ -1209,15 +1245,14 @@ class Parser {
         }
         expect_op("]");
         NodePtr n = node(is_slice ? Node::Kind::Slice : Node::Kind::Item, pos);
-        n->args.push_back(std::move(expr));
+        add_child(*n, std::move(expr));
         if (!is_slice && !parts[0]) fail_at(src_, pos, "empty subscript");
-        for (int part = 0; part < (is_slice ? 3 : 1); ++part)
-          n->args.push_back(std::move(parts[part]));
+        for (int part = 0; part < (is_slice ? 3 : 1); ++part) add_child(*n, std::move(parts[part]));
         expr = std::move(n);
       } else if (at_op("(")) {
         ++index_;
         NodePtr n = node(Node::Kind::Call, pos);
-        n->args.push_back(std::move(expr));
+        add_child(*n, std::move(expr));
         parse_call_args(*n);
         expr = std::move(n);
       } else {
@@ -1232,7 +1267,7 @@ class Parser {
         const size_t pos = advance().pos;
         NodePtr n = node(Node::Kind::Filter, pos);
         n->name = expect_name();
-        n->args.push_back(std::move(expr));
+        add_child(*n, std::move(expr));
         if (skip_op("(")) parse_call_args(*n);
         expr = std::move(n);
       } else if (at_name("is")) {
@@ -1240,7 +1275,7 @@ class Parser {
         NodePtr n = node(Node::Kind::Test, pos);
         n->negated = skip_name("not");
         n->name = expect_name();
-        n->args.push_back(std::move(expr));
+        add_child(*n, std::move(expr));
         const Token& next = peek();
         if (skip_op("(")) {
           parse_call_args(*n);
@@ -1251,12 +1286,12 @@ class Parser {
                      (next.value == "else" || next.value == "or" || next.value == "and" ||
                       next.value == "if" || next.value == "is"))) {
           // "x is divisibleby 3": one argument without parentheses.
-          n->args.push_back(parse_postfix(parse_primary()));
+          add_child(*n, parse_postfix(parse_primary()));
         }
         expr = std::move(n);
       } else if (at_op("(")) {
         NodePtr n = node(Node::Kind::Call, advance().pos);
-        n->args.push_back(std::move(expr));
+        add_child(*n, std::move(expr));
         parse_call_args(*n);
         expr = std::move(n);
       } else {
@@ -1269,6 +1304,7 @@ class Parser {
   std::vector<Token> tokens_;
   size_t index_ = 0;
   int loop_depth_ = 0;
+  int nesting_ = 0;
 };
 
 // ---------------------------------------------------------------------------------------------

@@ -16,6 +16,10 @@ Deployment Deployment::open(const DeployConfig& cfg) {
   LoadOptions opts;
   opts.devices = d.devices->devices();
   if (cfg.model.max_length) opts.max_length = uint32_t(*cfg.model.max_length);
+  opts.data_parallel_degree = uint32_t(cfg.parallel.data);
+  opts.tensor_parallel_degree = uint32_t(cfg.parallel.tensor);
+  opts.expert_parallel_degree = uint32_t(cfg.parallel.expert);
+  opts.balanced_experts = cfg.parallel.placement == Placement::Balanced;
   try {
     d.model = load_model(cfg.model.path, opts);
   } catch (const std::exception& e) {

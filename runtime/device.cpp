@@ -197,6 +197,8 @@ void Device::fill_zero(const cl::Mem& m, size_t bytes, size_t offset) const {
             "zeroing a buffer on " + label());
 }
 
+void Device::flush() const { cl::check(clFlush(queue_.get()), "flushing " + label()); }
+
 void Device::finish() const { cl::check(clFinish(queue_.get()), "waiting for " + label()); }
 
 void Device::launch(const cl::Kernel& k, std::array<size_t, 3> global, int dims,

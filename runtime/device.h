@@ -92,6 +92,8 @@ class Device {
   void read(const cl::Mem& m, void* dst, size_t bytes, size_t offset = 0) const;
   void fill_zero(const cl::Mem& m, size_t bytes, size_t offset = 0) const;
   void finish() const;
+  // Submits what is queued without waiting, so this device works while the host feeds others.
+  void flush() const;
 
   // Enqueues an NDRange with local size 1 in every dimension on CPU devices (a work-item owns a
   // contiguous chunk there), and lets the driver choose on GPUs unless `local` is given.

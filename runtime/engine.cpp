@@ -34,7 +34,9 @@ uint32_t plan_kv_pages(const CausalLM& model, uint32_t page_size, int64_t pages,
 }
 
 Engine::Engine(CausalLM& model, const Tokenizer* tokenizer, const SchedulerLimits& limits)
-    : model_(model), tokenizer_(tokenizer), scheduler_(limits) {
+    : model_(model), tokenizer_(tokenizer) {
+  for (uint32_t r = 0; r < model.num_replicas(); ++r) schedulers_.emplace_back(limits);
+  handle_of_.resize(schedulers_.size());
   if (model.kv_num_pages() < limits.total_pages || model.kv_page_size() != limits.page_size)
     throw std::logic_error("Engine: the model's KV cache does not match the scheduler's pages");
   eos_ids_ = model.info().eos_token_ids;
@@ -52,8 +54,17 @@ uint64_t Engine::submit(GenerationRequest request) {
     if (t < 0 || uint32_t(t) >= vocab)
       throw std::invalid_argument("prompt token " + std::to_string(t) +
                                   " is outside the vocabulary of " + std::to_string(vocab));
-  const uint64_t h = scheduler_.add(request.prompt, request.max_tokens);
+  // The least-loaded replica (requests running or waiting), ties to the lowest index.
+  size_t replica = 0;
+  for (size_t r = 1; r < schedulers_.size(); ++r)
+    if (schedulers_[r].num_running() + schedulers_[r].num_waiting() <
+        schedulers_[replica].num_running() + schedulers_[replica].num_waiting())
+      replica = r;
+  const uint64_t h = next_handle_++;
   Live live;
+  live.replica = replica;
+  live.local = schedulers_[replica].add(request.prompt, request.max_tokens);
+  handle_of_[replica][live.local] = h;
   live.req = std::move(request);
   if (tokenizer_) live.decoder.emplace(*tokenizer_, /*skip_special_tokens=*/true);
   live_.emplace(h, std::move(live));
@@ -65,7 +76,7 @@ void Engine::observe(uint64_t handle, Live& live, int32_t token) {
   if (std::find(eos_ids_.begin(), eos_ids_.end(), token) != eos_ids_.end() ||
       std::find(stops.begin(), stops.end(), token) != stops.end()) {
     live.drop_last = true;
-    scheduler_.finish(handle, EndReason::Stop);
+    schedulers_[live.replica].finish(live.local, EndReason::Stop);
     return;
   }
   std::string piece = live.decoder ? live.decoder->push(token) : std::string();
@@ -83,7 +94,7 @@ void Engine::observe(uint64_t handle, Live& live, int32_t token) {
       piece = cut > old_len ? live.text.substr(old_len, cut - old_len) : std::string();
       live.text.resize(std::max(cut, std::min(cut, old_len)));
       if (on_token_) on_token_(handle, token, piece);
-      scheduler_.finish(handle, EndReason::Stop);
+      schedulers_[live.replica].finish(live.local, EndReason::Stop);
       return;
     }
   } else {
@@ -92,66 +103,118 @@ void Engine::observe(uint64_t handle, Live& live, int32_t token) {
   if (on_token_) on_token_(handle, token, piece);
 }
 
+bool Engine::has_work() const {
+  for (const auto& s : schedulers_)
+    if (s.has_unfinished()) return true;
+  return false;
+}
+
 std::vector<GenerationResult> Engine::step() {
   auto t0 = Clock::now();
-  std::optional<ScheduledStep> plan = scheduler_.schedule();
+  const size_t R = schedulers_.size();
+  std::vector<std::optional<ScheduledStep>> plans(R);
+  bool any = false;
+  for (size_t r = 0; r < R; ++r) {
+    plans[r] = schedulers_[r].schedule();
+    any = any || plans[r].has_value();
+  }
   std::vector<GenerationResult> done;
-  if (plan) {
+  if (any) {
+    // One step for all replicas: a replica with nothing to do still takes part, with no rows.
+    StepInputs merged;
+    if (R == 1) {
+      merged = plans[0]->inputs;
+    } else {
+      std::vector<StepInputs> parts;
+      for (size_t r = 0; r < R; ++r) {
+        if (plans[r]) {
+          parts.push_back(plans[r]->inputs);
+        } else {
+          StepInputs empty;
+          empty.input_row_offsets = {0};
+          parts.push_back(empty);
+        }
+      }
+      merged = merge_replica_steps(parts, model_.kv_num_pages());
+    }
+    // Engine handles of the merged rows, in order.
+    std::vector<uint64_t> row_handle;
+    std::vector<const ScheduledRow*> row_info;
+    for (size_t r = 0; r < R; ++r)
+      if (plans[r])
+        for (const auto& row : plans[r]->rows) {
+          row_handle.push_back(handle_of_[r].at(row.handle));
+          row_info.push_back(&row);
+        }
     stats_.host_s += since(t0);
     auto t1 = Clock::now();
-    StepOutputs out = model_.forward(plan->inputs);
-    std::vector<int32_t> sampled;
-    std::vector<size_t> sampled_rows;
-    if (plan->num_samples() > 0) {
+    StepOutputs out = model_.forward(merged);
+    std::vector<int32_t> tokens;
+    bool any_sample = false;
+    for (const auto* row : row_info) any_sample = any_sample || row->needs_sample;
+    if (any_sample) {
       // Every row's logits are sampled in one launch; intermediate prefill chunks are ignored.
       std::vector<SamplingParams> params;
       std::vector<uint64_t> seeds;
-      for (const auto& row : plan->rows) {
-        const Live& live = live_.at(row.handle);
+      for (size_t i = 0; i < row_info.size(); ++i) {
+        const Live& live = live_.at(row_handle[i]);
         params.push_back(live.req.sampling);
-        seeds.push_back(step_seed(live.req.sampling, live.req.prompt.size() + row.num_generated));
+        seeds.push_back(
+            step_seed(live.req.sampling, live.req.prompt.size() + row_info[i]->num_generated));
       }
-      auto tokens = sample_tokens(*out.device, out.logits, out.rows, out.vocab, params, seeds);
-      for (size_t i = 0; i < plan->rows.size(); ++i)
-        if (plan->rows[i].needs_sample) {
-          sampled.push_back(tokens[i]);
-          sampled_rows.push_back(i);
-        }
+      tokens = sample_tokens(*out.device, out.logits, out.rows, out.vocab, params, seeds);
     }
     stats_.device_s += since(t1);
     auto t2 = Clock::now();
     ++stats_.steps;
-    stats_.output_tokens += sampled.size();
-    scheduler_.commit(*plan, sampled);
-    for (size_t i = 0; i < sampled.size(); ++i) {
-      const uint64_t h = plan->rows[sampled_rows[i]].handle;
-      if (scheduler_.state(h) == RequestState::Finished && !live_.at(h).decoder) {
-        if (on_token_) on_token_(h, sampled[i], "");
+    std::vector<std::pair<uint64_t, int32_t>> kept;  // (engine handle, token)
+    for (size_t r = 0, i = 0; r < R; ++r) {
+      if (!plans[r]) continue;
+      std::vector<int32_t> sampled;
+      for (const auto& row : plans[r]->rows) {
+        if (row.needs_sample) {
+          sampled.push_back(tokens[i]);
+          kept.emplace_back(row_handle[i], tokens[i]);
+        }
+        ++i;
+      }
+      schedulers_[r].commit(*plans[r], sampled);
+    }
+    stats_.output_tokens += kept.size();
+    for (const auto& [h, token] : kept) {
+      Live& live = live_.at(h);
+      if (schedulers_[live.replica].state(live.local) == RequestState::Finished &&
+          !live.decoder) {
+        if (on_token_) on_token_(h, token, "");
         continue;
       }
-      observe(h, live_.at(h), sampled[i]);
+      observe(h, live, token);
     }
     stats_.host_s += since(t2);
   }
   auto t3 = Clock::now();
-  for (FinishedRequest& f : scheduler_.take_finished()) {
-    GenerationResult r;
-    r.handle = f.handle;
-    r.reason = f.reason;
-    r.error = f.error;
-    r.prompt_tokens = f.prompt_tokens;
-    r.preemptions = f.preemptions;
-    r.token_ids = std::move(f.generated);
-    auto it = live_.find(f.handle);
-    if (it != live_.end()) {
-      if (it->second.drop_last && !r.token_ids.empty()) r.token_ids.pop_back();
-      if (it->second.decoder) r.text = it->second.text + it->second.decoder->flush();
-      live_.erase(it);
+  stats_.preemptions = 0;
+  for (size_t r = 0; r < R; ++r) {
+    for (FinishedRequest& f : schedulers_[r].take_finished()) {
+      GenerationResult res;
+      res.handle = handle_of_[r].at(f.handle);
+      handle_of_[r].erase(f.handle);
+      res.reason = f.reason;
+      res.error = f.error;
+      res.prompt_tokens = f.prompt_tokens;
+      res.preemptions = f.preemptions;
+      res.token_ids = std::move(f.generated);
+      auto it = live_.find(res.handle);
+      if (it != live_.end()) {
+        if (it->second.drop_last && !res.token_ids.empty()) res.token_ids.pop_back();
+        if (it->second.decoder) res.text = it->second.text + it->second.decoder->flush();
+        live_.erase(it);
+      }
+      stats_.prompt_tokens += res.prompt_tokens;
+      done.push_back(std::move(res));
     }
-    stats_.prompt_tokens += r.prompt_tokens;
-    done.push_back(std::move(r));
+    stats_.preemptions += schedulers_[r].preemptions();
   }
-  stats_.preemptions = scheduler_.preemptions();
   stats_.host_s += since(t3);
   return done;
 }

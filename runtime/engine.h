@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -52,24 +53,30 @@ struct EngineStats {
 uint32_t plan_kv_pages(const CausalLM& model, uint32_t page_size, int64_t pages,
                        double memory_fraction, uint32_t max_batch_size, uint32_t max_length);
 
+// One scheduler per data-parallel replica of the model; a new request goes to the least-loaded
+// replica, and each step runs every replica's rows together (data_parallel_splits).
 class Engine {
  public:
-  // The model's KV cache must be allocated (allocate_kv_cache) with limits.total_pages pages.
+  // The model's KV cache must be allocated (allocate_kv_cache) with limits.total_pages pages (per
+  // replica).
   Engine(CausalLM& model, const Tokenizer* tokenizer, const SchedulerLimits& limits);
 
   uint64_t submit(GenerationRequest request);
   // One step; returns the requests that finished in it.
   std::vector<GenerationResult> step();
-  bool has_work() const { return scheduler_.has_unfinished(); }
+  bool has_work() const;
   // Called for every token a request keeps, with the text it adds (UTF-8 complete; may be empty).
   void on_token(std::function<void(uint64_t handle, int32_t token, const std::string& text)> f) {
     on_token_ = std::move(f);
   }
   const EngineStats& stats() const { return stats_; }
-  const Scheduler& scheduler() const { return scheduler_; }
+  const Scheduler& scheduler(size_t replica = 0) const { return schedulers_.at(replica); }
+  size_t replica_of(uint64_t handle) const { return live_.at(handle).replica; }
 
  private:
   struct Live {
+    size_t replica = 0;
+    uint64_t local = 0;  // the handle in the replica's scheduler
     GenerationRequest req;
     std::optional<StreamDecoder> decoder;
     std::string text;
@@ -79,8 +86,10 @@ class Engine {
 
   CausalLM& model_;
   const Tokenizer* tokenizer_;
-  Scheduler scheduler_;
-  std::map<uint64_t, Live> live_;
+  std::deque<Scheduler> schedulers_;  // a deque: schedulers are neither copied nor moved
+  std::map<uint64_t, Live> live_;                       // by engine handle
+  std::vector<std::map<uint64_t, uint64_t>> handle_of_;  // per replica: local -> engine handle
+  uint64_t next_handle_ = 1;
   std::vector<int32_t> eos_ids_;
   std::function<void(uint64_t, int32_t, const std::string&)> on_token_;
   EngineStats stats_;

@@ -33,26 +33,87 @@ std::vector<uint32_t> plan_static_pages(CausalLM& model, const std::vector<uint3
   return table;
 }
 
+namespace {
+
+// Sequences spread over the model's replicas round-robin; the step holds each replica's rows in
+// replica order, each replica's pages numbered in its own pool.
+struct ReplicaLayout {
+  std::vector<size_t> order;      // step row -> sequence index
+  std::vector<size_t> row_of;     // sequence index -> step row
+  StepInputs step;                // tokens empty; tables, splits, cache lengths 0
+};
+
+ReplicaLayout layout_rows(CausalLM& model, const std::vector<uint32_t>& lengths,
+                          uint32_t page_size) {
+  const size_t R = model.num_replicas(), B = lengths.size();
+  std::vector<std::vector<size_t>> members(R);
+  for (size_t i = 0; i < B; ++i) members[i % R].push_back(i);
+  uint32_t max_pages = 1;
+  for (const auto& m : members) {
+    uint32_t total = 0;
+    for (size_t i : m) total += (lengths[i] + page_size - 1) / page_size;
+    max_pages = std::max(max_pages, total);
+  }
+  if (model.kv_page_size() != page_size || model.kv_num_pages() < max_pages)
+    model.allocate_kv_cache(max_pages, page_size);
+  ReplicaLayout L;
+  L.row_of.resize(B);
+  std::vector<StepInputs> parts;
+  for (const auto& m : members) {
+    StepInputs s;
+    s.input_row_offsets = {0};
+    std::vector<uint32_t> lens;
+    for (size_t i : m) {
+      L.row_of[i] = L.order.size();
+      L.order.push_back(i);
+      lens.push_back(lengths[i]);
+      s.input_row_offsets.push_back(0);
+      s.cache_lengths.push_back(0);
+    }
+    uint32_t ppr = 1;
+    for (uint32_t len : lens) ppr = std::max(ppr, (len + page_size - 1) / page_size);
+    s.pages_per_row = ppr;
+    s.lookup_table.assign(lens.size() * ppr, model.kv_num_pages());
+    uint32_t next = 0;
+    for (size_t b = 0; b < lens.size(); ++b)
+      for (uint32_t p = 0; p < (lens[b] + page_size - 1) / page_size; ++p)
+        s.lookup_table[b * ppr + p] = next++;
+    parts.push_back(std::move(s));
+  }
+  L.step = R == 1 ? parts[0] : merge_replica_steps(parts, model.kv_num_pages());
+  return L;
+}
+
+// Sets the step's tokens: row b gets rows[b].
+void set_tokens(StepInputs& s, const std::vector<std::vector<int32_t>>& rows) {
+  s.tokens.clear();
+  s.input_row_offsets = {0};
+  for (const auto& r : rows) {
+    s.tokens.insert(s.tokens.end(), r.begin(), r.end());
+    s.input_row_offsets.push_back(uint32_t(s.tokens.size()));
+  }
+}
+
+}  // namespace
+
 std::vector<std::vector<float>> all_position_logits(CausalLM& model,
                                                     const std::vector<std::vector<int32_t>>& seqs,
                                                     uint32_t page_size) {
-  StepInputs in;
-  in.input_row_offsets.push_back(0);
   std::vector<uint32_t> lengths;
-  for (const auto& s : seqs) {
-    in.tokens.insert(in.tokens.end(), s.begin(), s.end());
-    in.input_row_offsets.push_back(uint32_t(in.tokens.size()));
-    in.cache_lengths.push_back(0);
-    lengths.push_back(uint32_t(s.size()));
-  }
-  in.lookup_table = plan_static_pages(model, lengths, page_size, &in.pages_per_row);
-  in.return_logits = ReturnLogits::All;
-  StepOutputs out = model.forward(in);
+  for (const auto& s : seqs) lengths.push_back(uint32_t(s.size()));
+  ReplicaLayout L = layout_rows(model, lengths, page_size);
+  std::vector<std::vector<int32_t>> rows;
+  for (size_t i : L.order) rows.push_back(seqs[i]);
+  set_tokens(L.step, rows);
+  L.step.return_logits = ReturnLogits::All;
+  StepOutputs out = model.forward(L.step);
   const std::vector<float> all = out.read_logits();
-  std::vector<std::vector<float>> per_seq;
-  for (size_t b = 0; b < seqs.size(); ++b)
-    per_seq.emplace_back(all.begin() + size_t(out.logit_offsets[b]) * out.vocab,
-                         all.begin() + size_t(out.logit_offsets[b + 1]) * out.vocab);
+  std::vector<std::vector<float>> per_seq(seqs.size());
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    const size_t b = L.row_of[i];
+    per_seq[i].assign(all.begin() + size_t(out.logit_offsets[b]) * out.vocab,
+                      all.begin() + size_t(out.logit_offsets[b + 1]) * out.vocab);
+  }
   return per_seq;
 }
 
@@ -67,26 +128,20 @@ std::vector<std::vector<int32_t>> greedy_generate(CausalLM& model,
     if (p.empty()) throw std::invalid_argument("greedy_generate: empty prompt");
     lengths.push_back(uint32_t(p.size()) + max_new_tokens);
   }
-  StepInputs in;
-  in.lookup_table = plan_static_pages(model, lengths, page_size, &in.pages_per_row);
-  in.input_row_offsets.push_back(0);
-  for (const auto& p : prompts) {
-    in.tokens.insert(in.tokens.end(), p.begin(), p.end());
-    in.input_row_offsets.push_back(uint32_t(in.tokens.size()));
-    in.cache_lengths.push_back(0);
-  }
+  ReplicaLayout L = layout_rows(model, lengths, page_size);
+  std::vector<std::vector<int32_t>> rows;
+  for (size_t i : L.order) rows.push_back(prompts[i]);
+  StepInputs& in = L.step;
+  set_tokens(in, rows);
   for (uint32_t step = 0; step < max_new_tokens; ++step) {
     StepOutputs out = model.forward(in);
     const std::vector<float> logits = out.read_logits();
     for (size_t b = 0; b < B; ++b) {
       in.cache_lengths[b] += in.row_length(b);
-      generated[b].push_back(argmax(logits.data() + size_t(b) * out.vocab, out.vocab));
+      rows[b] = {argmax(logits.data() + size_t(b) * out.vocab, out.vocab)};
+      generated[L.order[b]].push_back(rows[b][0]);
     }
-    in.tokens.clear();
-    for (size_t b = 0; b < B; ++b) {
-      in.tokens.push_back(generated[b].back());
-      in.input_row_offsets[b + 1] = uint32_t(b + 1);
-    }
+    set_tokens(in, rows);
   }
   return generated;
 }

@@ -12,12 +12,13 @@ namespace clshard {
 
 // Lays out pages for sequences that will reach the given lengths: row b gets
 // ceil(len_b / page_size) consecutive pages. Returns the table [B, pages_per_row] and sets
-// pages_per_row; (re)allocates the model's cache when it is too small.
+// pages_per_row; (re)allocates the model's cache when it is too small. One replica.
 std::vector<uint32_t> plan_static_pages(CausalLM& model, const std::vector<uint32_t>& lengths,
                                         uint32_t page_size, uint32_t* pages_per_row);
 
 // Feeds every sequence whole, in one ragged step, and returns per sequence its logits for every
-// position ([len, vocab] row-major).
+// position ([len, vocab] row-major). On a data-parallel model the sequences are spread over the
+// replicas round-robin.
 std::vector<std::vector<float>> all_position_logits(CausalLM& model,
                                                     const std::vector<std::vector<int32_t>>& seqs,
                                                     uint32_t page_size = 128);

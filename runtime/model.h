@@ -40,11 +40,18 @@ class CausalLM {
   virtual StepOutputs forward(const StepInputs& step) = 0;
   // The devices the model runs on (logits land on the first).
   virtual std::vector<Device*> devices() const = 0;
+  // Data-parallel replicas; each has its own KV pages (kv_num_pages() each), and a step says
+  // whose rows are whose with data_parallel_splits.
+  virtual uint32_t num_replicas() const { return 1; }
 };
 
 struct LoadOptions {
-  std::vector<Device*> devices;      // one for now; several with parallel/
+  std::vector<Device*> devices;        // every device of the deployment
   std::optional<uint32_t> max_length;  // caps max_position_embeddings
+  uint32_t data_parallel_degree = 1;   // replicas (parallel.data)
+  uint32_t tensor_parallel_degree = 1;  // shards per replica (parallel.tensor)
+  uint32_t expert_parallel_degree = 1;  // ranks the experts are spread over (parallel.expert)
+  bool balanced_experts = false;        // parallel.placement: balanced
 };
 
 // Defined in models/registry.cpp: reads config.json, picks the architecture, loads the weights.

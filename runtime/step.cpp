@@ -63,4 +63,51 @@ void StepInputs::validate(uint32_t page_size, uint32_t num_pages) const {
   }
 }
 
+StepInputs StepInputs::replica_step(size_t r) const {
+  if (data_parallel_splits.empty()) {
+    if (r != 0) throw std::out_of_range("step: replica " + std::to_string(r) + " of 1");
+    return *this;
+  }
+  if (r + 1 >= data_parallel_splits.size())
+    throw std::out_of_range("step: replica " + std::to_string(r) + " of " +
+                            std::to_string(data_parallel_splits.size() - 1));
+  const uint32_t b0 = data_parallel_splits[r], b1 = data_parallel_splits[r + 1];
+  if (b1 < b0 || b1 > num_rows())
+    throw std::invalid_argument("step: data_parallel_splits are not increasing within the rows");
+  StepInputs s;
+  const uint32_t t0 = input_row_offsets[b0], t1 = input_row_offsets[b1];
+  s.tokens.assign(tokens.begin() + t0, tokens.begin() + t1);
+  for (uint32_t b = b0; b <= b1; ++b) s.input_row_offsets.push_back(input_row_offsets[b] - t0);
+  s.cache_lengths.assign(cache_lengths.begin() + b0, cache_lengths.begin() + b1);
+  s.pages_per_row = pages_per_row;
+  s.lookup_table.assign(lookup_table.begin() + size_t(b0) * pages_per_row,
+                        lookup_table.begin() + size_t(b1) * pages_per_row);
+  s.return_logits = return_logits;
+  s.return_n_logits = return_n_logits;
+  return s;
+}
+
+StepInputs merge_replica_steps(const std::vector<StepInputs>& steps, uint32_t null_page) {
+  StepInputs m;
+  m.input_row_offsets = {0};
+  m.data_parallel_splits = {0};
+  for (const auto& s : steps) m.pages_per_row = std::max(m.pages_per_row, s.pages_per_row);
+  for (const auto& s : steps) {
+    if (s.num_replicas() != 1) throw std::invalid_argument("merge_replica_steps: nested replicas");
+    const uint32_t base = uint32_t(m.tokens.size());
+    m.tokens.insert(m.tokens.end(), s.tokens.begin(), s.tokens.end());
+    for (size_t b = 0; b < s.num_rows(); ++b) {
+      m.input_row_offsets.push_back(base + s.input_row_offsets[b + 1]);
+      m.cache_lengths.push_back(s.cache_lengths[b]);
+      for (uint32_t p = 0; p < m.pages_per_row; ++p)
+        m.lookup_table.push_back(p < s.pages_per_row ? s.lookup_table[b * s.pages_per_row + p]
+                                                     : null_page);
+    }
+    m.data_parallel_splits.push_back(uint32_t(m.cache_lengths.size()));
+    m.return_logits = s.return_logits;
+    m.return_n_logits = s.return_n_logits;
+  }
+  return m;
+}
+
 }  // namespace clshard

@@ -27,6 +27,9 @@ struct StepInputs {
   uint32_t pages_per_row = 0;
   ReturnLogits return_logits = ReturnLogits::LastToken;
   uint32_t return_n_logits = 1;  // for Variable
+  // Data parallelism (MAX's data_parallel_splits): rows [splits[r], splits[r+1]) belong to
+  // replica r, whose page ids index replica r's own page pool. Empty: one replica.
+  std::vector<uint32_t> data_parallel_splits;
 
   size_t num_rows() const { return input_row_offsets.empty() ? 0 : input_row_offsets.size() - 1; }
   size_t num_tokens() const { return tokens.size(); }
@@ -35,7 +38,17 @@ struct StepInputs {
   std::vector<uint32_t> logit_token_indices() const;
   // Throws std::invalid_argument naming the first inconsistency (offsets, table size, lengths).
   void validate(uint32_t page_size, uint32_t num_pages) const;
+  size_t num_replicas() const {
+    return data_parallel_splits.empty() ? 1 : data_parallel_splits.size() - 1;
+  }
+  // The rows of replica r as a step of their own (offsets rebased to 0, no splits).
+  StepInputs replica_step(size_t r) const;
 };
+
+// One step of several replicas: the replicas' steps concatenated in replica order, with
+// data_parallel_splits saying whose rows are whose. Tables are padded to the widest with
+// `null_page`.
+StepInputs merge_replica_steps(const std::vector<StepInputs>& steps, uint32_t null_page);
 
 class Device;
 

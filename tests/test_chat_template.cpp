@@ -552,6 +552,25 @@ TEST(ChatTemplate, SyntaxErrorsNameTheProblem) {
             "chat template line 1 col 1: 'break' outside a for loop");
 }
 
+// Bounded nesting: deep templates fail cleanly instead of overflowing the stack.
+TEST(ChatTemplate, DeepNestingIsAnError) {
+  const std::string parens = "{{ " + std::string(5000, '(') + "1" + std::string(5000, ')') + " }}";
+  EXPECT_NE(error_of([&] { ChatTemplate{parens}; }).find("template nested too deeply"),
+            std::string::npos);
+  std::string sum = "{{ 1";
+  for (int i = 0; i < 5000; ++i) sum += " + 1";
+  EXPECT_NE(error_of([&] { ChatTemplate{sum + " }}"}; }).find("expression nested too deeply"),
+            std::string::npos);
+  std::string ifs;
+  for (int i = 0; i < 5000; ++i) ifs += "{% if true %}";
+  EXPECT_NE(error_of([&] { ChatTemplate{ifs}; }).find("template nested too deeply"),
+            std::string::npos);
+  // Well within the limits.
+  std::string fine = "{{ 0";
+  for (int i = 0; i < 100; ++i) fine += " + 1";
+  EXPECT_EQ(render_chat_template(fine + " }}", json::object()), "100");
+}
+
 TEST(ChatTemplate, TokenizerWithoutTemplateIsAnError) {
   const std::filesystem::path dir = std::filesystem::temp_directory_path() /
                                     ("clshard_test_no_template_" + std::to_string(::getpid()));

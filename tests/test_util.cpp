@@ -1,5 +1,6 @@
 #include "tests/test_util.h"
 
+#include <stdlib.h>
 #include <sys/wait.h>
 
 #include <array>
@@ -95,3 +96,9 @@ int run_clshard(const std::vector<std::string>& args, std::string* out, std::str
 }
 
 }  // namespace clshard::test
+
+namespace {
+// Multi-device tests split the CPU into up to 4 sub-devices; PoCL gives a device at most as many
+// threads as POCL_MAX_PTHREAD_COUNT, read once when the platform starts (before any test runs).
+const bool kPthreads = [] { return setenv("POCL_MAX_PTHREAD_COUNT", "4", 0) == 0; }();
+}  // namespace

@@ -143,6 +143,7 @@ StepOutputs Llama3Model::forward(const StepInputs& in) {
     ops::linear(dev_, xs.mem(), 0, H, w_.lm_head, nullptr, logits_, 0, V, R,
                 float(1.0 / cfg_.logits_scaling));
   }
+  dev_.flush();
   return out;
 }
 
