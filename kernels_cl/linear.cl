@@ -1,7 +1,8 @@
 // y = alpha * x W^T (+ bias) (+ y when accumulating): the linear layers of every model.
 // x: [M, K] f32 rows (row stride ldx); W: [N, K] as Hugging Face stores nn.Linear weights, f32 or
-// bf16 (WEIGHT_BF16=1, widened inside the loop: never a converted copy in memory); y: [M, N]
-// f32 (row stride ldy). Accumulating into y is how residual adds happen (h += o_proj(attn)).
+// bf16 (WEIGHT_BF16=1, widened inside the loop: never a converted copy in memory), starting at
+// element w_off with row stride ldw (a column slice of a bigger weight for tensor parallelism);
+// y: [M, N] f32 (row stride ldy). Accumulating into y is how residual adds happen (h += o_proj(attn)).
 //
 // Shaped for CPU OpenCL: the inner tile is TM x TN outputs, walking K with 16-wide vector loads.
 // One work-item (local size 1) owns a block of n_tiles column tiles x m_rows rows and loops over
@@ -29,7 +30,7 @@ typedef float wtype;
 
 // One TM x TN tile at (m0, n0).
 inline void linear_tile(global const float* x, uint x_off, uint ldx, global const wtype* w,
-                        global const wtype* bias, int has_bias, global float* y, uint y_off,
+                        uint ldw, global const wtype* bias, int has_bias, global float* y, uint y_off,
                         uint ldy, uint M, uint N, uint K, float alpha, int accumulate, uint m0,
                         uint n0) {
   // Rows and columns past the edge compute on a valid row (clamped) and are not stored.
@@ -38,7 +39,7 @@ inline void linear_tile(global const float* x, uint x_off, uint ldx, global cons
 #pragma unroll
   for (int i = 0; i < TM; ++i) xr[i] = x + x_off + (size_t)min(m0 + i, M - 1) * ldx;
 #pragma unroll
-  for (int j = 0; j < TN; ++j) wr[j] = w + (size_t)min(n0 + j, N - 1) * K;
+  for (int j = 0; j < TN; ++j) wr[j] = w + (size_t)min(n0 + j, N - 1) * ldw;
 
   float16 acc[TM][TN];
 #pragma unroll
@@ -94,7 +95,8 @@ inline void linear_tile(global const float* x, uint x_off, uint ldx, global cons
 }
 
 kernel void linear(global const float* x, uint x_off, uint ldx,
-                   global const wtype* w, global const wtype* bias, int has_bias,
+                   global const wtype* w_base, uint w_off, uint ldw,
+                   global const wtype* bias_base, uint b_off, int has_bias,
                    global float* y, uint y_off, uint ldy,
                    uint M, uint N, uint K, float alpha, int accumulate,
                    uint n_tiles, uint m_rows) {
@@ -102,8 +104,10 @@ kernel void linear(global const float* x, uint x_off, uint ldx,
   const uint n_end = min(n_begin + n_tiles * TN, N);
   const uint m_begin = get_global_id(1) * m_rows;
   const uint m_end = min(m_begin + m_rows, M);
+  global const wtype* w = w_base + w_off;
+  global const wtype* bias = bias_base + b_off;
   for (uint n0 = n_begin; n0 < n_end; n0 += TN)
     for (uint m0 = m_begin; m0 < m_end; m0 += TM)
-      linear_tile(x, x_off, ldx, w, bias, has_bias, y, y_off, ldy, M, N, K, alpha, accumulate,
+      linear_tile(x, x_off, ldx, w, ldw, bias, has_bias, y, y_off, ldy, M, N, K, alpha, accumulate,
                   m0, n0);
 }

@@ -27,6 +27,7 @@ void linear(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const W
             const Weight* bias, const cl::Mem& y, uint32_t y_off, uint32_t ldy, uint32_t M,
             float alpha, bool accumulate) {
   const uint32_t N = uint32_t(w.dim(0)), K = uint32_t(w.dim(1));
+  const uint32_t ldw = uint32_t(w.row_stride());
   // Decode-sized batches take a one-row tile (the weights stream once either way); larger ones a
   // 4x4 tile that reuses each loaded x and W vector four times.
   const uint32_t tm = M < 4 ? 1 : 4, tn = 4;
@@ -41,8 +42,9 @@ void linear(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const W
   if (dev.is_cpu())
     while (n_tiles < 16 && uint64_t(col_tiles) * row_blocks / (n_tiles * 2) >= 256) n_tiles *= 2;
   const int has_bias = bias != nullptr;
-  cl::set_args(k, x, x_off, ldx, w.mem, has_bias ? bias->mem : w.mem, has_bias, y, y_off, ldy, M,
-               N, K, alpha, int(accumulate), n_tiles, m_rows);
+  cl::set_args(k, x, x_off, ldx, w.mem, uint32_t(w.offset), ldw, has_bias ? bias->mem : w.mem,
+               uint32_t(has_bias ? bias->offset : 0), has_bias, y, y_off, ldy, M, N, K, alpha,
+               int(accumulate), n_tiles, m_rows);
   dev.launch(k, {(col_tiles + n_tiles - 1) / n_tiles, row_blocks, 1}, 2);
 }
 
@@ -56,10 +58,10 @@ void rmsnorm(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const 
 }
 
 void embedding(Device& dev, const cl::Mem& tokens, uint32_t T, const Weight& table,
-               const cl::Mem& y, float multiplier) {
+               const cl::Mem& y, float multiplier, uint32_t vocab_begin) {
   cl::Kernel k = dev.kernel("embedding.cl", "embedding", weight_option(table));
-  cl::set_args(k, tokens, table.mem, y, uint32_t(table.dim(1)), uint32_t(table.dim(0)),
-               multiplier);
+  cl::set_args(k, tokens, table.mem, y, uint32_t(table.dim(1)), vocab_begin,
+               uint32_t(table.dim(0)), multiplier);
   dev.launch(k, {T, 1, 1}, 1);
 }
 
@@ -70,6 +72,13 @@ void silu_mul(Device& dev, const cl::Mem& gate, uint32_t gate_off, uint32_t ldg,
   cl::Kernel k = dev.kernel("activation.cl", "silu_mul");
   cl::set_args(k, gate, gate_off, ldg, up, up_off, ldu, y, ldy, F);
   dev.launch(k, {T, (F + chunk - 1) / chunk, 1}, 2);
+}
+
+void axpy(Device& dev, const cl::Mem& y, const cl::Mem& x, float alpha, uint32_t n) {
+  constexpr uint32_t chunk = 4096;  // CHUNK in elementwise.cl
+  cl::Kernel k = dev.kernel("elementwise.cl", "axpy");
+  cl::set_args(k, y, x, alpha, n);
+  dev.launch(k, {(n + chunk - 1) / chunk, 1, 1}, 1);
 }
 
 void rope_store_kv(Device& dev, const cl::Mem& qkv, uint32_t ld, uint32_t n_heads,

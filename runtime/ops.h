@@ -24,14 +24,18 @@ void rmsnorm(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const 
              const Weight& w, const cl::Mem& y, uint32_t y_off, uint32_t ldy, uint32_t R,
              uint32_t H, float eps);
 
-// y[t] = table[tokens[t]] * multiplier, T tokens.
+// y[t] = table[tokens[t] - vocab_begin] * multiplier, T tokens; zeros for ids outside the table
+// (a vocabulary shard: the shards' sum is the whole lookup).
 void embedding(Device& dev, const cl::Mem& tokens, uint32_t T, const Weight& table,
-               const cl::Mem& y, float multiplier);
+               const cl::Mem& y, float multiplier, uint32_t vocab_begin = 0);
 
 // y[t, :F] = silu(gate[t]) * up[t].
 void silu_mul(Device& dev, const cl::Mem& gate, uint32_t gate_off, uint32_t ldg, const cl::Mem& up,
               uint32_t up_off, uint32_t ldu, const cl::Mem& y, uint32_t ldy, uint32_t T,
               uint32_t F);
+
+// y[0, n) += alpha * x[0, n).
+void axpy(Device& dev, const cl::Mem& y, const cl::Mem& x, float alpha, uint32_t n);
 
 // Per-token metadata of a step on the device: row index and absolute position of each new token,
 // and the page table.

@@ -19,14 +19,24 @@ struct Weight {
   DType dtype = DType::F32;
   std::vector<int64_t> shape;
   std::string name;
+  // Where the weight starts in `mem` and its row stride, in elements: a slice of a bigger tensor
+  // (tensor parallelism) is a view, not a copy, where the device reads host memory.
+  size_t offset = 0;
+  int64_t ld = 0;  // 0: rows are contiguous (shape.back())
 
   int64_t dim(size_t i) const { return shape.at(i); }
+  int64_t row_stride() const { return ld ? ld : shape.back(); }
   explicit operator bool() const { return bool(mem); }
 };
 
 // Puts a checkpoint tensor on a device: wraps the mapped file on host-memory devices (no copy),
 // uploads it on discrete ones.
 Weight to_device(Device& dev, const TensorView& view);
+// Rows [r0, r1) of a 2-D (or 1-D: elements) tensor: contiguous, so a view of the mapping.
+Weight to_device_rows(Device& dev, const TensorView& view, int64_t r0, int64_t r1);
+// Columns [c0, c1) of a 2-D tensor: a strided view over the whole tensor where the device reads
+// host memory, a gathered copy of just the slice where it does not.
+Weight to_device_columns(Device& dev, const TensorView& view, int64_t c0, int64_t c1);
 // An f32 weight from host values (converted copies: clamped qkv, test inputs).
 Weight to_device_f32(Device& dev, const std::vector<float>& values, std::vector<int64_t> shape,
                      std::string name);

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <tuple>
 
 #include "parallel/data_parallel_lm.h"
 #include "runtime/device.h"
@@ -97,6 +98,64 @@ TEST_P(DataParallelLlama, EngineSpreadsRequestsAndMatchesSingleDevice) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Devices, DataParallelLlama, ::testing::Values(2, 3, 4));
+
+}  // namespace
+}  // namespace clshard
+
+namespace clshard {
+namespace {
+
+std::unique_ptr<CausalLM> load_parallel(const std::filesystem::path& dir, DeviceManager& mgr,
+                                        uint32_t data, uint32_t tensor) {
+  LoadOptions o;
+  o.devices = mgr.devices();
+  o.data_parallel_degree = data;
+  o.tensor_parallel_degree = tensor;
+  return load_model(dir, o);
+}
+
+float worst_diff(const std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b) {
+  float worst = 0;
+  for (size_t i = 0; i < a.size(); ++i)
+    for (size_t j = 0; j < a[i].size(); ++j) worst = std::max(worst, std::abs(a[i][j] - b[i][j]));
+  return worst;
+}
+
+// Tensor parallel over 2 sub-devices (heads, MLP columns and vocabulary split; allreduce after
+// attention and MLP), and data parallel x tensor parallel over 4: the single-device logits.
+TEST(TensorParallelLlama, LogitsAndGreedyEqualSingleDevice) {
+  for (const char* ckpt : {"llama3-tiny-f32", "llama3-tiny-bf16"}) {
+    const auto dir = test::reference_dir() / "ckpt" / ckpt;
+    auto single = load_model(dir, LoadOptions{{&test::default_device()}, std::nullopt});
+    auto want = all_position_logits(*single, sequences(), 16);
+    auto want_tokens = greedy_generate(*single, sequences(), 6, 16);
+    for (auto [n, data, tensor] : {std::tuple{2, 1, 2}, std::tuple{4, 2, 2}}) {
+      DeviceManager mgr(DeviceSelection{.type = "cpu", .split = std::to_string(n)});
+      auto tp = load_parallel(dir, mgr, data, tensor);
+      EXPECT_EQ(tp->num_replicas(), uint32_t(data));
+      auto got = all_position_logits(*tp, sequences(), 16);
+      EXPECT_LE(worst_diff(got, want), 1e-4f) << ckpt << " data " << data << " tensor " << tensor;
+      EXPECT_EQ(greedy_generate(*tp, sequences(), 6, 16), want_tokens) << ckpt;
+    }
+  }
+}
+
+TEST(TensorParallelLlama, ShapesThatDoNotDivideAreClearErrors) {
+  DeviceManager mgr(DeviceSelection{.type = "cpu", .split = "4"});
+  try {
+    load_parallel(test::reference_dir() / "ckpt" / "llama3-tiny-f32", mgr, 1, 4);
+    ADD_FAILURE() << "no error";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("num_key_value_heads (2) divisible"), std::string::npos)
+        << e.what();
+  }
+  try {
+    load_parallel(test::reference_dir() / "ckpt" / "llama3-tiny-f32", mgr, 3, 1);
+    ADD_FAILURE() << "no error";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("4"), std::string::npos) << e.what();
+  }
+}
 
 }  // namespace
 }  // namespace clshard

@@ -2,6 +2,7 @@
 
 #include <stdexcept>
 
+#include "parallel/collectives.h"
 #include "runtime/device.h"
 #include "runtime/ops.h"
 #include "runtime/step_device.h"
@@ -9,17 +10,41 @@
 namespace clshard::llama3 {
 
 Llama3Model::Llama3Model(const std::filesystem::path& dir, const LoadOptions& opts)
-    : cfg_(Llama3Config::from_dir(dir)), dev_(*opts.devices.at(0)) {
-  if (opts.devices.size() != 1)
-    throw std::runtime_error("Llama 3 on " + std::to_string(opts.devices.size()) +
-                             " devices needs a parallel layout (data/tensor) from parallel/");
+    : cfg_(Llama3Config::from_dir(dir)) {
+  if (opts.devices.empty()) throw std::invalid_argument("Llama3Model: no device");
   store_ = std::make_unique<WeightStore>(dir);
   cfg_.finalize(*store_);
   if (cfg_.head_dim % 8 != 0)
     throw std::runtime_error((dir / "config.json").string() + ": head_dim " +
                              std::to_string(cfg_.head_dim) +
                              " is not supported (the attention kernel needs a multiple of 8)");
-  w_ = load_weights(cfg_, *store_, dev_);
+  const int64_t ranks = int64_t(opts.devices.size());
+  if (ranks > 1) {
+    for (Device* d : opts.devices)
+      if (d->context() != opts.devices[0]->context())
+        throw std::runtime_error(
+            "tensor parallelism needs devices of one OpenCL platform (one context): the ranks "
+            "write their logits columns into one buffer");
+    if (cfg_.embedding_multiplier != 1.0 || cfg_.residual_multiplier != 1.0)
+      throw std::runtime_error(
+          "tensor parallelism with embedding/residual multipliers (Granite) is not supported, as "
+          "in MAX");
+  }
+  auto inv = cfg_.rope_inv_freqs();
+  std::vector<float> inv_long = cfg_.longrope_scaling ? cfg_.rope_inv_freqs_long() : inv;
+  if (cfg_.longrope_scaling) long_from_ = uint32_t(cfg_.longrope_scaling->original_max_position);
+  for (int64_t r = 0; r < ranks; ++r) {
+    Shard s;
+    s.dev = opts.devices[r];
+    s.range = shard_range(cfg_, r, ranks);
+    s.w = load_weights(cfg_, *store_, *s.dev, s.range);
+    s.inv_freq = s.dev->alloc(inv.size() * sizeof(float), CL_MEM_READ_ONLY);
+    s.dev->write(s.inv_freq, inv.data(), inv.size() * sizeof(float));
+    s.inv_freq_long = s.dev->alloc(inv_long.size() * sizeof(float), CL_MEM_READ_ONLY);
+    s.dev->write(s.inv_freq_long, inv_long.data(), inv_long.size() * sizeof(float));
+    shards_.push_back(std::move(s));
+  }
+  if (ranks > 1) comm_ = std::make_unique<parallel::Communicator>(opts.devices);
 
   info_.architecture = cfg_.architecture;
   info_.vocab_size = uint32_t(cfg_.vocab_size);
@@ -36,17 +61,14 @@ Llama3Model::Llama3Model(const std::filesystem::path& dir, const LoadOptions& op
   for (int64_t e : cfg_.eos_token_ids) info_.eos_token_ids.push_back(int32_t(e));
   if (cfg_.bos_token_id) info_.bos_token_id = int32_t(*cfg_.bos_token_id);
   info_.weight_bytes = store_->total_bytes();
+}
 
-  auto inv = cfg_.rope_inv_freqs();
-  inv_freq_ = dev_.alloc(inv.size() * sizeof(float), CL_MEM_READ_ONLY);
-  dev_.write(inv_freq_, inv.data(), inv.size() * sizeof(float));
-  inv_freq_long_ = inv_freq_;
-  if (cfg_.longrope_scaling) {
-    auto lf = cfg_.rope_inv_freqs_long();
-    inv_freq_long_ = dev_.alloc(lf.size() * sizeof(float), CL_MEM_READ_ONLY);
-    dev_.write(inv_freq_long_, lf.data(), lf.size() * sizeof(float));
-    long_from_ = uint32_t(cfg_.longrope_scaling->original_max_position);
-  }
+Llama3Model::~Llama3Model() = default;
+
+std::vector<Device*> Llama3Model::devices() const {
+  std::vector<Device*> d;
+  for (const auto& s : shards_) d.push_back(s.dev);
+  return d;
 }
 
 uint64_t Llama3Model::kv_bytes_per_token() const {
@@ -58,92 +80,150 @@ void Llama3Model::allocate_kv_cache(uint32_t num_pages, uint32_t page_size) {
   if (page_size == 0 || page_size % 16 != 0)
     throw std::invalid_argument("kv_cache.page_size must be a positive multiple of 16, got " +
                                 std::to_string(page_size));
-  kv_.clear();
-  const size_t layer_bytes = size_t(num_pages + 1) * 2 * page_size * cfg_.num_key_value_heads *
-                             cfg_.head_dim * sizeof(float);
-  if (layer_bytes > dev_.info().max_alloc)
-    throw std::runtime_error("KV cache: " + std::to_string(num_pages) + " pages of " +
-                             std::to_string(page_size) + " tokens need " +
-                             std::to_string(layer_bytes) + " bytes per layer, over the " +
-                             std::to_string(dev_.info().max_alloc) +
-                             "-byte allocation limit of " + dev_.label());
-  const size_t page_bytes = layer_bytes / (num_pages + 1);
-  for (int64_t l = 0; l < cfg_.num_hidden_layers; ++l) {
-    kv_.push_back(dev_.alloc(layer_bytes));
-    // Only the null page is ever read before it is written; keep it finite. The other pages are
-    // left untouched, so a large pool costs no time and, on host memory, no resident memory
-    // until used.
-    dev_.fill_zero(kv_.back(), page_bytes, size_t(num_pages) * page_bytes);
+  for (auto& s : shards_) {
+    s.kv.clear();
+    const size_t page_bytes =
+        size_t(2) * page_size * size_t(s.range.kv_heads) * cfg_.head_dim * sizeof(float);
+    const size_t layer_bytes = size_t(num_pages + 1) * page_bytes;
+    if (layer_bytes > s.dev->info().max_alloc)
+      throw std::runtime_error("KV cache: " + std::to_string(num_pages) + " pages of " +
+                               std::to_string(page_size) + " tokens need " +
+                               std::to_string(layer_bytes) + " bytes per layer, over the " +
+                               std::to_string(s.dev->info().max_alloc) +
+                               "-byte allocation limit of " + s.dev->label());
+    for (int64_t l = 0; l < cfg_.num_hidden_layers; ++l) {
+      s.kv.push_back(s.dev->alloc(layer_bytes));
+      // Only the null page is ever read before it is written; keep it finite. The other pages
+      // are left untouched, so a large pool costs no time and, on host memory, no resident
+      // memory until used.
+      s.dev->fill_zero(s.kv.back(), page_bytes, size_t(num_pages) * page_bytes);
+    }
   }
   num_pages_ = num_pages;
   page_size_ = page_size;
 }
 
 StepOutputs Llama3Model::forward(const StepInputs& in) {
-  if (kv_.empty()) throw std::logic_error("Llama3Model::forward before allocate_kv_cache");
-  DeviceStep st = upload_step(dev_, in, page_size_, num_pages_, info_.vocab_size);
+  if (shards_[0].kv.empty()) throw std::logic_error("Llama3Model::forward before allocate_kv_cache");
+  const size_t P = shards_.size();
   const uint32_t T = uint32_t(in.num_tokens());
   const uint32_t H = uint32_t(cfg_.hidden_size), hd = uint32_t(cfg_.head_dim);
-  const uint32_t nh = uint32_t(cfg_.num_attention_heads), nkv = uint32_t(cfg_.num_key_value_heads);
-  const uint32_t F = uint32_t(cfg_.intermediate_size), V = info_.vocab_size;
-  const uint32_t qkv_w = (nh + 2 * nkv) * hd;
+  const uint32_t V = uint32_t(cfg_.vocab_size);
   const float eps = float(cfg_.rms_norm_eps), m = float(cfg_.residual_multiplier);
-  const uint32_t R = uint32_t(st.logit_token_indices.size());
+  Device& dev0 = *shards_[0].dev;
 
+  // Per rank: the step's inputs and scratch. Sizes are this rank's heads and columns.
+  struct Work {
+    DeviceStep st;
+    Scratch h, xn, qkv, att, gu, part;
+    uint32_t nh, nkv, f, qkv_w;
+  };
+  std::vector<Work> work;
+  for (auto& s : shards_) {
+    Work w;
+    w.st = upload_step(*s.dev, in, page_size_, num_pages_, V);
+    w.nh = uint32_t(s.range.heads);
+    w.nkv = uint32_t(s.range.kv_heads);
+    w.f = uint32_t(s.range.ffn);
+    w.qkv_w = (w.nh + 2 * w.nkv) * hd;
+    const size_t t = std::max<uint32_t>(T, 1);
+    w.h = Scratch(*s.dev, t * H * 4);
+    w.xn = Scratch(*s.dev, t * H * 4);
+    w.qkv = Scratch(*s.dev, t * w.qkv_w * 4);
+    w.att = Scratch(*s.dev, t * w.nh * hd * 4);
+    w.gu = Scratch(*s.dev, t * 2 * w.f * 4);
+    if (P > 1) w.part = Scratch(*s.dev, t * H * 4);
+    work.push_back(std::move(w));
+  }
+  const uint32_t R = uint32_t(work[0].st.logit_token_indices.size());
   StepOutputs out;
-  out.device = &dev_;
+  out.device = &dev0;
   out.rows = R;
   out.vocab = V;
-  out.logit_offsets = st.logit_offsets;
+  out.logit_offsets = work[0].st.logit_offsets;
   if (size_t(R) * V > logits_capacity_) {
     logits_capacity_ = size_t(R) * V;
-    logits_ = dev_.alloc(logits_capacity_ * sizeof(float));
+    logits_ = dev0.alloc(logits_capacity_ * sizeof(float));
   }
   out.logits = logits_;
   if (T == 0) return out;
 
-  Scratch h(dev_, size_t(T) * H * 4), xn(dev_, size_t(T) * H * 4);
-  Scratch qkv(dev_, size_t(T) * qkv_w * 4), att(dev_, size_t(T) * nh * hd * 4);
-  Scratch gu(dev_, size_t(T) * 2 * F * 4);
+  // The ranks' partial sums (of the embedding shards, of o_proj and down_proj over their
+  // columns) become the whole on every rank, then join the residual stream.
+  auto allreduce = [&](auto member, const char* what) {
+    std::vector<parallel::DeviceSpan> spans;
+    for (auto& w : work) spans.push_back({(w.*member).mem(), 0, size_t(T) * H});
+    comm_->allreduce(spans, what);
+  };
 
-  ops::embedding(dev_, st.token_ids, T, w_.embed, h.mem(), float(cfg_.embedding_multiplier));
-  for (size_t l = 0; l < w_.layers.size(); ++l) {
-    const LayerWeights& L = w_.layers[l];
-    ops::rmsnorm(dev_, h.mem(), 0, H, nullptr, L.input_norm, xn.mem(), 0, H, T, H, eps);
-    if (L.qkv) {
-      ops::linear(dev_, xn.mem(), 0, H, L.qkv, nullptr, qkv.mem(), 0, qkv_w, T);
-    } else {
+  for (size_t r = 0; r < P; ++r)
+    ops::embedding(*shards_[r].dev, work[r].st.token_ids, T, shards_[r].w.embed, work[r].h.mem(),
+                   float(cfg_.embedding_multiplier), uint32_t(shards_[r].range.vocab_begin));
+  if (P > 1) allreduce(&Work::h, "embedding");
+
+  for (size_t l = 0; l < cfg_.num_hidden_layers; ++l) {
+    for (size_t r = 0; r < P; ++r) {
+      Device& d = *shards_[r].dev;
+      const LayerWeights& L = shards_[r].w.layers[l];
+      Work& w = work[r];
+      ops::rmsnorm(d, w.h.mem(), 0, H, nullptr, L.input_norm, w.xn.mem(), 0, H, T, H, eps);
       const bool bias = bool(L.q_bias);
-      ops::linear(dev_, xn.mem(), 0, H, L.q, bias ? &L.q_bias : nullptr, qkv.mem(), 0, qkv_w, T);
-      ops::linear(dev_, xn.mem(), 0, H, L.k, bias ? &L.k_bias : nullptr, qkv.mem(), nh * hd,
-                  qkv_w, T);
-      ops::linear(dev_, xn.mem(), 0, H, L.v, bias ? &L.v_bias : nullptr, qkv.mem(),
-                  (nh + nkv) * hd, qkv_w, T);
+      ops::linear(d, w.xn.mem(), 0, H, L.q, bias ? &L.q_bias : nullptr, w.qkv.mem(), 0, w.qkv_w, T);
+      ops::linear(d, w.xn.mem(), 0, H, L.k, bias ? &L.k_bias : nullptr, w.qkv.mem(), w.nh * hd,
+                  w.qkv_w, T);
+      ops::linear(d, w.xn.mem(), 0, H, L.v, bias ? &L.v_bias : nullptr, w.qkv.mem(),
+                  (w.nh + w.nkv) * hd, w.qkv_w, T);
+      ops::rope_store_kv(d, w.qkv.mem(), w.qkv_w, w.nh, w.nkv, hd, shards_[r].inv_freq,
+                         shards_[r].inv_freq_long, long_from_, w.st.tokens, shards_[r].kv[l]);
+      ops::paged_attention(d, w.qkv.mem(), w.qkv_w, shards_[r].kv[l], w.st.tokens, w.nh, w.nkv,
+                           hd, cfg_.attention_scale(), w.att.mem(), w.nh * hd);
+      if (P == 1)
+        ops::linear(d, w.att.mem(), 0, w.nh * hd, L.o, nullptr, w.h.mem(), 0, H, T, m, true);
+      else
+        ops::linear(d, w.att.mem(), 0, w.nh * hd, L.o, nullptr, w.part.mem(), 0, H, T);
     }
-    ops::rope_store_kv(dev_, qkv.mem(), qkv_w, nh, nkv, hd, inv_freq_, inv_freq_long_, long_from_,
-                       st.tokens, kv_[l]);
-    ops::paged_attention(dev_, qkv.mem(), qkv_w, kv_[l], st.tokens, nh, nkv, hd,
-                         cfg_.attention_scale(), att.mem(), nh * hd);
-    ops::linear(dev_, att.mem(), 0, nh * hd, L.o, nullptr, h.mem(), 0, H, T, m, true);
-
-    ops::rmsnorm(dev_, h.mem(), 0, H, nullptr, L.post_attention_norm, xn.mem(), 0, H, T, H, eps);
-    if (L.gate_up) {
-      ops::linear(dev_, xn.mem(), 0, H, L.gate_up, nullptr, gu.mem(), 0, 2 * F, T);
-    } else {
-      ops::linear(dev_, xn.mem(), 0, H, L.gate, nullptr, gu.mem(), 0, 2 * F, T);
-      ops::linear(dev_, xn.mem(), 0, H, L.up, nullptr, gu.mem(), F, 2 * F, T);
+    if (P > 1) {
+      allreduce(&Work::part, "attention output");
+      for (size_t r = 0; r < P; ++r)
+        ops::axpy(*shards_[r].dev, work[r].h.mem(), work[r].part.mem(), m, T * H);
     }
-    // silu(gate) * up written over the gate half, then down-projected into the residual.
-    ops::silu_mul(dev_, gu.mem(), 0, 2 * F, gu.mem(), F, 2 * F, gu.mem(), 2 * F, T, F);
-    ops::linear(dev_, gu.mem(), 0, 2 * F, L.down, nullptr, h.mem(), 0, H, T, m, true);
+    for (size_t r = 0; r < P; ++r) {
+      Device& d = *shards_[r].dev;
+      const LayerWeights& L = shards_[r].w.layers[l];
+      Work& w = work[r];
+      ops::rmsnorm(d, w.h.mem(), 0, H, nullptr, L.post_attention_norm, w.xn.mem(), 0, H, T, H,
+                   eps);
+      ops::linear(d, w.xn.mem(), 0, H, L.gate, nullptr, w.gu.mem(), 0, 2 * w.f, T);
+      ops::linear(d, w.xn.mem(), 0, H, L.up, nullptr, w.gu.mem(), w.f, 2 * w.f, T);
+      // silu(gate) * up written over the gate half, then down-projected into the residual.
+      ops::silu_mul(d, w.gu.mem(), 0, 2 * w.f, w.gu.mem(), w.f, 2 * w.f, w.gu.mem(), 2 * w.f, T,
+                    w.f);
+      if (P == 1)
+        ops::linear(d, w.gu.mem(), 0, 2 * w.f, L.down, nullptr, w.h.mem(), 0, H, T, m, true);
+      else
+        ops::linear(d, w.gu.mem(), 0, 2 * w.f, L.down, nullptr, w.part.mem(), 0, H, T);
+    }
+    if (P > 1) {
+      allreduce(&Work::part, "MLP output");
+      for (size_t r = 0; r < P; ++r)
+        ops::axpy(*shards_[r].dev, work[r].h.mem(), work[r].part.mem(), m, T * H);
+    }
   }
   if (R > 0) {
-    Scratch xs(dev_, size_t(R) * H * 4);
-    ops::rmsnorm(dev_, h.mem(), 0, H, &st.logit_rows, w_.final_norm, xs.mem(), 0, H, R, H, eps);
-    ops::linear(dev_, xs.mem(), 0, H, w_.lm_head, nullptr, logits_, 0, V, R,
-                float(1.0 / cfg_.logits_scaling));
+    // Each rank computes its vocabulary columns of the logits straight into the first device's
+    // buffer (one context, so one buffer serves all).
+    for (size_t r = 0; r < P; ++r) {
+      Device& d = *shards_[r].dev;
+      Scratch xs(d, size_t(R) * H * 4);
+      ops::rmsnorm(d, work[r].h.mem(), 0, H, &work[r].st.logit_rows, shards_[r].w.final_norm,
+                   xs.mem(), 0, H, R, H, eps);
+      ops::linear(d, xs.mem(), 0, H, shards_[r].w.lm_head, nullptr, logits_,
+                  uint32_t(shards_[r].range.vocab_begin), V, R, float(1.0 / cfg_.logits_scaling));
+    }
   }
-  dev_.flush();
+  // The other ranks' logits columns must be in place before the first device reads them.
+  for (size_t r = 1; r < P; ++r) shards_[r].dev->finish();
+  dev0.flush();
   return out;
 }
 

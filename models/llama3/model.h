@@ -1,7 +1,10 @@
-// The Llama 3 forward pass on one device (MAX's Llama3 / TransformerBlock):
+// The Llama 3 forward pass (MAX's Llama3 / TransformerBlock), on one device or tensor-parallel
+// over several (MAX's DistributedLlama3: heads and MLP columns split, an allreduce after attention
+// and after the MLP, vocabulary-parallel embedding and lm_head):
 //   h = embed(tokens) * embedding_multiplier
 //   per layer: h += m * o_proj(attention(rope(qkv(norm(h)))));  h += m * down(silu(gate) * up)
 //   logits = lm_head(norm(h[rows])) / logits_scaling
+// One device is the one-shard case of the same code.
 #pragma once
 
 #include <filesystem>
@@ -12,11 +15,17 @@
 #include "runtime/model.h"
 #include "runtime/safetensors.h"
 
+namespace clshard::parallel {
+class Communicator;
+}
+
 namespace clshard::llama3 {
 
 class Llama3Model : public CausalLM {
  public:
+  // opts.devices are the tensor-parallel ranks (one device: no parallelism).
   Llama3Model(const std::filesystem::path& dir, const LoadOptions& opts);
+  ~Llama3Model() override;
 
   const ModelInfo& info() const override { return info_; }
   uint64_t kv_bytes_per_token() const override;
@@ -25,22 +34,28 @@ class Llama3Model : public CausalLM {
   uint32_t kv_page_size() const override { return page_size_; }
   // The returned logits buffer is the model's and stays valid until the next forward.
   StepOutputs forward(const StepInputs& step) override;
-  std::vector<Device*> devices() const override { return {&dev_}; }
+  std::vector<Device*> devices() const override;
 
   const Llama3Config& config() const { return cfg_; }
 
  private:
+  // What one tensor-parallel rank holds.
+  struct Shard {
+    Device* dev = nullptr;
+    ShardRange range;
+    Llama3Weights w;
+    cl::Mem inv_freq, inv_freq_long;
+    std::vector<cl::Mem> kv;  // paged KV cache of this rank's kv heads, one buffer per layer
+  };
+
   Llama3Config cfg_;
-  Device& dev_;
   std::unique_ptr<WeightStore> store_;  // keeps the mapped files alive under the weights
-  Llama3Weights w_;
+  std::vector<Shard> shards_;
+  std::unique_ptr<parallel::Communicator> comm_;  // with more than one shard
   ModelInfo info_;
-  cl::Mem inv_freq_, inv_freq_long_;
   uint32_t long_from_ = 0xffffffffu;
-  // Paged KV cache, one buffer per layer (each stays under the device's max allocation).
-  std::vector<cl::Mem> kv_;
   uint32_t num_pages_ = 0, page_size_ = 0;
-  cl::Mem logits_;
+  cl::Mem logits_;  // on the first device; every rank writes its vocabulary columns
   size_t logits_capacity_ = 0;
 };
 

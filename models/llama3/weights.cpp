@@ -12,63 +12,107 @@ namespace {
 const std::vector<DType> kFloatTypes = {DType::F32, DType::BF16};
 
 // clip_qkv (OLMo) clamps the Q/K/V weights before the matmul. The mapped file is read-only, so
-// the clamped weight is an f32 copy made once at load.
-Weight clamped(Device& dev, const TensorView& v, double clip) {
-  std::vector<float> vals(size_t(v.numel()));
+// the clamped rows are an f32 copy made once at load.
+Weight clamped_rows(Device& dev, const TensorView& v, int64_t r0, int64_t r1, double clip) {
+  const int64_t K = v.shape.size() > 1 ? v.shape[1] : 1;
+  std::vector<float> vals(size_t((r1 - r0) * K));
   for (size_t i = 0; i < vals.size(); ++i) {
-    float x = v.dtype == DType::BF16
-                  ? bf16_to_f32(reinterpret_cast<const uint16_t*>(v.data)[i])
-                  : reinterpret_cast<const float*>(v.data)[i];
+    const size_t src = size_t(r0 * K) + i;
+    float x = v.dtype == DType::BF16 ? bf16_to_f32(reinterpret_cast<const uint16_t*>(v.data)[src])
+                                     : reinterpret_cast<const float*>(v.data)[src];
     vals[i] = std::clamp(x, float(-clip), float(clip));
   }
-  return to_device_f32(dev, vals, v.shape, v.name);
+  std::vector<int64_t> shape = v.shape;
+  shape[0] = r1 - r0;
+  return to_device_f32(dev, vals, shape, v.name);
 }
 
 }  // namespace
 
-Llama3Weights load_weights(const Llama3Config& c, const WeightStore& s, Device& dev) {
+ShardRange shard_range(const Llama3Config& c, int64_t rank, int64_t ranks) {
+  auto must_divide = [&](const char* field, int64_t value) {
+    if (value % ranks != 0)
+      throw std::runtime_error("tensor parallelism over " + std::to_string(ranks) +
+                               " devices needs " + field + " (" + std::to_string(value) +
+                               ") divisible by it");
+  };
+  must_divide("num_attention_heads", c.num_attention_heads);
+  must_divide("num_key_value_heads", c.num_key_value_heads);
+  must_divide("intermediate_size", c.intermediate_size);
+  ShardRange s;
+  s.heads = c.num_attention_heads / ranks;
+  s.head_begin = rank * s.heads;
+  s.kv_heads = c.num_key_value_heads / ranks;
+  s.kv_head_begin = rank * s.kv_heads;
+  s.ffn = c.intermediate_size / ranks;
+  s.ffn_begin = rank * s.ffn;
+  // The vocabulary need not divide: the first ranks take one row more.
+  const int64_t base = c.vocab_size / ranks, extra = c.vocab_size % ranks;
+  s.vocab = base + (rank < extra ? 1 : 0);
+  s.vocab_begin = rank * base + std::min(rank, extra);
+  return s;
+}
+
+Llama3Weights load_weights(const Llama3Config& c, const WeightStore& s, Device& dev,
+                           const ShardRange& r) {
   const int64_t H = c.hidden_size, V = c.vocab_size, hd = c.head_dim;
   const int64_t nq = c.num_attention_heads * hd, nkv = c.num_key_value_heads * hd;
   const int64_t F = c.intermediate_size;
-  auto get = [&](const std::string& name, std::vector<int64_t> shape) {
+  const int64_t q0 = r.head_begin * hd, q1 = q0 + r.heads * hd;
+  const int64_t kv0 = r.kv_head_begin * hd, kv1 = kv0 + r.kv_heads * hd;
+  const int64_t f0 = r.ffn_begin, f1 = f0 + r.ffn;
+  const int64_t v0 = r.vocab_begin, v1 = v0 + r.vocab;
+  auto whole = [&](const std::string& name, std::vector<int64_t> shape) {
     return to_device(dev, s.expect(name, shape, kFloatTypes));
   };
-  auto qkv_weight = [&](const std::string& name, std::vector<int64_t> shape) {
-    const TensorView& v = s.expect(name, shape, kFloatTypes);
-    return c.clip_qkv ? clamped(dev, v, *c.clip_qkv) : to_device(dev, v);
+  auto rows = [&](const TensorView& t, int64_t a, int64_t b) {
+    return to_device_rows(dev, t, a, b);
+  };
+  auto qkv_rows = [&](const TensorView& t, int64_t a, int64_t b) {
+    return c.clip_qkv ? clamped_rows(dev, t, a, b, *c.clip_qkv) : to_device_rows(dev, t, a, b);
   };
 
   Llama3Weights w;
-  w.embed = get("model.embed_tokens.weight", {V, H});
+  const TensorView& embed = s.expect("model.embed_tokens.weight", {V, H}, kFloatTypes);
+  w.embed = rows(embed, v0, v1);
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
     const std::string p = "model.layers." + std::to_string(l) + ".";
     LayerWeights L;
-    L.input_norm = get(p + "input_layernorm.weight", {H});
-    L.post_attention_norm = get(p + "post_attention_layernorm.weight", {H});
+    L.input_norm = whole(p + "input_layernorm.weight", {H});
+    L.post_attention_norm = whole(p + "post_attention_layernorm.weight", {H});
     if (c.stacked_qkv) {
-      L.qkv = qkv_weight(p + "self_attn.qkv_proj.weight", {nq + 2 * nkv, H});
+      const TensorView& t = s.expect(p + "self_attn.qkv_proj.weight", {nq + 2 * nkv, H}, kFloatTypes);
+      L.q = qkv_rows(t, q0, q1);
+      L.k = qkv_rows(t, nq + kv0, nq + kv1);
+      L.v = qkv_rows(t, nq + nkv + kv0, nq + nkv + kv1);
     } else {
-      L.q = qkv_weight(p + "self_attn.q_proj.weight", {nq, H});
-      L.k = qkv_weight(p + "self_attn.k_proj.weight", {nkv, H});
-      L.v = qkv_weight(p + "self_attn.v_proj.weight", {nkv, H});
+      L.q = qkv_rows(s.expect(p + "self_attn.q_proj.weight", {nq, H}, kFloatTypes), q0, q1);
+      L.k = qkv_rows(s.expect(p + "self_attn.k_proj.weight", {nkv, H}, kFloatTypes), kv0, kv1);
+      L.v = qkv_rows(s.expect(p + "self_attn.v_proj.weight", {nkv, H}, kFloatTypes), kv0, kv1);
       if (c.attention_bias) {
-        L.q_bias = get(p + "self_attn.q_proj.bias", {nq});
-        L.k_bias = get(p + "self_attn.k_proj.bias", {nkv});
-        L.v_bias = get(p + "self_attn.v_proj.bias", {nkv});
+        L.q_bias = rows(s.expect(p + "self_attn.q_proj.bias", {nq}, kFloatTypes), q0, q1);
+        L.k_bias = rows(s.expect(p + "self_attn.k_proj.bias", {nkv}, kFloatTypes), kv0, kv1);
+        L.v_bias = rows(s.expect(p + "self_attn.v_proj.bias", {nkv}, kFloatTypes), kv0, kv1);
       }
     }
-    L.o = get(p + "self_attn.o_proj.weight", {H, nq});
+    L.o = to_device_columns(dev, s.expect(p + "self_attn.o_proj.weight", {H, nq}, kFloatTypes),
+                            q0, q1);
     if (c.stacked_mlp) {
-      L.gate_up = get(p + "mlp.gate_up_proj.weight", {2 * F, H});
+      const TensorView& t = s.expect(p + "mlp.gate_up_proj.weight", {2 * F, H}, kFloatTypes);
+      L.gate = rows(t, f0, f1);
+      L.up = rows(t, F + f0, F + f1);
     } else {
-      L.gate = get(p + "mlp.gate_proj.weight", {F, H});
-      L.up = get(p + "mlp.up_proj.weight", {F, H});
+      L.gate = rows(s.expect(p + "mlp.gate_proj.weight", {F, H}, kFloatTypes), f0, f1);
+      L.up = rows(s.expect(p + "mlp.up_proj.weight", {F, H}, kFloatTypes), f0, f1);
     }
-    L.down = get(p + "mlp.down_proj.weight", {H, F});
+    L.down = to_device_columns(dev, s.expect(p + "mlp.down_proj.weight", {H, F}, kFloatTypes),
+                               f0, f1);
     w.layers.push_back(std::move(L));
   }
-  w.final_norm = get("model.norm.weight", {H});
-  w.lm_head = c.tie_word_embeddings ? w.embed : get("lm_head.weight", {V, H});
+  w.final_norm = whole("model.norm.weight", {H});
+  w.lm_head = c.tie_word_embeddings
+                  ? w.embed
+                  : rows(s.expect("lm_head.weight", {V, H}, kFloatTypes), v0, v1);
   return w;
 }
 

@@ -1,5 +1,7 @@
-// Llama 3 weight names -> tensors on a device. Names are Hugging Face's (model.layers.N.*); a
-// stacked qkv_proj / gate_up_proj is taken as is.
+// Llama 3 weight names -> tensors on a device. Names are Hugging Face's (model.layers.N.*). Under
+// tensor parallelism each rank takes its slice: its query/key/value heads and MLP columns (rows of
+// q/k/v/gate/up), the matching columns of o_proj and down_proj, and a vocabulary shard of the
+// embedding and lm_head. A stacked qkv_proj / gate_up_proj is sliced the same way.
 #pragma once
 
 #include <vector>
@@ -14,26 +16,35 @@ class WeightStore;
 
 namespace clshard::llama3 {
 
+// What rank `rank` of `ranks` owns. ranks == 1: everything.
+struct ShardRange {
+  int64_t head_begin = 0, heads = 0;        // query heads
+  int64_t kv_head_begin = 0, kv_heads = 0;  // key/value heads
+  int64_t ffn_begin = 0, ffn = 0;           // MLP intermediate columns
+  int64_t vocab_begin = 0, vocab = 0;       // embedding / lm_head rows
+};
+// Throws naming the config field that the rank count does not divide.
+ShardRange shard_range(const Llama3Config& cfg, int64_t rank, int64_t ranks);
+
 struct LayerWeights {
   Weight input_norm, post_attention_norm;
-  // Either q, k, v (+ biases) or one stacked qkv.
-  Weight q, k, v, qkv;
-  Weight q_bias, k_bias, v_bias;
-  Weight o;
-  // Either gate and up, or one stacked gate_up.
-  Weight gate, up, gate_up;
-  Weight down;
+  Weight q, k, v;                    // this rank's heads (rows)
+  Weight q_bias, k_bias, v_bias;     // when attention_bias
+  Weight o;                          // this rank's head columns
+  Weight gate, up;                   // this rank's MLP rows
+  Weight down;                       // this rank's MLP columns
 };
 
 struct Llama3Weights {
-  Weight embed;
+  Weight embed;  // this rank's vocabulary rows
   std::vector<LayerWeights> layers;
   Weight final_norm;
-  Weight lm_head;  // the embedding when tied
+  Weight lm_head;  // this rank's vocabulary rows (the embedding's when tied)
 };
 
 // Checks every tensor's shape and dtype against the config (errors name tensor, file, found and
-// expected) and puts them on `dev`.
-Llama3Weights load_weights(const Llama3Config& cfg, const WeightStore& store, Device& dev);
+// expected) and puts this rank's slices on `dev` (views of the mapped file where possible).
+Llama3Weights load_weights(const Llama3Config& cfg, const WeightStore& store, Device& dev,
+                           const ShardRange& shard);
 
 }  // namespace clshard::llama3

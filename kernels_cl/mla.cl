@@ -1,0 +1,362 @@
+// Multi-head latent attention (DeepSeek-V2/V3 MLA) over a paged latent cache.
+//
+// Cache of one layer: [num_pages + 1][page_size][LKV + DR] floats; the row of a token is
+// [ RMSNorm(c_kv) * kv_a_layernorm (LKV) | RoPE(k_pe) (DR) ] (576 wide for V3), the last page is
+// the null page that pads lookup tables. One row serves every head: it is K (all of it) and V (its
+// first LKV values) in the latent space of the absorbed decode path, and the source of K-nope / V
+// (through kv_b_proj) and of the shared roped key in the decompressed prefill path.
+//
+// Shaped for CPU OpenCL like the other kernels: a work-item owns a contiguous chunk, local size 1,
+// 16-wide loads. Build options (per kernel, as needed):
+//   -DWKIND=0|1|2   kv_b_proj weight: f32 | bf16 | f8e4m3 with [ceil(n/128), ceil(k/128)] f32 block
+//                   multipliers (`weight_scale_inv`), dequantised in registers
+//   -DNORM_BF16=0|1 kv_a_layernorm weight dtype
+//   -DINTERLEAVED=0|1 RoPE pairs (2i, 2i+1) as DeepSeek's checkpoints, or (i, i + d/2)
+//   -DLKV=.. -DDR=.. -DDN=.. -DDV=.. the MLA dimensions (multiples of 16 for LKV/DR, of 8 for DN/DV)
+
+#ifndef WKIND
+#define WKIND 0
+#endif
+
+// e4m3fn -> f32: exponent 4 bits (bias 7), mantissa 3 bits, no infinities. A normal number's bits
+// shifted into f32 position need the exponent rebiased by 120; subnormals (exponent 0) are m * 2^-9.
+inline float16 e4m3x16_to_f32(uchar16 b) {
+  const uint16 u = convert_uint16(b);
+  const uint16 mag = u & 0x7Fu;
+  const float16 normal = as_float16((mag << 20) + (120u << 23));
+  const float16 sub = convert_float16(mag) * 0x1p-9f;
+  const float16 v = select(normal, sub, mag < (uint16)8u);
+  return as_float16(as_uint16(v) | ((u & 0x80u) << 24));
+}
+inline float e4m3_to_f32(uchar b) {
+  const uint mag = b & 0x7Fu;
+  const float v = mag < 8u ? (float)mag * 0x1p-9f : as_float((mag << 20) + (120u << 23));
+  return (b & 0x80u) ? -v : v;
+}
+
+#if WKIND == 1
+typedef ushort wtype;
+#define LOADW16(i, p) bf16x16_to_f32(vload16((i), (p)))
+#define LOADW1(p) bf16_to_f32(*(p))
+#elif WKIND == 2
+typedef uchar wtype;
+#define LOADW16(i, p) e4m3x16_to_f32(vload16((i), (p)))
+#define LOADW1(p) e4m3_to_f32(*(p))
+#else
+typedef float wtype;
+#define LOADW16(i, p) vload16((i), (p))
+#define LOADW1(p) (*(p))
+#endif
+
+// The multiplier of weight element (row, col): its 128x128 block's scale for fp8, else 1.
+#if WKIND == 2
+#define WSCALE(scales, ld, row, col) ((scales)[((row) >> 7) * (ld) + ((col) >> 7)])
+#else
+#define WSCALE(scales, ld, row, col) 1.0f
+#endif
+
+#if NORM_BF16
+#define LOADN(p) bf16_to_f32(*(p))
+typedef ushort ntype;
+#else
+#define LOADN(p) (*(p))
+typedef float ntype;
+#endif
+
+inline size_t cache_row_index(global const uint* lut, uint pos, uint page_size) {
+  return (size_t)lut[pos / page_size] * page_size + pos % page_size;
+}
+
+// Rotates the n_pairs pairs of x by position * inv_freq (scaled by YaRN's attention factor).
+inline void rope_pairs(global float* x, uint n_pairs, uint pos, global const float* inv_freq,
+                       float factor) {
+  for (uint i = 0; i < n_pairs; ++i) {
+    const float angle = (float)pos * inv_freq[i];
+    const float c = cos(angle) * factor, s = sin(angle) * factor;
+#if INTERLEAVED
+    const uint i0 = 2 * i, i1 = 2 * i + 1;
+#else
+    const uint i0 = i, i1 = i + n_pairs;
+#endif
+    const float a = x[i0], b = x[i1];
+    x[i0] = a * c - b * s;
+    x[i1] = a * s + b * c;
+  }
+}
+
+// Per new token: RoPE on every head's q_pe (in place in q), and the cache row from the raw
+// kv_a_proj_with_mqa output [c_kv (LKV) | k_pe (DR)]: normalised latent, roped key.
+// q: head h of token t at q[q_off + t * ldq + h * qk_dim], [nope (qk_dim - DR) | pe (DR)].
+kernel void mla_rope_store(global float* q, uint q_off, uint ldq, uint n_heads, uint qk_dim,
+                           global const float* kv, uint kv_off, uint ldkv,
+                           global const ntype* norm_w, float eps, global const float* inv_freq,
+                           float rope_factor, global const uint* token_row,
+                           global const uint* token_pos, global const uint* lookup,
+                           uint pages_per_row, uint page_size, global float* cache) {
+  const uint t = get_global_id(0);
+  const uint pos = token_pos[t];
+  global float* qt = q + q_off + (size_t)t * ldq;
+  for (uint h = 0; h < n_heads; ++h)
+    rope_pairs(qt + h * qk_dim + (qk_dim - DR), DR / 2, pos, inv_freq, rope_factor);
+
+  global const float* src = kv + kv_off + (size_t)t * ldkv;
+  global const uint* lut = lookup + (size_t)token_row[t] * pages_per_row;
+  global float* row = cache + cache_row_index(lut, pos, page_size) * (LKV + DR);
+  float ss = 0.0f;
+  for (uint i = 0; i < LKV; ++i) ss = fma(src[i], src[i], ss);
+  const float inv = 1.0f / sqrt(ss / (float)LKV + eps);
+  for (uint i = 0; i < LKV; ++i) row[i] = (src[i] * inv) * LOADN(norm_w + i);
+  for (uint i = 0; i < DR; ++i) row[LKV + i] = src[LKV + i];
+  rope_pairs(row + LKV, DR / 2, pos, inv_freq, rope_factor);
+}
+
+// ---- decode path: attention in the latent space ------------------------------------------------
+
+// Query absorption: qf[t, h] = [ q_nope[t, h] . W_uk[h] (LKV) | q_pe[t, h] (DR) ], where
+// W_uk[h] = kv_b_proj rows h*(DN+DV) .. h*(DN+DV)+DN-1 (each LKV long). A work-item owns ABS_TM
+// tokens x one 64-column chunk of one head and streams the DN weight rows of that chunk once.
+// Build option -DABS_TM=1|4: one token for decode-sized steps, four to reuse each weight load.
+#define ABS_CHUNK 64
+#ifndef ABS_TM
+#define ABS_TM 1
+#endif
+kernel void mla_absorb_q(global const float* q, uint q_off, uint ldq, global const wtype* w,
+                         global const float* wscale, uint ld_scale, uint T, uint n_heads,
+                         global float* qf) {
+  const uint n_chunks = (LKV + ABS_CHUNK - 1) / ABS_CHUNK;
+  const uint h = get_global_id(0) / n_chunks;
+  const uint c0 = (get_global_id(0) % n_chunks) * ABS_CHUNK;
+  const uint t0 = get_global_id(1) * ABS_TM;
+  const uint nv = min((uint)(ABS_CHUNK / 16), (uint)((LKV - c0) / 16));
+  const uint qk = DN + DR;
+  float16 acc[ABS_TM][ABS_CHUNK / 16];
+#pragma unroll
+  for (int i = 0; i < ABS_TM; ++i)
+#pragma unroll
+    for (int v = 0; v < ABS_CHUNK / 16; ++v) acc[i][v] = (float16)(0.0f);
+  global const float* qr[ABS_TM];
+#pragma unroll
+  for (int i = 0; i < ABS_TM; ++i)
+    qr[i] = q + q_off + (size_t)min(t0 + i, T - 1) * ldq + h * qk;
+  for (uint d = 0; d < DN; ++d) {
+    const uint r = h * (DN + DV) + d;
+    global const wtype* wr = w + (size_t)r * LKV + c0;
+    const float s = WSCALE(wscale, ld_scale, r, c0);
+    float16 wv[ABS_CHUNK / 16];
+#pragma unroll
+    for (int v = 0; v < ABS_CHUNK / 16; ++v)
+      wv[v] = (uint)v < nv ? LOADW16(v, wr) * s : (float16)(0.0f);
+#pragma unroll
+    for (int i = 0; i < ABS_TM; ++i) {
+      const float16 qd = (float16)(qr[i][d]);
+#pragma unroll
+      for (int v = 0; v < ABS_CHUNK / 16; ++v) acc[i][v] = fma(qd, wv[v], acc[i][v]);
+    }
+  }
+  for (int i = 0; i < ABS_TM; ++i) {
+    if (t0 + i >= T) break;
+    global float* o = qf + ((size_t)(t0 + i) * n_heads + h) * (LKV + DR);
+    for (uint v = 0; v < nv; ++v) vstore16(acc[i][v], 0, o + c0 + 16 * v);
+    if (c0 == 0)
+      for (uint j = 0; j < DR; ++j) o[LKV + j] = qr[i][DN + j];
+  }
+}
+
+// Causal attention of each new token (one work-item per token x head) over its row's cache rows
+// 0..pos: score = scale * qf . row (LKV + DR wide), value = row[:LKV]. Streams blocks of 16
+// positions with an online softmax (running max and sum), as attention.cl does.
+#define ATT_BLOCK 16
+kernel void mla_decode_attention(global const float* qf, global const float* cache,
+                                 global const uint* token_row, global const uint* token_pos,
+                                 global const uint* lookup, uint pages_per_row, uint page_size,
+                                 uint n_heads, float scale, global float* out) {
+  const uint t = get_global_id(0);
+  const uint h = get_global_id(1);
+  const uint last = token_pos[t];
+  global const uint* lut = lookup + (size_t)token_row[t] * pages_per_row;
+  global const float* qp = qf + ((size_t)t * n_heads + h) * (LKV + DR);
+  float16 qv[(LKV + DR) / 16], acc[LKV / 16];
+#pragma unroll
+  for (int i = 0; i < (LKV + DR) / 16; ++i) qv[i] = vload16(i, qp) * scale;
+#pragma unroll
+  for (int i = 0; i < LKV / 16; ++i) acc[i] = (float16)(0.0f);
+  float m = -INFINITY, l = 0.0f;
+  for (uint p0 = 0; p0 <= last; p0 += ATT_BLOCK) {
+    const uint n = min((uint)ATT_BLOCK, last + 1 - p0);
+    float s[ATT_BLOCK];
+    float bmax = -INFINITY;
+    for (uint j = 0; j < n; ++j) {
+      global const float* row = cache + cache_row_index(lut, p0 + j, page_size) * (LKV + DR);
+      // Two accumulators halve the FMA dependency chain (36 vectors long for V3).
+      float16 d0 = (float16)(0.0f), d1 = (float16)(0.0f);
+#pragma unroll
+      for (int i = 0; i + 1 < (LKV + DR) / 16; i += 2) {
+        d0 = fma(qv[i], vload16(i, row), d0);
+        d1 = fma(qv[i + 1], vload16(i + 1, row), d1);
+      }
+      if ((LKV + DR) / 16 % 2) d0 = fma(qv[(LKV + DR) / 16 - 1], vload16((LKV + DR) / 16 - 1, row), d0);
+      const float16 d = d0 + d1;
+      const float8 d8 = d.lo + d.hi;
+      const float4 d4 = d8.lo + d8.hi;
+      s[j] = d4.x + d4.y + d4.z + d4.w;
+      bmax = fmax(bmax, s[j]);
+    }
+    const float m_new = fmax(m, bmax);
+    const float corr = exp(m - m_new);
+    l *= corr;
+#pragma unroll
+    for (int i = 0; i < LKV / 16; ++i) acc[i] *= corr;
+    for (uint j = 0; j < n; ++j) {
+      global const float* row = cache + cache_row_index(lut, p0 + j, page_size) * (LKV + DR);
+      const float p = exp(s[j] - m_new);
+      l += p;
+#pragma unroll
+      for (int i = 0; i < LKV / 16; ++i) acc[i] = fma((float16)(p), vload16(i, row), acc[i]);
+    }
+    m = m_new;
+  }
+  global float* o = out + ((size_t)t * n_heads + h) * LKV;
+  const float inv_l = 1.0f / l;
+#pragma unroll
+  for (int i = 0; i < LKV / 16; ++i) vstore16(acc[i] * inv_l, i, o);
+}
+
+// Per-head linear with rows taken from a slice of each head's block of kv_b_proj:
+//   y[t, h*N + n] = sum_k x[t, h*LKV + k] * W[h*(DN+DV) + row0 + n, k],  k < LKV
+// (the output up-projection W_uv of the decode path: row0 = DN, N = DV). A work-item owns HL_TM
+// tokens x HL_TN output rows of one head, 16-wide loads along k.
+#define HL_TN 4
+#ifndef HL_TM
+#define HL_TM 1
+#endif
+kernel void mla_head_linear(global const float* x, global const wtype* w,
+                            global const float* wscale, uint ld_scale, uint row0, uint N,
+                            uint n_heads, uint M, global float* y, uint y_off, uint ldy) {
+  const uint tiles = (N + HL_TN - 1) / HL_TN;
+  const uint h = get_global_id(0) / tiles;
+  const uint n0 = (get_global_id(0) % tiles) * HL_TN;
+  const uint m0 = get_global_id(1) * HL_TM;
+  global const float* xr[HL_TM];
+  global const wtype* wr[HL_TN];
+  uint rows[HL_TN];
+#pragma unroll
+  for (int i = 0; i < HL_TM; ++i)
+    xr[i] = x + ((size_t)min(m0 + i, M - 1) * n_heads + h) * LKV;
+#pragma unroll
+  for (int j = 0; j < HL_TN; ++j) {
+    rows[j] = h * (DN + DV) + row0 + min(n0 + j, N - 1);
+    wr[j] = w + (size_t)rows[j] * LKV;
+  }
+  float16 acc[HL_TM][HL_TN];
+#pragma unroll
+  for (int i = 0; i < HL_TM; ++i)
+#pragma unroll
+    for (int j = 0; j < HL_TN; ++j) acc[i][j] = (float16)(0.0f);
+  for (uint k = 0; k < LKV / 16; ++k) {
+    float16 wv[HL_TN];
+#pragma unroll
+    for (int j = 0; j < HL_TN; ++j) wv[j] = LOADW16(k, wr[j]) * WSCALE(wscale, ld_scale, rows[j], k * 16);
+#pragma unroll
+    for (int i = 0; i < HL_TM; ++i) {
+      const float16 xv = vload16(k, xr[i]);
+#pragma unroll
+      for (int j = 0; j < HL_TN; ++j) acc[i][j] = fma(xv, wv[j], acc[i][j]);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < HL_TM; ++i) {
+    if (m0 + i >= M) break;
+    global float* yr = y + y_off + (size_t)(m0 + i) * ldy + h * N;
+#pragma unroll
+    for (int j = 0; j < HL_TN; ++j) {
+      if (n0 + j >= N) break;
+      const float16 a = acc[i][j];
+      const float8 s8 = a.lo + a.hi;
+      const float4 s4 = s8.lo + s8.hi;
+      yr[n0 + j] = s4.x + s4.y + s4.z + s4.w;
+    }
+  }
+}
+
+// ---- prefill path: decompressed K and V ---------------------------------------------------------
+
+// Copies the latent part of cache rows into a contiguous buffer: out[i] = cache row src_rows[i].
+kernel void mla_gather_latent(global const float* cache, global const uint* src_rows,
+                              global float* out) {
+  const uint i = get_global_id(0);
+  global const float* src = cache + (size_t)src_rows[i] * (LKV + DR);
+  global float* dst = out + (size_t)i * LKV;
+  for (uint k = 0; k < LKV / 16; ++k) vstore16(vload16(k, src), k, dst);
+}
+
+// Causal attention of each new token (one work-item per token x head) with K and V decompressed:
+// kv[ctx_start[b] + j] holds, per head, [K-nope (DN) | V (DV)] of position j of row b; the roped
+// key part (shared by all heads) comes from the cache row. score = scale * (q_nope . k_nope +
+// q_pe . k_pe). Online softmax over blocks of 16 positions.
+kernel void mla_prefill_attention(global const float* q, uint q_off, uint ldq,
+                                  global const float* kv, uint ldkv, global const uint* ctx_start,
+                                  global const float* cache, global const uint* token_row,
+                                  global const uint* token_pos, global const uint* lookup,
+                                  uint pages_per_row, uint page_size, uint n_heads, float scale,
+                                  global float* out, uint ldo) {
+  const uint t = get_global_id(0);
+  const uint h = get_global_id(1);
+  const uint b = token_row[t];
+  const uint last = token_pos[t];
+  global const uint* lut = lookup + (size_t)b * pages_per_row;
+  global const float* kv0 = kv + (size_t)ctx_start[b] * ldkv + h * (DN + DV);
+  global const float* qp = q + q_off + (size_t)t * ldq + h * (DN + DR);
+  float8 qn[DN / 8], qr[DR / 8], acc[DV / 8];
+#pragma unroll
+  for (int i = 0; i < DN / 8; ++i) qn[i] = vload8(i, qp) * scale;
+#pragma unroll
+  for (int i = 0; i < DR / 8; ++i) qr[i] = vload8(i, qp + DN) * scale;
+#pragma unroll
+  for (int i = 0; i < DV / 8; ++i) acc[i] = (float8)(0.0f);
+  float m = -INFINITY, l = 0.0f;
+  for (uint p0 = 0; p0 <= last; p0 += ATT_BLOCK) {
+    const uint n = min((uint)ATT_BLOCK, last + 1 - p0);
+    float s[ATT_BLOCK];
+    float bmax = -INFINITY;
+    for (uint j = 0; j < n; ++j) {
+      global const float* k = kv0 + (size_t)(p0 + j) * ldkv;
+      global const float* kpe =
+          cache + cache_row_index(lut, p0 + j, page_size) * (LKV + DR) + LKV;
+      // Two accumulators halve the FMA dependency chain.
+      float8 d0 = (float8)(0.0f), d1 = (float8)(0.0f);
+#pragma unroll
+      for (int i = 0; i + 1 < DN / 8; i += 2) {
+        d0 = fma(qn[i], vload8(i, k), d0);
+        d1 = fma(qn[i + 1], vload8(i + 1, k), d1);
+      }
+      if (DN / 8 % 2) d0 = fma(qn[DN / 8 - 1], vload8(DN / 8 - 1, k), d0);
+#pragma unroll
+      for (int i = 0; i + 1 < DR / 8; i += 2) {
+        d0 = fma(qr[i], vload8(i, kpe), d0);
+        d1 = fma(qr[i + 1], vload8(i + 1, kpe), d1);
+      }
+      if (DR / 8 % 2) d0 = fma(qr[DR / 8 - 1], vload8(DR / 8 - 1, kpe), d0);
+      const float8 d = d0 + d1;
+      const float4 d4 = d.lo + d.hi;
+      s[j] = d4.x + d4.y + d4.z + d4.w;
+      bmax = fmax(bmax, s[j]);
+    }
+    const float m_new = fmax(m, bmax);
+    const float corr = exp(m - m_new);
+    l *= corr;
+#pragma unroll
+    for (int i = 0; i < DV / 8; ++i) acc[i] *= corr;
+    for (uint j = 0; j < n; ++j) {
+      global const float* v = kv0 + (size_t)(p0 + j) * ldkv + DN;
+      const float p = exp(s[j] - m_new);
+      l += p;
+#pragma unroll
+      for (int i = 0; i < DV / 8; ++i) acc[i] = fma((float8)(p), vload8(i, v), acc[i]);
+    }
+    m = m_new;
+  }
+  global float* o = out + (size_t)t * ldo + h * DV;
+  const float inv_l = 1.0f / l;
+#pragma unroll
+  for (int i = 0; i < DV / 8; ++i) vstore8(acc[i] * inv_l, i, o);
+}

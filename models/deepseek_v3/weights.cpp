@@ -1,0 +1,176 @@
+#include "models/deepseek_v3/weights.h"
+
+#include <map>
+#include <optional>
+#include <set>
+#include <stdexcept>
+
+#include "runtime/device.h"
+#include "runtime/safetensors.h"
+
+namespace clshard::deepseek_v3 {
+
+namespace {
+
+const std::vector<DType> kFloatTypes = {DType::F32, DType::BF16};
+const std::vector<DType> kLinearTypes = {DType::F32, DType::BF16, DType::F8_E4M3};
+constexpr int64_t kFp8Block = 128;
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// "model.layers.N.rest" -> (N, rest).
+std::optional<std::pair<int64_t, std::string>> split_layer_name(const std::string& name) {
+  static const std::string prefix = "model.layers.";
+  if (name.compare(0, prefix.size(), prefix) != 0) return std::nullopt;
+  size_t i = prefix.size(), j = i;
+  while (j < name.size() && std::isdigit(static_cast<unsigned char>(name[j]))) ++j;
+  if (j == i || j >= name.size() || name[j] != '.') return std::nullopt;
+  return std::pair{std::stoll(name.substr(i, j - i)), name.substr(j + 1)};
+}
+
+// "mlp.experts.E.rest" -> E.
+std::optional<int64_t> expert_index(const std::string& rest) {
+  static const std::string prefix = "mlp.experts.";
+  if (rest.compare(0, prefix.size(), prefix) != 0) return std::nullopt;
+  size_t i = prefix.size(), j = i;
+  while (j < rest.size() && std::isdigit(static_cast<unsigned char>(rest[j]))) ++j;
+  if (j == i) return std::nullopt;
+  return std::stoll(rest.substr(i, j - i));
+}
+
+void check_names(const DeepseekV3Config& c, const WeightStore& s) {
+  const int64_t L = c.num_hidden_layers, last = L + c.num_nextn_predict_layers;
+  const std::string cfg = (s.dir() / "config.json").string();
+  std::map<int64_t, int64_t> experts_in_layer;  // main layers: highest expert id + 1
+  for (const auto& name : s.names()) {
+    auto parts = split_layer_name(name);
+    if (!parts) continue;
+    const auto [layer, rest] = *parts;
+    if (layer >= last)
+      throw std::runtime_error(
+          s.get(name).file->string() + ": tensor '" + name + "' belongs to layer " +
+          std::to_string(layer) + ", but " + cfg + " has num_hidden_layers = " +
+          std::to_string(L) + " and num_nextn_predict_layers = " +
+          std::to_string(c.num_nextn_predict_layers) + " (layers 0.." + std::to_string(last - 1) +
+          ")");
+    if (auto e = expert_index(rest)) {
+      if (*e >= c.n_routed_experts)
+        throw std::runtime_error(s.get(name).file->string() + ": tensor '" + name +
+                                 "' is expert " + std::to_string(*e) + ", but " + cfg +
+                                 " has n_routed_experts = " + std::to_string(c.n_routed_experts) +
+                                 " (wrong expert count)");
+      if (layer < L) experts_in_layer[layer] = std::max(experts_in_layer[layer], *e + 1);
+    }
+  }
+  for (int64_t l = 0; l < L; ++l) {
+    const int64_t found = experts_in_layer.count(l) ? experts_in_layer[l] : 0;
+    if (c.is_moe_layer(l) && found != c.n_routed_experts)
+      throw std::runtime_error(s.dir().string() + ": layer " + std::to_string(l) + " has " +
+                               std::to_string(found) + " routed experts, but " + cfg +
+                               " has n_routed_experts = " + std::to_string(c.n_routed_experts) +
+                               " (wrong expert count)");
+    if (!c.is_moe_layer(l) && found != 0)
+      throw std::runtime_error(s.dir().string() + ": layer " + std::to_string(l) +
+                               " has routed experts, but " + cfg +
+                               " makes it dense (first_k_dense_replace = " +
+                               std::to_string(c.first_k_dense_replace) +
+                               ", moe_layer_freq = " + std::to_string(c.moe_layer_freq) + ")");
+  }
+}
+
+class Loader {
+ public:
+  Loader(const WeightStore& s, Device& dev) : s_(s), dev_(dev) {}
+
+  Weight plain(const std::string& name, std::vector<int64_t> shape,
+               const std::vector<DType>& dtypes = kFloatTypes) {
+    return to_device(dev_, s_.expect(name, shape, dtypes));
+  }
+
+  // `prefix`.weight [out, in] and, when it is F8_E4M3, `prefix`.weight_scale_inv.
+  Linear linear(const std::string& prefix, int64_t out, int64_t in) {
+    Linear l;
+    const TensorView& w = s_.expect(prefix + ".weight", {out, in}, kLinearTypes);
+    l.w = to_device(dev_, w);
+    if (w.dtype == DType::F8_E4M3) {
+      const std::string sname = prefix + ".weight_scale_inv";
+      const std::vector<int64_t> sshape = {ceil_div(out, kFp8Block), ceil_div(in, kFp8Block)};
+      if (!s_.has(sname))
+        throw std::runtime_error(w.file->string() + ": tensor '" + w.name +
+                                 "' is F8_E4M3 but its block scales '" + sname + "' [" +
+                                 std::to_string(sshape[0]) + ", " + std::to_string(sshape[1]) +
+                                 "] F32 are missing");
+      l.scale_inv = to_device(dev_, s_.expect(sname, sshape, {DType::F32}));
+    }
+    return l;
+  }
+
+  MlpWeights mlp(const std::string& prefix, int64_t hidden, int64_t inter) {
+    MlpWeights m;
+    m.gate = linear(prefix + "gate_proj", inter, hidden);
+    m.up = linear(prefix + "up_proj", inter, hidden);
+    m.down = linear(prefix + "down_proj", hidden, inter);
+    return m;
+  }
+
+ private:
+  const WeightStore& s_;
+  Device& dev_;
+};
+
+}  // namespace
+
+std::vector<int64_t> mtp_layers_present(const DeepseekV3Config& c, const WeightStore& s) {
+  std::set<int64_t> ids;
+  for (const auto& name : s.names())
+    if (auto parts = split_layer_name(name); parts && parts->first >= c.num_hidden_layers)
+      ids.insert(parts->first);
+  return {ids.begin(), ids.end()};
+}
+
+DeepseekV3Weights load_weights(const DeepseekV3Config& c, const WeightStore& s, Device& dev) {
+  check_names(c, s);
+  const int64_t H = c.hidden_size, V = c.vocab_size, Nh = c.num_attention_heads;
+  const int64_t Dqk = c.qk_head_dim(), Dv = c.v_head_dim, Dn = c.qk_nope_head_dim;
+  const int64_t Lkv = c.kv_lora_rank, Dr = c.qk_rope_head_dim, Lq = c.q_lora_rank;
+  const int64_t E = c.n_routed_experts, F = c.moe_intermediate_size;
+  Loader ld(s, dev);
+
+  DeepseekV3Weights w;
+  w.embed = ld.plain("model.embed_tokens.weight", {V, H});
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    const std::string p = "model.layers." + std::to_string(l) + ".";
+    LayerWeights L;
+    L.input_norm = ld.plain(p + "input_layernorm.weight", {H});
+    L.post_attention_norm = ld.plain(p + "post_attention_layernorm.weight", {H});
+    MlaWeights& a = L.attn;
+    if (Lq > 0) {
+      a.q_a = ld.linear(p + "self_attn.q_a_proj", Lq, H);
+      a.q_a_norm = ld.plain(p + "self_attn.q_a_layernorm.weight", {Lq});
+      a.q_b = ld.linear(p + "self_attn.q_b_proj", Nh * Dqk, Lq);
+    } else {
+      a.q = ld.linear(p + "self_attn.q_proj", Nh * Dqk, H);
+    }
+    a.kv_a = ld.linear(p + "self_attn.kv_a_proj_with_mqa", Lkv + Dr, H);
+    a.kv_a_norm = ld.plain(p + "self_attn.kv_a_layernorm.weight", {Lkv});
+    a.kv_b = ld.linear(p + "self_attn.kv_b_proj", Nh * (Dn + Dv), Lkv);
+    a.o = ld.linear(p + "self_attn.o_proj", H, Nh * Dv);
+    L.is_moe = c.is_moe_layer(l);
+    if (L.is_moe) {
+      L.moe.router = ld.plain(p + "mlp.gate.weight", {E, H});
+      L.moe.correction_bias = ld.plain(p + "mlp.gate.e_score_correction_bias", {E}, {DType::F32});
+      for (int64_t e = 0; e < E; ++e)
+        L.moe.experts.push_back(ld.mlp(p + "mlp.experts." + std::to_string(e) + ".", H, F));
+      if (c.n_shared_experts > 0)
+        L.moe.shared = ld.mlp(p + "mlp.shared_experts.", H, c.n_shared_experts * F);
+    } else {
+      L.mlp = ld.mlp(p + "mlp.", H, c.intermediate_size);
+    }
+    w.layers.push_back(std::move(L));
+  }
+  w.final_norm = ld.plain("model.norm.weight", {H});
+  w.lm_head = ld.plain("lm_head.weight", {V, H});
+  return w;
+}
+
+}  // namespace clshard::deepseek_v3

@@ -1,0 +1,177 @@
+// DeepSeek-V3 end to end on the first OpenCL device: prefill and decode tokens/s of the dsv3-mini
+// preset (bf16 and fp8), with the decode figure set against the roofline of the bytes one decode
+// token must stream — the active weights only (attention, the dense layer, the top-k routed and the
+// shared experts of each MoE layer, the router, lm_head; models/deepseek_v3/plan.h) plus the MLA
+// cache rows it attends to — at the memory bandwidth measured here, in the same program.
+//
+// Usage: bench_deepseek [--dir D] [--dtypes bf16,fp8] [--prompt P] [--context C] [--decode N]
+//   D: where the checkpoints live (written with make-model's preset writer when missing;
+//      default $TMPDIR/clshard-bench), P: prefill length (512), C: context before decoding (128),
+//   N: decode steps timed (32).
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "models/deepseek_v3/config.h"
+#include "models/deepseek_v3/model.h"
+#include "models/deepseek_v3/plan.h"
+#include "runtime/device.h"
+#include "runtime/device_manager.h"
+#include "runtime/generation.h"
+#include "runtime/model.h"
+
+using namespace clshard;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+template <typename F>
+double median_time(int reps, F fn) {
+  std::vector<double> t;
+  fn();  // warm-up (and kernel builds)
+  for (int i = 0; i < reps; ++i) {
+    auto t0 = Clock::now();
+    fn();
+    t.push_back(seconds_since(t0));
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+// Read bandwidth of the device over 256 MiB (bandwidth.cl: the GEMV kernels' access pattern).
+double measure_bandwidth(Device& dev) {
+  const size_t bytes = size_t(256) << 20;
+  cl::Mem big = dev.alloc(bytes);
+  dev.fill_zero(big, bytes);
+  const uint32_t items = 64, chunk16 = uint32_t(bytes / 4 / 16 / items);
+  cl::Mem sums = dev.alloc(items * 4);
+  cl::Kernel k = dev.kernel("bandwidth.cl", "read_sum");
+  const double t = median_time(7, [&] {
+    cl::set_args(k, big, chunk16, sums);
+    dev.launch(k, {items, 1, 1});
+    dev.finish();
+  });
+  return double(bytes) / t / 1e9;
+}
+
+std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> out;
+  size_t b = 0;
+  while (b <= s.size()) {
+    size_t e = s.find(',', b);
+    if (e == std::string::npos) e = s.size();
+    if (e > b) out.push_back(s.substr(b, e - b));
+    b = e + 1;
+  }
+  return out;
+}
+
+std::filesystem::path ensure_checkpoint(const std::filesystem::path& root, const std::string& dt) {
+  const auto dir = root / ("dsv3-mini-" + dt);
+  if (std::filesystem::exists(dir / "model.safetensors") &&
+      std::filesystem::exists(dir / "config.json"))
+    return dir;
+  std::printf("writing dsv3-mini --dtype %s to %s ...\n", dt.c_str(), dir.c_str());
+  std::fflush(stdout);
+  const auto t0 = Clock::now();
+  make_model("dsv3-mini", dir, MakeModelOptions{dt, 0});
+  std::printf("  done in %.1f s\n", seconds_since(t0));
+  return dir;
+}
+
+// A step that appends `n` tokens to each of `rows` requests that already hold `cached` tokens.
+StepInputs step_of(const std::vector<uint32_t>& table, uint32_t pages_per_row, uint32_t rows,
+                   uint32_t cached, uint32_t n, uint32_t vocab, std::mt19937& rng) {
+  StepInputs in;
+  in.lookup_table = table;
+  in.pages_per_row = pages_per_row;
+  in.input_row_offsets = {0};
+  std::uniform_int_distribution<int32_t> tok(0, int32_t(vocab) - 1);
+  for (uint32_t b = 0; b < rows; ++b) {
+    for (uint32_t i = 0; i < n; ++i) in.tokens.push_back(tok(rng));
+    in.input_row_offsets.push_back(uint32_t(in.tokens.size()));
+    in.cache_lengths.push_back(cached);
+  }
+  return in;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::filesystem::path root = std::filesystem::temp_directory_path() / "clshard-bench";
+  std::string dtypes = "bf16,fp8";
+  uint32_t prompt = 512, context = 128, n_decode = 32;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string a = argv[i], v = argv[i + 1];
+    if (a == "--dir") root = v;
+    else if (a == "--dtypes") dtypes = v;
+    else if (a == "--prompt") prompt = uint32_t(std::stoul(v));
+    else if (a == "--context") context = uint32_t(std::stoul(v));
+    else if (a == "--decode") n_decode = uint32_t(std::stoul(v));
+    else {
+      std::fprintf(stderr, "unknown option %s\n", a.c_str());
+      return 2;
+    }
+  }
+  DeviceManager mgr(DeviceSelection{});
+  Device& dev = mgr[0];
+  std::printf("device: %s (%s), %u compute units\n", dev.info().name.c_str(),
+              dev.info().platform.c_str(), dev.info().compute_units);
+  // On a shared machine the bandwidth moves with the neighbours' load: it is measured right
+  // before each decode run, so the fraction of the roofline compares like with like.
+  std::printf("%-5s %10s %12s %12s %14s %10s %12s %9s\n", "dtype", "prefill", "decode",
+              "decode ms", "bytes/token", "bandwidth", "roofline", "of roof");
+  std::printf("%-5s %10s %12s %12s %14s %10s %12s %9s\n", "", "tok/s", "tok/s", "per token",
+              "(active)", "GB/s", "tok/s", "");
+  for (const auto& dt : split(dtypes)) {
+    const auto dir = ensure_checkpoint(root, dt);
+    deepseek_v3::DeepseekV3Model model(dir, LoadOptions{{&dev}, std::nullopt});
+    const auto plan = deepseek_v3::plan_memory(model.config());
+    const uint32_t V = model.info().vocab_size;
+    std::mt19937 rng(5);
+
+    // Prefill: one request of `prompt` tokens, 128-token pages (decompressed MLA path).
+    uint32_t ppr = 0;
+    auto table = plan_static_pages(model, {std::max(prompt, context + n_decode + 1)}, 128, &ppr);
+    const StepInputs pre = step_of(table, ppr, 1, 0, prompt, V, rng);
+    const double t_prefill = median_time(2, [&] { model.forward(pre).read_logits(); });
+    const auto prefill_path = model.last_mla_path();
+
+    // Decode: a `context`-token request, then one token per step (absorbed MLA path).
+    model.forward(step_of(table, ppr, 1, 0, context, V, rng)).read_logits();
+    std::vector<StepInputs> steps;
+    for (uint32_t i = 0; i < n_decode; ++i)
+      steps.push_back(step_of(table, ppr, 1, context + i, 1, V, rng));
+    model.forward(steps[0]).read_logits();  // warm-up (kernel builds for one-row shapes)
+    const double bw = measure_bandwidth(dev);
+    const auto t0 = Clock::now();
+    for (const auto& s : steps) model.forward(s).read_logits();
+    const double t_token = seconds_since(t0) / n_decode;
+    const auto decode_path = model.last_mla_path();
+
+    // Bytes one decode token streams: active weights + the cache rows it reads (mid-run context).
+    const double bytes = double(plan.active_weight_bytes_per_token) +
+                         double(context + n_decode / 2) * double(model.kv_bytes_per_token());
+    const double roof = bw * 1e9 / bytes;
+    std::printf("%-5s %10.1f %12.2f %12.2f %11.1f MB %10.1f %12.1f %8.0f%%\n", dt.c_str(),
+                prompt / t_prefill, 1.0 / t_token, t_token * 1e3, bytes / 1e6, bw, roof,
+                100.0 / t_token / roof);
+    std::printf("      (prefill %u tokens in %.2f s on the %s path; decode at context %u on the %s "
+                "path; weights %.2f GB on disk, %.1f M parameters active per token)\n",
+                prompt, t_prefill, ops::mla_path_name(prefill_path), context,
+                ops::mla_path_name(decode_path), double(model.info().weight_bytes) / 1e9,
+                double(plan.params.active_per_token - plan.params.embedding) / 1e6);
+    std::fflush(stdout);
+  }
+  return 0;
+}

@@ -1,0 +1,212 @@
+#include "runtime/ops_mla.h"
+
+#include <stdexcept>
+#include <string>
+
+#include "runtime/ops_moe.h"
+
+namespace clshard::ops {
+
+namespace {
+
+std::string dims_option(const MlaShape& s) {
+  return "-DLKV=" + std::to_string(s.kv_lora) + " -DDR=" + std::to_string(s.rope) +
+         " -DDN=" + std::to_string(s.nope) + " -DDV=" + std::to_string(s.v);
+}
+
+// kv_b_proj as the MLA kernels read it: f32, bf16, or e4m3 with block scales.
+std::string kv_b_option(const Weight& w, const Weight* scale) {
+  switch (w.dtype) {
+    case DType::F32: return " -DWKIND=0";
+    case DType::BF16: return " -DWKIND=1";
+    case DType::F8_E4M3:
+      if (!scale || !*scale)
+        throw std::runtime_error("weight '" + w.name + "' is F8_E4M3 but has no block scales");
+      return " -DWKIND=2";
+    default:
+      throw std::runtime_error("weight '" + w.name + "' has dtype " + dtype_name(w.dtype) +
+                               "; the MLA kernels take F32, BF16 or F8_E4M3");
+  }
+}
+
+// Scale arguments for kernels that take them whether or not the weight is fp8: without scales the
+// kernel never reads the buffer, so the weight itself stands in.
+const cl::Mem& scale_mem(const Weight& w, const Weight* scale) {
+  return scale && *scale ? scale->mem : w.mem;
+}
+uint32_t scale_ld(const Weight* scale) {
+  return scale && *scale ? uint32_t(scale->dim(1)) : 0u;
+}
+
+void check_kv_b(const Weight& kv_b, const MlaShape& s) {
+  if (kv_b.shape != std::vector<int64_t>{int64_t(s.n_heads) * (s.nope + s.v), s.kv_lora})
+    throw std::invalid_argument("MLA: kv_b_proj '" + kv_b.name + "' is not [heads * (nope + v), " +
+                                "kv_lora] = [" + std::to_string(s.n_heads * (s.nope + s.v)) +
+                                ", " + std::to_string(s.kv_lora) + "]");
+}
+
+}  // namespace
+
+void validate(const MlaShape& s) {
+  if (s.n_heads == 0) throw std::invalid_argument("MLA: no heads");
+  if (s.kv_lora == 0 || s.kv_lora % 16 != 0 || s.rope == 0 || s.rope % 16 != 0)
+    throw std::invalid_argument("MLA: kv_lora_rank " + std::to_string(s.kv_lora) +
+                                " and qk_rope_head_dim " + std::to_string(s.rope) +
+                                " must be positive multiples of 16 (the kernels' vector width)");
+  if (s.nope == 0 || s.nope % 8 != 0 || s.v == 0 || s.v % 8 != 0)
+    throw std::invalid_argument("MLA: qk_nope_head_dim " + std::to_string(s.nope) +
+                                " and v_head_dim " + std::to_string(s.v) +
+                                " must be positive multiples of 8");
+}
+
+void linear_any(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const Weight& w,
+                const Weight* scale_inv, const cl::Mem& y, uint32_t y_off, uint32_t ldy,
+                uint32_t M, float alpha, bool accumulate) {
+  if (w.dtype == DType::F8_E4M3) {
+    if (!scale_inv || !*scale_inv)
+      throw std::runtime_error("weight '" + w.name + "' is F8_E4M3 but has no block scales");
+    linear_fp8(dev, x, x_off, ldx, w, *scale_inv, y, y_off, ldy, M, alpha, accumulate);
+  } else {
+    linear(dev, x, x_off, ldx, w, nullptr, y, y_off, ldy, M, alpha, accumulate);
+  }
+}
+
+MlaPath choose_mla_path(MlaPath requested, uint32_t max_query_len) {
+  if (requested != MlaPath::Auto) return requested;
+  return max_query_len <= kMlaDecodeMaxQueryLen ? MlaPath::Decode : MlaPath::Prefill;
+}
+
+const char* mla_path_name(MlaPath p) {
+  switch (p) {
+    case MlaPath::Auto: return "auto";
+    case MlaPath::Decode: return "decode";
+    case MlaPath::Prefill: return "prefill";
+  }
+  return "?";
+}
+
+void mla_rope_store(Device& dev, const cl::Mem& q, uint32_t q_off, uint32_t ldq,
+                    const cl::Mem& kv, uint32_t kv_off, uint32_t ldkv, const Weight& kv_norm,
+                    float eps, const cl::Mem& inv_freq, float rope_factor, bool interleaved,
+                    const MlaShape& s, const StepTokens& st, const cl::Mem& cache_layer) {
+  validate(s);
+  if (kv_norm.dtype != DType::F32 && kv_norm.dtype != DType::BF16)
+    throw std::runtime_error("kv_a_layernorm '" + kv_norm.name + "' has dtype " +
+                             dtype_name(kv_norm.dtype) + "; expected F32 or BF16");
+  const std::string opts = dims_option(s) +
+                           " -DNORM_BF16=" + (kv_norm.dtype == DType::BF16 ? "1" : "0") +
+                           " -DINTERLEAVED=" + (interleaved ? "1" : "0");
+  cl::Kernel k = dev.kernel("mla.cl", "mla_rope_store", opts);
+  cl::set_args(k, q, q_off, ldq, s.n_heads, s.qk(), kv, kv_off, ldkv, kv_norm.mem, eps, inv_freq,
+               rope_factor, st.token_row, st.token_pos, st.lookup, st.pages_per_row, st.page_size,
+               cache_layer);
+  dev.launch(k, {st.T, 1, 1}, 1);
+}
+
+void mla_absorb_q(Device& dev, const cl::Mem& q, uint32_t q_off, uint32_t ldq,
+                  const Weight& kv_b, const Weight* kv_b_scale, const MlaShape& s, uint32_t T,
+                  const cl::Mem& qf) {
+  validate(s);
+  check_kv_b(kv_b, s);
+  constexpr uint32_t chunk = 64;  // ABS_CHUNK in mla.cl
+  // As ops::linear: one token per work-item for decode-sized steps, four when the weight loads
+  // can be reused.
+  const uint32_t tm = T < 4 ? 1 : 4;
+  cl::Kernel k = dev.kernel("mla.cl", "mla_absorb_q",
+                            dims_option(s) + kv_b_option(kv_b, kv_b_scale) +
+                                " -DABS_TM=" + std::to_string(tm));
+  cl::set_args(k, q, q_off, ldq, kv_b.mem, scale_mem(kv_b, kv_b_scale), scale_ld(kv_b_scale), T,
+               s.n_heads, qf);
+  dev.launch(k, {s.n_heads * ((s.kv_lora + chunk - 1) / chunk), (T + tm - 1) / tm, 1}, 2);
+}
+
+void mla_decode_attention(Device& dev, const cl::Mem& qf, const cl::Mem& cache_layer,
+                          const StepTokens& st, const MlaShape& s, float scale,
+                          const cl::Mem& o_lat) {
+  validate(s);
+  cl::Kernel k = dev.kernel("mla.cl", "mla_decode_attention", dims_option(s));
+  cl::set_args(k, qf, cache_layer, st.token_row, st.token_pos, st.lookup, st.pages_per_row,
+               st.page_size, s.n_heads, scale, o_lat);
+  dev.launch(k, {st.T, s.n_heads, 1}, 2);
+}
+
+void mla_up_project(Device& dev, const cl::Mem& o_lat, const Weight& kv_b,
+                    const Weight* kv_b_scale, const MlaShape& s, uint32_t T, const cl::Mem& out,
+                    uint32_t out_off, uint32_t ldo) {
+  validate(s);
+  check_kv_b(kv_b, s);
+  constexpr uint32_t tn = 4;  // HL_TN in mla.cl
+  // As ops::linear: one token per work-item for decode-sized batches, four when the weight loads
+  // can be reused.
+  const uint32_t tm = T < 4 ? 1 : 4;
+  cl::Kernel k = dev.kernel("mla.cl", "mla_head_linear",
+                            dims_option(s) + kv_b_option(kv_b, kv_b_scale) +
+                                " -DHL_TM=" + std::to_string(tm));
+  cl::set_args(k, o_lat, kv_b.mem, scale_mem(kv_b, kv_b_scale), scale_ld(kv_b_scale),
+               s.nope /*row0: V rows follow the K-nope rows*/, s.v, s.n_heads, T, out, out_off,
+               ldo);
+  dev.launch(k, {s.n_heads * ((s.v + tn - 1) / tn), (T + tm - 1) / tm, 1}, 2);
+}
+
+void mla_attention_decode(Device& dev, const cl::Mem& q, uint32_t q_off, uint32_t ldq,
+                          const cl::Mem& cache_layer, const StepTokens& st, const Weight& kv_b,
+                          const Weight* kv_b_scale, const MlaShape& s, float scale,
+                          const cl::Mem& out, uint32_t ldo) {
+  const uint32_t T = st.T;
+  if (T == 0) return;
+  Scratch qf(dev, size_t(T) * s.n_heads * s.row() * 4);
+  Scratch o_lat(dev, size_t(T) * s.n_heads * s.kv_lora * 4);
+  mla_absorb_q(dev, q, q_off, ldq, kv_b, kv_b_scale, s, T, qf.mem());
+  mla_decode_attention(dev, qf.mem(), cache_layer, st, s, scale, o_lat.mem());
+  mla_up_project(dev, o_lat.mem(), kv_b, kv_b_scale, s, T, out, 0, ldo);
+}
+
+MlaPrefillRows mla_prefill_rows(const StepInputs& in, uint32_t page_size) {
+  MlaPrefillRows r;
+  for (size_t b = 0; b < in.num_rows(); ++b) {
+    r.ctx_start.push_back(uint32_t(r.src_rows.size()));
+    if (in.row_length(b) == 0) continue;  // no query token reads this row's context
+    const uint32_t ctx = in.cache_lengths[b] + in.row_length(b);
+    const uint32_t* lut = in.lookup_table.data() + b * in.pages_per_row;
+    for (uint32_t p = 0; p < ctx; ++p)
+      r.src_rows.push_back(lut[p / page_size] * page_size + p % page_size);
+  }
+  return r;
+}
+
+MlaPrefillPlan upload_mla_prefill_plan(Device& dev, const StepInputs& in, uint32_t page_size) {
+  const MlaPrefillRows rows = mla_prefill_rows(in, page_size);
+  MlaPrefillPlan plan;
+  plan.total_rows = uint32_t(rows.src_rows.size());
+  plan.src_rows = Scratch(dev, std::max<size_t>(rows.src_rows.size(), 1) * 4);
+  plan.ctx_start = Scratch(dev, std::max<size_t>(rows.ctx_start.size(), 1) * 4);
+  if (!rows.src_rows.empty())
+    dev.write(plan.src_rows.mem(), rows.src_rows.data(), rows.src_rows.size() * 4);
+  if (!rows.ctx_start.empty())
+    dev.write(plan.ctx_start.mem(), rows.ctx_start.data(), rows.ctx_start.size() * 4);
+  return plan;
+}
+
+void mla_attention_prefill(Device& dev, const cl::Mem& q, uint32_t q_off, uint32_t ldq,
+                           const cl::Mem& cache_layer, const StepTokens& st,
+                           const MlaPrefillPlan& plan, const Weight& kv_b,
+                           const Weight* kv_b_scale, const MlaShape& s, float scale,
+                           const cl::Mem& out, uint32_t ldo) {
+  validate(s);
+  check_kv_b(kv_b, s);
+  if (st.T == 0 || plan.total_rows == 0) return;
+  const uint32_t L = plan.total_rows, ldkv = s.n_heads * (s.nope + s.v);
+  Scratch latent(dev, size_t(L) * s.kv_lora * 4), kv(dev, size_t(L) * ldkv * 4);
+  const std::string opts = dims_option(s);
+  cl::Kernel g = dev.kernel("mla.cl", "mla_gather_latent", opts);
+  cl::set_args(g, cache_layer, plan.src_rows.mem(), latent.mem());
+  dev.launch(g, {L, 1, 1}, 1);
+  linear_any(dev, latent.mem(), 0, s.kv_lora, kv_b, kv_b_scale, kv.mem(), 0, ldkv, L);
+  cl::Kernel a = dev.kernel("mla.cl", "mla_prefill_attention", opts);
+  cl::set_args(a, q, q_off, ldq, kv.mem(), ldkv, plan.ctx_start.mem(), cache_layer, st.token_row,
+               st.token_pos, st.lookup, st.pages_per_row, st.page_size, s.n_heads, scale, out,
+               ldo);
+  dev.launch(a, {st.T, s.n_heads, 1}, 2);
+}
+
+}  // namespace clshard::ops
