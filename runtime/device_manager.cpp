@@ -154,8 +154,13 @@ DeviceManager::DeviceManager(const DeviceSelection& sel) {
       props.push_back(0);
     }
     cl_uint count = 0;
-    cl::check(clCreateSubDevices(m.device, props.data(), 0, nullptr, &count),
-              "splitting a CPU device (split: " + sel.split + ")");
+    const cl_int err = clCreateSubDevices(m.device, props.data(), 0, nullptr, &count);
+    if (err == CL_INVALID_DEVICE_PARTITION_COUNT || err == CL_DEVICE_PARTITION_FAILED)
+      throw std::runtime_error(
+          "devices.split: '" + sel.split + "' asks for more sub-devices than the CPU device has "
+          "compute units (" + std::to_string(cus) + "); each sub-device needs one. On PoCL, "
+          "POCL_MAX_PTHREAD_COUNT raises the count.");
+    cl::check(err, "splitting a CPU device (split: " + sel.split + ")");
     std::vector<cl_device_id> subs(count);
     cl::check(clCreateSubDevices(m.device, props.data(), count, subs.data(), nullptr),
               "splitting a CPU device (split: " + sel.split + ")");
