@@ -105,3 +105,48 @@ TEST(Cli, ErrorsAreClearAndExitNonZero) {
 
 }  // namespace
 }  // namespace clshard
+
+namespace clshard {
+namespace {
+
+// The real DeepSeek-V3 on 8 GPUs of 141 GB, DP 8 x EP 8, planned from config.json alone.
+TEST(Cli, PlanOfTheEightGpuDeepSeekDeployment) {
+  const auto src = std::filesystem::path(CLSHARD_SOURCE_DIR);
+  std::string out, err;
+  ASSERT_EQ(test::run_clshard({"plan", (src / "configs" / "deepseek-v3-8gpu-dp8-ep8.yaml").string(),
+                               "--config", (src / "configs" / "deepseek-v3-config.json").string(),
+                               "--device-memory", "131.3", "--devices", "8", "--json"},
+                              &out, &err),
+            0)
+      << err;
+  auto j = nlohmann::json::parse(out);
+  const double main = j["checkpoint"]["parameters"]["main"].get<double>();
+  EXPECT_NEAR(main / 671e9, 1.0, 0.005);
+  ASSERT_EQ(j["devices"].size(), 8u);
+  const uint64_t all_weights = j["checkpoint"]["weights"]["bytes_main"].get<uint64_t>();
+  const uint64_t routed = j["checkpoint"]["weights"]["routed_expert_bytes_main"].get<uint64_t>();
+  for (const auto& d : j["devices"]) {
+    EXPECT_EQ(d["experts"], 32);
+    EXPECT_TRUE(d["fits"].get<bool>());
+    EXPECT_EQ(d["weights"].get<uint64_t>(), all_weights - routed + routed / 8);
+    EXPECT_GT(d["kv_pages"].get<uint64_t>(), 100u);
+  }
+  // The same deployment on GPUs of 80 GB does not fit: the plan says so.
+  ASSERT_EQ(test::run_clshard({"plan", (src / "configs" / "deepseek-v3-8gpu-dp8-ep8.yaml").string(),
+                               "--config", (src / "configs" / "deepseek-v3-config.json").string(),
+                               "--device-memory", "74.5", "--devices", "8"},
+                              &out, &err),
+            0)
+      << err;
+  EXPECT_NE(out.find("DOES NOT FIT"), std::string::npos) << out;
+  // Parallel degrees the model cannot use are errors naming the key.
+  EXPECT_EQ(test::run_clshard({"plan", (src / "configs" / "deepseek-v3-8gpu-dp8-ep8.yaml").string(),
+                               "--config", (src / "configs" / "deepseek-v3-config.json").string(),
+                               "--device-memory", "131.3", "--devices", "16"},
+                              &out, &err),
+            1);
+  EXPECT_NE(err.find("parallel.data"), std::string::npos) << err;
+}
+
+}  // namespace
+}  // namespace clshard

@@ -79,6 +79,9 @@ struct Shapes {
 MemoryPlan plan_memory(const DeepseekV3Config& c, const PlanOptions& o) {
   MemoryPlan p;
   p.options = o;
+  p.n_routed_experts = uint32_t(c.n_routed_experts);
+  p.num_experts_per_tok = uint32_t(c.num_experts_per_tok);
+  p.hidden_size = uint32_t(c.hidden_size);
   const bool fp8 = c.quantization.has_value();
   // Released FP8 checkpoints keep the non-linear tensors in BF16; otherwise torch_dtype says.
   const uint64_t float_bytes = fp8 ? 2 : (c.torch_dtype == "float32" ? 4 : 2);
@@ -106,6 +109,10 @@ MemoryPlan plan_memory(const DeepseekV3Config& c, const PlanOptions& o) {
   });
   p.params.main = main.params;
   p.weight_bytes_main = main.bytes;
+  int64_t moe_layers = 0;
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) moe_layers += c.is_moe_layer(l) ? 1 : 0;
+  p.routed_expert_bytes_main = count([&](Tally& t) { s.mlp(t, c.moe_intermediate_size); }).bytes *
+                               uint64_t(c.n_routed_experts) * uint64_t(moe_layers);
 
   const Tally mtp = count([&](Tally& t) {
     for (int64_t m = 0; m < c.num_nextn_predict_layers; ++m) {
@@ -153,6 +160,9 @@ MemoryPlan plan_memory(const DeepseekV3Config& c, const PlanOptions& o) {
 nlohmann::json to_json(const MemoryPlan& p) {
   nlohmann::ordered_json j;
   j["architecture"] = "DeepseekV3ForCausalLM";
+  j["moe"] = {{"n_routed_experts", p.n_routed_experts},
+              {"num_experts_per_tok", p.num_experts_per_tok},
+              {"hidden_size", p.hidden_size}};
   j["parameters"] = {{"total", p.params.total()},
                      {"main", p.params.main},
                      {"mtp", p.params.mtp},
@@ -168,6 +178,7 @@ nlohmann::json to_json(const MemoryPlan& p) {
                   {"bytes_total", p.weight_bytes_main + p.weight_bytes_mtp},
                   {"bytes_main", p.weight_bytes_main},
                   {"bytes_mtp", p.weight_bytes_mtp},
+                  {"routed_expert_bytes_main", p.routed_expert_bytes_main},
                   {"active_bytes_per_token", p.active_weight_bytes_per_token}};
   j["kv_cache"] = {{"layout", "MLA: one kv_lora_rank + qk_rope_head_dim row per token per layer"},
                    {"dtype_bytes", p.options.cache_dtype_bytes},

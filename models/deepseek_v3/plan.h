@@ -36,10 +36,12 @@ struct MemoryPlan {
   ParamCounts params;
   std::string linear_dtype;      // "F8_E4M3+scales", "BF16" or "F32"
   uint64_t weight_bytes_main = 0, weight_bytes_mtp = 0;
+  uint64_t routed_expert_bytes_main = 0;  // every routed expert of the main model (what EP splits)
   uint64_t active_weight_bytes_per_token = 0;  // what one decode token streams (roofline)
   uint64_t kv_bytes_per_token = 0, kv_bytes_per_page = 0;
   uint64_t activation_bytes = 0;  // scratch of a step of max_batch_tokens (prefill path)
   PlanOptions options;
+  uint32_t n_routed_experts = 0, num_experts_per_tok = 0, hidden_size = 0;
 };
 
 MemoryPlan plan_memory(const DeepseekV3Config& cfg, const PlanOptions& opts = {});

@@ -9,6 +9,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "models/plan.h"
+#include "parallel/deployment_plan.h"
 #include "runtime/batch_job.h"
 #include "runtime/deployment.h"
 #include "runtime/device.h"
@@ -223,6 +225,81 @@ int run(int argc, char** argv) {
   runc->callback([&] {
     Deployment d = Deployment::open(load_deploy_config(run_deploy));
     run_batch_job(d, std::cerr);
+  });
+
+  // plan: what a deployment will take on each device, from config.json alone.
+  auto* pl = app.add_subcommand("plan", "Memory plan per device, without loading the weights");
+  std::string pl_deploy, pl_model, pl_config;
+  double pl_mem_gib = 0;
+  size_t pl_devices = 0;
+  bool pl_json = false;
+  pl->add_option("deploy", pl_deploy, "deployment YAML");
+  pl->add_option("--model", pl_model, "checkpoint directory (instead of a deployment)");
+  pl->add_option("--config", pl_config, "config.json to plan (default: the model's)");
+  pl->add_option("--device-memory", pl_mem_gib, "GiB per device (default: what the devices report)");
+  pl->add_option("--devices", pl_devices, "device count (default: data x tensor)");
+  pl->add_flag("--json", pl_json, "print JSON");
+  pl->callback([&] {
+    DeployConfig cfg;
+    if (!pl_deploy.empty()) cfg = load_deploy_config(pl_deploy);
+    else if (!pl_model.empty()) cfg.model.path = pl_model;
+    else if (pl_config.empty())
+      throw std::runtime_error("plan: give a deployment file, --model DIR or --config FILE");
+    const std::filesystem::path what =
+        pl_config.empty() ? cfg.model.path : std::filesystem::path(pl_config);
+    nlohmann::json ck = plan_checkpoint(what);
+    parallel::DeploymentShape shape;
+    shape.data = size_t(cfg.parallel.data);
+    shape.tensor = size_t(cfg.parallel.tensor);
+    shape.expert = size_t(cfg.parallel.expert);
+    shape.devices = pl_devices ? pl_devices : shape.data * shape.tensor;
+    shape.memory_fraction = cfg.kv_cache.memory_fraction;
+    shape.page_size = uint32_t(cfg.kv_cache.page_size);
+    shape.max_batch_input_tokens = uint32_t(cfg.batch.max_batch_input_tokens);
+    if (pl_mem_gib > 0) {
+      shape.device_memory_bytes = uint64_t(pl_mem_gib * double(1ull << 30));
+    } else {
+      try {
+        DeviceManager mgr(cfg.devices);
+        shape.device_memory_bytes = UINT64_MAX;
+        for (Device* d : mgr.devices())
+          shape.device_memory_bytes = std::min(shape.device_memory_bytes, d->info().global_mem);
+        if (!pl_devices) shape.devices = mgr.size();
+      } catch (const std::exception& e) {
+        throw std::runtime_error(std::string("plan: cannot open the deployment's devices here (") +
+                                 e.what() + "); give --device-memory GIB (and --devices N)");
+      }
+    }
+    auto rows = parallel::plan_devices(ck, shape);
+    if (pl_json) {
+      nlohmann::ordered_json j;
+      j["checkpoint"] = ck;
+      j["devices"] = nlohmann::json::array();
+      for (const auto& r : rows)
+        j["devices"].push_back({{"device", r.device}, {"replica", r.replica},
+                                {"experts", r.experts}, {"weights", r.weights},
+                                {"activations", r.activations}, {"ep_buffers", r.ep_buffers},
+                                {"signal_buffers", r.signal_buffers}, {"kv_pages", r.kv_pages},
+                                {"kv_bytes", r.kv_bytes}, {"fits", r.fits}});
+      std::cout << j.dump(2) << "\n";
+      return;
+    }
+    const auto& p = ck["parameters"];
+    std::cout << ck["architecture"].get<std::string>() << " (" << ck["config"].get<std::string>()
+              << ")\n";
+    std::cout << "parameters: " << p["total"].get<uint64_t>() / 1e9 << " B";
+    if (p.contains("main"))
+      std::cout << " (main " << p["main"].get<uint64_t>() / 1e9 << " B + MTP "
+                << p["mtp"].get<uint64_t>() / 1e9 << " B)";
+    std::cout << ", active per token " << p["active_per_token"].get<uint64_t>() / 1e9 << " B\n";
+    std::cout << "weights: " << ck["weights"]["bytes_total"].get<uint64_t>() / 1e9
+              << " GB; KV cache: " << ck["kv_cache"]["bytes_per_token"].get<uint64_t>()
+              << " bytes per token, " << ck["kv_cache"]["bytes_per_token"].get<uint64_t>() *
+                                            shape.page_size
+              << " per page of " << shape.page_size << "\n";
+    std::cout << "layout: " << shape.devices << " device(s), data " << shape.data << ", tensor "
+              << shape.tensor << ", expert " << shape.expert << "\n";
+    std::cout << parallel::format_device_plan(rows, shape);
   });
 
   // tokenize / detokenize: the stable way to check the tokenizer from outside.
