@@ -1,14 +1,7 @@
 // Token embedding lookup: y[t, :] = table[tokens[t] - vocab_begin, :] * multiplier, zeros for ids
 // outside the table (a vocabulary shard under tensor parallelism). One work-item per token.
-// Build option: -DWEIGHT_BF16=0|1.
+// Build option: -DWEIGHT_TYPE=0|1|2 (f32, bf16, f16; see common.cl).
 
-#if WEIGHT_BF16
-typedef ushort wtype;
-#define LOADW(p) bf16_to_f32(*(p))
-#else
-typedef float wtype;
-#define LOADW(p) (*(p))
-#endif
 
 kernel void embedding(global const int* tokens, global const wtype* table, global float* y,
                       uint H, uint vocab_begin, uint vocab, float multiplier) {
@@ -20,5 +13,5 @@ kernel void embedding(global const int* tokens, global const wtype* table, globa
     return;
   }
   global const wtype* e = table + (size_t)tok * H;
-  for (uint i = 0; i < H; ++i) yr[i] = LOADW(e + i) * multiplier;
+  for (uint i = 0; i < H; ++i) yr[i] = LOADW1(e + i) * multiplier;
 }

@@ -1,6 +1,6 @@
 // y = alpha * x W^T (+ bias) (+ y when accumulating): the linear layers of every model.
 // x: [M, K] f32 rows (row stride ldx); W: [N, K] as Hugging Face stores nn.Linear weights, f32 or
-// bf16 (WEIGHT_BF16=1, widened inside the loop: never a converted copy in memory), starting at
+// bf16 or f16 (widened inside the loop: never a converted copy in memory), starting at
 // element w_off with row stride ldw (a column slice of a bigger weight for tensor parallelism);
 // y: [M, N] f32 (row stride ldy). Accumulating into y is how residual adds happen (h += o_proj(attn)).
 //
@@ -9,7 +9,7 @@
 // its tiles itself: PoCL pays about a microsecond per work-group, so a work-item per tile would
 // spend more time scheduling than computing. The column tile is the outer loop, so its TN weight
 // rows stay in L1 while the block's x rows stream from L2. Dimension 0 walks column blocks,
-// dimension 1 row blocks. Build options: -DTM=1|4 -DTN=4 -DWEIGHT_BF16=0|1.
+// dimension 1 row blocks. Build options: -DTM=1|4 -DTN=4 -DWEIGHT_TYPE=0|1|2 (f32, bf16, f16; see common.cl).
 
 #ifndef TM
 #define TM 1
@@ -18,15 +18,6 @@
 #define TN 4
 #endif
 
-#if WEIGHT_BF16
-typedef ushort wtype;
-#define LOADW16(i, p) bf16x16_to_f32(vload16((i), (p)))
-#define LOADW1(p) bf16_to_f32(*(p))
-#else
-typedef float wtype;
-#define LOADW16(i, p) vload16((i), (p))
-#define LOADW1(p) (*(p))
-#endif
 
 // One TM x TN tile at (m0, n0).
 inline void linear_tile(global const float* x, uint x_off, uint ldx, global const wtype* w,

@@ -1,14 +1,7 @@
 // RMSNorm over rows: y = x / sqrt(mean(x^2) + eps) * w, computed in f32 (Llama style: normalise,
 // then scale). One work-item per row; rows are short (hidden size), so this is launch-bound.
-// Build option: -DWEIGHT_BF16=0|1 for the norm weight.
+// Build option: -DWEIGHT_TYPE=0|1|2 (f32, bf16, f16; see common.cl) for the norm weight.
 
-#if WEIGHT_BF16
-typedef ushort wtype;
-#define LOADW(p) bf16_to_f32(*(p))
-#else
-typedef float wtype;
-#define LOADW(p) (*(p))
-#endif
 
 // rows: optional row indexes into x (gather), when use_rows != 0: y row r = norm(x row rows[r]).
 kernel void rmsnorm(global const float* x, uint x_off, uint ldx, global const uint* rows,
@@ -21,5 +14,5 @@ kernel void rmsnorm(global const float* x, uint x_off, uint ldx, global const ui
   float ss = 0.0f;
   for (uint i = 0; i < H; ++i) ss = fma(xr[i], xr[i], ss);
   const float inv = 1.0f / sqrt(ss / (float)H + eps);
-  for (uint i = 0; i < H; ++i) yr[i] = (xr[i] * inv) * LOADW(w + i);
+  for (uint i = 0; i < H; ++i) yr[i] = (xr[i] * inv) * LOADW1(w + i);
 }

@@ -45,4 +45,11 @@ float f16_to_f32(uint16_t h) {
   return sign ? -v : v;
 }
 
+uint16_t f32_to_f16(float f) {
+  const _Float16 h = static_cast<_Float16>(f);
+  uint16_t bits;
+  std::memcpy(&bits, &h, 2);
+  return bits;
+}
+
 }  // namespace clshard

@@ -32,5 +32,6 @@ inline uint16_t f32_to_bf16(float f) {
   return uint16_t(u >> 16);
 }
 float f16_to_f32(uint16_t h);
+uint16_t f32_to_f16(float f);  // round to nearest even
 
 }  // namespace clshard

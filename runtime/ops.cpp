@@ -13,11 +13,12 @@ namespace {
 // Build option for kernels that read a weight: bf16 is widened in the kernel, f32 read as is.
 std::string weight_option(const Weight& w) {
   switch (w.dtype) {
-    case DType::F32: return "-DWEIGHT_BF16=0";
-    case DType::BF16: return "-DWEIGHT_BF16=1";
+    case DType::F32: return "-DWEIGHT_TYPE=0";
+    case DType::BF16: return "-DWEIGHT_TYPE=1";
+    case DType::F16: return "-DWEIGHT_TYPE=2";
     default:
       throw std::runtime_error("weight '" + w.name + "' has dtype " + dtype_name(w.dtype) +
-                               "; this kernel takes F32 or BF16");
+                               "; this kernel takes F32, BF16 or F16");
   }
 }
 

@@ -132,7 +132,7 @@ TEST(CheckpointErrors, WrongShapeAndDtype) {
   std::string e = load_error(rewrite("bad_shape", "shape"));
   EXPECT_HAS(e, "'model.layers.1.mlp.down_proj.weight' has shape [384, 128], expected [128, 384]");
   e = load_error(rewrite("bad_dtype", "dtype"));
-  EXPECT_HAS(e, "'model.layers.1.mlp.down_proj.weight' has dtype I32, expected F32 or BF16");
+  EXPECT_HAS(e, "'model.layers.1.mlp.down_proj.weight' has dtype I32, expected F32 or BF16 or F16");
 }
 
 TEST(CheckpointErrors, ShardedIndexAndMissingTensor) {

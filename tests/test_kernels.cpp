@@ -37,11 +37,11 @@ Weight make_weight(Device& dev, std::vector<float>& values, std::vector<int64_t>
   w.dtype = dt;
   w.shape = shape;
   w.name = "test";
-  if (dt == DType::BF16) {
+  if (dt == DType::BF16 || dt == DType::F16) {
     std::vector<uint16_t> b(values.size());
     for (size_t i = 0; i < values.size(); ++i) {
-      b[i] = f32_to_bf16(values[i]);
-      values[i] = bf16_to_f32(b[i]);
+      b[i] = dt == DType::BF16 ? f32_to_bf16(values[i]) : f32_to_f16(values[i]);
+      values[i] = dt == DType::BF16 ? bf16_to_f32(b[i]) : f16_to_f32(b[i]);
     }
     w.mem = dev.alloc(b.size() * 2);
     dev.write(w.mem, b.data(), b.size() * 2);
@@ -95,7 +95,8 @@ INSTANTIATE_TEST_SUITE_P(
                       LinearCase{3, 64, 64, DType::F32}, LinearCase{4, 5, 17, DType::F32},
                       LinearCase{7, 33, 129, DType::F32}, LinearCase{65, 130, 48, DType::F32},
                       LinearCase{1, 37, 100, DType::BF16}, LinearCase{5, 67, 257, DType::BF16},
-                      LinearCase{64, 128, 64, DType::BF16}));
+                      LinearCase{64, 128, 64, DType::BF16}, LinearCase{1, 37, 100, DType::F16},
+                      LinearCase{6, 19, 131, DType::F16}));
 
 // A strided view: x rows inside a wider buffer at an offset, y written into a column block.
 TEST(LinearKernel, OffsetsAndStrides) {
@@ -128,7 +129,7 @@ TEST(NormKernel, RmsNormWithAndWithoutGather) {
   const uint32_t R = 5, H = 77;
   auto x = random_vec(size_t(R) * H, 11, 3.0f);
   auto wv = random_vec(H, 12);
-  for (DType dt : {DType::F32, DType::BF16}) {
+  for (DType dt : {DType::F32, DType::BF16, DType::F16}) {
     auto wcopy = wv;
     Weight w = make_weight(dev, wcopy, {H}, dt);
     cl::Mem xm = upload(dev, x), ym = dev.alloc(size_t(R) * H * 4);

@@ -162,6 +162,36 @@ TEST_P(Llama3Reference, GreedyContinuationsEqual) {
   EXPECT_GT(compared, rc.seqs.size()) << "too few confident steps to compare";
 }
 
+// ReturnLogits::Variable (speculative verification): the last n positions of each row, which
+// are the same rows as in All.
+TEST(Llama3Step, VariableLogitsAreTheLastNOfEachRow) {
+  RefCase rc = load_case("llama3-tiny-f32/short");
+  auto model = load(rc);
+  std::vector<uint32_t> lengths;
+  StepInputs in;
+  in.input_row_offsets = {0};
+  for (const auto& s : rc.seqs) {
+    in.tokens.insert(in.tokens.end(), s.tokens.begin(), s.tokens.end());
+    in.input_row_offsets.push_back(uint32_t(in.tokens.size()));
+    in.cache_lengths.push_back(0);
+    lengths.push_back(uint32_t(s.tokens.size()));
+  }
+  in.lookup_table = plan_static_pages(*model, lengths, 16, &in.pages_per_row);
+  in.return_logits = ReturnLogits::Variable;
+  in.return_n_logits = 3;
+  StepOutputs out = model->forward(in);
+  auto logits = out.read_logits();
+  ASSERT_EQ(out.rows, 3 * rc.seqs.size());
+  for (size_t b = 0; b < rc.seqs.size(); ++b) {
+    ASSERT_EQ(out.logit_offsets[b + 1] - out.logit_offsets[b], 3u);
+    const size_t S = rc.seqs[b].tokens.size();
+    for (size_t i = 0; i < 3; ++i)
+      for (uint32_t v = 0; v < rc.vocab; ++v)
+        ASSERT_NEAR(logits[(out.logit_offsets[b] + i) * rc.vocab + v],
+                    rc.seqs[b].logits[(S - 3 + i) * rc.vocab + v], kTolerance);
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Cases, Llama3Reference,
                          ::testing::Values("llama3-tiny-f32/short", "llama3-tiny-bf16/short",
                                            "llama32-tiny-f32/short", "llama32-tiny-bf16/short",

@@ -9,7 +9,7 @@ namespace clshard::llama3 {
 
 namespace {
 
-const std::vector<DType> kFloatTypes = {DType::F32, DType::BF16};
+const std::vector<DType> kFloatTypes = {DType::F32, DType::BF16, DType::F16};
 
 // clip_qkv (OLMo) clamps the Q/K/V weights before the matmul. The mapped file is read-only, so
 // the clamped rows are an f32 copy made once at load.
@@ -18,8 +18,10 @@ Weight clamped_rows(Device& dev, const TensorView& v, int64_t r0, int64_t r1, do
   std::vector<float> vals(size_t((r1 - r0) * K));
   for (size_t i = 0; i < vals.size(); ++i) {
     const size_t src = size_t(r0 * K) + i;
-    float x = v.dtype == DType::BF16 ? bf16_to_f32(reinterpret_cast<const uint16_t*>(v.data)[src])
-                                     : reinterpret_cast<const float*>(v.data)[src];
+    const uint16_t* half_bits = reinterpret_cast<const uint16_t*>(v.data);
+    float x = v.dtype == DType::BF16  ? bf16_to_f32(half_bits[src])
+              : v.dtype == DType::F16 ? f16_to_f32(half_bits[src])
+                                      : reinterpret_cast<const float*>(v.data)[src];
     vals[i] = std::clamp(x, float(-clip), float(clip));
   }
   std::vector<int64_t> shape = v.shape;
