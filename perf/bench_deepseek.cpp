@@ -21,48 +21,16 @@
 #include "models/deepseek_v3/config.h"
 #include "models/deepseek_v3/model.h"
 #include "models/deepseek_v3/plan.h"
+#include "perf/bench_util.h"
 #include "runtime/device.h"
 #include "runtime/device_manager.h"
 #include "runtime/generation.h"
 #include "runtime/model.h"
 
 using namespace clshard;
-using Clock = std::chrono::steady_clock;
+using namespace clshard::bench;
 
 namespace {
-
-double seconds_since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
-template <typename F>
-double median_time(int reps, F fn) {
-  std::vector<double> t;
-  fn();  // warm-up (and kernel builds)
-  for (int i = 0; i < reps; ++i) {
-    auto t0 = Clock::now();
-    fn();
-    t.push_back(seconds_since(t0));
-  }
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
-}
-
-// Read bandwidth of the device over 256 MiB (bandwidth.cl: the GEMV kernels' access pattern).
-double measure_bandwidth(Device& dev) {
-  const size_t bytes = size_t(256) << 20;
-  cl::Mem big = dev.alloc(bytes);
-  dev.fill_zero(big, bytes);
-  const uint32_t items = 64, chunk16 = uint32_t(bytes / 4 / 16 / items);
-  cl::Mem sums = dev.alloc(items * 4);
-  cl::Kernel k = dev.kernel("bandwidth.cl", "read_sum");
-  const double t = median_time(7, [&] {
-    cl::set_args(k, big, chunk16, sums);
-    dev.launch(k, {items, 1, 1});
-    dev.finish();
-  });
-  return double(bytes) / t / 1e9;
-}
 
 std::vector<std::string> split(const std::string& s) {
   std::vector<std::string> out;

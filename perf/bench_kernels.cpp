@@ -11,32 +11,15 @@
 #include <thread>
 #include <vector>
 
+#include "perf/bench_util.h"
 #include "runtime/device.h"
 #include "runtime/device_manager.h"
 #include "runtime/ops.h"
 
 using namespace clshard;
-using Clock = std::chrono::steady_clock;
+using namespace clshard::bench;
 
 namespace {
-
-double seconds_since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
-// Median of `reps` timings of fn() (each ends with a finish inside fn).
-template <typename F>
-double median_time(int reps, F fn) {
-  std::vector<double> t;
-  fn();  // warm-up (and kernel build)
-  for (int i = 0; i < reps; ++i) {
-    auto t0 = Clock::now();
-    fn();
-    t.push_back(seconds_since(t0));
-  }
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
-}
 
 Weight random_weight(Device& dev, int64_t N, int64_t K, DType dt, uint32_t seed) {
   std::mt19937 rng(seed);
@@ -72,17 +55,7 @@ int main(int argc, char** argv) {
 
   // 1. Bandwidth: 256 MiB read, far past the caches.
   const size_t bw_bytes = size_t(256) << 20;
-  cl::Mem big = dev.alloc(bw_bytes);
-  dev.fill_zero(big, bw_bytes);
-  const uint32_t items = 64, chunk16 = uint32_t(bw_bytes / 4 / 16 / items);
-  cl::Mem sums = dev.alloc(items * 4);
-  cl::Kernel rs = dev.kernel("bandwidth.cl", "read_sum");
-  double t_cl = median_time(reps, [&] {
-    cl::set_args(rs, big, chunk16, sums);
-    dev.launch(rs, {items, 1, 1});
-    dev.finish();
-  });
-  const double bw_cl = bw_bytes / t_cl / 1e9;
+  const double bw_cl = measure_bandwidth(dev, reps);
   std::vector<float> host(bw_bytes / 4, 1.0f);
   const unsigned nthreads = std::max(1u, std::thread::hardware_concurrency());
   double t_host = median_time(reps, [&] {

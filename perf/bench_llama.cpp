@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <filesystem>
 
+#include "perf/bench_util.h"
 #include "runtime/device.h"
 #include "runtime/device_manager.h"
 #include "runtime/generation.h"
@@ -14,30 +15,8 @@
 #include "runtime/safetensors.h"
 
 using namespace clshard;
-using Clock = std::chrono::steady_clock;
+using namespace clshard::bench;
 
-namespace {
-double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
-
-double measure_bandwidth(Device& dev) {
-  const size_t bytes = size_t(256) << 20;
-  cl::Mem big = dev.alloc(bytes);
-  dev.fill_zero(big, bytes);
-  cl::Mem sums = dev.alloc(64 * 4);
-  cl::Kernel k = dev.kernel("bandwidth.cl", "read_sum");
-  const uint32_t chunk16 = uint32_t(bytes / 4 / 16 / 64);
-  std::vector<double> t;
-  for (int i = 0; i < 7; ++i) {
-    auto t0 = Clock::now();
-    cl::set_args(k, big, chunk16, sums);
-    dev.launch(k, {64, 1, 1});
-    dev.finish();
-    t.push_back(since(t0));
-  }
-  std::sort(t.begin(), t.end());
-  return bytes / t[t.size() / 2] / 1e9;
-}
-}  // namespace
 
 int main(int argc, char** argv) {
   std::filesystem::path dir = argc > 1 ? argv[1] : ".cache/models/llama3-1b-bf16";
@@ -66,11 +45,11 @@ int main(int argc, char** argv) {
   greedy_generate(*model, {prompt}, 4, 128);  // warm-up: kernel builds
   auto t0 = Clock::now();
   greedy_generate(*model, {prompt}, 1, 128);
-  const double prefill16 = since(t0);
+  const double prefill16 = seconds_since(t0);
   t0 = Clock::now();
   const uint32_t n = 33;
   greedy_generate(*model, {prompt}, n, 128);
-  const double per_token = (since(t0) - prefill16) / (n - 1);
+  const double per_token = (seconds_since(t0) - prefill16) / (n - 1);
   const double roofline_s = bytes_per_token / (bw * 1e9);
   std::printf("\ndecode, batch 1: %.1f ms/token, %.2f tokens/s; roofline %.1f ms/token "
               "(%.2f GB read per token) -> %.0f%% of roofline\n",
@@ -83,7 +62,7 @@ int main(int argc, char** argv) {
   greedy_generate(*model, {long_prompt}, 1, 128);  // warm-up
   t0 = Clock::now();
   greedy_generate(*model, {long_prompt}, 1, 128);
-  const double tp = since(t0);
+  const double tp = seconds_since(t0);
   const double flops = 2.0 * 512 * (double(store.total_bytes()) / 2 - double(emb.numel()));
   std::printf("prefill, 512 tokens: %.2f s, %.1f tokens/s, %.1f GFLOP/s in the linear layers\n",
               tp, 512 / tp, flops / tp / 1e9);

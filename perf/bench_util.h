@@ -1,0 +1,49 @@
+// What every benchmark in perf/ measures the same way: wall time (median of repeats after a
+// warm-up that also builds the kernels) and the device's read bandwidth, the decode roofline.
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <vector>
+
+#include "runtime/device.h"
+
+namespace clshard::bench {
+
+using Clock = std::chrono::steady_clock;
+
+inline double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// Median of `reps` timings of fn(); fn must end with a finish (or a blocking read).
+template <typename F>
+double median_time(int reps, F fn) {
+  std::vector<double> t;
+  fn();
+  for (int i = 0; i < reps; ++i) {
+    auto t0 = Clock::now();
+    fn();
+    t.push_back(seconds_since(t0));
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+// Read bandwidth in GB/s over 256 MiB with the GEMV kernels' access pattern (bandwidth.cl).
+inline double measure_bandwidth(Device& dev, int reps = 7) {
+  const size_t bytes = size_t(256) << 20;
+  cl::Mem big = dev.alloc(bytes);
+  dev.fill_zero(big, bytes);
+  const uint32_t items = 64, chunk16 = uint32_t(bytes / 4 / 16 / items);
+  cl::Mem sums = dev.alloc(items * 4);
+  cl::Kernel k = dev.kernel("bandwidth.cl", "read_sum");
+  const double t = median_time(reps, [&] {
+    cl::set_args(k, big, chunk16, sums);
+    dev.launch(k, {items, 1, 1});
+    dev.finish();
+  });
+  return double(bytes) / t / 1e9;
+}
+
+}  // namespace clshard::bench
