@@ -39,13 +39,24 @@ ShardRange shard_range(const Llama3Config& c, int64_t rank, int64_t ranks) {
                                ") divisible by it");
   };
   must_divide("num_attention_heads", c.num_attention_heads);
-  must_divide("num_key_value_heads", c.num_key_value_heads);
   must_divide("intermediate_size", c.intermediate_size);
   ShardRange s;
   s.heads = c.num_attention_heads / ranks;
   s.head_begin = rank * s.heads;
-  s.kv_heads = c.num_key_value_heads / ranks;
-  s.kv_head_begin = rank * s.kv_heads;
+  const int64_t nkv = c.num_key_value_heads;
+  if (nkv % ranks == 0) {
+    s.kv_heads = nkv / ranks;
+    s.kv_head_begin = rank * s.kv_heads;
+  } else if (ranks % nkv == 0) {
+    // More ranks than key/value heads: each rank keeps a copy of the one kv head its query heads
+    // read (as vLLM does), so the KV cache is replicated ranks / nkv times.
+    s.kv_heads = 1;
+    s.kv_head_begin = rank / (ranks / nkv);
+  } else {
+    throw std::runtime_error("tensor parallelism over " + std::to_string(ranks) +
+                             " devices needs num_key_value_heads (" + std::to_string(nkv) +
+                             ") to divide it or be divisible by it");
+  }
   s.ffn = c.intermediate_size / ranks;
   s.ffn_begin = rank * s.ffn;
   // The vocabulary need not divide: the first ranks take one row more.
