@@ -45,6 +45,8 @@ std::unique_ptr<CausalLM> load_model(const std::filesystem::path& dir, const Loa
     return std::make_unique<parallel::DataParallelLM>(std::move(replicas));
   }
   if (arch == "DeepseekV3ForCausalLM" || arch == "deepseek_v3")
+    // One model over every device (DP attention + EP experts, MAX's DP_EP): it takes all of
+    // opts.devices and checks parallel.data / parallel.expert against their count itself.
     return std::make_unique<deepseek_v3::DeepseekV3Model>(dir, opts);
   throw std::runtime_error(cfg_path.string() + ": unknown architecture '" + arch +
                            "' (supported: LlamaForCausalLM and its Granite/OLMo/Exaone siblings, "

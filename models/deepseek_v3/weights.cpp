@@ -1,5 +1,6 @@
 #include "models/deepseek_v3/weights.h"
 
+#include <algorithm>
 #include <map>
 #include <optional>
 #include <set>
@@ -128,13 +129,18 @@ std::vector<int64_t> mtp_layers_present(const DeepseekV3Config& c, const WeightS
   return {ids.begin(), ids.end()};
 }
 
-DeepseekV3Weights load_weights(const DeepseekV3Config& c, const WeightStore& s, Device& dev) {
+DeepseekV3Weights load_weights(const DeepseekV3Config& c, const WeightStore& s, Device& dev,
+                               uint32_t expert_begin, uint32_t expert_end) {
   check_names(c, s);
   const int64_t H = c.hidden_size, V = c.vocab_size, Nh = c.num_attention_heads;
   const int64_t Dqk = c.qk_head_dim(), Dv = c.v_head_dim, Dn = c.qk_nope_head_dim;
   const int64_t Lkv = c.kv_lora_rank, Dr = c.qk_rope_head_dim, Lq = c.q_lora_rank;
   const int64_t E = c.n_routed_experts, F = c.moe_intermediate_size;
   Loader ld(s, dev);
+  expert_end = uint32_t(std::min<int64_t>(expert_end, E));
+  if (expert_begin > expert_end)
+    throw std::invalid_argument("load_weights: expert block [" + std::to_string(expert_begin) +
+                                ", " + std::to_string(expert_end) + ") is reversed");
 
   DeepseekV3Weights w;
   w.embed = ld.plain("model.embed_tokens.weight", {V, H});
@@ -159,7 +165,8 @@ DeepseekV3Weights load_weights(const DeepseekV3Config& c, const WeightStore& s, 
     if (L.is_moe) {
       L.moe.router = ld.plain(p + "mlp.gate.weight", {E, H});
       L.moe.correction_bias = ld.plain(p + "mlp.gate.e_score_correction_bias", {E}, {DType::F32});
-      for (int64_t e = 0; e < E; ++e)
+      L.moe.first_expert = expert_begin;
+      for (int64_t e = expert_begin; e < expert_end; ++e)
         L.moe.experts.push_back(ld.mlp(p + "mlp.experts." + std::to_string(e) + ".", H, F));
       if (c.n_shared_experts > 0)
         L.moe.shared = ld.mlp(p + "mlp.shared_experts.", H, c.n_shared_experts * F);

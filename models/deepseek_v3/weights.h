@@ -5,6 +5,7 @@
 // recognised and left for speculative decoding.
 #pragma once
 
+#include <cstdint>
 #include <vector>
 
 #include "models/deepseek_v3/config.h"
@@ -44,8 +45,10 @@ struct MlpWeights {
 struct MoeWeights {
   Weight router;           // gate.weight [E, H]
   Weight correction_bias;  // gate.e_score_correction_bias [E], F32, used for selection only
-  // One entry per routed expert, each its own tensors: an expert-parallel split takes a slice.
+  // The routed experts this device holds, each its own tensors: experts[i] is global expert
+  // first_expert + i (all of them on one device; an expert-parallel rank's block otherwise).
   std::vector<MlpWeights> experts;
+  uint32_t first_expert = 0;
   MlpWeights shared;  // n_shared_experts * moe_intermediate_size wide; empty when none
 };
 
@@ -66,8 +69,11 @@ struct DeepseekV3Weights {
 
 // Checks the tensor names against the config (expert ids below n_routed_experts, layer ids below
 // num_hidden_layers + num_nextn_predict_layers), then every tensor's shape and dtype (errors name
-// tensor, file, found and expected), and puts them on `dev`.
-DeepseekV3Weights load_weights(const DeepseekV3Config& cfg, const WeightStore& store, Device& dev);
+// tensor, file, found and expected), and puts them on `dev`. Only the routed experts
+// [expert_begin, expert_end) of each MoE layer are loaded (an expert-parallel rank's block; the
+// end is capped at n_routed_experts); everything else is loaded whole.
+DeepseekV3Weights load_weights(const DeepseekV3Config& cfg, const WeightStore& store, Device& dev,
+                               uint32_t expert_begin = 0, uint32_t expert_end = UINT32_MAX);
 
 // The layer ids of the MTP blocks present in the checkpoint ([num_hidden_layers, ...)).
 std::vector<int64_t> mtp_layers_present(const DeepseekV3Config& cfg, const WeightStore& store);

@@ -1,0 +1,180 @@
+// DeepSeek-V3 data-parallel attention + expert-parallel MoE (MAX's DP_EP mode) on CPU
+// sub-devices: batched decode tokens/s of the dsv3-mini preset on 1 sub-device vs 2 (the CPU split
+// in two, one core each; the single-device run uses the first of the two, so both runs get one core
+// per device), the 2-device speed-up and its efficiency (speed-up / 2), and the time the host spent
+// waiting in collectives per step (Communicator::stats().host_wait_seconds) as a share of the
+// step, with the bytes the collectives moved per step.
+//
+// Decode steps run straight against a zero-filled MLA cache at `context` cached tokens per
+// request: the cache's values do not change the work, so no prefill is needed to time decode.
+//
+// Usage: bench_deepseek_parallel [--dir D] [--dtype bf16] [--batches 16,64] [--context C]
+//                                [--steps N]
+//   D: where dsv3-mini-<dtype> lives (written with make-model's preset writer when missing;
+//      default .cache/models), C: cached tokens per request (64), N: timed decode steps (4).
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "models/deepseek_v3/model.h"
+#include "parallel/collectives.h"
+#include "runtime/device.h"
+#include "runtime/device_manager.h"
+#include "runtime/model.h"
+
+using namespace clshard;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+std::vector<uint32_t> split_numbers(const std::string& s) {
+  std::vector<uint32_t> out;
+  size_t b = 0;
+  while (b < s.size()) {
+    size_t e = s.find(',', b);
+    if (e == std::string::npos) e = s.size();
+    if (e > b) out.push_back(uint32_t(std::stoul(s.substr(b, e - b))));
+    b = e + 1;
+  }
+  return out;
+}
+
+std::filesystem::path ensure_checkpoint(const std::filesystem::path& root, const std::string& dt) {
+  const auto dir = root / ("dsv3-mini-" + dt);
+  if (std::filesystem::exists(dir / "model.safetensors") &&
+      std::filesystem::exists(dir / "config.json"))
+    return dir;
+  std::printf("writing dsv3-mini --dtype %s to %s ...\n", dt.c_str(), dir.c_str());
+  std::fflush(stdout);
+  const auto t0 = Clock::now();
+  make_model("dsv3-mini", dir, MakeModelOptions{dt, 0});
+  std::printf("  done in %.1f s\n", seconds_since(t0));
+  return dir;
+}
+
+// One decode step for `batch` requests spread over `replicas` in contiguous blocks (replica-major,
+// as MAX orders the flat batch), each request holding `cached` tokens; request i of a replica owns
+// pages [i * ppr, (i + 1) * ppr) of that replica's pool.
+StepInputs decode_step(uint32_t batch, uint32_t replicas, uint32_t cached, uint32_t ppr,
+                       uint32_t null_page, uint32_t vocab, std::mt19937& rng) {
+  std::uniform_int_distribution<int32_t> tok(0, int32_t(vocab) - 1);
+  std::vector<StepInputs> parts;
+  for (uint32_t r = 0; r < replicas; ++r) {
+    const uint32_t rows = batch / replicas + (r < batch % replicas ? 1 : 0);
+    StepInputs in;
+    in.pages_per_row = ppr;
+    in.input_row_offsets = {0};
+    for (uint32_t i = 0; i < rows; ++i) {
+      in.tokens.push_back(tok(rng));
+      in.input_row_offsets.push_back(uint32_t(in.tokens.size()));
+      in.cache_lengths.push_back(cached);
+      for (uint32_t p = 0; p < ppr; ++p) in.lookup_table.push_back(i * ppr + p);
+    }
+    parts.push_back(std::move(in));
+  }
+  return replicas == 1 ? parts[0] : merge_replica_steps(parts, null_page);
+}
+
+struct Result {
+  double step_s = 0, tokens_per_s = 0, wait_share = 0, bytes_per_step = 0, phases_per_step = 0;
+};
+
+Result run(deepseek_v3::DeepseekV3Model& model, uint32_t batch, uint32_t context, uint32_t steps) {
+  const uint32_t R = model.num_replicas(), page = 64;
+  const uint32_t ppr = (context + steps + 2 + page - 1) / page;
+  const uint32_t per_replica = (batch + R - 1) / R;
+  model.allocate_kv_cache(per_replica * ppr, page);
+  std::mt19937 rng(7);
+  const uint32_t V = model.info().vocab_size;
+  // Warm-up: kernel builds for these shapes, buffer pools.
+  model.forward(decode_step(batch, R, context, ppr, model.kv_num_pages(), V, rng)).read_logits();
+  const parallel::Communicator* comm = model.communicator();
+  const auto before = comm ? comm->stats() : parallel::Communicator::Stats{};
+  const auto t0 = Clock::now();
+  for (uint32_t i = 0; i < steps; ++i)
+    model.forward(decode_step(batch, R, context + 1 + i, ppr, model.kv_num_pages(), V, rng))
+        .read_logits();
+  const double t = seconds_since(t0);
+  Result res;
+  res.step_s = t / steps;
+  res.tokens_per_s = double(batch) * steps / t;
+  if (comm) {
+    const auto& after = comm->stats();
+    res.wait_share = (after.host_wait_seconds - before.host_wait_seconds) / t;
+    res.bytes_per_step = double(after.bytes_moved - before.bytes_moved) / steps;
+    res.phases_per_step = double(after.phases - before.phases) / steps;
+  }
+  return res;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::filesystem::path root = ".cache/models";
+  std::string dtype = "bf16", batches = "16,64";
+  uint32_t context = 64, steps = 4;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string a = argv[i], v = argv[i + 1];
+    if (a == "--dir") root = v;
+    else if (a == "--dtype") dtype = v;
+    else if (a == "--batches") batches = v;
+    else if (a == "--context") context = uint32_t(std::stoul(v));
+    else if (a == "--steps") steps = uint32_t(std::stoul(v));
+    else {
+      std::fprintf(stderr, "unknown option %s\n", a.c_str());
+      return 2;
+    }
+  }
+  if (steps == 0) {
+    std::fprintf(stderr, "--steps must be positive\n");
+    return 2;
+  }
+  const auto dir = ensure_checkpoint(root, dtype);
+  DeviceSelection sel;
+  sel.type = "cpu";
+  sel.split = "2";
+  DeviceManager mgr(sel);
+  std::printf("devices: 2 sub-devices of %s, %u compute unit(s) each\n",
+              mgr[0].info().name.c_str(), mgr[0].info().compute_units);
+  std::printf("dsv3-mini %s, decode at context %u, %u timed steps per figure\n", dtype.c_str(),
+              context, steps);
+
+  LoadOptions one;
+  one.devices = {&mgr[0]};
+  LoadOptions two;
+  two.devices = mgr.devices();
+  two.data_parallel_degree = two.expert_parallel_degree = 2;
+  const auto sizes = split_numbers(batches);
+  std::vector<Result> r1, r2;
+  {
+    deepseek_v3::DeepseekV3Model m(dir, one);
+    for (uint32_t b : sizes) r1.push_back(run(m, b, context, steps));
+  }
+  {
+    deepseek_v3::DeepseekV3Model m(dir, two);
+    for (uint32_t b : sizes) r2.push_back(run(m, b, context, steps));
+  }
+  std::printf("%6s %12s %12s %12s %12s %9s %11s %12s %10s\n", "batch", "1 dev tok/s",
+              "2 dev tok/s", "1 dev ms", "2 dev ms", "speed-up", "efficiency", "coll. wait",
+              "coll. MB");
+  std::printf("%6s %12s %12s %12s %12s %9s %11s %12s %10s\n", "", "", "", "per step",
+              "per step", "", "", "% of step", "per step");
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    const double s = r2[i].tokens_per_s / r1[i].tokens_per_s;
+    std::printf("%6u %12.2f %12.2f %12.1f %12.1f %8.2fx %10.0f%% %11.1f%% %10.2f\n", sizes[i],
+                r1[i].tokens_per_s, r2[i].tokens_per_s, r1[i].step_s * 1e3, r2[i].step_s * 1e3,
+                s, 100.0 * s / 2, 100.0 * r2[i].wait_share, r2[i].bytes_per_step / 1e6);
+  }
+  std::printf("(collectives per 2-device step: %.0f phases; the wait is host time blocked on "
+              "peers' signals, which includes a peer still computing)\n",
+              r2.empty() ? 0.0 : r2.back().phases_per_step);
+  return 0;
+}

@@ -1,0 +1,235 @@
+// DeepSeek-V3 with data-parallel MLA attention and expert-parallel MoE (MAX's DP_EP mode) on 2, 3
+// and 4 CPU sub-devices: the same checkpoint and prompts give the single-device logits (1e-4) and
+// greedy tokens, for the f32 and fp8 grouped reference checkpoints (16 experts: 8/8 on 2 devices,
+// 6/5/5 on 3, 4/4/4/4 on 4), with batches smaller than the replica count; the engine on 2
+// sub-devices; a balanced (uneven) placement changes the blocks, not the logits.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <iostream>
+#include <map>
+#include <tuple>
+
+#include "models/deepseek_v3/model.h"
+#include "parallel/collectives.h"
+#include "parallel/placement.h"
+#include "runtime/device.h"
+#include "runtime/device_manager.h"
+#include "runtime/engine.h"
+#include "runtime/generation.h"
+#include "tests/test_util.h"
+
+namespace clshard {
+namespace {
+
+constexpr float kTolerance = 1e-4f;
+
+std::filesystem::path checkpoint(const std::string& dtype) {
+  return test::reference_dir() / "ckpt" / ("deepseek-v3-tiny-grouped-" + dtype);
+}
+
+// n CPU sub-devices (tests/test_util.cpp lets PoCL make up to 4).
+DeviceSelection cpu_split(int n) {
+  DeviceSelection sel;
+  sel.type = "cpu";
+  sel.split = std::to_string(n);
+  return sel;
+}
+
+LoadOptions dp_ep_options(DeviceManager& mgr) {
+  LoadOptions o;
+  o.devices = mgr.devices();
+  o.data_parallel_degree = uint32_t(mgr.size());
+  o.expert_parallel_degree = uint32_t(mgr.size());
+  return o;
+}
+
+std::vector<std::vector<int32_t>> sequences() {
+  std::vector<std::vector<int32_t>> s;
+  for (int i = 0; i < 5; ++i) {  // 5 sequences: uneven over 2, 3 and 4 replicas
+    std::vector<int32_t> t;
+    for (int j = 0; j < 3 + 7 * i; ++j) t.push_back((i * 61 + j * 29) % 509 + 2);
+    s.push_back(t);
+  }
+  return s;
+}
+
+float worst_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  EXPECT_EQ(a.size(), b.size());
+  float worst = 0;
+  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i)
+    worst = std::max(worst, std::abs(a[i] - b[i]));
+  return worst;
+}
+
+float worst_diff(const std::vector<std::vector<float>>& a,
+                 const std::vector<std::vector<float>>& b) {
+  EXPECT_EQ(a.size(), b.size());
+  float worst = 0;
+  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i)
+    worst = std::max(worst, worst_diff(a[i], b[i]));
+  return worst;
+}
+
+// The single-device results, computed once per checkpoint.
+struct Single {
+  std::vector<std::vector<float>> logits;
+  std::vector<std::vector<int32_t>> greedy;
+};
+const Single& single(const std::string& dtype) {
+  static std::map<std::string, Single> cache;
+  auto it = cache.find(dtype);
+  if (it != cache.end()) return it->second;
+  auto m = load_model(checkpoint(dtype), LoadOptions{{&test::default_device()}, std::nullopt});
+  EXPECT_EQ(m->num_replicas(), 1u);
+  Single s;
+  s.logits = all_position_logits(*m, sequences(), 16);
+  s.greedy = greedy_generate(*m, sequences(), 6, 16);
+  return cache.emplace(dtype, std::move(s)).first->second;
+}
+
+class DeepseekV3DataExpertParallel
+    : public ::testing::TestWithParam<std::tuple<std::string, int>> {};
+
+TEST_P(DeepseekV3DataExpertParallel, LogitsAndGreedyEqualSingleDevice) {
+  const auto [dtype, n] = GetParam();
+  const Single& want = single(dtype);
+
+  DeviceManager mgr(cpu_split(n));
+  ASSERT_EQ(mgr.size(), size_t(n));
+  auto model = load_model(checkpoint(dtype), dp_ep_options(mgr));  // through the registry
+  auto* ds = dynamic_cast<deepseek_v3::DeepseekV3Model*>(model.get());
+  ASSERT_NE(ds, nullptr);
+  EXPECT_EQ(model->num_replicas(), uint32_t(n));
+  EXPECT_EQ(model->devices().size(), size_t(n));
+  const auto& p = ds->expert_placement();
+  EXPECT_EQ(p.first_expert, parallel::place_experts_even(16, n).first_expert);
+  if (n == 3) {  // 16 experts on 3 ranks: uneven blocks
+    EXPECT_EQ(p.count(0), 6u);
+    EXPECT_EQ(p.count(1), 5u);
+    EXPECT_EQ(p.count(2), 5u);
+  }
+  // Each device holds exactly its block of routed experts.
+  for (size_t l = 0; l < ds->weights().layers.size(); ++l) {
+    if (ds->weights().layers[l].is_moe) {
+      EXPECT_EQ(ds->weights().layers[l].moe.experts.size(), size_t(p.count(0)));
+    }
+  }
+
+  const auto got = all_position_logits(*model, sequences(), 16);
+  const float d = worst_diff(got, want.logits);
+  std::cout << "[ dsv3 dp+ep ] " << dtype << " on " << n << " devices: max |logit diff| " << d
+            << "\n";
+  EXPECT_LE(d, kTolerance);
+  EXPECT_EQ(greedy_generate(*model, sequences(), 6, 16), want.greedy);
+
+  // A batch smaller than the number of replicas: the idle replicas still take part in every
+  // dispatch and combine, with nothing to send.
+  const auto one = all_position_logits(*model, {sequences()[3]}, 16);
+  ASSERT_EQ(one.size(), 1u);
+  EXPECT_LE(worst_diff(one[0], want.logits[3]), kTolerance);
+  EXPECT_EQ(greedy_generate(*model, {sequences()[1]}, 6, 16),
+            std::vector<std::vector<int32_t>>{want.greedy[1]});
+  EXPECT_GT(ds->communicator()->stats().collectives, 0u);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Devices, DeepseekV3DataExpertParallel,
+    ::testing::Combine(::testing::Values(std::string("f32"), std::string("fp8")),
+                       ::testing::Values(2, 3, 4)),
+    [](const auto& info) {
+      return std::get<0>(info.param) + "_" + std::to_string(std::get<1>(info.param)) + "dev";
+    });
+
+TEST(DeepseekV3DataExpertParallelEngine, TwoSubDevicesGiveSingleDeviceGreedyTokens) {
+  DeviceManager mgr(cpu_split(2));
+  auto model = load_model(checkpoint("f32"), dp_ep_options(mgr));
+  SchedulerLimits lim;
+  lim.page_size = 16;
+  lim.total_pages = 6;  // per replica: small enough that requests wait for pages
+  lim.max_batch_input_tokens = 32;
+  model->allocate_kv_cache(lim.total_pages, lim.page_size);
+  Engine engine(*model, nullptr, lim);
+  std::vector<uint64_t> handles;
+  for (const auto& s : sequences()) {
+    GenerationRequest r;
+    r.prompt = s;
+    r.sampling.temperature = 0;
+    r.max_tokens = 6;
+    handles.push_back(engine.submit(r));
+  }
+  std::vector<size_t> per_replica(2);
+  for (uint64_t h : handles) ++per_replica[engine.replica_of(h)];
+  EXPECT_GE(per_replica[0], 1u);
+  EXPECT_GE(per_replica[1], 1u);
+  std::map<uint64_t, std::vector<int32_t>> out;
+  while (engine.has_work())
+    for (auto& res : engine.step()) out[res.handle] = res.token_ids;
+  const auto& want = single("f32").greedy;
+  for (size_t i = 0; i < handles.size(); ++i) EXPECT_EQ(out.at(handles[i]), want[i]) << i;
+}
+
+TEST(DeepseekV3DataExpertParallelPlacement, BalancedBlocksChangeNotTheLogits) {
+  // With throughputs {1, 2} the blocks differ from the even 8/8, and the logits do not.
+  const auto even = parallel::place_experts_even(16, 2);
+  const auto skewed = parallel::place_experts_balanced(16, {1.0, 2.0});
+  EXPECT_NE(skewed.first_expert, even.first_expert);
+  EXPECT_LT(skewed.count(0), skewed.count(1));
+  DeviceManager mgr(cpu_split(2));
+  deepseek_v3::DeepseekV3Model pinned(checkpoint("f32"), dp_ep_options(mgr), skewed);
+  EXPECT_EQ(pinned.expert_placement().first_expert, skewed.first_expert);
+  const float d = worst_diff(all_position_logits(pinned, sequences(), 16), single("f32").logits);
+  std::cout << "[ dsv3 dp+ep ] blocks " << skewed.count(0) << "/" << skewed.count(1)
+            << ": max |logit diff| " << d << "\n";
+  EXPECT_LE(d, kTolerance);
+
+  // balanced_experts: the model measures its devices and places by those numbers (equal
+  // sub-devices may measure equal, so only the placement's origin and the logits are checked).
+  LoadOptions o = dp_ep_options(mgr);
+  o.balanced_experts = true;
+  ::testing::internal::CaptureStderr();
+  deepseek_v3::DeepseekV3Model balanced(checkpoint("f32"), o);
+  const std::string printed = ::testing::internal::GetCapturedStderr();
+  ASSERT_EQ(balanced.measured_throughput().size(), 2u);
+  const auto want = parallel::place_experts_balanced(16, balanced.measured_throughput());
+  EXPECT_EQ(balanced.expert_placement().first_expert, want.first_expert);
+  EXPECT_NE(printed.find(want.describe()), std::string::npos) << printed;
+  EXPECT_LE(worst_diff(all_position_logits(balanced, sequences(), 16), single("f32").logits),
+            kTolerance);
+}
+
+TEST(DeepseekV3DataExpertParallelPlacement, OtherLayoutsAreClearErrors) {
+  DeviceManager mgr(cpu_split(2));
+  LoadOptions o = dp_ep_options(mgr);
+  o.expert_parallel_degree = 1;
+  try {
+    load_model(checkpoint("f32"), o);
+    FAIL() << "expected an error";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("parallel.expert must be 2"), std::string::npos)
+        << e.what();
+  }
+  o = dp_ep_options(mgr);
+  o.data_parallel_degree = 1;
+  try {
+    load_model(checkpoint("f32"), o);
+    FAIL() << "expected an error";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("parallel.data must be 2"), std::string::npos)
+        << e.what();
+  }
+  // A step whose splits name another replica count.
+  auto model = load_model(checkpoint("f32"), dp_ep_options(mgr));
+  model->allocate_kv_cache(4, 16);
+  StepInputs s;
+  s.tokens = {5};
+  s.input_row_offsets = {0, 1};
+  s.cache_lengths = {0};
+  s.lookup_table = {0};
+  s.pages_per_row = 1;
+  EXPECT_THROW(model->forward(s), std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace clshard
