@@ -15,19 +15,36 @@
 
 namespace clshard {
 
+namespace {
+
+// architectures[0], or model_type for configs without it; the model's own config checks it.
+std::string architecture_name(const nlohmann::json& cfg) {
+  if (cfg.contains("architectures") && cfg["architectures"].is_array() &&
+      !cfg["architectures"].empty() && cfg["architectures"][0].is_string())
+    return cfg["architectures"][0].get<std::string>();
+  if (cfg.contains("model_type") && cfg["model_type"].is_string())
+    return cfg["model_type"].get<std::string>();
+  return "";
+}
+
+bool is_llama3(const std::string& arch) {
+  return arch == "LlamaForCausalLM" || arch == "llama" || arch == "GraniteForCausalLM" ||
+         arch == "OlmoForCausalLM" || arch == "ExaoneForCausalLM" || arch == "MistralForCausalLM";
+}
+
+bool is_deepseek_v3(const std::string& arch) {
+  return arch == "DeepseekV3ForCausalLM" || arch == "deepseek_v3";
+}
+
+}  // namespace
+
 std::unique_ptr<CausalLM> load_model(const std::filesystem::path& dir, const LoadOptions& opts) {
   const auto cfg_path = dir / "config.json";
   if (!std::filesystem::is_directory(dir))
     throw std::runtime_error(dir.string() + ": model directory not found");
   auto cfg = read_json_file(cfg_path);
-  std::string arch;
-  if (cfg.contains("architectures") && cfg["architectures"].is_array() &&
-      !cfg["architectures"].empty() && cfg["architectures"][0].is_string())
-    arch = cfg["architectures"][0].get<std::string>();
-  else if (cfg.contains("model_type") && cfg["model_type"].is_string())
-    arch = cfg["model_type"].get<std::string>();
-  if (arch == "LlamaForCausalLM" || arch == "llama" || arch == "GraniteForCausalLM" ||
-      arch == "OlmoForCausalLM" || arch == "ExaoneForCausalLM" || arch == "MistralForCausalLM") {
+  const std::string arch = architecture_name(cfg);
+  if (is_llama3(arch)) {
     // Replicas of tensor-parallel groups, as the placement gives them; one group needs no
     // data-parallel wrapper.
     auto groups = parallel::place_replicas(std::max<size_t>(opts.devices.size(), 1),
@@ -103,19 +120,12 @@ nlohmann::json plan_checkpoint(const std::filesystem::path& dir_or_config_json) 
                         ? dir_or_config_json / "config.json"
                         : dir_or_config_json;
   const auto cfg = read_json_file(path);
-  std::string arch;
-  if (cfg.contains("architectures") && cfg["architectures"].is_array() &&
-      !cfg["architectures"].empty() && cfg["architectures"][0].is_string())
-    arch = cfg["architectures"][0].get<std::string>();
-  else if (cfg.contains("model_type") && cfg["model_type"].is_string())
-    arch = cfg["model_type"].get<std::string>();
+  const std::string arch = architecture_name(cfg);
   nlohmann::json j;
-  if (arch == "DeepseekV3ForCausalLM" || arch == "deepseek_v3")
+  if (is_deepseek_v3(arch))
     j = deepseek_v3::to_json(
         deepseek_v3::plan_memory(deepseek_v3::DeepseekV3Config::from_json(cfg, path.string())));
-  else if (arch == "LlamaForCausalLM" || arch == "llama" || arch == "GraniteForCausalLM" ||
-           arch == "OlmoForCausalLM" || arch == "ExaoneForCausalLM" ||
-           arch == "MistralForCausalLM")
+  else if (is_llama3(arch))
     j = plan_llama3(llama3::Llama3Config::from_json(cfg, path.string()),
                     cfg.contains("torch_dtype") && cfg["torch_dtype"] == "float32" ? 4 : 2);
   else

@@ -6,6 +6,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -55,6 +56,20 @@ class JsonFields {
     const auto& v = obj_[key];
     if (!v.is_object()) type_error(key, "an object", v);
     return JsonFields(v, where_ + ": " + key);
+  }
+
+  // config.json's architectures[0], which must be one of `known`; `dflt` when the field is absent.
+  std::string architecture(const std::vector<std::string>& known, const std::string& dflt) const {
+    if (!has("architectures")) return dflt;
+    const auto& a = raw("architectures");
+    if (!a.is_array() || a.empty() || !a[0].is_string())
+      type_error("architectures", "a list of strings", a);
+    const std::string arch = a[0].get<std::string>();
+    for (const auto& k : known)
+      if (arch == k) return arch;
+    std::string list;
+    for (const auto& k : known) list += (list.empty() ? "" : ", ") + k;
+    error("architectures", "'" + arch + "' is not one of " + list);
   }
 
   [[noreturn]] void error(const std::string& key, const std::string& msg) const {

@@ -24,6 +24,11 @@ struct ModelInfo {
   std::vector<int32_t> eos_token_ids;
   std::optional<int32_t> bos_token_id;
   uint64_t weight_bytes = 0;
+
+  // max_seq_len = max_length when given (MAX's upper_bounded_default): an error past the
+  // checkpoint's max_position_embeddings, which max_seq_len holds before the call.
+  void cap_max_seq_len(std::optional<uint32_t> max_length, const std::filesystem::path& dir);
+  void set_special_tokens(const std::vector<int64_t>& eos, std::optional<int64_t> bos);
 };
 
 class CausalLM {

@@ -174,7 +174,7 @@ TEST(DeepseekV3Config, OtherUnsupportedFieldsAreClearErrors) {
   expect_config_error(c, "qk_rope_head_dim", "must be even");
   c = cfg;
   c["architectures"] = {"DeepseekV2ForCausalLM"};
-  expect_config_error(c, "architectures", "is not DeepseekV3ForCausalLM");
+  expect_config_error(c, "architectures", "is not one of DeepseekV3ForCausalLM");
 }
 
 // A copy of a reference checkpoint with tensors dropped and config fields changed.

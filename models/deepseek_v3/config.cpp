@@ -56,16 +56,7 @@ Fp8BlockQuant read_quantization(const JsonFields& q) {
 DeepseekV3Config DeepseekV3Config::from_json(const nlohmann::json& j, const std::string& where) {
   JsonFields f(j, where);
   DeepseekV3Config c;
-  if (f.has("architectures")) {
-    const auto& a = f.raw("architectures");
-    if (!a.is_array() || a.empty() || !a[0].is_string())
-      f.type_error("architectures", "a list of strings", a);
-    c.architecture = a[0].get<std::string>();
-    if (c.architecture != "DeepseekV3ForCausalLM")
-      f.error("architectures", "'" + c.architecture + "' is not DeepseekV3ForCausalLM");
-  } else {
-    c.architecture = "DeepseekV3ForCausalLM";
-  }
+  c.architecture = f.architecture({"DeepseekV3ForCausalLM"}, "DeepseekV3ForCausalLM");
   c.vocab_size = f.integer("vocab_size");
   c.hidden_size = f.integer("hidden_size");
   c.intermediate_size = f.integer("intermediate_size");

@@ -1,7 +1,7 @@
 #include "models/llama3/config.h"
 
 #include <cmath>
-#include <set>
+#include <vector>
 
 #include "runtime/json_fields.h"
 #include "runtime/safetensors.h"
@@ -10,9 +10,9 @@ namespace clshard::llama3 {
 
 namespace {
 
-const std::set<std::string> kArchitectures = {"LlamaForCausalLM", "GraniteForCausalLM",
-                                              "OlmoForCausalLM", "ExaoneForCausalLM",
-                                              "MistralForCausalLM"};
+const std::vector<std::string> kArchitectures = {"LlamaForCausalLM", "GraniteForCausalLM",
+                                                 "OlmoForCausalLM", "ExaoneForCausalLM",
+                                                 "MistralForCausalLM"};
 
 std::vector<int64_t> read_eos(const nlohmann::json& v, const JsonFields& f) {
   std::vector<int64_t> ids;
@@ -44,16 +44,7 @@ std::vector<double> read_factor_list(const JsonFields& f, const std::string& key
 Llama3Config Llama3Config::from_json(const nlohmann::json& j, const std::string& where) {
   JsonFields f(j, where);
   Llama3Config c;
-  if (f.has("architectures")) {
-    const auto& a = f.raw("architectures");
-    if (!a.is_array() || a.empty() || !a[0].is_string())
-      f.type_error("architectures", "a list of strings", a);
-    c.architecture = a[0].get<std::string>();
-    if (!kArchitectures.count(c.architecture))
-      f.error("architectures", "'" + c.architecture + "' is not a Llama 3 architecture");
-  } else {
-    c.architecture = "LlamaForCausalLM";
-  }
+  c.architecture = f.architecture(kArchitectures, "LlamaForCausalLM");
   c.hidden_size = f.integer("hidden_size");
   c.num_attention_heads = f.integer("num_attention_heads");
   c.num_key_value_heads = f.integer("num_key_value_heads", c.num_attention_heads);

@@ -51,15 +51,8 @@ Llama3Model::Llama3Model(const std::filesystem::path& dir, const LoadOptions& op
   info_.hidden_size = uint32_t(cfg_.hidden_size);
   info_.num_layers = uint32_t(cfg_.num_hidden_layers);
   info_.max_seq_len = uint32_t(cfg_.max_position_embeddings);
-  if (opts.max_length) {
-    if (*opts.max_length > info_.max_seq_len)
-      throw std::runtime_error("model.max_length " + std::to_string(*opts.max_length) +
-                               " exceeds max_position_embeddings " +
-                               std::to_string(info_.max_seq_len) + " of " + dir.string());
-    info_.max_seq_len = *opts.max_length;
-  }
-  for (int64_t e : cfg_.eos_token_ids) info_.eos_token_ids.push_back(int32_t(e));
-  if (cfg_.bos_token_id) info_.bos_token_id = int32_t(*cfg_.bos_token_id);
+  info_.cap_max_seq_len(opts.max_length, dir);
+  info_.set_special_tokens(cfg_.eos_token_ids, cfg_.bos_token_id);
   info_.weight_bytes = store_->total_bytes();
 }
 
