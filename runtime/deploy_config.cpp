@@ -90,6 +90,7 @@ const std::vector<std::string>& deploy_config_keys() {
       "model.path",
       "model.dtype",
       "model.max_length",
+      "model.fp8_activations",
       "devices.platform",
       "devices.type",
       "devices.ids",
@@ -354,6 +355,8 @@ class Parser {
                          : d == "fp8" ? ModelDType::FP8 : ModelDType::Auto;
       } else if (k == "max_length") {
         cfg_.model.max_length = integer(v, p, line, "a positive integer", 1, std::numeric_limits<int32_t>::max());
+      } else if (k == "fp8_activations") {
+        cfg_.model.quantize_fp8_activations = choice(v, p, line, {"f32", "fp8"}) == "fp8";
       }
     });
   }

@@ -27,6 +27,9 @@ struct ModelSection {
   std::filesystem::path path;           // model directory in Hugging Face layout (required)
   ModelDType dtype = ModelDType::Auto;
   std::optional<int64_t> max_length;    // longest sequence (prompt + completion); unset: the model's
+  // fp8_activations: f32 (default: FP8 weights dequantized in the kernels, activations exact) |
+  // fp8 (activations fake-quantized per token per 128 columns before each FP8 linear, as MAX).
+  bool quantize_fp8_activations = false;
   bool operator==(const ModelSection&) const = default;
 };
 

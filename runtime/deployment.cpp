@@ -20,6 +20,7 @@ Deployment Deployment::open(const DeployConfig& cfg) {
   opts.tensor_parallel_degree = uint32_t(cfg.parallel.tensor);
   opts.expert_parallel_degree = uint32_t(cfg.parallel.expert);
   opts.balanced_experts = cfg.parallel.placement == Placement::Balanced;
+  opts.quantize_fp8_activations = cfg.model.quantize_fp8_activations;
   try {
     d.model = load_model(cfg.model.path, opts);
   } catch (const std::exception& e) {

@@ -57,6 +57,10 @@ struct LoadOptions {
   uint32_t tensor_parallel_degree = 1;  // shards per replica (parallel.tensor)
   uint32_t expert_parallel_degree = 1;  // ranks the experts are spread over (parallel.expert)
   bool balanced_experts = false;        // parallel.placement: balanced
+  // FP8 checkpoints: false (default) keeps activations in f32 and dequantizes weights in the
+  // kernels; true fake-quantizes activations to fp8 per token per 128 columns before each FP8
+  // linear, as MAX and DeepSeek's reference code do (model.fp8_activations: fp8).
+  bool quantize_fp8_activations = false;
 };
 
 // Defined in models/registry.cpp: reads config.json, picks the architecture, loads the weights.

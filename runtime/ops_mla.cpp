@@ -59,12 +59,26 @@ void validate(const MlaShape& s) {
                                 " must be positive multiples of 8");
 }
 
+void act_quant_fp8(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, uint32_t M,
+                   uint32_t K, const cl::Mem& y) {
+  cl::Kernel k = dev.kernel("act_quant.cl", "act_quant_fp8");
+  cl::set_args(k, x, x_off, ldx, y, K);
+  dev.launch(k, {(K + 127) / 128, M, 1}, 2);
+}
+
 void linear_any(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const Weight& w,
                 const Weight* scale_inv, const cl::Mem& y, uint32_t y_off, uint32_t ldy,
-                uint32_t M, float alpha, bool accumulate) {
+                uint32_t M, float alpha, bool accumulate, bool quantize_fp8_activations) {
   if (w.dtype == DType::F8_E4M3) {
     if (!scale_inv || !*scale_inv)
       throw std::runtime_error("weight '" + w.name + "' is F8_E4M3 but has no block scales");
+    if (quantize_fp8_activations && M > 0) {
+      const uint32_t K = uint32_t(w.dim(1));
+      Scratch q(dev, size_t(M) * K * sizeof(float));
+      act_quant_fp8(dev, x, x_off, ldx, M, K, q.mem());
+      linear_fp8(dev, q.mem(), 0, K, w, *scale_inv, y, y_off, ldy, M, alpha, accumulate);
+      return;
+    }
     linear_fp8(dev, x, x_off, ldx, w, *scale_inv, y, y_off, ldy, M, alpha, accumulate);
   } else {
     linear(dev, x, x_off, ldx, w, nullptr, y, y_off, ldy, M, alpha, accumulate);

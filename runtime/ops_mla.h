@@ -34,10 +34,17 @@ struct MlaShape {
 void validate(const MlaShape& s);
 
 // y = alpha * x W^T (+ y) for a linear weight of any dtype the kernels read: F32/BF16 through
-// ops::linear, F8_E4M3 with its block scales through ops::linear_fp8.
+// ops::linear, F8_E4M3 with its block scales through ops::linear_fp8 — with the activations
+// fake-quantized to fp8 first (act_quant_fp8) when quantize_fp8_activations.
 void linear_any(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const Weight& w,
                 const Weight* scale_inv, const cl::Mem& y, uint32_t y_off, uint32_t ldy,
-                uint32_t M, float alpha = 1.0f, bool accumulate = false);
+                uint32_t M, float alpha = 1.0f, bool accumulate = false,
+                bool quantize_fp8_activations = false);
+
+// y[M, K] (contiguous) = x rows fake-quantized to fp8 per token per 128 columns (MAX's and
+// DeepSeek's activation quantization for FP8 weights).
+void act_quant_fp8(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, uint32_t M,
+                   uint32_t K, const cl::Mem& y);
 
 enum class MlaPath { Auto, Decode, Prefill };
 // MAX's graph_mode "auto" takes the decode branch iff the longest request of the step has at most

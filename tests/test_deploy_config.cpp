@@ -195,7 +195,7 @@ TEST(DeployConfig, UnreadableFile) {
 
 TEST(DeployConfig, UnknownKeys) {
   EXPECT_EQ(error_of("model:\n  path: m\n  pth: x\n"),
-            "deploy.yaml:3: model.pth: unknown key (expected one of: path, dtype, max_length)");
+            "deploy.yaml:3: model.pth: unknown key (expected one of: path, dtype, max_length, fp8_activations)");
   EXPECT_EQ(error_of("model: {path: m}\nbatches: {}\n"),
             "deploy.yaml:2: batches: unknown key (expected one of: model, devices, parallel, kv_cache, "
             "batch, sampling, speculative, job)");

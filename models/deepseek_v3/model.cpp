@@ -95,6 +95,7 @@ DeepseekV3Model::DeepseekV3Model(const std::filesystem::path& dir, const LoadOpt
   }
   if (N > 1) comm_ = std::make_unique<parallel::Communicator>(opts.devices);
   mtp_layers_ = mtp_layers_present(cfg_, *store_);
+  fp8_act_quant_ = opts.quantize_fp8_activations;
 
   info_.architecture = cfg_.architecture;
   info_.vocab_size = uint32_t(cfg_.vocab_size);
@@ -143,12 +144,11 @@ void DeepseekV3Model::mlp(Device& dev, const MlpWeights& m, const cl::Mem& x, ui
                           uint32_t M, uint32_t F, const cl::Mem& gu, const cl::Mem& y,
                           uint32_t y_off, bool accumulate) {
   const uint32_t H = info_.hidden_size;
-  ops::linear_any(dev, x, x_off, H, m.gate.w, &m.gate.scale_inv, gu, 0, 2 * F, M);
-  ops::linear_any(dev, x, x_off, H, m.up.w, &m.up.scale_inv, gu, F, 2 * F, M);
+  ops::linear_any(dev, x, x_off, H, m.gate.w, &m.gate.scale_inv, gu, 0, 2 * F, M, 1.0f, false, fp8_act_quant_);
+  ops::linear_any(dev, x, x_off, H, m.up.w, &m.up.scale_inv, gu, F, 2 * F, M, 1.0f, false, fp8_act_quant_);
   // silu(gate) * up over the gate half, then the down projection.
   ops::silu_mul(dev, gu, 0, 2 * F, gu, F, 2 * F, gu, 2 * F, M, F);
-  ops::linear_any(dev, gu, 0, 2 * F, m.down.w, &m.down.scale_inv, y, y_off, H, M, 1.0f,
-                  accumulate);
+  ops::linear_any(dev, gu, 0, 2 * F, m.down.w, &m.down.scale_inv, y, y_off, H, M, 1.0f, accumulate, fp8_act_quant_);
 }
 
 void DeepseekV3Model::moe(size_t layer, std::vector<Work>& work) {
@@ -400,18 +400,14 @@ StepOutputs DeepseekV3Model::forward(const StepInputs& in) {
       const cl::Mem& cache = replicas_[r].cache[l];
       ops::rmsnorm(dev, w.h.mem(), 0, H, nullptr, L.input_norm, w.xn.mem(), 0, H, Tr, H, eps);
       if (Lq > 0) {
-        ops::linear_any(dev, w.xn.mem(), 0, H, a.q_a.w, &a.q_a.scale_inv, w.qkv_a.mem(), 0,
-                        qkv_a_width, Tr);
-        ops::linear_any(dev, w.xn.mem(), 0, H, a.kv_a.w, &a.kv_a.scale_inv, w.qkv_a.mem(), Lq,
-                        qkv_a_width, Tr);
+        ops::linear_any(dev, w.xn.mem(), 0, H, a.q_a.w, &a.q_a.scale_inv, w.qkv_a.mem(), 0, qkv_a_width, Tr, 1.0f, false, fp8_act_quant_);
+        ops::linear_any(dev, w.xn.mem(), 0, H, a.kv_a.w, &a.kv_a.scale_inv, w.qkv_a.mem(), Lq, qkv_a_width, Tr, 1.0f, false, fp8_act_quant_);
         ops::rmsnorm(dev, w.qkv_a.mem(), 0, qkv_a_width, nullptr, a.q_a_norm, w.qa_norm.mem(), 0,
                      Lq, Tr, Lq, eps);
-        ops::linear_any(dev, w.qa_norm.mem(), 0, Lq, a.q_b.w, &a.q_b.scale_inv, w.q.mem(), 0,
-                        q_width, Tr);
+        ops::linear_any(dev, w.qa_norm.mem(), 0, Lq, a.q_b.w, &a.q_b.scale_inv, w.q.mem(), 0, q_width, Tr, 1.0f, false, fp8_act_quant_);
       } else {
-        ops::linear_any(dev, w.xn.mem(), 0, H, a.q.w, &a.q.scale_inv, w.q.mem(), 0, q_width, Tr);
-        ops::linear_any(dev, w.xn.mem(), 0, H, a.kv_a.w, &a.kv_a.scale_inv, w.qkv_a.mem(), 0,
-                        qkv_a_width, Tr);
+        ops::linear_any(dev, w.xn.mem(), 0, H, a.q.w, &a.q.scale_inv, w.q.mem(), 0, q_width, Tr, 1.0f, false, fp8_act_quant_);
+        ops::linear_any(dev, w.xn.mem(), 0, H, a.kv_a.w, &a.kv_a.scale_inv, w.qkv_a.mem(), 0, qkv_a_width, Tr, 1.0f, false, fp8_act_quant_);
       }
       ops::mla_rope_store(dev, w.q.mem(), 0, q_width, w.qkv_a.mem(), Lq, qkv_a_width,
                           a.kv_a_norm, eps, replicas_[r].inv_freq, cfg_.rope_attention_factor(),
@@ -424,8 +420,7 @@ StepOutputs DeepseekV3Model::forward(const StepInputs& in) {
         ops::mla_attention_prefill(dev, w.q.mem(), 0, q_width, cache, w.st.tokens, w.plan,
                                    a.kv_b.w, &a.kv_b.scale_inv, mla_, cfg_.softmax_scale(),
                                    w.att.mem(), att_width);
-      ops::linear_any(dev, w.att.mem(), 0, att_width, a.o.w, &a.o.scale_inv, w.h.mem(), 0, H, Tr,
-                      1.0f, true);
+      ops::linear_any(dev, w.att.mem(), 0, att_width, a.o.w, &a.o.scale_inv, w.h.mem(), 0, H, Tr, 1.0f, true, fp8_act_quant_);
       ops::rmsnorm(dev, w.h.mem(), 0, H, nullptr, L.post_attention_norm, w.xn.mem(), 0, H, Tr, H,
                    eps);
       if (!L.is_moe)

@@ -106,6 +106,9 @@ class DeepseekV3Model : public CausalLM {
   ops::MlaShape mla_;
   ops::RouterConfig router_;
   ops::MlaPath mla_path_ = ops::MlaPath::Auto, last_path_ = ops::MlaPath::Auto;
+  // FP8 weights: activations fake-quantized per token per 128 columns before each FP8 linear
+  // (LoadOptions::quantize_fp8_activations, as MAX runs FP8 checkpoints), or kept f32 (default).
+  bool fp8_act_quant_ = false;
   uint32_t num_pages_ = 0, page_size_ = 0;
 };
 
