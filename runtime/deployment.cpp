@@ -4,8 +4,31 @@
 #include <stdexcept>
 
 #include "runtime/chat_template.h"
+#include "runtime/safetensors.h"
 
 namespace clshard {
+
+namespace {
+
+// Weights are used in the dtype the checkpoint stores (bf16 and fp8 are widened or dequantized
+// inside the kernels, never converted in memory), so model.dtype can only confirm it.
+void check_checkpoint_dtype(const DeployConfig& cfg) {
+  if (cfg.model.dtype == ModelDType::Auto) return;
+  const auto path = cfg.model.path / "config.json";
+  if (!std::filesystem::exists(path)) return;  // load_model reports the missing file
+  const auto j = read_json_file(path);
+  std::string stored = "bf16";
+  if (j.contains("quantization_config")) stored = "fp8";
+  else if (j.value("torch_dtype", "") == "float32") stored = "f32";
+  else if (j.value("torch_dtype", "") == "float16") stored = "f16";
+  const std::string asked = to_string(cfg.model.dtype);
+  if (asked != stored)
+    throw std::runtime_error(cfg.where("model.dtype") + ": " + asked + " asked, but " +
+                             path.string() + " holds " + stored +
+                             " weights; clshard uses the checkpoint's own dtype (say auto)");
+}
+
+}  // namespace
 
 Deployment Deployment::open(const DeployConfig& cfg) {
   check_engine_supports(cfg);
@@ -13,6 +36,7 @@ Deployment Deployment::open(const DeployConfig& cfg) {
   d.config = cfg;
   d.devices = std::make_unique<DeviceManager>(cfg.devices);
   check_device_count(cfg, d.devices->size());
+  check_checkpoint_dtype(cfg);
   LoadOptions opts;
   opts.devices = d.devices->devices();
   if (cfg.model.max_length) opts.max_length = uint32_t(*cfg.model.max_length);

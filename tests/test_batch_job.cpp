@@ -140,3 +140,24 @@ TEST(BatchJob, KilledJobResumesToTheSameResult) {
 
 }  // namespace
 }  // namespace clshard
+
+namespace clshard {
+namespace {
+
+TEST(BatchJob, ModelDtypeMustMatchTheCheckpoint) {
+  auto dir = write_job("job_dtype", {R"({"id": "a", "prompt_token_ids": [1, 2]})"});
+  std::string yaml;
+  {
+    std::ifstream in(dir / "deploy.yaml");
+    yaml.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  yaml.replace(yaml.find("model:\n"), 7, "model:\n  dtype: fp8\n");
+  std::ofstream(dir / "deploy.yaml") << yaml;
+  std::string out, err;
+  EXPECT_EQ(test::run_clshard({"run", (dir / "deploy.yaml").string()}, &out, &err), 1);
+  EXPECT_NE(err.find("deploy.yaml:2: model.dtype: fp8 asked, but"), std::string::npos) << err;
+  EXPECT_NE(err.find("holds f32 weights"), std::string::npos) << err;
+}
+
+}  // namespace
+}  // namespace clshard
