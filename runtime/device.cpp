@@ -138,6 +138,7 @@ Device::Device(cl_platform_id platform, cl_device_id id, cl::Context ctx, int in
   queue_ = cl::Queue(clCreateCommandQueueWithProperties(ctx_.get(), id_, props, &err));
   cl::check(err, "creating a command queue on " + info_.name);
   pool_ = std::make_unique<BufferPool>(ctx_.get());
+  shape_ = info_.kind == DeviceKind::Cpu ? KernelShape::Chunks : KernelShape::WorkGroups;
 }
 
 std::string Device::label() const {

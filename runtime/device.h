@@ -17,6 +17,11 @@
 namespace clshard {
 
 enum class DeviceKind { Cpu, Gpu, Accelerator, Other };
+
+// How kernels split their work on a device: CPU OpenCL wants one work-item per contiguous chunk
+// (local size 1, wide vector loads); GPUs want work-groups of lanes reading neighbouring
+// elements. Ops with two variants pick by this.
+enum class KernelShape { Chunks, WorkGroups };
 const char* device_kind_name(DeviceKind k);
 
 // Where a device sits in the machine, as hwloc sees it.
@@ -75,6 +80,10 @@ class Device {
   cl_context context() const { return ctx_.get(); }
   cl_command_queue queue() const { return queue_.get(); }
   bool is_cpu() const { return info_.kind == DeviceKind::Cpu; }
+  // Chunks on CPUs, WorkGroups elsewhere; tests and benchmarks may force the other shape to check
+  // or time both variants on one device.
+  KernelShape kernel_shape() const { return shape_; }
+  void set_kernel_shape(KernelShape s) { shape_ = s; }
   // A short label for messages: "device 0 (pthread-skylake-avx512 on Portable Computing Language)".
   std::string label() const;
 
@@ -108,6 +117,7 @@ class Device {
   cl::Queue queue_;
   DeviceInfo info_;
   int index_;
+  KernelShape shape_;
   std::unique_ptr<BufferPool> pool_;
   std::map<std::string, cl::Program> programs_;
   std::map<std::string, cl::Kernel> kernels_;

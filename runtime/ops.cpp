@@ -29,6 +29,19 @@ void linear(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const W
             float alpha, bool accumulate) {
   const uint32_t N = uint32_t(w.dim(0)), K = uint32_t(w.dim(1));
   const uint32_t ldw = uint32_t(w.row_stride());
+  const int has_bias = bias != nullptr;
+  if (dev.kernel_shape() == KernelShape::WorkGroups) {
+    constexpr uint32_t wg = 64, rb = 4;  // lanes per output feature, rows per work-group
+    cl::Kernel k = dev.kernel("linear_wg.cl", "linear_wg",
+                              weight_option(w) + " -DWG=" + std::to_string(wg) +
+                                  " -DRB=" + std::to_string(rb));
+    cl::set_args(k, x, x_off, ldx, w.mem, uint32_t(w.offset), ldw, has_bias ? bias->mem : w.mem,
+                 uint32_t(has_bias ? bias->offset : 0), has_bias, y, y_off, ldy, M, N, K, alpha,
+                 int(accumulate));
+    const size_t local[3] = {wg, 1, 1};
+    dev.launch(k, {size_t(N) * wg, (M + rb - 1) / rb, 1}, 2, local);
+    return;
+  }
   // Decode-sized batches take a one-row tile (the weights stream once either way); larger ones a
   // 4x4 tile that reuses each loaded x and W vector four times.
   const uint32_t tm = M < 4 ? 1 : 4, tn = 4;
@@ -40,9 +53,8 @@ void linear(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const W
   const uint32_t m_rows = std::min<uint32_t>((M + tm - 1) / tm * tm, 64);
   const uint32_t col_tiles = (N + tn - 1) / tn, row_blocks = (M + m_rows - 1) / m_rows;
   uint32_t n_tiles = 1;
-  if (dev.is_cpu())
+  if (dev.kernel_shape() == KernelShape::Chunks)
     while (n_tiles < 16 && uint64_t(col_tiles) * row_blocks / (n_tiles * 2) >= 256) n_tiles *= 2;
-  const int has_bias = bias != nullptr;
   cl::set_args(k, x, x_off, ldx, w.mem, uint32_t(w.offset), ldw, has_bias ? bias->mem : w.mem,
                uint32_t(has_bias ? bias->offset : 0), has_bias, y, y_off, ldy, M, N, K, alpha,
                int(accumulate), n_tiles, m_rows);

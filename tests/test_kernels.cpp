@@ -54,13 +54,23 @@ Weight make_weight(Device& dev, std::vector<float>& values, std::vector<int64_t>
 struct LinearCase {
   uint32_t M, N, K;
   DType dt;
+  KernelShape shape = KernelShape::Chunks;  // WorkGroups: the GPU-shaped variant, run on PoCL
+};
+
+// Sets a device's kernel shape for one scope.
+struct ShapeScope {
+  Device& dev;
+  KernelShape saved;
+  ShapeScope(Device& d, KernelShape s) : dev(d), saved(d.kernel_shape()) { d.set_kernel_shape(s); }
+  ~ShapeScope() { dev.set_kernel_shape(saved); }
 };
 
 class LinearKernel : public ::testing::TestWithParam<LinearCase> {};
 
 TEST_P(LinearKernel, MatchesCpp) {
-  const auto [M, N, K, dt] = GetParam();
+  const auto [M, N, K, dt, shape] = GetParam();
   Device& dev = test::default_device();
+  ShapeScope scope(dev, shape);
   auto x = random_vec(size_t(M) * K, 1);
   auto wv = random_vec(size_t(N) * K, 2);
   auto bv = random_vec(N, 3);
@@ -96,11 +106,17 @@ INSTANTIATE_TEST_SUITE_P(
                       LinearCase{7, 33, 129, DType::F32}, LinearCase{65, 130, 48, DType::F32},
                       LinearCase{1, 37, 100, DType::BF16}, LinearCase{5, 67, 257, DType::BF16},
                       LinearCase{64, 128, 64, DType::BF16}, LinearCase{1, 37, 100, DType::F16},
-                      LinearCase{6, 19, 131, DType::F16}));
+                      LinearCase{6, 19, 131, DType::F16},
+                      LinearCase{1, 37, 100, DType::F32, KernelShape::WorkGroups},
+                      LinearCase{5, 67, 257, DType::BF16, KernelShape::WorkGroups},
+                      LinearCase{9, 20, 300, DType::F16, KernelShape::WorkGroups}));
 
-// A strided view: x rows inside a wider buffer at an offset, y written into a column block.
-TEST(LinearKernel, OffsetsAndStrides) {
+// A strided view: x rows inside a wider buffer at an offset, y written into a column block — in
+// both kernel shapes.
+class LinearStrides : public ::testing::TestWithParam<KernelShape> {};
+TEST_P(LinearStrides, OffsetsAndStrides) {
   Device& dev = test::default_device();
+  ShapeScope scope(dev, GetParam());
   const uint32_t M = 6, N = 10, K = 20, ldx = 31, xoff = 5, ldy = 25, yoff = 7;
   auto xbig = random_vec(size_t(M) * ldx + xoff, 7);
   auto wv = random_vec(size_t(N) * K, 8);
@@ -123,6 +139,8 @@ TEST(LinearKernel, OffsetsAndStrides) {
     }
   EXPECT_EQ(y[0], -7.0f);
 }
+INSTANTIATE_TEST_SUITE_P(Shapes, LinearStrides,
+                         ::testing::Values(KernelShape::Chunks, KernelShape::WorkGroups));
 
 TEST(NormKernel, RmsNormWithAndWithoutGather) {
   Device& dev = test::default_device();

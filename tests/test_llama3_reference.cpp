@@ -192,6 +192,26 @@ TEST(Llama3Step, VariableLogitsAreTheLastNOfEachRow) {
   }
 }
 
+// The GPU-shaped linear kernels (work-groups of lanes), run here on PoCL: the same logits.
+TEST(Llama3Step, WorkGroupShapedKernelsMatchTheReference) {
+  RefCase rc = load_case("llama3-tiny-bf16/short");
+  Device& dev = test::default_device();
+  dev.set_kernel_shape(KernelShape::WorkGroups);
+  std::vector<std::vector<float>> logits;
+  try {
+    auto model = load(rc);
+    std::vector<std::vector<int32_t>> seqs;
+    for (const auto& s : rc.seqs) seqs.push_back(s.tokens);
+    logits = all_position_logits(*model, seqs, 16);
+  } catch (...) {
+    dev.set_kernel_shape(KernelShape::Chunks);
+    throw;
+  }
+  dev.set_kernel_shape(KernelShape::Chunks);
+  for (size_t i = 0; i < rc.seqs.size(); ++i)
+    EXPECT_LT(max_abs_diff(logits[i], rc.seqs[i].logits), kTolerance) << i;
+}
+
 INSTANTIATE_TEST_SUITE_P(Cases, Llama3Reference,
                          ::testing::Values("llama3-tiny-f32/short", "llama3-tiny-bf16/short",
                                            "llama32-tiny-f32/short", "llama32-tiny-bf16/short",
