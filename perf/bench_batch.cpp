@@ -7,13 +7,14 @@
 #include <cstring>
 #include <filesystem>
 
+#include "perf/bench_util.h"
 #include "runtime/device.h"
 #include "runtime/device_manager.h"
 #include "runtime/engine.h"
 #include "runtime/model.h"
 
 using namespace clshard;
-using Clock = std::chrono::steady_clock;
+using namespace clshard::bench;
 
 int main(int argc, char** argv) {
   std::filesystem::path dir = ".cache/models/llama3-1b-bf16";
@@ -22,10 +23,7 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[i], "--quick") == 0) quick = true;
     else dir = argv[i];
   }
-  if (!std::filesystem::exists(dir / "model.safetensors")) {
-    std::printf("writing the llama3-1b preset (bf16) to %s ...\n", dir.c_str());
-    make_model("llama3-1b", dir, MakeModelOptions{"bf16", 0});
-  }
+  ensure_preset("llama3-1b", "bf16", dir);
   DeviceManager mgr(DeviceSelection{});
   auto model = load_model(dir, LoadOptions{{&mgr[0]}, std::nullopt});
   const uint32_t prompt_len = 32, gen = quick ? 8 : 32;

@@ -44,18 +44,6 @@ std::vector<std::string> split(const std::string& s) {
   return out;
 }
 
-std::filesystem::path ensure_checkpoint(const std::filesystem::path& root, const std::string& dt) {
-  const auto dir = root / ("dsv3-mini-" + dt);
-  if (std::filesystem::exists(dir / "model.safetensors") &&
-      std::filesystem::exists(dir / "config.json"))
-    return dir;
-  std::printf("writing dsv3-mini --dtype %s to %s ...\n", dt.c_str(), dir.c_str());
-  std::fflush(stdout);
-  const auto t0 = Clock::now();
-  make_model("dsv3-mini", dir, MakeModelOptions{dt, 0});
-  std::printf("  done in %.1f s\n", seconds_since(t0));
-  return dir;
-}
 
 // A step that appends `n` tokens to each of `rows` requests that already hold `cached` tokens.
 StepInputs step_of(const std::vector<uint32_t>& table, uint32_t pages_per_row, uint32_t rows,
@@ -102,7 +90,7 @@ int main(int argc, char** argv) {
   std::printf("%-5s %10s %12s %12s %14s %10s %12s %9s\n", "", "tok/s", "tok/s", "per token",
               "(active)", "GB/s", "tok/s", "");
   for (const auto& dt : split(dtypes)) {
-    const auto dir = ensure_checkpoint(root, dt);
+    const auto dir = ensure_preset("dsv3-mini", dt, root / ("dsv3-mini-" + dt));
     deepseek_v3::DeepseekV3Model model(dir, LoadOptions{{&dev}, std::nullopt});
     const auto plan = deepseek_v3::plan_memory(model.config());
     const uint32_t V = model.info().vocab_size;

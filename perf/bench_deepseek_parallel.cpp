@@ -22,18 +22,16 @@
 
 #include "models/deepseek_v3/model.h"
 #include "parallel/collectives.h"
+#include "perf/bench_util.h"
 #include "runtime/device.h"
 #include "runtime/device_manager.h"
 #include "runtime/model.h"
 
 using namespace clshard;
-using Clock = std::chrono::steady_clock;
+using namespace clshard::bench;
 
 namespace {
 
-double seconds_since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
 
 std::vector<uint32_t> split_numbers(const std::string& s) {
   std::vector<uint32_t> out;
@@ -47,18 +45,6 @@ std::vector<uint32_t> split_numbers(const std::string& s) {
   return out;
 }
 
-std::filesystem::path ensure_checkpoint(const std::filesystem::path& root, const std::string& dt) {
-  const auto dir = root / ("dsv3-mini-" + dt);
-  if (std::filesystem::exists(dir / "model.safetensors") &&
-      std::filesystem::exists(dir / "config.json"))
-    return dir;
-  std::printf("writing dsv3-mini --dtype %s to %s ...\n", dt.c_str(), dir.c_str());
-  std::fflush(stdout);
-  const auto t0 = Clock::now();
-  make_model("dsv3-mini", dir, MakeModelOptions{dt, 0});
-  std::printf("  done in %.1f s\n", seconds_since(t0));
-  return dir;
-}
 
 // One decode step for `batch` requests spread over `replicas` in contiguous blocks (replica-major,
 // as MAX orders the flat batch), each request holding `cached` tokens; request i of a replica owns
@@ -137,7 +123,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "--steps must be positive\n");
     return 2;
   }
-  const auto dir = ensure_checkpoint(root, dtype);
+  const auto dir = ensure_preset("dsv3-mini", dtype, root / ("dsv3-mini-" + dtype));
   DeviceSelection sel;
   sel.type = "cpu";
   sel.split = "2";

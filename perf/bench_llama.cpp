@@ -20,10 +20,7 @@ using namespace clshard::bench;
 
 int main(int argc, char** argv) {
   std::filesystem::path dir = argc > 1 ? argv[1] : ".cache/models/llama3-1b-bf16";
-  if (!std::filesystem::exists(dir / "model.safetensors")) {
-    std::printf("writing the llama3-1b preset (bf16) to %s ...\n", dir.c_str());
-    make_model("llama3-1b", dir, MakeModelOptions{"bf16", 0});
-  }
+  ensure_preset("llama3-1b", "bf16", dir);
   DeviceManager mgr(DeviceSelection{});
   Device& dev = mgr[0];
   auto model = load_model(dir, LoadOptions{{&dev}, std::nullopt});

@@ -4,9 +4,13 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <string>
 #include <vector>
 
 #include "runtime/device.h"
+#include "runtime/model.h"
 
 namespace clshard::bench {
 
@@ -44,6 +48,20 @@ inline double measure_bandwidth(Device& dev, int reps = 7) {
     dev.finish();
   });
   return double(bytes) / t / 1e9;
+}
+
+// The preset checkpoint `dir` (make-model's), written first when it is not there yet.
+inline std::filesystem::path ensure_preset(const std::string& preset, const std::string& dtype,
+                                           const std::filesystem::path& dir) {
+  if (std::filesystem::exists(dir / "model.safetensors") &&
+      std::filesystem::exists(dir / "config.json"))
+    return dir;
+  std::printf("writing %s --dtype %s to %s ...\n", preset.c_str(), dtype.c_str(), dir.c_str());
+  std::fflush(stdout);
+  const auto t0 = Clock::now();
+  make_model(preset, dir, MakeModelOptions{dtype, 0});
+  std::printf("  done in %.1f s\n", seconds_since(t0));
+  return dir;
 }
 
 }  // namespace clshard::bench

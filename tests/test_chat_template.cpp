@@ -16,32 +16,16 @@
 
 #include "runtime/tokenizer.h"
 
-#ifndef CLSHARD_SOURCE_DIR
-#define CLSHARD_SOURCE_DIR "/work/main"
-#endif
+#include "tests/test_util.h"
 
 namespace clshard {
 namespace {
 
 using nlohmann::json;
 
-std::filesystem::path tokenizers_dir() {
-  const char* shared = std::getenv("CLSHARD_SHARED_DIR");
-  const std::filesystem::path base =
-      shared ? std::filesystem::path(shared)
-             : std::filesystem::path(CLSHARD_SOURCE_DIR) / ".." / "shared";
-  return base / "tokenizers";
-}
-
-const Tokenizer& llama3() {
-  static const Tokenizer tokenizer = Tokenizer::from_dir(tokenizers_dir() / "llama3");
-  return tokenizer;
-}
-
-const Tokenizer& deepseek_v3() {
-  static const Tokenizer tokenizer = Tokenizer::from_dir(tokenizers_dir() / "deepseek_v3");
-  return tokenizer;
-}
+std::filesystem::path tokenizers_dir() { return test::tokenizers_dir(); }
+const Tokenizer& llama3() { return test::llama3_tokenizer(); }
+const Tokenizer& deepseek_v3() { return test::deepseek_v3_tokenizer(); }
 
 json read_json(const std::filesystem::path& path) {
   std::ifstream in(path);

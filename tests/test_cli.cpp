@@ -97,7 +97,9 @@ TEST(Cli, ErrorsAreClearAndExitNonZero) {
   EXPECT_EQ(test::run_clshard({"generate", "--model", ref, "--tokens", "1,600"}, &out, &err), 1);
   EXPECT_NE(err.find("token 600 at index 1 is outside the vocabulary of 512"), std::string::npos)
       << err;
-  EXPECT_EQ(test::run_clshard({"make-model", "--preset", "nope", "--out", "/tmp/x"}, &out, &err),
+  EXPECT_EQ(test::run_clshard({"make-model", "--preset", "nope", "--out",
+                               test::temp_dir("cli_no_preset").string()},
+                              &out, &err),
             1);
   EXPECT_NE(err.find("unknown preset 'nope'"), std::string::npos) << err;
   EXPECT_NE(test::run_clshard({"frobnicate"}, &out, &err), 0);

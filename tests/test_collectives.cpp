@@ -26,14 +26,7 @@
 namespace clshard::parallel {
 namespace {
 
-// The CPU device(s), split as asked ("" for whole), or every CPU device with all = true.
-DeviceSelection cpu_devices(const std::string& split, bool all = false) {
-  DeviceSelection sel;
-  sel.type = "cpu";
-  sel.split = split;
-  sel.all = all;
-  return sel;
-}
+using test::cpu_devices;
 
 
 // PoCL gives a CPU device as many compute units as it has threads (2 here), and a split into N

@@ -11,6 +11,7 @@
 #include <stdexcept>
 
 #include "runtime/device_manager.h"
+#include "runtime/tokenizer.h"
 
 #ifndef CLSHARD_SOURCE_DIR
 #define CLSHARD_SOURCE_DIR "."
@@ -52,6 +53,24 @@ std::vector<float> read_f32(const std::filesystem::path& p) {
   in.seekg(0);
   in.read(reinterpret_cast<char*>(v.data()), std::streamsize(v.size() * sizeof(float)));
   return v;
+}
+
+const Tokenizer& llama3_tokenizer() {
+  static const Tokenizer t = Tokenizer::from_dir(tokenizers_dir() / "llama3");
+  return t;
+}
+
+const Tokenizer& deepseek_v3_tokenizer() {
+  static const Tokenizer t = Tokenizer::from_dir(tokenizers_dir() / "deepseek_v3");
+  return t;
+}
+
+DeviceSelection cpu_devices(const std::string& split, bool all) {
+  DeviceSelection sel;
+  sel.type = "cpu";
+  sel.split = split;
+  sel.all = all;
+  return sel;
 }
 
 Device& default_device() {

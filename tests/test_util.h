@@ -7,8 +7,11 @@
 
 #include <nlohmann/json.hpp>
 
+#include "runtime/device_manager.h"
+
 namespace clshard {
 class Device;
+class Tokenizer;
 }
 
 namespace clshard::test {
@@ -21,6 +24,13 @@ std::filesystem::path temp_dir(const std::string& name);  // fresh empty dir und
 
 // Raw little-endian float32 file.
 std::vector<float> read_f32(const std::filesystem::path& p);
+
+// The shipped Llama 3 and DeepSeek-V3 tokenizers, loaded once per process (several MB each).
+const Tokenizer& llama3_tokenizer();
+const Tokenizer& deepseek_v3_tokenizer();
+
+// The CPU device(s), split as asked ("" for whole), or every CPU device with all = true.
+DeviceSelection cpu_devices(const std::string& split, bool all = false);
 
 // The first OpenCL device (PoCL's CPU device here), shared by the tests of one process.
 Device& default_device();

@@ -1,0 +1,46 @@
+// The reference cases of ../shared/reference (logits from Meta's and DeepSeek's own code) and the
+// checks every architecture runs on them, so each model's test file only names its cases.
+#pragma once
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "runtime/model.h"
+
+namespace clshard::test {
+
+struct RefSequence {
+  std::vector<int32_t> tokens, prompt, continuation;
+  std::vector<float> logits;  // [S, vocab]: row t = logits of the token after position t
+  std::vector<float> margins;  // top-2 margin per greedy step
+};
+
+struct RefCase {
+  std::string id;
+  std::filesystem::path checkpoint;
+  uint32_t vocab = 0;
+  std::vector<RefSequence> seqs;
+  std::vector<std::vector<int32_t>> sequences() const;
+};
+
+RefCase load_case(const std::string& id);
+// The ids of every `kind: logits` case of a model_type ("llama", "deepseek_v3").
+std::vector<std::string> logit_case_ids(const std::string& model_type);
+float max_abs_diff(const std::vector<float>& a, const std::vector<float>& b);
+
+// Prefills every prompt in one ragged step, then feeds the rest of each sequence one token per
+// step for all rows together; returns each sequence's logits at every position. `after_step(n)`
+// runs after decode step n (n >= 1) for checks on the model.
+std::vector<std::vector<float>> prefill_then_decode(CausalLM& model, const RefCase& rc,
+                                                    const std::function<void(int)>& after_step = {});
+
+// Expects greedy continuations from the prompts (one ragged batch) to equal the reference's
+// wherever its top-2 margin exceeds 10 x tolerance, and enough of them to compare.
+void expect_greedy_continuations(CausalLM& model, const RefCase& rc, float tolerance);
+
+// Expects each sequence alone (16-token pages and one 512-token page) to give what it gives inside
+// the ragged batch, within `tolerance`.
+void expect_alone_equals_ragged(CausalLM& model, const RefCase& rc, float tolerance);
+
+}  // namespace clshard::test
