@@ -58,6 +58,24 @@ class JsonFields {
     return JsonFields(v, where_ + ": " + key);
   }
 
+  // An integer or a list of integers (eos_token_id in config.json and generation_config.json).
+  std::vector<int64_t> integers(const std::string& key) const {
+    std::vector<int64_t> ids;
+    if (!has(key)) return ids;
+    const auto& v = raw(key);
+    if (v.is_number_integer()) {
+      ids.push_back(v.get<int64_t>());
+    } else if (v.is_array()) {
+      for (const auto& x : v) {
+        if (!x.is_number_integer()) type_error(key, "an integer or a list of integers", v);
+        ids.push_back(x.get<int64_t>());
+      }
+    } else {
+      type_error(key, "an integer or a list of integers", v);
+    }
+    return ids;
+  }
+
   // config.json's architectures[0], which must be one of `known`; `dflt` when the field is absent.
   std::string architecture(const std::vector<std::string>& known, const std::string& dflt) const {
     if (!has("architectures")) return dflt;

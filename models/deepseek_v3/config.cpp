@@ -10,19 +10,6 @@ namespace clshard::deepseek_v3 {
 
 namespace {
 
-std::vector<int64_t> read_eos(const nlohmann::json& v, const JsonFields& f) {
-  std::vector<int64_t> ids;
-  if (v.is_number_integer()) ids.push_back(v.get<int64_t>());
-  else if (v.is_array())
-    for (auto& x : v) {
-      if (!x.is_number_integer()) f.type_error("eos_token_id", "an integer or a list of integers", v);
-      ids.push_back(x.get<int64_t>());
-    }
-  else if (!v.is_null())
-    f.type_error("eos_token_id", "an integer or a list of integers", v);
-  return ids;
-}
-
 void require_positive(const JsonFields& f, const char* key, int64_t v) {
   if (v <= 0) f.error(key, "must be positive, got " + std::to_string(v));
 }
@@ -166,7 +153,7 @@ DeepseekV3Config DeepseekV3Config::from_json(const nlohmann::json& j, const std:
     f.error("attention_bias", "MLA projections have no bias");
   if (auto q = f.object("quantization_config")) c.quantization = read_quantization(*q);
   c.torch_dtype = f.string("torch_dtype", "bfloat16");
-  if (f.has("eos_token_id")) c.eos_token_ids = read_eos(f.raw("eos_token_id"), f);
+  if (f.has("eos_token_id")) c.eos_token_ids = f.integers("eos_token_id");
   c.bos_token_id = f.optional_integer("bos_token_id");
   return c;
 }
@@ -178,7 +165,7 @@ DeepseekV3Config DeepseekV3Config::from_dir(const std::filesystem::path& dir) {
   if (std::filesystem::exists(gen)) {
     const auto g = read_json_file(gen);
     JsonFields f(g, gen.string());
-    if (f.has("eos_token_id")) c.eos_token_ids = read_eos(f.raw("eos_token_id"), f);
+    if (f.has("eos_token_id")) c.eos_token_ids = f.integers("eos_token_id");
     if (f.has("bos_token_id")) c.bos_token_id = f.integer("bos_token_id");
   }
   return c;

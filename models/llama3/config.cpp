@@ -14,19 +14,6 @@ const std::vector<std::string> kArchitectures = {"LlamaForCausalLM", "GraniteFor
                                                  "OlmoForCausalLM", "ExaoneForCausalLM",
                                                  "MistralForCausalLM"};
 
-std::vector<int64_t> read_eos(const nlohmann::json& v, const JsonFields& f) {
-  std::vector<int64_t> ids;
-  if (v.is_number_integer()) ids.push_back(v.get<int64_t>());
-  else if (v.is_array())
-    for (auto& x : v) {
-      if (!x.is_number_integer()) f.type_error("eos_token_id", "an integer or a list of integers", v);
-      ids.push_back(x.get<int64_t>());
-    }
-  else if (!v.is_null())
-    f.type_error("eos_token_id", "an integer or a list of integers", v);
-  return ids;
-}
-
 std::vector<double> read_factor_list(const JsonFields& f, const std::string& key) {
   if (!f.has(key)) f.error(key, "missing (longrope needs short_factor and long_factor)");
   const auto& v = f.raw(key);
@@ -75,7 +62,7 @@ Llama3Config Llama3Config::from_json(const nlohmann::json& j, const std::string&
   c.clip_qkv = f.optional_number("clip_qkv");
   if (f.has("hidden_act") && f.string("hidden_act", "silu") != "silu")
     f.error("hidden_act", "only silu is supported, got '" + f.string("hidden_act", "") + "'");
-  if (f.has("eos_token_id")) c.eos_token_ids = read_eos(f.raw("eos_token_id"), f);
+  if (f.has("eos_token_id")) c.eos_token_ids = f.integers("eos_token_id");
   c.bos_token_id = f.optional_integer("bos_token_id");
 
   if (auto rs = f.object("rope_scaling")) {
@@ -122,7 +109,7 @@ Llama3Config Llama3Config::from_dir(const std::filesystem::path& dir) {
   if (std::filesystem::exists(gen)) {
     auto g = read_json_file(gen);
     JsonFields f(g, gen.string());
-    if (f.has("eos_token_id")) c.eos_token_ids = read_eos(f.raw("eos_token_id"), f);
+    if (f.has("eos_token_id")) c.eos_token_ids = f.integers("eos_token_id");
     if (f.has("bos_token_id")) c.bos_token_id = f.integer("bos_token_id");
   }
   return c;
