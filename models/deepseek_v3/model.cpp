@@ -131,9 +131,12 @@ void DeepseekV3Model::allocate_kv_cache(uint32_t num_pages, uint32_t page_size) 
                                std::to_string(layer_bytes) + " bytes per layer, over the " +
                                std::to_string(dev.info().max_alloc) +
                                "-byte allocation limit of " + dev.label());
+    const size_t page_bytes = layer_bytes / (num_pages + 1);
     for (int64_t l = 0; l < cfg_.num_hidden_layers; ++l) {
       rep.cache.push_back(dev.alloc(layer_bytes));
-      dev.fill_zero(rep.cache.back(), layer_bytes);  // the null page must hold finite values
+      // Only the null page is read before it is written (prefill over-reads pad with it): keep
+      // it finite, and leave the rest untouched so a large pool costs no time or resident memory.
+      dev.fill_zero(rep.cache.back(), page_bytes, size_t(num_pages) * page_bytes);
     }
   }
   num_pages_ = num_pages;
