@@ -161,3 +161,50 @@ TEST(BatchJob, ModelDtypeMustMatchTheCheckpoint) {
 
 }  // namespace
 }  // namespace clshard
+
+namespace clshard {
+namespace {
+
+// The whole path from a deployment file to DeepSeek-V3 over two devices (data-parallel attention,
+// expert-parallel MoE, FP8 weights with quantized activations): the same completions as one
+// device.
+TEST(BatchJob, DeepSeekOnTwoDevicesFromYamlEqualsOneDevice) {
+  auto model = test::temp_dir("job_dsv3_model");
+  std::string out, err;
+  ASSERT_EQ(test::run_clshard({"make-model", "--preset", "dsv3-tiny", "--dtype", "fp8", "--out",
+                               model.string()},
+                              &out, &err),
+            0)
+      << err;
+  std::vector<std::string> lines;
+  for (int i = 0; i < 7; ++i)
+    lines.push_back(R"({"id": "q)" + std::to_string(i) + R"(", "prompt_token_ids": [)" +
+                    std::to_string(i * 11 % 200 + 1) + ", 5, " + std::to_string(i * 29 % 300 + 2) +
+                    R"(], "max_tokens": 9})");
+  auto run = [&](const std::string& name, const std::string& parallel) {
+    auto dir = test::temp_dir(name);
+    std::ofstream in(dir / "prompts.jsonl");
+    for (const auto& l : lines) in << l << "\n";
+    in.close();
+    std::ofstream(dir / "deploy.yaml")
+        << "model:\n  path: " << model.string() << "\n  fp8_activations: fp8\n" << parallel
+        << "kv_cache:\n  page_size: 16\nbatch:\n  max_batch_size: 4\nsampling:\n"
+        << "  temperature: 0\njob:\n  input: prompts.jsonl\n  output: out.jsonl\n";
+    std::string o, e;
+    EXPECT_EQ(test::run_clshard({"run", (dir / "deploy.yaml").string()}, &o, &e), 0) << e;
+    return read_records(dir / "out.jsonl");
+  };
+  auto one = run("job_dsv3_one", "devices:\n  type: cpu\n");
+  auto two = run("job_dsv3_two",
+                 "devices:\n  type: cpu\n  split: \"2\"\nparallel:\n  data: 2\n  expert: 2\n");
+  ASSERT_EQ(one.size(), lines.size());
+  ASSERT_EQ(two.size(), lines.size());
+  for (size_t i = 0; i < lines.size(); ++i) {
+    EXPECT_EQ(two[i]["id"], one[i]["id"]);
+    EXPECT_EQ(two[i]["token_ids"], one[i]["token_ids"]) << one[i]["id"];
+    EXPECT_EQ(two[i]["token_ids"].size(), 9u);
+  }
+}
+
+}  // namespace
+}  // namespace clshard
