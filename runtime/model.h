@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -69,6 +70,9 @@ std::unique_ptr<CausalLM> load_model(const std::filesystem::path& dir, const Loa
 struct MakeModelOptions {
   std::string dtype = "f32";  // f32 | bf16 (| fp8 for DeepSeek)
   uint64_t seed = 0;
+  // Called after each decoder layer is generated (layers done, layers in all): a 1B preset takes
+  // about a minute, so the CLI shows where it is.
+  std::function<void(int64_t, int64_t)> on_layer;
 };
 // Defined in models/registry.cpp: writes a random checkpoint of a named preset in exact Hugging
 // Face layout. Returns the preset names when `preset` is unknown (in the error).

@@ -290,7 +290,10 @@ void write_preset(const std::string& name, const std::filesystem::path& out,
   Writer w(mode, opts.seed);
   const int64_t H = s.hidden, V = s.vocab;
   w.plain("model.embed_tokens.weight", {V, H}, 1.0f);
-  for (int64_t l = 0; l < s.layers; ++l) write_decoder_layer(w, s, l, l >= s.first_dense);
+  for (int64_t l = 0; l < s.layers; ++l) {
+    write_decoder_layer(w, s, l, l >= s.first_dense);
+    if (opts.on_layer) opts.on_layer(l + 1, s.layers);
+  }
   w.plain("model.norm.weight", {H}, 0.05f, 1.0f);
   w.plain("lm_head.weight", {V, H}, 0.02f);
   for (int64_t m = 0; m < s.mtp; ++m) {

@@ -135,6 +135,7 @@ void write_preset(const std::string& name, const std::filesystem::path& out,
     t.push_back(random_tensor(p + "mlp.gate_proj.weight", {s.ffn, s.hidden}, dt, rng, w_std));
     t.push_back(random_tensor(p + "mlp.up_proj.weight", {s.ffn, s.hidden}, dt, rng, w_std));
     t.push_back(random_tensor(p + "mlp.down_proj.weight", {s.hidden, s.ffn}, dt, rng, o_std));
+    if (opts.on_layer) opts.on_layer(l + 1, s.layers);
   }
   t.push_back(random_tensor("model.norm.weight", {s.hidden}, dt, rng, 0.05f, 1.0f));
   if (!s.tied)

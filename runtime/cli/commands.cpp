@@ -12,6 +12,7 @@
 #include "models/plan.h"
 #include "parallel/deployment_plan.h"
 #include "runtime/batch_job.h"
+#include "runtime/progress.h"
 #include "runtime/deployment.h"
 #include "runtime/device.h"
 #include "runtime/device_manager.h"
@@ -103,6 +104,13 @@ int run(int argc, char** argv) {
   mk->add_option("--seed", mk_opts.seed, "random seed")->capture_default_str();
   mk->callback([&] {
     auto t0 = std::chrono::steady_clock::now();
+    // Redrawn in place on a terminal; a line per layer in logs.
+    const bool tty = Progress::stderr_is_terminal();
+    mk_opts.on_layer = [&, tty](int64_t done, int64_t total) {
+      std::cerr << (tty ? "\r" : "") << "make-model " << preset << ": layer " << done << "/"
+                << total << (done == total ? ", writing files" : "")
+                << (tty && done < total ? "" : "\n") << std::flush;
+    };
     make_model(preset, mk_out, mk_opts);
     double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     std::cerr << "wrote " << preset << " (" << mk_opts.dtype << ", seed " << mk_opts.seed
