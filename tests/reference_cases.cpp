@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <map>
 
 #include "runtime/generation.h"
 #include "tests/test_util.h"
@@ -54,6 +55,36 @@ float max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
   float m = 0;
   for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) m = std::max(m, std::abs(a[i] - b[i]));
   return m;
+}
+
+float max_abs_diff(const std::vector<std::vector<float>>& a,
+                   const std::vector<std::vector<float>>& b) {
+  EXPECT_EQ(a.size(), b.size());
+  float m = 0;
+  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) m = std::max(m, max_abs_diff(a[i], b[i]));
+  return m;
+}
+
+std::vector<std::vector<int32_t>> run_greedy_requests(Engine& engine,
+                                                      const std::vector<std::vector<int32_t>>& prompts,
+                                                      uint32_t max_tokens,
+                                                      std::vector<size_t>* per_replica) {
+  std::vector<uint64_t> handles;
+  for (const auto& p : prompts) {
+    GenerationRequest r;
+    r.prompt = p;
+    r.sampling.temperature = 0;
+    r.max_tokens = max_tokens;
+    handles.push_back(engine.submit(r));
+  }
+  if (per_replica)
+    for (uint64_t h : handles) ++(*per_replica)[engine.replica_of(h)];
+  std::map<uint64_t, std::vector<int32_t>> out;
+  while (engine.has_work())
+    for (auto& res : engine.step()) out[res.handle] = res.token_ids;
+  std::vector<std::vector<int32_t>> ordered;
+  for (uint64_t h : handles) ordered.push_back(out.at(h));
+  return ordered;
 }
 
 std::vector<std::vector<float>> prefill_then_decode(CausalLM& model, const RefCase& rc,

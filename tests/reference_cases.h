@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "runtime/engine.h"
 #include "runtime/model.h"
 
 namespace clshard::test {
@@ -28,6 +29,9 @@ RefCase load_case(const std::string& id);
 // The ids of every `kind: logits` case of a model_type ("llama", "deepseek_v3").
 std::vector<std::string> logit_case_ids(const std::string& model_type);
 float max_abs_diff(const std::vector<float>& a, const std::vector<float>& b);
+// The largest over every sequence of per-sequence logits.
+float max_abs_diff(const std::vector<std::vector<float>>& a,
+                   const std::vector<std::vector<float>>& b);
 
 // Prefills every prompt in one ragged step, then feeds the rest of each sequence one token per
 // step for all rows together; returns each sequence's logits at every position. `after_step(n)`
@@ -42,5 +46,13 @@ void expect_greedy_continuations(CausalLM& model, const RefCase& rc, float toler
 // Expects each sequence alone (16-token pages and one 512-token page) to give what it gives inside
 // the ragged batch, within `tolerance`.
 void expect_alone_equals_ragged(CausalLM& model, const RefCase& rc, float tolerance);
+
+// Submits each prompt as a greedy request of max_tokens to the engine, runs it to the end and
+// returns the completions in prompt order; per_replica (when given) counts the requests each
+// replica got.
+std::vector<std::vector<int32_t>> run_greedy_requests(Engine& engine,
+                                                      const std::vector<std::vector<int32_t>>& prompts,
+                                                      uint32_t max_tokens,
+                                                      std::vector<size_t>* per_replica = nullptr);
 
 }  // namespace clshard::test

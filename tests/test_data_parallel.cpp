@@ -12,6 +12,7 @@
 #include "runtime/device_manager.h"
 #include "runtime/engine.h"
 #include "runtime/generation.h"
+#include "tests/reference_cases.h"
 #include "tests/test_util.h"
 
 namespace clshard {
@@ -78,23 +79,11 @@ TEST_P(DataParallelLlama, EngineSpreadsRequestsAndMatchesSingleDevice) {
   lim.max_batch_input_tokens = 48;
   dp->allocate_kv_cache(lim.total_pages, lim.page_size);
   Engine engine(*dp, nullptr, lim);
-  std::vector<uint64_t> handles;
-  for (const auto& s : sequences()) {
-    GenerationRequest r;
-    r.prompt = s;
-    r.sampling.temperature = 0;
-    r.max_tokens = 6;
-    handles.push_back(engine.submit(r));
-  }
   std::vector<size_t> per_replica(n);
-  for (uint64_t h : handles) ++per_replica[engine.replica_of(h)];
+  auto got = test::run_greedy_requests(engine, sequences(), 6, &per_replica);
   for (int r = 0; r < n; ++r) EXPECT_GE(per_replica[r], 1u) << "replica " << r << " got nothing";
-  std::map<uint64_t, std::vector<int32_t>> out;
-  while (engine.has_work())
-    for (auto& res : engine.step()) out[res.handle] = res.token_ids;
   auto single = load_model(checkpoint(), LoadOptions{{&test::default_device()}, std::nullopt});
-  auto want = greedy_generate(*single, sequences(), 6, 16);
-  for (size_t i = 0; i < handles.size(); ++i) EXPECT_EQ(out.at(handles[i]), want[i]) << i;
+  EXPECT_EQ(got, greedy_generate(*single, sequences(), 6, 16));
 }
 
 INSTANTIATE_TEST_SUITE_P(Devices, DataParallelLlama, ::testing::Values(2, 3, 4));
@@ -114,12 +103,6 @@ std::unique_ptr<CausalLM> load_parallel(const std::filesystem::path& dir, Device
   return load_model(dir, o);
 }
 
-float worst_diff(const std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b) {
-  float worst = 0;
-  for (size_t i = 0; i < a.size(); ++i)
-    for (size_t j = 0; j < a[i].size(); ++j) worst = std::max(worst, std::abs(a[i][j] - b[i][j]));
-  return worst;
-}
 
 // Tensor parallel over 2 sub-devices (heads, MLP columns and vocabulary split; allreduce after
 // attention and MLP), and data parallel x tensor parallel over 4: the single-device logits.
@@ -136,7 +119,7 @@ TEST(TensorParallelLlama, LogitsAndGreedyEqualSingleDevice) {
       auto tp = load_parallel(dir, mgr, data, tensor);
       EXPECT_EQ(tp->num_replicas(), uint32_t(data));
       auto got = all_position_logits(*tp, sequences(), 16);
-      EXPECT_LE(worst_diff(got, want), 1e-4f) << ckpt << " data " << data << " tensor " << tensor;
+      EXPECT_LE(test::max_abs_diff(got, want), 1e-4f) << ckpt << " data " << data << " tensor " << tensor;
       EXPECT_EQ(greedy_generate(*tp, sequences(), 6, 16), want_tokens) << ckpt;
     }
   }

@@ -18,6 +18,7 @@
 #include "runtime/device_manager.h"
 #include "runtime/engine.h"
 #include "runtime/generation.h"
+#include "tests/reference_cases.h"
 #include "tests/test_util.h"
 
 namespace clshard {
@@ -55,22 +56,6 @@ std::vector<std::vector<int32_t>> sequences() {
   return s;
 }
 
-float worst_diff(const std::vector<float>& a, const std::vector<float>& b) {
-  EXPECT_EQ(a.size(), b.size());
-  float worst = 0;
-  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i)
-    worst = std::max(worst, std::abs(a[i] - b[i]));
-  return worst;
-}
-
-float worst_diff(const std::vector<std::vector<float>>& a,
-                 const std::vector<std::vector<float>>& b) {
-  EXPECT_EQ(a.size(), b.size());
-  float worst = 0;
-  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i)
-    worst = std::max(worst, worst_diff(a[i], b[i]));
-  return worst;
-}
 
 // The single-device results, computed once per checkpoint.
 struct Single {
@@ -118,7 +103,7 @@ TEST_P(DeepseekV3DataExpertParallel, LogitsAndGreedyEqualSingleDevice) {
   }
 
   const auto got = all_position_logits(*model, sequences(), 16);
-  const float d = worst_diff(got, want.logits);
+  const float d = test::max_abs_diff(got, want.logits);
   std::cout << "[ dsv3 dp+ep ] " << dtype << " on " << n << " devices: max |logit diff| " << d
             << "\n";
   EXPECT_LE(d, kTolerance);
@@ -128,7 +113,7 @@ TEST_P(DeepseekV3DataExpertParallel, LogitsAndGreedyEqualSingleDevice) {
   // dispatch and combine, with nothing to send.
   const auto one = all_position_logits(*model, {sequences()[3]}, 16);
   ASSERT_EQ(one.size(), 1u);
-  EXPECT_LE(worst_diff(one[0], want.logits[3]), kTolerance);
+  EXPECT_LE(test::max_abs_diff(one[0], want.logits[3]), kTolerance);
   EXPECT_EQ(greedy_generate(*model, {sequences()[1]}, 6, 16),
             std::vector<std::vector<int32_t>>{want.greedy[1]});
   EXPECT_GT(ds->communicator()->stats().collectives, 0u);
@@ -151,23 +136,11 @@ TEST(DeepseekV3DataExpertParallelEngine, TwoSubDevicesGiveSingleDeviceGreedyToke
   lim.max_batch_input_tokens = 32;
   model->allocate_kv_cache(lim.total_pages, lim.page_size);
   Engine engine(*model, nullptr, lim);
-  std::vector<uint64_t> handles;
-  for (const auto& s : sequences()) {
-    GenerationRequest r;
-    r.prompt = s;
-    r.sampling.temperature = 0;
-    r.max_tokens = 6;
-    handles.push_back(engine.submit(r));
-  }
   std::vector<size_t> per_replica(2);
-  for (uint64_t h : handles) ++per_replica[engine.replica_of(h)];
+  auto got = test::run_greedy_requests(engine, sequences(), 6, &per_replica);
   EXPECT_GE(per_replica[0], 1u);
   EXPECT_GE(per_replica[1], 1u);
-  std::map<uint64_t, std::vector<int32_t>> out;
-  while (engine.has_work())
-    for (auto& res : engine.step()) out[res.handle] = res.token_ids;
-  const auto& want = single("f32").greedy;
-  for (size_t i = 0; i < handles.size(); ++i) EXPECT_EQ(out.at(handles[i]), want[i]) << i;
+  EXPECT_EQ(got, single("f32").greedy);
 }
 
 TEST(DeepseekV3DataExpertParallelPlacement, BalancedBlocksChangeNotTheLogits) {
@@ -179,7 +152,7 @@ TEST(DeepseekV3DataExpertParallelPlacement, BalancedBlocksChangeNotTheLogits) {
   DeviceManager mgr(cpu_split(2));
   deepseek_v3::DeepseekV3Model pinned(checkpoint("f32"), dp_ep_options(mgr), skewed);
   EXPECT_EQ(pinned.expert_placement().first_expert, skewed.first_expert);
-  const float d = worst_diff(all_position_logits(pinned, sequences(), 16), single("f32").logits);
+  const float d = test::max_abs_diff(all_position_logits(pinned, sequences(), 16), single("f32").logits);
   std::cout << "[ dsv3 dp+ep ] blocks " << skewed.count(0) << "/" << skewed.count(1)
             << ": max |logit diff| " << d << "\n";
   EXPECT_LE(d, kTolerance);
@@ -195,7 +168,7 @@ TEST(DeepseekV3DataExpertParallelPlacement, BalancedBlocksChangeNotTheLogits) {
   const auto want = parallel::place_experts_balanced(16, balanced.measured_throughput());
   EXPECT_EQ(balanced.expert_placement().first_expert, want.first_expert);
   EXPECT_NE(printed.find(want.describe()), std::string::npos) << printed;
-  EXPECT_LE(worst_diff(all_position_logits(balanced, sequences(), 16), single("f32").logits),
+  EXPECT_LE(test::max_abs_diff(all_position_logits(balanced, sequences(), 16), single("f32").logits),
             kTolerance);
 }
 
