@@ -51,6 +51,41 @@ class CausalLM {
   virtual uint32_t num_replicas() const { return 1; }
 };
 
+// A draft model for speculative decoding (NextN/MTP, Eagle3). It runs on the target's devices with
+// the target's replica layout, keeps a one-layer paged cache of its own that shares the target's
+// page ids and cache lengths (allocate_kv_cache with the target's page count and size), and reads
+// hidden states the target returns (StepOutputs::hidden).
+//
+// Draft position i reads the token at position i + 1 and a hidden row of position i: at a draft's
+// first step after a target step, the target's hidden rows (target_hidden, target_hidden_width
+// wide); at the later one-token steps, the draft's own output rows of its previous step
+// (hidden_size wide, StepOutputs::hidden of that step). Its logits at position i predict the token
+// at i + 2.
+struct DraftInfo {
+  std::string architecture;     // the draft's own config.json architecture
+  uint32_t vocab_size = 0;      // equals the target's
+  uint32_t hidden_size = 0;     // width of the draft's own output rows
+  ReturnHidden target_hidden = ReturnHidden::AllNormalized;  // what the target step must return
+  std::vector<uint32_t> target_layers;  // SelectedLayers: 0-based target layers, in order
+  uint32_t target_hidden_width = 0;     // width of those rows (H, or 3H for Eagle3 captures)
+  uint64_t weight_bytes = 0;            // the draft's own weights (shared ones not counted)
+};
+
+class DraftModel {
+ public:
+  virtual ~DraftModel() = default;
+  virtual const DraftInfo& info() const = 0;
+  virtual uint64_t kv_bytes_per_token() const = 0;
+  virtual void allocate_kv_cache(uint32_t num_pages, uint32_t page_size) = 0;
+  // `step` as the target's (tokens = the inputs described above, data_parallel_splits the same
+  // replicas); hidden[r] holds one row per token of replica r's rows, hidden_width wide (equal to
+  // info().target_hidden_width or info().hidden_size). Returns logits for the rows the step asks
+  // (step.return_logits / logits_per_row) and, per replica, the draft's output rows before its
+  // final norm at those same positions.
+  virtual StepOutputs forward(const StepInputs& step, const std::vector<ReplicaHidden>& hidden,
+                              uint32_t hidden_width) = 0;
+};
+
 struct LoadOptions {
   std::vector<Device*> devices;        // every device of the deployment
   std::optional<uint32_t> max_length;  // caps max_position_embeddings
@@ -66,6 +101,15 @@ struct LoadOptions {
 
 // Defined in models/registry.cpp: reads config.json, picks the architecture, loads the weights.
 std::unique_ptr<CausalLM> load_model(const std::filesystem::path& dir, const LoadOptions& opts);
+
+// Defined in models/: the draft for a target checkpoint. method "mtp": the NextN layer of the
+// target checkpoint (model.layers.{num_hidden_layers}.*), or draft_dir when given (a standalone
+// NextN checkpoint); "eagle3": the Eagle3 checkpoint in draft_dir (MLA or Llama-style MHA draft).
+// Throws naming the key (speculative.method / speculative.draft_model) when the pair does not fit.
+std::unique_ptr<DraftModel> load_draft(const std::string& method,
+                                       const std::filesystem::path& target_dir,
+                                       const std::optional<std::filesystem::path>& draft_dir,
+                                       const LoadOptions& opts);
 
 struct MakeModelOptions {
   std::string dtype = "f32";  // f32 | bf16 (| fp8 for DeepSeek)

@@ -13,6 +13,11 @@ std::vector<uint32_t> StepInputs::logit_token_indices() const {
   for (size_t b = 0; b < B; ++b) {
     const uint32_t begin = input_row_offsets[b], end = input_row_offsets[b + 1];
     uint32_t n = 0;
+    if (!logits_per_row.empty()) {
+      n = std::min(logits_per_row.at(b), end - begin);
+      for (uint32_t i = end - n; i < end; ++i) idx.push_back(i);
+      continue;
+    }
     switch (return_logits) {
       case ReturnLogits::LastToken: n = end > begin ? 1 : 0; break;
       case ReturnLogits::All: n = end - begin; break;
@@ -29,6 +34,16 @@ std::vector<float> StepOutputs::read_logits() const {
   return host;
 }
 
+std::vector<float> StepOutputs::read_hidden() const {
+  std::vector<float> host;
+  for (const auto& h : hidden) {
+    const size_t n = size_t(h.count) * hidden_width;
+    host.resize(host.size() + n);
+    if (n > 0) h.device->read(h.rows, host.data() + host.size() - n, n * sizeof(float));
+  }
+  return host;
+}
+
 void StepInputs::validate(uint32_t page_size, uint32_t num_pages) const {
   const size_t B = num_rows();
   if (input_row_offsets.empty() || input_row_offsets[0] != 0)
@@ -40,6 +55,10 @@ void StepInputs::validate(uint32_t page_size, uint32_t num_pages) const {
   for (size_t b = 0; b < B; ++b)
     if (input_row_offsets[b + 1] < input_row_offsets[b])
       throw std::invalid_argument("step: input_row_offsets decrease at row " + std::to_string(b));
+  if (!logits_per_row.empty() && logits_per_row.size() != B)
+    throw std::invalid_argument("step: logits_per_row has " +
+                                std::to_string(logits_per_row.size()) + " entries for " +
+                                std::to_string(B) + " rows");
   if (cache_lengths.size() != B)
     throw std::invalid_argument("step: cache_lengths has " + std::to_string(cache_lengths.size()) +
                                 " entries for " + std::to_string(B) + " rows");
@@ -84,6 +103,10 @@ StepInputs StepInputs::replica_step(size_t r) const {
                         lookup_table.begin() + size_t(b1) * pages_per_row);
   s.return_logits = return_logits;
   s.return_n_logits = return_n_logits;
+  if (!logits_per_row.empty())
+    s.logits_per_row.assign(logits_per_row.begin() + b0, logits_per_row.begin() + b1);
+  s.return_hidden = return_hidden;
+  s.hidden_layers = hidden_layers;
   return s;
 }
 
@@ -92,8 +115,20 @@ StepInputs merge_replica_steps(const std::vector<StepInputs>& steps, uint32_t nu
   m.input_row_offsets = {0};
   m.data_parallel_splits = {0};
   for (const auto& s : steps) m.pages_per_row = std::max(m.pages_per_row, s.pages_per_row);
+  const bool per_row = std::any_of(steps.begin(), steps.end(),
+                                   [](const StepInputs& s) { return !s.logits_per_row.empty(); });
   for (const auto& s : steps) {
     if (s.num_replicas() != 1) throw std::invalid_argument("merge_replica_steps: nested replicas");
+    if (per_row) {
+      if (s.logits_per_row.empty() && s.num_rows() > 0)
+        throw std::invalid_argument("merge_replica_steps: logits_per_row set for some steps only");
+      m.logits_per_row.insert(m.logits_per_row.end(), s.logits_per_row.begin(),
+                              s.logits_per_row.end());
+    }
+    if (s.num_rows() > 0) {
+      m.return_hidden = s.return_hidden;
+      m.hidden_layers = s.hidden_layers;
+    }
     const uint32_t base = uint32_t(m.tokens.size());
     m.tokens.insert(m.tokens.end(), s.tokens.begin(), s.tokens.end());
     for (size_t b = 0; b < s.num_rows(); ++b) {

@@ -17,6 +17,14 @@ enum class ReturnLogits {
   Variable,   // the last `return_n_logits` tokens of each request (speculative verification)
 };
 
+// Which hidden states a step returns besides the logits (as MAX's ReturnHiddenStates).
+enum class ReturnHidden {
+  None,
+  All,             // every new token's output of the last decoder layer (before the final norm)
+  AllNormalized,   // the same after the final norm (what the NextN/MTP draft reads)
+  SelectedLayers,  // the raw outputs of `hidden_layers`, concatenated per token (Eagle3 captures)
+};
+
 struct StepInputs {
   std::vector<int32_t> tokens;              // [T] the new tokens of every row, concatenated
   std::vector<uint32_t> input_row_offsets;  // [B+1] prefix sums of the rows' token counts
@@ -27,6 +35,14 @@ struct StepInputs {
   uint32_t pages_per_row = 0;
   ReturnLogits return_logits = ReturnLogits::LastToken;
   uint32_t return_n_logits = 1;  // for Variable
+  // When not empty ([B]): row b returns logits for its last logits_per_row[b] tokens (0 for none),
+  // overriding return_logits. Speculative steps ask drafts + 1 of a verifying row, 1 of a
+  // prefill's last chunk, 0 of an intermediate chunk.
+  std::vector<uint32_t> logits_per_row;
+  ReturnHidden return_hidden = ReturnHidden::None;
+  // SelectedLayers: 0-based decoder layers whose outputs are captured, in this order (HF's Eagle3
+  // id L is layer L - 1 here).
+  std::vector<uint32_t> hidden_layers;
   // Data parallelism (MAX's data_parallel_splits): rows [splits[r], splits[r+1]) belong to
   // replica r, whose page ids index replica r's own page pool. Empty: one replica.
   std::vector<uint32_t> data_parallel_splits;
@@ -52,6 +68,13 @@ StepInputs merge_replica_steps(const std::vector<StepInputs>& steps, uint32_t nu
 
 class Device;
 
+// Hidden states of one replica's tokens, on that replica's device: f32 [rows, width].
+struct ReplicaHidden {
+  Device* device = nullptr;
+  cl::Mem rows;
+  uint32_t count = 0;
+};
+
 // What a step returns: f32 logits [rows, vocab] on `device` (where sampling runs), in the order of
 // logit_token_indices(), and per request the range of its rows: [logit_offsets[b],
 // logit_offsets[b+1]).
@@ -61,7 +84,13 @@ struct StepOutputs {
   uint32_t rows = 0;
   uint32_t vocab = 0;
   std::vector<uint32_t> logit_offsets;
+  // return_hidden != None: hidden[r] holds replica r's hidden rows. A target returns one row per
+  // token of the replica's rows, in step order; a draft returns one row per logits row (its
+  // output before the final norm, which its next step reads). hidden_width floats per row.
+  std::vector<ReplicaHidden> hidden;
+  uint32_t hidden_width = 0;
   std::vector<float> read_logits() const;  // copies the logits to the host
+  std::vector<float> read_hidden() const;  // every replica's rows, in replica order
 };
 
 }  // namespace clshard
