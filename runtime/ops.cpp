@@ -24,6 +24,17 @@ std::string weight_option(const Weight& w) {
 
 }  // namespace
 
+void copy_rows(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const cl::Mem& y,
+               uint32_t y_off, uint32_t ldy, uint32_t R, uint32_t width) {
+  if (R == 0 || width == 0) return;
+  const size_t f = sizeof(float);
+  const size_t src_origin[3] = {x_off * f, 0, 0}, dst_origin[3] = {y_off * f, 0, 0};
+  const size_t region[3] = {width * f, R, 1};
+  cl::check(clEnqueueCopyBufferRect(dev.queue(), x.get(), y.get(), src_origin, dst_origin, region,
+                                    ldx * f, 0, ldy * f, 0, 0, nullptr, nullptr),
+            "clEnqueueCopyBufferRect (copy_rows)");
+}
+
 void linear(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const Weight& w,
             const Weight* bias, const cl::Mem& y, uint32_t y_off, uint32_t ldy, uint32_t M,
             float alpha, bool accumulate) {

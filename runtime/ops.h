@@ -34,6 +34,11 @@ void silu_mul(Device& dev, const cl::Mem& gate, uint32_t gate_off, uint32_t ldg,
               uint32_t up_off, uint32_t ldu, const cl::Mem& y, uint32_t ldy, uint32_t T,
               uint32_t F);
 
+// y[r, y_off + :width] = x[r, x_off + :width] for R rows (row strides ldx, ldy; elements): hidden
+// states copied into a wider buffer (the column block of a captured layer).
+void copy_rows(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const cl::Mem& y,
+               uint32_t y_off, uint32_t ldy, uint32_t R, uint32_t width);
+
 // y[0, n) += alpha * x[0, n).
 void axpy(Device& dev, const cl::Mem& y, const cl::Mem& x, float alpha, uint32_t n);
 

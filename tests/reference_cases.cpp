@@ -42,6 +42,43 @@ RefCase load_case(const std::string& id) {
   throw std::runtime_error("no reference case " + id);
 }
 
+DraftRefCase load_draft_case(const std::string& id) {
+  for (const auto& c : reference_index()["cases"]) {
+    if (c["id"] != id) continue;
+    DraftRefCase rc;
+    rc.id = id;
+    rc.kind = c["kind"].get<std::string>();
+    rc.draft_kind = c.value("draft_kind", std::string());
+    rc.checkpoint = reference_dir() / c["checkpoint"].get<std::string>();
+    const char* hidden_key = rc.kind == "mtp" ? "hidden" : "aux_hidden";
+    for (const auto& s : c["sequences"]) {
+      DraftRefSequence r;
+      r.tokens = s["tokens"].get<std::vector<int32_t>>();
+      const auto& o = s["outputs"];
+      auto read = [&](const char* key) {
+        return read_f32(reference_dir() / o[key]["file"].get<std::string>());
+      };
+      r.target_hidden = read(hidden_key);
+      r.draft_logits = read("draft_logits");
+      r.draft_hidden = read("draft_hidden");
+      rc.vocab = o["draft_logits"]["shape"][1].get<uint32_t>();
+      rc.hidden_width = o[hidden_key]["shape"][1].get<uint32_t>();
+      EXPECT_EQ(r.draft_logits.size(), (r.tokens.size() - 1) * rc.vocab) << id;
+      EXPECT_EQ(r.target_hidden.size(), r.tokens.size() * rc.hidden_width) << id;
+      rc.seqs.push_back(std::move(r));
+    }
+    return rc;
+  }
+  throw std::runtime_error("no reference case " + id);
+}
+
+std::vector<std::string> case_ids(const std::string& kind) {
+  std::vector<std::string> ids;
+  for (const auto& c : reference_index()["cases"])
+    if (c["kind"] == kind) ids.push_back(c["id"].get<std::string>());
+  return ids;
+}
+
 std::vector<std::string> logit_case_ids(const std::string& model_type) {
   std::vector<std::string> ids;
   for (const auto& c : reference_index()["cases"])

@@ -26,6 +26,25 @@ struct RefCase {
 };
 
 RefCase load_case(const std::string& id);
+
+// A draft-head case (`kind: mtp` or `kind: eagle3`): per sequence the target's hidden rows the
+// draft reads ([S, H] after the final norm for MTP, [S, 3H] aux captures for Eagle3) and the
+// draft's outputs at positions 0..S-2 (row i predicts token i + 2).
+struct DraftRefSequence {
+  std::vector<int32_t> tokens;
+  std::vector<float> target_hidden;  // [S, hidden_width]
+  std::vector<float> draft_logits;   // [S - 1, vocab]
+  std::vector<float> draft_hidden;   // [S - 1, H]
+};
+struct DraftRefCase {
+  std::string id, kind, draft_kind;  // kind "mtp" | "eagle3"; draft_kind "mha" for Llama-style
+  std::filesystem::path checkpoint;
+  uint32_t vocab = 0, hidden_width = 0;
+  std::vector<DraftRefSequence> seqs;
+};
+DraftRefCase load_draft_case(const std::string& id);
+// The ids of every case of a kind ("mtp", "eagle3").
+std::vector<std::string> case_ids(const std::string& kind);
 // The ids of every `kind: logits` case of a model_type ("llama", "deepseek_v3").
 std::vector<std::string> logit_case_ids(const std::string& model_type);
 float max_abs_diff(const std::vector<float>& a, const std::vector<float>& b);

@@ -129,10 +129,10 @@ std::vector<int64_t> mtp_layers_present(const DeepseekV3Config& c, const WeightS
   return {ids.begin(), ids.end()};
 }
 
-DeepseekV3Weights load_weights(const DeepseekV3Config& c, const WeightStore& s, Device& dev,
-                               uint32_t expert_begin, uint32_t expert_end) {
-  check_names(c, s);
-  const int64_t H = c.hidden_size, V = c.vocab_size, Nh = c.num_attention_heads;
+LayerWeights load_layer(const DeepseekV3Config& c, const WeightStore& s, Device& dev,
+                        const std::string& p, bool is_moe, uint32_t expert_begin,
+                        uint32_t expert_end) {
+  const int64_t H = c.hidden_size, Nh = c.num_attention_heads;
   const int64_t Dqk = c.qk_head_dim(), Dv = c.v_head_dim, Dn = c.qk_nope_head_dim;
   const int64_t Lkv = c.kv_lora_rank, Dr = c.qk_rope_head_dim, Lq = c.q_lora_rank;
   const int64_t E = c.n_routed_experts, F = c.moe_intermediate_size;
@@ -141,40 +141,51 @@ DeepseekV3Weights load_weights(const DeepseekV3Config& c, const WeightStore& s, 
   if (expert_begin > expert_end)
     throw std::invalid_argument("load_weights: expert block [" + std::to_string(expert_begin) +
                                 ", " + std::to_string(expert_end) + ") is reversed");
+  LayerWeights L;
+  L.input_norm = ld.plain(p + "input_layernorm.weight", {H});
+  L.post_attention_norm = ld.plain(p + "post_attention_layernorm.weight", {H});
+  MlaWeights& a = L.attn;
+  if (Lq > 0) {
+    a.q_a = ld.linear(p + "self_attn.q_a_proj", Lq, H);
+    a.q_a_norm = ld.plain(p + "self_attn.q_a_layernorm.weight", {Lq});
+    a.q_b = ld.linear(p + "self_attn.q_b_proj", Nh * Dqk, Lq);
+  } else {
+    a.q = ld.linear(p + "self_attn.q_proj", Nh * Dqk, H);
+  }
+  a.kv_a = ld.linear(p + "self_attn.kv_a_proj_with_mqa", Lkv + Dr, H);
+  a.kv_a_norm = ld.plain(p + "self_attn.kv_a_layernorm.weight", {Lkv});
+  a.kv_b = ld.linear(p + "self_attn.kv_b_proj", Nh * (Dn + Dv), Lkv);
+  a.o = ld.linear(p + "self_attn.o_proj", H, Nh * Dv);
+  L.is_moe = is_moe;
+  if (L.is_moe) {
+    L.moe.router = ld.plain(p + "mlp.gate.weight", {E, H});
+    L.moe.correction_bias = ld.plain(p + "mlp.gate.e_score_correction_bias", {E}, {DType::F32});
+    L.moe.first_expert = expert_begin;
+    for (int64_t e = expert_begin; e < expert_end; ++e)
+      L.moe.experts.push_back(ld.mlp(p + "mlp.experts." + std::to_string(e) + ".", H, F));
+    if (c.n_shared_experts > 0)
+      L.moe.shared = ld.mlp(p + "mlp.shared_experts.", H, c.n_shared_experts * F);
+  } else {
+    L.mlp = ld.mlp(p + "mlp.", H, c.intermediate_size);
+  }
+  return L;
+}
 
+Linear load_linear(const WeightStore& s, Device& dev, const std::string& prefix, int64_t out,
+                   int64_t in) {
+  return Loader(s, dev).linear(prefix, out, in);
+}
+
+DeepseekV3Weights load_weights(const DeepseekV3Config& c, const WeightStore& s, Device& dev,
+                               uint32_t expert_begin, uint32_t expert_end) {
+  check_names(c, s);
+  const int64_t H = c.hidden_size, V = c.vocab_size;
+  Loader ld(s, dev);
   DeepseekV3Weights w;
   w.embed = ld.plain("model.embed_tokens.weight", {V, H});
-  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
-    const std::string p = "model.layers." + std::to_string(l) + ".";
-    LayerWeights L;
-    L.input_norm = ld.plain(p + "input_layernorm.weight", {H});
-    L.post_attention_norm = ld.plain(p + "post_attention_layernorm.weight", {H});
-    MlaWeights& a = L.attn;
-    if (Lq > 0) {
-      a.q_a = ld.linear(p + "self_attn.q_a_proj", Lq, H);
-      a.q_a_norm = ld.plain(p + "self_attn.q_a_layernorm.weight", {Lq});
-      a.q_b = ld.linear(p + "self_attn.q_b_proj", Nh * Dqk, Lq);
-    } else {
-      a.q = ld.linear(p + "self_attn.q_proj", Nh * Dqk, H);
-    }
-    a.kv_a = ld.linear(p + "self_attn.kv_a_proj_with_mqa", Lkv + Dr, H);
-    a.kv_a_norm = ld.plain(p + "self_attn.kv_a_layernorm.weight", {Lkv});
-    a.kv_b = ld.linear(p + "self_attn.kv_b_proj", Nh * (Dn + Dv), Lkv);
-    a.o = ld.linear(p + "self_attn.o_proj", H, Nh * Dv);
-    L.is_moe = c.is_moe_layer(l);
-    if (L.is_moe) {
-      L.moe.router = ld.plain(p + "mlp.gate.weight", {E, H});
-      L.moe.correction_bias = ld.plain(p + "mlp.gate.e_score_correction_bias", {E}, {DType::F32});
-      L.moe.first_expert = expert_begin;
-      for (int64_t e = expert_begin; e < expert_end; ++e)
-        L.moe.experts.push_back(ld.mlp(p + "mlp.experts." + std::to_string(e) + ".", H, F));
-      if (c.n_shared_experts > 0)
-        L.moe.shared = ld.mlp(p + "mlp.shared_experts.", H, c.n_shared_experts * F);
-    } else {
-      L.mlp = ld.mlp(p + "mlp.", H, c.intermediate_size);
-    }
-    w.layers.push_back(std::move(L));
-  }
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l)
+    w.layers.push_back(load_layer(c, s, dev, "model.layers." + std::to_string(l) + ".",
+                                  c.is_moe_layer(l), expert_begin, expert_end));
   w.final_norm = ld.plain("model.norm.weight", {H});
   w.lm_head = ld.plain("lm_head.weight", {V, H});
   return w;

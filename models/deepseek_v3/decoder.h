@@ -1,0 +1,142 @@
+// DeepSeek-V3 decoder layers over N devices — what the target model and its NextN/MTP head both
+// run (MAX's DeepseekV3DecoderLayer in DP_EP mode, computed as DeepSeek's inference/model.py):
+//   per layer: h += o_proj(MLA(norm(h)));  h += MLP(norm(h)) for the first dense layers,
+//              h += sum_k w_k expert_k(norm(h)) + shared(norm(h)) for the MoE layers
+// MLA writes one latent row per token per layer into the paged cache and takes the absorbed
+// (decode) or decompressed (prefill) path per step (runtime/ops_mla.h). Routing, permutation and
+// combine are runtime/ops_moe.h's; each routed expert runs as its own GEMM over its rows.
+//
+// On N devices (max-reference.md §3, data_parallel_degree = expert_parallel_degree = N) device r
+// holds replica r: attention, dense layers, shared experts and norms, its own MLA cache, and the
+// routed experts of EP rank r. A step's rows [data_parallel_splits[r], [r+1]) run attention on
+// device r; every MoE layer routes on each device, sends each (token, slot) row to the rank owning
+// its expert (all_to_all_rows, dispatch), runs the local experts, sends the outputs back (combine)
+// and sums them in slot order on the token's device, so the result does not depend on N. One
+// device is the N = 1 case of the same pass, with no collectives.
+#pragma once
+
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "models/deepseek_v3/config.h"
+#include "models/deepseek_v3/weights.h"
+#include "parallel/placement.h"
+#include "runtime/model.h"
+#include "runtime/ops_mla.h"
+#include "runtime/ops_moe.h"
+#include "runtime/step_device.h"
+
+namespace clshard::parallel {
+class Communicator;
+}
+
+namespace clshard::deepseek_v3 {
+
+// One replica's share of a step: its rows as a step of their own, uploaded to its device, and the
+// activations of its T tokens (buffers of at least one row, so an idle replica still has spans to
+// hand to the collectives).
+struct ReplicaWork {
+  Device* dev = nullptr;
+  StepInputs in;
+  DeviceStep st;
+  ops::MlaPrefillPlan plan;
+  uint32_t T = 0;
+  Scratch h, xn, qkv_a, q, qa_norm, att, gu;
+};
+
+class DecoderStack {
+ public:
+  // Checks the layout (DP = EP = number of devices, no tensor parallelism; errors name
+  // parallel.data / parallel.expert / parallel.tensor), places the experts — `placement` when
+  // given (tests and tools that pin the blocks), else parallel::place_experts_balanced over
+  // measured throughput when opts.balanced_experts, else even blocks — and opens the
+  // communicator. `dir` names the checkpoint in errors. Replicas get their layers with
+  // set_layers() (loaded for each rank's expert block, expert_block()).
+  DecoderStack(const DeepseekV3Config& cfg, const std::filesystem::path& dir,
+               const LoadOptions& opts, std::optional<parallel::ExpertPlacement> placement,
+               const char* who);
+  ~DecoderStack();
+
+  size_t replicas() const { return replicas_.size(); }
+  Device& device(size_t r) const { return *replicas_.at(r).dev; }
+  std::vector<Device*> devices() const;
+  // The routed experts rank r holds: [first, second).
+  std::pair<uint32_t, uint32_t> expert_block(size_t r) const {
+    return {placement_.first_expert.at(r), placement_.first_expert.at(r + 1)};
+  }
+  void set_layers(size_t r, std::vector<LayerWeights> layers) {
+    replicas_.at(r).layers = std::move(layers);
+  }
+  const LayerWeights& layer(size_t r, size_t l) const { return replicas_.at(r).layers.at(l); }
+  size_t num_layers() const { return replicas_.at(0).layers.size(); }
+
+  const parallel::ExpertPlacement& placement() const { return placement_; }
+  const std::vector<double>& measured_throughput() const { return throughput_; }
+  const parallel::Communicator* communicator() const { return comm_.get(); }
+  const ops::MlaShape& mla() const { return mla_; }
+
+  uint64_t kv_bytes_per_token() const;
+  // num_pages pages (plus the null page) per replica, one buffer per layer.
+  void allocate_cache(uint32_t num_pages, uint32_t page_size);
+  bool has_cache() const { return !replicas_.at(0).cache.empty(); }
+  uint32_t num_pages() const { return num_pages_; }
+  uint32_t page_size() const { return page_size_; }
+
+  void set_mla_path(ops::MlaPath p) { mla_path_ = p; }
+  ops::MlaPath last_mla_path() const { return last_path_; }
+
+  // Splits the step over the replicas (data_parallel_splits), uploads each share, picks one MLA
+  // path for the whole step (so each replica computes what one device would) and takes scratch;
+  // `input_width` widens `xn` for inputs wider than H (the NextN head's [embedding | hidden]).
+  std::vector<ReplicaWork> begin_step(const StepInputs& in, uint32_t vocab,
+                                      uint32_t input_width = 0);
+  // Every layer over every replica's h; after_layer(l) runs once all replicas finished layer l.
+  void run_layers(std::vector<ReplicaWork>& work,
+                  const std::function<void(size_t layer)>& after_layer = {});
+  // logits = lm_head(final_norm(h[logit rows])) per replica, gathered on device 0 in row order.
+  // The buffer is the stack's and stays valid until the next call.
+  StepOutputs logits(std::vector<ReplicaWork>& work, const std::vector<const Weight*>& final_norm,
+                     const std::vector<const Weight*>& lm_head);
+  // A per-replica buffer of rows x width floats that stays valid until the next step (hidden
+  // states returned to the caller).
+  ReplicaHidden hidden_buffer(size_t r, uint32_t rows, uint32_t width);
+
+  float eps() const { return float(cfg_.rms_norm_eps); }
+  bool fp8_act_quant() const { return fp8_act_quant_; }
+
+ private:
+  struct Replica {
+    Device* dev = nullptr;
+    std::vector<LayerWeights> layers;  // routed experts: this rank's block only
+    cl::Mem inv_freq;
+    // Paged MLA cache, one buffer per layer: [(num_pages + 1) * page_size, kv_lora + rope] f32.
+    std::vector<cl::Mem> cache;
+    cl::Mem logits, hidden;  // this replica's logits rows (device 0: the step's whole output)
+    size_t logits_capacity = 0, hidden_capacity = 0;
+  };
+
+  // y (+)= down(silu(gate(x)) * up(x)) for M rows on dev; gu is scratch of at least M x 2F floats.
+  void mlp(Device& dev, const MlpWeights& m, const cl::Mem& x, uint32_t x_off, uint32_t M,
+           uint32_t F, const cl::Mem& gu, const cl::Mem& y, uint32_t y_off, bool accumulate);
+  void attention(size_t l, ReplicaWork& w, Replica& rep);
+  // Every replica's h += routed experts + shared expert of its xn, for MoE layer `layer`.
+  void moe(size_t layer, std::vector<ReplicaWork>& work);
+
+  DeepseekV3Config cfg_;
+  std::vector<Replica> replicas_;  // replica r = device r = EP rank r
+  parallel::ExpertPlacement placement_;
+  std::vector<double> throughput_;
+  std::unique_ptr<parallel::Communicator> comm_;  // when more than one device
+  ops::MlaShape mla_;
+  ops::RouterConfig router_;
+  ops::MlaPath mla_path_ = ops::MlaPath::Auto, last_path_ = ops::MlaPath::Auto;
+  // FP8 weights: activations fake-quantized per token per 128 columns before each FP8 linear
+  // (LoadOptions::quantize_fp8_activations, as MAX runs FP8 checkpoints), or kept f32 (default).
+  bool fp8_act_quant_ = false;
+  uint32_t num_pages_ = 0, page_size_ = 0;
+};
+
+}  // namespace clshard::deepseek_v3
