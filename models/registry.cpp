@@ -5,6 +5,7 @@
 #include "models/deepseek_v3/model.h"
 #include "models/deepseek_v3/plan.h"
 #include "models/deepseek_v3/presets.h"
+#include "models/deepseek_v3_nextn/model.h"
 #include "models/llama3/model.h"
 #include "models/llama3/presets.h"
 #include "models/plan.h"
@@ -68,6 +69,22 @@ std::unique_ptr<CausalLM> load_model(const std::filesystem::path& dir, const Loa
   throw std::runtime_error(cfg_path.string() + ": unknown architecture '" + arch +
                            "' (supported: LlamaForCausalLM and its Granite/OLMo/Exaone siblings, "
                            "DeepseekV3ForCausalLM)");
+}
+
+std::unique_ptr<DraftModel> load_draft(const std::string& method,
+                                       const std::filesystem::path& target_dir,
+                                       const std::optional<std::filesystem::path>& draft_dir,
+                                       const LoadOptions& opts) {
+  const auto cfg_path = target_dir / "config.json";
+  const std::string arch = architecture_name(read_json_file(cfg_path));
+  if (!is_deepseek_v3(arch))
+    throw std::runtime_error(cfg_path.string() + ": speculative decoding runs on DeepSeek-V3 "
+                             "targets (with their MTP layer or an Eagle3 draft); this checkpoint "
+                             "is '" + arch + "' and has no draft (speculative.method)");
+  if (method == "mtp")
+    return std::make_unique<deepseek_v3_nextn::DeepseekV3NextN>(target_dir, draft_dir, opts);
+  throw std::runtime_error("speculative.method: unknown method '" + method +
+                           "' (mtp or eagle3)");
 }
 
 std::vector<std::string> model_presets() {

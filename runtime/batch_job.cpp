@@ -72,6 +72,8 @@ BatchJobSummary run_batch_job(Deployment& d, std::ostream& err) {
   err << "output: " << cfg.job.output.string() << "\n";
   err << "engine: " << sum.engine.steps << " steps, device " << sum.engine.device_s
       << " s, host " << sum.engine.host_s << " s, " << sum.engine.preemptions << " preemption(s)\n";
+  if (sum.engine.speculative.verify_rows > 0)
+    err << "speculative: " << sum.engine.speculative.describe() << "\n";
   return sum;
 }
 

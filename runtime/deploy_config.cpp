@@ -36,7 +36,7 @@ const char* to_string(Placement p) {
 const char* to_string(SpeculativeMethod m) {
   switch (m) {
     case SpeculativeMethod::None: return "none";
-    case SpeculativeMethod::NextN: return "nextn";
+    case SpeculativeMethod::Mtp: return "mtp";
     case SpeculativeMethod::Eagle3: return "eagle3";
   }
   return "?";
@@ -114,8 +114,11 @@ const std::vector<std::string>& deploy_config_keys() {
       "sampling.stop",
       "sampling.stop_token_ids",
       "speculative.method",
-      "speculative.num_draft_tokens",
+      "speculative.num_speculative_tokens",
       "speculative.draft_model",
+      "speculative.acceptance",
+      "speculative.relaxed_topk",
+      "speculative.relaxed_delta",
       "job.input",
       "job.output",
   };
@@ -468,13 +471,24 @@ class Parser {
   void parse_speculative(const YAML::Node& m) {
     for_each_section_key(m, "speculative", [&](const std::string& k, const YAML::Node& v, const std::string& p, int line) {
       if (k == "method") {
-        std::string s = choice(v, p, line, {"none", "nextn", "eagle3"});
-        cfg_.speculative.method = s == "nextn" ? SpeculativeMethod::NextN
+        std::string s = choice(v, p, line, {"none", "mtp", "eagle3"});
+        cfg_.speculative.method = s == "mtp" ? SpeculativeMethod::Mtp
                                 : s == "eagle3" ? SpeculativeMethod::Eagle3 : SpeculativeMethod::None;
-      } else if (k == "num_draft_tokens") {
-        cfg_.speculative.num_draft_tokens = int(integer(v, p, line, "an integer >= 0", 0, 64));
+      } else if (k == "num_speculative_tokens") {
+        cfg_.speculative.num_speculative_tokens = int(integer(v, p, line, "an integer >= 0", 0, 16));
       } else if (k == "draft_model") {
         cfg_.speculative.draft_model = path_value(v, p, line);
+      } else if (k == "acceptance") {
+        cfg_.speculative.acceptance = choice(v, p, line, {"strict", "relaxed_thinking"}) == "strict"
+                                          ? SpeculativeAcceptance::Strict
+                                          : SpeculativeAcceptance::RelaxedThinking;
+      } else if (k == "relaxed_topk") {
+        cfg_.speculative.relaxed_topk = int(integer(v, p, line, "an integer >= 1", 1, 1024));
+      } else if (k == "relaxed_delta") {
+        cfg_.speculative.relaxed_delta = number(v, p, line, [](double x) -> std::optional<std::string> {
+          if (x >= 0.0 && x <= 1.0) return std::nullopt;
+          return "a number in [0, 1]";
+        });
       }
     });
   }
@@ -509,14 +523,14 @@ void check_consistency(const DeployConfig& cfg, const Parser& parser) {
 
   const SpeculativeSection& sp = cfg.speculative;
   if (sp.method == SpeculativeMethod::None) {
-    if (sp.num_draft_tokens != 0)
-      parser.fail_at("speculative.num_draft_tokens", "set, but speculative.method is none");
-    if (!sp.draft_model.empty())
-      parser.fail_at("speculative.draft_model", "set, but speculative.method is none");
+    for (const char* key : {"speculative.num_speculative_tokens", "speculative.draft_model",
+                            "speculative.acceptance", "speculative.relaxed_topk",
+                            "speculative.relaxed_delta"})
+      if (cfg.has_key(key)) parser.fail_at(key, "set, but speculative.method is none");
   } else {
-    if (sp.num_draft_tokens < 1)
-      parser.fail_at(cfg.has_key("speculative.num_draft_tokens") ? "speculative.num_draft_tokens" : "speculative.method",
-                     std::string("method ") + to_string(sp.method) + " needs speculative.num_draft_tokens >= 1");
+    if (sp.num_speculative_tokens < 1)
+      parser.fail_at(cfg.has_key("speculative.num_speculative_tokens") ? "speculative.num_speculative_tokens" : "speculative.method",
+                     std::string("method ") + to_string(sp.method) + " needs speculative.num_speculative_tokens >= 1");
     if (sp.method == SpeculativeMethod::Eagle3 && sp.draft_model.empty())
       parser.fail_at(cfg.has_key("speculative.draft_model") ? "speculative.draft_model" : "speculative.method",
                      "method eagle3 needs speculative.draft_model (the Eagle3 draft checkpoint)");
@@ -576,12 +590,6 @@ void check_device_count(const DeployConfig& cfg, size_t device_count) {
   if (device_count % size_t(p.expert) != 0)
     throw std::runtime_error(cfg.where("parallel.expert") + ": " + std::to_string(p.expert) +
                              " expert-parallel ranks must divide the number of devices (" + devices + ")");
-}
-
-void check_engine_supports(const DeployConfig& cfg) {
-  if (cfg.speculative.method != SpeculativeMethod::None)
-    throw std::runtime_error(cfg.where("speculative.method") + ": " + to_string(cfg.speculative.method) +
-                             " is reserved: this build runs only speculative.method: none");
 }
 
 }  // namespace clshard

@@ -79,15 +79,21 @@ struct SamplingDefaults {
   bool operator==(const SamplingDefaults&) const = default;
 };
 
-// Speculative decoding is reserved: the keys are parsed and validated now, but the engine runs
-// only method none (check_engine_supports says so).
-enum class SpeculativeMethod { None, NextN, Eagle3 };
+// Speculative decoding: a draft proposes K tokens per step, the target verifies them in the same
+// step (runtime/engine.h). mtp: DeepSeek's NextN/MTP layer; eagle3: an Eagle3 draft checkpoint.
+enum class SpeculativeMethod { None, Mtp, Eagle3 };
 const char* to_string(SpeculativeMethod m);
+// strict: exact acceptance (greedy, or rejection sampling against the request's distribution);
+// relaxed_thinking: MAX's relaxed rule for rows inside a <think> block, strict elsewhere.
+enum class SpeculativeAcceptance { Strict, RelaxedThinking };
 
 struct SpeculativeSection {
   SpeculativeMethod method = SpeculativeMethod::None;
-  int num_draft_tokens = 0;           // K draft tokens per step; >= 1 unless method is none
-  std::filesystem::path draft_model;  // eagle3: required; nextn: the checkpoint's MTP layers if empty
+  int num_speculative_tokens = 0;     // K draft tokens per step; >= 1 unless method is none
+  std::filesystem::path draft_model;  // eagle3: required; mtp: the checkpoint's MTP layer if empty
+  SpeculativeAcceptance acceptance = SpeculativeAcceptance::Strict;
+  int relaxed_topk = 10;              // relaxed_thinking: the draft is among the top k
+  double relaxed_delta = 0.6;         // and within delta of the top-1 probability
   bool operator==(const SpeculativeSection&) const = default;
 };
 
@@ -137,10 +143,6 @@ DeployConfig parse_deploy_config(const std::string& yaml_text,
 // Throws std::runtime_error naming the file, line and key. parse_deploy_config already runs this
 // when known_device_count() is known.
 void check_device_count(const DeployConfig& cfg, size_t device_count);
-
-// Throws for what the schema accepts but this build does not run yet (speculative.method other
-// than none). Call before loading anything.
-void check_engine_supports(const DeployConfig& cfg);
 
 // Every key path of the schema ("model.path", ...), in the order configs/example.yaml shows them.
 const std::vector<std::string>& deploy_config_keys();

@@ -31,7 +31,6 @@ void check_checkpoint_dtype(const DeployConfig& cfg) {
 }  // namespace
 
 Deployment Deployment::open(const DeployConfig& cfg) {
-  check_engine_supports(cfg);
   Deployment d;
   d.config = cfg;
   d.devices = std::make_unique<DeviceManager>(cfg.devices);
@@ -52,23 +51,46 @@ Deployment Deployment::open(const DeployConfig& cfg) {
   }
   if (std::filesystem::exists(cfg.model.path / "tokenizer.json"))
     d.tokenizer = Tokenizer::from_dir(cfg.model.path);
+  const SpeculativeSection& sp = cfg.speculative;
+  if (sp.method != SpeculativeMethod::None) {
+    const std::string key = sp.draft_model.empty() ? "speculative.method" : "speculative.draft_model";
+    try {
+      d.draft = load_draft(to_string(sp.method), cfg.model.path,
+                           sp.draft_model.empty() ? std::nullopt
+                                                  : std::optional<std::filesystem::path>(sp.draft_model),
+                           opts);
+    } catch (const std::exception& e) {
+      throw std::runtime_error(cfg.where(key) + ": " + e.what());
+    }
+  }
 
   const uint32_t page_size = uint32_t(cfg.kv_cache.page_size);
   const uint32_t max_length = d.model->info().max_seq_len;
   const uint32_t pages =
       plan_kv_pages(*d.model, page_size, cfg.kv_cache.pages, cfg.kv_cache.memory_fraction,
-                    uint32_t(cfg.batch.max_batch_size), max_length);
+                    uint32_t(cfg.batch.max_batch_size), max_length, d.draft.get());
   d.model->allocate_kv_cache(pages, page_size);
+  if (d.draft) d.draft->allocate_kv_cache(pages, page_size);
   d.limits.max_batch_size = uint32_t(cfg.batch.max_batch_size);
   d.limits.max_batch_input_tokens = uint32_t(cfg.batch.max_batch_input_tokens);
   d.limits.page_size = page_size;
   d.limits.total_pages = pages;
   d.limits.max_length = max_length;
+  d.limits.num_speculative_tokens = uint32_t(sp.num_speculative_tokens);
   return d;
 }
 
 std::unique_ptr<Engine> Deployment::make_engine() {
-  return std::make_unique<Engine>(*model, tokenizer ? &*tokenizer : nullptr, limits);
+  SpeculativeOptions spec;
+  const SpeculativeSection& sp = config.speculative;
+  if (draft) {
+    spec.num_tokens = uint32_t(sp.num_speculative_tokens);
+    spec.relaxed_thinking = sp.acceptance == SpeculativeAcceptance::RelaxedThinking;
+    spec.relaxed.top_k = uint32_t(sp.relaxed_topk);
+    spec.relaxed.delta = float(sp.relaxed_delta);
+  }
+  return std::make_unique<Engine>(*model, tokenizer ? &*tokenizer : nullptr, limits, draft.get(),
+                                  spec);
 }
 
 SamplingParams Deployment::sampling_params(const SamplingDefaults& s) {

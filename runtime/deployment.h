@@ -18,6 +18,7 @@ struct Deployment {
   DeployConfig config;
   std::unique_ptr<DeviceManager> devices;
   std::unique_ptr<CausalLM> model;
+  std::unique_ptr<DraftModel> draft;  // speculative decoding (speculative.method)
   std::optional<Tokenizer> tokenizer;  // when the checkpoint has tokenizer.json
   SchedulerLimits limits;
 

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 
 #include "runtime/device.h"
 
@@ -14,11 +15,28 @@ double since(Clock::time_point t0) {
 }
 }  // namespace
 
+std::string SpeculativeStats::describe() const {
+  char buf[160];
+  std::snprintf(buf, sizeof buf, "drafted %llu, accepted %llu (%.1f%%), mean accepted length %.2f",
+                (unsigned long long)drafted, (unsigned long long)accepted,
+                100.0 * acceptance_rate(), mean_accepted_length());
+  std::string s = buf;
+  if (!drafted_at.empty()) s += "; by position:";
+  for (size_t k = 0; k < drafted_at.size(); ++k) {
+    std::snprintf(buf, sizeof buf, " %zu: %.1f%%", k + 1,
+                  drafted_at[k] ? 100.0 * double(accepted_at[k]) / double(drafted_at[k]) : 0.0);
+    s += buf;
+  }
+  return s;
+}
+
 uint32_t plan_kv_pages(const CausalLM& model, uint32_t page_size, int64_t pages,
-                       double memory_fraction, uint32_t max_batch_size, uint32_t max_length) {
+                       double memory_fraction, uint32_t max_batch_size, uint32_t max_length,
+                       const DraftModel* draft) {
   if (pages > 0) return uint32_t(pages);
   const Device& dev = *model.devices().at(0);
-  const uint64_t page_bytes = model.kv_bytes_per_token() * page_size;
+  const uint64_t page_bytes =
+      (model.kv_bytes_per_token() + (draft ? draft->kv_bytes_per_token() : 0)) * page_size;
   const uint64_t weights = dev.info().host_unified_memory ? 0 : model.info().weight_bytes;
   const uint64_t free_bytes = dev.info().global_mem > weights ? dev.info().global_mem - weights : 0;
   uint64_t n = uint64_t(double(free_bytes) * memory_fraction) / std::max<uint64_t>(page_bytes, 1);
@@ -33,8 +51,20 @@ uint32_t plan_kv_pages(const CausalLM& model, uint32_t page_size, int64_t pages,
   return uint32_t(n);
 }
 
-Engine::Engine(CausalLM& model, const Tokenizer* tokenizer, const SchedulerLimits& limits)
-    : model_(model), tokenizer_(tokenizer) {
+Engine::Engine(CausalLM& model, const Tokenizer* tokenizer, const SchedulerLimits& limits,
+               DraftModel* draft, const SpeculativeOptions& spec)
+    : model_(model), tokenizer_(tokenizer), draft_(draft), spec_(spec) {
+  if (draft_ && (spec_.num_tokens < 1 || limits.num_speculative_tokens != spec_.num_tokens))
+    throw std::logic_error("Engine: a draft needs num_speculative_tokens >= 1 in both the "
+                           "options and the scheduler's limits");
+  if (!draft_ && limits.num_speculative_tokens != 0)
+    throw std::logic_error("Engine: num_speculative_tokens without a draft");
+  if (draft_ && spec_.relaxed_thinking && tokenizer_) {
+    think_start_ = tokenizer_->token_id("<think>");
+    think_end_ = tokenizer_->token_id("</think>");
+  }
+  stats_.speculative.drafted_at.assign(spec_.num_tokens, 0);
+  stats_.speculative.accepted_at.assign(spec_.num_tokens, 0);
   for (uint32_t r = 0; r < model.num_replicas(); ++r) schedulers_.emplace_back(limits);
   handle_of_.resize(schedulers_.size());
   if (model.kv_num_pages() < limits.total_pages || model.kv_page_size() != limits.page_size)
@@ -71,13 +101,15 @@ uint64_t Engine::submit(GenerationRequest request) {
   return h;
 }
 
-void Engine::observe(uint64_t handle, Live& live, int32_t token) {
+bool Engine::observe(uint64_t handle, Live& live, int32_t token) {
+  if (think_start_ && token == *think_start_) live.thinking = true;
+  if (think_end_ && token == *think_end_) live.thinking = false;
   const auto& stops = live.req.stop_token_ids;
   if (std::find(eos_ids_.begin(), eos_ids_.end(), token) != eos_ids_.end() ||
       std::find(stops.begin(), stops.end(), token) != stops.end()) {
     live.drop_last = true;
     schedulers_[live.replica].finish(live.local, EndReason::Stop);
-    return;
+    return true;
   }
   std::string piece = live.decoder ? live.decoder->push(token) : std::string();
   if (!piece.empty() && !live.req.stop.empty()) {
@@ -95,12 +127,13 @@ void Engine::observe(uint64_t handle, Live& live, int32_t token) {
       live.text.resize(std::max(cut, std::min(cut, old_len)));
       if (on_token_) on_token_(handle, token, piece);
       schedulers_[live.replica].finish(live.local, EndReason::Stop);
-      return;
+      return true;
     }
   } else {
     live.text += piece;
   }
   if (on_token_) on_token_(handle, token, piece);
+  return false;
 }
 
 bool Engine::has_work() const {
@@ -109,89 +142,102 @@ bool Engine::has_work() const {
   return false;
 }
 
-std::vector<GenerationResult> Engine::step() {
-  auto t0 = Clock::now();
+void Engine::step_plain(Batch& b) {
   const size_t R = schedulers_.size();
-  std::vector<std::optional<ScheduledStep>> plans(R);
+  auto t1 = Clock::now();
+  StepOutputs out = model_.forward(b.merged);
+  std::vector<int32_t> tokens;
+  bool any_sample = false;
+  for (const auto* row : b.row_info) any_sample = any_sample || row->needs_sample;
+  if (any_sample) {
+    // Every row's logits are sampled in one launch; intermediate prefill chunks are ignored.
+    std::vector<SamplingParams> params;
+    std::vector<uint64_t> seeds;
+    for (size_t i = 0; i < b.row_info.size(); ++i) {
+      const Live& live = live_.at(b.row_handle[i]);
+      params.push_back(live.req.sampling);
+      seeds.push_back(
+          step_seed(live.req.sampling, live.req.prompt.size() + b.row_info[i]->num_generated));
+    }
+    tokens = sample_tokens(*out.device, out.logits, out.rows, out.vocab, params, seeds);
+  }
+  stats_.device_s += since(t1);
+  auto t2 = Clock::now();
+  std::vector<std::pair<uint64_t, int32_t>> kept;  // (engine handle, token)
+  for (size_t r = 0, i = 0; r < R; ++r) {
+    if (!b.plans[r]) continue;
+    std::vector<int32_t> sampled;
+    for (const auto& row : b.plans[r]->rows) {
+      if (row.needs_sample) {
+        sampled.push_back(tokens[i]);
+        kept.emplace_back(b.row_handle[i], tokens[i]);
+      }
+      ++i;
+    }
+    schedulers_[r].commit(*b.plans[r], sampled);
+  }
+  stats_.output_tokens += kept.size();
+  for (const auto& [h, token] : kept) {
+    Live& live = live_.at(h);
+    if (schedulers_[live.replica].state(live.local) == RequestState::Finished &&
+        !live.decoder) {
+      if (on_token_) on_token_(h, token, "");
+      continue;
+    }
+    observe(h, live, token);
+  }
+  stats_.host_s += since(t2);
+}
+
+bool Engine::schedule(Batch& b) {
+  const size_t R = schedulers_.size();
+  b.plans.assign(R, std::nullopt);
   bool any = false;
   for (size_t r = 0; r < R; ++r) {
-    plans[r] = schedulers_[r].schedule();
-    any = any || plans[r].has_value();
+    b.plans[r] = schedulers_[r].schedule();
+    any = any || b.plans[r].has_value();
   }
-  std::vector<GenerationResult> done;
+  if (!any) return false;
+  // One step for all replicas: a replica with nothing to do still takes part, with no rows.
+  if (R == 1) {
+    b.merged = b.plans[0]->inputs;
+  } else {
+    std::vector<StepInputs> parts;
+    for (size_t r = 0; r < R; ++r) {
+      if (b.plans[r]) {
+        parts.push_back(b.plans[r]->inputs);
+      } else {
+        StepInputs empty;
+        empty.input_row_offsets = {0};
+        parts.push_back(empty);
+      }
+    }
+    b.merged = merge_replica_steps(parts, model_.kv_num_pages());
+  }
+  for (size_t r = 0; r < R; ++r)
+    if (b.plans[r])
+      for (const auto& row : b.plans[r]->rows) {
+        b.row_handle.push_back(handle_of_[r].at(row.handle));
+        b.row_info.push_back(&row);
+        b.row_replica.push_back(r);
+      }
+  return true;
+}
+
+std::vector<GenerationResult> Engine::step() {
+  auto t0 = Clock::now();
+  Batch batch;
+  const bool any = schedule(batch);
+  stats_.host_s += since(t0);
   if (any) {
-    // One step for all replicas: a replica with nothing to do still takes part, with no rows.
-    StepInputs merged;
-    if (R == 1) {
-      merged = plans[0]->inputs;
-    } else {
-      std::vector<StepInputs> parts;
-      for (size_t r = 0; r < R; ++r) {
-        if (plans[r]) {
-          parts.push_back(plans[r]->inputs);
-        } else {
-          StepInputs empty;
-          empty.input_row_offsets = {0};
-          parts.push_back(empty);
-        }
-      }
-      merged = merge_replica_steps(parts, model_.kv_num_pages());
-    }
-    // Engine handles of the merged rows, in order.
-    std::vector<uint64_t> row_handle;
-    std::vector<const ScheduledRow*> row_info;
-    for (size_t r = 0; r < R; ++r)
-      if (plans[r])
-        for (const auto& row : plans[r]->rows) {
-          row_handle.push_back(handle_of_[r].at(row.handle));
-          row_info.push_back(&row);
-        }
-    stats_.host_s += since(t0);
-    auto t1 = Clock::now();
-    StepOutputs out = model_.forward(merged);
-    std::vector<int32_t> tokens;
-    bool any_sample = false;
-    for (const auto* row : row_info) any_sample = any_sample || row->needs_sample;
-    if (any_sample) {
-      // Every row's logits are sampled in one launch; intermediate prefill chunks are ignored.
-      std::vector<SamplingParams> params;
-      std::vector<uint64_t> seeds;
-      for (size_t i = 0; i < row_info.size(); ++i) {
-        const Live& live = live_.at(row_handle[i]);
-        params.push_back(live.req.sampling);
-        seeds.push_back(
-            step_seed(live.req.sampling, live.req.prompt.size() + row_info[i]->num_generated));
-      }
-      tokens = sample_tokens(*out.device, out.logits, out.rows, out.vocab, params, seeds);
-    }
-    stats_.device_s += since(t1);
-    auto t2 = Clock::now();
+    if (draft_)
+      step_speculative(batch);
+    else
+      step_plain(batch);
     ++stats_.steps;
-    std::vector<std::pair<uint64_t, int32_t>> kept;  // (engine handle, token)
-    for (size_t r = 0, i = 0; r < R; ++r) {
-      if (!plans[r]) continue;
-      std::vector<int32_t> sampled;
-      for (const auto& row : plans[r]->rows) {
-        if (row.needs_sample) {
-          sampled.push_back(tokens[i]);
-          kept.emplace_back(row_handle[i], tokens[i]);
-        }
-        ++i;
-      }
-      schedulers_[r].commit(*plans[r], sampled);
-    }
-    stats_.output_tokens += kept.size();
-    for (const auto& [h, token] : kept) {
-      Live& live = live_.at(h);
-      if (schedulers_[live.replica].state(live.local) == RequestState::Finished &&
-          !live.decoder) {
-        if (on_token_) on_token_(h, token, "");
-        continue;
-      }
-      observe(h, live, token);
-    }
-    stats_.host_s += since(t2);
   }
+  const size_t R = schedulers_.size();
+  std::vector<GenerationResult> done;
   auto t3 = Clock::now();
   stats_.preemptions = 0;
   for (size_t r = 0; r < R; ++r) {

@@ -3,6 +3,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "runtime/draft_step.h"
+
 namespace clshard {
 
 int32_t argmax(const float* row, uint32_t n) {
@@ -113,6 +115,48 @@ std::vector<std::vector<float>> all_position_logits(CausalLM& model,
     const size_t b = L.row_of[i];
     per_seq[i].assign(all.begin() + size_t(out.logit_offsets[b]) * out.vocab,
                       all.begin() + size_t(out.logit_offsets[b + 1]) * out.vocab);
+  }
+  return per_seq;
+}
+
+std::vector<std::vector<float>> all_position_draft_logits(
+    CausalLM& target, DraftModel& draft, const std::vector<std::vector<int32_t>>& seqs,
+    uint32_t page_size) {
+  std::vector<uint32_t> lengths;
+  for (const auto& s : seqs) {
+    if (s.size() < 2) throw std::invalid_argument("draft logits need sequences of 2 tokens or more");
+    lengths.push_back(uint32_t(s.size()));
+  }
+  ReplicaLayout L = layout_rows(target, lengths, page_size);
+  std::vector<std::vector<int32_t>> rows;
+  for (size_t i : L.order) rows.push_back(seqs[i]);
+  set_tokens(L.step, rows);
+  L.step.return_logits = ReturnLogits::LastToken;
+  L.step.return_hidden = draft.info().target_hidden;
+  L.step.hidden_layers = draft.info().target_layers;
+  const StepOutputs out = target.forward(L.step);
+  draft.allocate_kv_cache(target.kv_num_pages(), page_size);
+
+  const StepInputs& m = L.step;
+  DraftStep ds(target.num_replicas(), m.pages_per_row);
+  for (size_t b = 0, r = 0; b < m.num_rows(); ++b) {
+    while (!m.data_parallel_splits.empty() && b >= m.data_parallel_splits[r + 1]) ++r;
+    const uint32_t base =
+        m.data_parallel_splits.empty() ? 0 : m.input_row_offsets[m.data_parallel_splits[r]];
+    const uint32_t n = m.row_length(b) - 1;
+    ds.add_row(r, {rows[b].begin() + 1, rows[b].end()}, 0,
+               m.lookup_table.data() + b * m.pages_per_row, n, m.input_row_offsets[b] - base);
+  }
+  ds.finish_splits();
+  std::vector<Scratch> keep;
+  const StepOutputs dout =
+      draft.forward(ds.in, ds.gather(out.hidden, out.hidden_width, keep), out.hidden_width);
+  const std::vector<float> all = dout.read_logits();
+  std::vector<std::vector<float>> per_seq(seqs.size());
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    const size_t b = L.row_of[i];
+    per_seq[i].assign(all.begin() + size_t(dout.logit_offsets[b]) * dout.vocab,
+                      all.begin() + size_t(dout.logit_offsets[b + 1]) * dout.vocab);
   }
   return per_seq;
 }

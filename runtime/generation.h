@@ -23,6 +23,14 @@ std::vector<std::vector<float>> all_position_logits(CausalLM& model,
                                                     const std::vector<std::vector<int32_t>>& seqs,
                                                     uint32_t page_size = 128);
 
+// The draft head's logits over each sequence (`clshard logits --head`): the target runs the
+// sequences in one ragged step and returns the hidden states the draft reads; the draft then runs
+// positions 0..S-2, position i reading token i + 1 and the target's hidden row i. Per sequence
+// [S - 1, vocab]: row i predicts token i + 2. The draft's cache is (re)allocated like the target's.
+std::vector<std::vector<float>> all_position_draft_logits(
+    CausalLM& target, DraftModel& draft, const std::vector<std::vector<int32_t>>& seqs,
+    uint32_t page_size = 128);
+
 // Greedy continuation (argmax, ties to the lowest id) of each prompt by max_new_tokens tokens: one
 // ragged prefill step, then one decode step per token for all rows together.
 std::vector<std::vector<int32_t>> greedy_generate(CausalLM& model,

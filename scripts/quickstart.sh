@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
-# Fresh Debian machine -> the batch job on the bundled tiny default (configs/tiny-cpu.yaml):
-# installs packages, builds, writes the tiny random checkpoint, runs the job.
+# Fresh Debian machine -> the default batch job (configs/dsv3-mtp-cpu.yaml): installs packages,
+# builds, and runs the bundled trained DeepSeek-V3-style checkpoint with MTP speculative decoding
+# over English prompts; completions land in .cache/out/english-completions.jsonl.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release
 cmake --build build -j"$(nproc)" --target clshard
-[ -f .cache/models/llama3-tiny/model.safetensors ] ||
-  ./build/clshard make-model --preset llama3-tiny --out .cache/models/llama3-tiny
-./build/clshard run configs/tiny-cpu.yaml
+./build/clshard run configs/dsv3-mtp-cpu.yaml

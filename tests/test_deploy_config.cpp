@@ -61,7 +61,7 @@ TEST(DeployConfig, MinimalFileKeepsEveryDefault) {
   EXPECT_TRUE(c.sampling.stop.empty());
   EXPECT_TRUE(c.sampling.stop_token_ids.empty());
   EXPECT_EQ(c.speculative.method, SpeculativeMethod::None);
-  EXPECT_EQ(c.speculative.num_draft_tokens, 0);
+  EXPECT_EQ(c.speculative.num_speculative_tokens, 0);
   EXPECT_TRUE(c.speculative.draft_model.empty());
   EXPECT_TRUE(c.job.input.empty());
   EXPECT_TRUE(c.job.output.empty());
@@ -97,7 +97,7 @@ sampling:
   stop_token_ids: [128001, 128009]
 speculative:
   method: eagle3
-  num_draft_tokens: 3
+  num_speculative_tokens: 3
   draft_model: /drafts/eagle
 job:
   input: /data/in.jsonl
@@ -122,7 +122,7 @@ job:
   EXPECT_EQ(c.sampling.stop, (std::vector<std::string>{"\n\n", "END"}));
   EXPECT_EQ(c.sampling.stop_token_ids, (std::vector<int32_t>{128001, 128009}));
   EXPECT_EQ(c.speculative.method, SpeculativeMethod::Eagle3);
-  EXPECT_EQ(c.speculative.num_draft_tokens, 3);
+  EXPECT_EQ(c.speculative.num_speculative_tokens, 3);
   EXPECT_EQ(c.speculative.draft_model, fs::path("/drafts/eagle"));
   EXPECT_EQ(c.job.input, fs::path("/data/in.jsonl"));
   EXPECT_EQ(c.job.output, fs::path("/data/out.jsonl"));
@@ -156,7 +156,7 @@ TEST(DeployConfig, SmallValueForms) {
 TEST(DeployConfig, RelativePathsResolveAgainstTheFilesDirectory) {
   const std::string yaml =
       "model: {path: ../models/tiny}\njob: {input: prompts/p.jsonl}\n"
-      "speculative: {method: eagle3, num_draft_tokens: 2, draft_model: /abs/draft}\n";
+      "speculative: {method: eagle3, num_speculative_tokens: 2, draft_model: /abs/draft}\n";
   DeployConfig c = parse_deploy_config(yaml, "d.yaml", "/srv/configs");
   EXPECT_EQ(c.model.path, fs::path("/srv/models/tiny"));
   EXPECT_EQ(c.job.input, fs::path("/srv/configs/prompts/p.jsonl"));
@@ -243,7 +243,7 @@ TEST(DeployConfig, Choices) {
   EXPECT_EQ(error_of("model: {path: m}\nparallel: {placement: random}\n"),
             "deploy.yaml:2: parallel.placement: expected one of even | balanced, got \"random\"");
   EXPECT_EQ(error_of("model: {path: m}\nspeculative: {method: medusa}\n"),
-            "deploy.yaml:2: speculative.method: expected one of none | nextn | eagle3, got \"medusa\"");
+            "deploy.yaml:2: speculative.method: expected one of none | mtp | eagle3, got \"medusa\"");
   EXPECT_EQ(error_of("model: {path: m}\ndevices: {type: cpu, split: threads}\n"),
             "deploy.yaml:2: devices.split: expected \"\" (no split), cores, numa or a positive number of "
             "sub-devices, got \"threads\"");
@@ -322,29 +322,32 @@ TEST(DeployConfig, KeysThatMustAgree) {
 }
 
 TEST(DeployConfig, Speculative) {
-  EXPECT_EQ(error_of("model: {path: m}\nspeculative:\n  num_draft_tokens: 3\n"),
-            "deploy.yaml:3: speculative.num_draft_tokens: set, but speculative.method is none");
+  EXPECT_EQ(error_of("model: {path: m}\nspeculative:\n  num_speculative_tokens: 3\n"),
+            "deploy.yaml:3: speculative.num_speculative_tokens: set, but speculative.method is none");
   EXPECT_EQ(error_of("model: {path: m}\nspeculative:\n  draft_model: d\n"),
             "deploy.yaml:3: speculative.draft_model: set, but speculative.method is none");
-  EXPECT_EQ(error_of("model: {path: m}\nspeculative:\n  method: nextn\n"),
-            "deploy.yaml:3: speculative.method: method nextn needs speculative.num_draft_tokens >= 1");
-  EXPECT_EQ(error_of("model: {path: m}\nspeculative:\n  method: eagle3\n  num_draft_tokens: 2\n"),
+  EXPECT_EQ(error_of("model: {path: m}\nspeculative:\n  method: mtp\n"),
+            "deploy.yaml:3: speculative.method: method mtp needs speculative.num_speculative_tokens >= 1");
+  EXPECT_EQ(error_of("model: {path: m}\nspeculative:\n  method: eagle3\n  num_speculative_tokens: 2\n"),
             "deploy.yaml:3: speculative.method: method eagle3 needs speculative.draft_model (the Eagle3 draft checkpoint)");
-  EXPECT_EQ(error_of("model: {path: m}\nspeculative: {method: nextn, num_draft_tokens: 65}\n"),
-            "deploy.yaml:2: speculative.num_draft_tokens: expected an integer >= 0 (at most 64), got \"65\"");
+  EXPECT_EQ(error_of("model: {path: m}\nspeculative: {method: mtp, num_speculative_tokens: 65}\n"),
+            "deploy.yaml:2: speculative.num_speculative_tokens: expected an integer >= 0 (at most 16), got \"65\"");
 
-  // The schema takes nextn; the engine does not run it yet, and says so.
-  DeployConfig c = parse("model: {path: m}\nspeculative:\n  method: nextn\n  num_draft_tokens: 1\n");
-  EXPECT_EQ(c.speculative.method, SpeculativeMethod::NextN);
+  EXPECT_EQ(error_of("model: {path: m}\nspeculative: {method: mtp, num_speculative_tokens: 2, acceptance: loose}\n"),
+            "deploy.yaml:2: speculative.acceptance: expected one of strict | relaxed_thinking, got \"loose\"");
+  EXPECT_EQ(error_of("model: {path: m}\nspeculative: {method: mtp, num_speculative_tokens: 2, relaxed_delta: 2}\n"),
+            "deploy.yaml:2: speculative.relaxed_delta: expected a number in [0, 1], got \"2\"");
+  EXPECT_EQ(error_of("model: {path: m}\nspeculative:\n  relaxed_topk: 5\n"),
+            "deploy.yaml:3: speculative.relaxed_topk: set, but speculative.method is none");
+
+  DeployConfig c = parse("model: {path: m}\nspeculative:\n  method: mtp\n  num_speculative_tokens: 1\n"
+                         "  acceptance: relaxed_thinking\n  relaxed_topk: 5\n  relaxed_delta: 0.25\n");
+  EXPECT_EQ(c.speculative.method, SpeculativeMethod::Mtp);
+  EXPECT_EQ(c.speculative.num_speculative_tokens, 1);
   EXPECT_TRUE(c.speculative.draft_model.empty());
-  try {
-    check_engine_supports(c);
-    FAIL() << "expected an error";
-  } catch (const std::runtime_error& e) {
-    EXPECT_EQ(std::string(e.what()),
-              "deploy.yaml:3: speculative.method: nextn is reserved: this build runs only speculative.method: none");
-  }
-  EXPECT_NO_THROW(check_engine_supports(parse("model: {path: m}\n")));
+  EXPECT_EQ(c.speculative.acceptance, SpeculativeAcceptance::RelaxedThinking);
+  EXPECT_EQ(c.speculative.relaxed_topk, 5);
+  EXPECT_DOUBLE_EQ(c.speculative.relaxed_delta, 0.25);
 }
 
 TEST(DeployConfig, ParallelAgainstDevices) {
@@ -431,7 +434,6 @@ TEST(DeployConfig, TinyCpuDefault) {
   EXPECT_EQ(c.sampling.max_tokens, 32);
   EXPECT_EQ(c.job.input, (source_dir() / "configs" / "prompts" / "tiny-prompts.jsonl").lexically_normal());
   EXPECT_EQ(c.job.output, (source_dir() / ".cache" / "out" / "tiny-completions.jsonl").lexically_normal());
-  EXPECT_NO_THROW(check_engine_supports(c));
 
   // Its prompts: all valid, both shapes, every sampling override kind.
   BatchInput in = read_batch_input(c.job.input, c.sampling);

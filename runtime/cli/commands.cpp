@@ -125,8 +125,15 @@ int run(int argc, char** argv) {
   std::vector<std::string> lg_tokens;
   std::string lg_out, lg_tokens_file;
   uint32_t lg_page = 128;
+  std::string lg_head = "target", lg_draft;
   lg->add_option("--tokens", lg_tokens, "comma-separated token ids; repeat for more sequences")
   ;
+  lg->add_option("--head", lg_head,
+                 "target | mtp (the checkpoint's NextN layer) | eagle3 (--draft-model)")
+      ->check(CLI::IsMember({"target", "mtp", "eagle3"}))
+      ->capture_default_str();
+  lg->add_option("--draft-model", lg_draft, "the draft checkpoint for --head eagle3 (or a "
+                                            "standalone NextN checkpoint for --head mtp)");
   lg->add_option("--tokens-file", lg_tokens_file, "a file of token-id lines (one sequence each)");
   lg->add_option("--out", lg_out, "output directory")->required();
   lg->add_option("--page-size", lg_page, "KV cache page size")->capture_default_str();
@@ -144,16 +151,31 @@ int run(int argc, char** argv) {
     DeployConfig cfg = lg_model.config();
     if (lg->count("--page-size")) cfg.kv_cache.page_size = int(lg_page);
     cfg.kv_cache.pages = 1;  // all_position_logits lays out its own pages
+    const bool draft_head = lg_head != "target";
+    if (lg_head == "eagle3" && lg_draft.empty())
+      throw std::runtime_error("logits: --head eagle3 needs --draft-model DIR");
+    if (!draft_head && !lg_draft.empty())
+      throw std::runtime_error("logits: --draft-model is for --head mtp | eagle3");
+    if (draft_head) {
+      cfg.speculative.method = lg_head == "mtp" ? SpeculativeMethod::Mtp : SpeculativeMethod::Eagle3;
+      cfg.speculative.num_speculative_tokens = 1;
+      cfg.speculative.draft_model = lg_draft;
+    }
     Deployment d = Deployment::open(cfg);
     auto& model = d.model;
-    auto logits = all_position_logits(*model, seqs, uint32_t(cfg.kv_cache.page_size));
+    auto logits = draft_head ? all_position_draft_logits(*model, *d.draft, seqs,
+                                                         uint32_t(cfg.kv_cache.page_size))
+                             : all_position_logits(*model, seqs, uint32_t(cfg.kv_cache.page_size));
     std::filesystem::create_directories(lg_out);
     nlohmann::ordered_json manifest;
     manifest["model"] = cfg.model.path.string();
     manifest["architecture"] = model->info().architecture;
     manifest["vocab_size"] = model->info().vocab_size;
     manifest["dtype"] = "float32";
-    manifest["layout"] = "row t = logits for the token after position t";
+    manifest["head"] = lg_head;
+    manifest["layout"] = draft_head ? "row i = the draft's logits for token i + 2, from token i + 1 "
+                                      "and the target's hidden state at position i"
+                                    : "row t = logits for the token after position t";
     manifest["devices"] = nlohmann::json::array();
     for (Device* d : model->devices())
       manifest["devices"].push_back(d->info().name + " (" + d->info().platform + ")");
@@ -166,7 +188,7 @@ int run(int argc, char** argv) {
       manifest["sequences"].push_back(
           {{"tokens", seqs[i]},
            {"file", file},
-           {"shape", {seqs[i].size(), model->info().vocab_size}}});
+           {"shape", {logits[i].size() / model->info().vocab_size, model->info().vocab_size}}});
     }
     std::ofstream(std::filesystem::path(lg_out) / "manifest.json") << manifest.dump(2) << "\n";
     std::cerr << "wrote logits of " << seqs.size() << " sequence(s) to " << lg_out << "\n";
@@ -180,7 +202,10 @@ int run(int argc, char** argv) {
   std::vector<std::string> gen_tokens;
   std::string gen_prompt;
   uint32_t gen_max = 0;
+  bool gen_stats = false;
   gen->add_option("--prompt", gen_prompt, "prompt text, streamed completion to stdout");
+  gen->add_flag("--stats", gen_stats,
+                "print the engine's figures (steps, device/host time, speculative acceptance)");
   gen->add_option("--tokens", gen_tokens,
                   "comma-separated prompt token ids; repeat for a batch (greedy)");
   gen->add_option("--max-new-tokens", gen_max, "tokens to generate (default: sampling.max_tokens)");
@@ -224,6 +249,12 @@ int run(int argc, char** argv) {
     const size_t n = done.empty() ? 0 : done[0].token_ids.size();
     std::cerr << n << " tokens in " << s << " s (" << (s > 0 ? n / s : 0) << " tokens/s), finish: "
               << (done.empty() ? "?" : end_reason_name(done[0].reason)) << "\n";
+    if (gen_stats) {
+      const EngineStats& st = engine->stats();
+      std::cerr << "engine: " << st.steps << " steps, device " << st.device_s << " s, host "
+                << st.host_s << " s\n";
+      if (d.draft) std::cerr << "speculative: " << st.speculative.describe() << "\n";
+    }
   });
 
   // run: the batch job of a deployment file.

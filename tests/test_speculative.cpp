@@ -1,0 +1,224 @@
+// Speculative decoding through the engine (vLLM's style of test: greedy equality):
+//   * greedy speculative decoding gives exactly the plain greedy tokens on every shared DeepSeek
+//     checkpoint with an MTP layer, for K = 1..4, in a ragged batch with a KV budget small enough
+//     to preempt, on 1 and 2 devices (4 for one case);
+//   * on the trained checkpoint (../shared/models/dsv3-mtp-trained) drafts are really accepted:
+//     the acceptance rate the engine counts is asserted against a floor;
+//   * stop tokens and max_tokens inside an accepted run cut the output where plain decoding does;
+//   * seeded sampling with speculation stays seeded (the same run twice gives the same tokens);
+//   * a deployment asking for speculation on a checkpoint without a draft fails naming the key.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <map>
+
+#include "runtime/model.h"
+#include "runtime/deploy_config.h"
+#include "runtime/deployment.h"
+#include "runtime/device.h"
+#include "runtime/device_manager.h"
+#include "runtime/engine.h"
+#include "runtime/generation.h"
+#include "tests/reference_cases.h"
+#include "tests/test_util.h"
+
+namespace clshard {
+namespace {
+
+std::filesystem::path trained() { return test::shared_dir() / "models" / "dsv3-mtp-trained"; }
+
+LoadOptions options_for(const std::vector<Device*>& devs) {
+  LoadOptions o;
+  o.devices = devs;
+  o.data_parallel_degree = o.expert_parallel_degree = uint32_t(devs.size());
+  return o;
+}
+
+// A target, optionally its MTP draft, and an engine over a small page budget.
+struct Setup {
+  std::unique_ptr<CausalLM> target;
+  std::unique_ptr<DraftModel> draft;
+  std::unique_ptr<Engine> engine;
+
+  Setup(const std::filesystem::path& dir, const std::vector<Device*>& devs, uint32_t K,
+        uint32_t pages, uint32_t max_batch = 8) {
+    const LoadOptions o = options_for(devs);
+    target = load_model(dir, o);
+    SchedulerLimits lim;
+    lim.max_batch_size = max_batch;
+    lim.max_batch_input_tokens = 64;
+    lim.page_size = 16;
+    lim.total_pages = pages;
+    lim.max_length = 512;
+    lim.num_speculative_tokens = K;
+    target->allocate_kv_cache(pages, 16);
+    SpeculativeOptions spec;
+    if (K > 0) {
+      draft = load_draft("mtp", dir, std::nullopt, o);
+      draft->allocate_kv_cache(pages, 16);
+      spec.num_tokens = K;
+    }
+    engine = std::make_unique<Engine>(*target, nullptr, lim, draft.get(), spec);
+  }
+};
+
+std::vector<std::vector<int32_t>> prompts(uint32_t vocab, size_t n) {
+  std::vector<std::vector<int32_t>> p;
+  for (size_t i = 0; i < n; ++i) {
+    std::vector<int32_t> t;
+    for (size_t j = 0; j < 5 + 9 * i; ++j) t.push_back(int32_t((i * 131 + j * 37) % (vocab - 3) + 1));
+    p.push_back(t);
+  }
+  return p;
+}
+
+class SpeculativeGreedy
+    : public ::testing::TestWithParam<std::tuple<std::string, uint32_t, int>> {};
+
+TEST_P(SpeculativeGreedy, EqualsPlainGreedy) {
+  const auto [ckpt, K, n_devices] = GetParam();
+  const auto dir = test::reference_dir() / "ckpt" / ckpt;
+  const auto ps = prompts(512, 6);
+  // Plain greedy on one device, with room for everything.
+  Setup plain(dir, {&test::default_device()}, 0, 64);
+  const auto want = test::run_greedy_requests(*plain.engine, ps, 12);
+
+  std::unique_ptr<DeviceManager> mgr;
+  std::vector<Device*> devs = {&test::default_device()};
+  if (n_devices > 1) {
+    mgr = std::make_unique<DeviceManager>(test::cpu_devices(std::to_string(n_devices)));
+    devs = mgr->devices();
+  }
+  // 9 pages of 16 per replica: not enough for every request at once, so some are preempted.
+  Setup spec(dir, devs, K, 9);
+  const auto got = test::run_greedy_requests(*spec.engine, ps, 12);
+  EXPECT_EQ(got, want);
+  const EngineStats& st = spec.engine->stats();
+  EXPECT_GT(st.speculative.drafted, 0u);
+  if (n_devices == 1) EXPECT_GT(st.preemptions, 0u) << "the page budget should force preemption";
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Checkpoints, SpeculativeGreedy,
+    ::testing::Values(std::tuple{"deepseek-v3-tiny-grouped-f32", 1u, 1},
+                      std::tuple{"deepseek-v3-tiny-grouped-bf16", 2u, 1},
+                      std::tuple{"deepseek-v3-tiny-grouped-fp8", 3u, 1},
+                      std::tuple{"deepseek-v3-tiny-grouped-bf16", 4u, 1},
+                      std::tuple{"deepseek-v3-tiny-grouped-bf16", 2u, 2},
+                      std::tuple{"deepseek-v3-tiny-grouped-fp8", 3u, 2},
+                      std::tuple{"deepseek-v3-tiny-grouped-bf16", 4u, 4}),
+    [](const auto& info) {
+      std::string n = std::get<0>(info.param) + "_K" + std::to_string(std::get<1>(info.param)) +
+                      "_dev" + std::to_string(std::get<2>(info.param));
+      for (char& c : n)
+        if (!isalnum(static_cast<unsigned char>(c))) c = '_';
+      return n;
+    });
+
+// The trained checkpoint: the same tokens as plain greedy, and drafts really accepted.
+TEST(SpeculativeTrained, GreedyEqualsPlainAndDraftsAreAccepted) {
+  const auto ps = prompts(2048, 4);
+  Setup plain(trained(), {&test::default_device()}, 0, 64);
+  const auto want = test::run_greedy_requests(*plain.engine, ps, 32);
+  for (uint32_t K : {1u, 3u}) {
+    Setup spec(trained(), {&test::default_device()}, K, 64);
+    EXPECT_EQ(test::run_greedy_requests(*spec.engine, ps, 32), want) << "K = " << K;
+    const SpeculativeStats& s = spec.engine->stats().speculative;
+    std::cout << "K = " << K << ": " << s.describe() << "\n";
+    // The reference code measured 68% (one greedy draft) on held-out text; these prompts are
+    // random token ids, so the floor is lower.
+    EXPECT_GT(s.acceptance_rate(), 0.3) << s.describe();
+    EXPECT_GT(s.mean_accepted_length(), 1.3) << s.describe();
+    ASSERT_EQ(s.drafted_at.size(), K);
+    for (uint32_t k = 1; k < K; ++k) EXPECT_LE(s.accepted_at[k], s.accepted_at[k - 1]);
+  }
+}
+
+TEST(SpeculativeTrained, StopTokensAndMaxTokensCutAcceptedRuns) {
+  const auto ps = prompts(2048, 3);
+  Setup plain(trained(), {&test::default_device()}, 0, 64);
+  const auto full = test::run_greedy_requests(*plain.engine, ps, 24);
+  // A stop token taken from the middle of each plain completion.
+  auto run = [&](Engine& e, uint32_t max_tokens) {
+    std::vector<uint64_t> handles;
+    for (size_t i = 0; i < ps.size(); ++i) {
+      GenerationRequest r;
+      r.prompt = ps[i];
+      r.sampling.temperature = 0;
+      r.max_tokens = max_tokens;
+      r.stop_token_ids = {full[i][full[i].size() / 2]};
+      handles.push_back(e.submit(r));
+    }
+    std::map<uint64_t, GenerationResult> out;
+    while (e.has_work())
+      for (auto& res : e.step()) out[res.handle] = res;
+    std::vector<std::pair<std::vector<int32_t>, EndReason>> v;
+    for (uint64_t h : handles) v.emplace_back(out.at(h).token_ids, out.at(h).reason);
+    return v;
+  };
+  for (uint32_t max_tokens : {24u, 5u}) {
+    Setup p2(trained(), {&test::default_device()}, 0, 64);
+    Setup spec(trained(), {&test::default_device()}, 4, 64);
+    EXPECT_EQ(run(*spec.engine, max_tokens), run(*p2.engine, max_tokens))
+        << "max_tokens " << max_tokens;
+  }
+}
+
+TEST(SpeculativeTrained, SeededSamplingRepeats) {
+  auto run = [&] {
+    Setup spec(trained(), {&test::default_device()}, 2, 64);
+    std::vector<uint64_t> handles;
+    for (const auto& p : prompts(2048, 4)) {
+      GenerationRequest r;
+      r.prompt = p;
+      r.sampling.temperature = 0.8f;
+      r.sampling.top_p = 0.95f;
+      r.sampling.seed = 1234;
+      r.max_tokens = 16;
+      handles.push_back(spec.engine->submit(r));
+    }
+    std::map<uint64_t, std::vector<int32_t>> out;
+    while (spec.engine->has_work())
+      for (auto& res : spec.engine->step()) out[res.handle] = res.token_ids;
+    return out;
+  };
+  const auto a = run(), b = run();
+  EXPECT_EQ(a, b);
+  for (const auto& [h, t] : a) EXPECT_EQ(t.size(), 16u);
+}
+
+TEST(SpeculativeDeployment, LlamaTargetHasNoDraft) {
+  const auto dir = test::reference_dir() / "ckpt" / "llama3-tiny-f32";
+  DeployConfig cfg = parse_deploy_config(
+      "model: {path: " + dir.string() + "}\nkv_cache: {pages: 8, page_size: 16}\n"
+      "speculative: {method: mtp, num_speculative_tokens: 2}\n",
+      "deploy.yaml");
+  try {
+    Deployment::open(cfg);
+    FAIL() << "expected an error";
+  } catch (const std::runtime_error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("deploy.yaml:3: speculative.method: "), std::string::npos) << msg;
+    EXPECT_NE(msg.find("speculative decoding runs on DeepSeek-V3 targets"), std::string::npos)
+        << msg;
+  }
+}
+
+TEST(SpeculativeDeployment, CheckpointWithoutMtpLayer) {
+  const auto dir = test::reference_dir() / "ckpt" / "deepseek-v3-tiny-f32";
+  DeployConfig cfg = parse_deploy_config(
+      "model: {path: " + dir.string() + "}\nkv_cache: {pages: 8, page_size: 16}\n"
+      "speculative: {method: mtp, num_speculative_tokens: 2}\n",
+      "deploy.yaml");
+  try {
+    Deployment::open(cfg);
+    FAIL() << "expected an error";
+  } catch (const std::runtime_error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("deploy.yaml:3: speculative.method: "), std::string::npos) << msg;
+    EXPECT_NE(msg.find("needs the checkpoint's NextN layer"), std::string::npos) << msg;
+  }
+}
+
+}  // namespace
+}  // namespace clshard
