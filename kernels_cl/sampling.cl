@@ -1,5 +1,6 @@
 // Batched token sampling: one work-item per logits row (runtime/sampling.h has the semantics and
-// the host reference that mirrors this file's arithmetic).
+// the host reference that mirrors this file's arithmetic). The row code (sample_row) is shared with
+// the speculative-decoding acceptance kernel.
 //
 // A row is scanned in chunks of 16 tokens with float16 loads: on PoCL's CPU device a work-item
 // that owns a contiguous range and uses wide loads runs at memory speed, while GPU-style
@@ -385,18 +386,13 @@ inline float mass_above(global const float* work, global const float* row, uint 
   return hsum16(acc);
 }
 
-// One token per row. out[r] = -1 when the row allows no token at all.
-kernel void sample_rows(global const float* logits, uint rows, uint vocab,
-                        global const SamplingRowArgs* args, global const uint* bitmask,
-                        uint bitmask_words, global float* work, global int* out) {
-  const uint r = get_global_id(0);
-  if (r >= rows) return;
-  global const float* row = logits + (size_t)r * vocab;
-  global const uint* mask_row = bitmask ? bitmask + (size_t)r * bitmask_words : 0;
-  const SamplingRowArgs p = args[r];
+// ---- one row ------------------------------------------------------------------------------------
 
-  // 1. Allowed count and argmax. Each lane keeps its first best (strict >), so across lanes the
-  // lowest id wins among equal keys.
+// The argmax of the allowed tokens (highest order key, ties to the lowest id), and their count in
+// *n_allowed (0: nothing allowed, the result is then meaningless). Each lane keeps its first best
+// (strict >), so across lanes the lowest id wins among equal keys.
+inline uint row_argmax(global const float* row, global const uint* mask_row, uint vocab,
+                       uint* n_allowed) {
   uint16 best_key = 0u, best_id = 0xFFFFFFFFu;
   int16 allowed_count = 0;
   for (uint i = 0; i < vocab; i += CHUNK) {
@@ -414,27 +410,31 @@ kernel void sample_rows(global const float* logits, uint rows, uint vocab,
   vstore16(best_key, 0, bk);
   vstore16(best_id, 0, bi);
   vstore16(allowed_count, 0, ac);
-  uint max_key = 0, argmax = 0xFFFFFFFFu, n_allowed = 0;
+  uint max_key = 0, argmax = 0xFFFFFFFFu, count = 0;
   for (uint j = 0; j < CHUNK; ++j) {
-    n_allowed += (uint)ac[j];
+    count += (uint)ac[j];
     if (bk[j] > max_key || (bk[j] == max_key && bi[j] < argmax)) {
       max_key = bk[j];
       argmax = bi[j];
     }
   }
-  if (n_allowed == 0) {
-    out[r] = -1;
-    return;
-  }
-  if (p.greedy) {
-    out[r] = (int)argmax;
-    return;
-  }
+  *n_allowed = count;
+  return argmax;
+}
+
+// The token a row draws with parameters p (seed included); -1 when the row allows no token at all.
+// `work_row` is the row's scratch of work_stride(vocab) floats; greedy rows never touch it.
+inline int sample_row(global const float* row, global const uint* mask_row, uint vocab,
+                      const SamplingRowArgs p, global float* work_row) {
+  // 1. Allowed count and argmax.
+  uint n_allowed;
+  const uint argmax = row_argmax(row, mask_row, vocab, &n_allowed);
+  if (n_allowed == 0) return -1;
+  if (p.greedy) return (int)argmax;
   const float max_logit = fmin(row[argmax], FLT_MAX);
 
   // 2. Top-k boundary; (0, ~0) keeps every allowed token (all keys are above 0).
   uint2 boundary = (uint2)(0u, 0xFFFFFFFFu);
-  global float* work_row = work + (size_t)r * work_stride(vocab);
   if (p.top_k > 0 && p.top_k < n_allowed)
     boundary = p.top_k <= TOPK_HEAP_MAX
                    ? topk_boundary_heap(row, mask_row, vocab, p.top_k)
@@ -457,10 +457,8 @@ kernel void sample_rows(global const float* logits, uint rows, uint vocab,
 
   // 4. Draw.
   const uint2 seed = (uint2)(p.seed_lo, p.seed_hi);
-  if (p.top_p >= 1.0f) {
-    out[r] = (int)walk_cdf(work_row, row, vocab, uniform_draw(seed, 0) * total, 0, 0, 0);
-    return;
-  }
+  if (p.top_p >= 1.0f)
+    return (int)walk_cdf(work_row, row, vocab, uniform_draw(seed, 0) * total, 0, 0, 0);
   const float target = p.top_p * total;
   float set_mass = total;
   int restricted = 0;
@@ -472,13 +470,21 @@ kernel void sample_rows(global const float* logits, uint rows, uint vocab,
     const float above = mass_above(work_row, row, vocab, jkey, j);
     // The best token has nothing above it, so the loop ends; every rejection removes j and all
     // tokens ranked below it.
-    if (above < target) {
-      out[r] = (int)j;
-      return;
-    }
+    if (above < target) return (int)j;
     restricted = 1;
     pkey = jkey;
     pid = j;
     set_mass = above;
   }
+}
+
+// One token per row. out[r] = -1 when the row allows no token at all.
+kernel void sample_rows(global const float* logits, uint rows, uint vocab,
+                        global const SamplingRowArgs* args, global const uint* bitmask,
+                        uint bitmask_words, global float* work, global int* out) {
+  const uint r = get_global_id(0);
+  if (r >= rows) return;
+  global const float* row = logits + (size_t)r * vocab;
+  global const uint* mask_row = bitmask ? bitmask + (size_t)r * bitmask_words : 0;
+  out[r] = sample_row(row, mask_row, vocab, args[r], work + (size_t)r * work_stride(vocab));
 }
