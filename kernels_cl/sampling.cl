@@ -1,6 +1,7 @@
-// Batched token sampling: one work-item per logits row (runtime/sampling.h has the semantics and
-// the host reference that mirrors this file's arithmetic). The row code (sample_row) is shared with
-// the speculative-decoding acceptance kernel.
+// Batched token sampling, one work-item per logits row (sample_rows), and speculative-decoding
+// acceptance, one work-item per request drawing with the same row code (accept_rows).
+// runtime/sampling.h and runtime/acceptance.h have the semantics and the host references that
+// mirror this file's arithmetic.
 //
 // A row is scanned in chunks of 16 tokens with float16 loads: on PoCL's CPU device a work-item
 // that owns a contiguous range and uses wide loads runs at memory speed, while GPU-style
@@ -487,4 +488,85 @@ kernel void sample_rows(global const float* logits, uint rows, uint vocab,
   global const float* row = logits + (size_t)r * vocab;
   global const uint* mask_row = bitmask ? bitmask + (size_t)r * bitmask_words : 0;
   out[r] = sample_row(row, mask_row, vocab, args[r], work + (size_t)r * work_stride(vocab));
+}
+
+// ---- speculative-decoding acceptance (runtime/acceptance.h has the rule and its proof) ----------
+
+// Per request, filled by runtime/acceptance.cpp (AcceptRowArgs there).
+typedef struct {
+  SamplingRowArgs sampling;  // the seed is the one of the first verified position
+  uint logit_offset;         // first verification row in `logits` (and `bitmask`)
+  uint draft_offset;         // first draft in `drafts`
+  uint num_drafts;           // verification rows = num_drafts + 1
+  uint thinking;             // relaxed acceptance for the drafts
+} AcceptRowArgs;
+
+// MAX's relaxed acceptance of draft d: with P = softmax of the untempered allowed logits, d is
+// accepted iff it is allowed, fewer than top_k allowed tokens rank above it and
+// P(d) >= P(top-1) - delta. `argmax` is the row's best allowed token.
+inline bool relaxed_accepts(global const float* row, global const uint* mask_row, uint vocab,
+                            uint d, uint argmax, uint top_k, float delta) {
+  if (mask_row && !((mask_row[d >> 5] >> (d & 31u)) & 1u)) return false;
+  if (!(row[d] > -INFINITY)) return false;
+  const float max_logit = fmin(row[argmax], FLT_MAX);
+  const float dl = fmin(row[d], FLT_MAX);
+  const uint dkey = order_key(dl);
+  float16 z = 0.0f;
+  int16 above = 0;
+  for (uint i = 0; i < vocab; i += CHUNK) {
+    const uint n = min((uint)CHUNK, vocab - i);
+    const float16 l = load_logits(row, i, n);
+    const int16 ok = allowed_lanes(l, mask_row, i, n);
+    z += select((float16)0.0f, exp(clamped(l) - max_logit), ok);
+    above -= ok & strictly_above(order_keys(clamped(l)), (uint16)i + kLane, dkey, d);
+  }
+  int at[CHUNK];
+  vstore16(above, 0, at);
+  uint n_above = 0;
+  for (uint j = 0; j < CHUNK; ++j) n_above += (uint)at[j];
+  const float total = hsum16(z);
+  return n_above < top_k && exp(dl - max_logit) / total >= 1.0f / total - delta;
+}
+
+// One work-item per request: verifies its drafts in order and stops at the first rejection.
+// out[b] = (drafts accepted, next token); the next token is -1 when the row it comes from allows
+// no token at all.
+kernel void accept_rows(global const float* logits, uint batch, uint vocab,
+                        global const AcceptRowArgs* args, global const int* drafts,
+                        global const uint* bitmask, uint bitmask_words, uint relaxed_top_k,
+                        float relaxed_delta, global float* work, global int2* out) {
+  const uint b = get_global_id(0);
+  if (b >= batch) return;
+  const AcceptRowArgs a = args[b];
+  global float* work_row = work + (size_t)b * work_stride(vocab);
+  const ulong seed0 = ((ulong)a.sampling.seed_hi << 32) | a.sampling.seed_lo;
+  for (uint i = 0;; ++i) {
+    const size_t r = (size_t)a.logit_offset + i;
+    global const float* row = logits + r * vocab;
+    global const uint* mask_row = bitmask ? bitmask + r * bitmask_words : 0;
+    const int draft = i < a.num_drafts ? drafts[a.draft_offset + i] : -1;
+    if (draft >= 0 && a.thinking) {
+      uint n_allowed;
+      const uint argmax = row_argmax(row, mask_row, vocab, &n_allowed);
+      if (n_allowed == 0) {
+        out[b] = (int2)((int)i, -1);
+        return;
+      }
+      if (relaxed_accepts(row, mask_row, vocab, (uint)draft, argmax, relaxed_top_k,
+                          relaxed_delta))
+        continue;
+      out[b] = (int2)((int)i, (int)argmax);
+      return;
+    }
+    // Strict: the token plain sampling draws here; the draft is accepted iff it is that token.
+    SamplingRowArgs p = a.sampling;
+    const ulong seed = seed0 + i;
+    p.seed_lo = (uint)seed;
+    p.seed_hi = (uint)(seed >> 32);
+    const int t = sample_row(row, mask_row, vocab, p, work_row);
+    if (draft < 0 || t != draft) {
+      out[b] = (int2)((int)i, t);
+      return;
+    }
+  }
 }
