@@ -1,5 +1,7 @@
-// Batched token sampling: one work-item per logits row (runtime/sampling.h has the semantics and
-// the host reference that mirrors this file's arithmetic).
+// Batched token sampling, one work-item per logits row (sample_rows), and speculative-decoding
+// acceptance, one work-item per request drawing with the same row code (accept_rows).
+// runtime/sampling.h and runtime/acceptance.h have the semantics and the host references that
+// mirror this file's arithmetic.
 //
 // A row is scanned in chunks of 16 tokens with float16 loads: on PoCL's CPU device a work-item
 // that owns a contiguous range and uses wide loads runs at memory speed, while GPU-style
@@ -385,18 +387,13 @@ inline float mass_above(global const float* work, global const float* row, uint 
   return hsum16(acc);
 }
 
-// One token per row. out[r] = -1 when the row allows no token at all.
-kernel void sample_rows(global const float* logits, uint rows, uint vocab,
-                        global const SamplingRowArgs* args, global const uint* bitmask,
-                        uint bitmask_words, global float* work, global int* out) {
-  const uint r = get_global_id(0);
-  if (r >= rows) return;
-  global const float* row = logits + (size_t)r * vocab;
-  global const uint* mask_row = bitmask ? bitmask + (size_t)r * bitmask_words : 0;
-  const SamplingRowArgs p = args[r];
+// ---- one row ------------------------------------------------------------------------------------
 
-  // 1. Allowed count and argmax. Each lane keeps its first best (strict >), so across lanes the
-  // lowest id wins among equal keys.
+// The argmax of the allowed tokens (highest order key, ties to the lowest id), and their count in
+// *n_allowed (0: nothing allowed, the result is then meaningless). Each lane keeps its first best
+// (strict >), so across lanes the lowest id wins among equal keys.
+inline uint row_argmax(global const float* row, global const uint* mask_row, uint vocab,
+                       uint* n_allowed) {
   uint16 best_key = 0u, best_id = 0xFFFFFFFFu;
   int16 allowed_count = 0;
   for (uint i = 0; i < vocab; i += CHUNK) {
@@ -414,27 +411,31 @@ kernel void sample_rows(global const float* logits, uint rows, uint vocab,
   vstore16(best_key, 0, bk);
   vstore16(best_id, 0, bi);
   vstore16(allowed_count, 0, ac);
-  uint max_key = 0, argmax = 0xFFFFFFFFu, n_allowed = 0;
+  uint max_key = 0, argmax = 0xFFFFFFFFu, count = 0;
   for (uint j = 0; j < CHUNK; ++j) {
-    n_allowed += (uint)ac[j];
+    count += (uint)ac[j];
     if (bk[j] > max_key || (bk[j] == max_key && bi[j] < argmax)) {
       max_key = bk[j];
       argmax = bi[j];
     }
   }
-  if (n_allowed == 0) {
-    out[r] = -1;
-    return;
-  }
-  if (p.greedy) {
-    out[r] = (int)argmax;
-    return;
-  }
+  *n_allowed = count;
+  return argmax;
+}
+
+// The token a row draws with parameters p (seed included); -1 when the row allows no token at all.
+// `work_row` is the row's scratch of work_stride(vocab) floats; greedy rows never touch it.
+inline int sample_row(global const float* row, global const uint* mask_row, uint vocab,
+                      const SamplingRowArgs p, global float* work_row) {
+  // 1. Allowed count and argmax.
+  uint n_allowed;
+  const uint argmax = row_argmax(row, mask_row, vocab, &n_allowed);
+  if (n_allowed == 0) return -1;
+  if (p.greedy) return (int)argmax;
   const float max_logit = fmin(row[argmax], FLT_MAX);
 
   // 2. Top-k boundary; (0, ~0) keeps every allowed token (all keys are above 0).
   uint2 boundary = (uint2)(0u, 0xFFFFFFFFu);
-  global float* work_row = work + (size_t)r * work_stride(vocab);
   if (p.top_k > 0 && p.top_k < n_allowed)
     boundary = p.top_k <= TOPK_HEAP_MAX
                    ? topk_boundary_heap(row, mask_row, vocab, p.top_k)
@@ -457,10 +458,8 @@ kernel void sample_rows(global const float* logits, uint rows, uint vocab,
 
   // 4. Draw.
   const uint2 seed = (uint2)(p.seed_lo, p.seed_hi);
-  if (p.top_p >= 1.0f) {
-    out[r] = (int)walk_cdf(work_row, row, vocab, uniform_draw(seed, 0) * total, 0, 0, 0);
-    return;
-  }
+  if (p.top_p >= 1.0f)
+    return (int)walk_cdf(work_row, row, vocab, uniform_draw(seed, 0) * total, 0, 0, 0);
   const float target = p.top_p * total;
   float set_mass = total;
   int restricted = 0;
@@ -472,13 +471,102 @@ kernel void sample_rows(global const float* logits, uint rows, uint vocab,
     const float above = mass_above(work_row, row, vocab, jkey, j);
     // The best token has nothing above it, so the loop ends; every rejection removes j and all
     // tokens ranked below it.
-    if (above < target) {
-      out[r] = (int)j;
-      return;
-    }
+    if (above < target) return (int)j;
     restricted = 1;
     pkey = jkey;
     pid = j;
     set_mass = above;
+  }
+}
+
+// One token per row. out[r] = -1 when the row allows no token at all.
+kernel void sample_rows(global const float* logits, uint rows, uint vocab,
+                        global const SamplingRowArgs* args, global const uint* bitmask,
+                        uint bitmask_words, global float* work, global int* out) {
+  const uint r = get_global_id(0);
+  if (r >= rows) return;
+  global const float* row = logits + (size_t)r * vocab;
+  global const uint* mask_row = bitmask ? bitmask + (size_t)r * bitmask_words : 0;
+  out[r] = sample_row(row, mask_row, vocab, args[r], work + (size_t)r * work_stride(vocab));
+}
+
+// ---- speculative-decoding acceptance (runtime/acceptance.h has the rule and its proof) ----------
+
+// Per request, filled by runtime/acceptance.cpp (AcceptRowArgs there).
+typedef struct {
+  SamplingRowArgs sampling;  // the seed is the one of the first verified position
+  uint logit_offset;         // first verification row in `logits` (and `bitmask`)
+  uint draft_offset;         // first draft in `drafts`
+  uint num_drafts;           // verification rows = num_drafts + 1
+  uint thinking;             // relaxed acceptance for the drafts
+} AcceptRowArgs;
+
+// MAX's relaxed acceptance of draft d: with P = softmax of the untempered allowed logits, d is
+// accepted iff it is allowed, fewer than top_k allowed tokens rank above it and
+// P(d) >= P(top-1) - delta. `argmax` is the row's best allowed token.
+inline bool relaxed_accepts(global const float* row, global const uint* mask_row, uint vocab,
+                            uint d, uint argmax, uint top_k, float delta) {
+  if (mask_row && !((mask_row[d >> 5] >> (d & 31u)) & 1u)) return false;
+  if (!(row[d] > -INFINITY)) return false;
+  const float max_logit = fmin(row[argmax], FLT_MAX);
+  const float dl = fmin(row[d], FLT_MAX);
+  const uint dkey = order_key(dl);
+  float16 z = 0.0f;
+  int16 above = 0;
+  for (uint i = 0; i < vocab; i += CHUNK) {
+    const uint n = min((uint)CHUNK, vocab - i);
+    const float16 l = load_logits(row, i, n);
+    const int16 ok = allowed_lanes(l, mask_row, i, n);
+    z += select((float16)0.0f, exp(clamped(l) - max_logit), ok);
+    above -= ok & strictly_above(order_keys(clamped(l)), (uint16)i + kLane, dkey, d);
+  }
+  int at[CHUNK];
+  vstore16(above, 0, at);
+  uint n_above = 0;
+  for (uint j = 0; j < CHUNK; ++j) n_above += (uint)at[j];
+  const float total = hsum16(z);
+  return n_above < top_k && exp(dl - max_logit) / total >= 1.0f / total - delta;
+}
+
+// One work-item per request: verifies its drafts in order and stops at the first rejection.
+// out[b] = (drafts accepted, next token); the next token is -1 when the row it comes from allows
+// no token at all.
+kernel void accept_rows(global const float* logits, uint batch, uint vocab,
+                        global const AcceptRowArgs* args, global const int* drafts,
+                        global const uint* bitmask, uint bitmask_words, uint relaxed_top_k,
+                        float relaxed_delta, global float* work, global int2* out) {
+  const uint b = get_global_id(0);
+  if (b >= batch) return;
+  const AcceptRowArgs a = args[b];
+  global float* work_row = work + (size_t)b * work_stride(vocab);
+  const ulong seed0 = ((ulong)a.sampling.seed_hi << 32) | a.sampling.seed_lo;
+  for (uint i = 0;; ++i) {
+    const size_t r = (size_t)a.logit_offset + i;
+    global const float* row = logits + r * vocab;
+    global const uint* mask_row = bitmask ? bitmask + r * bitmask_words : 0;
+    const int draft = i < a.num_drafts ? drafts[a.draft_offset + i] : -1;
+    if (draft >= 0 && a.thinking) {
+      uint n_allowed;
+      const uint argmax = row_argmax(row, mask_row, vocab, &n_allowed);
+      if (n_allowed == 0) {
+        out[b] = (int2)((int)i, -1);
+        return;
+      }
+      if (relaxed_accepts(row, mask_row, vocab, (uint)draft, argmax, relaxed_top_k,
+                          relaxed_delta))
+        continue;
+      out[b] = (int2)((int)i, (int)argmax);
+      return;
+    }
+    // Strict: the token plain sampling draws here; the draft is accepted iff it is that token.
+    SamplingRowArgs p = a.sampling;
+    const ulong seed = seed0 + i;
+    p.seed_lo = (uint)seed;
+    p.seed_hi = (uint)(seed >> 32);
+    const int t = sample_row(row, mask_row, vocab, p, work_row);
+    if (draft < 0 || t != draft) {
+      out[b] = (int2)((int)i, t);
+      return;
+    }
   }
 }

@@ -50,8 +50,7 @@ int main(int argc, char** argv) {
   const int reps = quick ? 3 : 9;
   DeviceManager mgr(DeviceSelection{});
   Device& dev = mgr[0];
-  std::printf("device: %s (%s), %u compute units\n", dev.info().name.c_str(),
-              dev.info().platform.c_str(), dev.info().compute_units);
+  print_device(dev);
 
   // 1. Bandwidth: 256 MiB read, far past the caches.
   const size_t bw_bytes = size_t(256) << 20;

@@ -20,6 +20,12 @@ inline double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
+// The first line every benchmark prints: which device the figures are for.
+inline void print_device(const Device& dev) {
+  std::printf("device: %s (%s), %u compute units\n", dev.info().name.c_str(),
+              dev.info().platform.c_str(), dev.info().compute_units);
+}
+
 // Median of `reps` timings of fn(); fn must end with a finish (or a blocking read).
 template <typename F>
 double median_time(int reps, F fn) {

@@ -10,30 +10,18 @@
 #include <string>
 
 #include "runtime/device.h"
+#include "runtime/sampling_kernel.h"
 
 namespace clshard {
 
 namespace {
 
+using sampling_kernel::is_greedy;
+
 // Rows with k above this use the radix select in kernels_cl/sampling.cl instead of the private
 // heap (2 KiB of ulong per work-item at 256).
 constexpr uint32_t kTopKHeapMax = 256;
 constexpr uint32_t kChunk = 16;  // the kernel's float16 chunk; the reference sums in its order
-
-// Mirrors SamplingRowArgs in kernels_cl/sampling.cl (4-byte fields only, so layouts agree).
-struct SamplingRowArgs {
-  float inv_temperature;
-  uint32_t top_k;
-  float top_p;
-  float min_p;
-  uint32_t seed_lo;
-  uint32_t seed_hi;
-  uint32_t greedy;
-  uint32_t pad;
-};
-static_assert(sizeof(SamplingRowArgs) == 32);
-
-bool is_greedy(const SamplingParams& p) { return p.temperature == 0.0f || p.top_k == 1; }
 
 // top_k as the kernel takes it: 0 = no filter.
 uint32_t effective_top_k(const SamplingParams& p) { return p.top_k > 0 ? uint32_t(p.top_k) : 0; }
@@ -50,16 +38,6 @@ uint32_t order_key(float x) {
 }
 
 float clamped(float l) { return std::fmin(l, FLT_MAX); }
-
-// rank = key << 32 | ~id: larger is better (logit descending, then lower id).
-uint64_t token_rank(const float* logits, uint32_t i) {
-  return (uint64_t(order_key(clamped(logits[i]))) << 32) | uint64_t(~i);
-}
-
-bool allowed(const float* logits, const uint32_t* bits, uint32_t i) {
-  if (bits && !((bits[i >> 5] >> (i & 31)) & 1u)) return false;
-  return logits[i] > -std::numeric_limits<float>::infinity();  // false for NaN too
-}
 
 // hsum16 in the kernel: halves added pairwise.
 float tree_sum16(const float* v) {
@@ -88,7 +66,7 @@ RowMasses kept_masses(const float* logits, uint32_t vocab, const SamplingParams&
   std::vector<uint64_t> ranks;
   uint64_t best = 0;
   for (uint32_t i = 0; i < vocab; ++i) {
-    if (!allowed(logits, bits, i)) continue;
+    if (!token_allowed(logits, bits, i)) continue;
     const uint64_t rank = token_rank(logits, i);
     ranks.push_back(rank);
     if (rank > best) best = rank;
@@ -108,7 +86,7 @@ RowMasses kept_masses(const float* logits, uint32_t vocab, const SamplingParams&
   const float inv_t = inverse_temperature(p);
   out.w.assign(vocab, 0.0f);
   for (uint32_t i = 0; i < vocab; ++i) {
-    if (!allowed(logits, bits, i) || token_rank(logits, i) < boundary) continue;
+    if (!token_allowed(logits, bits, i) || token_rank(logits, i) < boundary) continue;
     const float w = std::exp((clamped(logits[i]) - max_logit) * inv_t);
     if (w >= p.min_p) out.w[i] = w;
   }
@@ -163,14 +141,58 @@ float mass_above(const float* logits, const std::vector<float>& w, uint64_t pivo
 
 std::string row_prefix(size_t r) { return "sample_tokens: row " + std::to_string(r) + ": "; }
 
-size_t buffer_bytes(const cl::Mem& m) {
-  size_t bytes = 0;
-  cl::check(clGetMemObjectInfo(m.get(), CL_MEM_SIZE, sizeof bytes, &bytes, nullptr),
-            "clGetMemObjectInfo(CL_MEM_SIZE)");
-  return bytes;
+}  // namespace
+
+namespace sampling_kernel {
+
+bool is_greedy(const SamplingParams& p) { return p.temperature == 0.0f || p.top_k == 1; }
+
+RowArgs row_args(const SamplingParams& p, uint64_t step_seed, const std::string& where) {
+  try {
+    validate_sampling_params(p);
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(where + e.what());
+  }
+  return {inverse_temperature(p),
+          effective_top_k(p),
+          p.top_p,
+          p.min_p,
+          uint32_t(step_seed),
+          uint32_t(step_seed >> 32),
+          is_greedy(p) ? 1u : 0u,
+          0u};
 }
 
-}  // namespace
+// Per row: the kept masses, and for a large top-k first the keys and chunk maxima.
+size_t work_floats(uint32_t vocab) { return size_t(vocab) + (vocab + kChunk - 1) / kChunk; }
+
+cl::Kernel kernel(Device& dev, const char* name) {
+  return dev.kernel("sampling.cl", name, "-DTOPK_HEAP_MAX=" + std::to_string(kTopKHeapMax));
+}
+
+void require_buffer(const cl::Mem& m, const std::string& where, const char* name, size_t rows,
+                    size_t per_row, const char* unit) {
+  size_t bytes = 0;
+  if (m)
+    cl::check(clGetMemObjectInfo(m.get(), CL_MEM_SIZE, sizeof bytes, &bytes, nullptr),
+              "clGetMemObjectInfo(CL_MEM_SIZE)");
+  if (bytes < rows * per_row * 4)
+    throw std::invalid_argument(where + "the " + name + " buffer holds fewer than " +
+                                std::to_string(rows) + " x " + std::to_string(per_row) + " " +
+                                unit);
+}
+
+}  // namespace sampling_kernel
+
+// rank = key << 32 | ~id: larger is better (logit descending, then lower id).
+uint64_t token_rank(const float* logits, uint32_t i) {
+  return (uint64_t(order_key(clamped(logits[i]))) << 32) | uint64_t(~i);
+}
+
+bool token_allowed(const float* logits, const uint32_t* allowed_bits, uint32_t i) {
+  if (allowed_bits && !((allowed_bits[i >> 5] >> (i & 31)) & 1u)) return false;
+  return logits[i] > -std::numeric_limits<float>::infinity();  // false for NaN too
+}
 
 std::array<uint32_t, 4> philox4x32_10(std::array<uint32_t, 4> c, std::array<uint32_t, 2> key) {
   for (int i = 0; i < 10; ++i) {
@@ -210,46 +232,25 @@ std::vector<int32_t> sample_tokens(Device& dev, const cl::Mem& logits, uint32_t 
                                 " step seeds for " + std::to_string(rows) + " rows");
   if (rows == 0) return {};
   if (vocab == 0) throw std::invalid_argument("sample_tokens: vocab is 0");
-  const size_t logits_bytes = size_t(rows) * vocab * sizeof(float);
-  if (!logits || buffer_bytes(logits) < logits_bytes)
-    throw std::invalid_argument("sample_tokens: the logits buffer holds fewer than " +
-                                std::to_string(rows) + " x " + std::to_string(vocab) + " floats");
   const uint32_t words = bitmask_words(vocab);
-  if (bitmask && (!*bitmask || buffer_bytes(*bitmask) < size_t(rows) * words * 4))
-    throw std::invalid_argument("sample_tokens: the bitmask buffer holds fewer than " +
-                                std::to_string(rows) + " x " + std::to_string(words) + " words");
+  sampling_kernel::require_buffer(logits, "sample_tokens: ", "logits", rows, vocab, "floats");
+  if (bitmask)
+    sampling_kernel::require_buffer(*bitmask, "sample_tokens: ", "bitmask", rows, words, "words");
 
-  std::vector<SamplingRowArgs> args(rows);
+  std::vector<sampling_kernel::RowArgs> args(rows);
   bool any_random = false;
   for (uint32_t r = 0; r < rows; ++r) {
-    const SamplingParams& p = params[r];
-    try {
-      validate_sampling_params(p);
-    } catch (const std::invalid_argument& e) {
-      throw std::invalid_argument(row_prefix(r) + e.what());
-    }
-    const bool greedy = is_greedy(p);
-    any_random |= !greedy;
-    args[r] = {inverse_temperature(p),
-               effective_top_k(p),
-               p.top_p,
-               p.min_p,
-               uint32_t(step_seeds[r]),
-               uint32_t(step_seeds[r] >> 32),
-               greedy ? 1u : 0u,
-               0u};
+    args[r] = sampling_kernel::row_args(params[r], step_seeds[r], row_prefix(r));
+    any_random |= !args[r].greedy;
   }
 
-  Scratch args_buf(dev, rows * sizeof(SamplingRowArgs));
-  dev.write(args_buf.mem(), args.data(), rows * sizeof(SamplingRowArgs));
-  // Per row: the kept masses, and for a large top-k first the keys and chunk maxima
-  // (work_stride() in the kernel). Greedy batches never touch it.
-  const size_t work_stride = size_t(vocab) + (vocab + kChunk - 1) / kChunk;
-  Scratch work(dev, any_random ? rows * work_stride * sizeof(float) : sizeof(float));
+  Scratch args_buf(dev, rows * sizeof(args[0]));
+  dev.write(args_buf.mem(), args.data(), rows * sizeof(args[0]));
+  // Greedy batches never touch the scratch.
+  Scratch work(dev, (any_random ? rows * sampling_kernel::work_floats(vocab) : 1) * sizeof(float));
   Scratch out(dev, rows * sizeof(int32_t));
 
-  cl::Kernel k = dev.kernel("sampling.cl", "sample_rows",
-                            "-DTOPK_HEAP_MAX=" + std::to_string(kTopKHeapMax));
+  cl::Kernel k = sampling_kernel::kernel(dev, "sample_rows");
   const cl::Mem no_bitmask;
   cl::set_args(k, logits, rows, vocab, args_buf.mem(), bitmask ? *bitmask : no_bitmask, words,
                work.mem(), out.mem());

@@ -76,6 +76,14 @@ std::vector<float> sampling_distribution(const float* logits, uint32_t vocab,
 int32_t sample_reference(const float* logits, uint32_t vocab, const SamplingParams& p,
                          uint64_t step_seed, const uint32_t* allowed_bits = nullptr);
 
+// The order every filter and tie follows, as the kernels compute it: a larger rank is a better
+// token (logit descending, +inf as the largest float, -0 below +0, ties to the lower id).
+uint64_t token_rank(const float* logits, uint32_t i);
+
+// Whether token i may be drawn at all: its bit set in `allowed_bits` (when given) and a logit that
+// is neither NaN nor -inf.
+bool token_allowed(const float* logits, const uint32_t* allowed_bits, uint32_t i);
+
 // Philox4x32-10 (Random123), the generator behind every draw: draw number n of a row uses
 // counter {n, 0, 0, 0} and key {seed low, seed high}, and the top 24 bits of word 0.
 std::array<uint32_t, 4> philox4x32_10(std::array<uint32_t, 4> counter,

@@ -22,31 +22,12 @@ namespace {
 
 Device& dev() { return test::default_device(); }
 
-cl::Mem upload(const std::vector<float>& v) {
-  cl::Mem m = dev().alloc(v.size() * sizeof(float));
-  dev().write(m, v.data(), v.size() * sizeof(float));
-  return m;
-}
+cl::Mem upload(const std::vector<float>& v) { return test::upload(dev(), v); }
+cl::Mem upload_bits(const std::vector<uint32_t>& v) { return test::upload(dev(), v); }
 
-cl::Mem upload_bits(const std::vector<uint32_t>& v) {
-  cl::Mem m = dev().alloc(v.size() * sizeof(uint32_t));
-  dev().write(m, v.data(), v.size() * sizeof(uint32_t));
-  return m;
-}
-
-std::vector<float> random_logits(uint32_t rows, uint32_t vocab, uint32_t seed, float scale = 3.0f) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> normal(0.0f, scale);
-  std::vector<float> v(size_t(rows) * vocab);
-  for (float& x : v) x = normal(rng);
-  return v;
-}
-
-std::vector<uint64_t> seeds_from(uint64_t first, uint32_t rows) {
-  std::vector<uint64_t> s(rows);
-  for (uint32_t r = 0; r < rows; ++r) s[r] = first + r * 0x9E3779B97F4A7C15ull;
-  return s;
-}
+using test::expect_matches_distribution;
+using test::random_logits;
+using test::seeds_from;
 
 int32_t host_argmax(const float* row, uint32_t vocab) {
   return int32_t(std::max_element(row, row + vocab) - row);
@@ -68,51 +49,6 @@ std::vector<int32_t> sample_many(const std::vector<float>& row, const SamplingPa
   for (uint32_t r = 0; r < draws; ++r) std::copy(row.begin(), row.end(), all.begin() + r * vocab);
   return sample_tokens(dev(), upload(all), draws, vocab, std::vector<SamplingParams>(draws, p),
                        seeds_from(first_seed, draws));
-}
-
-// Pearson chi-square upper critical value at significance 1e-4 (Wilson-Hilferty; z = 3.719).
-double chi2_critical(int dof) {
-  const double z = 3.719, k = dof;
-  const double t = 1.0 - 2.0 / (9.0 * k) + z * std::sqrt(2.0 / (9.0 * k));
-  return k * t * t * t;
-}
-
-// The sampled frequencies match `expected`: no token outside its support, every frequency within
-// 0.02 of its probability (4+ standard errors at 10,000 draws), and a chi-square statistic below
-// the 1e-4 critical value, with tokens expected fewer than 5 times pooled into one bin.
-void expect_matches_distribution(const std::vector<int32_t>& tokens,
-                                 const std::vector<float>& expected, const char* what) {
-  SCOPED_TRACE(what);
-  const double n = double(tokens.size());
-  std::vector<double> count(expected.size(), 0.0);
-  for (int32_t t : tokens) {
-    ASSERT_GE(t, 0);
-    ASSERT_LT(size_t(t), expected.size());
-    ASSERT_GT(expected[t], 0.0f) << "token " << t << " is outside the kept set";
-    count[t] += 1.0;
-  }
-  double max_diff = 0.0, chi2 = 0.0, pooled_obs = 0.0, pooled_exp = 0.0;
-  int bins = 0;
-  for (size_t i = 0; i < expected.size(); ++i) {
-    max_diff = std::max(max_diff, std::abs(count[i] / n - expected[i]));
-    const double e = expected[i] * n;
-    if (e == 0.0) continue;
-    if (e < 5.0) {
-      pooled_obs += count[i];
-      pooled_exp += e;
-      continue;
-    }
-    chi2 += (count[i] - e) * (count[i] - e) / e;
-    ++bins;
-  }
-  if (pooled_exp > 0.0) {
-    chi2 += (pooled_obs - pooled_exp) * (pooled_obs - pooled_exp) / std::max(pooled_exp, 1.0);
-    ++bins;
-  }
-  EXPECT_LT(max_diff, 0.02);
-  if (bins > 1) {
-    EXPECT_LT(chi2, chi2_critical(bins - 1)) << bins << " bins";
-  }
 }
 
 size_t support_size(const std::vector<float>& d) {

@@ -3,13 +3,19 @@
 #include <stdlib.h>
 #include <sys/wait.h>
 
+#include <gtest/gtest.h>
+
+#include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <memory>
+#include <random>
 #include <stdexcept>
 
+#include "runtime/device.h"
 #include "runtime/device_manager.h"
 #include "runtime/tokenizer.h"
 
@@ -112,6 +118,67 @@ int run_clshard(const std::vector<std::string>& args, std::string* out, std::str
   std::filesystem::remove(o);
   std::filesystem::remove(e);
   return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+cl::Mem upload_bytes(Device& dev, const void* data, size_t bytes) {
+  cl::Mem m = dev.alloc(bytes);
+  if (bytes) dev.write(m, data, bytes);
+  return m;
+}
+
+std::vector<float> random_logits(uint32_t rows, uint32_t vocab, uint32_t seed, float scale) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, scale);
+  std::vector<float> v(size_t(rows) * vocab);
+  for (float& x : v) x = normal(rng);
+  return v;
+}
+
+std::vector<uint64_t> seeds_from(uint64_t first, uint32_t rows) {
+  std::vector<uint64_t> s(rows);
+  for (uint32_t r = 0; r < rows; ++r) s[r] = first + r * 0x9E3779B97F4A7C15ull;
+  return s;
+}
+
+double chi2_critical(int dof) {
+  const double z = 3.719, k = dof;
+  const double t = 1.0 - 2.0 / (9.0 * k) + z * std::sqrt(2.0 / (9.0 * k));
+  return k * t * t * t;
+}
+
+void expect_matches_distribution(const std::vector<int32_t>& tokens,
+                                 const std::vector<float>& expected, const char* what) {
+  SCOPED_TRACE(what);
+  const double n = double(tokens.size());
+  std::vector<double> count(expected.size(), 0.0);
+  for (int32_t t : tokens) {
+    ASSERT_GE(t, 0);
+    ASSERT_LT(size_t(t), expected.size());
+    ASSERT_GT(expected[t], 0.0f) << "token " << t << " is outside the kept set";
+    count[t] += 1.0;
+  }
+  double max_diff = 0.0, chi2 = 0.0, pooled_obs = 0.0, pooled_exp = 0.0;
+  int bins = 0;
+  for (size_t i = 0; i < expected.size(); ++i) {
+    max_diff = std::max(max_diff, std::abs(count[i] / n - expected[i]));
+    const double e = expected[i] * n;
+    if (e == 0.0) continue;
+    if (e < 5.0) {
+      pooled_obs += count[i];
+      pooled_exp += e;
+      continue;
+    }
+    chi2 += (count[i] - e) * (count[i] - e) / e;
+    ++bins;
+  }
+  if (pooled_exp > 0.0) {
+    chi2 += (pooled_obs - pooled_exp) * (pooled_obs - pooled_exp) / std::max(pooled_exp, 1.0);
+    ++bins;
+  }
+  EXPECT_LT(max_diff, 0.02);
+  if (bins > 1) {
+    EXPECT_LT(chi2, chi2_critical(bins - 1)) << bins << " bins";
+  }
 }
 
 }  // namespace clshard::test

@@ -1,12 +1,15 @@
 // Shared helpers for tests: where ../shared is, the reference index, a device to run on.
 #pragma once
 
+#include <cstddef>
+#include <cstdint>
 #include <filesystem>
 #include <string>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
+#include "runtime/cl.h"
 #include "runtime/device_manager.h"
 
 namespace clshard {
@@ -38,5 +41,30 @@ Device& default_device();
 // Runs the clshard executable with args; returns its exit code, stdout and stderr in out/err.
 int run_clshard(const std::vector<std::string>& args, std::string* out = nullptr,
                 std::string* err = nullptr);
+
+// ---- device buffers and token statistics (sampling and acceptance tests) -----------------------
+
+// A new buffer on `dev` holding `bytes` from `data`; upload(dev, v) for a vector.
+cl::Mem upload_bytes(Device& dev, const void* data, size_t bytes);
+template <typename T>
+cl::Mem upload(Device& dev, const std::vector<T>& v) {
+  return upload_bytes(dev, v.data(), v.size() * sizeof(T));
+}
+
+// rows x vocab logits from N(0, scale), reproducible from `seed`.
+std::vector<float> random_logits(uint32_t rows, uint32_t vocab, uint32_t seed, float scale = 3.0f);
+
+// `rows` well-spread step seeds starting at `first`.
+std::vector<uint64_t> seeds_from(uint64_t first, uint32_t rows);
+
+// Pearson chi-square upper critical value at significance 1e-4 (Wilson-Hilferty; z = 3.719).
+double chi2_critical(int dof);
+
+// The sampled tokens' frequencies match `expected` (a distribution over token ids): no token
+// outside its support, every frequency within 0.02 of its probability (4+ standard errors at
+// 10,000 draws), and a chi-square statistic below the 1e-4 critical value, with tokens expected
+// fewer than 5 times pooled into one bin. Reports through gtest's EXPECT/ASSERT.
+void expect_matches_distribution(const std::vector<int32_t>& tokens,
+                                 const std::vector<float>& expected, const char* what);
 
 }  // namespace clshard::test
