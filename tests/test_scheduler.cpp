@@ -625,10 +625,10 @@ TEST(Scheduler, RejectsMisuse) {
   std::optional<ScheduledStep> step = s.schedule();
   ASSERT_TRUE(step);
   EXPECT_THROW(s.schedule(), std::logic_error);  // the previous step is not committed
-  EXPECT_THROW(s.commit(*step, {}), std::invalid_argument);  // one row needs a sample
+  EXPECT_THROW(s.commit(*step, std::vector<int32_t>{}), std::invalid_argument);  // one row samples
   EXPECT_EQ(s.generated_tokens(h).size(), 0u);  // the failed commit changed nothing
-  s.commit(*step, {42});
-  EXPECT_THROW(s.commit(*step, {42}), std::logic_error);  // committed already
+  s.commit(*step, std::vector<int32_t>{42});
+  EXPECT_THROW(s.commit(*step, std::vector<int32_t>{42}), std::logic_error);  // committed already
   EXPECT_EQ(std::vector<int32_t>(s.generated_tokens(h).begin(), s.generated_tokens(h).end()),
             std::vector<int32_t>{42});
   EXPECT_THROW(s.state(77), std::logic_error);
