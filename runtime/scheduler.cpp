@@ -65,15 +65,24 @@ uint64_t Scheduler::add(std::vector<int32_t> prompt_tokens, uint32_t max_new_tok
     return handle;
   }
   // The last sampled token is never fed back, so the cache holds at most prompt + max_new - 1
-  // positions. A request that needs more pages than the whole pool could never finish: preempting
-  // everyone else would still not make room, so it fails now instead of cycling.
-  const uint64_t max_positions = uint64_t(req.prompt_len) + req.max_new_tokens - 1;
+  // positions. With K > 0 a row's drafts are cut so that they could all be kept (plan_step, 1b),
+  // so a row never reaches past that either, and a row with needs_sample holds K - 1 lookahead
+  // positions beyond its last token: prompt + max_new - 1 + K - 1 positions at most. A request
+  // that needs more pages than the whole pool could never finish: preempting everyone else would
+  // still not make room, so it fails now instead of cycling.
+  const uint32_t K = limits_.num_speculative_tokens;
+  const uint32_t lookahead = K > 0 ? K - 1 : 0;
+  const uint64_t max_positions = uint64_t(req.prompt_len) + req.max_new_tokens - 1 + lookahead;
   const uint32_t pages_needed = KvPageTable::pages_for(max_positions, limits_.page_size);
   if (pages_needed > pool_.total_pages()) {
+    const std::string positions =
+        K == 0 ? " tokens"
+               : " - 1 + num_speculative_tokens " + std::to_string(K) + " - 1 = " +
+                     std::to_string(max_positions) + " positions";
     finish_now(req, EndReason::Error,
                "request needs " + std::to_string(pages_needed) + " KV pages (prompt " +
                    std::to_string(req.prompt_len) + " + max_new_tokens " +
-                   std::to_string(req.max_new_tokens) + " tokens at page_size " +
+                   std::to_string(req.max_new_tokens) + positions + " at page_size " +
                    std::to_string(limits_.page_size) + ") but the KV cache has only " +
                    std::to_string(pool_.total_pages()) + " pages");
     return handle;
@@ -108,10 +117,11 @@ void Scheduler::preempt(uint64_t handle, Plan& plan) {
   if (auto it = std::find_if(plan.rows.begin(), plan.rows.end(),
                              [&](const PlannedRow& p) { return p.handle == handle; });
       it != plan.rows.end()) {
-    plan.tokens -= it->num_tokens;
+    plan.tokens -= it->num_tokens + it->num_drafts;
     plan.rows.erase(it);
   }
   r.pages.release();
+  r.drafts.clear();  // they continued a sequence that is recomputed from scratch
   r.computed = 0;  // its whole sequence (prompt + generated) is prefilled again on re-admission
   ++r.preemptions;
   ++preemptions_;
@@ -120,10 +130,18 @@ void Scheduler::preempt(uint64_t handle, Plan& plan) {
   waiting_.push_front(handle);
 }
 
-// Gives r the pages for a row of num_tokens, preempting the newest running requests while the pool
-// is short. Returns false when r itself was preempted (or failed) and has no row this step.
+uint64_t Scheduler::row_end(const Request& r, uint32_t fed, uint32_t drafts) const {
+  const uint64_t end = uint64_t(r.computed) + fed + drafts;
+  const bool samples = r.computed + fed == r.tokens.size();
+  const uint32_t K = limits_.num_speculative_tokens;
+  return samples && K > 0 ? end + K - 1 : end;  // the draft's lookahead
+}
+
+// Gives r the pages for a row of num_tokens (and its lookahead), preempting the newest running
+// requests while the pool is short. Returns false when r itself was preempted (or failed) and has
+// no row this step.
 bool Scheduler::place(Request& r, uint32_t num_tokens, Plan& plan) {
-  const uint64_t end = uint64_t(r.computed) + num_tokens;
+  const uint64_t end = row_end(r, num_tokens, 0);
   while (r.pages.pages_missing(end) > pool_.free_count()) {
     const uint64_t victim = running_.back();
     if (victim == r.handle && running_.size() == 1) {
@@ -181,6 +199,13 @@ Scheduler::Plan Scheduler::plan_step() {
     Request& r = request(h);
     if (r.pending() == 1) place(r, 1, plan);
   }
+  // 1b. Drafts, within the token budget the decode rows left (their pages come after pass 2).
+  for (PlannedRow& p : plan.rows) {
+    const Request& r = request(p.handle);
+    const uint32_t keepable = r.remaining() - 1;  // the row's next token is always kept
+    p.num_drafts = std::min({uint32_t(r.drafts.size()), keepable, tokens_left()});
+    plan.tokens += p.num_drafts;
+  }
   // 2. Running requests in the middle of a chunked (re)prefill: the next chunk each.
   for (uint64_t h : running_at_start) {
     if (!rows_left() || tokens_left() == 0) break;
@@ -188,18 +213,31 @@ Scheduler::Plan Scheduler::plan_step() {
     Request& r = request(h);
     if (r.pending() > 1) place(r, std::min(r.pending(), tokens_left()), plan);
   }
+  fit_drafts(plan);
   // 3. Admission, FIFO: the front request waits (and so do those behind it) until the pages of its
   // first chunk are free. A preempted request sits at the front with its whole sequence pending.
   while (!plan.preempted && !waiting_.empty() && rows_left() && tokens_left() > 0) {
     Request& r = request(waiting_.front());
     const uint32_t chunk = std::min(r.pending(), tokens_left());
-    if (!r.pages.ensure_capacity(chunk)) break;
+    if (!r.pages.ensure_capacity(row_end(r, chunk, 0))) break;
     waiting_.pop_front();
     running_.push_back(r.handle);
     plan.rows.push_back({r.handle, chunk});
     plan.tokens += chunk;
   }
   return plan;
+}
+
+// The drafts' pages, from the free pages only: a row whose drafts need more than are free feeds
+// fewer of them (the budget they leave goes to admission).
+void Scheduler::fit_drafts(Plan& plan) {
+  for (PlannedRow& p : plan.rows) {
+    Request& r = request(p.handle);
+    while (p.num_drafts > 0 && !r.pages.ensure_capacity(row_end(r, p.num_tokens, p.num_drafts))) {
+      --p.num_drafts;
+      --plan.tokens;
+    }
+  }
 }
 
 ScheduledStep Scheduler::build_step(const Plan& plan) {
@@ -213,22 +251,41 @@ ScheduledStep Scheduler::build_step(const Plan& plan) {
   in.cache_lengths.reserve(plan.rows.size());
   step.rows.reserve(plan.rows.size());
 
+  // The pages each row lists: those its positions (and lookahead) need. With K = 0 that is every
+  // page the request holds; with K > 0 it may hold more, left from a step with more drafts.
+  std::vector<uint32_t> row_pages(plan.rows.size());
   uint32_t pages_per_row = 1;
-  for (const PlannedRow& p : plan.rows)
-    pages_per_row = std::max(pages_per_row, request(p.handle).pages.num_pages());
+  for (size_t b = 0; b < plan.rows.size(); ++b) {
+    const PlannedRow& p = plan.rows[b];
+    row_pages[b] = KvPageTable::pages_for(row_end(request(p.handle), p.num_tokens, p.num_drafts),
+                                          limits_.page_size);
+    pages_per_row = std::max(pages_per_row, row_pages[b]);
+  }
   in.pages_per_row = pages_per_row;
   in.lookup_table.assign(plan.rows.size() * size_t(pages_per_row), pool_.null_page());
+  const bool speculative = limits_.num_speculative_tokens > 0;
+  if (speculative) in.logits_per_row.reserve(plan.rows.size());
 
   for (size_t b = 0; b < plan.rows.size(); ++b) {
     Request& r = request(plan.rows[b].handle);
-    const uint32_t n = plan.rows[b].num_tokens;
+    const uint32_t n = plan.rows[b].num_tokens, k = plan.rows[b].num_drafts;
+    const bool needs_sample = r.computed + n == r.tokens.size();
     in.tokens.insert(in.tokens.end(), r.tokens.begin() + r.computed,
                      r.tokens.begin() + r.computed + n);
+    in.tokens.insert(in.tokens.end(), r.drafts.begin(), r.drafts.begin() + k);
+    r.drafts.clear();  // consumed, fed or not
     in.input_row_offsets.push_back(uint32_t(in.tokens.size()));
     in.cache_lengths.push_back(r.computed);
-    std::copy(r.pages.pages().begin(), r.pages.pages().end(),
-              in.lookup_table.begin() + b * pages_per_row);
-    step.rows.push_back({r.handle, r.computed + n == r.tokens.size(), r.generated()});
+    std::copy_n(r.pages.pages().begin(), row_pages[b], in.lookup_table.begin() + b * pages_per_row);
+    if (speculative) in.logits_per_row.push_back(needs_sample ? k + 1 : 0);
+    ScheduledRow& row = step.rows.emplace_back();
+    row.handle = r.handle;
+    row.needs_sample = needs_sample;
+    row.num_generated = r.generated();
+    row.num_drafts = k;
+    row.cache_length = r.computed;
+    row.num_tokens = n + k;
+    row.following_token = needs_sample ? -1 : r.tokens[r.computed + n];
     r.in_flight = true;
   }
   outstanding_step_ = step.step_index;
@@ -236,21 +293,46 @@ ScheduledStep Scheduler::build_step(const Plan& plan) {
 }
 
 void Scheduler::commit(const ScheduledStep& step, const std::vector<int32_t>& sampled) {
+  std::vector<std::vector<int32_t>> committed;
+  committed.reserve(sampled.size());
+  for (int32_t t : sampled) committed.push_back({t});
+  commit(step, committed);
+}
+
+void Scheduler::commit(const ScheduledStep& step,
+                       const std::vector<std::vector<int32_t>>& committed) {
   if (!outstanding_step_ || *outstanding_step_ != step.step_index)
     throw std::logic_error("Scheduler::commit: step " + std::to_string(step.step_index) +
                            " is not the step awaiting commit");
-  if (sampled.size() != step.num_samples())
-    throw std::invalid_argument("Scheduler::commit: " + std::to_string(sampled.size()) +
-                                " sampled tokens for " + std::to_string(step.num_samples()) +
-                                " rows that need one");
+  if (committed.size() != step.num_samples())
+    throw std::invalid_argument("Scheduler::commit: tokens for " +
+                                std::to_string(committed.size()) + " rows, but " +
+                                std::to_string(step.num_samples()) + " rows of step " +
+                                std::to_string(step.step_index) + " need a sample");
+  for (size_t b = 0, i = 0; b < step.rows.size(); ++b) {
+    const ScheduledRow& row = step.rows[b];
+    if (!row.needs_sample) continue;
+    const size_t kept = committed[i++].size();
+    if (kept == 0 || kept > row.num_drafts + 1)
+      throw std::invalid_argument(
+          "Scheduler::commit: row " + std::to_string(b) + " (request " +
+          std::to_string(row.handle) + ") keeps " + std::to_string(kept) +
+          " tokens; it must keep 1 .. num_drafts + 1 = " + std::to_string(row.num_drafts + 1));
+  }
   outstanding_step_.reset();
   size_t next_sample = 0;
-  for (size_t b = 0; b < step.rows.size(); ++b) {
-    const ScheduledRow& row = step.rows[b];
+  for (const ScheduledRow& row : step.rows) {
     Request& r = request(row.handle);
     r.in_flight = false;
-    r.computed += step.inputs.row_length(b);
-    if (row.needs_sample) r.tokens.push_back(sampled[next_sample++]);
+    if (!row.needs_sample) {
+      r.computed += row.num_tokens;
+    } else {
+      const std::vector<int32_t>& kept = committed[next_sample++];
+      // The pending tokens and the accepted drafts; the last kept token is the new pending one.
+      r.computed += (row.num_tokens - row.num_drafts) + uint32_t(kept.size()) - 1;
+      const size_t appended = std::min<size_t>(kept.size(), r.remaining());
+      r.tokens.insert(r.tokens.end(), kept.begin(), kept.begin() + appended);
+    }
     if (r.finish_requested)
       finish_now(r, *r.finish_requested, std::move(r.finish_message));
     else if (r.generated() >= r.max_new_tokens)
@@ -274,6 +356,36 @@ bool Scheduler::finish(uint64_t handle, EndReason reason, std::string message) {
   }
   finish_now(r, reason, std::move(message));
   return true;
+}
+
+void Scheduler::set_drafts(uint64_t handle, std::vector<int32_t> drafts) {
+  const uint32_t K = limits_.num_speculative_tokens;
+  if (drafts.size() > K)
+    throw std::invalid_argument("Scheduler::set_drafts: " + std::to_string(drafts.size()) +
+                                " drafts for request " + std::to_string(handle) +
+                                ", more than num_speculative_tokens " + std::to_string(K));
+  const std::string which = "Scheduler::set_drafts: request " + std::to_string(handle);
+  if (handle == 0 || handle >= next_handle_) throw std::logic_error(which + " was never added");
+  auto it = requests_.find(handle);
+  if (it == requests_.end()) throw std::logic_error(which + " has finished");
+  Request& r = it->second;
+  if (state(handle) != RequestState::Running) throw std::logic_error(which + " is not running");
+  if (r.in_flight)
+    throw std::logic_error(which + " is in step " + std::to_string(*outstanding_step_) +
+                           ", which has not been committed");
+  if (r.pending() != 1 || r.generated() == 0)
+    throw std::logic_error(which + " has " + std::to_string(r.pending()) +
+                           " tokens to feed and " + std::to_string(r.generated()) +
+                           " generated; drafts follow only a last sampled token");
+  r.drafts = std::move(drafts);
+}
+
+uint32_t Scheduler::remaining_tokens(uint64_t handle) const {
+  if (handle == 0 || handle >= next_handle_)
+    throw std::logic_error("Scheduler::remaining_tokens: unknown request " +
+                           std::to_string(handle));
+  auto it = requests_.find(handle);
+  return it == requests_.end() ? 0 : it->second.remaining();
 }
 
 std::vector<FinishedRequest> Scheduler::take_finished() { return std::exchange(finished_, {}); }
