@@ -35,12 +35,12 @@ LoadOptions options_for(const std::vector<Device*>& devs) {
 }
 
 // A target, optionally its MTP draft, and an engine over a small page budget.
-struct Setup {
+struct Rig {
   std::unique_ptr<CausalLM> target;
   std::unique_ptr<DraftModel> draft;
   std::unique_ptr<Engine> engine;
 
-  Setup(const std::filesystem::path& dir, const std::vector<Device*>& devs, uint32_t K,
+  Rig(const std::filesystem::path& dir, const std::vector<Device*>& devs, uint32_t K,
         uint32_t pages, uint32_t max_batch = 8) {
     const LoadOptions o = options_for(devs);
     target = load_model(dir, o);
@@ -80,7 +80,7 @@ TEST_P(SpeculativeGreedy, EqualsPlainGreedy) {
   const auto dir = test::reference_dir() / "ckpt" / ckpt;
   const auto ps = prompts(512, 6);
   // Plain greedy on one device, with room for everything.
-  Setup plain(dir, {&test::default_device()}, 0, 64);
+  Rig plain(dir, {&test::default_device()}, 0, 64);
   const auto want = test::run_greedy_requests(*plain.engine, ps, 12);
 
   std::unique_ptr<DeviceManager> mgr;
@@ -90,7 +90,7 @@ TEST_P(SpeculativeGreedy, EqualsPlainGreedy) {
     devs = mgr->devices();
   }
   // 9 pages of 16 per replica: not enough for every request at once, so some are preempted.
-  Setup spec(dir, devs, K, 9);
+  Rig spec(dir, devs, K, 9);
   const auto got = test::run_greedy_requests(*spec.engine, ps, 12);
   EXPECT_EQ(got, want);
   const EngineStats& st = spec.engine->stats();
@@ -118,10 +118,10 @@ INSTANTIATE_TEST_SUITE_P(
 // The trained checkpoint: the same tokens as plain greedy, and drafts really accepted.
 TEST(SpeculativeTrained, GreedyEqualsPlainAndDraftsAreAccepted) {
   const auto ps = prompts(2048, 4);
-  Setup plain(trained(), {&test::default_device()}, 0, 64);
+  Rig plain(trained(), {&test::default_device()}, 0, 64);
   const auto want = test::run_greedy_requests(*plain.engine, ps, 32);
   for (uint32_t K : {1u, 3u}) {
-    Setup spec(trained(), {&test::default_device()}, K, 64);
+    Rig spec(trained(), {&test::default_device()}, K, 64);
     EXPECT_EQ(test::run_greedy_requests(*spec.engine, ps, 32), want) << "K = " << K;
     const SpeculativeStats& s = spec.engine->stats().speculative;
     std::cout << "K = " << K << ": " << s.describe() << "\n";
@@ -136,7 +136,7 @@ TEST(SpeculativeTrained, GreedyEqualsPlainAndDraftsAreAccepted) {
 
 TEST(SpeculativeTrained, StopTokensAndMaxTokensCutAcceptedRuns) {
   const auto ps = prompts(2048, 3);
-  Setup plain(trained(), {&test::default_device()}, 0, 64);
+  Rig plain(trained(), {&test::default_device()}, 0, 64);
   const auto full = test::run_greedy_requests(*plain.engine, ps, 24);
   // A stop token taken from the middle of each plain completion.
   auto run = [&](Engine& e, uint32_t max_tokens) {
@@ -157,8 +157,8 @@ TEST(SpeculativeTrained, StopTokensAndMaxTokensCutAcceptedRuns) {
     return v;
   };
   for (uint32_t max_tokens : {24u, 5u}) {
-    Setup p2(trained(), {&test::default_device()}, 0, 64);
-    Setup spec(trained(), {&test::default_device()}, 4, 64);
+    Rig p2(trained(), {&test::default_device()}, 0, 64);
+    Rig spec(trained(), {&test::default_device()}, 4, 64);
     EXPECT_EQ(run(*spec.engine, max_tokens), run(*p2.engine, max_tokens))
         << "max_tokens " << max_tokens;
   }
@@ -166,7 +166,7 @@ TEST(SpeculativeTrained, StopTokensAndMaxTokensCutAcceptedRuns) {
 
 TEST(SpeculativeTrained, SeededSamplingRepeats) {
   auto run = [&] {
-    Setup spec(trained(), {&test::default_device()}, 2, 64);
+    Rig spec(trained(), {&test::default_device()}, 2, 64);
     std::vector<uint64_t> handles;
     for (const auto& p : prompts(2048, 4)) {
       GenerationRequest r;
