@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "models/deepseek_v3/config.h"
@@ -74,6 +75,11 @@ struct DeepseekV3Weights {
 // end is capped at n_routed_experts); everything else is loaded whole.
 DeepseekV3Weights load_weights(const DeepseekV3Config& cfg, const WeightStore& store, Device& dev,
                                uint32_t expert_begin = 0, uint32_t expert_end = UINT32_MAX);
+
+// `prefix`.weight [out, in] on `dev` (F32, BF16 or F8_E4M3) and, when it is F8_E4M3, its block
+// scales `prefix`.weight_scale_inv; errors name the tensor and the file.
+Linear load_linear(const WeightStore& store, Device& dev, const std::string& prefix, int64_t out,
+                   int64_t in);
 
 // The layer ids of the MTP blocks present in the checkpoint ([num_hidden_layers, ...)).
 std::vector<int64_t> mtp_layers_present(const DeepseekV3Config& cfg, const WeightStore& store);
