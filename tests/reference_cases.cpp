@@ -18,28 +18,71 @@ std::vector<std::vector<int32_t>> RefCase::sequences() const {
   return s;
 }
 
-RefCase load_case(const std::string& id) {
-  for (const auto& c : reference_index()["cases"]) {
-    if (c["id"] != id) continue;
-    RefCase rc;
-    rc.id = id;
-    rc.checkpoint = reference_dir() / c["checkpoint"].get<std::string>();
-    const auto manifest_path = reference_dir() / c["manifest"].get<std::string>();
-    const auto manifest = nlohmann::json::parse(std::ifstream(manifest_path));
-    rc.vocab = manifest["vocab_size"].get<uint32_t>();
-    for (const auto& s : manifest["sequences"]) {
-      RefSequence r;
-      r.tokens = s["sequence"].get<std::vector<int32_t>>();
-      r.prompt = s["prompt"].get<std::vector<int32_t>>();
-      r.continuation = s["continuation"].get<std::vector<int32_t>>();
-      r.margins = s["top2_margin_per_step"].get<std::vector<float>>();
-      r.logits = read_f32(manifest_path.parent_path() / s["logits_raw"].get<std::string>());
-      EXPECT_EQ(r.logits.size(), r.tokens.size() * rc.vocab) << id;
-      rc.seqs.push_back(std::move(r));
-    }
-    return rc;
-  }
+namespace {
+const nlohmann::json& case_entry(const std::string& id) {
+  for (const auto& c : reference_index()["cases"])
+    if (c["id"] == id) return c;
   throw std::runtime_error("no reference case " + id);
+}
+}  // namespace
+
+RefCase load_case(const std::string& id) {
+  const auto& c = case_entry(id);
+  RefCase rc;
+  rc.id = id;
+  rc.checkpoint = reference_dir() / c["checkpoint"].get<std::string>();
+  const auto manifest_path = reference_dir() / c["manifest"].get<std::string>();
+  const auto manifest = nlohmann::json::parse(std::ifstream(manifest_path));
+  rc.vocab = manifest["vocab_size"].get<uint32_t>();
+  for (const auto& s : manifest["sequences"]) {
+    RefSequence r;
+    r.tokens = s["sequence"].get<std::vector<int32_t>>();
+    r.prompt = s["prompt"].get<std::vector<int32_t>>();
+    r.continuation = s["continuation"].get<std::vector<int32_t>>();
+    r.margins = s["top2_margin_per_step"].get<std::vector<float>>();
+    r.logits = read_f32(manifest_path.parent_path() / s["logits_raw"].get<std::string>());
+    EXPECT_EQ(r.logits.size(), r.tokens.size() * rc.vocab) << id;
+    rc.seqs.push_back(std::move(r));
+  }
+  return rc;
+}
+
+Eagle3Case load_eagle3_case(const std::string& id) {
+  const auto& c = case_entry(id);
+  Eagle3Case rc;
+  rc.id = id;
+  rc.target = reference_dir() / c["checkpoint"].get<std::string>();
+  rc.draft = reference_dir() / c["draft_checkpoint"].get<std::string>();
+  rc.mha = c.value("draft_kind", "") == "mha";
+  rc.aux_layer_ids = c["eagle3"]["eagle_aux_hidden_state_layer_ids"].get<std::vector<int64_t>>();
+  const auto manifest_path = reference_dir() / c["manifest"].get<std::string>();
+  const auto manifest = nlohmann::json::parse(std::ifstream(manifest_path));
+  rc.vocab = manifest["vocab_size"].get<uint32_t>();
+  rc.hidden = manifest["hidden_size"].get<uint32_t>();
+  for (const auto& s : manifest["sequences"]) {
+    Eagle3Sequence r;
+    r.tokens = s["sequence"].get<std::vector<int32_t>>();
+    auto file = [&](const char* key) {
+      return read_f32(manifest_path.parent_path() / s[key].get<std::string>());
+    };
+    r.aux_hidden = file("aux_hidden_raw");
+    r.draft_logits = file("draft_logits_raw");
+    r.draft_hidden = file("draft_hidden_raw");
+    const size_t S = r.tokens.size();
+    rc.aux_width = s["aux_hidden_shape"][1].get<uint32_t>();
+    EXPECT_EQ(r.aux_hidden.size(), S * rc.aux_width) << id;
+    EXPECT_EQ(r.draft_logits.size(), (S - 1) * rc.vocab) << id;
+    EXPECT_EQ(r.draft_hidden.size(), (S - 1) * rc.hidden) << id;
+    rc.seqs.push_back(std::move(r));
+  }
+  return rc;
+}
+
+std::vector<std::string> eagle3_case_ids() {
+  std::vector<std::string> ids;
+  for (const auto& c : reference_index()["cases"])
+    if (c["kind"] == "eagle3") ids.push_back(c["id"].get<std::string>());
+  return ids;
 }
 
 std::vector<std::string> logit_case_ids(const std::string& model_type) {

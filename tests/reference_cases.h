@@ -26,6 +26,25 @@ struct RefCase {
 };
 
 RefCase load_case(const std::string& id);
+
+// A `kind: eagle3` case: per sequence the target's captures and the draft's outputs, from the
+// reference code; the draft's position i reads token i + 1 and capture row i.
+struct Eagle3Sequence {
+  std::vector<int32_t> tokens;      // [S]
+  std::vector<float> aux_hidden;    // [S, aux_width]: the target layers' raw outputs, concatenated
+  std::vector<float> draft_logits;  // [S - 1, vocab]: row i predicts token i + 2
+  std::vector<float> draft_hidden;  // [S - 1, hidden]: the draft's output before its norm
+};
+struct Eagle3Case {
+  std::string id;
+  std::filesystem::path target, draft;  // checkpoint directories
+  bool mha = false;                     // "draft_kind": "mha"
+  uint32_t vocab = 0, hidden = 0, aux_width = 0;
+  std::vector<int64_t> aux_layer_ids;
+  std::vector<Eagle3Sequence> seqs;
+};
+Eagle3Case load_eagle3_case(const std::string& id);
+std::vector<std::string> eagle3_case_ids();
 // The ids of every `kind: logits` case of a model_type ("llama", "deepseek_v3").
 std::vector<std::string> logit_case_ids(const std::string& model_type);
 float max_abs_diff(const std::vector<float>& a, const std::vector<float>& b);
