@@ -6,6 +6,7 @@
 #include "models/deepseek_v3/plan.h"
 #include "models/deepseek_v3/presets.h"
 #include "models/deepseek_v3_nextn/model.h"
+#include "models/eagle3_deepseek_v3/model.h"
 #include "models/llama3/model.h"
 #include "models/llama3/presets.h"
 #include "models/plan.h"
@@ -83,6 +84,12 @@ std::unique_ptr<DraftModel> load_draft(const std::string& method,
                              "is '" + arch + "' and has no draft (speculative.method)");
   if (method == "mtp")
     return std::make_unique<deepseek_v3_nextn::DeepseekV3NextN>(target_dir, draft_dir, opts);
+  if (method == "eagle3") {
+    if (!draft_dir)
+      throw std::runtime_error("speculative.method eagle3 needs speculative.draft_model (the "
+                               "Eagle3 draft checkpoint)");
+    return eagle3_deepseek_v3::load(target_dir, *draft_dir, opts);
+  }
   throw std::runtime_error("speculative.method: unknown method '" + method +
                            "' (mtp or eagle3)");
 }

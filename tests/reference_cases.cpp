@@ -18,58 +18,69 @@ std::vector<std::vector<int32_t>> RefCase::sequences() const {
   return s;
 }
 
-RefCase load_case(const std::string& id) {
-  for (const auto& c : reference_index()["cases"]) {
-    if (c["id"] != id) continue;
-    RefCase rc;
-    rc.id = id;
-    rc.checkpoint = reference_dir() / c["checkpoint"].get<std::string>();
-    const auto manifest_path = reference_dir() / c["manifest"].get<std::string>();
-    const auto manifest = nlohmann::json::parse(std::ifstream(manifest_path));
-    rc.vocab = manifest["vocab_size"].get<uint32_t>();
-    for (const auto& s : manifest["sequences"]) {
-      RefSequence r;
-      r.tokens = s["sequence"].get<std::vector<int32_t>>();
-      r.prompt = s["prompt"].get<std::vector<int32_t>>();
-      r.continuation = s["continuation"].get<std::vector<int32_t>>();
-      r.margins = s["top2_margin_per_step"].get<std::vector<float>>();
-      r.logits = read_f32(manifest_path.parent_path() / s["logits_raw"].get<std::string>());
-      EXPECT_EQ(r.logits.size(), r.tokens.size() * rc.vocab) << id;
-      rc.seqs.push_back(std::move(r));
-    }
-    return rc;
-  }
+namespace {
+const nlohmann::json& case_entry(const std::string& id) {
+  for (const auto& c : reference_index()["cases"])
+    if (c["id"] == id) return c;
   throw std::runtime_error("no reference case " + id);
+}
+}  // namespace
+
+RefCase load_case(const std::string& id) {
+  const auto& c = case_entry(id);
+  RefCase rc;
+  rc.id = id;
+  rc.checkpoint = reference_dir() / c["checkpoint"].get<std::string>();
+  const auto manifest_path = reference_dir() / c["manifest"].get<std::string>();
+  const auto manifest = nlohmann::json::parse(std::ifstream(manifest_path));
+  rc.vocab = manifest["vocab_size"].get<uint32_t>();
+  for (const auto& s : manifest["sequences"]) {
+    RefSequence r;
+    r.tokens = s["sequence"].get<std::vector<int32_t>>();
+    r.prompt = s["prompt"].get<std::vector<int32_t>>();
+    r.continuation = s["continuation"].get<std::vector<int32_t>>();
+    r.margins = s["top2_margin_per_step"].get<std::vector<float>>();
+    r.logits = read_f32(manifest_path.parent_path() / s["logits_raw"].get<std::string>());
+    EXPECT_EQ(r.logits.size(), r.tokens.size() * rc.vocab) << id;
+    rc.seqs.push_back(std::move(r));
+  }
+  return rc;
 }
 
 DraftRefCase load_draft_case(const std::string& id) {
-  for (const auto& c : reference_index()["cases"]) {
-    if (c["id"] != id) continue;
-    DraftRefCase rc;
-    rc.id = id;
-    rc.kind = c["kind"].get<std::string>();
-    rc.draft_kind = c.value("draft_kind", std::string());
-    rc.checkpoint = reference_dir() / c["checkpoint"].get<std::string>();
-    const char* hidden_key = rc.kind == "mtp" ? "hidden" : "aux_hidden";
-    for (const auto& s : c["sequences"]) {
-      DraftRefSequence r;
-      r.tokens = s["tokens"].get<std::vector<int32_t>>();
-      const auto& o = s["outputs"];
-      auto read = [&](const char* key) {
-        return read_f32(reference_dir() / o[key]["file"].get<std::string>());
-      };
-      r.target_hidden = read(hidden_key);
-      r.draft_logits = read("draft_logits");
-      r.draft_hidden = read("draft_hidden");
-      rc.vocab = o["draft_logits"]["shape"][1].get<uint32_t>();
-      rc.hidden_width = o[hidden_key]["shape"][1].get<uint32_t>();
-      EXPECT_EQ(r.draft_logits.size(), (r.tokens.size() - 1) * rc.vocab) << id;
-      EXPECT_EQ(r.target_hidden.size(), r.tokens.size() * rc.hidden_width) << id;
-      rc.seqs.push_back(std::move(r));
-    }
-    return rc;
+  const auto& c = case_entry(id);
+  DraftRefCase rc;
+  rc.id = id;
+  rc.kind = c["kind"].get<std::string>();
+  rc.target = reference_dir() / c["checkpoint"].get<std::string>();
+  const bool eagle3 = rc.kind == "eagle3";
+  if (eagle3) {
+    rc.draft = reference_dir() / c["draft_checkpoint"].get<std::string>();
+    rc.mha = c.value("draft_kind", "") == "mha";
+    rc.aux_layer_ids = c["eagle3"]["eagle_aux_hidden_state_layer_ids"].get<std::vector<int64_t>>();
   }
-  throw std::runtime_error("no reference case " + id);
+  const auto manifest_path = reference_dir() / c["manifest"].get<std::string>();
+  const auto manifest = nlohmann::json::parse(std::ifstream(manifest_path));
+  rc.vocab = manifest["vocab_size"].get<uint32_t>();
+  rc.hidden = manifest["hidden_size"].get<uint32_t>();
+  const std::string hidden_key = eagle3 ? "aux_hidden" : "hidden";
+  for (const auto& s : manifest["sequences"]) {
+    DraftRefSequence r;
+    r.tokens = s["sequence"].get<std::vector<int32_t>>();
+    auto file = [&](const std::string& key) {
+      return read_f32(manifest_path.parent_path() / s[key + "_raw"].get<std::string>());
+    };
+    r.target_hidden = file(hidden_key);
+    r.draft_logits = file("draft_logits");
+    r.draft_hidden = file("draft_hidden");
+    const size_t S = r.tokens.size();
+    rc.hidden_width = s[hidden_key + "_shape"][1].get<uint32_t>();
+    EXPECT_EQ(r.target_hidden.size(), S * rc.hidden_width) << id;
+    EXPECT_EQ(r.draft_logits.size(), (S - 1) * rc.vocab) << id;
+    EXPECT_EQ(r.draft_hidden.size(), (S - 1) * rc.hidden) << id;
+    rc.seqs.push_back(std::move(r));
+  }
+  return rc;
 }
 
 std::vector<std::string> case_ids(const std::string& kind) {

@@ -27,19 +27,22 @@ struct RefCase {
 
 RefCase load_case(const std::string& id);
 
-// A draft-head case (`kind: mtp` or `kind: eagle3`): per sequence the target's hidden rows the
-// draft reads ([S, H] after the final norm for MTP, [S, 3H] aux captures for Eagle3) and the
-// draft's outputs at positions 0..S-2 (row i predicts token i + 2).
+// A draft-head case (`kind: mtp` or `kind: eagle3`), from the reference code: per sequence the
+// target's hidden rows the draft reads ([S, H] after the final norm for MTP; [S, 3H] raw outputs
+// of the aux layers for Eagle3) and the draft's outputs; draft position i reads token i + 1 and
+// hidden row i, and its logits row i predicts token i + 2.
 struct DraftRefSequence {
-  std::vector<int32_t> tokens;
-  std::vector<float> target_hidden;  // [S, hidden_width]
-  std::vector<float> draft_logits;   // [S - 1, vocab]
-  std::vector<float> draft_hidden;   // [S - 1, H]
+  std::vector<int32_t> tokens;        // [S]
+  std::vector<float> target_hidden;   // [S, hidden_width]
+  std::vector<float> draft_logits;    // [S - 1, vocab]
+  std::vector<float> draft_hidden;    // [S - 1, hidden]: the draft's output before its norm
 };
 struct DraftRefCase {
-  std::string id, kind, draft_kind;  // kind "mtp" | "eagle3"; draft_kind "mha" for Llama-style
-  std::filesystem::path checkpoint;
-  uint32_t vocab = 0, hidden_width = 0;
+  std::string id, kind;                 // kind "mtp" | "eagle3"
+  std::filesystem::path target, draft;  // checkpoint directories (draft: eagle3 only)
+  bool mha = false;                     // eagle3 "draft_kind": "mha" (Llama-style draft)
+  uint32_t vocab = 0, hidden = 0, hidden_width = 0;
+  std::vector<int64_t> aux_layer_ids;   // eagle3: HF ids (id L = output of layer L - 1)
   std::vector<DraftRefSequence> seqs;
 };
 DraftRefCase load_draft_case(const std::string& id);

@@ -16,8 +16,6 @@
 #include "models/deepseek_v3_nextn/model.h"
 #include "runtime/device.h"
 #include "runtime/device_manager.h"
-#include "runtime/json_fields.h"
-#include "runtime/safetensors.h"
 #include "tests/reference_cases.h"
 #include "tests/test_util.h"
 
@@ -69,7 +67,7 @@ class MtpReference : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(MtpReference, TargetNormalizedHiddenMatches) {
   const auto rc = test::load_draft_case(GetParam());
-  auto target = load_model(rc.checkpoint, LoadOptions{{&test::default_device()}, std::nullopt});
+  auto target = load_model(rc.target, LoadOptions{{&test::default_device()}, std::nullopt});
   target->allocate_kv_cache(64, kPage);
   for (const auto& seq : rc.seqs) {
     StepInputs s = rows_step({seq.tokens}, {0});
@@ -85,7 +83,7 @@ TEST_P(MtpReference, TargetNormalizedHiddenMatches) {
 TEST_P(MtpReference, DraftLogitsMatchInOneStepAndStepByStep) {
   const auto rc = test::load_draft_case(GetParam());
   Device& dev = test::default_device();
-  deepseek_v3_nextn::DeepseekV3NextN draft(rc.checkpoint, std::nullopt, LoadOptions{{&dev}});
+  deepseek_v3_nextn::DeepseekV3NextN draft(rc.target, std::nullopt, LoadOptions{{&dev}});
   EXPECT_EQ(draft.info().target_hidden, ReturnHidden::AllNormalized);
   draft.allocate_kv_cache(64, kPage);
   const uint32_t H = rc.hidden_width, V = rc.vocab;
@@ -134,7 +132,7 @@ TEST_P(MtpReference, TwoDevicesEqualOneDevice) {
     LoadOptions o;
     o.devices = devs;
     o.data_parallel_degree = o.expert_parallel_degree = uint32_t(devs.size());
-    deepseek_v3_nextn::DeepseekV3NextN draft(rc.checkpoint, std::nullopt, o);
+    deepseek_v3_nextn::DeepseekV3NextN draft(rc.target, std::nullopt, o);
     draft.allocate_kv_cache(128, kPage);
     // Rows split over the replicas: the first half of the sequences on replica 0.
     std::vector<uint32_t> splits;
@@ -174,15 +172,9 @@ class Eagle3Captures : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(Eagle3Captures, SelectedLayersMatchAuxHidden) {
   const auto rc = test::load_draft_case(GetParam());
-  const auto draft_dir =
-      test::reference_dir() / "ckpt" /
-      (rc.draft_kind == "mha" ? "deepseek-v3-tiny-grouped-eagle3mha-bf16"
-                              : "deepseek-v3-tiny-grouped-eagle3-bf16");
-  const auto cfg = read_json_file(draft_dir / "config.json");
   std::vector<uint32_t> layers;
-  for (const auto& id : cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
-    layers.push_back(id.get<uint32_t>() - 1);  // HF: id L is the output of layer L - 1
-  auto target = load_model(rc.checkpoint, LoadOptions{{&test::default_device()}, std::nullopt});
+  for (int64_t id : rc.aux_layer_ids) layers.push_back(uint32_t(id - 1));  // HF: layer L - 1
+  auto target = load_model(rc.target, LoadOptions{{&test::default_device()}, std::nullopt});
   target->allocate_kv_cache(64, kPage);
   for (const auto& seq : rc.seqs) {
     StepInputs s = rows_step({seq.tokens}, {0});

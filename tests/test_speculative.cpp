@@ -41,7 +41,9 @@ struct Rig {
   std::unique_ptr<Engine> engine;
 
   Rig(const std::filesystem::path& dir, const std::vector<Device*>& devs, uint32_t K,
-        uint32_t pages, uint32_t max_batch = 8) {
+      uint32_t pages, const std::string& method = "mtp",
+      const std::optional<std::filesystem::path>& draft_dir = std::nullopt) {
+    const uint32_t max_batch = 8;
     const LoadOptions o = options_for(devs);
     target = load_model(dir, o);
     SchedulerLimits lim;
@@ -54,7 +56,7 @@ struct Rig {
     target->allocate_kv_cache(pages, 16);
     SpeculativeOptions spec;
     if (K > 0) {
-      draft = load_draft("mtp", dir, std::nullopt, o);
+      draft = load_draft(method, dir, draft_dir, o);
       draft->allocate_kv_cache(pages, 16);
       spec.num_tokens = K;
     }
@@ -164,9 +166,12 @@ TEST(SpeculativeTrained, StopTokensAndMaxTokensCutAcceptedRuns) {
   }
 }
 
-TEST(SpeculativeTrained, SeededSamplingRepeats) {
-  auto run = [&] {
-    Rig spec(trained(), {&test::default_device()}, 2, 64);
+// Acceptance draws the token plain sampling would draw at each position (same seed), so a seeded
+// speculative run commits the plain run's tokens wherever the verify step's logits round like the
+// plain step's; on this checkpoint they do at every position of these requests.
+TEST(SpeculativeTrained, SeededSamplingEqualsPlainSampling) {
+  auto run = [&](uint32_t K) {
+    Rig spec(trained(), {&test::default_device()}, K, 64);
     std::vector<uint64_t> handles;
     for (const auto& p : prompts(2048, 4)) {
       GenerationRequest r;
@@ -182,10 +187,52 @@ TEST(SpeculativeTrained, SeededSamplingRepeats) {
       for (auto& res : spec.engine->step()) out[res.handle] = res.token_ids;
     return out;
   };
-  const auto a = run(), b = run();
-  EXPECT_EQ(a, b);
-  for (const auto& [h, t] : a) EXPECT_EQ(t.size(), 16u);
+  const auto plain = run(0);
+  for (const auto& [h, t] : plain) EXPECT_EQ(t.size(), 16u);
+  EXPECT_EQ(run(2), plain);
+  EXPECT_EQ(run(4), plain);
 }
+
+// Eagle3 drafts (the MLA and the Llama-style MHA draft of the grouped reference target, and the
+// trained draft of the trained target): the plain greedy tokens.
+class SpeculativeEagle3 : public ::testing::TestWithParam<std::tuple<std::string, std::string, int>> {};
+
+TEST_P(SpeculativeEagle3, GreedyEqualsPlain) {
+  const auto [target_name, draft_name, n_devices] = GetParam();
+  const bool is_trained = target_name == "dsv3-mtp-trained";
+  const auto dir = is_trained ? trained() : test::reference_dir() / "ckpt" / target_name;
+  const auto draft_dir = is_trained ? test::shared_dir() / "models" / draft_name
+                                    : test::reference_dir() / "ckpt" / draft_name;
+  const auto ps = prompts(is_trained ? 2048 : 512, 5);
+  Rig plain(dir, {&test::default_device()}, 0, 64);
+  const auto want = test::run_greedy_requests(*plain.engine, ps, 16);
+  std::unique_ptr<DeviceManager> mgr;
+  std::vector<Device*> devs = {&test::default_device()};
+  if (n_devices > 1) {
+    mgr = std::make_unique<DeviceManager>(test::cpu_devices(std::to_string(n_devices)));
+    devs = mgr->devices();
+  }
+  Rig spec(dir, devs, 3, is_trained ? 64 : 9, "eagle3", draft_dir);
+  EXPECT_EQ(test::run_greedy_requests(*spec.engine, ps, 16), want);
+  const SpeculativeStats& s = spec.engine->stats().speculative;
+  std::cout << target_name << " + " << draft_name << ": " << s.describe() << "\n";
+  EXPECT_GT(s.drafted, 0u);
+  if (is_trained) EXPECT_GT(s.acceptance_rate(), 0.3) << s.describe();
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Drafts, SpeculativeEagle3,
+    ::testing::Values(
+        std::tuple{"deepseek-v3-tiny-grouped-bf16", "deepseek-v3-tiny-grouped-eagle3-bf16", 1},
+        std::tuple{"deepseek-v3-tiny-grouped-fp8", "deepseek-v3-tiny-grouped-eagle3mha-bf16", 1},
+        std::tuple{"deepseek-v3-tiny-grouped-bf16", "deepseek-v3-tiny-grouped-eagle3mha-bf16", 2},
+        std::tuple{"dsv3-mtp-trained", "dsv3-mtp-trained-eagle3", 1}),
+    [](const auto& info) {
+      std::string n = std::get<1>(info.param) + "_dev" + std::to_string(std::get<2>(info.param));
+      for (char& c : n)
+        if (!isalnum(static_cast<unsigned char>(c))) c = '_';
+      return n;
+    });
 
 TEST(SpeculativeDeployment, LlamaTargetHasNoDraft) {
   const auto dir = test::reference_dir() / "ckpt" / "llama3-tiny-f32";

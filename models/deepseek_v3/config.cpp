@@ -40,6 +40,21 @@ Fp8BlockQuant read_quantization(const JsonFields& q) {
 
 }  // namespace
 
+YarnScaling read_yarn_scaling(const JsonFields& rs) {
+  YarnScaling y;
+  y.factor = rs.number("factor");
+  y.original_max_position = rs.integer("original_max_position_embeddings", 4096);
+  y.beta_fast = rs.number("beta_fast", 32.0);
+  y.beta_slow = rs.number("beta_slow", 1.0);
+  y.mscale = rs.number("mscale", 1.0);
+  y.mscale_all_dim = rs.number("mscale_all_dim", 0.0);
+  if (!(y.factor > 0)) rs.error("factor", "must be positive");
+  if (y.original_max_position <= 0)
+    rs.error("original_max_position_embeddings", "must be positive");
+  if (!(y.beta_fast > 0) || !(y.beta_slow > 0)) rs.error("beta_fast", "betas must be positive");
+  return y;
+}
+
 DeepseekV3Config DeepseekV3Config::from_json(const nlohmann::json& j, const std::string& where) {
   JsonFields f(j, where);
   DeepseekV3Config c;
@@ -127,18 +142,7 @@ DeepseekV3Config DeepseekV3Config::from_json(const nlohmann::json& j, const std:
     if (type != "yarn")
       rs->error(rs->has("type") ? "type" : "rope_type",
                 "'" + type + "' is not supported for DeepSeek-V3 (yarn only)");
-    YarnScaling y;
-    y.factor = rs->number("factor");
-    y.original_max_position = rs->integer("original_max_position_embeddings", 4096);
-    y.beta_fast = rs->number("beta_fast", 32.0);
-    y.beta_slow = rs->number("beta_slow", 1.0);
-    y.mscale = rs->number("mscale", 1.0);
-    y.mscale_all_dim = rs->number("mscale_all_dim", 0.0);
-    if (!(y.factor > 0)) rs->error("factor", "must be positive");
-    if (y.original_max_position <= 0)
-      rs->error("original_max_position_embeddings", "must be positive");
-    if (!(y.beta_fast > 0) || !(y.beta_slow > 0)) rs->error("beta_fast", "betas must be positive");
-    c.rope_scaling = y;
+    c.rope_scaling = read_yarn_scaling(*rs);
   }
   c.num_nextn_predict_layers = f.integer("num_nextn_predict_layers", 0);
   if (c.num_nextn_predict_layers < 0) f.error("num_nextn_predict_layers", "must not be negative");
@@ -186,13 +190,23 @@ float DeepseekV3Config::softmax_scale() const {
 }
 
 float DeepseekV3Config::rope_attention_factor() const {
-  if (!rope_scaling) return 1.0f;
-  return float(yarn_mscale(rope_scaling->factor, rope_scaling->mscale) /
-               yarn_mscale(rope_scaling->factor, rope_scaling->mscale_all_dim));
+  return yarn_attention_factor(rope_scaling);
 }
 
 std::vector<float> DeepseekV3Config::rope_inv_freqs() const {
-  const int64_t dim = qk_rope_head_dim, half = dim / 2;
+  return yarn_inv_freqs(qk_rope_head_dim, rope_theta, rope_scaling);
+}
+
+float yarn_attention_factor(const std::optional<YarnScaling>& scaling) {
+  if (!scaling) return 1.0f;
+  using C = DeepseekV3Config;
+  return float(C::yarn_mscale(scaling->factor, scaling->mscale) /
+               C::yarn_mscale(scaling->factor, scaling->mscale_all_dim));
+}
+
+std::vector<float> yarn_inv_freqs(int64_t dim, double rope_theta,
+                                  const std::optional<YarnScaling>& rope_scaling) {
+  const int64_t half = dim / 2;
   std::vector<float> inv(static_cast<size_t>(half));
   for (int64_t i = 0; i < half; ++i)
     inv[size_t(i)] = 1.0f / std::pow(float(rope_theta), float(2 * i) / float(dim));

@@ -10,6 +10,10 @@
 
 #include <nlohmann/json.hpp>
 
+namespace clshard {
+class JsonFields;
+}
+
 namespace clshard::deepseek_v3 {
 
 // rope_scaling with type (or rope_type) "yarn".
@@ -21,6 +25,14 @@ struct YarnScaling {
   double mscale = 1.0;
   double mscale_all_dim = 0.0;
 };
+
+// DeepSeek's YaRN for any config that uses it (DeepSeek-V3, and the Eagle3 MHA draft, whose
+// Llama-style config carries a DeepSeek rope_scaling): the rope_scaling object's fields (its type
+// checked by the caller), the dim/2 inverse frequencies, and the multiplier on cos/sin.
+YarnScaling read_yarn_scaling(const JsonFields& rope_scaling);
+std::vector<float> yarn_inv_freqs(int64_t dim, double rope_theta,
+                                  const std::optional<YarnScaling>& scaling);
+float yarn_attention_factor(const std::optional<YarnScaling>& scaling);
 
 // quantization_config of the released FP8 checkpoints: e4m3 weights with one f32 multiplier
 // (`weight_scale_inv`) per block_n x block_k block; activations dynamic.

@@ -88,22 +88,8 @@ class Loader {
     return to_device(dev_, s_.expect(name, shape, dtypes));
   }
 
-  // `prefix`.weight [out, in] and, when it is F8_E4M3, `prefix`.weight_scale_inv.
   Linear linear(const std::string& prefix, int64_t out, int64_t in) {
-    Linear l;
-    const TensorView& w = s_.expect(prefix + ".weight", {out, in}, kLinearTypes);
-    l.w = to_device(dev_, w);
-    if (w.dtype == DType::F8_E4M3) {
-      const std::string sname = prefix + ".weight_scale_inv";
-      const std::vector<int64_t> sshape = {ceil_div(out, kFp8Block), ceil_div(in, kFp8Block)};
-      if (!s_.has(sname))
-        throw std::runtime_error(w.file->string() + ": tensor '" + w.name +
-                                 "' is F8_E4M3 but its block scales '" + sname + "' [" +
-                                 std::to_string(sshape[0]) + ", " + std::to_string(sshape[1]) +
-                                 "] F32 are missing");
-      l.scale_inv = to_device(dev_, s_.expect(sname, sshape, {DType::F32}));
-    }
-    return l;
+    return load_linear(s_, dev_, prefix, out, in);
   }
 
   MlpWeights mlp(const std::string& prefix, int64_t hidden, int64_t inter) {
@@ -120,6 +106,24 @@ class Loader {
 };
 
 }  // namespace
+
+Linear load_linear(const WeightStore& s, Device& dev, const std::string& prefix, int64_t out,
+                   int64_t in) {
+  Linear l;
+  const TensorView& w = s.expect(prefix + ".weight", {out, in}, kLinearTypes);
+  l.w = to_device(dev, w);
+  if (w.dtype == DType::F8_E4M3) {
+    const std::string sname = prefix + ".weight_scale_inv";
+    const std::vector<int64_t> sshape = {ceil_div(out, kFp8Block), ceil_div(in, kFp8Block)};
+    if (!s.has(sname))
+      throw std::runtime_error(w.file->string() + ": tensor '" + w.name +
+                               "' is F8_E4M3 but its block scales '" + sname + "' [" +
+                               std::to_string(sshape[0]) + ", " + std::to_string(sshape[1]) +
+                               "] F32 are missing");
+    l.scale_inv = to_device(dev, s.expect(sname, sshape, {DType::F32}));
+  }
+  return l;
+}
 
 std::vector<int64_t> mtp_layers_present(const DeepseekV3Config& c, const WeightStore& s) {
   std::set<int64_t> ids;
@@ -169,11 +173,6 @@ LayerWeights load_layer(const DeepseekV3Config& c, const WeightStore& s, Device&
     L.mlp = ld.mlp(p + "mlp.", H, c.intermediate_size);
   }
   return L;
-}
-
-Linear load_linear(const WeightStore& s, Device& dev, const std::string& prefix, int64_t out,
-                   int64_t in) {
-  return Loader(s, dev).linear(prefix, out, in);
 }
 
 DeepseekV3Weights load_weights(const DeepseekV3Config& c, const WeightStore& s, Device& dev,

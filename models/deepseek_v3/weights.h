@@ -83,7 +83,8 @@ LayerWeights load_layer(const DeepseekV3Config& cfg, const WeightStore& store, D
                         const std::string& prefix, bool is_moe, uint32_t expert_begin = 0,
                         uint32_t expert_end = UINT32_MAX);
 
-// `prefix`.weight [out, in] (F32, BF16, or F8_E4M3 with `prefix`.weight_scale_inv).
+// `prefix`.weight [out, in] on `dev` (F32, BF16 or F8_E4M3) and, when it is F8_E4M3, its block
+// scales `prefix`.weight_scale_inv; errors name the tensor and the file.
 Linear load_linear(const WeightStore& store, Device& dev, const std::string& prefix, int64_t out,
                    int64_t in);
 

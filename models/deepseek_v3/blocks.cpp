@@ -1,0 +1,118 @@
+#include "models/deepseek_v3/blocks.h"
+
+#include <algorithm>
+
+#include "parallel/collectives.h"
+#include "runtime/ops.h"
+
+namespace clshard::deepseek_v3 {
+
+MlaParams MlaParams::from(const DeepseekV3Config& c, bool fp8_act_quant) {
+  MlaParams p;
+  p.shape.n_heads = uint32_t(c.num_attention_heads);
+  p.shape.kv_lora = uint32_t(c.kv_lora_rank);
+  p.shape.nope = uint32_t(c.qk_nope_head_dim);
+  p.shape.rope = uint32_t(c.qk_rope_head_dim);
+  p.shape.v = uint32_t(c.v_head_dim);
+  ops::validate(p.shape);
+  p.q_lora = uint32_t(c.q_lora_rank);
+  p.eps = float(c.rms_norm_eps);
+  p.rope_factor = c.rope_attention_factor();
+  p.rope_interleave = c.rope_interleave;
+  p.softmax_scale = c.softmax_scale();
+  p.fp8_act_quant = fp8_act_quant;
+  return p;
+}
+
+MlaScratch::MlaScratch(Device& dev, const MlaParams& p, size_t rows)
+    : qkv_a(dev, rows * p.qkv_a_width() * 4),
+      q(dev, rows * p.q_width() * 4),
+      qa_norm(dev, rows * std::max(p.q_lora, 1u) * 4),
+      att(dev, rows * p.att_width() * 4) {}
+
+void mla_attention(Device& dev, const MlaWeights& a, const MlaParams& p, const cl::Mem& x,
+                   uint32_t ldx, uint32_t T, const MlaCacheStep& cs, MlaScratch& s,
+                   const cl::Mem& h, uint32_t ldh, bool accumulate) {
+  const uint32_t Lq = p.q_lora, qkv_a_width = p.qkv_a_width(), q_width = p.q_width();
+  const uint32_t att_width = p.att_width();
+  const bool aq = p.fp8_act_quant;
+  auto linear = [&](const cl::Mem& in, uint32_t ld, const Linear& l, const cl::Mem& out,
+                    uint32_t off, uint32_t ldo, bool acc) {
+    ops::linear_any(dev, in, 0, ld, l.w, &l.scale_inv, out, off, ldo, T, 1.0f, acc, aq);
+  };
+  if (Lq > 0) {
+    linear(x, ldx, a.q_a, s.qkv_a.mem(), 0, qkv_a_width, false);
+    linear(x, ldx, a.kv_a, s.qkv_a.mem(), Lq, qkv_a_width, false);
+    ops::rmsnorm(dev, s.qkv_a.mem(), 0, qkv_a_width, nullptr, a.q_a_norm, s.qa_norm.mem(), 0, Lq, T,
+                 Lq, p.eps);
+    linear(s.qa_norm.mem(), Lq, a.q_b, s.q.mem(), 0, q_width, false);
+  } else {
+    linear(x, ldx, a.q, s.q.mem(), 0, q_width, false);
+    linear(x, ldx, a.kv_a, s.qkv_a.mem(), 0, qkv_a_width, false);
+  }
+  ops::mla_rope_store(dev, s.q.mem(), 0, q_width, s.qkv_a.mem(), Lq, qkv_a_width, a.kv_a_norm,
+                      p.eps, *cs.inv_freq, p.rope_factor, p.rope_interleave, p.shape, *cs.tokens,
+                      *cs.cache_layer);
+  if (cs.path == ops::MlaPath::Decode)
+    ops::mla_attention_decode(dev, s.q.mem(), 0, q_width, *cs.cache_layer, *cs.tokens, a.kv_b.w,
+                              &a.kv_b.scale_inv, p.shape, p.softmax_scale, s.att.mem(), att_width);
+  else
+    ops::mla_attention_prefill(dev, s.q.mem(), 0, q_width, *cs.cache_layer, *cs.tokens, *cs.plan,
+                               a.kv_b.w, &a.kv_b.scale_inv, p.shape, p.softmax_scale, s.att.mem(),
+                               att_width);
+  linear(s.att.mem(), att_width, a.o, h, 0, ldh, accumulate);
+}
+
+void dense_mlp(Device& dev, const MlpWeights& m, const cl::Mem& x, uint32_t x_off, uint32_t ldx,
+               uint32_t M, const cl::Mem& gu, const cl::Mem& y, uint32_t y_off, uint32_t ldy,
+               bool accumulate, bool fp8_act_quant) {
+  const uint32_t F = m.gate.out_features();
+  ops::linear_any(dev, x, x_off, ldx, m.gate.w, &m.gate.scale_inv, gu, 0, 2 * F, M, 1.0f, false,
+                  fp8_act_quant);
+  ops::linear_any(dev, x, x_off, ldx, m.up.w, &m.up.scale_inv, gu, F, 2 * F, M, 1.0f, false,
+                  fp8_act_quant);
+  // silu(gate) * up over the gate half, then the down projection.
+  ops::silu_mul(dev, gu, 0, 2 * F, gu, F, 2 * F, gu, 2 * F, M, F);
+  ops::linear_any(dev, gu, 0, 2 * F, m.down.w, &m.down.scale_inv, y, y_off, ldy, M, 1.0f,
+                  accumulate, fp8_act_quant);
+}
+
+void ReplicaLogits::prepare(const std::vector<Device*>& devs,
+                            const std::vector<const DeviceStep*>& steps, uint32_t vocab,
+                            StepOutputs& out) {
+  const size_t N = devs.size();
+  bufs_.resize(N);
+  rows_.assign(N, 0);
+  vocab_ = vocab;
+  total_ = 0;
+  out.device = devs[0];
+  out.vocab = vocab;
+  out.logit_offsets = {0};
+  for (size_t r = 0; r < N; ++r) {
+    const auto& o = steps[r]->logit_offsets;
+    for (size_t b = 1; b < o.size(); ++b) out.logit_offsets.push_back(total_ + o[b]);
+    rows_[r] = uint32_t(steps[r]->logit_token_indices.size());
+    total_ += rows_[r];
+  }
+  out.rows = total_;
+  for (size_t r = 0; r < N; ++r) {
+    const size_t need = std::max<size_t>(size_t(r == 0 ? total_ : rows_[r]) * vocab, 1);
+    if (need > bufs_[r].capacity) {
+      bufs_[r].capacity = need;
+      bufs_[r].mem = devs[r]->alloc(need * sizeof(float));
+    }
+  }
+  out.logits = bufs_[0].mem;
+}
+
+void ReplicaLogits::gather(parallel::Communicator* comm, const char* what) {
+  const size_t N = bufs_.size();
+  if (N < 2 || total_ == 0) return;
+  std::vector<std::vector<parallel::DeviceSpan>> send(N, std::vector<parallel::DeviceSpan>(N));
+  std::vector<parallel::DeviceSpan> recv(N);
+  for (size_t r = 1; r < N; ++r) send[r][0] = {bufs_[r].mem, 0, size_t(rows_[r]) * vocab_};
+  recv[0] = {bufs_[0].mem, size_t(rows_[0]) * vocab_, size_t(total_ - rows_[0]) * vocab_};
+  comm->all_to_all_rows(send, recv, vocab_, what);
+}
+
+}  // namespace clshard::deepseek_v3
