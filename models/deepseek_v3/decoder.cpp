@@ -46,6 +46,7 @@ DecoderStack::DecoderStack(const DeepseekV3Config& cfg, const std::filesystem::p
   try {
     ops::validate(mla_);
     ops::validate(router_);
+    mla_params_ = MlaParams::from(cfg_, opts.quantize_fp8_activations);
   } catch (const std::invalid_argument& e) {
     throw std::runtime_error((dir / "config.json").string() + ": not supported: " + e.what());
   }
@@ -117,22 +118,10 @@ void DecoderStack::allocate_cache(uint32_t num_pages, uint32_t page_size) {
   page_size_ = page_size;
 }
 
-void DecoderStack::mlp(Device& dev, const MlpWeights& m, const cl::Mem& x, uint32_t x_off,
-                          uint32_t M, uint32_t F, const cl::Mem& gu, const cl::Mem& y,
-                          uint32_t y_off, bool accumulate) {
-  const uint32_t H = uint32_t(cfg_.hidden_size);
-  ops::linear_any(dev, x, x_off, H, m.gate.w, &m.gate.scale_inv, gu, 0, 2 * F, M, 1.0f, false, fp8_act_quant_);
-  ops::linear_any(dev, x, x_off, H, m.up.w, &m.up.scale_inv, gu, F, 2 * F, M, 1.0f, false, fp8_act_quant_);
-  // silu(gate) * up over the gate half, then the down projection.
-  ops::silu_mul(dev, gu, 0, 2 * F, gu, F, 2 * F, gu, 2 * F, M, F);
-  ops::linear_any(dev, gu, 0, 2 * F, m.down.w, &m.down.scale_inv, y, y_off, H, M, 1.0f, accumulate, fp8_act_quant_);
-}
-
 void DecoderStack::moe(size_t layer, std::vector<ReplicaWork>& work) {
   const size_t N = replicas_.size();
   const uint32_t H = uint32_t(cfg_.hidden_size), E = router_.n_experts, k = router_.top_k;
   const uint32_t F = uint32_t(cfg_.moe_intermediate_size);
-  const uint32_t Fs = uint32_t(cfg_.n_shared_experts) * F;
   auto moe_of = [&](size_t r) -> const MoeWeights& { return replicas_[r].layers[layer].moe; };
   auto rows = [](size_t n) { return std::max<size_t>(n, 1); };  // buffers of at least one row
 
@@ -266,7 +255,9 @@ void DecoderStack::moe(size_t layer, std::vector<ReplicaWork>& work) {
     const MoeWeights& m = moe_of(d);
     for (size_t e = 0; e + 1 < expert_rows[d].size(); ++e) {
       const uint32_t begin = expert_rows[d][e], n = expert_rows[d][e + 1] - begin;
-      if (n > 0) mlp(dev, m.experts[e], *x, begin * H, n, F, gu.mem(), *y, begin * H, false);
+      if (n > 0)
+        dense_mlp(dev, m.experts[e], *x, begin * H, H, n, gu.mem(), *y, begin * H, H, false,
+                  fp8_act_quant_);
     }
     if (regroup[d]) ops::gather_rows(dev, outg.mem(), H, back[d].mem(), M, H, out_recv[d].mem(), H);
     dev.flush();
@@ -285,57 +276,25 @@ void DecoderStack::moe(size_t layer, std::vector<ReplicaWork>& work) {
     if (w.T == 0) continue;
     ops::moe_combine(*w.dev, ret[r].mem(), H, slot_row[r].mem(), weights[r].mem(), w.T, k, H,
                      w.h.mem(), H, true);
-    if (moe_of(r).shared) mlp(*w.dev, moe_of(r).shared, w.xn.mem(), 0, w.T, Fs, w.gu.mem(),
-                              w.h.mem(), 0, true);
+    if (moe_of(r).shared)
+      dense_mlp(*w.dev, moe_of(r).shared, w.xn.mem(), 0, H, w.T, w.gu.mem(), w.h.mem(), 0, H,
+                true, fp8_act_quant_);
   }
 }
 
 void DecoderStack::attention(size_t l, ReplicaWork& w, Replica& rep) {
   Device& dev = *w.dev;
-  const uint32_t Tr = w.T, H = uint32_t(cfg_.hidden_size);
-  const uint32_t Lq = uint32_t(cfg_.q_lora_rank), Nh = mla_.n_heads;
-  const uint32_t q_width = Nh * mla_.qk(), att_width = Nh * mla_.v;
-  // The fused projection's output per token: [q_a (Lq) | c_kv (kv_lora) | k_pe (rope)].
-  const uint32_t qkv_a_width = Lq + mla_.row();
-  const float eps = float(cfg_.rms_norm_eps);
-  const bool aq = fp8_act_quant_;
+  const uint32_t H = uint32_t(cfg_.hidden_size);
   const LayerWeights& L = rep.layers[l];
-  const MlaWeights& a = L.attn;
-  const cl::Mem& cache = rep.cache[l];
-  ops::rmsnorm(dev, w.h.mem(), 0, H, nullptr, L.input_norm, w.xn.mem(), 0, H, Tr, H, eps);
-  if (Lq > 0) {
-    ops::linear_any(dev, w.xn.mem(), 0, H, a.q_a.w, &a.q_a.scale_inv, w.qkv_a.mem(), 0,
-                    qkv_a_width, Tr, 1.0f, false, aq);
-    ops::linear_any(dev, w.xn.mem(), 0, H, a.kv_a.w, &a.kv_a.scale_inv, w.qkv_a.mem(), Lq,
-                    qkv_a_width, Tr, 1.0f, false, aq);
-    ops::rmsnorm(dev, w.qkv_a.mem(), 0, qkv_a_width, nullptr, a.q_a_norm, w.qa_norm.mem(), 0, Lq,
-                 Tr, Lq, eps);
-    ops::linear_any(dev, w.qa_norm.mem(), 0, Lq, a.q_b.w, &a.q_b.scale_inv, w.q.mem(), 0,
-                    q_width, Tr, 1.0f, false, aq);
-  } else {
-    ops::linear_any(dev, w.xn.mem(), 0, H, a.q.w, &a.q.scale_inv, w.q.mem(), 0, q_width, Tr,
-                    1.0f, false, aq);
-    ops::linear_any(dev, w.xn.mem(), 0, H, a.kv_a.w, &a.kv_a.scale_inv, w.qkv_a.mem(), 0,
-                    qkv_a_width, Tr, 1.0f, false, aq);
-  }
-  ops::mla_rope_store(dev, w.q.mem(), 0, q_width, w.qkv_a.mem(), Lq, qkv_a_width, a.kv_a_norm,
-                      eps, rep.inv_freq, cfg_.rope_attention_factor(), cfg_.rope_interleave, mla_,
-                      w.st.tokens, cache);
-  if (last_path_ == ops::MlaPath::Decode)
-    ops::mla_attention_decode(dev, w.q.mem(), 0, q_width, cache, w.st.tokens, a.kv_b.w,
-                              &a.kv_b.scale_inv, mla_, cfg_.softmax_scale(), w.att.mem(),
-                              att_width);
-  else
-    ops::mla_attention_prefill(dev, w.q.mem(), 0, q_width, cache, w.st.tokens, w.plan, a.kv_b.w,
-                               &a.kv_b.scale_inv, mla_, cfg_.softmax_scale(), w.att.mem(),
-                               att_width);
-  ops::linear_any(dev, w.att.mem(), 0, att_width, a.o.w, &a.o.scale_inv, w.h.mem(), 0, H, Tr,
-                  1.0f, true, aq);
-  ops::rmsnorm(dev, w.h.mem(), 0, H, nullptr, L.post_attention_norm, w.xn.mem(), 0, H, Tr, H,
-               eps);
+  ops::rmsnorm(dev, w.h.mem(), 0, H, nullptr, L.input_norm, w.xn.mem(), 0, H, w.T, H,
+               mla_params_.eps);
+  const MlaCacheStep cs{&rep.cache[l], &w.st.tokens, last_path_, &w.plan, &rep.inv_freq};
+  mla_attention(dev, L.attn, mla_params_, w.xn.mem(), H, w.T, cs, w.mla, w.h.mem(), H, true);
+  ops::rmsnorm(dev, w.h.mem(), 0, H, nullptr, L.post_attention_norm, w.xn.mem(), 0, H, w.T, H,
+               mla_params_.eps);
   if (!L.is_moe)
-    mlp(dev, L.mlp, w.xn.mem(), 0, Tr, uint32_t(cfg_.intermediate_size), w.gu.mem(), w.h.mem(),
-        0, true);
+    dense_mlp(dev, L.mlp, w.xn.mem(), 0, H, w.T, w.gu.mem(), w.h.mem(), 0, H, true,
+              fp8_act_quant_);
 }
 
 std::vector<ReplicaWork> DecoderStack::begin_step(const StepInputs& in, uint32_t vocab,
@@ -347,9 +306,6 @@ std::vector<ReplicaWork> DecoderStack::begin_step(const StepInputs& in, uint32_t
                                 " replica(s), the model " + std::to_string(N) +
                                 " (data_parallel_splits)");
   const uint32_t H = uint32_t(cfg_.hidden_size);
-  const uint32_t Lq = uint32_t(cfg_.q_lora_rank), Nh = mla_.n_heads;
-  const uint32_t q_width = Nh * mla_.qk(), att_width = Nh * mla_.v;
-  const uint32_t qkv_a_width = Lq + mla_.row();
   const uint32_t ffn = uint32_t(std::max(cfg_.intermediate_size, cfg_.moe_intermediate_size));
   const uint32_t Fs = uint32_t(cfg_.n_shared_experts * cfg_.moe_intermediate_size);
 
@@ -371,10 +327,7 @@ std::vector<ReplicaWork> DecoderStack::begin_step(const StepInputs& in, uint32_t
       w.plan = ops::upload_mla_prefill_plan(dev, w.in, page_size_);
     w.h = Scratch(dev, t * H * 4);
     w.xn = Scratch(dev, t * std::max(H, input_width) * 4);
-    w.qkv_a = Scratch(dev, t * qkv_a_width * 4);
-    w.q = Scratch(dev, t * q_width * 4);
-    w.qa_norm = Scratch(dev, t * std::max(Lq, 1u) * 4);
-    w.att = Scratch(dev, t * att_width * 4);
+    w.mla = MlaScratch(dev, mla_params_, t);
     w.gu = Scratch(dev, t * 2 * std::max(ffn, Fs) * 4);
   }
   return work;
@@ -403,45 +356,20 @@ StepOutputs DecoderStack::logits(std::vector<ReplicaWork>& work,
   // shard; the tiny vocabularies here gain nothing from sharding it.
   const size_t N = replicas_.size();
   const uint32_t H = uint32_t(cfg_.hidden_size), V = uint32_t(lm_head.at(0)->dim(0));
-  Replica& first = replicas_[0];
+  std::vector<const DeviceStep*> steps;
+  for (const auto& w : work) steps.push_back(&w.st);
   StepOutputs out;
-  out.device = first.dev;
-  out.vocab = V;
-  out.logit_offsets = {0};
-  std::vector<uint32_t> rows_of(N);
-  for (size_t r = 0; r < N; ++r) {
-    const auto& o = work[r].st.logit_offsets;
-    for (size_t b = 1; b < o.size(); ++b) out.logit_offsets.push_back(out.rows + o[b]);
-    rows_of[r] = uint32_t(work[r].st.logit_token_indices.size());
-    out.rows += rows_of[r];
-  }
-  for (size_t r = 0; r < N; ++r) {
-    Replica& rep = replicas_[r];
-    const size_t need = size_t(std::max<uint32_t>(r == 0 ? out.rows : rows_of[r], 1)) * V;
-    if (need > rep.logits_capacity) {
-      rep.logits_capacity = need;
-      rep.logits = rep.dev->alloc(need * sizeof(float));
-    }
-  }
-  out.logits = first.logits;
+  logits_.prepare(devices(), steps, V, out);
   for (size_t r = 0; r < N; ++r) {
     ReplicaWork& w = work[r];
-    if (rows_of[r] == 0) continue;
-    Scratch xs(*w.dev, size_t(rows_of[r]) * H * 4);
-    ops::rmsnorm(*w.dev, w.h.mem(), 0, H, &w.st.logit_rows, *final_norm[r], xs.mem(), 0, H,
-                 rows_of[r], H, eps());
-    ops::linear(*w.dev, xs.mem(), 0, H, *lm_head[r], nullptr, replicas_[r].logits, 0, V,
-                rows_of[r]);
+    const uint32_t rows = logits_.rows(r);
+    if (rows == 0) continue;
+    Scratch xs(*w.dev, size_t(rows) * H * 4);
+    ops::rmsnorm(*w.dev, w.h.mem(), 0, H, &w.st.logit_rows, *final_norm[r], xs.mem(), 0, H, rows,
+                 H, eps());
+    ops::linear(*w.dev, xs.mem(), 0, H, *lm_head[r], nullptr, logits_.buffer(r), 0, V, rows);
   }
-  if (N > 1 && out.rows > rows_of[0]) {
-    // Gather: replica r > 0 sends its rows to device 0, behind replica 0's own rows (which its
-    // lm_head wrote in place); nothing goes anywhere else.
-    std::vector<std::vector<parallel::DeviceSpan>> send(N, std::vector<parallel::DeviceSpan>(N));
-    std::vector<parallel::DeviceSpan> recv(N);
-    for (size_t r = 1; r < N; ++r) send[r][0] = {replicas_[r].logits, 0, size_t(rows_of[r]) * V};
-    recv[0] = {first.logits, size_t(rows_of[0]) * V, size_t(out.rows - rows_of[0]) * V};
-    comm_->all_to_all_rows(send, recv, V, "logits gather");
-  }
+  logits_.gather(comm_.get(), "logits gather");
   for (auto& w : work) w.dev->flush();  // the caller reads the logits when it needs them
   return out;
 }

@@ -21,6 +21,7 @@
 #include <optional>
 #include <vector>
 
+#include "models/deepseek_v3/blocks.h"
 #include "models/deepseek_v3/config.h"
 #include "models/deepseek_v3/weights.h"
 #include "parallel/placement.h"
@@ -44,7 +45,8 @@ struct ReplicaWork {
   DeviceStep st;
   ops::MlaPrefillPlan plan;
   uint32_t T = 0;
-  Scratch h, xn, qkv_a, q, qa_norm, att, gu;
+  Scratch h, xn, gu;
+  MlaScratch mla;
 };
 
 class DecoderStack {
@@ -114,13 +116,10 @@ class DecoderStack {
     cl::Mem inv_freq;
     // Paged MLA cache, one buffer per layer: [(num_pages + 1) * page_size, kv_lora + rope] f32.
     std::vector<cl::Mem> cache;
-    cl::Mem logits, hidden;  // this replica's logits rows (device 0: the step's whole output)
-    size_t logits_capacity = 0, hidden_capacity = 0;
+    cl::Mem hidden;  // hidden states returned by the last step
+    size_t hidden_capacity = 0;
   };
 
-  // y (+)= down(silu(gate(x)) * up(x)) for M rows on dev; gu is scratch of at least M x 2F floats.
-  void mlp(Device& dev, const MlpWeights& m, const cl::Mem& x, uint32_t x_off, uint32_t M,
-           uint32_t F, const cl::Mem& gu, const cl::Mem& y, uint32_t y_off, bool accumulate);
   void attention(size_t l, ReplicaWork& w, Replica& rep);
   // Every replica's h += routed experts + shared expert of its xn, for MoE layer `layer`.
   void moe(size_t layer, std::vector<ReplicaWork>& work);
@@ -131,7 +130,9 @@ class DecoderStack {
   std::vector<double> throughput_;
   std::unique_ptr<parallel::Communicator> comm_;  // when more than one device
   ops::MlaShape mla_;
+  MlaParams mla_params_;
   ops::RouterConfig router_;
+  ReplicaLogits logits_;
   ops::MlaPath mla_path_ = ops::MlaPath::Auto, last_path_ = ops::MlaPath::Auto;
   // FP8 weights: activations fake-quantized per token per 128 columns before each FP8 linear
   // (LoadOptions::quantize_fp8_activations, as MAX runs FP8 checkpoints), or kept f32 (default).
