@@ -523,10 +523,16 @@ void check_consistency(const DeployConfig& cfg, const Parser& parser) {
 
   const SpeculativeSection& sp = cfg.speculative;
   if (sp.method == SpeculativeMethod::None) {
-    for (const char* key : {"speculative.num_speculative_tokens", "speculative.draft_model",
-                            "speculative.acceptance", "speculative.relaxed_topk",
-                            "speculative.relaxed_delta"})
-      if (cfg.has_key(key)) parser.fail_at(key, "set, but speculative.method is none");
+    // The defaults may be written out (configs/example.yaml does); other values mean nothing.
+    const SpeculativeSection defaults;
+    const std::pair<const char*, bool> keys[] = {
+        {"speculative.num_speculative_tokens", sp.num_speculative_tokens != 0},
+        {"speculative.draft_model", !sp.draft_model.empty()},
+        {"speculative.acceptance", sp.acceptance != defaults.acceptance},
+        {"speculative.relaxed_topk", sp.relaxed_topk != defaults.relaxed_topk},
+        {"speculative.relaxed_delta", sp.relaxed_delta != defaults.relaxed_delta}};
+    for (const auto& [key, set] : keys)
+      if (set) parser.fail_at(key, "set, but speculative.method is none");
   } else {
     if (sp.num_speculative_tokens < 1)
       parser.fail_at(cfg.has_key("speculative.num_speculative_tokens") ? "speculative.num_speculative_tokens" : "speculative.method",
