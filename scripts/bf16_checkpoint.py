@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Copies a Hugging Face checkpoint directory with its F32 tensors rounded to BF16 (round to
-nearest even), everything else as is: how configs/models/dsv3-mtp-trained was made from
+nearest even) — except DeepSeek's router correction bias, which stays F32 as in the released
+checkpoints — everything else as is: how configs/models/dsv3-mtp-trained was made from
 ../shared/models/dsv3-mtp-trained. Standard library only.
 
     python3 scripts/bf16_checkpoint.py SRC_DIR DST_DIR
@@ -36,7 +37,7 @@ def convert(src: Path, dst: Path) -> None:
         info = dict(header[name])
         b, e = info["data_offsets"]
         blob = data[b:e]
-        if info["dtype"] == "F32":
+        if info["dtype"] == "F32" and not name.endswith("e_score_correction_bias"):
             blob, info["dtype"] = to_bf16(blob), "BF16"
         info["data_offsets"] = [offset, offset + len(blob)]
         offset += len(blob)
