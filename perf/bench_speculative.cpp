@@ -117,6 +117,29 @@ double draft_steps_time(DraftModel& draft, Device& dev, uint32_t context, uint32
   });
 }
 
+void step_costs(const std::filesystem::path& dir, const LoadOptions& opts, Device& dev,
+                std::map<uint32_t, double>& mean_len) {
+  auto big = load_model(dir, opts);
+  auto big_draft = load_draft("mtp", dir, std::nullopt, opts);
+  const uint32_t context = 128;
+  big->allocate_kv_cache(64, 16);
+  big_draft->allocate_kv_cache(64, 16);
+  const double t_plain = verify_step_time(*big, context, 1, false);
+  std::printf("\n%s, batch 1, context %u: plain decode step %.2f ms\n", dir.c_str(), context,
+              1e3 * t_plain);
+  std::printf("%3s %14s %14s %14s %22s\n", "K", "verify ms", "draft ms", "step ms",
+              "implied speed-up");
+  for (uint32_t K = 1; K <= 4; ++K) {
+    const double t_verify = verify_step_time(*big, context, K + 1, true);
+    // Draft step 0 covers the accepted positions + 1; take the mean accepted length of part 1.
+    const uint32_t accepted = uint32_t(std::max(0.0, mean_len[K] - 1.0) + 0.5);
+    const double t_draft = draft_steps_time(*big_draft, dev, context, K, accepted);
+    const double speedup = mean_len[K] * t_plain / (t_verify + t_draft);
+    std::printf("%3u %14.2f %14.2f %14.2f %12.2fx (mean len %.2f)\n", K, 1e3 * t_verify,
+                1e3 * t_draft, 1e3 * (t_verify + t_draft), speedup, mean_len[K]);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -166,26 +189,10 @@ int main(int argc, char** argv) {
                 100.0 * b1.spec.acceptance_rate(), b1.spec.mean_accepted_length(), by_pos.c_str());
   }
 
-  // 2. The memory-bound preset: verify and draft cost against a plain decode step.
+  // 2. Verify and draft cost against a plain decode step: on the memory-bound preset, and on the
+  // trained checkpoint (tiny: its steps are launch-bound).
   const auto mini = ensure_preset("dsv3-mini-mtp", "bf16", ".cache/models/dsv3-mini-mtp-bf16");
-  auto big = load_model(mini, opts);
-  auto big_draft = load_draft("mtp", mini, std::nullopt, opts);
-  const uint32_t context = 128;
-  big->allocate_kv_cache(64, 16);
-  big_draft->allocate_kv_cache(64, 16);
-  const double t_plain = verify_step_time(*big, context, 1, false);
-  std::printf("\n%s, batch 1, context %u: plain decode step %.1f ms\n", mini.c_str(), context,
-              1e3 * t_plain);
-  std::printf("%3s %14s %14s %14s %22s\n", "K", "verify ms", "draft ms", "step ms",
-              "implied speed-up");
-  for (uint32_t K = 1; K <= 4; ++K) {
-    const double t_verify = verify_step_time(*big, context, K + 1, true);
-    // Draft step 0 covers the accepted positions + 1; take the mean accepted length of part 1.
-    const uint32_t accepted = uint32_t(std::max(0.0, mean_len[K] - 1.0) + 0.5);
-    const double t_draft = draft_steps_time(*big_draft, dev, context, K, accepted);
-    const double speedup = mean_len[K] * t_plain / (t_verify + t_draft);
-    std::printf("%3u %14.1f %14.1f %14.1f %12.2fx (mean len %.2f)\n", K, 1e3 * t_verify,
-                1e3 * t_draft, 1e3 * (t_verify + t_draft), speedup, mean_len[K]);
-  }
+  for (const std::filesystem::path& dir : {mini, trained})
+    step_costs(dir, opts, dev, mean_len);
   return 0;
 }
