@@ -7,6 +7,7 @@
 #include <fstream>
 
 #include "runtime/safetensors.h"
+#include "tests/reference_cases.h"
 #include "tests/test_util.h"
 
 namespace clshard {
@@ -52,6 +53,41 @@ TEST(Cli, LogitsCommandMatchesReference) {
     for (size_t j = 0; j < got.size(); ++j) worst = std::max(worst, std::abs(got[j] - want[j]));
     EXPECT_LT(worst, 1e-3f) << "sequence " << i;
   }
+}
+
+// `clshard logits --head mtp | eagle3` writes the draft head's logits (S - 1 rows per sequence),
+// matching the `kind: mtp` and `kind: eagle3` reference cases; the manifest says which head.
+TEST(Cli, DraftHeadLogitsMatchReference) {
+  for (const char* id : {"deepseek-v3-tiny-grouped-bf16/short.mtp",
+                         "deepseek-v3-tiny-grouped-fp8/short.eagle3",
+                         "deepseek-v3-tiny-grouped-bf16/short.eagle3mha"}) {
+    const auto rc = test::load_draft_case(id);
+    auto out_dir = test::temp_dir("cli_draft_logits");
+    std::vector<std::string> args = {"logits", "--model", rc.target.string(), "--out",
+                                     out_dir.string(), "--page-size", "16", "--head", rc.kind};
+    if (rc.kind == "eagle3") {
+      args.push_back("--draft-model");
+      args.push_back(rc.draft.string());
+    }
+    for (const auto& seq : rc.seqs) {
+      args.push_back("--tokens");
+      args.push_back(join(seq.tokens));
+    }
+    std::string out, err;
+    ASSERT_EQ(test::run_clshard(args, &out, &err), 0) << err;
+    auto written = read_json_file(out_dir / "manifest.json");
+    EXPECT_EQ(written["head"], rc.kind);
+    ASSERT_EQ(written["sequences"].size(), rc.seqs.size());
+    for (size_t i = 0; i < rc.seqs.size(); ++i) {
+      auto got = test::read_f32(out_dir / written["sequences"][i]["file"].get<std::string>());
+      EXPECT_EQ(written["sequences"][i]["shape"][0].get<size_t>(), rc.seqs[i].tokens.size() - 1);
+      EXPECT_LT(test::max_abs_diff(got, rc.seqs[i].draft_logits), 1e-3f) << id << " seq " << i;
+    }
+  }
+  std::string err;
+  EXPECT_NE(test::run_clshard({"logits", "--model", "x", "--out", "y", "--tokens", "1,2",
+                               "--head", "eagle3"}, nullptr, &err), 0);
+  EXPECT_NE(err.find("--head eagle3 needs --draft-model DIR"), std::string::npos) << err;
 }
 
 TEST(Cli, MakeModelThenGenerateIsDeterministic) {

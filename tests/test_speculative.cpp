@@ -19,6 +19,7 @@
 #include "runtime/device_manager.h"
 #include "runtime/engine.h"
 #include "runtime/generation.h"
+#include "runtime/tokenizer.h"
 #include "tests/reference_cases.h"
 #include "tests/test_util.h"
 
@@ -42,7 +43,8 @@ struct Rig {
 
   Rig(const std::filesystem::path& dir, const std::vector<Device*>& devs, uint32_t K,
       uint32_t pages, const std::string& method = "mtp",
-      const std::optional<std::filesystem::path>& draft_dir = std::nullopt) {
+      const std::optional<std::filesystem::path>& draft_dir = std::nullopt,
+      const Tokenizer* tokenizer = nullptr) {
     const uint32_t max_batch = 8;
     const LoadOptions o = options_for(devs);
     target = load_model(dir, o);
@@ -60,7 +62,7 @@ struct Rig {
       draft->allocate_kv_cache(pages, 16);
       spec.num_tokens = K;
     }
-    engine = std::make_unique<Engine>(*target, nullptr, lim, draft.get(), spec);
+    engine = std::make_unique<Engine>(*target, tokenizer, lim, draft.get(), spec);
   }
 };
 
@@ -169,6 +171,45 @@ TEST(SpeculativeTrained, StopTokensAndMaxTokensCutAcceptedRuns) {
 // Acceptance draws the token plain sampling would draw at each position (same seed), so a seeded
 // speculative run commits the plain run's tokens wherever the verify step's logits round like the
 // plain step's; on this checkpoint they do at every position of these requests.
+// A stop string that ends inside an accepted run cuts the text (and the tokens) where plain
+// decoding does.
+TEST(SpeculativeTrained, StopStringsCutAcceptedRuns) {
+  const Tokenizer tok = Tokenizer::from_dir(trained());
+  const std::vector<std::string> texts = {"And the LORD said unto", "To install a package, use",
+                                          "In Python, a list is"};
+  auto run = [&](uint32_t K, const std::vector<std::string>& stops) {
+    Rig rig(trained(), {&test::default_device()}, K, 64, "mtp", std::nullopt, &tok);
+    std::vector<uint64_t> handles;
+    for (size_t i = 0; i < texts.size(); ++i) {
+      GenerationRequest r;
+      r.prompt = tok.encode(texts[i], true);
+      r.sampling.temperature = 0;
+      r.max_tokens = 32;
+      if (!stops.empty()) r.stop = {stops[i]};
+      handles.push_back(rig.engine->submit(r));
+    }
+    std::map<uint64_t, GenerationResult> out;
+    while (rig.engine->has_work())
+      for (auto& res : rig.engine->step()) out[res.handle] = res;
+    std::vector<GenerationResult> v;
+    for (uint64_t h : handles) v.push_back(out.at(h));
+    return v;
+  };
+  // Stop strings: a piece from the middle of each plain completion.
+  std::vector<std::string> stops;
+  for (const auto& r : run(0, {})) {
+    ASSERT_GT(r.text.size(), 12u);
+    stops.push_back(r.text.substr(r.text.size() / 2, 4));
+  }
+  const auto plain = run(0, stops), spec = run(3, stops);
+  for (size_t i = 0; i < texts.size(); ++i) {
+    EXPECT_EQ(spec[i].text, plain[i].text) << "stop " << stops[i];
+    EXPECT_EQ(spec[i].token_ids, plain[i].token_ids);
+    EXPECT_EQ(spec[i].reason, EndReason::Stop);
+    EXPECT_EQ(plain[i].text.find(stops[i]), std::string::npos);
+  }
+}
+
 TEST(SpeculativeTrained, SeededSamplingEqualsPlainSampling) {
   auto run = [&](uint32_t K) {
     Rig spec(trained(), {&test::default_device()}, K, 64);
