@@ -7,7 +7,7 @@
 #include "models/deepseek_v3/presets.h"
 #include "models/llama3/model.h"
 #include "models/llama3/presets.h"
-#include "models/plan.h"
+#include "models/registry.h"
 #include "parallel/data_parallel_lm.h"
 #include "parallel/placement.h"
 #include "runtime/model.h"

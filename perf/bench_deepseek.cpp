@@ -21,6 +21,7 @@
 #include "models/deepseek_v3/config.h"
 #include "models/deepseek_v3/model.h"
 #include "models/deepseek_v3/plan.h"
+#include "models/registry.h"
 #include "perf/bench_util.h"
 #include "runtime/device.h"
 #include "runtime/device_manager.h"

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <filesystem>
 
+#include "models/registry.h"
 #include "perf/bench_util.h"
 #include "runtime/device.h"
 #include "runtime/device_manager.h"

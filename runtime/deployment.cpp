@@ -3,6 +3,7 @@
 #include <filesystem>
 #include <stdexcept>
 
+#include "models/registry.h"
 #include "runtime/chat_template.h"
 #include "runtime/safetensors.h"
 

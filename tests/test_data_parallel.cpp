@@ -7,6 +7,7 @@
 #include <map>
 #include <tuple>
 
+#include "models/registry.h"
 #include "parallel/data_parallel_lm.h"
 #include "runtime/device.h"
 #include "runtime/device_manager.h"

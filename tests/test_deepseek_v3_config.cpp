@@ -12,7 +12,7 @@
 #include "models/deepseek_v3/model.h"
 #include "models/deepseek_v3/plan.h"
 #include "models/deepseek_v3/presets.h"
-#include "models/plan.h"
+#include "models/registry.h"
 #include "runtime/generation.h"
 #include "runtime/model.h"
 #include "runtime/ops_moe.h"

@@ -12,6 +12,7 @@
 #include <tuple>
 
 #include "models/deepseek_v3/model.h"
+#include "models/registry.h"
 #include "parallel/collectives.h"
 #include "parallel/placement.h"
 #include "runtime/device.h"

@@ -11,6 +11,7 @@
 #include <iostream>
 
 #include "models/deepseek_v3/model.h"
+#include "models/registry.h"
 #include "runtime/device.h"
 #include "runtime/generation.h"
 #include "runtime/model.h"

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <map>
 
+#include "models/registry.h"
 #include "runtime/device.h"
 #include "runtime/engine.h"
 #include "runtime/generation.h"

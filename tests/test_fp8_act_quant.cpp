@@ -8,6 +8,7 @@
 #include <fstream>
 #include <random>
 
+#include "models/registry.h"
 #include "runtime/device.h"
 #include "runtime/generation.h"
 #include "runtime/model.h"

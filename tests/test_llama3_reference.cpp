@@ -5,6 +5,7 @@
 #include <cmath>
 #include <fstream>
 
+#include "models/registry.h"
 #include "runtime/device.h"
 #include "runtime/generation.h"
 #include "runtime/model.h"

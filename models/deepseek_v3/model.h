@@ -26,6 +26,7 @@
 
 #include "models/deepseek_v3/config.h"
 #include "models/deepseek_v3/weights.h"
+#include "models/load_options.h"
 #include "parallel/placement.h"
 #include "runtime/model.h"
 #include "runtime/ops_mla.h"

@@ -12,6 +12,7 @@
 
 #include "models/llama3/config.h"
 #include "models/llama3/weights.h"
+#include "models/load_options.h"
 #include "runtime/model.h"
 #include "runtime/safetensors.h"
 

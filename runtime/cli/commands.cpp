@@ -9,7 +9,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "models/plan.h"
+#include "models/registry.h"
 #include "parallel/deployment_plan.h"
 #include "runtime/batch_job.h"
 #include "runtime/progress.h"

@@ -1,0 +1,53 @@
+// The model registry: what turns a checkpoint directory into a model (load_model, load_draft), a
+// preset name into a random checkpoint (make_model), and a config.json into a memory plan
+// (plan_checkpoint). runtime/model.h holds only the interfaces these return; the engine and the
+// CLI come here for the loaders, so runtime/ itself never reaches into models/.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "models/load_options.h"
+#include "runtime/model.h"
+
+namespace clshard {
+
+// Reads config.json, picks the architecture, loads the weights.
+std::unique_ptr<CausalLM> load_model(const std::filesystem::path& dir, const LoadOptions& opts);
+
+// Defined in models/: the draft for a target checkpoint. method "mtp": the NextN layer of the
+// target checkpoint (model.layers.{num_hidden_layers}.*), or draft_dir when given (a standalone
+// NextN checkpoint); "eagle3": the Eagle3 checkpoint in draft_dir (MLA or Llama-style MHA draft).
+// Throws naming the key (speculative.method / speculative.draft_model) when the pair does not fit.
+std::unique_ptr<DraftModel> load_draft(const std::string& method,
+                                       const std::filesystem::path& target_dir,
+                                       const std::optional<std::filesystem::path>& draft_dir,
+                                       const LoadOptions& opts);
+
+struct MakeModelOptions {
+  std::string dtype = "f32";  // f32 | bf16 (| fp8 for DeepSeek)
+  uint64_t seed = 0;
+  // Called after each decoder layer is generated (layers done, layers in all): a 1B preset takes
+  // about a minute, so the CLI shows where it is.
+  std::function<void(int64_t, int64_t)> on_layer;
+};
+// Writes a random checkpoint of a named preset in exact Hugging Face layout. Returns the preset
+// names when `preset` is unknown (in the error).
+void make_model(const std::string& preset, const std::filesystem::path& out,
+                const MakeModelOptions& opts);
+std::vector<std::string> model_presets();
+
+// `clshard plan` for a checkpoint: parameter counts, weight bytes, KV bytes per token and per page,
+// and an activation estimate, from config.json alone (no weights needed). `dir_or_config_json`: a
+// checkpoint directory (its config.json is read) or a config.json file. Throws naming the file for
+// unknown architectures or bad fields.
+nlohmann::json plan_checkpoint(const std::filesystem::path& dir_or_config_json);
+
+}  // namespace clshard
