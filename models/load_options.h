@@ -6,6 +6,8 @@
 #include <optional>
 #include <vector>
 
+#include "parallel/topology.h"
+
 namespace clshard {
 
 class Device;
@@ -21,6 +23,12 @@ struct LoadOptions {
   // kernels; true fake-quantizes activations to fp8 per token per 128 columns before each FP8
   // linear, as MAX and DeepSeek's reference code do (model.fp8_activations: fp8).
   bool quantize_fp8_activations = false;
+
+  // The parallel settings, as parallel::Topology takes them.
+  parallel::ParallelDegrees degrees() const {
+    return {data_parallel_degree, tensor_parallel_degree, expert_parallel_degree,
+            balanced_experts};
+  }
 };
 
 }  // namespace clshard

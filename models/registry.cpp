@@ -9,7 +9,7 @@
 #include "models/llama3/presets.h"
 #include "models/registry.h"
 #include "parallel/data_parallel_lm.h"
-#include "parallel/placement.h"
+#include "parallel/topology.h"
 #include "runtime/model.h"
 #include "runtime/safetensors.h"
 
@@ -45,26 +45,22 @@ std::unique_ptr<CausalLM> load_model(const std::filesystem::path& dir, const Loa
   auto cfg = read_json_file(cfg_path);
   const std::string arch = architecture_name(cfg);
   if (is_llama3(arch)) {
-    // Replicas of tensor-parallel groups, as the placement gives them; one group needs no
+    // Replicas of tensor-parallel groups, as the topology gives them; one group needs no
     // data-parallel wrapper.
-    auto groups = parallel::place_replicas(std::max<size_t>(opts.devices.size(), 1),
-                                           opts.data_parallel_degree,
-                                           opts.tensor_parallel_degree);
+    const parallel::Topology topology(parallel::Layout::TensorParallelReplicas, opts.degrees(),
+                                      opts.devices.size(), "Llama 3");
     std::vector<std::unique_ptr<CausalLM>> replicas;
-    for (const auto& group : groups.devices_of_replica) {
-      LoadOptions one = opts;
-      one.devices.clear();
-      for (size_t d : group) one.devices.push_back(opts.devices.at(d));
-      one.data_parallel_degree = 1;
-      replicas.push_back(std::make_unique<llama3::Llama3Model>(dir, one));
-    }
+    for (size_t r = 0; r < topology.replicas(); ++r)
+      replicas.push_back(std::make_unique<llama3::Llama3Model>(dir, opts, topology, r));
     if (replicas.size() == 1) return std::move(replicas[0]);
     return std::make_unique<parallel::DataParallelLM>(std::move(replicas));
   }
   if (arch == "DeepseekV3ForCausalLM" || arch == "deepseek_v3")
-    // One model over every device (DP attention + EP experts, MAX's DP_EP): it takes all of
-    // opts.devices and checks parallel.data / parallel.expert against their count itself.
-    return std::make_unique<deepseek_v3::DeepseekV3Model>(dir, opts);
+    // One model over every device (DP attention + EP experts, MAX's DP_EP).
+    return std::make_unique<deepseek_v3::DeepseekV3Model>(
+        dir, opts,
+        parallel::Topology(deepseek_v3::DeepseekV3Model::kLayout, opts.degrees(),
+                           opts.devices.size(), deepseek_v3::DeepseekV3Model::kName));
   throw std::runtime_error(cfg_path.string() + ": unknown architecture '" + arch +
                            "' (supported: LlamaForCausalLM and its Granite/OLMo/Exaone siblings, "
                            "DeepseekV3ForCausalLM)");
@@ -115,10 +111,25 @@ nlohmann::json plan_llama3(const llama3::Llama3Config& c, uint64_t bytes_per_par
 
 }  // namespace
 
+namespace {
+std::filesystem::path config_json(const std::filesystem::path& dir_or_config_json) {
+  return std::filesystem::is_directory(dir_or_config_json) ? dir_or_config_json / "config.json"
+                                                          : dir_or_config_json;
+}
+}  // namespace
+
+parallel::Topology checkpoint_topology(const std::filesystem::path& dir_or_config_json,
+                                       const parallel::ParallelDegrees& degrees, size_t devices) {
+  const auto path = config_json(dir_or_config_json);
+  const std::string arch = architecture_name(read_json_file(path));
+  if (is_deepseek_v3(arch))
+    return parallel::Topology(deepseek_v3::DeepseekV3Model::kLayout, degrees, devices,
+                              deepseek_v3::DeepseekV3Model::kName);
+  return parallel::Topology(parallel::Layout::TensorParallelReplicas, degrees, devices, "Llama 3");
+}
+
 nlohmann::json plan_checkpoint(const std::filesystem::path& dir_or_config_json) {
-  const auto path = std::filesystem::is_directory(dir_or_config_json)
-                        ? dir_or_config_json / "config.json"
-                        : dir_or_config_json;
+  const auto path = config_json(dir_or_config_json);
   const auto cfg = read_json_file(path);
   const std::string arch = architecture_name(cfg);
   nlohmann::json j;

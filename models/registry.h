@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "models/load_options.h"
+#include "parallel/topology.h"
 #include "runtime/model.h"
 
 namespace clshard {
@@ -49,5 +50,9 @@ std::vector<std::string> model_presets();
 // checkpoint directory (its config.json is read) or a config.json file. Throws naming the file for
 // unknown architectures or bad fields.
 nlohmann::json plan_checkpoint(const std::filesystem::path& dir_or_config_json);
+// The topology the checkpoint would load with on `devices` devices (its architecture's layout),
+// which `clshard plan` plans by. Throws parallel::TopologyError naming the key that does not fit.
+parallel::Topology checkpoint_topology(const std::filesystem::path& dir_or_config_json,
+                                       const parallel::ParallelDegrees& degrees, size_t devices);
 
 }  // namespace clshard

@@ -11,6 +11,8 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "parallel/topology.h"
+
 namespace clshard {
 
 namespace fs = std::filesystem;
@@ -565,17 +567,21 @@ DeployConfig load_deploy_config(const fs::path& file) {
 
 void check_device_count(const DeployConfig& cfg, size_t device_count) {
   const ParallelSection& p = cfg.parallel;
-  std::string devices = std::to_string(device_count) + (device_count == 1 ? " device" : " devices");
-  if (size_t(p.data) * size_t(p.tensor) != device_count) {
-    std::string key = cfg.has_key("parallel.data") ? "parallel.data"
-                    : cfg.has_key("parallel.tensor") ? "parallel.tensor" : "parallel";
-    throw std::runtime_error(cfg.where(key) + ": data (" + std::to_string(p.data) + ") * tensor (" +
-                             std::to_string(p.tensor) + ") must equal the number of devices, and the deployment has " +
-                             devices);
+  try {
+    parallel::check_degrees({size_t(p.data), size_t(p.tensor), size_t(p.expert),
+                             p.placement == Placement::Balanced},
+                            device_count);
+  } catch (const parallel::TopologyError& e) {
+    // Point at the first key at fault that the file sets (the section when it sets none of
+    // several).
+    std::string key = e.keys().size() == 1 ? e.keys()[0] : "parallel";
+    for (const auto& k : e.keys())
+      if (cfg.has_key(k)) {
+        key = k;
+        break;
+      }
+    throw std::runtime_error(cfg.where(key) + ": " + e.detail());
   }
-  if (device_count % size_t(p.expert) != 0)
-    throw std::runtime_error(cfg.where("parallel.expert") + ": " + std::to_string(p.expert) +
-                             " expert-parallel ranks must divide the number of devices (" + devices + ")");
 }
 
 void check_engine_supports(const DeployConfig& cfg) {

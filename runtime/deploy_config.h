@@ -132,10 +132,11 @@ DeployConfig parse_deploy_config(const std::string& yaml_text,
                                  const std::string& file_name_for_errors,
                                  const std::filesystem::path& base_dir = {});
 
-// The parallel degrees against the devices actually opened: data * tensor must equal the device
-// count, and expert must divide it (each expert-parallel rank is a group of whole devices).
-// Throws std::runtime_error naming the file, line and key. parse_deploy_config already runs this
-// when known_device_count() is known.
+// The parallel degrees against the devices actually opened, by the rules every model layout
+// shares (parallel::check_degrees: data * tensor must equal the device count, and expert must
+// divide it); the model's own layout is checked when it loads. Throws std::runtime_error naming
+// the file, line and key. parse_deploy_config already runs this when known_device_count() is
+// known.
 void check_device_count(const DeployConfig& cfg, size_t device_count);
 
 // Throws for what the schema accepts but this build does not run yet (speculative.method other

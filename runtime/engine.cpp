@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 
+#include "parallel/placement.h"
 #include "runtime/device.h"
 
 namespace clshard {
@@ -54,12 +55,10 @@ uint64_t Engine::submit(GenerationRequest request) {
     if (t < 0 || uint32_t(t) >= vocab)
       throw std::invalid_argument("prompt token " + std::to_string(t) +
                                   " is outside the vocabulary of " + std::to_string(vocab));
-  // The least-loaded replica (requests running or waiting), ties to the lowest index.
-  size_t replica = 0;
-  for (size_t r = 1; r < schedulers_.size(); ++r)
-    if (schedulers_[r].num_running() + schedulers_[r].num_waiting() <
-        schedulers_[replica].num_running() + schedulers_[replica].num_waiting())
-      replica = r;
+  // The least-loaded replica (requests running or waiting), as parallel/ routes requests.
+  std::vector<uint64_t> load;
+  for (const Scheduler& s : schedulers_) load.push_back(s.num_running() + s.num_waiting());
+  const size_t replica = parallel::least_loaded_replica(load);
   const uint64_t h = next_handle_++;
   Live live;
   live.replica = replica;

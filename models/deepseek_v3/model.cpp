@@ -25,25 +25,19 @@ struct DeepseekV3Model::Work {
 
 DeepseekV3Model::DeepseekV3Model(const std::filesystem::path& dir, const LoadOptions& opts,
                                  std::optional<parallel::ExpertPlacement> placement)
+    : DeepseekV3Model(dir, opts,
+                      parallel::Topology(kLayout, opts.degrees(), opts.devices.size(), kName),
+                      std::move(placement)) {}
+
+DeepseekV3Model::DeepseekV3Model(const std::filesystem::path& dir, const LoadOptions& opts,
+                                 const parallel::Topology& topology,
+                                 std::optional<parallel::ExpertPlacement> placement)
     : cfg_(DeepseekV3Config::from_dir(dir)) {
   const size_t N = opts.devices.size();
-  if (N == 0) throw std::invalid_argument("DeepseekV3Model: no device");
-  // MAX's DP_EP mode is the one layout: every device a replica and an expert-parallel rank.
-  if (opts.tensor_parallel_degree != 1)
-    throw std::runtime_error("DeepSeek-V3: parallel.tensor = " +
-                             std::to_string(opts.tensor_parallel_degree) +
-                             " is not supported (attention runs data-parallel, experts "
-                             "expert-parallel; set parallel.tensor = 1)");
-  if (opts.data_parallel_degree != N)
-    throw std::runtime_error("DeepSeek-V3 on " + std::to_string(N) + " device(s) runs one "
-                             "data-parallel replica per device: parallel.data must be " +
-                             std::to_string(N) + ", got " +
-                             std::to_string(opts.data_parallel_degree));
-  if (opts.expert_parallel_degree != N)
-    throw std::runtime_error("DeepSeek-V3 on " + std::to_string(N) + " device(s) spreads the "
-                             "experts over all of them: parallel.expert must be " +
-                             std::to_string(N) + ", got " +
-                             std::to_string(opts.expert_parallel_degree));
+  // The topology checked the layout: every device a replica and an expert-parallel rank.
+  if (topology.layout() != kLayout || topology.devices() != N)
+    throw std::invalid_argument("DeepseekV3Model: the topology is not DP = EP over the " +
+                                std::to_string(N) + " devices of the options");
   mla_.n_heads = uint32_t(cfg_.num_attention_heads);
   mla_.kv_lora = uint32_t(cfg_.kv_lora_rank);
   mla_.nope = uint32_t(cfg_.qk_nope_head_dim);
@@ -62,7 +56,7 @@ DeepseekV3Model::DeepseekV3Model(const std::filesystem::path& dir, const LoadOpt
     throw std::runtime_error((dir / "config.json").string() + ": not supported: " + e.what());
   }
 
-  // Placement comes from parallel/: even blocks, or blocks sized by measured device speed.
+  // Placement comes from the topology: even blocks, or blocks sized by measured device speed.
   if (placement) {
     if (placement->ranks() != N || placement->n_experts() != router_.n_experts)
       throw std::invalid_argument(
@@ -71,11 +65,10 @@ DeepseekV3Model::DeepseekV3Model(const std::filesystem::path& dir, const LoadOpt
           std::to_string(placement->ranks()) + " ranks; the model has " +
           std::to_string(router_.n_experts) + " experts on " + std::to_string(N) + " devices");
     placement_ = std::move(*placement);
-  } else if (opts.balanced_experts) {
-    throughput_ = parallel::measure_device_throughput(opts.devices);
-    placement_ = parallel::place_experts_balanced(router_.n_experts, throughput_);
   } else {
-    placement_ = parallel::place_experts_even(router_.n_experts, N);
+    if (topology.balanced_experts())
+      throughput_ = parallel::measure_device_throughput(opts.devices);
+    placement_ = topology.expert_blocks(router_.n_experts, throughput_);
   }
   if (N > 1)
     std::cerr << "deepseek_v3: " << N << " data-parallel replicas, experts over " << N

@@ -3,25 +3,32 @@
 #include <stdexcept>
 
 #include "parallel/collectives.h"
+#include "parallel/topology.h"
 #include "runtime/device.h"
 #include "runtime/ops.h"
 #include "runtime/step_device.h"
 
 namespace clshard::llama3 {
 
-Llama3Model::Llama3Model(const std::filesystem::path& dir, const LoadOptions& opts)
+Llama3Model::Llama3Model(const std::filesystem::path& dir, const LoadOptions& opts,
+                         const parallel::Topology& topology, size_t replica)
     : cfg_(Llama3Config::from_dir(dir)) {
-  if (opts.devices.empty()) throw std::invalid_argument("Llama3Model: no device");
+  if (topology.devices() != opts.devices.size())
+    throw std::invalid_argument("Llama3Model: the topology has " +
+                                std::to_string(topology.devices()) + " devices, the options " +
+                                std::to_string(opts.devices.size()));
+  std::vector<Device*> devices;
+  for (size_t d : topology.devices_of_replica(replica)) devices.push_back(opts.devices[d]);
   store_ = std::make_unique<WeightStore>(dir);
   cfg_.finalize(*store_);
   if (cfg_.head_dim % 8 != 0)
     throw std::runtime_error((dir / "config.json").string() + ": head_dim " +
                              std::to_string(cfg_.head_dim) +
                              " is not supported (the attention kernel needs a multiple of 8)");
-  const int64_t ranks = int64_t(opts.devices.size());
+  const size_t ranks = devices.size();
   if (ranks > 1) {
-    for (Device* d : opts.devices)
-      if (d->context() != opts.devices[0]->context())
+    for (Device* d : devices)
+      if (d->context() != devices[0]->context())
         throw std::runtime_error(
             "tensor parallelism needs devices of one OpenCL platform (one context): the ranks "
             "write their logits columns into one buffer");
@@ -33,10 +40,10 @@ Llama3Model::Llama3Model(const std::filesystem::path& dir, const LoadOptions& op
   auto inv = cfg_.rope_inv_freqs();
   std::vector<float> inv_long = cfg_.longrope_scaling ? cfg_.rope_inv_freqs_long() : inv;
   if (cfg_.longrope_scaling) long_from_ = uint32_t(cfg_.longrope_scaling->original_max_position);
-  for (int64_t r = 0; r < ranks; ++r) {
+  for (size_t r = 0; r < ranks; ++r) {
     Shard s;
-    s.dev = opts.devices[r];
-    s.range = shard_range(cfg_, r, ranks);
+    s.dev = devices[r];
+    s.range = shard_range(cfg_, topology, r);
     s.w = load_weights(cfg_, *store_, *s.dev, s.range);
     s.inv_freq = s.dev->alloc(inv.size() * sizeof(float), CL_MEM_READ_ONLY);
     s.dev->write(s.inv_freq, inv.data(), inv.size() * sizeof(float));
@@ -44,7 +51,7 @@ Llama3Model::Llama3Model(const std::filesystem::path& dir, const LoadOptions& op
     s.dev->write(s.inv_freq_long, inv_long.data(), inv_long.size() * sizeof(float));
     shards_.push_back(std::move(s));
   }
-  if (ranks > 1) comm_ = std::make_unique<parallel::Communicator>(opts.devices);
+  if (ranks > 1) comm_ = std::make_unique<parallel::Communicator>(devices);
 
   info_.architecture = cfg_.architecture;
   info_.vocab_size = uint32_t(cfg_.vocab_size);
