@@ -5,6 +5,7 @@
 #include <stdexcept>
 
 #include "parallel/collectives.h"
+#include "parallel/expert_exchange.h"
 #include "runtime/device.h"
 #include "runtime/ops.h"
 #include "runtime/step_device.h"
@@ -170,48 +171,24 @@ void DeepseekV3Model::moe(size_t layer, std::vector<Work>& work) {
     dev.flush();
   }
 
-  // The plan, on the host: each source sends its (token, slot) rows in (expert, token, slot)
-  // order — since the expert blocks are contiguous, that is also destination order, so
-  // send_off[r][d] .. send_off[r][d + 1] are the rows for rank d.
+  // The plan, on the host (parallel/expert_exchange.h): where each source's (token, slot) rows go,
+  // where they arrive, and how each rank regroups them by expert.
   std::vector<ops::ExpertBatches> eb(N);
-  std::vector<std::vector<uint32_t>> send_off(N, std::vector<uint32_t>(N + 1, 0));
+  std::vector<std::vector<uint32_t>> expert_offsets(N);
   for (size_t r = 0; r < N; ++r) {
     const uint32_t T = work[r].T;
     std::vector<int32_t> host_ids(size_t(T) * k);
     if (T > 0) work[r].dev->read(ids[r].mem(), host_ids.data(), host_ids.size() * 4);
     eb[r] = ops::group_by_expert(host_ids, T, k, E);
-    for (size_t d = 0; d <= N; ++d)
-      send_off[r][d] = eb[r].expert_offsets[placement_.first_expert[d]];
+    expert_offsets[r] = eb[r].expert_offsets;
   }
-  // Rank d receives the sources' rows in source order (recv_off[d][r] ..): within each source,
-  // by expert. Its expert GEMMs want each local expert's rows together, so unless only one source
-  // sent it anything, it regroups them (expert, source, token, slot) with `perm` and puts the
-  // outputs back in received order with the inverse before the combine.
-  std::vector<std::vector<uint32_t>> recv_off(N, std::vector<uint32_t>(N + 1, 0));
-  std::vector<std::vector<uint32_t>> expert_rows(N);  // [local experts + 1] grouped offsets
-  std::vector<std::vector<uint32_t>> perm(N), inv(N);
-  std::vector<bool> regroup(N, false);
-  for (size_t d = 0; d < N; ++d) {
-    const uint32_t e0 = placement_.first_expert[d], e1 = placement_.first_expert[d + 1];
-    size_t senders = 0;
-    for (size_t r = 0; r < N; ++r) {
-      const uint32_t n = send_off[r][d + 1] - send_off[r][d];
-      recv_off[d][r + 1] = recv_off[d][r] + n;
-      senders += n > 0;
-    }
-    regroup[d] = senders > 1;
-    expert_rows[d].push_back(0);
-    for (uint32_t e = e0; e < e1; ++e) {
-      for (size_t r = 0; r < N; ++r) {
-        const uint32_t b = eb[r].expert_offsets[e], n = eb[r].expert_offsets[e + 1] - b;
-        for (uint32_t i = 0; i < n; ++i)
-          perm[d].push_back(recv_off[d][r] + (b - send_off[r][d]) + i);
-      }
-      expert_rows[d].push_back(uint32_t(perm[d].size()));
-    }
-    inv[d].resize(perm[d].size());
-    for (uint32_t i = 0; i < perm[d].size(); ++i) inv[d][perm[d][i]] = i;
-  }
+  const auto plan = parallel::plan_expert_exchange(expert_offsets, placement_);
+  const auto& send_off = plan.send_off;
+  const auto& recv_off = plan.recv_off;
+  const auto& expert_rows = plan.expert_rows;
+  const auto& perm = plan.perm;
+  const auto& inv = plan.inv;
+  const auto& regroup = plan.regroup;
 
   // The plan's index tables go up now, while every device is idle after the ids were read:
   // Device::write blocks until its queue drains, so a write between enqueued kernels would hold
