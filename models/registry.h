@@ -2,6 +2,12 @@
 // preset name into a random checkpoint (make_model), and a config.json into a memory plan
 // (plan_checkpoint). runtime/model.h holds only the interfaces these return; the engine and the
 // CLI come here for the loaders, so runtime/ itself never reaches into models/.
+//
+// Each models/ folder registers its own families (architectures, loader, layout, plan, presets) in
+// a register_folder(ModelRegistry&) of its own; models/folders.cpp calls them, one line each, the
+// first time the registry is asked. (An explicit list rather than static registration objects: a
+// static library drops object files nothing references, and static initialisation order across
+// files is unspecified.)
 #pragma once
 
 #include <cstdint>
@@ -20,7 +26,8 @@
 
 namespace clshard {
 
-// Reads config.json, picks the architecture, loads the weights.
+// Reads config.json, picks the architecture, builds the deployment's topology by its layout and
+// loads the weights as the topology places them.
 std::unique_ptr<CausalLM> load_model(const std::filesystem::path& dir, const LoadOptions& opts);
 
 // Defined in models/: the draft for a target checkpoint. method "mtp": the NextN layer of the
@@ -54,5 +61,61 @@ nlohmann::json plan_checkpoint(const std::filesystem::path& dir_or_config_json);
 // which `clshard plan` plans by. Throws parallel::TopologyError naming the key that does not fit.
 parallel::Topology checkpoint_topology(const std::filesystem::path& dir_or_config_json,
                                        const parallel::ParallelDegrees& degrees, size_t devices);
+
+// What one models/ folder contributes for a family of target models.
+struct ModelFamily {
+  std::string name;                        // "Llama 3", in messages
+  std::vector<std::string> architectures;  // config.json architectures[0] (or model_type)
+  parallel::Layout layout = parallel::Layout::TensorParallelReplicas;
+  // Loads the checkpoint in `dir` on opts.devices as `topology` (this family's layout, built from
+  // opts by load_model) places it.
+  std::function<std::unique_ptr<CausalLM>(const std::filesystem::path& dir, const LoadOptions&,
+                                          const parallel::Topology&)>
+      load;
+  // plan_checkpoint's JSON from config.json (`path` names it in errors).
+  std::function<nlohmann::json(const nlohmann::json& config, const std::filesystem::path& path)>
+      plan;
+  std::vector<std::string> presets;  // make-model preset names
+  std::function<void(const std::string& preset, const std::filesystem::path& out,
+                     const MakeModelOptions&)>
+      write_preset;
+};
+
+// What one models/ folder contributes for a family of speculative-decoding drafts (NextN/MTP,
+// Eagle3): the draft checkpoint's architectures and its loader. load_draft picks the family.
+struct DraftFamily {
+  std::string name;
+  std::vector<std::string> architectures;
+  std::function<std::unique_ptr<DraftModel>(const std::filesystem::path& target_dir,
+                                            const std::optional<std::filesystem::path>& draft_dir,
+                                            const LoadOptions&)>
+      load;
+};
+
+class ModelRegistry {
+ public:
+  // Every folder's families, registered the first time it is asked (models/folders.cpp).
+  static const ModelRegistry& get();
+
+  void add(ModelFamily family);
+  void add(DraftFamily family);
+
+  // The family that loads `architecture`, or null.
+  const ModelFamily* find(const std::string& architecture) const;
+  const DraftFamily* find_draft(const std::string& architecture) const;
+  // The family that has `preset`, or null.
+  const ModelFamily* find_preset(const std::string& preset) const;
+  const std::vector<ModelFamily>& families() const { return families_; }
+  const std::vector<DraftFamily>& drafts() const { return drafts_; }
+  // Every target architecture, comma-separated (for "supported: ..." in errors).
+  std::string architectures() const;
+
+ private:
+  std::vector<ModelFamily> families_;
+  std::vector<DraftFamily> drafts_;
+};
+
+// Calls every folder's register_folder (models/folders.cpp).
+void register_model_folders(ModelRegistry& registry);
 
 }  // namespace clshard
