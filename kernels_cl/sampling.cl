@@ -1,4 +1,4 @@
-// Batched token sampling: one work-item per logits row (runtime/sampling.h has the semantics and
+// Batched token sampling: one work-item per logits row (runtime/engine/sampling.h has the semantics and
 // the host reference that mirrors this file's arithmetic).
 //
 // A row is scanned in chunks of 16 tokens with float16 loads: on PoCL's CPU device a work-item
@@ -27,7 +27,7 @@
 
 #define CHUNK 16
 
-// Per-row parameters, filled by runtime/sampling.cpp (SamplingRowArgs there; 4-byte fields only
+// Per-row parameters, filled by runtime/engine/sampling.cpp (SamplingRowArgs there; 4-byte fields only
 // so the layout is the same on both sides).
 typedef struct {
   float inv_temperature;  // 1 / max(T, 1e-6)
@@ -41,7 +41,7 @@ typedef struct {
 } SamplingRowArgs;
 
 // Floats of `work` per row: the kept masses, and before them the radix top-k's scratch (candidate
-// keys and chunk maxima). runtime/sampling.cpp allocates rows * work_stride.
+// keys and chunk maxima). runtime/engine/sampling.cpp allocates rows * work_stride.
 inline size_t work_stride(uint vocab) { return (size_t)vocab + (vocab + CHUNK - 1) / CHUNK; }
 
 constant uint16 kLane = (uint16)(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);

@@ -25,7 +25,7 @@
 #include "perf/bench_util.h"
 #include "runtime/device.h"
 #include "runtime/device_manager.h"
-#include "runtime/generation.h"
+#include "runtime/engine/generation.h"
 #include "runtime/model.h"
 
 using namespace clshard;

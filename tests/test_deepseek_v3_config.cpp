@@ -13,7 +13,7 @@
 #include "models/deepseek_v3/plan.h"
 #include "models/deepseek_v3/presets.h"
 #include "models/registry.h"
-#include "runtime/generation.h"
+#include "runtime/engine/generation.h"
 #include "runtime/model.h"
 #include "runtime/ops_moe.h"
 #include "runtime/safetensors.h"

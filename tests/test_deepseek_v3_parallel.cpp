@@ -17,8 +17,8 @@
 #include "parallel/placement.h"
 #include "runtime/device.h"
 #include "runtime/device_manager.h"
-#include "runtime/engine.h"
-#include "runtime/generation.h"
+#include "runtime/engine/engine.h"
+#include "runtime/engine/generation.h"
 #include "tests/reference_cases.h"
 #include "tests/test_util.h"
 

@@ -11,7 +11,7 @@
 #include <stdexcept>
 
 #include "runtime/device_manager.h"
-#include "runtime/tokenizer.h"
+#include "runtime/text/tokenizer.h"
 
 #ifndef CLSHARD_SOURCE_DIR
 #define CLSHARD_SOURCE_DIR "."

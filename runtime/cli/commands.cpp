@@ -11,14 +11,14 @@
 
 #include "models/registry.h"
 #include "parallel/deployment_plan.h"
-#include "runtime/batch_job.h"
-#include "runtime/progress.h"
-#include "runtime/deployment.h"
 #include "runtime/device.h"
 #include "runtime/device_manager.h"
-#include "runtime/generation.h"
+#include "runtime/engine/batch_job.h"
+#include "runtime/engine/deployment.h"
+#include "runtime/engine/generation.h"
+#include "runtime/engine/progress.h"
 #include "runtime/model.h"
-#include "runtime/tokenizer.h"
+#include "runtime/text/tokenizer.h"
 
 namespace clshard::cli {
 

@@ -66,7 +66,7 @@ struct BatchSection {
 };
 
 // The sampling defaults of the deployment; a request's own fields override them. The fields
-// mirror SamplingParams (runtime/sampling.h) plus the per-request limits.
+// mirror SamplingParams (runtime/engine/sampling.h) plus the per-request limits.
 struct SamplingDefaults {
   float temperature = 1.0f;  // >= 0; 0 means greedy
   int32_t top_k = -1;        // -1: the whole vocabulary (0 is read as -1, as in MAX)
@@ -146,7 +146,7 @@ void check_engine_supports(const DeployConfig& cfg);
 // Every key path of the schema ("model.path", ...), in the order configs/example.yaml shows them.
 const std::vector<std::string>& deploy_config_keys();
 
-// Validators shared with the per-request fields of the batch input (runtime/batch_io.cpp). Each
+// Validators shared with the per-request fields of the batch input (runtime/engine/batch_io.cpp). Each
 // returns what was expected ("a number in (0, 1]") when the value is out of range, else nothing.
 std::optional<std::string> check_temperature(double v);
 std::optional<std::string> check_top_k(int64_t v);

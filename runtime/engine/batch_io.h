@@ -34,7 +34,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/deploy_config.h"
+#include "runtime/engine/deploy_config.h"
 
 namespace clshard {
 

@@ -1,4 +1,4 @@
-#include "runtime/scheduler.h"
+#include "runtime/engine/scheduler.h"
 
 #include <algorithm>
 #include <stdexcept>

@@ -1,4 +1,4 @@
-#include "runtime/deploy_config.h"
+#include "runtime/engine/deploy_config.h"
 
 #include <yaml-cpp/yaml.h>
 

@@ -1,4 +1,4 @@
-#include "runtime/kv_pages.h"
+#include "runtime/engine/kv_pages.h"
 
 #include <limits>
 #include <stdexcept>

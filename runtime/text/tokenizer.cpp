@@ -1,4 +1,4 @@
-#include "runtime/tokenizer.h"
+#include "runtime/text/tokenizer.h"
 
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <pcre2.h>

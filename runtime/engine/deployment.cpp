@@ -1,11 +1,11 @@
-#include "runtime/deployment.h"
+#include "runtime/engine/deployment.h"
 
 #include <filesystem>
 #include <stdexcept>
 
 #include "models/registry.h"
-#include "runtime/chat_template.h"
 #include "runtime/safetensors.h"
+#include "runtime/text/chat_template.h"
 
 namespace clshard {
 

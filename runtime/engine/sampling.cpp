@@ -1,4 +1,4 @@
-#include "runtime/sampling.h"
+#include "runtime/engine/sampling.h"
 
 #include <algorithm>
 #include <cfloat>

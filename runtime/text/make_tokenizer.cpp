@@ -1,4 +1,4 @@
-#include "runtime/make_tokenizer.h"
+#include "runtime/text/make_tokenizer.h"
 
 #include <cmath>
 #include <fstream>

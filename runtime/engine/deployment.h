@@ -5,12 +5,12 @@
 #include <memory>
 #include <optional>
 
-#include "runtime/batch_io.h"
-#include "runtime/deploy_config.h"
 #include "runtime/device_manager.h"
-#include "runtime/engine.h"
+#include "runtime/engine/batch_io.h"
+#include "runtime/engine/deploy_config.h"
+#include "runtime/engine/engine.h"
 #include "runtime/model.h"
-#include "runtime/tokenizer.h"
+#include "runtime/text/tokenizer.h"
 
 namespace clshard {
 

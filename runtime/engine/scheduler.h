@@ -37,7 +37,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "runtime/kv_pages.h"
+#include "runtime/engine/kv_pages.h"
 #include "runtime/step.h"
 
 namespace clshard {

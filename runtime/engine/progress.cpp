@@ -1,4 +1,4 @@
-#include "runtime/progress.h"
+#include "runtime/engine/progress.h"
 
 #include <unistd.h>
 

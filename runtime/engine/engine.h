@@ -11,10 +11,10 @@
 #include <string>
 #include <vector>
 
+#include "runtime/engine/sampling.h"
+#include "runtime/engine/scheduler.h"
 #include "runtime/model.h"
-#include "runtime/sampling.h"
-#include "runtime/scheduler.h"
-#include "runtime/tokenizer.h"
+#include "runtime/text/tokenizer.h"
 
 namespace clshard {
 

@@ -4,7 +4,7 @@
 
 #include <ostream>
 
-#include "runtime/deployment.h"
+#include "runtime/engine/deployment.h"
 
 namespace clshard {
 

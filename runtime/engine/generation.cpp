@@ -1,4 +1,4 @@
-#include "runtime/generation.h"
+#include "runtime/engine/generation.h"
 
 #include <stdexcept>
 #include <string>

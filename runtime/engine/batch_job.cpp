@@ -1,10 +1,10 @@
-#include "runtime/batch_job.h"
+#include "runtime/engine/batch_job.h"
 
 #include <chrono>
 #include <map>
 
-#include "runtime/batch_io.h"
-#include "runtime/progress.h"
+#include "runtime/engine/batch_io.h"
+#include "runtime/engine/progress.h"
 
 namespace clshard {
 

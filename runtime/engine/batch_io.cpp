@@ -1,4 +1,4 @@
-#include "runtime/batch_io.h"
+#include "runtime/engine/batch_io.h"
 
 #include <fcntl.h>
 #include <unistd.h>

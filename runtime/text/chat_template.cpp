@@ -1,4 +1,4 @@
-#include "runtime/chat_template.h"
+#include "runtime/text/chat_template.h"
 
 #include <algorithm>
 #include <cctype>
@@ -12,7 +12,7 @@
 #include <string_view>
 #include <unordered_map>
 
-#include "runtime/tokenizer.h"
+#include "runtime/text/tokenizer.h"
 
 namespace clshard {
 namespace {

@@ -1,4 +1,4 @@
-#include "runtime/engine.h"
+#include "runtime/engine/engine.h"
 
 #include <algorithm>
 #include <chrono>
