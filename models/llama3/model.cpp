@@ -83,7 +83,7 @@ void Llama3Model::allocate_kv_cache(uint32_t num_pages, uint32_t page_size) {
   for (auto& s : shards_) {
     s.kv.clear();
     const size_t page_bytes =
-        size_t(2) * page_size * size_t(s.range.kv_heads) * cfg_.head_dim * sizeof(float);
+        size_t(2) * page_size * size_t(s.range.kv_heads.count) * cfg_.head_dim * sizeof(float);
     const size_t layer_bytes = size_t(num_pages + 1) * page_bytes;
     if (layer_bytes > s.dev->info().max_alloc)
       throw std::runtime_error("KV cache: " + std::to_string(num_pages) + " pages of " +
@@ -122,9 +122,9 @@ StepOutputs Llama3Model::forward(const StepInputs& in) {
   for (auto& s : shards_) {
     Work w;
     w.st = upload_step(*s.dev, in, page_size_, num_pages_, V);
-    w.nh = uint32_t(s.range.heads);
-    w.nkv = uint32_t(s.range.kv_heads);
-    w.f = uint32_t(s.range.ffn);
+    w.nh = uint32_t(s.range.heads.count);
+    w.nkv = uint32_t(s.range.kv_heads.count);
+    w.f = uint32_t(s.range.ffn.count);
     w.qkv_w = (w.nh + 2 * w.nkv) * hd;
     const size_t t = std::max<uint32_t>(T, 1);
     w.h = Scratch(*s.dev, t * H * 4);
@@ -158,7 +158,7 @@ StepOutputs Llama3Model::forward(const StepInputs& in) {
 
   for (size_t r = 0; r < P; ++r)
     ops::embedding(*shards_[r].dev, work[r].st.token_ids, T, shards_[r].w.embed, work[r].h.mem(),
-                   float(cfg_.embedding_multiplier), uint32_t(shards_[r].range.vocab_begin));
+                   float(cfg_.embedding_multiplier), uint32_t(shards_[r].range.vocab.begin));
   if (P > 1) allreduce(&Work::h, "embedding");
 
   for (size_t l = 0; l < cfg_.num_hidden_layers; ++l) {
@@ -218,7 +218,7 @@ StepOutputs Llama3Model::forward(const StepInputs& in) {
       ops::rmsnorm(d, work[r].h.mem(), 0, H, &work[r].st.logit_rows, shards_[r].w.final_norm,
                    xs.mem(), 0, H, R, H, eps);
       ops::linear(d, xs.mem(), 0, H, shards_[r].w.lm_head, nullptr, logits_,
-                  uint32_t(shards_[r].range.vocab_begin), V, R, float(1.0 / cfg_.logits_scaling));
+                  uint32_t(shards_[r].range.vocab.begin), V, R, float(1.0 / cfg_.logits_scaling));
     }
   }
   // The other ranks' logits columns must be in place before the first device reads them.

@@ -36,21 +36,12 @@ ShardRange shard_range(const Llama3Config& c, const parallel::Topology& topology
   // Query heads and MLP columns must divide; key/value heads divide or are copied (more ranks than
   // kv heads, as vLLM does: the KV cache is then replicated ranks / nkv times); the vocabulary need
   // not divide.
-  const auto heads =
-      topology.tensor_slice(tensor_rank, c.num_attention_heads, "num_attention_heads");
-  const auto ffn = topology.tensor_slice(tensor_rank, c.intermediate_size, "intermediate_size");
-  const auto kv = topology.tensor_slice_or_copy(tensor_rank, c.num_key_value_heads,
-                                                "num_key_value_heads");
-  const auto vocab = topology.tensor_rows(tensor_rank, c.vocab_size);
   ShardRange s;
-  s.head_begin = heads.begin;
-  s.heads = heads.count;
-  s.kv_head_begin = kv.begin;
-  s.kv_heads = kv.count;
-  s.ffn_begin = ffn.begin;
-  s.ffn = ffn.count;
-  s.vocab_begin = vocab.begin;
-  s.vocab = vocab.count;
+  s.heads = topology.tensor_slice(tensor_rank, c.num_attention_heads, "num_attention_heads");
+  s.ffn = topology.tensor_slice(tensor_rank, c.intermediate_size, "intermediate_size");
+  s.kv_heads =
+      topology.tensor_slice_or_copy(tensor_rank, c.num_key_value_heads, "num_key_value_heads");
+  s.vocab = topology.tensor_rows(tensor_rank, c.vocab_size);
   return s;
 }
 
@@ -59,10 +50,10 @@ Llama3Weights load_weights(const Llama3Config& c, const WeightStore& s, Device& 
   const int64_t H = c.hidden_size, V = c.vocab_size, hd = c.head_dim;
   const int64_t nq = c.num_attention_heads * hd, nkv = c.num_key_value_heads * hd;
   const int64_t F = c.intermediate_size;
-  const int64_t q0 = r.head_begin * hd, q1 = q0 + r.heads * hd;
-  const int64_t kv0 = r.kv_head_begin * hd, kv1 = kv0 + r.kv_heads * hd;
-  const int64_t f0 = r.ffn_begin, f1 = f0 + r.ffn;
-  const int64_t v0 = r.vocab_begin, v1 = v0 + r.vocab;
+  const int64_t q0 = r.heads.begin * hd, q1 = q0 + r.heads.count * hd;
+  const int64_t kv0 = r.kv_heads.begin * hd, kv1 = kv0 + r.kv_heads.count * hd;
+  const int64_t f0 = r.ffn.begin, f1 = f0 + r.ffn.count;
+  const int64_t v0 = r.vocab.begin, v1 = v0 + r.vocab.count;
   auto whole = [&](const std::string& name, std::vector<int64_t> shape) {
     return to_device(dev, s.expect(name, shape, kFloatTypes));
   };
