@@ -1,6 +1,6 @@
 // Batched token sampling, one work-item per logits row (sample_rows), and speculative-decoding
 // acceptance, one work-item per request drawing with the same row code (accept_rows).
-// runtime/sampling.h and runtime/acceptance.h have the semantics and the host references that
+// runtime/engine/sampling.h and runtime/engine/acceptance.h have the semantics and the host references that
 // mirror this file's arithmetic.
 //
 // A row is scanned in chunks of 16 tokens with float16 loads: on PoCL's CPU device a work-item
@@ -29,7 +29,7 @@
 
 #define CHUNK 16
 
-// Per-row parameters, filled by runtime/sampling.cpp (SamplingRowArgs there; 4-byte fields only
+// Per-row parameters, filled by runtime/engine/sampling.cpp (SamplingRowArgs there; 4-byte fields only
 // so the layout is the same on both sides).
 typedef struct {
   float inv_temperature;  // 1 / max(T, 1e-6)
@@ -43,7 +43,7 @@ typedef struct {
 } SamplingRowArgs;
 
 // Floats of `work` per row: the kept masses, and before them the radix top-k's scratch (candidate
-// keys and chunk maxima). runtime/sampling.cpp allocates rows * work_stride.
+// keys and chunk maxima). runtime/engine/sampling.cpp allocates rows * work_stride.
 inline size_t work_stride(uint vocab) { return (size_t)vocab + (vocab + CHUNK - 1) / CHUNK; }
 
 constant uint16 kLane = (uint16)(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -490,7 +490,7 @@ kernel void sample_rows(global const float* logits, uint rows, uint vocab,
   out[r] = sample_row(row, mask_row, vocab, args[r], work + (size_t)r * work_stride(vocab));
 }
 
-// ---- speculative-decoding acceptance (runtime/acceptance.h has the rule and its proof) ----------
+// ---- speculative-decoding acceptance (runtime/engine/acceptance.h has the rule and its proof) ----------
 
 // Per request, filled by runtime/acceptance.cpp (AcceptRowArgs there).
 typedef struct {

@@ -1,18 +1,10 @@
-// The one place that maps a checkpoint's architecture (config.json) to its model class, and a
-// preset name to its checkpoint writer.
+// The registry itself: architecture -> family, preset -> family, and the loaders that ask it. No
+// family is named here; the folders register themselves (models/folders.cpp).
+#include "models/registry.h"
+
+#include <algorithm>
 #include <stdexcept>
 
-#include "models/deepseek_v3/model.h"
-#include "models/deepseek_v3/plan.h"
-#include "models/deepseek_v3/presets.h"
-#include "models/deepseek_v3_nextn/model.h"
-#include "models/eagle3_deepseek_v3/model.h"
-#include "models/llama3/model.h"
-#include "models/llama3/presets.h"
-#include "models/plan.h"
-#include "parallel/data_parallel_lm.h"
-#include "parallel/placement.h"
-#include "runtime/model.h"
 #include "runtime/safetensors.h"
 
 namespace clshard {
@@ -29,134 +21,128 @@ std::string architecture_name(const nlohmann::json& cfg) {
   return "";
 }
 
-bool is_llama3(const std::string& arch) {
-  return arch == "LlamaForCausalLM" || arch == "llama" || arch == "GraniteForCausalLM" ||
-         arch == "OlmoForCausalLM" || arch == "ExaoneForCausalLM" || arch == "MistralForCausalLM";
+std::filesystem::path config_json(const std::filesystem::path& dir_or_config_json) {
+  return std::filesystem::is_directory(dir_or_config_json) ? dir_or_config_json / "config.json"
+                                                          : dir_or_config_json;
 }
 
-bool is_deepseek_v3(const std::string& arch) {
-  return arch == "DeepseekV3ForCausalLM" || arch == "deepseek_v3";
+// The family of the checkpoint whose config.json is `cfg` (read from `path`).
+const ModelFamily& family_of(const nlohmann::json& cfg, const std::filesystem::path& path) {
+  const ModelRegistry& registry = ModelRegistry::get();
+  const std::string arch = architecture_name(cfg);
+  if (const ModelFamily* f = registry.find(arch)) return *f;
+  throw std::runtime_error(path.string() + ": unknown architecture '" + arch +
+                           "' (supported: " + registry.architectures() + ")");
+}
+
+template <typename Family>
+const Family* find_in(const std::vector<Family>& families, const std::string& architecture) {
+  for (const Family& f : families)
+    if (std::find(f.architectures.begin(), f.architectures.end(), architecture) !=
+        f.architectures.end())
+      return &f;
+  return nullptr;
 }
 
 }  // namespace
+
+const ModelRegistry& ModelRegistry::get() {
+  static const ModelRegistry registry = [] {
+    ModelRegistry r;
+    register_model_folders(r);
+    return r;
+  }();
+  return registry;
+}
+
+void ModelRegistry::add(ModelFamily family) { families_.push_back(std::move(family)); }
+void ModelRegistry::add(DraftFamily family) { drafts_.push_back(std::move(family)); }
+
+const ModelFamily* ModelRegistry::find(const std::string& architecture) const {
+  return find_in(families_, architecture);
+}
+
+const DraftFamily* ModelRegistry::find_draft(const std::string& method) const {
+  for (const DraftFamily& f : drafts_)
+    if (f.method == method) return &f;
+  return nullptr;
+}
+
+const ModelFamily* ModelRegistry::find_preset(const std::string& preset) const {
+  for (const ModelFamily& f : families_)
+    if (std::find(f.presets.begin(), f.presets.end(), preset) != f.presets.end()) return &f;
+  return nullptr;
+}
+
+std::string ModelRegistry::architectures() const {
+  std::string names;
+  for (const ModelFamily& f : families_)
+    for (const std::string& a : f.architectures) names += (names.empty() ? "" : ", ") + a;
+  return names;
+}
 
 std::unique_ptr<CausalLM> load_model(const std::filesystem::path& dir, const LoadOptions& opts) {
   const auto cfg_path = dir / "config.json";
   if (!std::filesystem::is_directory(dir))
     throw std::runtime_error(dir.string() + ": model directory not found");
-  auto cfg = read_json_file(cfg_path);
-  const std::string arch = architecture_name(cfg);
-  if (is_llama3(arch)) {
-    // Replicas of tensor-parallel groups, as the placement gives them; one group needs no
-    // data-parallel wrapper.
-    auto groups = parallel::place_replicas(std::max<size_t>(opts.devices.size(), 1),
-                                           opts.data_parallel_degree,
-                                           opts.tensor_parallel_degree);
-    std::vector<std::unique_ptr<CausalLM>> replicas;
-    for (const auto& group : groups.devices_of_replica) {
-      LoadOptions one = opts;
-      one.devices.clear();
-      for (size_t d : group) one.devices.push_back(opts.devices.at(d));
-      one.data_parallel_degree = 1;
-      replicas.push_back(std::make_unique<llama3::Llama3Model>(dir, one));
-    }
-    if (replicas.size() == 1) return std::move(replicas[0]);
-    return std::make_unique<parallel::DataParallelLM>(std::move(replicas));
-  }
-  if (arch == "DeepseekV3ForCausalLM" || arch == "deepseek_v3")
-    // One model over every device (DP attention + EP experts, MAX's DP_EP): it takes all of
-    // opts.devices and checks parallel.data / parallel.expert against their count itself.
-    return std::make_unique<deepseek_v3::DeepseekV3Model>(dir, opts);
-  throw std::runtime_error(cfg_path.string() + ": unknown architecture '" + arch +
-                           "' (supported: LlamaForCausalLM and its Granite/OLMo/Exaone siblings, "
-                           "DeepseekV3ForCausalLM)");
+  const ModelFamily& family = family_of(read_json_file(cfg_path), cfg_path);
+  const parallel::Topology topology(family.layout, opts.degrees(), opts.devices.size(),
+                                    family.name);
+  return family.load(dir, opts, topology);
 }
 
 std::unique_ptr<DraftModel> load_draft(const std::string& method,
                                        const std::filesystem::path& target_dir,
                                        const std::optional<std::filesystem::path>& draft_dir,
                                        const LoadOptions& opts) {
+  const ModelRegistry& registry = ModelRegistry::get();
+  const DraftFamily* family = registry.find_draft(method);
+  if (!family) {
+    std::string methods;
+    for (const DraftFamily& f : registry.drafts()) methods += (methods.empty() ? "" : ", ") + f.method;
+    throw std::runtime_error("speculative.method: unknown method '" + method + "' (" + methods +
+                             ")");
+  }
   const auto cfg_path = target_dir / "config.json";
   const std::string arch = architecture_name(read_json_file(cfg_path));
-  if (!is_deepseek_v3(arch))
+  if (std::find(family->target_architectures.begin(), family->target_architectures.end(), arch) ==
+      family->target_architectures.end())
     throw std::runtime_error(cfg_path.string() + ": speculative decoding runs on DeepSeek-V3 "
                              "targets (with their MTP layer or an Eagle3 draft); this checkpoint "
-                             "is '" + arch + "' and has no draft (speculative.method)");
-  if (method == "mtp")
-    return std::make_unique<deepseek_v3_nextn::DeepseekV3NextN>(target_dir, draft_dir, opts);
-  if (method == "eagle3") {
-    if (!draft_dir)
-      throw std::runtime_error("speculative.method eagle3 needs speculative.draft_model (the "
-                               "Eagle3 draft checkpoint)");
-    return eagle3_deepseek_v3::load(target_dir, *draft_dir, opts);
-  }
-  throw std::runtime_error("speculative.method: unknown method '" + method +
-                           "' (mtp or eagle3)");
+                             "is '" + arch + "' and has no " + family->name + " draft "
+                             "(speculative.method)");
+  return family->load(target_dir, draft_dir, opts);
 }
 
 std::vector<std::string> model_presets() {
-  std::vector<std::string> names = llama3::preset_names();
-  for (const auto& n : deepseek_v3::preset_names()) names.push_back(n);
+  std::vector<std::string> names;
+  for (const ModelFamily& f : ModelRegistry::get().families())
+    names.insert(names.end(), f.presets.begin(), f.presets.end());
   return names;
 }
 
 void make_model(const std::string& preset, const std::filesystem::path& out,
                 const MakeModelOptions& opts) {
-  if (llama3::has_preset(preset)) return llama3::write_preset(preset, out, opts);
-  if (deepseek_v3::has_preset(preset)) return deepseek_v3::write_preset(preset, out, opts);
+  if (const ModelFamily* f = ModelRegistry::get().find_preset(preset))
+    return f->write_preset(preset, out, opts);
   std::string names;
   for (const auto& n : model_presets()) names += (names.empty() ? "" : ", ") + n;
   throw std::runtime_error("make-model: unknown preset '" + preset + "' (known: " + names + ")");
 }
 
-namespace {
-
-// Llama 3's plan: its tensors in torch_dtype, an f32 paged KV cache as Llama3Model keeps it.
-nlohmann::json plan_llama3(const llama3::Llama3Config& c, uint64_t bytes_per_param) {
-  const uint64_t H = c.hidden_size, V = c.vocab_size, hd = c.head_dim, I = c.intermediate_size;
-  const uint64_t nq = c.num_attention_heads * hd, nkv = c.num_key_value_heads * hd;
-  const uint64_t per_layer = 2 * H + nq * H + 2 * nkv * H + H * nq + 3 * H * I +
-                             (c.attention_bias ? nq + 2 * nkv : 0);
-  const uint64_t params = V * H + uint64_t(c.num_hidden_layers) * per_layer + H +
-                          (c.tie_word_embeddings ? 0 : V * H);
-  const uint64_t kv_per_token = uint64_t(c.num_hidden_layers) * 2 * nkv * sizeof(float);
-  const uint64_t page_size = 128, max_batch_tokens = 8192;
-  const uint64_t per_token = 2 * H + nq + 2 * nkv + nq + 2 * I;  // f32 step scratch
-  nlohmann::ordered_json j;
-  j["architecture"] = c.architecture;
-  j["parameters"] = {{"total", params}, {"active_per_token", params}};
-  j["weights"] = {{"bytes_total", params * bytes_per_param},
-                  {"active_bytes_per_token", (params - V * H + H) * bytes_per_param}};
-  j["kv_cache"] = {{"layout", "K and V per layer per kv head"},
-                   {"dtype_bytes", sizeof(float)},
-                   {"bytes_per_token", kv_per_token},
-                   {"page_size", page_size},
-                   {"bytes_per_page", kv_per_token * page_size}};
-  j["activations"] = {{"bytes", 4 * max_batch_tokens * per_token},
-                      {"max_batch_tokens", max_batch_tokens}};
+nlohmann::json plan_checkpoint(const std::filesystem::path& dir_or_config_json) {
+  const auto path = config_json(dir_or_config_json);
+  const auto cfg = read_json_file(path);
+  nlohmann::json j = family_of(cfg, path).plan(cfg, path);
+  j["config"] = path.string();
   return j;
 }
 
-}  // namespace
-
-nlohmann::json plan_checkpoint(const std::filesystem::path& dir_or_config_json) {
-  const auto path = std::filesystem::is_directory(dir_or_config_json)
-                        ? dir_or_config_json / "config.json"
-                        : dir_or_config_json;
-  const auto cfg = read_json_file(path);
-  const std::string arch = architecture_name(cfg);
-  nlohmann::json j;
-  if (is_deepseek_v3(arch))
-    j = deepseek_v3::to_json(
-        deepseek_v3::plan_memory(deepseek_v3::DeepseekV3Config::from_json(cfg, path.string())));
-  else if (is_llama3(arch))
-    j = plan_llama3(llama3::Llama3Config::from_json(cfg, path.string()),
-                    cfg.contains("torch_dtype") && cfg["torch_dtype"] == "float32" ? 4 : 2);
-  else
-    throw std::runtime_error(path.string() + ": unknown architecture '" + arch +
-                             "' (plan knows Llama 3 and DeepseekV3ForCausalLM)");
-  j["config"] = path.string();
-  return j;
+parallel::Topology checkpoint_topology(const std::filesystem::path& dir_or_config_json,
+                                       const parallel::ParallelDegrees& degrees, size_t devices) {
+  const auto path = config_json(dir_or_config_json);
+  const ModelFamily& family = family_of(read_json_file(path), path);
+  return parallel::Topology(family.layout, degrees, devices, family.name);
 }
 
 }  // namespace clshard

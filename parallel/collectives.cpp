@@ -1,8 +1,6 @@
 #include "parallel/collectives.h"
 
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 #include <stdexcept>
 
 #include "runtime/device.h"
@@ -12,11 +10,6 @@ namespace clshard::parallel {
 namespace {
 
 constexpr size_t kMaxReduceInputs = 8;  // buffer arguments of reduce_ranks_f32
-constexpr size_t kStagingAlign = 64;    // bytes: staged pieces start on cache lines
-
-struct FreeDeleter {
-  void operator()(void* p) const { std::free(p); }
-};
 
 std::string named(const char* collective, const char* what) {
   return std::string(collective) + "(" + (what ? what : "") + ")";
@@ -26,41 +19,23 @@ size_t round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }
 
 }  // namespace
 
-// Host memory that cross-context transfers pass through. Two arenas alternate by epoch parity, so
-// a phase can fill one while the destinations of the previous phase still read the other; reuse
-// waits for the "done" signals of the phase that last read it.
-struct Communicator::Arena {
-  std::unique_ptr<void, FreeDeleter> host;
-  size_t bytes = 0;
-  std::map<cl_context, cl::Mem> wrapped;  // the arena as a zero-copy buffer in each context
-  uint32_t last_use = 0;                  // epoch whose consumers read it (0: none pending)
-};
-
 Communicator::Communicator(std::vector<Device*> devices, CommunicatorOptions options)
-    : devices_(std::move(devices)), options_(options) {
-  if (devices_.empty()) throw std::invalid_argument("Communicator: no devices");
-  for (size_t i = 0; i < devices_.size(); ++i)
-    if (!devices_[i]) throw std::invalid_argument("Communicator: device " + std::to_string(i) +
-                                                  " is null");
-  for (Device* d : devices_) queues_.push_back(cl::Queue::retain(d->queue()));
-  SignalOptions so;
-  so.timeout = options_.timeout;
-  so.force_read_polling = options_.force_read_polling;
-  signals_ = std::make_unique<SignalBuffers>(devices_, so);
-  for (int i = 0; i < 2; ++i) arenas_.push_back(std::make_unique<Arena>());
-  staging_in_.resize(size());
-  staging_in_bytes_.assign(size(), 0);
+    : Communicator(std::make_unique<OpenClTransport>(std::move(devices), options)) {}
+
+Communicator::Communicator(std::unique_ptr<Transport> transport)
+    : transport_(std::move(transport)) {
+  if (!transport_) throw std::invalid_argument("Communicator: no transport");
   reduce_temp_.resize(size());
   reduce_temp_floats_.assign(size(), 0);
 }
 
 Communicator::~Communicator() {
-  // Enqueued copies may still read or write the arenas' host memory.
-  for (const cl::Queue& q : queues_) clFinish(q.get());
+  // The transport drains the queues before the reduction scratch is released.
+  transport_.reset();
 }
 
 bool Communicator::same_context(size_t a, size_t b) const {
-  return devices_.at(a)->context() == devices_.at(b)->context();
+  return device(a).context() == device(b).context();
 }
 
 std::vector<size_t> Communicator::even_shards(size_t count, size_t ranks) {
@@ -81,7 +56,7 @@ void Communicator::check_span(const std::string& name, const char* role, size_t 
                               size_t index, const DeviceSpan& s) const {
   if (s.count_floats == 0) return;
   const std::string where = name + ": " + role + "[" + std::to_string(index) + "] (on rank " +
-                            std::to_string(rank) + ", " + devices_[rank]->label() + ")";
+                            std::to_string(rank) + ", " + device(rank).label() + ")";
   if (!s.buf) throw std::invalid_argument(where + " has " + std::to_string(s.count_floats) +
                                           " floats but no buffer");
   size_t bytes = 0;
@@ -94,14 +69,14 @@ void Communicator::check_span(const std::string& name, const char* role, size_t 
     throw std::invalid_argument(where + " spans floats [" + std::to_string(s.offset_floats) + ", " +
                                 std::to_string(s.offset_floats + s.count_floats) +
                                 ") of a buffer of " + std::to_string(bytes / sizeof(float)));
-  if (ctx != devices_[rank]->context())
+  if (ctx != device(rank).context())
     throw std::invalid_argument(where + " is a buffer of another OpenCL context than its device's");
 }
 
 cl::Mem& Communicator::reduce_temp(size_t rank, size_t floats) {
   if (reduce_temp_floats_[rank] < floats) {
     // Commands already enqueued keep the old buffer alive until they finish.
-    reduce_temp_[rank] = devices_[rank]->alloc(floats * sizeof(float));
+    reduce_temp_[rank] = device(rank).alloc(floats * sizeof(float));
     reduce_temp_floats_[rank] = floats;
   }
   return reduce_temp_[rank];
@@ -110,179 +85,72 @@ cl::Mem& Communicator::reduce_temp(size_t rank, size_t floats) {
 void Communicator::run_phase(const std::string& name, const std::vector<Copy>& copies,
                              const std::vector<Reduce>& reduces) {
   const size_t n = size();
-  const uint32_t epoch = signals_->next_epoch();
-  Arena& arena = *arenas_[epoch % 2];
   ++stats_.phases;
 
-  // Every piece of data a destination consumes, and where the destination will find it.
-  struct Input {
-    size_t src, dst;
-    DeviceSpan span;  // on src
-    DeviceSpan view;  // usable on dst
-    enum { Direct, ZeroCopy, HostStaged } route = Direct;
-    size_t arena_off = 0;  // bytes
-  };
-  std::vector<Input> inputs;
-  for (const Copy& c : copies) inputs.push_back({c.src, c.dst, c.from, {}});
+  // Every piece of data a destination consumes, in the order the consumers below take them.
+  std::vector<Transport::Piece> pieces;
+  for (const Copy& c : copies) pieces.push_back({c.src, c.dst, c.from});
   for (const Reduce& r : reduces)
-    for (size_t i = 0; i < r.inputs.size(); ++i) inputs.push_back({i, r.dst, r.inputs[i], {}});
+    for (size_t i = 0; i < r.inputs.size(); ++i) pieces.push_back({i, r.dst, r.inputs[i]});
+  const std::vector<Transport::View> views = transport_->open_phase(name, pieces);
+  stats_.bytes_staged = transport_->stats().bytes_staged;
+  stats_.host_wait_seconds = transport_->stats().host_wait_seconds;
 
-  size_t arena_bytes = 0;
-  for (Input& in : inputs) {
-    if (in.span.count_floats == 0 || same_context(in.src, in.dst)) continue;
-    const bool zero_copy = !options_.force_host_staging && signals_->zero_copy(in.src) &&
-                           signals_->zero_copy(in.dst);
-    in.route = zero_copy ? Input::ZeroCopy : Input::HostStaged;
-    in.arena_off = arena_bytes;
-    arena_bytes += round_up(in.span.count_floats * sizeof(float), kStagingAlign);
-  }
-
-  if (arena_bytes > 0) {
-    // The destinations that last read this arena must be done with it.
-    if (arena.last_use) {
-      std::vector<size_t> all(n);
-      for (size_t r = 0; r < n; ++r) all[r] = r;
-      signals_->wait_done(all, arena.last_use, name);
-      arena.last_use = 0;
-    }
-    if (arena.bytes < arena_bytes) {
-      // Pieces of a phase that failed may still be on their way into the old memory.
-      for (Device* d : devices_) d->finish();
-      const size_t bytes = round_up(std::max(arena_bytes, arena.bytes * 2), 4096);
-      arena.wrapped.clear();
-      arena.host.reset(std::aligned_alloc(4096, bytes));
-      if (!arena.host) throw std::bad_alloc();
-      arena.bytes = bytes;
-    }
-    // The sources copy their pieces into the zero-copy arena before they signal.
-    for (const Input& in : inputs) {
-      if (in.route != Input::ZeroCopy) continue;
-      for (size_t r : {in.src, in.dst}) {
-        cl_context ctx = devices_[r]->context();
-        if (arena.wrapped.count(ctx)) continue;
-        cl_int err = CL_SUCCESS;
-        arena.wrapped.emplace(ctx, cl::Mem(clCreateBuffer(ctx, CL_MEM_READ_WRITE |
-                                                                   CL_MEM_USE_HOST_PTR,
-                                                          arena.bytes, arena.host.get(), &err)));
-        cl::check(err, name + ": wrapping the staging arena for " + devices_[r]->label());
-      }
-      Device& src = *devices_[in.src];
-      cl::check(clEnqueueCopyBuffer(src.queue(), in.span.buf.get(),
-                                    arena.wrapped.at(src.context()).get(),
-                                    in.span.offset_floats * sizeof(float), in.arena_off,
-                                    in.span.count_floats * sizeof(float), 0, nullptr, nullptr),
-                name + ": staging a piece of " + src.label());
-    }
-  }
-
-  // 1-2. Every rank vouches for its payload; the host waits for the ranks and pairs it needs.
-  std::vector<cl::Event> ready(n);
-  for (size_t r = 0; r < n; ++r) ready[r] = signals_->signal_ready(r, epoch);
-  std::vector<SignalBuffers::ReadySlot> needed;
-  for (size_t r = 0; r < n; ++r) needed.push_back({r, r});
-  for (const Input& in : inputs)
-    if (in.span.count_floats && in.src != in.dst) needed.push_back({in.src, in.dst});
-  const auto wait_start = std::chrono::steady_clock::now();
-  signals_->wait_ready(needed, epoch, name);
-  stats_.host_wait_seconds +=
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - wait_start).count();
-
-  // Where each destination finds its inputs.
-  std::vector<size_t> staged_bytes(n, 0);
-  for (Input& in : inputs) {
-    if (in.route == Input::HostStaged)
-      staged_bytes[in.dst] += round_up(in.span.count_floats * sizeof(float), kStagingAlign);
-  }
-  for (size_t r = 0; r < n; ++r) {
-    if (staging_in_bytes_[r] < staged_bytes[r]) {
-      staging_in_[r] = devices_[r]->alloc(staged_bytes[r]);
-      staging_in_bytes_[r] = staged_bytes[r];
-    }
-  }
-  std::vector<size_t> staged_at(n, 0);
-  for (Input& in : inputs) {
-    const size_t bytes = in.span.count_floats * sizeof(float);
-    switch (in.route) {
-      case Input::Direct: in.view = in.span; break;
-      case Input::ZeroCopy:
-        in.view = {arena.wrapped.at(devices_[in.dst]->context()), in.arena_off / sizeof(float),
-                   in.span.count_floats};
-        stats_.bytes_staged += bytes;
-        break;
-      case Input::HostStaged: {
-        // The source is idle past its signal, so this blocking read returns at once; the write
-        // into the destination's scratch is asynchronous and reads the arena until it completes,
-        // which this arena's "done" wait covers before the arena is refilled.
-        char* host = static_cast<char*>(arena.host.get()) + in.arena_off;
-        devices_[in.src]->read(in.span.buf, host, bytes, in.span.offset_floats * sizeof(float));
-        Device& dst = *devices_[in.dst];
-        cl::check(clEnqueueWriteBuffer(dst.queue(), staging_in_[in.dst].get(), CL_FALSE,
-                                       staged_at[in.dst], bytes, host, 0, nullptr, nullptr),
-                  name + ": staging a piece into " + dst.label());
-        in.view = {staging_in_[in.dst], staged_at[in.dst] / sizeof(float), in.span.count_floats};
-        staged_at[in.dst] += round_up(bytes, kStagingAlign);
-        stats_.bytes_staged += bytes;
-        break;
-      }
-    }
-  }
-
-  // 3. The consumers, on the destinations' queues. A consumer that reads a peer's buffer in the
-  // same context lists the peer's signal (that is what makes the peer's writes visible to it) and
-  // is remembered, so the peer's queue can wait for it before anything overwrites the data.
+  // The consumers, on the destinations' queues. Each lists its view's wait event; one that reads
+  // a source's own buffer is remembered, so the transport can make the source's queue wait for it
+  // before anything overwrites the data.
   std::vector<std::vector<cl::Event>> readers_of(n);
-  auto waits_for = [&](const Input& in) {
+  auto waits_for = [](const Transport::View& v) {
     std::vector<cl_event> w;
-    if (in.route == Input::Direct && in.src != in.dst && ready[in.src])
-      w.push_back(ready[in.src].get());
+    if (v.wait) w.push_back(v.wait.get());
     return w;
   };
   size_t next_input = 0;
   for (const Copy& c : copies) {
-    const Input& in = inputs[next_input++];
+    const Transport::View& in = views[next_input++];
     const size_t bytes = c.from.count_floats * sizeof(float);
     if (bytes == 0) continue;
     const bool block = c.rows > 0;
-    if (in.view.buf.get() == c.to.buf.get() && in.view.offset_floats == c.to.offset_floats &&
+    if (in.span.buf.get() == c.to.buf.get() && in.span.offset_floats == c.to.offset_floats &&
         (!block || c.dst_pitch == c.cols))
       continue;  // already in place
-    Device& dst = *devices_[c.dst];
+    Device& dst = device(c.dst);
     auto w = waits_for(in);
     cl_event ev = nullptr;
     if (block) {
       // Origins are byte offsets along x; the rows of the source block are contiguous.
-      const size_t src_origin[3] = {in.view.offset_floats * sizeof(float), 0, 0};
+      const size_t src_origin[3] = {in.span.offset_floats * sizeof(float), 0, 0};
       const size_t dst_origin[3] = {c.to.offset_floats * sizeof(float), 0, 0};
       const size_t region[3] = {c.cols * sizeof(float), c.rows, 1};
-      cl::check(clEnqueueCopyBufferRect(dst.queue(), in.view.buf.get(), c.to.buf.get(),
+      cl::check(clEnqueueCopyBufferRect(dst.queue(), in.span.buf.get(), c.to.buf.get(),
                                         src_origin, dst_origin, region, c.cols * sizeof(float), 0,
                                         c.dst_pitch * sizeof(float), 0, cl_uint(w.size()),
                                         w.empty() ? nullptr : w.data(), &ev),
                 name + ": copying a column block from rank " + std::to_string(c.src) + " into " +
                     dst.label());
     } else {
-      cl::check(clEnqueueCopyBuffer(dst.queue(), in.view.buf.get(), c.to.buf.get(),
-                                    in.view.offset_floats * sizeof(float),
+      cl::check(clEnqueueCopyBuffer(dst.queue(), in.span.buf.get(), c.to.buf.get(),
+                                    in.span.offset_floats * sizeof(float),
                                     c.to.offset_floats * sizeof(float), bytes, cl_uint(w.size()),
                                     w.empty() ? nullptr : w.data(), &ev),
                 name + ": copying from rank " + std::to_string(c.src) + " into " + dst.label());
     }
     cl::Event event(ev);
-    if (in.route == Input::Direct && c.src != c.dst) readers_of[c.src].push_back(event);
+    if (in.reads_source_buffer) readers_of[c.src].push_back(event);
     if (c.src != c.dst) stats_.bytes_moved += bytes;
   }
   for (const Reduce& r : reduces) {
     const size_t k = r.inputs.size();
-    std::vector<const Input*> ins(k);
-    for (size_t i = 0; i < k; ++i) ins[i] = &inputs[next_input++];
+    std::vector<const Transport::View*> ins(k);
+    for (size_t i = 0; i < k; ++i) ins[i] = &views[next_input++];
     const size_t count = r.out.count_floats;
     if (count == 0) continue;
     if (count > UINT32_MAX)
       throw std::invalid_argument(name + ": a shard of " + std::to_string(count) +
                                   " floats is more than one reduction launch takes (2^32 - 1)");
-    Device& dst = *devices_[r.dst];
+    Device& dst = device(r.dst);
     std::vector<cl_event> w;
-    for (const Input* in : ins)
+    for (const Transport::View* in : ins)
       for (cl_event e : waits_for(*in)) w.push_back(e);
     cl::Kernel kernel = dst.kernel("collectives.cl", "reduce_ranks_f32");
     // A few contiguous chunks per compute unit, whole 16-float vectors.
@@ -300,7 +168,7 @@ void Communicator::run_phase(const std::string& name, const std::vector<Copy>& c
       cl::set_args(kernel, out.buf, cl_ulong(out.offset_floats), cl_uint(count), cl_uint(chunk),
                    cl_uint(m), cl_uint(first > 0 ? 1 : 0));
       for (size_t a = 0; a < kMaxReduceInputs; ++a) {
-        const DeviceSpan& v = ins[first + std::min(a, m - 1)]->view;  // unused slots repeat one
+        const DeviceSpan& v = ins[first + std::min(a, m - 1)]->span;  // unused slots repeat one
         cl::detail::set_one(kernel.get(), cl_uint(6 + 2 * a), v.buf);
         cl::detail::set_one(kernel.get(), cl_uint(7 + 2 * a), cl_ulong(v.offset_floats));
       }
@@ -324,24 +192,13 @@ void Communicator::run_phase(const std::string& name, const std::vector<Copy>& c
     }
     cl::Event event(last);  // in-order queue: its completion covers the launches before it
     for (size_t i = 0; i < k; ++i) {
-      if (ins[i]->span.count_floats == 0 || i == r.dst) continue;
-      if (ins[i]->route == Input::Direct) readers_of[i].push_back(event);
-      stats_.bytes_moved += ins[i]->span.count_floats * sizeof(float);
+      if (r.inputs[i].count_floats == 0 || i == r.dst) continue;
+      if (ins[i]->reads_source_buffer) readers_of[i].push_back(event);
+      stats_.bytes_moved += r.inputs[i].count_floats * sizeof(float);
     }
   }
 
-  // 4. Sources wait for their readers before running what the caller enqueues next; everyone
-  // signals that it is done with this phase.
-  for (size_t r = 0; r < n; ++r) {
-    if (readers_of[r].empty()) continue;
-    std::vector<cl_event> w;
-    for (const auto& e : readers_of[r]) w.push_back(e.get());
-    cl::check(clEnqueueBarrierWithWaitList(devices_[r]->queue(), cl_uint(w.size()), w.data(),
-                                           nullptr),
-              name + ": ordering " + devices_[r]->label() + " after its readers");
-  }
-  for (size_t r = 0; r < n; ++r) signals_->signal_done(r, epoch);
-  if (arena_bytes > 0) arena.last_use = epoch;
+  transport_->close_phase(name, readers_of);
 }
 
 void Communicator::allgather(const std::vector<DeviceSpan>& send,

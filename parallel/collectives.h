@@ -1,24 +1,20 @@
 // Host-driven collectives over a group of devices: allgather, reduce-scatter, allreduce, broadcast
 // and the expert-parallel all-to-all of rows. Rank i is devices[i].
 //
-// How one exchange phase runs (every collective is one or two phases):
-//   1. every rank signals "ready" (signals.h) on its own in-order queue, behind the work that wrote
-//      its payload: the caller enqueues the producers first, then calls the collective;
-//   2. the host waits for the signals it needs (a silent peer is a CollectiveError after the
-//      timeout, never a hang: no kernel waits on another device);
-//   3. the host enqueues the consumer work on each destination's queue: device-side copies
-//      (clEnqueueCopyBuffer) and rank-order reductions (kernels_cl/collectives.cl) reading the
-//      peers' buffers directly when the devices share a context, or staged copies when they do not;
-//   4. each source rank's queue gets a barrier on the consumers that read its buffers, so work the
-//      caller enqueues next on that rank cannot overwrite data a peer is still reading; every rank
-//      signals "done".
-// The calls return once the work is enqueued; results are ordered on each destination's queue, so
-// the caller just keeps enqueuing there (finish or read to see them on the host).
+// How one exchange phase runs (every collective is one or two phases): the collective says which
+// pieces of payload each destination reads; its Transport (transport.h) makes them readable there,
+// waiting for the peers' signals (a silent peer is a CollectiveError after the timeout, never a
+// hang: no kernel waits on another device); the collective enqueues the consumers on each
+// destination's queue — device-side copies (clEnqueueCopyBuffer) and rank-order reductions
+// (kernels_cl/collectives.cl); the transport then orders each source after the consumers that
+// read its buffers in place, so work the caller enqueues next on that rank cannot overwrite data a
+// peer is still reading, and every rank signals "done". The caller enqueues the producers first,
+// then calls the collective. The calls return once the work is enqueued; results are ordered on
+// each destination's queue, so the caller just keeps enqueuing there (finish or read to see them
+// on the host).
 //
-// Across contexts data is staged through host memory: where both devices share host memory
-// (CL_DEVICE_HOST_UNIFIED_MEMORY, PoCL) through one host arena wrapped as a buffer in each context
-// (zero-copy: the source device copies into it, the destination device copies or reduces out of
-// it); otherwise the host reads from the source and writes into the destination's scratch.
+// In one process the transport is OpenClTransport (opencl_transport.h): same-context copies, a
+// zero-copy host arena between contexts on host-memory devices, host staging otherwise.
 //
 // Sums are rank-ordered (((r0 + r1) + r2) + r3) and each element is summed once by one device, so
 // every rank ends with bitwise the same values, equal to the single-device twin in the same order.
@@ -29,13 +25,14 @@
 
 #include <chrono>
 #include <cstdint>
-#include <map>
 #include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
-#include "parallel/signals.h"
+#include "parallel/opencl_transport.h"
+#include "parallel/signals.h"  // CollectiveError
+#include "parallel/transport.h"
 #include "runtime/cl.h"
 
 namespace clshard {
@@ -44,30 +41,20 @@ class Device;
 
 namespace clshard::parallel {
 
-// A run of f32 values in a device buffer.
-struct DeviceSpan {
-  cl::Mem buf;
-  size_t offset_floats = 0;
-  size_t count_floats = 0;
-};
-
-struct CommunicatorOptions {
-  std::chrono::milliseconds timeout{30000};  // how long a peer may stay silent
-  // Cross-context transfers through host reads/writes even where zero-copy staging would work, and
-  // signal polling through reads: the paths discrete devices take, for tests.
-  bool force_host_staging = false;
-  bool force_read_polling = false;
-};
+// The in-process transport's options (timeout, forced host staging and read polling for tests).
+using CommunicatorOptions = OpenClTransportOptions;
 
 class Communicator {
  public:
+  // Over the devices of this process (OpenClTransport).
   explicit Communicator(std::vector<Device*> devices, CommunicatorOptions options = {});
+  explicit Communicator(std::unique_ptr<Transport> transport);
   ~Communicator();
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;
 
-  size_t size() const { return devices_.size(); }
-  Device& device(size_t rank) const { return *devices_.at(rank); }
+  size_t size() const { return transport_->size(); }
+  Device& device(size_t rank) const { return transport_->device(rank); }
   bool same_context(size_t a, size_t b) const;
 
   // recv[j] = send[0] ++ send[1] ++ ... (rank order) on every rank j. Counts may differ and be 0;
@@ -106,10 +93,11 @@ class Communicator {
   // over the first ranks.
   static std::vector<size_t> even_shards(size_t count, size_t ranks);
 
-  SignalBuffers& signals() { return *signals_; }
-  void set_timeout(std::chrono::milliseconds t) { signals_->set_timeout(t); }
+  void set_timeout(std::chrono::milliseconds t) { transport_->set_timeout(t); }
   // Test hook: this rank's "ready" signal is never enqueued (a peer that stalls).
-  void silence_rank_for_test(std::optional<size_t> rank) { signals_->silence_rank_for_test(rank); }
+  void silence_rank_for_test(std::optional<size_t> rank) {
+    transport_->silence_rank_for_test(rank);
+  }
 
   // What the collectives did so far (for perf/ and `clshard bench`).
   struct Stats {
@@ -133,21 +121,13 @@ class Communicator {
     std::vector<DeviceSpan> inputs;  // inputs[i] on rank i, equal counts
     DeviceSpan out;
   };
-  struct Phase;
-  struct Arena;
   void run_phase(const std::string& name, const std::vector<Copy>& copies,
                  const std::vector<Reduce>& reduces);
   void check_span(const std::string& name, const char* role, size_t rank, size_t index,
                   const DeviceSpan& s) const;
   cl::Mem& reduce_temp(size_t rank, size_t floats);
 
-  std::vector<Device*> devices_;
-  std::vector<cl::Queue> queues_;  // retained: the destructor drains them even if a Device is gone
-  CommunicatorOptions options_;
-  std::unique_ptr<SignalBuffers> signals_;
-  std::vector<std::unique_ptr<Arena>> arenas_;  // two, alternating by epoch parity
-  std::vector<cl::Mem> staging_in_;             // per rank: host-staged inputs (discrete devices)
-  std::vector<size_t> staging_in_bytes_;
+  std::unique_ptr<Transport> transport_;
   std::vector<cl::Mem> reduce_temp_;            // per rank: partial sums when ranks > 8
   std::vector<size_t> reduce_temp_floats_;
   Stats stats_;

@@ -3,8 +3,8 @@
 #include <sstream>
 #include <stdexcept>
 
-#include "parallel/placement.h"
 #include "parallel/signals.h"
+#include "parallel/topology.h"
 
 namespace clshard::parallel {
 
@@ -17,7 +17,8 @@ std::string gib(uint64_t b) {
 }
 }  // namespace
 
-std::vector<DeviceMemory> plan_devices(const nlohmann::json& ck, const DeploymentShape& s) {
+std::vector<DeviceMemory> plan_devices(const nlohmann::json& ck, const Topology& t,
+                                       const DeploymentShape& s) {
   const bool moe = ck.contains("moe");
   const uint64_t weights_total = ck["weights"].contains("bytes_main")
                                      ? ck["weights"]["bytes_main"].get<uint64_t>()
@@ -25,47 +26,34 @@ std::vector<DeviceMemory> plan_devices(const nlohmann::json& ck, const Deploymen
   const uint64_t routed = moe ? ck["weights"]["routed_expert_bytes_main"].get<uint64_t>() : 0;
   const uint64_t kv_page_full = ck["kv_cache"]["bytes_per_token"].get<uint64_t>() * s.page_size;
   const uint64_t activations = ck["activations"]["bytes"].get<uint64_t>();
-  std::vector<DeviceMemory> rows;
+  const size_t n = t.devices();
+  // Each device holds its tensor-parallel share of everything but the routed experts (heads, MLP
+  // columns and vocabulary split), and of those its expert-parallel rank's block.
+  ExpertPlacement experts;
+  uint32_t E = 0;
+  uint64_t k = 0, H = 0;
   if (moe) {
-    // DeepSeek-V3 as MAX runs it: attention data-parallel over every device (each a replica with
-    // its own MLA cache), experts expert-parallel over every device.
-    if (s.data != s.devices)
-      throw std::runtime_error("parallel.data: DeepSeek-V3 runs one attention replica per device (" +
-                               std::to_string(s.devices) + "), got " + std::to_string(s.data));
-    if (s.expert != s.devices)
-      throw std::runtime_error("parallel.expert: DeepSeek-V3 spreads its experts over every device (" +
-                               std::to_string(s.devices) + "), got " + std::to_string(s.expert));
-    const uint32_t E = ck["moe"]["n_routed_experts"].get<uint32_t>();
-    const uint64_t k = ck["moe"]["num_experts_per_tok"].get<uint64_t>();
-    const uint64_t H = ck["moe"]["hidden_size"].get<uint64_t>();
-    ExpertPlacement place = place_experts_even(E, s.devices);
-    for (size_t d = 0; d < s.devices; ++d) {
-      DeviceMemory m;
-      m.device = d;
-      m.replica = d;
-      m.experts = place.count(d);
-      m.weights = (weights_total - routed) + (E ? routed * m.experts / E : 0);
-      m.kv_bytes_per_page = kv_page_full;
-      // Each step's token-expert rows leave and come back: send and receive room for both trips.
-      m.ep_buffers = s.devices > 1 ? 4 * uint64_t(s.max_batch_input_tokens) * k * H * sizeof(float) : 0;
-      m.activations = activations;
-      rows.push_back(m);
-    }
-  } else {
-    auto groups = place_replicas(s.devices, s.data, s.tensor);
-    for (size_t r = 0; r < groups.devices_of_replica.size(); ++r)
-      for (size_t d : groups.devices_of_replica[r]) {
-        DeviceMemory m;
-        m.device = d;
-        m.replica = r;
-        m.weights = weights_total / s.tensor;  // heads, MLP columns and vocabulary split
-        m.kv_bytes_per_page = kv_page_full / s.tensor;
-        m.activations = activations;
-        rows.push_back(m);
-      }
+    E = ck["moe"]["n_routed_experts"].get<uint32_t>();
+    k = ck["moe"]["num_experts_per_tok"].get<uint64_t>();
+    H = ck["moe"]["hidden_size"].get<uint64_t>();
+    experts = t.expert_blocks(E);
+  }
+  std::vector<DeviceMemory> rows;
+  for (size_t d = 0; d < n; ++d) {
+    DeviceMemory m;
+    m.device = d;
+    m.replica = t.replica_of_device(d);
+    m.experts = moe ? experts.count(d) : 0;
+    m.weights = (weights_total - routed) / t.tensor_degree() + (E ? routed * m.experts / E : 0);
+    m.kv_bytes_per_page = kv_page_full / t.tensor_degree();
+    // Each step's token-expert rows leave and come back: send and receive room for both trips.
+    m.ep_buffers =
+        moe && n > 1 ? 4 * uint64_t(s.max_batch_input_tokens) * k * H * sizeof(float) : 0;
+    m.activations = activations;
+    rows.push_back(m);
   }
   for (auto& m : rows) {
-    m.signal_buffers = s.devices > 1 ? SignalBuffers::words(s.devices) * sizeof(uint32_t) : 0;
+    m.signal_buffers = n > 1 ? SignalBuffers::words(n) * sizeof(uint32_t) : 0;
     const uint64_t budget = uint64_t(double(s.device_memory_bytes) * s.memory_fraction);
     const uint64_t fixed = m.weights + m.activations + m.ep_buffers + m.signal_buffers;
     m.fits = fixed < budget;

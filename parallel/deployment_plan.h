@@ -1,6 +1,6 @@
-// Memory of a deployment per device, from a checkpoint's plan (models/plan.h: config.json alone)
-// and the parallel layout: weights after the data/tensor/expert split, KV pages in what is left,
-// activations, expert-parallel exchange buffers and signal buffers. `clshard plan` prints it.
+// Memory of a deployment per device, from a checkpoint's plan (plan_checkpoint: config.json alone)
+// and the deployment's topology: weights after the data/tensor/expert split, KV pages in what is
+// left, activations, expert-parallel exchange buffers and signal buffers. `clshard plan` prints it.
 #pragma once
 
 #include <cstdint>
@@ -11,9 +11,10 @@
 
 namespace clshard::parallel {
 
+class Topology;
+
+// What the plan needs besides the topology.
 struct DeploymentShape {
-  size_t devices = 1;
-  size_t data = 1, tensor = 1, expert = 1;
   uint64_t device_memory_bytes = 0;  // per device
   double memory_fraction = 0.9;
   uint32_t page_size = 128;
@@ -33,9 +34,11 @@ struct DeviceMemory {
   bool fits = true;                 // weights + activations + buffers within memory_fraction
 };
 
-// `checkpoint` is plan_checkpoint()'s JSON. Throws naming the parallel key that does not fit the
-// devices.
-std::vector<DeviceMemory> plan_devices(const nlohmann::json& checkpoint, const DeploymentShape& s);
+// `checkpoint` is plan_checkpoint()'s JSON; `topology` the deployment's (the one the model would
+// load with, so degrees that do not fit were already errors naming the key), without
+// balanced_experts: a plan is made without the devices, so its expert blocks are even.
+std::vector<DeviceMemory> plan_devices(const nlohmann::json& checkpoint, const Topology& topology,
+                                       const DeploymentShape& s);
 std::string format_device_plan(const std::vector<DeviceMemory>& rows, const DeploymentShape& s);
 
 }  // namespace clshard::parallel

@@ -1,6 +1,7 @@
 // Placement decisions: which devices hold which data-parallel replica, which expert lives on which
-// expert-parallel rank, how a step's requests split over replicas. Models and the scheduler ask
-// these functions; they never compute placement themselves (ARCHITECTURE.md, "Decisions").
+// expert-parallel rank, how a step's requests split over replicas. parallel::Topology (topology.h)
+// makes them for a deployment with these functions, and models ask it; the engine routes requests
+// with least_loaded_replica. Nothing else computes placement (ARCHITECTURE.md, "Decisions").
 #pragma once
 
 #include <cstddef>

@@ -1,4 +1,4 @@
-// Speculative-decoding acceptance (runtime/acceptance.h) on the first OpenCL device: one launch
+// Speculative-decoding acceptance (runtime/engine/acceptance.h) on the first OpenCL device: one launch
 // for 16 requests x 5 verification rows (K = 4 drafts), at a small and a Llama-3-sized
 // vocabulary, with every draft accepted (the most work: all 80 rows are read), next to
 // sample_tokens over the same 80 rows (one work-item per row, so 5x the parallelism).
@@ -9,9 +9,9 @@
 #include <vector>
 
 #include "perf/bench_util.h"
-#include "runtime/acceptance.h"
+#include "runtime/engine/acceptance.h"
 #include "runtime/device_manager.h"
-#include "runtime/sampling.h"
+#include "runtime/engine/sampling.h"
 
 using namespace clshard;
 using namespace clshard::bench;

@@ -7,10 +7,11 @@
 #include <cstring>
 #include <filesystem>
 
+#include "models/registry.h"
 #include "perf/bench_util.h"
 #include "runtime/device.h"
 #include "runtime/device_manager.h"
-#include "runtime/engine.h"
+#include "runtime/engine/engine.h"
 #include "runtime/model.h"
 
 using namespace clshard;

@@ -21,10 +21,11 @@
 #include "models/deepseek_v3/config.h"
 #include "models/deepseek_v3/model.h"
 #include "models/deepseek_v3/plan.h"
+#include "models/registry.h"
 #include "perf/bench_util.h"
 #include "runtime/device.h"
 #include "runtime/device_manager.h"
-#include "runtime/generation.h"
+#include "runtime/engine/generation.h"
 #include "runtime/model.h"
 
 using namespace clshard;

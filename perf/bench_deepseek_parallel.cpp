@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "models/deepseek_v3/model.h"
+#include "models/registry.h"
 #include "parallel/collectives.h"
 #include "perf/bench_util.h"
 #include "runtime/device.h"

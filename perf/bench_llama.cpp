@@ -7,10 +7,11 @@
 #include <cstdio>
 #include <filesystem>
 
+#include "models/registry.h"
 #include "perf/bench_util.h"
 #include "runtime/device.h"
 #include "runtime/device_manager.h"
-#include "runtime/generation.h"
+#include "runtime/engine/generation.h"
 #include "runtime/model.h"
 #include "runtime/safetensors.h"
 

@@ -17,11 +17,12 @@
 #include "perf/bench_util.h"
 #include "runtime/device.h"
 #include "runtime/device_manager.h"
-#include "runtime/draft_step.h"
-#include "runtime/engine.h"
-#include "runtime/generation.h"
+#include "runtime/engine/draft_step.h"
+#include "runtime/engine/engine.h"
+#include "runtime/engine/generation.h"
+#include "models/registry.h"
 #include "runtime/model.h"
-#include "runtime/tokenizer.h"
+#include "runtime/text/tokenizer.h"
 
 using namespace clshard;
 using namespace clshard::bench;

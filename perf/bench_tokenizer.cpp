@@ -14,7 +14,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "runtime/tokenizer.h"
+#include "runtime/text/tokenizer.h"
 
 namespace {
 

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "models/registry.h"
 #include "runtime/device.h"
 #include "runtime/model.h"
 

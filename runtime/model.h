@@ -1,10 +1,10 @@
-// What the engine sees of a model: one forward step over a ragged batch with a paged KV cache.
-// runtime/ knows no model; models/registry.cpp maps a checkpoint's architecture to its class.
+// What the engine sees of a model: one forward step over a ragged batch with a paged KV cache, and
+// what a speculative-decoding draft adds. Only the interfaces: runtime/ knows no model, and the
+// loaders (load_model, load_draft, make_model, plan_checkpoint) are models/registry.h's.
 #pragma once
 
 #include <cstdint>
 #include <filesystem>
-#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -85,43 +85,5 @@ class DraftModel {
   virtual StepOutputs forward(const StepInputs& step, const std::vector<ReplicaHidden>& hidden,
                               uint32_t hidden_width) = 0;
 };
-
-struct LoadOptions {
-  std::vector<Device*> devices;        // every device of the deployment
-  std::optional<uint32_t> max_length;  // caps max_position_embeddings
-  uint32_t data_parallel_degree = 1;   // replicas (parallel.data)
-  uint32_t tensor_parallel_degree = 1;  // shards per replica (parallel.tensor)
-  uint32_t expert_parallel_degree = 1;  // ranks the experts are spread over (parallel.expert)
-  bool balanced_experts = false;        // parallel.placement: balanced
-  // FP8 checkpoints: false (default) keeps activations in f32 and dequantizes weights in the
-  // kernels; true fake-quantizes activations to fp8 per token per 128 columns before each FP8
-  // linear, as MAX and DeepSeek's reference code do (model.fp8_activations: fp8).
-  bool quantize_fp8_activations = false;
-};
-
-// Defined in models/registry.cpp: reads config.json, picks the architecture, loads the weights.
-std::unique_ptr<CausalLM> load_model(const std::filesystem::path& dir, const LoadOptions& opts);
-
-// Defined in models/: the draft for a target checkpoint. method "mtp": the NextN layer of the
-// target checkpoint (model.layers.{num_hidden_layers}.*), or draft_dir when given (a standalone
-// NextN checkpoint); "eagle3": the Eagle3 checkpoint in draft_dir (MLA or Llama-style MHA draft).
-// Throws naming the key (speculative.method / speculative.draft_model) when the pair does not fit.
-std::unique_ptr<DraftModel> load_draft(const std::string& method,
-                                       const std::filesystem::path& target_dir,
-                                       const std::optional<std::filesystem::path>& draft_dir,
-                                       const LoadOptions& opts);
-
-struct MakeModelOptions {
-  std::string dtype = "f32";  // f32 | bf16 (| fp8 for DeepSeek)
-  uint64_t seed = 0;
-  // Called after each decoder layer is generated (layers done, layers in all): a 1B preset takes
-  // about a minute, so the CLI shows where it is.
-  std::function<void(int64_t, int64_t)> on_layer;
-};
-// Defined in models/registry.cpp: writes a random checkpoint of a named preset in exact Hugging
-// Face layout. Returns the preset names when `preset` is unknown (in the error).
-void make_model(const std::string& preset, const std::filesystem::path& out,
-                const MakeModelOptions& opts);
-std::vector<std::string> model_presets();
 
 }  // namespace clshard

@@ -7,7 +7,7 @@
 #include <fstream>
 #include <map>
 
-#include "runtime/generation.h"
+#include "runtime/engine/generation.h"
 #include "tests/test_util.h"
 
 namespace clshard::test {

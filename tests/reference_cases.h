@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/engine.h"
+#include "runtime/engine/engine.h"
 #include "runtime/model.h"
 
 namespace clshard::test {

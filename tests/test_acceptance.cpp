@@ -1,4 +1,4 @@
-// Speculative-decoding acceptance (runtime/acceptance.h) on the test device: exact greedy prefixes,
+// Speculative-decoding acceptance (runtime/engine/acceptance.h) on the test device: exact greedy prefixes,
 // the committed tokens' distribution against the target's (chi-square, as the sampler tests), the
 // bonus against sample_tokens, relaxed acceptance, the bitmask, the host reference, bad input.
 #include <gtest/gtest.h>
@@ -12,9 +12,9 @@
 #include <string>
 #include <vector>
 
-#include "runtime/acceptance.h"
+#include "runtime/engine/acceptance.h"
 #include "runtime/device.h"
-#include "runtime/sampling.h"
+#include "runtime/engine/sampling.h"
 #include "tests/test_util.h"
 
 namespace clshard {

@@ -10,8 +10,8 @@
 #include <stdexcept>
 #include <string>
 
-#include "runtime/batch_io.h"
-#include "runtime/progress.h"
+#include "runtime/engine/batch_io.h"
+#include "runtime/engine/progress.h"
 #include "tests/test_util.h"
 
 namespace clshard {

@@ -1,7 +1,7 @@
 // Tests of the chat template renderer: the shipped Llama 3 / DeepSeek-V3 templates against
 // chat_rendered.json, and a table of Jinja features against outputs of the reference
 // implementation.
-#include "runtime/chat_template.h"
+#include "runtime/text/chat_template.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -14,7 +14,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "runtime/tokenizer.h"
+#include "runtime/text/tokenizer.h"
 
 #include "tests/test_util.h"
 

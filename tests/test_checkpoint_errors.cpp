@@ -7,6 +7,7 @@
 #include <fstream>
 
 #include "models/llama3/config.h"
+#include "models/registry.h"
 #include "runtime/model.h"
 #include "runtime/safetensors.h"
 #include "tests/test_util.h"

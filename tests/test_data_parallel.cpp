@@ -7,11 +7,12 @@
 #include <map>
 #include <tuple>
 
+#include "models/registry.h"
 #include "parallel/data_parallel_lm.h"
 #include "runtime/device.h"
 #include "runtime/device_manager.h"
-#include "runtime/engine.h"
-#include "runtime/generation.h"
+#include "runtime/engine/engine.h"
+#include "runtime/engine/generation.h"
 #include "tests/reference_cases.h"
 #include "tests/test_util.h"
 

@@ -12,12 +12,13 @@
 #include <tuple>
 
 #include "models/deepseek_v3/model.h"
+#include "models/registry.h"
 #include "parallel/collectives.h"
 #include "parallel/placement.h"
 #include "runtime/device.h"
 #include "runtime/device_manager.h"
-#include "runtime/engine.h"
-#include "runtime/generation.h"
+#include "runtime/engine/engine.h"
+#include "runtime/engine/generation.h"
 #include "tests/reference_cases.h"
 #include "tests/test_util.h"
 

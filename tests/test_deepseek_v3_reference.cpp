@@ -11,8 +11,9 @@
 #include <iostream>
 
 #include "models/deepseek_v3/model.h"
+#include "models/registry.h"
 #include "runtime/device.h"
-#include "runtime/generation.h"
+#include "runtime/engine/generation.h"
 #include "runtime/model.h"
 #include "tests/reference_cases.h"
 #include "tests/test_util.h"

@@ -6,8 +6,8 @@
 #include <stdexcept>
 #include <string>
 
-#include "runtime/batch_io.h"
-#include "runtime/deploy_config.h"
+#include "runtime/engine/batch_io.h"
+#include "runtime/engine/deploy_config.h"
 #include "tests/test_util.h"
 
 #ifndef CLSHARD_SOURCE_DIR

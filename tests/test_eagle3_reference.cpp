@@ -18,7 +18,7 @@
 #include "models/eagle3_deepseek_v3/model.h"
 #include "runtime/device.h"
 #include "runtime/device_manager.h"
-#include "runtime/generation.h"
+#include "runtime/engine/generation.h"
 #include "runtime/safetensors.h"
 #include "tests/reference_cases.h"
 #include "tests/test_util.h"
@@ -40,10 +40,11 @@ std::unique_ptr<Eagle3Draft> load_draft(const DraftRefCase& rc) {
   return eagle3_deepseek_v3::load(rc.target, rc.draft, one_device());
 }
 
+// The target's deployment on every device (DP = EP = devices), which the draft shares.
 LoadOptions replicas(DeviceManager& mgr) {
   LoadOptions o;
   o.devices = mgr.devices();
-  o.data_parallel_degree = uint32_t(mgr.size());
+  o.data_parallel_degree = o.expert_parallel_degree = uint32_t(mgr.size());
   return o;
 }
 

@@ -5,9 +5,10 @@
 #include <algorithm>
 #include <map>
 
+#include "models/registry.h"
 #include "runtime/device.h"
-#include "runtime/engine.h"
-#include "runtime/generation.h"
+#include "runtime/engine/engine.h"
+#include "runtime/engine/generation.h"
 #include "tests/test_util.h"
 
 namespace clshard {

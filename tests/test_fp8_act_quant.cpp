@@ -8,8 +8,9 @@
 #include <fstream>
 #include <random>
 
+#include "models/registry.h"
 #include "runtime/device.h"
-#include "runtime/generation.h"
+#include "runtime/engine/generation.h"
 #include "runtime/model.h"
 #include "runtime/ops_mla.h"
 #include "runtime/ops_moe.h"

@@ -5,8 +5,9 @@
 #include <cmath>
 #include <fstream>
 
+#include "models/registry.h"
 #include "runtime/device.h"
-#include "runtime/generation.h"
+#include "runtime/engine/generation.h"
 #include "runtime/model.h"
 #include "tests/reference_cases.h"
 #include "tests/test_util.h"

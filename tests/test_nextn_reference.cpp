@@ -14,6 +14,7 @@
 
 #include "models/deepseek_v3/model.h"
 #include "models/deepseek_v3_nextn/model.h"
+#include "models/registry.h"
 #include "runtime/device.h"
 #include "runtime/device_manager.h"
 #include "tests/reference_cases.h"

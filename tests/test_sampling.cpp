@@ -1,6 +1,6 @@
-// Batched device sampling (runtime/sampling.h) on the test device: exact cases (greedy, ties,
+// Batched device sampling (runtime/engine/sampling.h) on the test device: exact cases (greedy, ties,
 // bitmask, seeds), frequency tests against the host reference distribution, and bad parameters.
-#include "runtime/sampling.h"
+#include "runtime/engine/sampling.h"
 
 #include <gtest/gtest.h>
 

@@ -21,8 +21,8 @@
 #include <type_traits>
 #include <vector>
 
-#include "runtime/kv_pages.h"
-#include "runtime/scheduler.h"
+#include "runtime/engine/kv_pages.h"
+#include "runtime/engine/scheduler.h"
 #include "runtime/step.h"
 
 namespace clshard {

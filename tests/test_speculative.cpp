@@ -12,14 +12,15 @@
 #include <algorithm>
 #include <map>
 
+#include "models/registry.h"
 #include "runtime/model.h"
-#include "runtime/deploy_config.h"
-#include "runtime/deployment.h"
+#include "runtime/engine/deploy_config.h"
+#include "runtime/engine/deployment.h"
 #include "runtime/device.h"
 #include "runtime/device_manager.h"
-#include "runtime/engine.h"
-#include "runtime/generation.h"
-#include "runtime/tokenizer.h"
+#include "runtime/engine/engine.h"
+#include "runtime/engine/generation.h"
+#include "runtime/text/tokenizer.h"
 #include "tests/reference_cases.h"
 #include "tests/test_util.h"
 

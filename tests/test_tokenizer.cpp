@@ -1,7 +1,7 @@
 // Tests of the Hugging Face tokenizer: the shared Llama 3 / DeepSeek-V3 expected encodings,
 // streaming decode, a minimal byte-level tokenizer like the one make-model writes, and the errors
 // for files we cannot tokenize faithfully.
-#include "runtime/tokenizer.h"
+#include "runtime/text/tokenizer.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>

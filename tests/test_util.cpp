@@ -17,7 +17,7 @@
 
 #include "runtime/device.h"
 #include "runtime/device_manager.h"
-#include "runtime/tokenizer.h"
+#include "runtime/text/tokenizer.h"
 
 #ifndef CLSHARD_SOURCE_DIR
 #define CLSHARD_SOURCE_DIR "."

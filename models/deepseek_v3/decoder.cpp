@@ -5,33 +5,22 @@
 #include <stdexcept>
 
 #include "parallel/collectives.h"
+#include "parallel/expert_exchange.h"
 #include "runtime/device.h"
 #include "runtime/ops.h"
 
 namespace clshard::deepseek_v3 {
 
 DecoderStack::DecoderStack(const DeepseekV3Config& cfg, const std::filesystem::path& dir,
-                           const LoadOptions& opts,
+                           const LoadOptions& opts, const parallel::Topology& topology,
                            std::optional<parallel::ExpertPlacement> placement, const char* who)
     : cfg_(cfg) {
   const size_t N = opts.devices.size();
-  if (N == 0) throw std::invalid_argument(std::string(who) + ": no device");
-  // MAX's DP_EP mode is the one layout: every device a replica and an expert-parallel rank.
-  if (opts.tensor_parallel_degree != 1)
-    throw std::runtime_error("DeepSeek-V3: parallel.tensor = " +
-                             std::to_string(opts.tensor_parallel_degree) +
-                             " is not supported (attention runs data-parallel, experts "
-                             "expert-parallel; set parallel.tensor = 1)");
-  if (opts.data_parallel_degree != N)
-    throw std::runtime_error("DeepSeek-V3 on " + std::to_string(N) + " device(s) runs one "
-                             "data-parallel replica per device: parallel.data must be " +
-                             std::to_string(N) + ", got " +
-                             std::to_string(opts.data_parallel_degree));
-  if (opts.expert_parallel_degree != N)
-    throw std::runtime_error("DeepSeek-V3 on " + std::to_string(N) + " device(s) spreads the "
-                             "experts over all of them: parallel.expert must be " +
-                             std::to_string(N) + ", got " +
-                             std::to_string(opts.expert_parallel_degree));
+  // The topology checked the layout: every device a replica and an expert-parallel rank.
+  if (topology.layout() != parallel::Layout::DataParallelAttentionExpertParallel ||
+      topology.devices() != N || N == 0)
+    throw std::invalid_argument(std::string(who) + ": the topology is not DP = EP over the " +
+                                std::to_string(N) + " devices of the options");
   mla_.n_heads = uint32_t(cfg_.num_attention_heads);
   mla_.kv_lora = uint32_t(cfg_.kv_lora_rank);
   mla_.nope = uint32_t(cfg_.qk_nope_head_dim);
@@ -60,11 +49,10 @@ DecoderStack::DecoderStack(const DeepseekV3Config& cfg, const std::filesystem::p
           std::to_string(placement->ranks()) + " ranks; the model has " +
           std::to_string(router_.n_experts) + " experts on " + std::to_string(N) + " devices");
     placement_ = std::move(*placement);
-  } else if (opts.balanced_experts) {
-    throughput_ = parallel::measure_device_throughput(opts.devices);
-    placement_ = parallel::place_experts_balanced(router_.n_experts, throughput_);
   } else {
-    placement_ = parallel::place_experts_even(router_.n_experts, N);
+    if (topology.balanced_experts())
+      throughput_ = parallel::measure_device_throughput(opts.devices);
+    placement_ = topology.expert_blocks(router_.n_experts, throughput_);
   }
   if (N > 1)
     std::cerr << who << ": " << N << " data-parallel replicas, experts over " << N
@@ -140,48 +128,24 @@ void DecoderStack::moe(size_t layer, std::vector<ReplicaWork>& work) {
     dev.flush();
   }
 
-  // The plan, on the host: each source sends its (token, slot) rows in (expert, token, slot)
-  // order — since the expert blocks are contiguous, that is also destination order, so
-  // send_off[r][d] .. send_off[r][d + 1] are the rows for rank d.
+  // The plan, on the host (parallel/expert_exchange.h): where each source's (token, slot) rows go,
+  // where they arrive, and how each rank regroups them by expert.
   std::vector<ops::ExpertBatches> eb(N);
-  std::vector<std::vector<uint32_t>> send_off(N, std::vector<uint32_t>(N + 1, 0));
+  std::vector<std::vector<uint32_t>> expert_offsets(N);
   for (size_t r = 0; r < N; ++r) {
     const uint32_t T = work[r].T;
     std::vector<int32_t> host_ids(size_t(T) * k);
     if (T > 0) work[r].dev->read(ids[r].mem(), host_ids.data(), host_ids.size() * 4);
     eb[r] = ops::group_by_expert(host_ids, T, k, E);
-    for (size_t d = 0; d <= N; ++d)
-      send_off[r][d] = eb[r].expert_offsets[placement_.first_expert[d]];
+    expert_offsets[r] = eb[r].expert_offsets;
   }
-  // Rank d receives the sources' rows in source order (recv_off[d][r] ..): within each source,
-  // by expert. Its expert GEMMs want each local expert's rows together, so unless only one source
-  // sent it anything, it regroups them (expert, source, token, slot) with `perm` and puts the
-  // outputs back in received order with the inverse before the combine.
-  std::vector<std::vector<uint32_t>> recv_off(N, std::vector<uint32_t>(N + 1, 0));
-  std::vector<std::vector<uint32_t>> expert_rows(N);  // [local experts + 1] grouped offsets
-  std::vector<std::vector<uint32_t>> perm(N), inv(N);
-  std::vector<bool> regroup(N, false);
-  for (size_t d = 0; d < N; ++d) {
-    const uint32_t e0 = placement_.first_expert[d], e1 = placement_.first_expert[d + 1];
-    size_t senders = 0;
-    for (size_t r = 0; r < N; ++r) {
-      const uint32_t n = send_off[r][d + 1] - send_off[r][d];
-      recv_off[d][r + 1] = recv_off[d][r] + n;
-      senders += n > 0;
-    }
-    regroup[d] = senders > 1;
-    expert_rows[d].push_back(0);
-    for (uint32_t e = e0; e < e1; ++e) {
-      for (size_t r = 0; r < N; ++r) {
-        const uint32_t b = eb[r].expert_offsets[e], n = eb[r].expert_offsets[e + 1] - b;
-        for (uint32_t i = 0; i < n; ++i)
-          perm[d].push_back(recv_off[d][r] + (b - send_off[r][d]) + i);
-      }
-      expert_rows[d].push_back(uint32_t(perm[d].size()));
-    }
-    inv[d].resize(perm[d].size());
-    for (uint32_t i = 0; i < perm[d].size(); ++i) inv[d][perm[d][i]] = i;
-  }
+  const auto plan = parallel::plan_expert_exchange(expert_offsets, placement_);
+  const auto& send_off = plan.send_off;
+  const auto& recv_off = plan.recv_off;
+  const auto& expert_rows = plan.expert_rows;
+  const auto& perm = plan.perm;
+  const auto& inv = plan.inv;
+  const auto& regroup = plan.regroup;
 
   // The plan's index tables go up now, while every device is idle after the ids were read:
   // Device::write blocks until its queue drains, so a write between enqueued kernels would hold

@@ -25,6 +25,8 @@
 #include "models/deepseek_v3/config.h"
 #include "models/deepseek_v3/weights.h"
 #include "parallel/placement.h"
+#include "parallel/topology.h"
+#include "models/load_options.h"
 #include "runtime/model.h"
 #include "runtime/ops_mla.h"
 #include "runtime/ops_moe.h"
@@ -51,15 +53,14 @@ struct ReplicaWork {
 
 class DecoderStack {
  public:
-  // Checks the layout (DP = EP = number of devices, no tensor parallelism; errors name
-  // parallel.data / parallel.expert / parallel.tensor), places the experts — `placement` when
-  // given (tests and tools that pin the blocks), else parallel::place_experts_balanced over
-  // measured throughput when opts.balanced_experts, else even blocks — and opens the
-  // communicator. `dir` names the checkpoint in errors. Replicas get their layers with
-  // set_layers() (loaded for each rank's expert block, expert_block()).
+  // On opts.devices as `topology` (DP = EP = number of devices, checked there) places them: the
+  // expert blocks are `placement` when given (tests and tools that pin the blocks), else the
+  // topology's (even, or balanced over measured device throughput). Opens the communicator.
+  // `dir` names the checkpoint in errors, `who` the model in messages. Replicas get their layers
+  // with set_layers() (loaded for each rank's expert block, expert_block()).
   DecoderStack(const DeepseekV3Config& cfg, const std::filesystem::path& dir,
-               const LoadOptions& opts, std::optional<parallel::ExpertPlacement> placement,
-               const char* who);
+               const LoadOptions& opts, const parallel::Topology& topology,
+               std::optional<parallel::ExpertPlacement> placement, const char* who);
   ~DecoderStack();
 
   size_t replicas() const { return replicas_.size(); }

@@ -12,8 +12,15 @@ namespace clshard::deepseek_v3 {
 
 DeepseekV3Model::DeepseekV3Model(const std::filesystem::path& dir, const LoadOptions& opts,
                                  std::optional<parallel::ExpertPlacement> placement)
+    : DeepseekV3Model(dir, opts,
+                      parallel::Topology(kLayout, opts.degrees(), opts.devices.size(), kName),
+                      std::move(placement)) {}
+
+DeepseekV3Model::DeepseekV3Model(const std::filesystem::path& dir, const LoadOptions& opts,
+                                 const parallel::Topology& topology,
+                                 std::optional<parallel::ExpertPlacement> placement)
     : cfg_(DeepseekV3Config::from_dir(dir)),
-      stack_(cfg_, dir, opts, std::move(placement), "deepseek_v3") {
+      stack_(cfg_, dir, opts, topology, std::move(placement), "deepseek_v3") {
   store_ = std::make_unique<WeightStore>(dir);
   for (size_t r = 0; r < stack_.replicas(); ++r) {
     const auto [first, end] = stack_.expert_block(r);

@@ -16,7 +16,9 @@
 #include "models/deepseek_v3/config.h"
 #include "models/deepseek_v3/decoder.h"
 #include "models/deepseek_v3/weights.h"
+#include "models/load_options.h"
 #include "parallel/placement.h"
+#include "parallel/topology.h"
 #include "runtime/model.h"
 #include "runtime/ops_mla.h"
 #include "runtime/ops_moe.h"
@@ -26,12 +28,20 @@ namespace clshard::deepseek_v3 {
 
 class DeepseekV3Model : public CausalLM {
  public:
-  // Throws when opts asks for a layout other than DP = EP = number of devices (naming
-  // parallel.data / parallel.expert / parallel.tensor). The expert placement is
-  // parallel::place_experts_even, or place_experts_balanced over measure_device_throughput when
-  // opts.balanced_experts; `placement` (made by one of parallel::place_experts_*) overrides both,
+  // The one layout (MAX's DP_EP: DP = EP = number of devices, TP = 1), and the name the
+  // topology's errors give the model.
+  static constexpr parallel::Layout kLayout = parallel::Layout::DataParallelAttentionExpertParallel;
+  static constexpr const char* kName = "DeepSeek-V3";
+
+  // On every device of opts, placed by `topology` (built from opts when not given; a TopologyError
+  // naming parallel.data / parallel.expert / parallel.tensor for any other layout). The expert
+  // blocks are the topology's: even, or balanced over measure_device_throughput when
+  // opts.balanced_experts; `placement` (made by one of parallel::place_experts_*) overrides them,
   // for tests and tools that pin the blocks.
   DeepseekV3Model(const std::filesystem::path& dir, const LoadOptions& opts,
+                  std::optional<parallel::ExpertPlacement> placement = std::nullopt);
+  DeepseekV3Model(const std::filesystem::path& dir, const LoadOptions& opts,
+                  const parallel::Topology& topology,
                   std::optional<parallel::ExpertPlacement> placement = std::nullopt);
   ~DeepseekV3Model() override;
 

@@ -20,7 +20,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "runtime/model.h"
+#include "models/registry.h"
 
 namespace clshard::deepseek_v3 {
 

@@ -1,5 +1,7 @@
 #include "models/deepseek_v3_nextn/model.h"
 
+#include "models/deepseek_v3/model.h"
+
 #include <stdexcept>
 #include <string>
 
@@ -14,7 +16,10 @@ DeepseekV3NextN::DeepseekV3NextN(const std::filesystem::path& target_dir,
                                  const std::optional<std::filesystem::path>& nextn_dir,
                                  const LoadOptions& opts)
     : cfg_(NextNConfig::locate(target_dir, nextn_dir)),
-      stack_(cfg_.target, cfg_.weights_dir, opts, std::nullopt, "deepseek_v3_nextn") {
+      stack_(cfg_.target, cfg_.weights_dir, opts,
+             parallel::Topology(deepseek_v3::DeepseekV3Model::kLayout, opts.degrees(),
+                                opts.devices.size(), "DeepSeek-V3 NextN"),
+             std::nullopt, "deepseek_v3_nextn") {
   target_store_ = std::make_unique<WeightStore>(target_dir);
   const WeightStore* block = target_store_.get();
   if (nextn_dir) {

@@ -4,6 +4,7 @@
 #include <stdexcept>
 
 #include "parallel/collectives.h"
+#include "parallel/topology.h"
 #include "runtime/device.h"
 #include "runtime/ops.h"
 #include "runtime/ops_moe.h"
@@ -45,18 +46,11 @@ Eagle3Draft::Eagle3Draft(const std::filesystem::path& target_dir,
     throw std::runtime_error(std::string(e.what()) + " (the Eagle3 draft " + draft_dir.string() +
                              " needs a DeepSeek-V3 target)");
   }
-  const size_t N = opts.devices.size();
-  if (N == 0) throw std::invalid_argument("Eagle3Draft: no device");
-  if (opts.tensor_parallel_degree != 1)
-    throw std::runtime_error(
-        "Eagle3 draft: parallel.tensor = " + std::to_string(opts.tensor_parallel_degree) +
-        " is not supported (the draft is replicated, one replica per "
-        "device, as the DeepSeek-V3 target's attention)");
-  if (opts.data_parallel_degree != N)
-    throw std::runtime_error("Eagle3 draft on " + std::to_string(N) +
-                             " device(s) runs one replica per device: parallel.data must be " +
-                             std::to_string(N) + ", got " +
-                             std::to_string(opts.data_parallel_degree));
+  // The draft runs where the target's attention runs: one replica per device (the topology checks
+  // the target's layout and names the key at fault).
+  const parallel::Topology topology(parallel::Layout::DataParallelAttentionExpertParallel,
+                                    opts.degrees(), opts.devices.size(), "Eagle3 draft");
+  const size_t N = topology.replicas();
   cfg_.check_target(target_, (target_dir / "config.json").string());
   fp8_act_quant_ = opts.quantize_fp8_activations;
   if (cfg_.kind == DraftKind::Mla) {

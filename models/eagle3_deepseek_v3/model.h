@@ -23,6 +23,7 @@
 #include "models/deepseek_v3/blocks.h"
 #include "models/eagle3_deepseek_v3/config.h"
 #include "models/eagle3_deepseek_v3/weights.h"
+#include "models/load_options.h"
 #include "runtime/model.h"
 #include "runtime/ops_mla.h"
 #include "runtime/safetensors.h"

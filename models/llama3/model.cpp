@@ -3,25 +3,32 @@
 #include <stdexcept>
 
 #include "parallel/collectives.h"
+#include "parallel/topology.h"
 #include "runtime/device.h"
 #include "runtime/ops.h"
 #include "runtime/step_device.h"
 
 namespace clshard::llama3 {
 
-Llama3Model::Llama3Model(const std::filesystem::path& dir, const LoadOptions& opts)
+Llama3Model::Llama3Model(const std::filesystem::path& dir, const LoadOptions& opts,
+                         const parallel::Topology& topology, size_t replica)
     : cfg_(Llama3Config::from_dir(dir)) {
-  if (opts.devices.empty()) throw std::invalid_argument("Llama3Model: no device");
+  if (topology.devices() != opts.devices.size())
+    throw std::invalid_argument("Llama3Model: the topology has " +
+                                std::to_string(topology.devices()) + " devices, the options " +
+                                std::to_string(opts.devices.size()));
+  std::vector<Device*> devices;
+  for (size_t d : topology.devices_of_replica(replica)) devices.push_back(opts.devices[d]);
   store_ = std::make_unique<WeightStore>(dir);
   cfg_.finalize(*store_);
   if (cfg_.head_dim % 8 != 0)
     throw std::runtime_error((dir / "config.json").string() + ": head_dim " +
                              std::to_string(cfg_.head_dim) +
                              " is not supported (the attention kernel needs a multiple of 8)");
-  const int64_t ranks = int64_t(opts.devices.size());
+  const size_t ranks = devices.size();
   if (ranks > 1) {
-    for (Device* d : opts.devices)
-      if (d->context() != opts.devices[0]->context())
+    for (Device* d : devices)
+      if (d->context() != devices[0]->context())
         throw std::runtime_error(
             "tensor parallelism needs devices of one OpenCL platform (one context): the ranks "
             "write their logits columns into one buffer");
@@ -33,10 +40,10 @@ Llama3Model::Llama3Model(const std::filesystem::path& dir, const LoadOptions& op
   auto inv = cfg_.rope_inv_freqs();
   std::vector<float> inv_long = cfg_.longrope_scaling ? cfg_.rope_inv_freqs_long() : inv;
   if (cfg_.longrope_scaling) long_from_ = uint32_t(cfg_.longrope_scaling->original_max_position);
-  for (int64_t r = 0; r < ranks; ++r) {
+  for (size_t r = 0; r < ranks; ++r) {
     Shard s;
-    s.dev = opts.devices[r];
-    s.range = shard_range(cfg_, r, ranks);
+    s.dev = devices[r];
+    s.range = shard_range(cfg_, topology, r);
     s.w = load_weights(cfg_, *store_, *s.dev, s.range);
     s.inv_freq = s.dev->alloc(inv.size() * sizeof(float), CL_MEM_READ_ONLY);
     s.dev->write(s.inv_freq, inv.data(), inv.size() * sizeof(float));
@@ -44,7 +51,7 @@ Llama3Model::Llama3Model(const std::filesystem::path& dir, const LoadOptions& op
     s.dev->write(s.inv_freq_long, inv_long.data(), inv_long.size() * sizeof(float));
     shards_.push_back(std::move(s));
   }
-  if (ranks > 1) comm_ = std::make_unique<parallel::Communicator>(opts.devices);
+  if (ranks > 1) comm_ = std::make_unique<parallel::Communicator>(devices);
 
   info_.architecture = cfg_.architecture;
   info_.vocab_size = uint32_t(cfg_.vocab_size);
@@ -76,7 +83,7 @@ void Llama3Model::allocate_kv_cache(uint32_t num_pages, uint32_t page_size) {
   for (auto& s : shards_) {
     s.kv.clear();
     const size_t page_bytes =
-        size_t(2) * page_size * size_t(s.range.kv_heads) * cfg_.head_dim * sizeof(float);
+        size_t(2) * page_size * size_t(s.range.kv_heads.count) * cfg_.head_dim * sizeof(float);
     const size_t layer_bytes = size_t(num_pages + 1) * page_bytes;
     if (layer_bytes > s.dev->info().max_alloc)
       throw std::runtime_error("KV cache: " + std::to_string(num_pages) + " pages of " +
@@ -115,9 +122,9 @@ StepOutputs Llama3Model::forward(const StepInputs& in) {
   for (auto& s : shards_) {
     Work w;
     w.st = upload_step(*s.dev, in, page_size_, num_pages_, V);
-    w.nh = uint32_t(s.range.heads);
-    w.nkv = uint32_t(s.range.kv_heads);
-    w.f = uint32_t(s.range.ffn);
+    w.nh = uint32_t(s.range.heads.count);
+    w.nkv = uint32_t(s.range.kv_heads.count);
+    w.f = uint32_t(s.range.ffn.count);
     w.qkv_w = (w.nh + 2 * w.nkv) * hd;
     const size_t t = std::max<uint32_t>(T, 1);
     w.h = Scratch(*s.dev, t * H * 4);
@@ -151,7 +158,7 @@ StepOutputs Llama3Model::forward(const StepInputs& in) {
 
   for (size_t r = 0; r < P; ++r)
     ops::embedding(*shards_[r].dev, work[r].st.token_ids, T, shards_[r].w.embed, work[r].h.mem(),
-                   float(cfg_.embedding_multiplier), uint32_t(shards_[r].range.vocab_begin));
+                   float(cfg_.embedding_multiplier), uint32_t(shards_[r].range.vocab.begin));
   if (P > 1) allreduce(&Work::h, "embedding");
 
   for (size_t l = 0; l < cfg_.num_hidden_layers; ++l) {
@@ -211,7 +218,7 @@ StepOutputs Llama3Model::forward(const StepInputs& in) {
       ops::rmsnorm(d, work[r].h.mem(), 0, H, &work[r].st.logit_rows, shards_[r].w.final_norm,
                    xs.mem(), 0, H, R, H, eps);
       ops::linear(d, xs.mem(), 0, H, shards_[r].w.lm_head, nullptr, logits_,
-                  uint32_t(shards_[r].range.vocab_begin), V, R, float(1.0 / cfg_.logits_scaling));
+                  uint32_t(shards_[r].range.vocab.begin), V, R, float(1.0 / cfg_.logits_scaling));
     }
   }
   // The other ranks' logits columns must be in place before the first device reads them.

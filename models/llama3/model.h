@@ -12,19 +12,23 @@
 
 #include "models/llama3/config.h"
 #include "models/llama3/weights.h"
+#include "models/load_options.h"
 #include "runtime/model.h"
 #include "runtime/safetensors.h"
 
 namespace clshard::parallel {
 class Communicator;
+class Topology;
 }
 
 namespace clshard::llama3 {
 
 class Llama3Model : public CausalLM {
  public:
-  // opts.devices are the tensor-parallel ranks (one device: no parallelism).
-  Llama3Model(const std::filesystem::path& dir, const LoadOptions& opts);
+  // Replica `replica` of the topology: its device group (indices into opts.devices) are the
+  // tensor-parallel ranks (one device: no parallelism), sharded as the topology says.
+  Llama3Model(const std::filesystem::path& dir, const LoadOptions& opts,
+              const parallel::Topology& topology, size_t replica);
   ~Llama3Model() override;
 
   const ModelInfo& info() const override { return info_; }

@@ -8,8 +8,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "runtime/make_tokenizer.h"
 #include "runtime/safetensors.h"
+#include "runtime/text/make_tokenizer.h"
 
 namespace clshard::llama3 {
 

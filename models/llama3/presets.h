@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/model.h"
+#include "models/registry.h"
 
 namespace clshard::llama3 {
 

@@ -31,38 +31,17 @@ Weight clamped_rows(Device& dev, const TensorView& v, int64_t r0, int64_t r1, do
 
 }  // namespace
 
-ShardRange shard_range(const Llama3Config& c, int64_t rank, int64_t ranks) {
-  auto must_divide = [&](const char* field, int64_t value) {
-    if (value % ranks != 0)
-      throw std::runtime_error("tensor parallelism over " + std::to_string(ranks) +
-                               " devices needs " + field + " (" + std::to_string(value) +
-                               ") divisible by it");
-  };
-  must_divide("num_attention_heads", c.num_attention_heads);
-  must_divide("intermediate_size", c.intermediate_size);
+ShardRange shard_range(const Llama3Config& c, const parallel::Topology& topology,
+                       size_t tensor_rank) {
+  // Query heads and MLP columns must divide; key/value heads divide or are copied (more ranks than
+  // kv heads, as vLLM does: the KV cache is then replicated ranks / nkv times); the vocabulary need
+  // not divide.
   ShardRange s;
-  s.heads = c.num_attention_heads / ranks;
-  s.head_begin = rank * s.heads;
-  const int64_t nkv = c.num_key_value_heads;
-  if (nkv % ranks == 0) {
-    s.kv_heads = nkv / ranks;
-    s.kv_head_begin = rank * s.kv_heads;
-  } else if (ranks % nkv == 0) {
-    // More ranks than key/value heads: each rank keeps a copy of the one kv head its query heads
-    // read (as vLLM does), so the KV cache is replicated ranks / nkv times.
-    s.kv_heads = 1;
-    s.kv_head_begin = rank / (ranks / nkv);
-  } else {
-    throw std::runtime_error("tensor parallelism over " + std::to_string(ranks) +
-                             " devices needs num_key_value_heads (" + std::to_string(nkv) +
-                             ") to divide it or be divisible by it");
-  }
-  s.ffn = c.intermediate_size / ranks;
-  s.ffn_begin = rank * s.ffn;
-  // The vocabulary need not divide: the first ranks take one row more.
-  const int64_t base = c.vocab_size / ranks, extra = c.vocab_size % ranks;
-  s.vocab = base + (rank < extra ? 1 : 0);
-  s.vocab_begin = rank * base + std::min(rank, extra);
+  s.heads = topology.tensor_slice(tensor_rank, c.num_attention_heads, "num_attention_heads");
+  s.ffn = topology.tensor_slice(tensor_rank, c.intermediate_size, "intermediate_size");
+  s.kv_heads =
+      topology.tensor_slice_or_copy(tensor_rank, c.num_key_value_heads, "num_key_value_heads");
+  s.vocab = topology.tensor_rows(tensor_rank, c.vocab_size);
   return s;
 }
 
@@ -71,10 +50,10 @@ Llama3Weights load_weights(const Llama3Config& c, const WeightStore& s, Device& 
   const int64_t H = c.hidden_size, V = c.vocab_size, hd = c.head_dim;
   const int64_t nq = c.num_attention_heads * hd, nkv = c.num_key_value_heads * hd;
   const int64_t F = c.intermediate_size;
-  const int64_t q0 = r.head_begin * hd, q1 = q0 + r.heads * hd;
-  const int64_t kv0 = r.kv_head_begin * hd, kv1 = kv0 + r.kv_heads * hd;
-  const int64_t f0 = r.ffn_begin, f1 = f0 + r.ffn;
-  const int64_t v0 = r.vocab_begin, v1 = v0 + r.vocab;
+  const int64_t q0 = r.heads.begin * hd, q1 = q0 + r.heads.count * hd;
+  const int64_t kv0 = r.kv_heads.begin * hd, kv1 = kv0 + r.kv_heads.count * hd;
+  const int64_t f0 = r.ffn.begin, f1 = f0 + r.ffn.count;
+  const int64_t v0 = r.vocab.begin, v1 = v0 + r.vocab.count;
   auto whole = [&](const std::string& name, std::vector<int64_t> shape) {
     return to_device(dev, s.expect(name, shape, kFloatTypes));
   };

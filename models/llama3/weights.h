@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "models/llama3/config.h"
+#include "parallel/topology.h"
 #include "runtime/tensor.h"
 
 namespace clshard {
@@ -16,15 +17,17 @@ class WeightStore;
 
 namespace clshard::llama3 {
 
-// What rank `rank` of `ranks` owns. ranks == 1: everything.
+// What tensor-parallel rank `tensor_rank` of the topology owns (one rank: everything), as the
+// topology splits heads, MLP columns and vocabulary rows.
 struct ShardRange {
-  int64_t head_begin = 0, heads = 0;        // query heads
-  int64_t kv_head_begin = 0, kv_heads = 0;  // key/value heads
-  int64_t ffn_begin = 0, ffn = 0;           // MLP intermediate columns
-  int64_t vocab_begin = 0, vocab = 0;       // embedding / lm_head rows
+  parallel::TensorSlice heads;     // query heads
+  parallel::TensorSlice kv_heads;  // key/value heads
+  parallel::TensorSlice ffn;       // MLP intermediate columns
+  parallel::TensorSlice vocab;     // embedding / lm_head rows
 };
 // Throws naming the config field that the rank count does not divide.
-ShardRange shard_range(const Llama3Config& cfg, int64_t rank, int64_t ranks);
+ShardRange shard_range(const Llama3Config& cfg, const parallel::Topology& topology,
+                       size_t tensor_rank);
 
 struct LayerWeights {
   Weight input_norm, post_attention_norm;

@@ -9,16 +9,16 @@
 
 #include <nlohmann/json.hpp>
 
-#include "models/plan.h"
+#include "models/registry.h"
 #include "parallel/deployment_plan.h"
-#include "runtime/batch_job.h"
-#include "runtime/progress.h"
-#include "runtime/deployment.h"
 #include "runtime/device.h"
 #include "runtime/device_manager.h"
-#include "runtime/generation.h"
+#include "runtime/engine/batch_job.h"
+#include "runtime/engine/deployment.h"
+#include "runtime/engine/generation.h"
+#include "runtime/engine/progress.h"
 #include "runtime/model.h"
-#include "runtime/tokenizer.h"
+#include "runtime/text/tokenizer.h"
 
 namespace clshard::cli {
 
@@ -287,11 +287,11 @@ int run(int argc, char** argv) {
     const std::filesystem::path what =
         pl_config.empty() ? cfg.model.path : std::filesystem::path(pl_config);
     nlohmann::json ck = plan_checkpoint(what);
+    // Expert blocks as loading would make them before any speed is measured: even.
+    const parallel::ParallelDegrees degrees{size_t(cfg.parallel.data), size_t(cfg.parallel.tensor),
+                                            size_t(cfg.parallel.expert), false};
+    size_t devices = pl_devices ? pl_devices : degrees.data * degrees.tensor;
     parallel::DeploymentShape shape;
-    shape.data = size_t(cfg.parallel.data);
-    shape.tensor = size_t(cfg.parallel.tensor);
-    shape.expert = size_t(cfg.parallel.expert);
-    shape.devices = pl_devices ? pl_devices : shape.data * shape.tensor;
     shape.memory_fraction = cfg.kv_cache.memory_fraction;
     shape.page_size = uint32_t(cfg.kv_cache.page_size);
     shape.max_batch_input_tokens = uint32_t(cfg.batch.max_batch_input_tokens);
@@ -303,13 +303,14 @@ int run(int argc, char** argv) {
         shape.device_memory_bytes = UINT64_MAX;
         for (Device* d : mgr.devices())
           shape.device_memory_bytes = std::min(shape.device_memory_bytes, d->info().global_mem);
-        if (!pl_devices) shape.devices = mgr.size();
+        if (!pl_devices) devices = mgr.size();
       } catch (const std::exception& e) {
         throw std::runtime_error(std::string("plan: cannot open the deployment's devices here (") +
                                  e.what() + "); give --device-memory GIB (and --devices N)");
       }
     }
-    auto rows = parallel::plan_devices(ck, shape);
+    const parallel::Topology topology = checkpoint_topology(what, degrees, devices);
+    auto rows = parallel::plan_devices(ck, topology, shape);
     if (pl_json) {
       nlohmann::ordered_json j;
       j["checkpoint"] = ck;
@@ -336,8 +337,8 @@ int run(int argc, char** argv) {
               << " bytes per token, " << ck["kv_cache"]["bytes_per_token"].get<uint64_t>() *
                                             shape.page_size
               << " per page of " << shape.page_size << "\n";
-    std::cout << "layout: " << shape.devices << " device(s), data " << shape.data << ", tensor "
-              << shape.tensor << ", expert " << shape.expert << "\n";
+    std::cout << "layout: " << devices << " device(s), data " << degrees.data << ", tensor "
+              << degrees.tensor << ", expert " << degrees.expert << "\n";
     std::cout << parallel::format_device_plan(rows, shape);
   });
 

@@ -1,0 +1,34 @@
+// What a model loader is given: the deployment's devices and the settings of the deployment file
+// that shape the model (its parallel layout, its length, how FP8 activations run).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "parallel/topology.h"
+
+namespace clshard {
+
+class Device;
+
+struct LoadOptions {
+  std::vector<Device*> devices;        // every device of the deployment
+  std::optional<uint32_t> max_length;  // caps max_position_embeddings
+  uint32_t data_parallel_degree = 1;   // replicas (parallel.data)
+  uint32_t tensor_parallel_degree = 1;  // shards per replica (parallel.tensor)
+  uint32_t expert_parallel_degree = 1;  // ranks the experts are spread over (parallel.expert)
+  bool balanced_experts = false;        // parallel.placement: balanced
+  // FP8 checkpoints: false (default) keeps activations in f32 and dequantizes weights in the
+  // kernels; true fake-quantizes activations to fp8 per token per 128 columns before each FP8
+  // linear, as MAX and DeepSeek's reference code do (model.fp8_activations: fp8).
+  bool quantize_fp8_activations = false;
+
+  // The parallel settings, as parallel::Topology takes them.
+  parallel::ParallelDegrees degrees() const {
+    return {data_parallel_degree, tensor_parallel_degree, expert_parallel_degree,
+            balanced_experts};
+  }
+};
+
+}  // namespace clshard

@@ -1,0 +1,80 @@
+#include "runtime/engine/batch_job.h"
+
+#include <chrono>
+#include <map>
+
+#include "runtime/engine/batch_io.h"
+#include "runtime/engine/progress.h"
+
+namespace clshard {
+
+BatchJobSummary run_batch_job(Deployment& d, std::ostream& err) {
+  const DeployConfig& cfg = d.config;
+  if (cfg.job.input.empty())
+    throw std::runtime_error(cfg.where("job.input") + ": no input file: this deployment has no job");
+  auto t0 = std::chrono::steady_clock::now();
+  BatchInput input = read_batch_input(cfg.job.input, cfg.sampling);
+  BatchOutputOptions out_opts;
+  out_opts.model_name = cfg.model.path.filename().string();
+  BatchOutputWriter writer(cfg.job.output, input, out_opts);
+  auto todo = writer.requests_to_run(input);
+
+  BatchJobSummary sum;
+  sum.skipped = writer.resumed_ids().size();
+  auto engine = d.make_engine();
+  std::map<uint64_t, const BatchRequest*> by_handle;
+  for (const BatchRequest* r : todo) {
+    try {
+      GenerationRequest g;
+      g.prompt = d.prompt_ids(r->prompt, r->prompt_token_ids, r->messages);
+      g.sampling = Deployment::sampling_params(r->sampling);
+      g.max_tokens = uint32_t(r->sampling.max_tokens);
+      g.stop = r->sampling.stop;
+      g.stop_token_ids = r->sampling.stop_token_ids;
+      by_handle[engine->submit(std::move(g))] = r;
+    } catch (const std::exception& e) {
+      writer.error(r->id, e.what());
+    }
+  }
+  if (sum.skipped)
+    err << "resuming " << cfg.job.output.string() << ": " << sum.skipped
+        << " request(s) already done, " << todo.size() << " to run\n";
+  Progress progress(writer.records_total(), Progress::stderr_is_terminal(), err);
+  auto report = [&] {
+    progress.update(writer.records_written(), sum.prompt_tokens, sum.completion_tokens,
+                    writer.error_records());
+  };
+  report();
+  while (engine->has_work()) {
+    for (GenerationResult& r : engine->step()) {
+      const BatchRequest* req = by_handle.at(r.handle);
+      if (r.reason == EndReason::Error) {
+        writer.error(req->id, r.error);
+        continue;
+      }
+      CompletionRecord rec;
+      rec.text = std::move(r.text);
+      rec.token_ids = std::move(r.token_ids);
+      rec.finish_reason = r.reason == EndReason::Stop ? FinishReason::Stop : FinishReason::Length;
+      rec.prompt_tokens = r.prompt_tokens;
+      rec.completion_tokens = rec.token_ids.size();
+      sum.prompt_tokens += rec.prompt_tokens;
+      sum.completion_tokens += rec.completion_tokens;
+      writer.complete(req->id, rec);
+    }
+    report();
+  }
+  progress.finish();
+  sum.requests = writer.records_written();
+  sum.errors = writer.error_records();
+  sum.engine = engine->stats();
+  sum.wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  err << "output: " << cfg.job.output.string() << "\n";
+  err << "engine: " << sum.engine.steps << " steps, device " << sum.engine.device_s
+      << " s, host " << sum.engine.host_s << " s, " << sum.engine.preemptions << " preemption(s)\n";
+  if (sum.engine.speculative.verify_rows > 0)
+    err << "speculative: " << sum.engine.speculative.describe() << "\n";
+  return sum;
+}
+
+}  // namespace clshard

@@ -1,0 +1,121 @@
+#include "runtime/engine/deployment.h"
+
+#include <filesystem>
+#include <stdexcept>
+
+#include "models/registry.h"
+#include "runtime/safetensors.h"
+#include "runtime/text/chat_template.h"
+
+namespace clshard {
+
+namespace {
+
+// Weights are used in the dtype the checkpoint stores (bf16 and fp8 are widened or dequantized
+// inside the kernels, never converted in memory), so model.dtype can only confirm it.
+void check_checkpoint_dtype(const DeployConfig& cfg) {
+  if (cfg.model.dtype == ModelDType::Auto) return;
+  const auto path = cfg.model.path / "config.json";
+  if (!std::filesystem::exists(path)) return;  // load_model reports the missing file
+  const auto j = read_json_file(path);
+  std::string stored = "bf16";
+  if (j.contains("quantization_config")) stored = "fp8";
+  else if (j.value("torch_dtype", "") == "float32") stored = "f32";
+  else if (j.value("torch_dtype", "") == "float16") stored = "f16";
+  const std::string asked = to_string(cfg.model.dtype);
+  if (asked != stored)
+    throw std::runtime_error(cfg.where("model.dtype") + ": " + asked + " asked, but " +
+                             path.string() + " holds " + stored +
+                             " weights; clshard uses the checkpoint's own dtype (say auto)");
+}
+
+}  // namespace
+
+Deployment Deployment::open(const DeployConfig& cfg) {
+  Deployment d;
+  d.config = cfg;
+  d.devices = std::make_unique<DeviceManager>(cfg.devices);
+  check_device_count(cfg, d.devices->size());
+  check_checkpoint_dtype(cfg);
+  LoadOptions opts;
+  opts.devices = d.devices->devices();
+  if (cfg.model.max_length) opts.max_length = uint32_t(*cfg.model.max_length);
+  opts.data_parallel_degree = uint32_t(cfg.parallel.data);
+  opts.tensor_parallel_degree = uint32_t(cfg.parallel.tensor);
+  opts.expert_parallel_degree = uint32_t(cfg.parallel.expert);
+  opts.balanced_experts = cfg.parallel.placement == Placement::Balanced;
+  opts.quantize_fp8_activations = cfg.model.quantize_fp8_activations;
+  try {
+    d.model = load_model(cfg.model.path, opts);
+  } catch (const std::exception& e) {
+    throw std::runtime_error(cfg.where("model.path") + ": " + e.what());
+  }
+  if (std::filesystem::exists(cfg.model.path / "tokenizer.json"))
+    d.tokenizer = Tokenizer::from_dir(cfg.model.path);
+  const SpeculativeSection& sp = cfg.speculative;
+  if (sp.method != SpeculativeMethod::None) {
+    const std::string key = sp.draft_model.empty() ? "speculative.method" : "speculative.draft_model";
+    try {
+      d.draft = load_draft(to_string(sp.method), cfg.model.path,
+                           sp.draft_model.empty() ? std::nullopt
+                                                  : std::optional<std::filesystem::path>(sp.draft_model),
+                           opts);
+    } catch (const std::exception& e) {
+      throw std::runtime_error(cfg.where(key) + ": " + e.what());
+    }
+  }
+
+  const uint32_t page_size = uint32_t(cfg.kv_cache.page_size);
+  const uint32_t max_length = d.model->info().max_seq_len;
+  const uint32_t pages =
+      plan_kv_pages(*d.model, page_size, cfg.kv_cache.pages, cfg.kv_cache.memory_fraction,
+                    uint32_t(cfg.batch.max_batch_size), max_length, d.draft.get());
+  d.model->allocate_kv_cache(pages, page_size);
+  if (d.draft) d.draft->allocate_kv_cache(pages, page_size);
+  d.limits.max_batch_size = uint32_t(cfg.batch.max_batch_size);
+  d.limits.max_batch_input_tokens = uint32_t(cfg.batch.max_batch_input_tokens);
+  d.limits.page_size = page_size;
+  d.limits.total_pages = pages;
+  d.limits.max_length = max_length;
+  d.limits.num_speculative_tokens = uint32_t(sp.num_speculative_tokens);
+  return d;
+}
+
+std::unique_ptr<Engine> Deployment::make_engine() {
+  SpeculativeOptions spec;
+  const SpeculativeSection& sp = config.speculative;
+  if (draft) {
+    spec.num_tokens = uint32_t(sp.num_speculative_tokens);
+    spec.relaxed_thinking = sp.acceptance == SpeculativeAcceptance::RelaxedThinking;
+    spec.relaxed.top_k = uint32_t(sp.relaxed_topk);
+    spec.relaxed.delta = float(sp.relaxed_delta);
+  }
+  return std::make_unique<Engine>(*model, tokenizer ? &*tokenizer : nullptr, limits, draft.get(),
+                                  spec);
+}
+
+SamplingParams Deployment::sampling_params(const SamplingDefaults& s) {
+  SamplingParams p;
+  p.temperature = s.temperature;
+  p.top_k = s.top_k;
+  p.top_p = s.top_p;
+  p.min_p = s.min_p;
+  p.seed = s.seed;
+  return p;
+}
+
+std::vector<int32_t> Deployment::prompt_ids(
+    const std::optional<std::string>& prompt, const std::optional<std::vector<int32_t>>& ids,
+    const std::optional<std::vector<ChatTurn>>& messages) const {
+  if (ids) return *ids;
+  if (!tokenizer)
+    throw std::runtime_error("text prompts need a tokenizer.json in " +
+                             config.model.path.string() + " (or give prompt_token_ids)");
+  if (prompt) return tokenizer->encode(*prompt, /*add_special_tokens=*/true);
+  std::vector<ChatMessage> turns;
+  for (const auto& t : *messages) turns.push_back({t.role, t.content});
+  // The template writes the BOS text itself.
+  return tokenizer->encode(apply_chat_template(*tokenizer, turns, true), false);
+}
+
+}  // namespace clshard

@@ -1,0 +1,267 @@
+#include "runtime/engine/engine.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+
+#include "parallel/placement.h"
+#include "runtime/device.h"
+
+namespace clshard {
+
+namespace {
+using Clock = std::chrono::steady_clock;
+double since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+}  // namespace
+
+std::string SpeculativeStats::describe() const {
+  char buf[160];
+  std::snprintf(buf, sizeof buf, "drafted %llu, accepted %llu (%.1f%%), mean accepted length %.2f",
+                (unsigned long long)drafted, (unsigned long long)accepted,
+                100.0 * acceptance_rate(), mean_accepted_length());
+  std::string s = buf;
+  if (!drafted_at.empty()) s += "; by position:";
+  for (size_t k = 0; k < drafted_at.size(); ++k) {
+    std::snprintf(buf, sizeof buf, " %zu: %.1f%%", k + 1,
+                  drafted_at[k] ? 100.0 * double(accepted_at[k]) / double(drafted_at[k]) : 0.0);
+    s += buf;
+  }
+  return s;
+}
+
+uint32_t plan_kv_pages(const CausalLM& model, uint32_t page_size, int64_t pages,
+                       double memory_fraction, uint32_t max_batch_size, uint32_t max_length,
+                       const DraftModel* draft) {
+  if (pages > 0) return uint32_t(pages);
+  const Device& dev = *model.devices().at(0);
+  const uint64_t page_bytes =
+      (model.kv_bytes_per_token() + (draft ? draft->kv_bytes_per_token() : 0)) * page_size;
+  const uint64_t weights = dev.info().host_unified_memory ? 0 : model.info().weight_bytes;
+  const uint64_t free_bytes = dev.info().global_mem > weights ? dev.info().global_mem - weights : 0;
+  uint64_t n = uint64_t(double(free_bytes) * memory_fraction) / std::max<uint64_t>(page_bytes, 1);
+  // One layer's pages live in one buffer: stay under the device's largest allocation.
+  const uint64_t layer_page_bytes = page_bytes / std::max<uint32_t>(model.info().num_layers, 1);
+  if (layer_page_bytes > 0) n = std::min<uint64_t>(n, dev.info().max_alloc / layer_page_bytes - 1);
+  const uint64_t useful = uint64_t(max_batch_size) * ((max_length + page_size - 1) / page_size);
+  n = std::min(n, useful);
+  if (n == 0)
+    throw std::runtime_error("KV cache: no room for a single page of " +
+                             std::to_string(page_bytes) + " bytes on " + dev.label());
+  return uint32_t(n);
+}
+
+Engine::Engine(CausalLM& model, const Tokenizer* tokenizer, const SchedulerLimits& limits,
+               DraftModel* draft, const SpeculativeOptions& spec)
+    : model_(model), tokenizer_(tokenizer), draft_(draft), spec_(spec) {
+  if (draft_ && (spec_.num_tokens < 1 || limits.num_speculative_tokens != spec_.num_tokens))
+    throw std::logic_error("Engine: a draft needs num_speculative_tokens >= 1 in both the "
+                           "options and the scheduler's limits");
+  if (!draft_ && limits.num_speculative_tokens != 0)
+    throw std::logic_error("Engine: num_speculative_tokens without a draft");
+  if (draft_ && spec_.relaxed_thinking && tokenizer_) {
+    think_start_ = tokenizer_->token_id("<think>");
+    think_end_ = tokenizer_->token_id("</think>");
+  }
+  stats_.speculative.drafted_at.assign(spec_.num_tokens, 0);
+  stats_.speculative.accepted_at.assign(spec_.num_tokens, 0);
+  for (uint32_t r = 0; r < model.num_replicas(); ++r) schedulers_.emplace_back(limits);
+  handle_of_.resize(schedulers_.size());
+  if (model.kv_num_pages() < limits.total_pages || model.kv_page_size() != limits.page_size)
+    throw std::logic_error("Engine: the model's KV cache does not match the scheduler's pages");
+  eos_ids_ = model.info().eos_token_ids;
+  if (tokenizer_ && tokenizer_->eos_id() &&
+      std::find(eos_ids_.begin(), eos_ids_.end(), *tokenizer_->eos_id()) == eos_ids_.end())
+    eos_ids_.push_back(*tokenizer_->eos_id());
+}
+
+uint64_t Engine::submit(GenerationRequest request) {
+  validate_sampling_params(request.sampling);
+  if (!request.stop.empty() && !tokenizer_)
+    throw std::invalid_argument("stop strings need the checkpoint's tokenizer.json");
+  const uint32_t vocab = model_.info().vocab_size;
+  for (int32_t t : request.prompt)
+    if (t < 0 || uint32_t(t) >= vocab)
+      throw std::invalid_argument("prompt token " + std::to_string(t) +
+                                  " is outside the vocabulary of " + std::to_string(vocab));
+  // The least-loaded replica (requests running or waiting), as parallel/ routes requests.
+  std::vector<uint64_t> load;
+  for (const Scheduler& s : schedulers_) load.push_back(s.num_running() + s.num_waiting());
+  const size_t replica = parallel::least_loaded_replica(load);
+  const uint64_t h = next_handle_++;
+  Live live;
+  live.replica = replica;
+  live.local = schedulers_[replica].add(request.prompt, request.max_tokens);
+  handle_of_[replica][live.local] = h;
+  live.req = std::move(request);
+  if (tokenizer_) live.decoder.emplace(*tokenizer_, /*skip_special_tokens=*/true);
+  live_.emplace(h, std::move(live));
+  return h;
+}
+
+bool Engine::observe(uint64_t handle, Live& live, int32_t token) {
+  if (think_start_ && token == *think_start_) live.thinking = true;
+  if (think_end_ && token == *think_end_) live.thinking = false;
+  const auto& stops = live.req.stop_token_ids;
+  if (std::find(eos_ids_.begin(), eos_ids_.end(), token) != eos_ids_.end() ||
+      std::find(stops.begin(), stops.end(), token) != stops.end()) {
+    live.drop_last = true;
+    schedulers_[live.replica].finish(live.local, EndReason::Stop);
+    return true;
+  }
+  std::string piece = live.decoder ? live.decoder->push(token) : std::string();
+  if (!piece.empty() && !live.req.stop.empty()) {
+    // Look for a stop string that ends inside the new piece.
+    const size_t old_len = live.text.size();
+    live.text += piece;
+    size_t longest = 0;
+    for (const auto& s : live.req.stop) longest = std::max(longest, s.size());
+    const size_t from = old_len > longest ? old_len - longest : 0;
+    size_t cut = std::string::npos;
+    for (const auto& s : live.req.stop)
+      if (!s.empty()) cut = std::min(cut, live.text.find(s, from));
+    if (cut != std::string::npos) {
+      piece = cut > old_len ? live.text.substr(old_len, cut - old_len) : std::string();
+      live.text.resize(std::max(cut, std::min(cut, old_len)));
+      if (on_token_) on_token_(handle, token, piece);
+      schedulers_[live.replica].finish(live.local, EndReason::Stop);
+      return true;
+    }
+  } else {
+    live.text += piece;
+  }
+  if (on_token_) on_token_(handle, token, piece);
+  return false;
+}
+
+bool Engine::has_work() const {
+  for (const auto& s : schedulers_)
+    if (s.has_unfinished()) return true;
+  return false;
+}
+
+void Engine::step_plain(Batch& b) {
+  const size_t R = schedulers_.size();
+  auto t1 = Clock::now();
+  StepOutputs out = model_.forward(b.merged);
+  std::vector<int32_t> tokens;
+  bool any_sample = false;
+  for (const auto* row : b.row_info) any_sample = any_sample || row->needs_sample;
+  if (any_sample) {
+    // Every row's logits are sampled in one launch; intermediate prefill chunks are ignored.
+    std::vector<SamplingParams> params;
+    std::vector<uint64_t> seeds;
+    for (size_t i = 0; i < b.row_info.size(); ++i) {
+      const Live& live = live_.at(b.row_handle[i]);
+      params.push_back(live.req.sampling);
+      seeds.push_back(
+          step_seed(live.req.sampling, live.req.prompt.size() + b.row_info[i]->num_generated));
+    }
+    tokens = sample_tokens(*out.device, out.logits, out.rows, out.vocab, params, seeds);
+  }
+  stats_.device_s += since(t1);
+  auto t2 = Clock::now();
+  std::vector<std::pair<uint64_t, int32_t>> kept;  // (engine handle, token)
+  for (size_t r = 0, i = 0; r < R; ++r) {
+    if (!b.plans[r]) continue;
+    std::vector<int32_t> sampled;
+    for (const auto& row : b.plans[r]->rows) {
+      if (row.needs_sample) {
+        sampled.push_back(tokens[i]);
+        kept.emplace_back(b.row_handle[i], tokens[i]);
+      }
+      ++i;
+    }
+    schedulers_[r].commit(*b.plans[r], sampled);
+  }
+  stats_.output_tokens += kept.size();
+  for (const auto& [h, token] : kept) {
+    Live& live = live_.at(h);
+    if (schedulers_[live.replica].state(live.local) == RequestState::Finished &&
+        !live.decoder) {
+      if (on_token_) on_token_(h, token, "");
+      continue;
+    }
+    observe(h, live, token);
+  }
+  stats_.host_s += since(t2);
+}
+
+bool Engine::schedule(Batch& b) {
+  const size_t R = schedulers_.size();
+  b.plans.assign(R, std::nullopt);
+  bool any = false;
+  for (size_t r = 0; r < R; ++r) {
+    b.plans[r] = schedulers_[r].schedule();
+    any = any || b.plans[r].has_value();
+  }
+  if (!any) return false;
+  // One step for all replicas: a replica with nothing to do still takes part, with no rows.
+  if (R == 1) {
+    b.merged = b.plans[0]->inputs;
+  } else {
+    std::vector<StepInputs> parts;
+    for (size_t r = 0; r < R; ++r) {
+      if (b.plans[r]) {
+        parts.push_back(b.plans[r]->inputs);
+      } else {
+        StepInputs empty;
+        empty.input_row_offsets = {0};
+        parts.push_back(empty);
+      }
+    }
+    b.merged = merge_replica_steps(parts, model_.kv_num_pages());
+  }
+  for (size_t r = 0; r < R; ++r)
+    if (b.plans[r])
+      for (const auto& row : b.plans[r]->rows) {
+        b.row_handle.push_back(handle_of_[r].at(row.handle));
+        b.row_info.push_back(&row);
+        b.row_replica.push_back(r);
+      }
+  return true;
+}
+
+std::vector<GenerationResult> Engine::step() {
+  auto t0 = Clock::now();
+  Batch batch;
+  const bool any = schedule(batch);
+  stats_.host_s += since(t0);
+  if (any) {
+    if (draft_)
+      step_speculative(batch);
+    else
+      step_plain(batch);
+    ++stats_.steps;
+  }
+  const size_t R = schedulers_.size();
+  std::vector<GenerationResult> done;
+  auto t3 = Clock::now();
+  stats_.preemptions = 0;
+  for (size_t r = 0; r < R; ++r) {
+    for (FinishedRequest& f : schedulers_[r].take_finished()) {
+      GenerationResult res;
+      res.handle = handle_of_[r].at(f.handle);
+      handle_of_[r].erase(f.handle);
+      res.reason = f.reason;
+      res.error = f.error;
+      res.prompt_tokens = f.prompt_tokens;
+      res.preemptions = f.preemptions;
+      res.token_ids = std::move(f.generated);
+      auto it = live_.find(res.handle);
+      if (it != live_.end()) {
+        if (it->second.drop_last && !res.token_ids.empty()) res.token_ids.pop_back();
+        if (it->second.decoder) res.text = it->second.text + it->second.decoder->flush();
+        live_.erase(it);
+      }
+      stats_.prompt_tokens += res.prompt_tokens;
+      done.push_back(std::move(res));
+    }
+    stats_.preemptions += schedulers_[r].preemptions();
+  }
+  stats_.host_s += since(t3);
+  return done;
+}
+
+}  // namespace clshard

@@ -1,0 +1,149 @@
+// The generation loop of one replica: the scheduler's ragged steps through the model, sampling on
+// the device, stop tokens and stop strings, streamed text. Model-agnostic (a CausalLM).
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "runtime/engine/acceptance.h"
+#include "runtime/engine/sampling.h"
+#include "runtime/engine/scheduler.h"
+#include "runtime/model.h"
+#include "runtime/text/tokenizer.h"
+
+namespace clshard {
+
+struct GenerationRequest {
+  std::vector<int32_t> prompt;
+  SamplingParams sampling;
+  uint32_t max_tokens = 256;
+  std::vector<int32_t> stop_token_ids;  // besides the model's EOS ids
+  std::vector<std::string> stop;        // stop strings (needs a tokenizer)
+};
+
+struct GenerationResult {
+  uint64_t handle = 0;
+  // Completion tokens; a stop or EOS token that ended the request is not among them, and the text
+  // ends before a stop string.
+  std::vector<int32_t> token_ids;
+  std::string text;
+  EndReason reason = EndReason::Length;
+  std::string error;
+  uint32_t prompt_tokens = 0;
+  uint32_t preemptions = 0;
+};
+
+// Speculative decoding figures: drafts proposed and accepted, in all and per draft position.
+struct SpeculativeStats {
+  uint64_t verify_rows = 0;  // rows that verified at least one draft
+  uint64_t drafted = 0, accepted = 0;
+  std::vector<uint64_t> drafted_at, accepted_at;  // [K]: position k of the drafts
+  // Tokens a verifying row commits on average: accepted drafts + the token the target adds.
+  double mean_accepted_length() const {
+    return verify_rows ? double(accepted + verify_rows) / double(verify_rows) : 0.0;
+  }
+  double acceptance_rate() const { return drafted ? double(accepted) / double(drafted) : 0.0; }
+  // "drafted 120, accepted 84 (70.0%), mean accepted length 2.40; by position: 1: 80.0% ..."
+  std::string describe() const;
+};
+
+struct EngineStats {
+  uint64_t steps = 0;
+  uint64_t prompt_tokens = 0;  // of finished requests
+  uint64_t output_tokens = 0;  // sampled tokens
+  double host_s = 0;    // scheduling, bookkeeping, detokenizing
+  double device_s = 0;  // forward passes and sampling (enqueue to the logits/tokens read)
+  uint64_t preemptions = 0;
+  SpeculativeStats speculative;
+};
+
+// Speculative decoding in the engine: a draft (runtime/model.h's DraftModel) proposes K tokens per
+// request, the target verifies them in the next step and keeps a prefix plus one token of its own
+// (runtime/engine/acceptance.h): the same tokens as plain decoding at temperature 0, the same
+// distribution above it.
+struct SpeculativeOptions {
+  uint32_t num_tokens = 0;        // K; the scheduler's limits must say the same
+  bool relaxed_thinking = false;  // relaxed acceptance inside <think> ... </think>
+  RelaxedAcceptance relaxed;
+};
+
+// How many KV pages a model gets on its device: `pages` when set, else memory_fraction of what the
+// device has left after the weights, capped by the per-buffer allocation limit and by what
+// max_batch_size requests of max_length tokens could ever use. A draft's cache shares the page
+// ids, so its bytes per token count in a page.
+uint32_t plan_kv_pages(const CausalLM& model, uint32_t page_size, int64_t pages,
+                       double memory_fraction, uint32_t max_batch_size, uint32_t max_length,
+                       const DraftModel* draft = nullptr);
+
+// One scheduler per data-parallel replica of the model; a new request goes to the least-loaded
+// replica, and each step runs every replica's rows together (data_parallel_splits).
+class Engine {
+ public:
+  // The model's KV cache must be allocated (allocate_kv_cache) with limits.total_pages pages (per
+  // replica), and so must the draft's when there is one (then limits.num_speculative_tokens ==
+  // spec.num_tokens >= 1).
+  Engine(CausalLM& model, const Tokenizer* tokenizer, const SchedulerLimits& limits,
+         DraftModel* draft = nullptr, const SpeculativeOptions& spec = {});
+
+  uint64_t submit(GenerationRequest request);
+  // One step; returns the requests that finished in it.
+  std::vector<GenerationResult> step();
+  bool has_work() const;
+  // Called for every token a request keeps, with the text it adds (UTF-8 complete; may be empty).
+  void on_token(std::function<void(uint64_t handle, int32_t token, const std::string& text)> f) {
+    on_token_ = std::move(f);
+  }
+  const EngineStats& stats() const { return stats_; }
+  const Scheduler& scheduler(size_t replica = 0) const { return schedulers_.at(replica); }
+  size_t replica_of(uint64_t handle) const { return live_.at(handle).replica; }
+
+ private:
+  struct Live {
+    size_t replica = 0;
+    uint64_t local = 0;  // the handle in the replica's scheduler
+    GenerationRequest req;
+    std::optional<StreamDecoder> decoder;
+    std::string text;
+    bool drop_last = false;  // the last token was a stop/EOS token: not part of the completion
+    bool thinking = false;   // inside <think> ... </think> (relaxed acceptance)
+  };
+  // One step's rows over every replica, merged in replica order.
+  struct Batch {
+    std::vector<std::optional<ScheduledStep>> plans;  // per replica
+    StepInputs merged;
+    std::vector<uint64_t> row_handle;           // engine handle of each merged row
+    std::vector<const ScheduledRow*> row_info;  // the scheduler's row
+    std::vector<size_t> row_replica;
+  };
+  // Schedules every replica; false when no replica has work.
+  bool schedule(Batch& batch);
+  void step_plain(Batch& batch);
+  void step_speculative(Batch& batch);
+  // Runs the draft over the rows the target just verified and hands each running request its next
+  // drafts (runtime/speculative.cpp).
+  void propose_drafts(const Batch& batch, const StepOutputs& target,
+                      const std::vector<std::vector<int32_t>>& committed);
+  // Records a kept token (stop tokens, stop strings, streaming); true when it ended the request.
+  bool observe(uint64_t handle, Live& live, int32_t token);
+
+  CausalLM& model_;
+  const Tokenizer* tokenizer_;
+  DraftModel* draft_ = nullptr;
+  SpeculativeOptions spec_;
+  std::optional<int32_t> think_start_, think_end_;
+  std::deque<Scheduler> schedulers_;  // a deque: schedulers are neither copied nor moved
+  std::map<uint64_t, Live> live_;                       // by engine handle
+  std::vector<std::map<uint64_t, uint64_t>> handle_of_;  // per replica: local -> engine handle
+  uint64_t next_handle_ = 1;
+  std::vector<int32_t> eos_ids_;
+  std::function<void(uint64_t, int32_t, const std::string&)> on_token_;
+  EngineStats stats_;
+};
+
+}  // namespace clshard
