@@ -91,18 +91,26 @@ std::unique_ptr<CausalLM> load_model(const std::filesystem::path& dir, const Loa
   return family.load(dir, opts, topology);
 }
 
+namespace {
+const DraftFamily& draft_family(const std::string& method) {
+  const ModelRegistry& registry = ModelRegistry::get();
+  if (const DraftFamily* family = registry.find_draft(method)) return *family;
+  std::string methods;
+  for (const DraftFamily& f : registry.drafts()) methods += (methods.empty() ? "" : ", ") + f.method;
+  throw std::runtime_error("speculative.method: unknown method '" + method + "' (" + methods + ")");
+}
+}  // namespace
+
+nlohmann::json plan_draft(const std::string& method, const std::filesystem::path& target_dir,
+                          const std::optional<std::filesystem::path>& draft_dir) {
+  return draft_family(method).plan(target_dir, draft_dir);
+}
+
 std::unique_ptr<DraftModel> load_draft(const std::string& method,
                                        const std::filesystem::path& target_dir,
                                        const std::optional<std::filesystem::path>& draft_dir,
                                        const LoadOptions& opts) {
-  const ModelRegistry& registry = ModelRegistry::get();
-  const DraftFamily* family = registry.find_draft(method);
-  if (!family) {
-    std::string methods;
-    for (const DraftFamily& f : registry.drafts()) methods += (methods.empty() ? "" : ", ") + f.method;
-    throw std::runtime_error("speculative.method: unknown method '" + method + "' (" + methods +
-                             ")");
-  }
+  const DraftFamily* family = &draft_family(method);
   const auto cfg_path = target_dir / "config.json";
   const std::string arch = architecture_name(read_json_file(cfg_path));
   if (std::find(family->target_architectures.begin(), family->target_architectures.end(), arch) ==

@@ -57,6 +57,10 @@ std::vector<std::string> model_presets();
 // checkpoint directory (its config.json is read) or a config.json file. Throws naming the file for
 // unknown architectures or bad fields.
 nlohmann::json plan_checkpoint(const std::filesystem::path& dir_or_config_json);
+
+// The draft's figures for `clshard plan` (DraftFamily::plan) for speculative.method `method`.
+nlohmann::json plan_draft(const std::string& method, const std::filesystem::path& target_dir,
+                          const std::optional<std::filesystem::path>& draft_dir);
 // The topology the checkpoint would load with on `devices` devices (its architecture's layout),
 // which `clshard plan` plans by. Throws parallel::TopologyError naming the key that does not fit.
 parallel::Topology checkpoint_topology(const std::filesystem::path& dir_or_config_json,
@@ -91,6 +95,13 @@ struct DraftFamily {
                                             const std::optional<std::filesystem::path>& draft_dir,
                                             const LoadOptions&)>
       load;
+  // `clshard plan`'s figures of the draft, from config files and safetensors headers:
+  // {"weight_bytes": the draft's own weights besides its routed experts (replicated on every
+  // device), "routed_expert_bytes": its routed experts (split like the target's),
+  // "kv_bytes_per_token": its one-layer cache}.
+  std::function<nlohmann::json(const std::filesystem::path& target_dir,
+                               const std::optional<std::filesystem::path>& draft_dir)>
+      plan;
 };
 
 class ModelRegistry {

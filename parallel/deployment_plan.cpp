@@ -44,8 +44,12 @@ std::vector<DeviceMemory> plan_devices(const nlohmann::json& ck, const Topology&
     m.device = d;
     m.replica = t.replica_of_device(d);
     m.experts = moe ? experts.count(d) : 0;
-    m.weights = (weights_total - routed) / t.tensor_degree() + (E ? routed * m.experts / E : 0);
-    m.kv_bytes_per_page = kv_page_full / t.tensor_degree();
+    m.draft_weights =
+        s.draft_weight_bytes + (E ? s.draft_routed_expert_bytes * m.experts / E : 0);
+    m.weights = (weights_total - routed) / t.tensor_degree() + (E ? routed * m.experts / E : 0) +
+                m.draft_weights;
+    m.kv_bytes_per_page =
+        kv_page_full / t.tensor_degree() + s.draft_kv_bytes_per_token * s.page_size;
     // Each step's token-expert rows leave and come back: send and receive room for both trips.
     m.ep_buffers =
         moe && n > 1 ? 4 * uint64_t(s.max_batch_input_tokens) * k * H * sizeof(float) : 0;

@@ -19,12 +19,16 @@ struct DeploymentShape {
   double memory_fraction = 0.9;
   uint32_t page_size = 128;
   uint32_t max_batch_input_tokens = 2048;
+  // A speculative draft (plan_draft's figures): its replicated weights on every device, its routed
+  // experts split like the target's, and its one-layer cache in every KV page.
+  uint64_t draft_weight_bytes = 0, draft_routed_expert_bytes = 0, draft_kv_bytes_per_token = 0;
 };
 
 struct DeviceMemory {
   size_t device = 0, replica = 0;
   uint32_t experts = 0;             // routed experts this device holds (MoE models)
-  uint64_t weights = 0;
+  uint64_t weights = 0;             // the draft's included
+  uint64_t draft_weights = 0;
   uint64_t activations = 0;
   uint64_t ep_buffers = 0;          // dispatch + combine rows in flight
   uint64_t signal_buffers = 0;

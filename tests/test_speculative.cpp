@@ -10,16 +10,20 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <fstream>
 #include <map>
 
+#include <nlohmann/json.hpp>
+
 #include "models/registry.h"
-#include "runtime/model.h"
-#include "runtime/engine/deploy_config.h"
-#include "runtime/engine/deployment.h"
 #include "runtime/device.h"
 #include "runtime/device_manager.h"
+#include "runtime/engine/deploy_config.h"
+#include "runtime/engine/deployment.h"
 #include "runtime/engine/engine.h"
 #include "runtime/engine/generation.h"
+#include "runtime/model.h"
+#include "runtime/safetensors.h"
 #include "runtime/text/tokenizer.h"
 #include "tests/reference_cases.h"
 #include "tests/test_util.h"
@@ -291,6 +295,45 @@ TEST(SpeculativeDeployment, LlamaTargetHasNoDraft) {
     EXPECT_NE(msg.find("speculative decoding runs on DeepSeek-V3 targets"), std::string::npos)
         << msg;
   }
+}
+
+// `clshard plan` counts the draft: its weights (the NextN block's own tensors, as the checkpoint
+// holds them) and its one-layer cache in every page.
+TEST(SpeculativeDeployment, PlanCountsTheDraft) {
+  const auto dir = test::temp_dir("plan_draft");
+  {
+    std::ofstream(dir / "deploy.yaml")
+        << "model: {path: " << trained().string() << "}\nkv_cache: {page_size: 16}\n"
+        << "speculative: {method: mtp, num_speculative_tokens: 2}\n";
+    std::ofstream(dir / "plain.yaml")
+        << "model: {path: " << trained().string() << "}\nkv_cache: {page_size: 16}\n";
+  }
+  auto plan = [&](const char* file) {
+    std::string out, err;
+    EXPECT_EQ(test::run_clshard({"plan", (dir / file).string(), "--device-memory", "1", "--json"},
+                                &out, &err),
+              0)
+        << err;
+    return nlohmann::json::parse(out);
+  };
+  const auto spec = plan("deploy.yaml"), plain = plan("plain.yaml");
+  // The NextN block's own tensors in the checkpoint (f32): all of model.layers.4.* but its copies
+  // of the embedding and the head.
+  const WeightStore store(trained());
+  uint64_t block = 0;
+  for (const auto& name : store.names())
+    if (name.rfind("model.layers.4.", 0) == 0 && name.find("embed_tokens") == std::string::npos &&
+        name.find("shared_head.head") == std::string::npos)
+      block += store.get(name).bytes;
+  const auto& d = spec["draft"];
+  EXPECT_EQ(d["weight_bytes"].get<uint64_t>() + d["routed_expert_bytes"].get<uint64_t>(), block);
+  EXPECT_EQ(d["kv_bytes_per_token"].get<uint64_t>(), (48u + 16u) * 4u);  // one MLA row, f32
+  const auto& s0 = spec["devices"][0];
+  const auto& p0 = plain["devices"][0];
+  EXPECT_EQ(s0["weights"].get<uint64_t>() - p0["weights"].get<uint64_t>(), block);
+  EXPECT_EQ(s0["draft_weights"].get<uint64_t>(), block);
+  // Pages are 1024 + 256 bytes per token instead of 1024: fewer fit.
+  EXPECT_LT(s0["kv_pages"].get<uint64_t>(), p0["kv_pages"].get<uint64_t>());
 }
 
 TEST(SpeculativeDeployment, CheckpointWithoutMtpLayer) {

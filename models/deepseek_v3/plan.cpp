@@ -125,6 +125,12 @@ MemoryPlan plan_memory(const DeepseekV3Config& c, const PlanOptions& o) {
       t.plain(V * H);          // shared_head.head (a copy of lm_head)
     }
   });
+  int64_t mtp_moe_layers = 0;
+  for (int64_t m = 0; m < c.num_nextn_predict_layers; ++m)
+    mtp_moe_layers += c.is_moe_layer(std::max(c.num_hidden_layers + m, c.first_k_dense_replace));
+  p.routed_expert_bytes_mtp = count([&](Tally& t) { s.mlp(t, c.moe_intermediate_size); }).bytes *
+                              uint64_t(c.n_routed_experts) * uint64_t(mtp_moe_layers);
+  p.mtp_copy_bytes = uint64_t(c.num_nextn_predict_layers) * 2 * V * H * float_bytes;
   p.params.mtp = mtp.params;
   p.params.mtp_unique = mtp.params - uint64_t(c.num_nextn_predict_layers) * 2 * V * H;
   p.weight_bytes_mtp = mtp.bytes;
@@ -178,6 +184,8 @@ nlohmann::json to_json(const MemoryPlan& p) {
                   {"bytes_total", p.weight_bytes_main + p.weight_bytes_mtp},
                   {"bytes_main", p.weight_bytes_main},
                   {"bytes_mtp", p.weight_bytes_mtp},
+                  {"routed_expert_bytes_mtp", p.routed_expert_bytes_mtp},
+                  {"mtp_copy_bytes", p.mtp_copy_bytes},
                   {"routed_expert_bytes_main", p.routed_expert_bytes_main},
                   {"active_bytes_per_token", p.active_weight_bytes_per_token}};
   j["kv_cache"] = {{"layout", "MLA: one kv_lora_rank + qk_rope_head_dim row per token per layer"},

@@ -37,6 +37,9 @@ struct MemoryPlan {
   std::string linear_dtype;      // "F8_E4M3+scales", "BF16" or "F32"
   uint64_t weight_bytes_main = 0, weight_bytes_mtp = 0;
   uint64_t routed_expert_bytes_main = 0;  // every routed expert of the main model (what EP splits)
+  // Of weight_bytes_mtp: the routed experts of the MTP layers, and their copies of the embedding
+  // and lm_head (which the NextN draft does not read: it uses the target's).
+  uint64_t routed_expert_bytes_mtp = 0, mtp_copy_bytes = 0;
   uint64_t active_weight_bytes_per_token = 0;  // what one decode token streams (roofline)
   uint64_t kv_bytes_per_token = 0, kv_bytes_per_page = 0;
   uint64_t activation_bytes = 0;  // scratch of a step of max_batch_tokens (prefill path)

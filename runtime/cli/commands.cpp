@@ -309,15 +309,27 @@ int run(int argc, char** argv) {
                                  e.what() + "); give --device-memory GIB (and --devices N)");
       }
     }
+    nlohmann::json draft;
+    const SpeculativeSection& sp = cfg.speculative;
+    if (sp.method != SpeculativeMethod::None) {
+      draft = plan_draft(to_string(sp.method), cfg.model.path,
+                         sp.draft_model.empty() ? std::nullopt
+                                                : std::optional<std::filesystem::path>(sp.draft_model));
+      shape.draft_weight_bytes = draft["weight_bytes"].get<uint64_t>();
+      shape.draft_routed_expert_bytes = draft["routed_expert_bytes"].get<uint64_t>();
+      shape.draft_kv_bytes_per_token = draft["kv_bytes_per_token"].get<uint64_t>();
+    }
     const parallel::Topology topology = checkpoint_topology(what, degrees, devices);
     auto rows = parallel::plan_devices(ck, topology, shape);
     if (pl_json) {
       nlohmann::ordered_json j;
       j["checkpoint"] = ck;
+      if (!draft.is_null()) j["draft"] = draft;
       j["devices"] = nlohmann::json::array();
       for (const auto& r : rows)
         j["devices"].push_back({{"device", r.device}, {"replica", r.replica},
                                 {"experts", r.experts}, {"weights", r.weights},
+                                {"draft_weights", r.draft_weights},
                                 {"activations", r.activations}, {"ep_buffers", r.ep_buffers},
                                 {"signal_buffers", r.signal_buffers}, {"kv_pages", r.kv_pages},
                                 {"kv_bytes", r.kv_bytes}, {"fits", r.fits}});
@@ -339,6 +351,13 @@ int run(int argc, char** argv) {
               << " per page of " << shape.page_size << "\n";
     std::cout << "layout: " << devices << " device(s), data " << degrees.data << ", tensor "
               << degrees.tensor << ", expert " << degrees.expert << "\n";
+    if (!draft.is_null())
+      std::cout << "speculative: " << to_string(sp.method) << " draft, "
+                << (shape.draft_weight_bytes + shape.draft_routed_expert_bytes) / 1e9
+                << " GB of weights (" << shape.draft_routed_expert_bytes / 1e9
+                << " GB routed experts, split like the target's), "
+                << shape.draft_kv_bytes_per_token << " cache bytes per token; both in the "
+                << "figures below\n";
     std::cout << parallel::format_device_plan(rows, shape);
   });
 
