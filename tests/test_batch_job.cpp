@@ -208,3 +208,51 @@ TEST(BatchJob, DeepSeekOnTwoDevicesFromYamlEqualsOneDevice) {
 
 }  // namespace
 }  // namespace clshard
+
+namespace clshard {
+namespace {
+
+// The default job (README command 1, configs/dsv3-mtp-cpu.yaml: the bundled trained checkpoint
+// with MTP speculation) through the executable: every prompt gets a record, the summary reports
+// accepted drafts, and the greedy records equal the same job without speculation (the two sampled
+// prompts too: acceptance draws what plain sampling draws for the same seed).
+TEST(BatchJob, DefaultJobWithMtpEqualsPlainDecoding) {
+  const auto cfg = std::filesystem::path(CLSHARD_SOURCE_DIR) / "configs" / "dsv3-mtp-cpu.yaml";
+  std::string text;
+  {
+    std::ifstream in(cfg);
+    text.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  auto run = [&](const std::string& name, bool speculative) {
+    auto dir = test::temp_dir(name);
+    std::string yaml = text;
+    auto replace = [&](const std::string& from, const std::string& to) {
+      const size_t at = yaml.find(from);
+      ASSERT_NE(at, std::string::npos) << from;
+      yaml.replace(at, from.size(), to);
+    };
+    replace("path: models/dsv3-mtp-trained", "path: " + (cfg.parent_path() / "models" / "dsv3-mtp-trained").string());
+    replace("input: prompts/english-prompts.jsonl",
+            "input: " + (cfg.parent_path() / "prompts" / "english-prompts.jsonl").string());
+    replace("output: ../.cache/out/english-completions.jsonl", "output: out.jsonl");
+    if (!speculative) replace("  method: mtp\n  num_speculative_tokens: 2\n", "  method: none\n");
+    std::ofstream(dir / "deploy.yaml") << yaml;
+    std::string o, e;
+    EXPECT_EQ(test::run_clshard({"run", (dir / "deploy.yaml").string()}, &o, &e), 0) << e;
+    return std::pair{read_records(dir / "out.jsonl"), e};
+  };
+  const auto [spec, spec_log] = run("job_default_mtp", true);
+  const auto [plain, plain_log] = run("job_default_plain", false);
+  ASSERT_EQ(spec.size(), 12u);
+  ASSERT_EQ(plain.size(), 12u);
+  for (size_t i = 0; i < spec.size(); ++i) {
+    EXPECT_EQ(spec[i]["id"], plain[i]["id"]);
+    EXPECT_EQ(spec[i]["token_ids"], plain[i]["token_ids"]) << spec[i]["id"];
+    EXPECT_EQ(spec[i]["text"], plain[i]["text"]);
+  }
+  EXPECT_NE(spec_log.find("speculative: drafted "), std::string::npos) << spec_log;
+  EXPECT_EQ(plain_log.find("speculative: drafted "), std::string::npos) << plain_log;
+}
+
+}  // namespace
+}  // namespace clshard
