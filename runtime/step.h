@@ -20,6 +20,7 @@ enum class ReturnLogits {
 // Which hidden states a step returns besides the logits (as MAX's ReturnHiddenStates).
 enum class ReturnHidden {
   None,
+  LastPerRow,      // each row's last token's output of the last decoder layer (before the norm)
   All,             // every new token's output of the last decoder layer (before the final norm)
   AllNormalized,   // the same after the final norm (what the NextN/MTP draft reads)
   SelectedLayers,  // the raw outputs of `hidden_layers`, concatenated per token (Eagle3 captures)
@@ -85,8 +86,9 @@ struct StepOutputs {
   uint32_t vocab = 0;
   std::vector<uint32_t> logit_offsets;
   // return_hidden != None: hidden[r] holds replica r's hidden rows. A target returns one row per
-  // token of the replica's rows, in step order; a draft returns one row per logits row (its
-  // output before the final norm, which its next step reads). hidden_width floats per row.
+  // token of the replica's rows, in step order (LastPerRow: one per row with tokens); a draft
+  // returns one row per logits row (its output before the final norm, which its next step
+  // reads). hidden_width floats per row.
   std::vector<ReplicaHidden> hidden;
   uint32_t hidden_width = 0;
   std::vector<float> read_logits() const;  // copies the logits to the host

@@ -81,6 +81,37 @@ TEST_P(MtpReference, TargetNormalizedHiddenMatches) {
   }
 }
 
+// The other hidden-state kinds are views of the same computation: All is the last layer's output
+// before the norm (AllNormalized is its RMSNorm), LastPerRow the rows of each row's last token.
+TEST_P(MtpReference, HiddenKindsAgree) {
+  const auto rc = test::load_draft_case(GetParam());
+  auto target = load_model(rc.target, LoadOptions{{&test::default_device()}, std::nullopt});
+  target->allocate_kv_cache(128, kPage);
+  std::vector<std::vector<int32_t>> seqs;
+  for (const auto& seq : rc.seqs) seqs.push_back(seq.tokens);
+  auto hidden = [&](ReturnHidden kind) {
+    StepInputs s = rows_step(seqs, std::vector<uint32_t>(seqs.size(), 0));
+    s.return_hidden = kind;
+    return target->forward(s).read_hidden();
+  };
+  const uint32_t H = rc.hidden;
+  const auto all = hidden(ReturnHidden::All), last = hidden(ReturnHidden::LastPerRow);
+  ASSERT_EQ(last.size(), seqs.size() * H);
+  size_t end = 0;
+  for (size_t b = 0; b < seqs.size(); ++b) {
+    end += seqs[b].size();
+    for (uint32_t j = 0; j < H; ++j) EXPECT_EQ(last[b * H + j], all[(end - 1) * H + j]);
+  }
+  // AllNormalized is the reference's `hidden` (after the final norm) within 1e-3.
+  std::vector<float> normalised;
+  for (const auto& seq : rc.seqs)
+    normalised.insert(normalised.end(), seq.target_hidden.begin(), seq.target_hidden.end());
+  const auto got = hidden(ReturnHidden::AllNormalized);
+  EXPECT_LT(test::max_abs_diff(got, normalised), kTolerance);
+  EXPECT_EQ(all.size(), got.size());
+  EXPECT_NE(test::max_abs_diff(all, got), 0.0f);  // All is before the norm
+}
+
 TEST_P(MtpReference, DraftLogitsMatchInOneStepAndStepByStep) {
   const auto rc = test::load_draft_case(GetParam());
   Device& dev = test::default_device();

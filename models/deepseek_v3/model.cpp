@@ -6,6 +6,7 @@
 
 #include "runtime/device.h"
 #include "runtime/ops.h"
+#include "runtime/ops_moe.h"
 #include "runtime/step_device.h"
 
 namespace clshard::deepseek_v3 {
@@ -73,8 +74,20 @@ StepOutputs DeepseekV3Model::forward(const StepInputs& in) {
     width = uint32_t(in.hidden_layers.size()) * H;
   }
   std::vector<ReplicaHidden> hidden;
-  if (want != ReturnHidden::None)
-    for (size_t r = 0; r < N; ++r) hidden.push_back(stack_.hidden_buffer(r, work[r].T, width));
+  std::vector<Scratch> last_rows(N);  // LastPerRow: each row's last token, per replica
+  for (size_t r = 0; r < N && want != ReturnHidden::None; ++r) {
+    uint32_t rows = work[r].T;
+    if (want == ReturnHidden::LastPerRow) {
+      std::vector<uint32_t> last;
+      const auto& off = work[r].in.input_row_offsets;
+      for (size_t b = 0; b + 1 < off.size(); ++b)
+        if (off[b + 1] > off[b]) last.push_back(off[b + 1] - 1);
+      rows = uint32_t(last.size());
+      last_rows[r] = Scratch(*work[r].dev, std::max<size_t>(rows, 1) * 4);
+      if (rows > 0) work[r].dev->write(last_rows[r].mem(), last.data(), rows * 4);
+    }
+    hidden.push_back(stack_.hidden_buffer(r, rows, width));
+  }
 
   for (size_t r = 0; r < N; ++r)
     if (work[r].T > 0)
@@ -92,6 +105,9 @@ StepOutputs DeepseekV3Model::forward(const StepInputs& in) {
     if (w.T == 0) continue;
     if (want == ReturnHidden::All)
       ops::copy_rows(*w.dev, w.h.mem(), 0, H, hidden[r].rows, 0, H, w.T, H);
+    else if (want == ReturnHidden::LastPerRow && hidden[r].count > 0)
+      ops::gather_rows(*w.dev, w.h.mem(), H, last_rows[r].mem(), hidden[r].count, H,
+                       hidden[r].rows, H);
     else if (want == ReturnHidden::AllNormalized)
       ops::rmsnorm(*w.dev, w.h.mem(), 0, H, nullptr, weights_[r].final_norm, hidden[r].rows, 0, H,
                    w.T, H, stack_.eps());
