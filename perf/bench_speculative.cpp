@@ -42,6 +42,7 @@ const std::vector<std::string> kPrompts = {
 
 struct RunFigures {
   double tokens_per_s = 0;
+  double draft_share = 0;  // of the engine's device time
   SpeculativeStats spec;
 };
 
@@ -75,6 +76,7 @@ RunFigures run(CausalLM& target, DraftModel* draft, const std::vector<std::vecto
   RunFigures f;
   f.tokens_per_s = double(tokens) / seconds_since(t0);
   f.spec = engine.stats().speculative;
+  f.draft_share = f.spec.draft_s / std::max(engine.stats().device_s, 1e-9);
   return f;
 }
 
@@ -163,8 +165,8 @@ int main(int argc, char** argv) {
   const uint32_t gen = quick ? 24 : 64;
   std::printf("%s on %s: %zu English prompts, %u greedy tokens each\n", trained.c_str(),
               dev.info().name.c_str(), ps.size(), gen);
-  std::printf("%3s %12s %12s %9s %9s  %s\n", "K", "tok/s b=1", "tok/s b=16", "accept", "mean len",
-              "acceptance by position");
+  std::printf("%3s %12s %12s %9s %9s %7s  %s\n", "K", "tok/s b=1", "tok/s b=16", "accept",
+              "mean len", "draft%", "acceptance by position");
   std::map<uint32_t, double> accept_rate;
   std::map<uint32_t, double> mean_len;
   double plain1 = 0, plain16 = 0;
@@ -185,9 +187,10 @@ int main(int argc, char** argv) {
     }
     accept_rate[K] = b1.spec.acceptance_rate();
     mean_len[K] = b1.spec.mean_accepted_length();
-    std::printf("%3u %7.1f %4.2fx %7.1f %4.2fx %8.1f%% %9.2f %s\n", K, b1.tokens_per_s,
+    std::printf("%3u %7.1f %4.2fx %7.1f %4.2fx %8.1f%% %9.2f %6.0f%% %s\n", K, b1.tokens_per_s,
                 b1.tokens_per_s / plain1, b16.tokens_per_s, b16.tokens_per_s / plain16,
-                100.0 * b1.spec.acceptance_rate(), b1.spec.mean_accepted_length(), by_pos.c_str());
+                100.0 * b1.spec.acceptance_rate(), b1.spec.mean_accepted_length(),
+                100.0 * b1.draft_share, by_pos.c_str());
   }
 
   // 2. Verify and draft cost against a plain decode step: on the memory-bound preset, and on the

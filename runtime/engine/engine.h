@@ -44,6 +44,7 @@ struct SpeculativeStats {
   uint64_t verify_rows = 0;  // rows that verified at least one draft
   uint64_t drafted = 0, accepted = 0;
   std::vector<uint64_t> drafted_at, accepted_at;  // [K]: position k of the drafts
+  double draft_s = 0;  // time in the draft's steps (part of EngineStats::device_s)
   // Tokens a verifying row commits on average: accepted drafts + the token the target adds.
   double mean_accepted_length() const {
     return verify_rows ? double(accepted + verify_rows) / double(verify_rows) : 0.0;

@@ -119,6 +119,7 @@ void Engine::step_speculative(Batch& b) {
   auto t3 = Clock::now();
   propose_drafts(b, out, committed);
   stats_.device_s += since(t3);
+  ss.draft_s += since(t3);
 }
 
 void Engine::propose_drafts(const Batch& b, const StepOutputs& target,
