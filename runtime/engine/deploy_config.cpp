@@ -35,6 +35,14 @@ const char* to_string(Placement p) {
   return "?";
 }
 
+const char* to_string(ClusterTransport t) {
+  switch (t) {
+    case ClusterTransport::Local: return "local";
+    case ClusterTransport::Mpi: return "mpi";
+  }
+  return "?";
+}
+
 const char* to_string(SpeculativeMethod m) {
   switch (m) {
     case SpeculativeMethod::None: return "none";
@@ -102,6 +110,7 @@ const std::vector<std::string>& deploy_config_keys() {
       "parallel.expert",
       "parallel.tensor",
       "parallel.placement",
+      "cluster.transport",
       "kv_cache.page_size",
       "kv_cache.memory_fraction",
       "kv_cache.pages",
@@ -138,7 +147,7 @@ std::vector<std::string> section_keys(const std::string& section) {
 }
 
 const std::vector<std::string>& section_names() {
-  static const std::vector<std::string> names = {"model",    "devices",     "parallel", "kv_cache",
+  static const std::vector<std::string> names = {"model",    "devices",     "parallel", "cluster", "kv_cache",
                                                  "batch",    "sampling",    "speculative", "job"};
   return names;
 }
@@ -201,6 +210,7 @@ class Parser {
       if (name == "model") parse_model(v);
       else if (name == "devices") parse_devices(v);
       else if (name == "parallel") parse_parallel(v);
+      else if (name == "cluster") parse_cluster(v);
       else if (name == "kv_cache") parse_kv_cache(v);
       else if (name == "batch") parse_batch(v);
       else if (name == "sampling") parse_sampling(v);
@@ -405,6 +415,14 @@ class Parser {
       if (k == "data") cfg_.parallel.data = n;
       else if (k == "expert") cfg_.parallel.expert = n;
       else if (k == "tensor") cfg_.parallel.tensor = n;
+    });
+  }
+
+  void parse_cluster(const YAML::Node& m) {
+    for_each_section_key(m, "cluster", [&](const std::string& k, const YAML::Node& v, const std::string& p, int line) {
+      if (k == "transport")
+        cfg_.cluster.transport = choice(v, p, line, {"local", "mpi"}) == "mpi"
+                                     ? ClusterTransport::Mpi : ClusterTransport::Local;
     });
   }
 

@@ -4,6 +4,7 @@
 #include <stdexcept>
 
 #include "models/registry.h"
+#include "parallel/mpi_transport.h"
 #include "runtime/safetensors.h"
 #include "runtime/text/chat_template.h"
 
@@ -33,9 +34,24 @@ void check_checkpoint_dtype(const DeployConfig& cfg) {
 
 Deployment Deployment::open(const DeployConfig& cfg) {
   Deployment d;
+  if (cfg.cluster.transport == ClusterTransport::Mpi) {
+#ifndef CLSHARD_HAVE_MPI
+    throw std::runtime_error(cfg.where("cluster.transport") +
+                             ": mpi: this build has no MPI transport (OpenMPI not found at build "
+                             "time; install libopenmpi-dev, scripts/setup.sh, and rebuild)");
+#else
+    parallel::mpi_init(nullptr, nullptr);
+    d.mpi_rank = uint32_t(parallel::mpi_world_rank());
+    d.mpi_ranks = uint32_t(parallel::mpi_world_size());
+#endif
+  }
   d.config = cfg;
   d.devices = std::make_unique<DeviceManager>(cfg.devices);
-  check_device_count(cfg, d.devices->size());
+  if (d.mpi_ranks > 0 && d.devices->size() != 1)
+    throw std::runtime_error(cfg.where("devices") + ": over MPI each process runs one rank on one "
+                             "device; this selection gives " +
+                             std::to_string(d.devices->size()));
+  check_device_count(cfg, d.mpi_ranks > 0 ? d.mpi_ranks : d.devices->size());
   check_checkpoint_dtype(cfg);
   LoadOptions opts;
   opts.devices = d.devices->devices();
@@ -45,6 +61,8 @@ Deployment Deployment::open(const DeployConfig& cfg) {
   opts.expert_parallel_degree = uint32_t(cfg.parallel.expert);
   opts.balanced_experts = cfg.parallel.placement == Placement::Balanced;
   opts.quantize_fp8_activations = cfg.model.quantize_fp8_activations;
+  opts.mpi_ranks = d.mpi_ranks;
+  opts.mpi_rank = d.mpi_rank;
   try {
     d.model = load_model(cfg.model.path, opts);
   } catch (const std::exception& e) {
@@ -53,6 +71,10 @@ Deployment Deployment::open(const DeployConfig& cfg) {
   if (std::filesystem::exists(cfg.model.path / "tokenizer.json"))
     d.tokenizer = Tokenizer::from_dir(cfg.model.path);
   const SpeculativeSection& sp = cfg.speculative;
+  if (sp.method != SpeculativeMethod::None && d.mpi_ranks > 0)
+    throw std::runtime_error(cfg.where("speculative.method") +
+                             ": speculative decoding does not run over MPI yet "
+                             "(cluster.transport: mpi)");
   if (sp.method != SpeculativeMethod::None) {
     const std::string key = sp.draft_model.empty() ? "speculative.method" : "speculative.draft_model";
     try {
