@@ -17,6 +17,7 @@
 #include "runtime/engine/batch_job.h"
 #include "runtime/engine/deployment.h"
 #include "runtime/engine/generation.h"
+#include "runtime/engine/mpi_steps.h"
 #include "runtime/engine/progress.h"
 #include "runtime/model.h"
 #include "runtime/text/tokenizer.h"
@@ -93,12 +94,11 @@ struct ModelFlags {
   }
 };
 
-// Only `logits` runs over MPI so far: the engine's steps would need every rank to follow rank 0's
-// schedule (the step inputs broadcast from it), which is not built yet.
+// `logits` and `run` run over MPI; `generate` (streaming to one terminal) does not yet.
 DeployConfig single_process_only(DeployConfig cfg, const char* command) {
   if (cfg.cluster.transport == ClusterTransport::Mpi)
     throw std::runtime_error(cfg.where("cluster.transport") + ": mpi: `" + command +
-                             "` does not run over MPI yet (only `logits` does)");
+                             "` does not run over MPI yet (`logits` and `run` do)");
   return cfg;
 }
 
@@ -289,8 +289,15 @@ int run(int argc, char** argv) {
   std::string run_deploy;
   runc->add_option("deploy", run_deploy, "deployment YAML")->required();
   runc->callback([&] {
-    Deployment d = Deployment::open(single_process_only(load_deploy_config(run_deploy), "run"));
+    Deployment d = Deployment::open(load_deploy_config(run_deploy));
+    // Over MPI rank 0 runs the job and hands each step to the other ranks (mpi_steps.h).
+    if (d.mpi_ranks > 0 && d.mpi_rank != 0) {
+      serve_steps(*d.model);
+      return;
+    }
+    if (d.mpi_ranks > 0) d.model = std::make_unique<StepLeader>(std::move(d.model));
     run_batch_job(d, std::cerr);
+    if (d.mpi_ranks > 0) stop_followers();
   });
 
   // plan: what a deployment will take on each device, from config.json alone.

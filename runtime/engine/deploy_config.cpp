@@ -591,7 +591,9 @@ DeployConfig parse_deploy_config(const std::string& yaml_text, const std::string
     out += ".completions.jsonl";
     cfg.job.output = out;
   }
-  if (auto n = cfg.known_device_count()) check_device_count(cfg, *n);
+  // Over MPI the ranks are processes: Deployment::open checks the degrees against their number.
+  if (auto n = cfg.known_device_count(); n && cfg.cluster.transport == ClusterTransport::Local)
+    check_device_count(cfg, *n);
   return cfg;
 }
 

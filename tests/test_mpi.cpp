@@ -1,10 +1,12 @@
-// DeepSeek-V3 DP + EP with one rank per process over MPI (`mpirun -np N clshard logits --mpi`)
-// against the same command in one process, on the shared grouped-FP8 reference checkpoint and the
-// ragged8 sequences; and a rank that stops answering mid-step. Built when CMake found OpenMPI.
+// DeepSeek-V3 DP + EP with one rank per process over MPI (`mpirun -np N clshard logits --mpi`,
+// `mpirun -np 2 clshard run` with cluster.transport: mpi) against the same work in one process, on
+// the shared grouped-FP8 reference checkpoint (the ragged8 sequences); and a rank that stops
+// answering mid-step. Built when CMake found OpenMPI.
 #ifdef CLSHARD_HAVE_MPI
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <fstream>
@@ -12,6 +14,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "runtime/engine/mpi_steps.h"
 #include "tests/test_util.h"
 
 namespace clshard {
@@ -107,6 +110,69 @@ TEST(MpiLogits, ARankThatStopsAnsweringEndsTheStepWithANamedError) {
       << err;
   EXPECT_FALSE(std::filesystem::exists(dir / "manifest.json"));
   EXPECT_LT(seconds, 40.0);
+}
+
+// The batch job over 2 processes writes the completions the same job writes in one process on 2
+// sub-devices (greedy and sampled requests alike), and the serialized steps round-trip.
+TEST(MpiRun, BatchJobWritesTheSameCompletionsAsOneProcess) {
+  const auto dir = test::temp_dir("mpi_run");
+  std::ofstream(dir / "prompts.jsonl")
+      << R"({"id": "a", "prompt_token_ids": [35, 171, 486, 429]})" "\n"
+      << R"({"id": "b", "prompt_token_ids": [455, 121, 348, 488, 371, 485], "max_tokens": 5})" "\n"
+      << R"({"id": "c", "prompt_token_ids": [7, 8, 9]})" "\n"
+      << R"({"id": "d", "prompt_token_ids": [100, 200, 300, 400, 401, 402, 403]})" "\n"
+      << R"({"id": "e", "prompt_token_ids": [12], "temperature": 0.8, "seed": 5})" "\n";
+  for (std::string transport : {"local", "mpi"}) {
+    std::ofstream(dir / (transport + ".yaml"))
+        << "model:\n  path: "
+        << (test::reference_dir() / "ckpt" / "deepseek-v3-tiny-grouped-fp8").string()
+        << "\ndevices:\n  type: cpu\n" << (transport == "local" ? "  split: 2\n" : "")
+        << "parallel:\n  data: 2\n  expert: 2\ncluster:\n  transport: " << transport
+        << "\nkv_cache:\n  page_size: 16\nbatch:\n  max_batch_size: 4\n"
+        << "  max_batch_input_tokens: 64\nsampling:\n  temperature: 0\n  max_tokens: 8\n"
+        << "job:\n  input: prompts.jsonl\n  output: out_" << transport << "/completions.jsonl\n";
+  }
+  std::string out, err;
+  ASSERT_EQ(test::run_clshard({"run", (dir / "local.yaml").string()}, &out, &err), 0) << err;
+  std::vector<std::string> argv = {"env", "OMPI_ALLOW_RUN_AS_ROOT=1",
+                                   "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1", CLSHARD_MPIRUN,
+                                   "--oversubscribe", "--allow-run-as-root", "-np", "2",
+                                   CLSHARD_EXE, "run", (dir / "mpi.yaml").string()};
+  ASSERT_EQ(test::run_program(argv, &out, &err), 0) << err;
+  auto slurp = [](const std::filesystem::path& p) {
+    std::ifstream in(p);
+    return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  };
+  const std::string want = slurp(dir / "out_local" / "completions.jsonl");
+  EXPECT_EQ(std::count(want.begin(), want.end(), '\n'), 5);
+  EXPECT_EQ(slurp(dir / "out_mpi" / "completions.jsonl"), want);
+}
+
+TEST(MpiRun, StepsRoundTrip) {
+  StepInputs s;
+  s.tokens = {5, 6, 7};
+  s.input_row_offsets = {0, 2, 3};
+  s.cache_lengths = {4, 0};
+  s.lookup_table = {1, 9, 2, 9};
+  s.pages_per_row = 2;
+  s.return_logits = ReturnLogits::Variable;
+  s.return_n_logits = 2;
+  s.logits_per_row = {2, 1};
+  s.return_hidden = ReturnHidden::SelectedLayers;
+  s.hidden_layers = {0, 3};
+  s.data_parallel_splits = {0, 1, 2};
+  const StepInputs t = deserialize_step(serialize_step(s));
+  EXPECT_EQ(t.tokens, s.tokens);
+  EXPECT_EQ(t.input_row_offsets, s.input_row_offsets);
+  EXPECT_EQ(t.cache_lengths, s.cache_lengths);
+  EXPECT_EQ(t.lookup_table, s.lookup_table);
+  EXPECT_EQ(t.pages_per_row, s.pages_per_row);
+  EXPECT_EQ(t.return_logits, s.return_logits);
+  EXPECT_EQ(t.return_n_logits, s.return_n_logits);
+  EXPECT_EQ(t.logits_per_row, s.logits_per_row);
+  EXPECT_EQ(t.return_hidden, s.return_hidden);
+  EXPECT_EQ(t.hidden_layers, s.hidden_layers);
+  EXPECT_EQ(t.data_parallel_splits, s.data_parallel_splits);
 }
 
 }  // namespace
