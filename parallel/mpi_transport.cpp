@@ -99,6 +99,22 @@ std::optional<PollFailure> poll(std::vector<MPI_Request>& reqs, const std::vecto
   return std::nullopt;
 }
 
+// The nonblocking requests of one exchange, each with the rank it waits on.
+struct Requests {
+  std::vector<MPI_Request> reqs;
+  std::vector<size_t> peer;
+  void post(bool send, void* buf, size_t count, MPI_Datatype type, size_t rank, int tag,
+            const std::string& name) {
+    MPI_Request rq;
+    const int rc = send ? MPI_Isend(buf, int(count), type, int(rank), tag, MPI_COMM_WORLD, &rq)
+                        : MPI_Irecv(buf, int(count), type, int(rank), tag, MPI_COMM_WORLD, &rq);
+    check_mpi(rc, name + (send ? ": MPI_Isend to rank " : ": MPI_Irecv from rank ") +
+                      std::to_string(rank));
+    reqs.push_back(rq);
+    peer.push_back(rank);
+  }
+};
+
 void finalize_at_exit() {
   int fin = 0;
   MPI_Finalized(&fin);
@@ -134,6 +150,16 @@ int mpi_world_size() {
   return n;
 }
 
+int mpi_local_rank() {
+  MPI_Comm node;
+  check_mpi(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node),
+            "MPI_Comm_split_type");
+  int r = 0;
+  MPI_Comm_rank(node, &r);
+  MPI_Comm_free(&node);
+  return r;
+}
+
 bool launched_by_mpirun() {
   return std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr || std::getenv("PMI_SIZE") != nullptr ||
          std::getenv("PMIX_RANK") != nullptr;
@@ -152,6 +178,8 @@ void mpi_broadcast_bytes(std::vector<char>& bytes, int root) {
   bytes.resize(size_t(n));
   if (n) check_mpi(MPI_Bcast(bytes.data(), int(n), MPI_CHAR, root, MPI_COMM_WORLD), "MPI_Bcast");
 }
+
+void mpi_barrier() { check_mpi(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier"); }
 
 std::vector<std::vector<uint32_t>> mpi_allgather_u32(const std::vector<uint32_t>& mine) {
   const int n = mpi_world_size();
@@ -206,14 +234,32 @@ Device& MpiTransport::device(size_t r) const {
   return *device_;
 }
 
-std::vector<Transport::View> MpiTransport::open_phase(const std::string& name,
-                                                      const std::vector<Piece>& pieces) {
+uint32_t MpiTransport::begin_exchange(const std::string& name) {
   if (broken_)
     throw std::runtime_error(name + ": the MPI transport failed in an earlier collective");
   ++epoch_;
   if (stop_at_ && stop_at_->first == rank_ && stop_at_->second == epoch_) std::raise(SIGSTOP);
-  const int tag = int(epoch_ % 32000) + 1;  // MPI guarantees tags up to 32767
-  const uint32_t epoch = epoch_;
+  return epoch_;
+}
+
+void MpiTransport::fail(const std::string& name, uint32_t epoch, const std::vector<size_t>& owing,
+                        const std::string& why) {
+  broken_ = true;
+  std::ostringstream msg;
+  msg << name << ": MPI rank " << rank_ << " of " << size_ << " at epoch " << epoch << ": ";
+  std::string who = "MPI rank ";
+  for (size_t i = 0; i < owing.size(); ++i) {
+    msg << (i ? ", " : "") << "rank " << owing[i];
+    who += (i ? "," : "") + std::to_string(owing[i]);
+  }
+  msg << " " << why;
+  throw CollectiveError(name, epoch, who, msg.str());
+}
+
+std::vector<Transport::View> MpiTransport::open_phase(const std::string& name,
+                                                      const std::vector<Piece>& pieces) {
+  const uint32_t epoch = begin_exchange(name);
+  const int tag = int(epoch % 32000) + 1;  // MPI guarantees tags up to 32767
   HostBuffer& inbox = buf_->inbox[epoch % 2];
 
   // Where each piece goes in host memory: outgoing ones in the outbox, incoming in the inbox.
@@ -240,29 +286,12 @@ std::vector<Transport::View> MpiTransport::open_phase(const std::string& name,
   char* out = buf_->outbox.reserve(out_bytes);
   char* in = inbox.reserve(in_bytes);
 
-  auto fail = [&](const std::vector<size_t>& owing, const std::string& why) -> CollectiveError {
-    broken_ = true;
-    std::ostringstream msg;
-    msg << name << ": MPI rank " << rank_ << " of " << size_ << " at epoch " << epoch << ": ";
-    for (size_t i = 0; i < owing.size(); ++i) msg << (i ? ", " : "") << "rank " << owing[i];
-    msg << " " << why;
-    std::string who = "MPI rank ";
-    for (size_t i = 0; i < owing.size(); ++i) who += (i ? "," : "") + std::to_string(owing[i]);
-    return CollectiveError(name, epoch, who, msg.str());
-  };
-
   // Receives first, so a peer's send finds them posted.
-  std::vector<MPI_Request> reqs;
-  std::vector<size_t> peer;  // the rank each request waits on
+  Requests rq;
   for (size_t p = 0; p < pieces.size(); ++p) {
     const Piece& pc = pieces[p];
     if (pc.span.count_floats == 0 || pc.dst != rank_ || pc.src == rank_) continue;
-    MPI_Request rq;
-    check_mpi(MPI_Irecv(in + at[p], int(pc.span.count_floats), MPI_FLOAT, int(pc.src), tag,
-                        MPI_COMM_WORLD, &rq),
-              name + ": MPI_Irecv from rank " + std::to_string(pc.src));
-    reqs.push_back(rq);
-    peer.push_back(pc.src);
+    rq.post(false, in + at[p], pc.span.count_floats, MPI_FLOAT, pc.src, tag, name);
   }
   // This rank's outgoing pieces to host memory (Device::read waits for the producers), then out.
   const bool silent = silent_ && *silent_ == rank_;
@@ -272,18 +301,12 @@ std::vector<Transport::View> MpiTransport::open_phase(const std::string& name,
     const size_t bytes = pc.span.count_floats * sizeof(float);
     device_->read(pc.span.buf, out + at[p], bytes, pc.span.offset_floats * sizeof(float));
     stats_.bytes_staged += bytes;
-    if (silent) continue;
-    MPI_Request rq;
-    check_mpi(MPI_Isend(out + at[p], int(pc.span.count_floats), MPI_FLOAT, int(pc.dst), tag,
-                        MPI_COMM_WORLD, &rq),
-              name + ": MPI_Isend to rank " + std::to_string(pc.dst));
-    reqs.push_back(rq);
-    peer.push_back(pc.dst);
+    if (!silent) rq.post(true, out + at[p], pc.span.count_floats, MPI_FLOAT, pc.dst, tag, name);
   }
 
   // Poll until every request is done or the deadline passes.
   const auto start = std::chrono::steady_clock::now();
-  if (auto err = poll(reqs, peer, options_.timeout)) throw fail(err->owing, err->why);
+  if (auto err = poll(rq.reqs, rq.peer, options_.timeout)) fail(name, epoch, err->owing, err->why);
   stats_.host_wait_seconds +=
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
@@ -315,46 +338,25 @@ std::vector<Transport::View> MpiTransport::open_phase(const std::string& name,
 
 void MpiTransport::share_host(const std::string& name,
                               std::vector<std::vector<uint32_t>>& per_rank) {
-  if (broken_)
-    throw std::runtime_error(name + ": the MPI transport failed in an earlier collective");
   if (per_rank.size() != size_)
     throw std::invalid_argument(name + ": " + std::to_string(per_rank.size()) + " entries for " +
                                 std::to_string(size_) + " ranks");
-  ++epoch_;
-  if (stop_at_ && stop_at_->first == rank_ && stop_at_->second == epoch_) std::raise(SIGSTOP);
-  const int tag = int(epoch_ % 32000) + 1;
+  const uint32_t epoch = begin_exchange(name);
+  const int tag = int(epoch % 32000) + 1;
   const std::vector<uint32_t> mine = per_rank[rank_];
-  const int count = int(mine.size());
   // Point to point rather than MPI_Iallgather: a peer that never comes is then a request to name.
-  std::vector<MPI_Request> reqs;
-  std::vector<size_t> peer;
+  Requests rq;
   for (size_t r = 0; r < size_; ++r) {
     if (r == rank_) continue;
     per_rank[r].assign(mine.size(), 0);
-    MPI_Request rq;
-    check_mpi(MPI_Irecv(per_rank[r].data(), count, MPI_UINT32_T, int(r), tag, MPI_COMM_WORLD, &rq),
-              name + ": MPI_Irecv from rank " + std::to_string(r));
-    reqs.push_back(rq);
-    peer.push_back(r);
+    rq.post(false, per_rank[r].data(), mine.size(), MPI_UINT32_T, r, tag, name);
   }
   const bool silent = silent_ && *silent_ == rank_;
-  for (size_t r = 0; r < size_ && !silent; ++r) {
-    if (r == rank_) continue;
-    MPI_Request rq;
-    check_mpi(MPI_Isend(mine.data(), count, MPI_UINT32_T, int(r), tag, MPI_COMM_WORLD, &rq),
-              name + ": MPI_Isend to rank " + std::to_string(r));
-    reqs.push_back(rq);
-    peer.push_back(r);
-  }
+  for (size_t r = 0; r < size_ && !silent; ++r)
+    if (r != rank_)
+      rq.post(true, const_cast<uint32_t*>(mine.data()), mine.size(), MPI_UINT32_T, r, tag, name);
   const auto start = std::chrono::steady_clock::now();
-  if (auto err = poll(reqs, peer, options_.timeout)) {
-    broken_ = true;
-    std::ostringstream msg;
-    msg << name << ": MPI rank " << rank_ << " of " << size_ << " at epoch " << epoch_ << ": ";
-    for (size_t i = 0; i < err->owing.size(); ++i) msg << (i ? ", " : "") << "rank " << err->owing[i];
-    msg << " " << err->why;
-    throw CollectiveError(name, epoch_, "MPI rank " + std::to_string(err->owing.at(0)), msg.str());
-  }
+  if (auto err = poll(rq.reqs, rq.peer, options_.timeout)) fail(name, epoch, err->owing, err->why);
   stats_.host_wait_seconds +=
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   for (size_t r = 0; r < size_; ++r)

@@ -40,6 +40,9 @@ void mpi_init(int* argc, char*** argv);
 bool mpi_initialized();
 int mpi_world_rank();
 int mpi_world_size();
+// This process's index among the ranks on its node (MPI_COMM_TYPE_SHARED): which of the node's
+// devices it drives when a deployment's selection names several.
+int mpi_local_rank();
 // Whether this process was started by mpirun (OpenMPI's environment), before MPI_Init.
 bool launched_by_mpirun();
 // Ends every rank of the job with `code` (MPI_Abort): after a collective failed, peers may be
@@ -48,6 +51,7 @@ bool launched_by_mpirun();
 // Host-side collectives the ranks' drivers use outside the device data path (step inputs, plan
 // counts). Blocking, without a deadline of their own beyond MPI's; `name` names them in errors.
 void mpi_broadcast_bytes(std::vector<char>& bytes, int root);
+void mpi_barrier();
 std::vector<std::vector<uint32_t>> mpi_allgather_u32(const std::vector<uint32_t>& mine);
 
 class MpiTransport final : public Transport {
@@ -73,6 +77,11 @@ class MpiTransport final : public Transport {
 
  private:
   struct Buffers;
+  // Refuses after a failure, counts the epoch (and runs the stop hook); returns the epoch.
+  uint32_t begin_exchange(const std::string& name);
+  // The CollectiveError naming the collective, the epoch and the ranks still owed.
+  [[noreturn]] void fail(const std::string& name, uint32_t epoch, const std::vector<size_t>& owing,
+                         const std::string& why);
   Device* device_;
   MpiTransportOptions options_;
   size_t rank_ = 0, size_ = 1;
