@@ -325,6 +325,8 @@ int run(int argc, char** argv) {
     const parallel::ParallelDegrees degrees{size_t(cfg.parallel.data), size_t(cfg.parallel.tensor),
                                             size_t(cfg.parallel.expert), false};
     size_t devices = pl_devices ? pl_devices : degrees.data * degrees.tensor;
+    // Over MPI the ranks are processes of one device each (on any number of nodes).
+    const bool mpi = cfg.cluster.transport == ClusterTransport::Mpi;
     parallel::DeploymentShape shape;
     shape.memory_fraction = cfg.kv_cache.memory_fraction;
     shape.page_size = uint32_t(cfg.kv_cache.page_size);
@@ -337,7 +339,7 @@ int run(int argc, char** argv) {
         shape.device_memory_bytes = UINT64_MAX;
         for (Device* d : mgr.devices())
           shape.device_memory_bytes = std::min(shape.device_memory_bytes, d->info().global_mem);
-        if (!pl_devices) devices = mgr.size();
+        if (!pl_devices && !mpi) devices = mgr.size();
       } catch (const std::exception& e) {
         throw std::runtime_error(std::string("plan: cannot open the deployment's devices here (") +
                                  e.what() + "); give --device-memory GIB (and --devices N)");
@@ -371,8 +373,12 @@ int run(int argc, char** argv) {
               << " bytes per token, " << ck["kv_cache"]["bytes_per_token"].get<uint64_t>() *
                                             shape.page_size
               << " per page of " << shape.page_size << "\n";
-    std::cout << "layout: " << devices << " device(s), data " << degrees.data << ", tensor "
-              << degrees.tensor << ", expert " << degrees.expert << "\n";
+    std::cout << "layout: " << devices
+              << (mpi ? " MPI rank(s) of one device each (`mpirun -np " + std::to_string(devices) +
+                            "`; device i below is rank i)"
+                      : std::string(" device(s)"))
+              << ", data " << degrees.data << ", tensor " << degrees.tensor << ", expert "
+              << degrees.expert << "\n";
     std::cout << parallel::format_device_plan(rows, shape);
   });
 
