@@ -217,7 +217,10 @@ MpiTransport::MpiTransport(Device& device, MpiTransportOptions options)
     options_.timeout = std::chrono::milliseconds(std::atol(t));
   if (const char* s = std::getenv("CLSHARD_TEST_MPI_STOP")) {
     unsigned long r = 0, e = 0;
-    if (std::sscanf(s, "%lu:%lu", &r, &e) == 2) stop_at_ = {{size_t(r), uint32_t(e)}};
+    char how[8] = "";
+    const int n = std::sscanf(s, "%lu:%lu:%7s", &r, &e, how);
+    if (n >= 2) stop_at_ = {{size_t(r), uint32_t(e)}};
+    stop_signal_ = n == 3 && std::string(how) == "kill" ? SIGKILL : SIGSTOP;
   }
 }
 
@@ -238,7 +241,7 @@ uint32_t MpiTransport::begin_exchange(const std::string& name) {
   if (broken_)
     throw std::runtime_error(name + ": the MPI transport failed in an earlier collective");
   ++epoch_;
-  if (stop_at_ && stop_at_->first == rank_ && stop_at_->second == epoch_) std::raise(SIGSTOP);
+  if (stop_at_ && stop_at_->first == rank_ && stop_at_->second == epoch_) std::raise(stop_signal_);
   return epoch_;
 }
 

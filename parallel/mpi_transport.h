@@ -85,9 +85,10 @@ class MpiTransport final : public Transport {
   Device* device_;
   MpiTransportOptions options_;
   size_t rank_ = 0, size_ = 1;
-  // Test hook (CLSHARD_TEST_MPI_STOP="rank:epoch"): that rank stops (SIGSTOP) as it opens that
-  // epoch's phase, a peer that never answers mid-step.
+  // Test hook (CLSHARD_TEST_MPI_STOP="rank:epoch[:kill]"): that rank stops (SIGSTOP: a peer that
+  // never answers mid-step) or is killed (SIGKILL) as it opens that epoch's exchange.
   std::optional<std::pair<size_t, uint32_t>> stop_at_;
+  int stop_signal_ = 0;
   std::unique_ptr<Buffers> buf_;
   uint32_t epoch_ = 0;
   bool broken_ = false;

@@ -112,6 +112,23 @@ TEST(MpiLogits, ARankThatStopsAnsweringEndsTheStepWithANamedError) {
   EXPECT_LT(seconds, 40.0);
 }
 
+// Rank 1 is killed (SIGKILL) as it opens the first MoE dispatch: OpenMPI ends the whole job at
+// once (no rank is left waiting), rank 0 writes nothing.
+TEST(MpiLogits, AKilledRankEndsTheJob) {
+  const auto dir = test::temp_dir("mpi_logits_killed");
+  std::string out, err;
+  const auto start = std::chrono::steady_clock::now();
+  const int rc = test::run_program(
+      logits_command(2, dir, {"CLSHARD_TEST_MPI_STOP=1:2:kill", "CLSHARD_MPI_TIMEOUT_MS=2000"}),
+      &out, &err);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_NE(rc, 0);
+  EXPECT_TRUE(std::regex_search(err, std::regex("process rank 1 .* exited on signal 9"))) << err;
+  EXPECT_FALSE(std::filesystem::exists(dir / "manifest.json"));
+  EXPECT_LT(seconds, 40.0);
+}
+
 // The batch job over 2 processes writes the completions the same job writes in one process on 2
 // sub-devices (greedy and sampled requests alike), and the serialized steps round-trip.
 TEST(MpiRun, BatchJobWritesTheSameCompletionsAsOneProcess) {
