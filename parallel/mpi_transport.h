@@ -43,8 +43,9 @@ int mpi_world_size();
 // This process's index among the ranks on its node (MPI_COMM_TYPE_SHARED): which of the node's
 // devices it drives when a deployment's selection names several.
 int mpi_local_rank();
-// Whether this process was started by mpirun (OpenMPI's environment), before MPI_Init.
-bool launched_by_mpirun();
+// How many processes mpirun started with this one (OpenMPI's or PMI's environment, readable
+// before MPI_Init); 0 when not started by mpirun.
+int mpirun_processes();
 // Ends every rank of the job with `code` (MPI_Abort): after a collective failed, peers may be
 // blocked in a phase this rank will never enter.
 [[noreturn]] void abort_world(int code);

@@ -112,6 +112,19 @@ TEST(MpiLogits, ARankThatStopsAnsweringEndsTheStepWithANamedError) {
   EXPECT_LT(seconds, 40.0);
 }
 
+// N copies of a one-process run under mpirun would race on the same files: an error says what to set.
+TEST(MpiLogits, MpirunWithoutMpiInTheDeploymentIsAnError) {
+  const auto dir = test::temp_dir("mpi_logits_no_flag");
+  auto argv = logits_command(2, dir);
+  argv.erase(std::find(argv.begin(), argv.end(), "--mpi"));
+  std::string out, err;
+  EXPECT_NE(test::run_program(argv, &out, &err), 0);
+  EXPECT_NE(err.find("mpirun started 2 processes, but the deployment runs in one (transport: "
+                     "local); set cluster.transport: mpi (or --mpi with --model)"),
+            std::string::npos)
+      << err;
+}
+
 // Rank 1 is killed (SIGKILL) as it opens the first MoE dispatch: OpenMPI ends the whole job at
 // once (no rank is left waiting), rank 0 writes nothing.
 TEST(MpiLogits, AKilledRankEndsTheJob) {

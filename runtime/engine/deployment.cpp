@@ -45,6 +45,14 @@ Deployment Deployment::open(const DeployConfig& cfg) {
     d.mpi_ranks = uint32_t(parallel::mpi_world_size());
 #endif
   }
+#ifdef CLSHARD_HAVE_MPI
+  // N copies of a one-process deployment would each run the whole job into the same files.
+  if (d.mpi_ranks == 0 && parallel::mpirun_processes() > 1)
+    throw std::runtime_error(cfg.where("cluster.transport") + ": mpirun started " +
+                             std::to_string(parallel::mpirun_processes()) +
+                             " processes, but the deployment runs in one (transport: local); set "
+                             "cluster.transport: mpi (or --mpi with --model)");
+#endif
   d.config = cfg;
   d.devices = std::make_unique<DeviceManager>(cfg.devices);
   // Over MPI each process runs one rank on one device: the selection's only device, or the
