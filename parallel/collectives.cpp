@@ -54,7 +54,8 @@ std::vector<size_t> Communicator::even_shards(size_t count, size_t ranks) {
 
 void Communicator::check_span(const std::string& name, const char* role, size_t rank,
                               size_t index, const DeviceSpan& s) const {
-  if (s.count_floats == 0) return;
+  // A remote rank's span (another process's, MpiTransport) carries only its length.
+  if (s.count_floats == 0 || !is_local(rank)) return;
   const std::string where = name + ": " + role + "[" + std::to_string(index) + "] (on rank " +
                             std::to_string(rank) + ", " + device(rank).label() + ")";
   if (!s.buf) throw std::invalid_argument(where + " has " + std::to_string(s.count_floats) +
@@ -109,7 +110,7 @@ void Communicator::run_phase(const std::string& name, const std::vector<Copy>& c
   for (const Copy& c : copies) {
     const Transport::View& in = views[next_input++];
     const size_t bytes = c.from.count_floats * sizeof(float);
-    if (bytes == 0) continue;
+    if (bytes == 0 || !is_local(c.dst)) continue;  // a remote rank consumes it in its process
     const bool block = c.rows > 0;
     if (in.span.buf.get() == c.to.buf.get() && in.span.offset_floats == c.to.offset_floats &&
         (!block || c.dst_pitch == c.cols))
@@ -144,7 +145,7 @@ void Communicator::run_phase(const std::string& name, const std::vector<Copy>& c
     std::vector<const Transport::View*> ins(k);
     for (size_t i = 0; i < k; ++i) ins[i] = &views[next_input++];
     const size_t count = r.out.count_floats;
-    if (count == 0) continue;
+    if (count == 0 || !is_local(r.dst)) continue;
     if (count > UINT32_MAX)
       throw std::invalid_argument(name + ": a shard of " + std::to_string(count) +
                                   " floats is more than one reduction launch takes (2^32 - 1)");
@@ -216,7 +217,7 @@ void Communicator::allgather(const std::vector<DeviceSpan>& send,
   }
   for (size_t j = 0; j < n; ++j) {
     check_span(name, "recv", j, j, recv[j]);
-    if (recv[j].count_floats < total)
+    if (is_local(j) && recv[j].count_floats < total)
       throw std::invalid_argument(name + ": recv[" + std::to_string(j) + "] holds " +
                                   std::to_string(recv[j].count_floats) + " floats, the gather is " +
                                   std::to_string(total));
@@ -257,7 +258,7 @@ void Communicator::allgather_columns(const std::vector<DeviceSpan>& send,
   std::vector<Copy> copies;
   for (size_t j = 0; j < n; ++j) {
     check_span(name, "recv", j, j, recv[j]);
-    if (recv[j].count_floats < rows * total)
+    if (is_local(j) && recv[j].count_floats < rows * total)
       throw std::invalid_argument(name + ": recv[" + std::to_string(j) + "] holds " +
                                   std::to_string(recv[j].count_floats) + " floats, the gather is " +
                                   std::to_string(rows) + " x " + std::to_string(total));
@@ -296,7 +297,7 @@ void Communicator::reduce_scatter(const std::vector<DeviceSpan>& send,
   size_t off = 0;
   for (size_t j = 0; j < n; ++j) {
     check_span(name, "recv", j, j, recv[j]);
-    if (recv[j].count_floats < shard_counts[j])
+    if (is_local(j) && recv[j].count_floats < shard_counts[j])
       throw std::invalid_argument(name + ": recv[" + std::to_string(j) + "] holds " +
                                   std::to_string(recv[j].count_floats) + " floats, its shard is " +
                                   std::to_string(shard_counts[j]));
@@ -400,7 +401,7 @@ void Communicator::all_to_all_rows(const std::vector<std::vector<DeviceSpan>>& s
   std::vector<Copy> copies;
   for (size_t j = 0; j < n; ++j) {
     check_span(name, "recv", j, j, recv[j]);
-    if (recv[j].count_floats < rows_to[j] * width)
+    if (is_local(j) && recv[j].count_floats < rows_to[j] * width)
       throw std::invalid_argument(name + ": recv[" + std::to_string(j) + "] holds " +
                                   std::to_string(recv[j].count_floats / width) + " rows, rank " +
                                   std::to_string(j) + " is sent " + std::to_string(rows_to[j]));

@@ -14,7 +14,9 @@
 // on the host).
 //
 // In one process the transport is OpenClTransport (opencl_transport.h): same-context copies, a
-// zero-copy host arena between contexts on host-memory devices, host staging otherwise.
+// zero-copy host arena between contexts on host-memory devices, host staging otherwise. Between
+// processes it is MpiTransport (mpi_transport.h): each process passes every rank's spans (a remote
+// rank's with its length only) and runs the consumers of its own rank.
 //
 // Sums are rank-ordered (((r0 + r1) + r2) + r3) and each element is summed once by one device, so
 // every rank ends with bitwise the same values, equal to the single-device twin in the same order.
@@ -54,6 +56,9 @@ class Communicator {
   Communicator& operator=(const Communicator&) = delete;
 
   size_t size() const { return transport_->size(); }
+  // Whether this process drives rank `rank`: always in process; over MPI, its own rank only. The
+  // spans of remote ranks carry only their lengths (the other process holds the data).
+  bool is_local(size_t rank) const { return transport_->is_local(rank); }
   Device& device(size_t rank) const { return transport_->device(rank); }
   bool same_context(size_t a, size_t b) const;
 
@@ -87,6 +92,12 @@ class Communicator {
   // this call (combine with the roles of the spans swapped).
   void all_to_all_rows(const std::vector<std::vector<DeviceSpan>>& send,
                        const std::vector<DeviceSpan>& recv, size_t width, const char* what);
+
+  // Host values of equal length per rank (the counts of an exchange): per_rank[r] is set for the
+  // local ranks; afterwards every entry is. Only MPI has anything to move.
+  void share_host(std::vector<std::vector<uint32_t>>& per_rank, const char* what) {
+    transport_->share_host(what, per_rank);
+  }
 
   // The shard of each rank that allreduce uses for a vector of `count` floats: as even as
   // possible in whole 16-float blocks (the reduction kernel's vector width), the remainder spread

@@ -14,7 +14,7 @@
 //
 // OpenClTransport (opencl_transport.h) is the in-process implementation over OpenCL: same-context
 // device copies, a zero-copy host arena between contexts on host-memory devices, and host staging
-// otherwise. A transport between processes (MPI) would implement the same calls.
+// otherwise. MpiTransport (mpi_transport.h) implements the same calls between processes.
 #pragma once
 
 #include <chrono>
@@ -62,6 +62,9 @@ class Transport {
   virtual ~Transport() = default;
 
   virtual size_t size() const = 0;  // ranks
+  // Whether this process drives rank `rank` (its device, its consumers). Every rank is local in
+  // process; over MPI (mpi_transport.h) only this process's own. device() is for local ranks.
+  virtual bool is_local(size_t rank) const { return true; }
   virtual Device& device(size_t rank) const = 0;
 
   // Starts a phase: one View per piece, in order. `name` names the collective in errors.
@@ -71,6 +74,11 @@ class Transport {
   // buffers in place (the pieces whose View reads_source_buffer).
   virtual void close_phase(const std::string& name,
                            const std::vector<std::vector<cl::Event>>& readers_of) = 0;
+
+  // Host values of equal length per rank: per_rank[r] is filled for the local ranks; the call fills
+  // the others' (from their processes), under the same deadline as a phase. Nothing to do when
+  // every rank is local.
+  virtual void share_host(const std::string& name, std::vector<std::vector<uint32_t>>& per_rank) {}
 
   virtual const Stats& stats() const = 0;
   // How long a peer may stay silent before a phase fails.

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "parallel/collectives.h"
+#include "perf/bench_util.h"
 #include "runtime/device.h"
 #include "runtime/device_manager.h"
 
@@ -183,23 +184,14 @@ int main(int argc, char** argv) {
   time_allgather(comm, 4096);
   time_allreduce(comm, 4096);
 
-  // Bandwidth by message size. busbw counts the bytes each rank receives from its peers per
-  // second (NCCL's convention: allgather (n-1)/n of the result, allreduce 2(n-1)/n of the vector,
-  // all-to-all (n-1)/n of what a rank sends).
-  std::printf("%-15s %12s %12s %12s %12s\n", "collective", "bytes/rank", "time us", "algbw GB/s",
-              "busbw GB/s");
+  // Bandwidth by message size (bench::print_collective_rows says how busbw counts).
+  bench::print_collective_header();
   for (size_t bytes : {size_t(16) << 10, size_t(256) << 10, size_t(4) << 20, size_t(32) << 20}) {
     const size_t floats = bytes / 4;
     const double ag = time_allgather(comm, floats);
     const double ar = time_allreduce(comm, floats);
     const double aa = time_all_to_all(comm, floats / 1024, 1024);
-    const double fn = double(n);
-    std::printf("%-15s %12zu %12.1f %12.2f %12.2f\n", "allgather", bytes, ag * 1e6,
-                double(bytes) * fn / ag / 1e9, double(bytes) * (fn - 1) / ag / 1e9);
-    std::printf("%-15s %12zu %12.1f %12.2f %12.2f\n", "allreduce", bytes, ar * 1e6,
-                double(bytes) / ar / 1e9, 2 * double(bytes) * (fn - 1) / fn / ar / 1e9);
-    std::printf("%-15s %12zu %12.1f %12.2f %12.2f\n", "all_to_all_rows", bytes, aa * 1e6,
-                double(bytes) / aa / 1e9, double(bytes) * (fn - 1) / fn / aa / 1e9);
+    bench::print_collective_rows(bytes, n, ag, ar, aa);
   }
 
   // dsv3-mini (models/deepseek_v3/presets.cpp): hidden 2048, 6 layers of which the first dense

@@ -21,6 +21,25 @@ inline double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
+// The collectives' bandwidth rows (bench_collectives, bench_mpi_collectives) for one message size
+// over n ranks. busbw counts the bytes each rank receives from its peers per second (NCCL's
+// convention: allgather (n-1)/n of the result, allreduce 2(n-1)/n of the vector, all-to-all
+// (n-1)/n of what a rank sends).
+inline void print_collective_header() {
+  std::printf("%-15s %12s %12s %12s %12s\n", "collective", "bytes/rank", "time us", "algbw GB/s",
+              "busbw GB/s");
+}
+inline void print_collective_rows(size_t bytes, size_t n, double allgather_s, double allreduce_s,
+                                  double all_to_all_s) {
+  const double b = double(bytes), fn = double(n);
+  std::printf("%-15s %12zu %12.1f %12.2f %12.2f\n", "allgather", bytes, allgather_s * 1e6,
+              b * fn / allgather_s / 1e9, b * (fn - 1) / allgather_s / 1e9);
+  std::printf("%-15s %12zu %12.1f %12.2f %12.2f\n", "allreduce", bytes, allreduce_s * 1e6,
+              b / allreduce_s / 1e9, 2 * b * (fn - 1) / fn / allreduce_s / 1e9);
+  std::printf("%-15s %12zu %12.1f %12.2f %12.2f\n", "all_to_all_rows", bytes, all_to_all_s * 1e6,
+              b / all_to_all_s / 1e9, b * (fn - 1) / fn / all_to_all_s / 1e9);
+}
+
 // The first line every benchmark prints: which device the figures are for.
 inline void print_device(const Device& dev) {
   std::printf("device: %s (%s), %u compute units\n", dev.info().name.c_str(),

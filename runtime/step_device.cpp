@@ -13,6 +13,18 @@ Scratch upload(Device& dev, const void* data, size_t bytes) {
 }
 }  // namespace
 
+DeviceStep host_step(const StepInputs& in) {
+  DeviceStep s;
+  s.logit_token_indices = in.logit_token_indices();
+  s.logit_offsets.assign(1, 0);
+  for (size_t b = 0, r = 0; b < in.num_rows(); ++b) {
+    while (r < s.logit_token_indices.size() && s.logit_token_indices[r] < in.input_row_offsets[b + 1])
+      ++r;
+    s.logit_offsets.push_back(uint32_t(r));
+  }
+  return s;
+}
+
 DeviceStep upload_step(Device& dev, const StepInputs& in, uint32_t page_size, uint32_t num_pages,
                        uint32_t vocab) {
   in.validate(page_size, num_pages);
@@ -28,14 +40,7 @@ DeviceStep upload_step(Device& dev, const StepInputs& in, uint32_t page_size, ui
       row[i] = uint32_t(b);
       pos[i] = in.cache_lengths[b] + (i - in.input_row_offsets[b]);
     }
-  DeviceStep s;
-  s.logit_token_indices = in.logit_token_indices();
-  s.logit_offsets.assign(1, 0);
-  for (size_t b = 0, r = 0; b < B; ++b) {
-    while (r < s.logit_token_indices.size() && s.logit_token_indices[r] < in.input_row_offsets[b + 1])
-      ++r;
-    s.logit_offsets.push_back(uint32_t(r));
-  }
+  DeviceStep s = host_step(in);
   s.tokens_buf = upload(dev, in.tokens.data(), T * sizeof(int32_t));
   s.row_buf = upload(dev, row.data(), T * sizeof(uint32_t));
   s.pos_buf = upload(dev, pos.data(), T * sizeof(uint32_t));

@@ -19,6 +19,10 @@ struct DeviceStep {
   std::vector<uint32_t> logit_offsets;  // [B+1]
 };
 
+// The host fields of a step (logit_token_indices, logit_offsets), no buffers: what a rank in
+// another process knows of a replica it does not run.
+DeviceStep host_step(const StepInputs& in);
+
 // Validates the step against the cache (page_size, num_pages) and the vocabulary, then uploads it.
 DeviceStep upload_step(Device& dev, const StepInputs& in, uint32_t page_size, uint32_t num_pages,
                        uint32_t vocab);

@@ -186,5 +186,36 @@ TEST(Cli, PlanOfTheEightGpuDeepSeekDeployment) {
   EXPECT_NE(err.find("parallel.data"), std::string::npos) << err;
 }
 
+// The same model on 2 nodes x 8 GPUs over MPI, DP 16 x EP 16: 16 ranks of one GPU each, half the
+// routed experts per GPU of the one-node layout; the text plan says how to launch it.
+TEST(Cli, PlanOfTheTwoNodeMpiDeepSeekDeployment) {
+  const auto src = std::filesystem::path(CLSHARD_SOURCE_DIR);
+  const auto file = (src / "configs" / "deepseek-v3-2node-dp16-ep16.yaml").string();
+  const auto config = (src / "configs" / "deepseek-v3-config.json").string();
+  std::string out, err;
+  ASSERT_EQ(test::run_clshard({"plan", file, "--config", config, "--device-memory", "131.3",
+                               "--json"},
+                              &out, &err),
+            0)
+      << err;
+  auto j = nlohmann::json::parse(out);
+  ASSERT_EQ(j["devices"].size(), 16u);
+  const uint64_t all_weights = j["checkpoint"]["weights"]["bytes_main"].get<uint64_t>();
+  const uint64_t routed = j["checkpoint"]["weights"]["routed_expert_bytes_main"].get<uint64_t>();
+  for (size_t r = 0; r < 16; ++r) {
+    const auto& d = j["devices"][r];
+    EXPECT_EQ(d["replica"], r);
+    EXPECT_EQ(d["experts"], 16);
+    EXPECT_TRUE(d["fits"].get<bool>());
+    EXPECT_EQ(d["weights"].get<uint64_t>(), all_weights - routed + routed / 16);
+  }
+  ASSERT_EQ(test::run_clshard({"plan", file, "--config", config, "--device-memory", "131.3"},
+                              &out, &err),
+            0)
+      << err;
+  EXPECT_NE(out.find("16 MPI rank(s) of one device each (`mpirun -np 16`"), std::string::npos)
+      << out;
+}
+
 }  // namespace
 }  // namespace clshard

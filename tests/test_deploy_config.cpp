@@ -197,7 +197,7 @@ TEST(DeployConfig, UnknownKeys) {
   EXPECT_EQ(error_of("model:\n  path: m\n  pth: x\n"),
             "deploy.yaml:3: model.pth: unknown key (expected one of: path, dtype, max_length, fp8_activations)");
   EXPECT_EQ(error_of("model: {path: m}\nbatches: {}\n"),
-            "deploy.yaml:2: batches: unknown key (expected one of: model, devices, parallel, kv_cache, "
+            "deploy.yaml:2: batches: unknown key (expected one of: model, devices, parallel, cluster, kv_cache, "
             "batch, sampling, speculative, job)");
   EXPECT_EQ(error_of("model: {path: m}\nsampling:\n  temperature: 1\n  top-p: 0.5\n"),
             "deploy.yaml:4: sampling.top-p: unknown key (expected one of: temperature, top_k, top_p, "
@@ -231,7 +231,7 @@ TEST(DeployConfig, WrongTypes) {
             "deploy.yaml:2: sampling.seed: expected an integer >= 0, got \"-1\"");
   EXPECT_EQ(error_of("model: {path: m}\nbatch: 32\n"), "deploy.yaml:2: batch: expected a mapping of keys, got \"32\"");
   EXPECT_EQ(error_of("- model\n- batch\n"),
-            "deploy.yaml:1: (top level): expected a mapping of sections (model, devices, parallel, kv_cache, "
+            "deploy.yaml:1: (top level): expected a mapping of sections (model, devices, parallel, cluster, kv_cache, "
             "batch, sampling, speculative, job), got a list");
 }
 
@@ -403,6 +403,17 @@ TEST(DeployConfig, SharedValidators) {
 
 fs::path source_dir() { return fs::path(CLSHARD_SOURCE_DIR); }
 
+TEST(DeployConfig, Cluster) {
+  EXPECT_EQ(parse("model: {path: m}\n").cluster.transport, ClusterTransport::Local);
+  DeployConfig c = parse("model: {path: m}\ncluster:\n  transport: mpi\n");
+  EXPECT_EQ(c.cluster.transport, ClusterTransport::Mpi);
+  EXPECT_EQ(c.where("cluster.transport"), "deploy.yaml:3: cluster.transport");
+  EXPECT_EQ(error_of("model: {path: m}\ncluster: {transport: tcp}\n"),
+            "deploy.yaml:2: cluster.transport: expected one of local | mpi, got \"tcp\"");
+  EXPECT_EQ(error_of("model: {path: m}\ncluster:\n  transport: mpi\n  nodes: 2\n"),
+            "deploy.yaml:4: cluster.nodes: unknown key (expected one of: transport)");
+}
+
 TEST(DeployConfig, ExampleShowsEveryKeyAtItsDefault) {
   DeployConfig c = load_deploy_config(source_dir() / "configs" / "example.yaml");
   for (const std::string& key : deploy_config_keys())
@@ -416,6 +427,7 @@ TEST(DeployConfig, ExampleShowsEveryKeyAtItsDefault) {
   EXPECT_EQ(c.devices.all, d.devices.all);
   EXPECT_EQ(c.devices.split, d.devices.split);
   EXPECT_EQ(c.parallel, d.parallel);
+  EXPECT_EQ(c.cluster, d.cluster);
   EXPECT_EQ(c.kv_cache, d.kv_cache);
   EXPECT_EQ(c.batch, d.batch);
   EXPECT_EQ(c.sampling, d.sampling);

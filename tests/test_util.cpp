@@ -101,11 +101,17 @@ std::string quote(const std::string& s) {
 
 int run_clshard(const std::vector<std::string>& args, std::string* out, std::string* err) {
 #ifdef CLSHARD_EXE
-  std::string cmd = quote(CLSHARD_EXE);
+  std::vector<std::string> argv = {CLSHARD_EXE};
 #else
-  std::string cmd = "clshard";
+  std::vector<std::string> argv = {"clshard"};
 #endif
-  for (const auto& a : args) cmd += " " + quote(a);
+  argv.insert(argv.end(), args.begin(), args.end());
+  return run_program(argv, out, err);
+}
+
+int run_program(const std::vector<std::string>& argv, std::string* out, std::string* err) {
+  std::string cmd;
+  for (const auto& a : argv) cmd += (cmd.empty() ? "" : " ") + quote(a);
   static int counter = 0;
   auto dir = std::filesystem::path(CLSHARD_BINARY_DIR) / "test-tmp";
   std::filesystem::create_directories(dir);

@@ -41,6 +41,9 @@ Device& default_device();
 // Runs the clshard executable with args; returns its exit code, stdout and stderr in out/err.
 int run_clshard(const std::vector<std::string>& args, std::string* out = nullptr,
                 std::string* err = nullptr);
+// Runs argv[0] (a path or a name on PATH) with the rest as arguments, the same way.
+int run_program(const std::vector<std::string>& argv, std::string* out = nullptr,
+                std::string* err = nullptr);
 
 // ---- device buffers and token statistics (sampling and acceptance tests) -----------------------
 

@@ -85,7 +85,11 @@ void ReplicaLogits::prepare(const std::vector<Device*>& devs,
   rows_.assign(N, 0);
   vocab_ = vocab;
   total_ = 0;
-  out.device = devs[0];
+  // The first replica this process runs (0 in process; over MPI the process's own rank, whose
+  // buffer then holds only its rows: the step's logits are on rank 0's process).
+  size_t out_r = 0;
+  while (out_r + 1 < N && !devs[out_r]) ++out_r;
+  out.device = devs[out_r];
   out.vocab = vocab;
   out.logit_offsets = {0};
   for (size_t r = 0; r < N; ++r) {
@@ -96,13 +100,14 @@ void ReplicaLogits::prepare(const std::vector<Device*>& devs,
   }
   out.rows = total_;
   for (size_t r = 0; r < N; ++r) {
-    const size_t need = std::max<size_t>(size_t(r == 0 ? total_ : rows_[r]) * vocab, 1);
+    if (!devs[r]) continue;
+    const size_t need = std::max<size_t>(size_t(r == out_r ? total_ : rows_[r]) * vocab, 1);
     if (need > bufs_[r].capacity) {
       bufs_[r].capacity = need;
       bufs_[r].mem = devs[r]->alloc(need * sizeof(float));
     }
   }
-  out.logits = bufs_[0].mem;
+  out.logits = bufs_[out_r].mem;
 }
 
 void ReplicaLogits::gather(parallel::Communicator* comm, const char* what) {

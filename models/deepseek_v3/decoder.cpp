@@ -6,6 +6,7 @@
 
 #include "parallel/collectives.h"
 #include "parallel/expert_exchange.h"
+#include "parallel/mpi_transport.h"
 #include "runtime/device.h"
 #include "runtime/ops.h"
 
@@ -15,12 +16,17 @@ DecoderStack::DecoderStack(const DeepseekV3Config& cfg, const std::filesystem::p
                            const LoadOptions& opts, const parallel::Topology& topology,
                            std::optional<parallel::ExpertPlacement> placement, const char* who)
     : cfg_(cfg) {
-  const size_t N = opts.devices.size();
+  const size_t N = opts.ranks();
+  const bool mpi = opts.mpi_ranks > 0;
   // The topology checked the layout: every device a replica and an expert-parallel rank.
   if (topology.layout() != parallel::Layout::DataParallelAttentionExpertParallel ||
       topology.devices() != N || N == 0)
     throw std::invalid_argument(std::string(who) + ": the topology is not DP = EP over the " +
                                 std::to_string(N) + " devices of the options");
+  if (mpi && (opts.devices.size() != 1 || opts.mpi_rank >= N))
+    throw std::invalid_argument(std::string(who) + ": over MPI each process runs one rank on one "
+                                "device; this one has " + std::to_string(opts.devices.size()) +
+                                " devices");
   mla_.n_heads = uint32_t(cfg_.num_attention_heads);
   mla_.kv_lora = uint32_t(cfg_.kv_lora_rank);
   mla_.nope = uint32_t(cfg_.qk_nope_head_dim);
@@ -50,23 +56,41 @@ DecoderStack::DecoderStack(const DeepseekV3Config& cfg, const std::filesystem::p
           std::to_string(router_.n_experts) + " experts on " + std::to_string(N) + " devices");
     placement_ = std::move(*placement);
   } else {
+    if (topology.balanced_experts() && mpi)
+      throw std::invalid_argument(std::string(who) + ": parallel.placement: balanced is not "
+                                  "supported over MPI (the processes would measure apart)");
     if (topology.balanced_experts())
       throughput_ = parallel::measure_device_throughput(opts.devices);
     placement_ = topology.expert_blocks(router_.n_experts, throughput_);
   }
-  if (N > 1)
+  if (N > 1 && (!mpi || opts.mpi_rank == 0))
     std::cerr << who << ": " << N << " data-parallel replicas, experts over " << N
               << " expert-parallel ranks:\n"
               << placement_.describe() << std::flush;
   const auto inv = cfg_.rope_inv_freqs();
   for (size_t r = 0; r < N; ++r) {
     Replica rep;
-    rep.dev = opts.devices[r];
+    rep.dev = !mpi ? opts.devices[r] : r == opts.mpi_rank ? opts.devices[0] : nullptr;
+    if (!rep.dev) {
+      replicas_.push_back(std::move(rep));
+      continue;
+    }
     rep.inv_freq = rep.dev->alloc(inv.size() * sizeof(float), CL_MEM_READ_ONLY);
     rep.dev->write(rep.inv_freq, inv.data(), inv.size() * sizeof(float));
     replicas_.push_back(std::move(rep));
   }
-  if (N > 1) comm_ = std::make_unique<parallel::Communicator>(opts.devices);
+  first_local_ = mpi ? opts.mpi_rank : 0;
+  if (mpi) {
+#ifdef CLSHARD_HAVE_MPI
+    comm_ = std::make_unique<parallel::Communicator>(
+        std::make_unique<parallel::MpiTransport>(*opts.devices[0]));
+#else
+    throw std::invalid_argument(std::string(who) + ": this build has no MPI transport (OpenMPI "
+                                "not found at build time)");
+#endif
+  } else if (N > 1) {
+    comm_ = std::make_unique<parallel::Communicator>(opts.devices);
+  }
   fp8_act_quant_ = opts.quantize_fp8_activations;
 }
 
@@ -74,7 +98,8 @@ DecoderStack::~DecoderStack() = default;
 
 std::vector<Device*> DecoderStack::devices() const {
   std::vector<Device*> d;
-  for (const auto& r : replicas_) d.push_back(r.dev);
+  for (const auto& r : replicas_)
+    if (r.dev) d.push_back(r.dev);
   return d;
 }
 
@@ -86,6 +111,7 @@ void DecoderStack::allocate_cache(uint32_t num_pages, uint32_t page_size) {
   if (page_size == 0) throw std::invalid_argument("kv_cache.page_size must be positive");
   const size_t layer_bytes = size_t(num_pages + 1) * page_size * mla_.row() * sizeof(float);
   for (auto& rep : replicas_) {
+    if (!rep.dev) continue;
     Device& dev = *rep.dev;
     rep.cache.clear();
     if (layer_bytes > dev.info().max_alloc)
@@ -116,6 +142,7 @@ void DecoderStack::moe(size_t layer, std::vector<ReplicaWork>& work) {
   // Routing, on each token's device. Every device's router is enqueued before any id is read.
   std::vector<Scratch> ids(N), weights(N);
   for (size_t r = 0; r < N; ++r) {
+    if (!local(r)) continue;  // here and below: another process runs replica r
     Device& dev = *work[r].dev;
     const uint32_t T = work[r].T;
     ids[r] = Scratch(dev, rows(size_t(T) * k) * 4);
@@ -133,12 +160,14 @@ void DecoderStack::moe(size_t layer, std::vector<ReplicaWork>& work) {
   std::vector<ops::ExpertBatches> eb(N);
   std::vector<std::vector<uint32_t>> expert_offsets(N);
   for (size_t r = 0; r < N; ++r) {
+    if (!local(r)) continue;
     const uint32_t T = work[r].T;
     std::vector<int32_t> host_ids(size_t(T) * k);
     if (T > 0) work[r].dev->read(ids[r].mem(), host_ids.data(), host_ids.size() * 4);
     eb[r] = ops::group_by_expert(host_ids, T, k, E);
     expert_offsets[r] = eb[r].expert_offsets;
   }
+  if (comm_) comm_->share_host(expert_offsets, "MoE counts");  // the other processes' ranks
   const auto plan = parallel::plan_expert_exchange(expert_offsets, placement_);
   const auto& send_off = plan.send_off;
   const auto& recv_off = plan.recv_off;
@@ -152,6 +181,7 @@ void DecoderStack::moe(size_t layer, std::vector<ReplicaWork>& work) {
   // the host (and every other device) until that device caught up.
   std::vector<Scratch> src_token(N), slot_row(N), fwd(N), back(N);
   for (size_t r = 0; r < N; ++r) {
+    if (!local(r)) continue;
     Device& dev = *work[r].dev;
     const size_t S = size_t(work[r].T) * k, M = perm[r].size();
     src_token[r] = Scratch(dev, rows(S) * 4);
@@ -169,6 +199,7 @@ void DecoderStack::moe(size_t layer, std::vector<ReplicaWork>& work) {
   // (on one device the gathered rows are already the experts' input).
   std::vector<Scratch> xsend(N), xrecv(N), ret(N);
   for (size_t r = 0; r < N; ++r) {
+    if (!local(r)) continue;
     Device& dev = *work[r].dev;
     const uint32_t S = work[r].T * k;
     xsend[r] = Scratch(dev, rows(S) * H * 4);
@@ -191,13 +222,15 @@ void DecoderStack::moe(size_t layer, std::vector<ReplicaWork>& work) {
   if (N == 1) {
     xrecv[0] = std::move(xsend[0]);
   } else {
-    for (size_t d = 0; d < N; ++d) xrecv[d] = Scratch(*work[d].dev, rows(recv_off[d][N]) * H * 4);
+    for (size_t d = 0; d < N; ++d)
+      if (local(d)) xrecv[d] = Scratch(*work[d].dev, rows(recv_off[d][N]) * H * 4);
     exchange(xsend, send_off, xrecv, recv_off, "MoE dispatch");
   }
 
   // The local experts on the rows they received.
   std::vector<Scratch> out_recv(N);
   for (size_t d = 0; d < N; ++d) {
+    if (!local(d)) continue;
     Device& dev = *work[d].dev;
     const uint32_t M = recv_off[d][N];
     out_recv[d] = Scratch(dev, rows(M) * H * 4);
@@ -232,7 +265,8 @@ void DecoderStack::moe(size_t layer, std::vector<ReplicaWork>& work) {
   if (N == 1) {
     ret[0] = std::move(out_recv[0]);
   } else {
-    for (size_t r = 0; r < N; ++r) ret[r] = Scratch(*work[r].dev, rows(send_off[r][N]) * H * 4);
+    for (size_t r = 0; r < N; ++r)
+      if (local(r)) ret[r] = Scratch(*work[r].dev, rows(send_off[r][N]) * H * 4);
     exchange(out_recv, recv_off, ret, send_off, "MoE combine");
   }
   for (size_t r = 0; r < N; ++r) {
@@ -280,10 +314,14 @@ std::vector<ReplicaWork> DecoderStack::begin_step(const StepInputs& in, uint32_t
   std::vector<ReplicaWork> work(N);
   for (size_t r = 0; r < N; ++r) {
     ReplicaWork& w = work[r];
-    Device& dev = *replicas_[r].dev;
-    w.dev = &dev;
     w.in = N == 1 ? in : in.replica_step(r);
     w.in.data_parallel_splits.clear();
+    if (!local(r)) {  // another process runs it: its rows are known here, its work is not
+      w.st = host_step(w.in);
+      continue;
+    }
+    Device& dev = *replicas_[r].dev;
+    w.dev = &dev;
     w.st = upload_step(dev, w.in, page_size_, num_pages_, vocab);
     w.T = uint32_t(w.in.num_tokens());
     const size_t t = std::max<uint32_t>(w.T, 1);
@@ -306,7 +344,7 @@ void DecoderStack::run_layers(std::vector<ReplicaWork>& work,
       attention(l, work[r], replicas_[r]);
       work[r].dev->flush();  // this device starts while the host feeds the next
     }
-    if (replicas_[0].layers[l].is_moe) moe(l, work);  // every replica, idle ones included
+    if (replicas_[first_local_].layers[l].is_moe) moe(l, work);  // every replica, idle ones included
     if (after_layer) after_layer(l);
   }
 }
@@ -319,27 +357,31 @@ StepOutputs DecoderStack::logits(std::vector<ReplicaWork>& work,
   // row order. That keeps the lm_head GEMM split by rows with no extra collective per vocabulary
   // shard; the tiny vocabularies here gain nothing from sharding it.
   const size_t N = replicas_.size();
-  const uint32_t H = uint32_t(cfg_.hidden_size), V = uint32_t(lm_head.at(0)->dim(0));
+  const uint32_t H = uint32_t(cfg_.hidden_size), V = uint32_t(lm_head.at(first_local_)->dim(0));
   std::vector<const DeviceStep*> steps;
   for (const auto& w : work) steps.push_back(&w.st);
   StepOutputs out;
-  logits_.prepare(devices(), steps, V, out);
+  std::vector<Device*> devs;  // null for replicas of other processes
+  for (const auto& rep : replicas_) devs.push_back(rep.dev);
+  logits_.prepare(devs, steps, V, out);
   for (size_t r = 0; r < N; ++r) {
     ReplicaWork& w = work[r];
     const uint32_t rows = logits_.rows(r);
-    if (rows == 0) continue;
+    if (rows == 0 || !w.dev) continue;
     Scratch xs(*w.dev, size_t(rows) * H * 4);
     ops::rmsnorm(*w.dev, w.h.mem(), 0, H, &w.st.logit_rows, *final_norm[r], xs.mem(), 0, H, rows,
                  H, eps());
     ops::linear(*w.dev, xs.mem(), 0, H, *lm_head[r], nullptr, logits_.buffer(r), 0, V, rows);
   }
   logits_.gather(comm_.get(), "logits gather");
-  for (auto& w : work) w.dev->flush();  // the caller reads the logits when it needs them
+  for (auto& w : work)
+    if (w.dev) w.dev->flush();  // the caller reads the logits when it needs them
   return out;
 }
 
 ReplicaHidden DecoderStack::hidden_buffer(size_t r, uint32_t rows, uint32_t width) {
   Replica& rep = replicas_.at(r);
+  if (!rep.dev) return {nullptr, {}, rows};  // another process's replica
   const size_t need = size_t(std::max<uint32_t>(rows, 1)) * width;
   if (need > rep.hidden_capacity) {
     rep.hidden_capacity = need;

@@ -13,6 +13,11 @@
 // its expert (all_to_all_rows, dispatch), runs the local experts, sends the outputs back (combine)
 // and sums them in slot order on the token's device, so the result does not depend on N. One
 // device is the N = 1 case of the same pass, with no collectives.
+//
+// Over MPI (LoadOptions::mpi_ranks) the N ranks are processes: each builds the stack for the whole
+// topology but holds and runs only its own rank's replica (local(r)); the others' replicas have no
+// device and look idle here (ReplicaWork::T = 0, their step known on the host only), and the
+// collectives exchange with them. Every process runs the same steps (the same StepInputs).
 #pragma once
 
 #include <filesystem>
@@ -64,8 +69,10 @@ class DecoderStack {
   ~DecoderStack();
 
   size_t replicas() const { return replicas_.size(); }
+  // Whether this process runs replica r (always, unless the ranks are MPI processes).
+  bool local(size_t r) const { return replicas_.at(r).dev != nullptr; }
   Device& device(size_t r) const { return *replicas_.at(r).dev; }
-  std::vector<Device*> devices() const;
+  std::vector<Device*> devices() const;  // of the local replicas
   // The routed experts rank r holds: [first, second).
   std::pair<uint32_t, uint32_t> expert_block(size_t r) const {
     return {placement_.first_expert.at(r), placement_.first_expert.at(r + 1)};
@@ -74,7 +81,7 @@ class DecoderStack {
     replicas_.at(r).layers = std::move(layers);
   }
   const LayerWeights& layer(size_t r, size_t l) const { return replicas_.at(r).layers.at(l); }
-  size_t num_layers() const { return replicas_.at(0).layers.size(); }
+  size_t num_layers() const { return replicas_.at(first_local_).layers.size(); }
 
   const parallel::ExpertPlacement& placement() const { return placement_; }
   const std::vector<double>& measured_throughput() const { return throughput_; }
@@ -84,7 +91,7 @@ class DecoderStack {
   uint64_t kv_bytes_per_token() const;
   // num_pages pages (plus the null page) per replica, one buffer per layer.
   void allocate_cache(uint32_t num_pages, uint32_t page_size);
-  bool has_cache() const { return !replicas_.at(0).cache.empty(); }
+  bool has_cache() const { return !replicas_.at(first_local_).cache.empty(); }
   uint32_t num_pages() const { return num_pages_; }
   uint32_t page_size() const { return page_size_; }
 
@@ -126,7 +133,8 @@ class DecoderStack {
   void moe(size_t layer, std::vector<ReplicaWork>& work);
 
   DeepseekV3Config cfg_;
-  std::vector<Replica> replicas_;  // replica r = device r = EP rank r
+  std::vector<Replica> replicas_;  // replica r = device r = EP rank r (dev null: another process)
+  size_t first_local_ = 0;
   parallel::ExpertPlacement placement_;
   std::vector<double> throughput_;
   std::unique_ptr<parallel::Communicator> comm_;  // when more than one device

@@ -14,7 +14,7 @@ namespace clshard::deepseek_v3 {
 DeepseekV3Model::DeepseekV3Model(const std::filesystem::path& dir, const LoadOptions& opts,
                                  std::optional<parallel::ExpertPlacement> placement)
     : DeepseekV3Model(dir, opts,
-                      parallel::Topology(kLayout, opts.degrees(), opts.devices.size(), kName),
+                      parallel::Topology(kLayout, opts.degrees(), opts.ranks(), kName),
                       std::move(placement)) {}
 
 DeepseekV3Model::DeepseekV3Model(const std::filesystem::path& dir, const LoadOptions& opts,
@@ -24,6 +24,10 @@ DeepseekV3Model::DeepseekV3Model(const std::filesystem::path& dir, const LoadOpt
       stack_(cfg_, dir, opts, topology, std::move(placement), "deepseek_v3") {
   store_ = std::make_unique<WeightStore>(dir);
   for (size_t r = 0; r < stack_.replicas(); ++r) {
+    if (!stack_.local(r)) {  // another process loads it
+      weights_.emplace_back();
+      continue;
+    }
     const auto [first, end] = stack_.expert_block(r);
     weights_.push_back(load_weights(cfg_, *store_, stack_.device(r), first, end));
     stack_.set_layers(r, weights_.back().layers);

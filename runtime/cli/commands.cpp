@@ -11,11 +11,13 @@
 
 #include "models/registry.h"
 #include "parallel/deployment_plan.h"
+#include "parallel/mpi_transport.h"
 #include "runtime/device.h"
 #include "runtime/device_manager.h"
 #include "runtime/engine/batch_job.h"
 #include "runtime/engine/deployment.h"
 #include "runtime/engine/generation.h"
+#include "runtime/engine/mpi_steps.h"
 #include "runtime/engine/progress.h"
 #include "runtime/model.h"
 #include "runtime/text/tokenizer.h"
@@ -53,7 +55,11 @@ struct ModelFlags {
   std::string device_type = "any";
   std::string platform;
   int device_id = 0;
+  bool mpi = false;
   void add(CLI::App* app) {
+    app->add_flag("--mpi", mpi,
+                  "one rank per process over MPI (run under mpirun -np N): data = expert "
+                  "parallel = N, each process on its --device");
     app->add_option("deploy", deploy, "deployment YAML (instead of --model)");
     app->add_option("--model", model_dir, "Hugging Face checkpoint directory");
     app->add_option("--device-type", device_type, "cpu | gpu | accelerator | any")
@@ -74,9 +80,27 @@ struct ModelFlags {
     cfg.devices.platform = platform;
     cfg.devices.type = device_type;
     cfg.devices.ids = {device_id};
+    if (mpi) {
+#ifdef CLSHARD_HAVE_MPI
+      parallel::mpi_init(nullptr, nullptr);
+      cfg.cluster.transport = ClusterTransport::Mpi;
+      cfg.parallel.data = cfg.parallel.expert = parallel::mpi_world_size();
+#else
+      throw std::runtime_error("--mpi: this build has no MPI transport (OpenMPI not found at "
+                               "build time)");
+#endif
+    }
     return cfg;
   }
 };
+
+// `logits` and `run` run over MPI; `generate` (streaming to one terminal) does not yet.
+DeployConfig single_process_only(DeployConfig cfg, const char* command) {
+  if (cfg.cluster.transport == ClusterTransport::Mpi)
+    throw std::runtime_error(cfg.where("cluster.transport") + ": mpi: `" + command +
+                             "` does not run over MPI yet (`logits` and `run` do)");
+  return cfg;
+}
 
 std::string join_ids(const std::vector<int32_t>& ids) {
   std::string s;
@@ -163,9 +187,12 @@ int run(int argc, char** argv) {
     }
     Deployment d = Deployment::open(cfg);
     auto& model = d.model;
+    // Over MPI every process runs the same steps (the same sequences, read from the same
+    // arguments); rank 0 holds the gathered logits and writes them.
     auto logits = draft_head ? all_position_draft_logits(*model, *d.draft, seqs,
                                                          uint32_t(cfg.kv_cache.page_size))
                              : all_position_logits(*model, seqs, uint32_t(cfg.kv_cache.page_size));
+    if (d.mpi_rank != 0) return;
     std::filesystem::create_directories(lg_out);
     nlohmann::ordered_json manifest;
     manifest["model"] = cfg.model.path.string();
@@ -218,7 +245,7 @@ int run(int argc, char** argv) {
       std::vector<std::vector<int32_t>> prompts;
       for (const auto& t : gen_tokens) prompts.push_back(parse_ids(t, "--tokens"));
       cfg.kv_cache.pages = 1;  // greedy_generate lays out its own pages
-      Deployment d = Deployment::open(cfg);
+      Deployment d = Deployment::open(single_process_only(cfg, "generate"));
       auto t0 = std::chrono::steady_clock::now();
       auto out = greedy_generate(*d.model, prompts, max_new, uint32_t(cfg.kv_cache.page_size));
       double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -226,7 +253,7 @@ int run(int argc, char** argv) {
       std::cerr << prompts.size() * max_new << " tokens in " << s << " s\n";
       return;
     }
-    Deployment d = Deployment::open(cfg);
+    Deployment d = Deployment::open(single_process_only(cfg, "generate"));
     auto engine = d.make_engine();
     GenerationRequest req;
     req.prompt = d.prompt_ids(gen_prompt, std::nullopt, std::nullopt);
@@ -263,7 +290,14 @@ int run(int argc, char** argv) {
   runc->add_option("deploy", run_deploy, "deployment YAML")->required();
   runc->callback([&] {
     Deployment d = Deployment::open(load_deploy_config(run_deploy));
+    // Over MPI rank 0 runs the job and hands each step to the other ranks (mpi_steps.h).
+    if (d.mpi_ranks > 0 && d.mpi_rank != 0) {
+      serve_steps(*d.model);
+      return;
+    }
+    if (d.mpi_ranks > 0) d.model = std::make_unique<StepLeader>(std::move(d.model));
     run_batch_job(d, std::cerr);
+    if (d.mpi_ranks > 0) stop_followers();
   });
 
   // plan: what a deployment will take on each device, from config.json alone.
@@ -291,6 +325,8 @@ int run(int argc, char** argv) {
     const parallel::ParallelDegrees degrees{size_t(cfg.parallel.data), size_t(cfg.parallel.tensor),
                                             size_t(cfg.parallel.expert), false};
     size_t devices = pl_devices ? pl_devices : degrees.data * degrees.tensor;
+    // Over MPI the ranks are processes of one device each (on any number of nodes).
+    const bool mpi = cfg.cluster.transport == ClusterTransport::Mpi;
     parallel::DeploymentShape shape;
     shape.memory_fraction = cfg.kv_cache.memory_fraction;
     shape.page_size = uint32_t(cfg.kv_cache.page_size);
@@ -303,7 +339,7 @@ int run(int argc, char** argv) {
         shape.device_memory_bytes = UINT64_MAX;
         for (Device* d : mgr.devices())
           shape.device_memory_bytes = std::min(shape.device_memory_bytes, d->info().global_mem);
-        if (!pl_devices) devices = mgr.size();
+        if (!pl_devices && !mpi) devices = mgr.size();
       } catch (const std::exception& e) {
         throw std::runtime_error(std::string("plan: cannot open the deployment's devices here (") +
                                  e.what() + "); give --device-memory GIB (and --devices N)");
@@ -349,8 +385,12 @@ int run(int argc, char** argv) {
               << " bytes per token, " << ck["kv_cache"]["bytes_per_token"].get<uint64_t>() *
                                             shape.page_size
               << " per page of " << shape.page_size << "\n";
-    std::cout << "layout: " << devices << " device(s), data " << degrees.data << ", tensor "
-              << degrees.tensor << ", expert " << degrees.expert << "\n";
+    std::cout << "layout: " << devices
+              << (mpi ? " MPI rank(s) of one device each (`mpirun -np " + std::to_string(devices) +
+                            "`; device i below is rank i)"
+                      : std::string(" device(s)"))
+              << ", data " << degrees.data << ", tensor " << degrees.tensor << ", expert "
+              << degrees.expert << "\n";
     if (!draft.is_null())
       std::cout << "speculative: " << to_string(sp.method) << " draft, "
                 << (shape.draft_weight_bytes + shape.draft_routed_expert_bytes) / 1e9
@@ -415,6 +455,10 @@ int run(int argc, char** argv) {
     return app.exit(e);
   } catch (const std::exception& e) {
     std::cerr << "clshard: error: " << e.what() << "\n";
+#ifdef CLSHARD_HAVE_MPI
+    // The peers may wait in a collective this rank will never enter: end the whole job.
+    if (parallel::mpi_initialized() && parallel::mpi_world_size() > 1) parallel::abort_world(1);
+#endif
     return 1;
   }
   return 0;

@@ -35,6 +35,14 @@ const char* to_string(Placement p) {
   return "?";
 }
 
+const char* to_string(ClusterTransport t) {
+  switch (t) {
+    case ClusterTransport::Local: return "local";
+    case ClusterTransport::Mpi: return "mpi";
+  }
+  return "?";
+}
+
 const char* to_string(SpeculativeMethod m) {
   switch (m) {
     case SpeculativeMethod::None: return "none";
@@ -102,6 +110,7 @@ const std::vector<std::string>& deploy_config_keys() {
       "parallel.expert",
       "parallel.tensor",
       "parallel.placement",
+      "cluster.transport",
       "kv_cache.page_size",
       "kv_cache.memory_fraction",
       "kv_cache.pages",
@@ -138,7 +147,7 @@ std::vector<std::string> section_keys(const std::string& section) {
 }
 
 const std::vector<std::string>& section_names() {
-  static const std::vector<std::string> names = {"model",    "devices",     "parallel", "kv_cache",
+  static const std::vector<std::string> names = {"model",    "devices",     "parallel", "cluster", "kv_cache",
                                                  "batch",    "sampling",    "speculative", "job"};
   return names;
 }
@@ -201,6 +210,7 @@ class Parser {
       if (name == "model") parse_model(v);
       else if (name == "devices") parse_devices(v);
       else if (name == "parallel") parse_parallel(v);
+      else if (name == "cluster") parse_cluster(v);
       else if (name == "kv_cache") parse_kv_cache(v);
       else if (name == "batch") parse_batch(v);
       else if (name == "sampling") parse_sampling(v);
@@ -408,6 +418,14 @@ class Parser {
     });
   }
 
+  void parse_cluster(const YAML::Node& m) {
+    for_each_section_key(m, "cluster", [&](const std::string& k, const YAML::Node& v, const std::string& p, int line) {
+      if (k == "transport")
+        cfg_.cluster.transport = choice(v, p, line, {"local", "mpi"}) == "mpi"
+                                     ? ClusterTransport::Mpi : ClusterTransport::Local;
+    });
+  }
+
   void parse_kv_cache(const YAML::Node& m) {
     for_each_section_key(m, "kv_cache", [&](const std::string& k, const YAML::Node& v, const std::string& p, int line) {
       if (k == "page_size") {
@@ -573,7 +591,9 @@ DeployConfig parse_deploy_config(const std::string& yaml_text, const std::string
     out += ".completions.jsonl";
     cfg.job.output = out;
   }
-  if (auto n = cfg.known_device_count()) check_device_count(cfg, *n);
+  // Over MPI the ranks are processes: Deployment::open checks the degrees against their number.
+  if (auto n = cfg.known_device_count(); n && cfg.cluster.transport == ClusterTransport::Local)
+    check_device_count(cfg, *n);
   return cfg;
 }
 

@@ -49,6 +49,16 @@ struct ParallelSection {
   bool operator==(const ParallelSection&) const = default;
 };
 
+// How the ranks of a deployment reach each other: local (every device in this process) or mpi
+// (one process per rank under mpirun; needs a build with OpenMPI).
+enum class ClusterTransport { Local, Mpi };
+const char* to_string(ClusterTransport t);
+
+struct ClusterSection {
+  ClusterTransport transport = ClusterTransport::Local;
+  bool operator==(const ClusterSection&) const = default;
+};
+
 struct KvCacheSection {
   // Tokens per KV page. Our kernels need a multiple of 16; MAX itself requires multiples of 128 on
   // GPUs, so 128 is the default and the value to keep for GPU deployments.
@@ -107,6 +117,7 @@ struct DeployConfig {
   ModelSection model;
   DeviceSection devices;
   ParallelSection parallel;
+  ClusterSection cluster;
   KvCacheSection kv_cache;
   BatchSection batch;
   SamplingDefaults sampling;

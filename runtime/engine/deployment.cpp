@@ -4,6 +4,7 @@
 #include <stdexcept>
 
 #include "models/registry.h"
+#include "parallel/mpi_transport.h"
 #include "runtime/safetensors.h"
 #include "runtime/text/chat_template.h"
 
@@ -33,18 +34,53 @@ void check_checkpoint_dtype(const DeployConfig& cfg) {
 
 Deployment Deployment::open(const DeployConfig& cfg) {
   Deployment d;
+  if (cfg.cluster.transport == ClusterTransport::Mpi) {
+#ifndef CLSHARD_HAVE_MPI
+    throw std::runtime_error(cfg.where("cluster.transport") +
+                             ": mpi: this build has no MPI transport (OpenMPI not found at build "
+                             "time; install libopenmpi-dev, scripts/setup.sh, and rebuild)");
+#else
+    parallel::mpi_init(nullptr, nullptr);
+    d.mpi_rank = uint32_t(parallel::mpi_world_rank());
+    d.mpi_ranks = uint32_t(parallel::mpi_world_size());
+#endif
+  }
+#ifdef CLSHARD_HAVE_MPI
+  // N copies of a one-process deployment would each run the whole job into the same files.
+  if (d.mpi_ranks == 0 && parallel::mpirun_processes() > 1)
+    throw std::runtime_error(cfg.where("cluster.transport") + ": mpirun started " +
+                             std::to_string(parallel::mpirun_processes()) +
+                             " processes, but the deployment runs in one (transport: local); set "
+                             "cluster.transport: mpi (or --mpi with --model)");
+#endif
   d.config = cfg;
   d.devices = std::make_unique<DeviceManager>(cfg.devices);
-  check_device_count(cfg, d.devices->size());
+  // Over MPI each process runs one rank on one device: the selection's only device, or the
+  // one at this process's index among the ranks of its node (one rank per GPU of a node).
+  Device* rank_device = nullptr;
+#ifdef CLSHARD_HAVE_MPI
+  if (d.mpi_ranks > 0) {
+    const size_t local = d.devices->size() == 1 ? 0 : size_t(parallel::mpi_local_rank());
+    if (local >= d.devices->size())
+      throw std::runtime_error(cfg.where("devices") + ": this process is rank " +
+                               std::to_string(local) + " on its node, the selection gives " +
+                               std::to_string(d.devices->size()) +
+                               " device(s); over MPI each rank takes one");
+    rank_device = d.devices->devices().at(local);
+  }
+#endif
+  check_device_count(cfg, d.mpi_ranks > 0 ? d.mpi_ranks : d.devices->size());
   check_checkpoint_dtype(cfg);
   LoadOptions opts;
-  opts.devices = d.devices->devices();
+  opts.devices = rank_device ? std::vector<Device*>{rank_device} : d.devices->devices();
   if (cfg.model.max_length) opts.max_length = uint32_t(*cfg.model.max_length);
   opts.data_parallel_degree = uint32_t(cfg.parallel.data);
   opts.tensor_parallel_degree = uint32_t(cfg.parallel.tensor);
   opts.expert_parallel_degree = uint32_t(cfg.parallel.expert);
   opts.balanced_experts = cfg.parallel.placement == Placement::Balanced;
   opts.quantize_fp8_activations = cfg.model.quantize_fp8_activations;
+  opts.mpi_ranks = d.mpi_ranks;
+  opts.mpi_rank = d.mpi_rank;
   try {
     d.model = load_model(cfg.model.path, opts);
   } catch (const std::exception& e) {
@@ -53,6 +89,10 @@ Deployment Deployment::open(const DeployConfig& cfg) {
   if (std::filesystem::exists(cfg.model.path / "tokenizer.json"))
     d.tokenizer = Tokenizer::from_dir(cfg.model.path);
   const SpeculativeSection& sp = cfg.speculative;
+  if (sp.method != SpeculativeMethod::None && d.mpi_ranks > 0)
+    throw std::runtime_error(cfg.where("speculative.method") +
+                             ": speculative decoding does not run over MPI yet "
+                             "(cluster.transport: mpi)");
   if (sp.method != SpeculativeMethod::None) {
     const std::string key = sp.draft_model.empty() ? "speculative.method" : "speculative.draft_model";
     try {

@@ -21,6 +21,9 @@ struct Deployment {
   std::unique_ptr<DraftModel> draft;  // speculative decoding (speculative.method)
   std::optional<Tokenizer> tokenizer;  // when the checkpoint has tokenizer.json
   SchedulerLimits limits;
+  // cluster.transport: mpi — this process's rank and the ranks (processes); 0 ranks in process.
+  // Rank 0 reads the job and writes the output.
+  uint32_t mpi_rank = 0, mpi_ranks = 0;
 
   // Opens and loads everything the file names. Errors name the file and key where they can.
   static Deployment open(const DeployConfig& cfg);
