@@ -2,8 +2,8 @@
 //   1. the target runs the scheduled rows; a decode row carries its last token followed by the
 //      drafts the previous step proposed, and asks logits for all of them (logits_per_row) and
 //      the hidden states the draft reads (DraftInfo::target_hidden);
-//   2. acceptance on the device (runtime/engine/acceptance.h) keeps a prefix of the drafts and adds one
-//      token of the target's own; stop tokens, stop strings and max_tokens cut the run;
+//   2. acceptance on the device (runtime/engine/acceptance.h) keeps a prefix of the drafts and
+//      adds one token of the target's own; stop tokens, stop strings and max_tokens cut the run;
 //   3. the scheduler commits a variable number of tokens per row (the cache length advances by
 //      the accepted positions only; rejected positions are overwritten later);
 //   4. draft step 0 runs over every position the target just computed up to the last accepted
@@ -94,7 +94,8 @@ void Engine::step_speculative(Batch& b) {
         ss.accepted_at[k] += k < n;
       }
     }
-    std::vector<int32_t> run(drafts.begin() + draft_offsets[s], drafts.begin() + draft_offsets[s] + n);
+    const auto first = drafts.begin() + draft_offsets[s];
+    std::vector<int32_t> run(first, first + n);
     run.push_back(acc.next_token[s]);
     Live& live = live_.at(b.row_handle[i]);
     const uint32_t room = schedulers_[live.replica].remaining_tokens(live.local);
