@@ -81,7 +81,8 @@ class DraftModel {
   // replicas); hidden[r] holds one row per token of replica r's rows, hidden_width wide (equal to
   // info().target_hidden_width or info().hidden_size). Returns logits for the rows the step asks
   // (step.return_logits / logits_per_row) and, per replica, the draft's output rows before its
-  // final norm at those same positions.
+  // final norm at those same positions. `hidden` may be the output rows of the draft's previous
+  // step (the engine feeds them straight back): read them before writing the new ones.
   virtual StepOutputs forward(const StepInputs& step, const std::vector<ReplicaHidden>& hidden,
                               uint32_t hidden_width) = 0;
 };

@@ -169,7 +169,9 @@ void Engine::propose_drafts(const Batch& b, const StepOutputs& target,
   std::vector<int32_t> last = argmax_rows(out);
   for (size_t d = 0; d < drafting.size(); ++d) proposed[d].push_back(last[d]);
 
-  // Steps 1..K-1: one token per drafting row, reading the draft's own output row.
+  // Steps 1..K-1: one token per drafting row, reading the draft's own output row. Those rows are
+  // already one per drafting row in replica order, so they go back in as they are (a draft reads
+  // its input rows before it writes its output rows, in its devices' in-order queues).
   for (uint32_t j = 1; j < K; ++j) {
     DraftStep step(R, P);
     for (size_t d = 0; d < drafting.size(); ++d) {
@@ -178,9 +180,7 @@ void Engine::propose_drafts(const Batch& b, const StepOutputs& target,
                    1, step.rows_of_replica[r]);
     }
     step.finish_splits();
-    std::vector<Scratch> hold;
-    out = draft_->forward(step.in, step.gather(out.hidden, out.hidden_width, hold),
-                          out.hidden_width);
+    out = draft_->forward(step.in, out.hidden, out.hidden_width);
     last = argmax_rows(out);
     for (size_t d = 0; d < drafting.size(); ++d) proposed[d].push_back(last[d]);
   }
