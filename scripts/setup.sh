@@ -16,6 +16,9 @@ packages=(
   libbenchmark-dev
   libopenblas-dev
   openmpi-bin libopenmpi-dev
+  libcpp-httplib-dev
+  clang libfuzzer-14-dev
+  gnuplot-nox
 )
 missing=()
 for p in "${packages[@]}"; do
