@@ -4,8 +4,8 @@
 // linear_fp8: y = alpha * x W^T (+ y when accumulating). x: [M, K] f32 rows (stride ldx); W: [N, K]
 // bytes; scale: f32 [ceil(N/128), KB = ceil(K/128)]; y: [M, N] f32 (stride ldy). The bytes are
 // decoded in registers right before the FMA, so the weights stream at 1 byte per element.
-// Tiling as linear.cl: one work-item owns a TM x TN tile of y (local size 1 on CPU) and walks K
-// with 16-wide loads; dimension 0 walks N, dimension 1 walks M.
+// Tiling as linear.cl: TM x TN tiles of y walking K with 16-wide loads; a work-item (local size 1
+// on CPU) owns a block of them; dimension 0 walks column blocks, dimension 1 row blocks.
 //
 // dequantize_fp8: out[N, K] f32 = e4m3(W) * scale, one work-item per row.
 //
@@ -29,12 +29,11 @@
 #define QBLOCK 128
 #define VECS_PER_BLOCK (QBLOCK / 16)
 
-kernel void linear_fp8(global const float* x, uint x_off, uint ldx,
-                       global const uchar* w, global const float* scale, uint KB,
-                       global float* y, uint y_off, uint ldy,
-                       uint M, uint N, uint K, float alpha, int accumulate) {
-  const uint n0 = get_global_id(0) * TN;
-  const uint m0 = get_global_id(1) * TM;
+// One TM x TN tile at (m0, n0).
+inline void linear_fp8_tile(global const float* x, uint x_off, uint ldx, global const uchar* w,
+                            global const float* scale, uint KB, global float* y, uint y_off,
+                            uint ldy, uint M, uint N, uint K, float alpha, int accumulate,
+                            uint m0, uint n0) {
   // Rows and columns past the edge compute on a valid row (clamped) and are not stored. The
   // clamped rows stay inside n0's group of TN, so every row of the tile shares one scale row.
   global const float* xr[TM];
@@ -124,6 +123,24 @@ kernel void linear_fp8(global const float* x, uint x_off, uint ldx,
       yr[n] = accumulate ? yr[n] + v : v;
     }
   }
+}
+
+// A work-item owns n_tiles column tiles x m_rows rows and loops over its tiles (column tile outer,
+// so its TN weight rows stay in L1): PoCL pays about a microsecond per work-group, which at one
+// byte per weight is as long as streaming a few 2048-wide rows.
+kernel void linear_fp8(global const float* x, uint x_off, uint ldx,
+                       global const uchar* w, global const float* scale, uint KB,
+                       global float* y, uint y_off, uint ldy,
+                       uint M, uint N, uint K, float alpha, int accumulate,
+                       uint n_tiles, uint m_rows) {
+  const uint n_begin = get_global_id(0) * n_tiles * TN;
+  const uint n_end = min(n_begin + n_tiles * TN, N);
+  const uint m_begin = get_global_id(1) * m_rows;
+  const uint m_end = min(m_begin + m_rows, M);
+  for (uint n0 = n_begin; n0 < n_end; n0 += TN)
+    for (uint m0 = m_begin; m0 < m_end; m0 += TM)
+      linear_fp8_tile(x, x_off, ldx, w, scale, KB, y, y_off, ldy, M, N, K, alpha, accumulate, m0,
+                      n0);
 }
 
 kernel void dequantize_fp8(global const uchar* w, global const float* scale, uint KB,

@@ -84,9 +84,15 @@ void linear_fp8(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, con
   cl::Kernel k = dev.kernel(
       "linear_fp8.cl", "linear_fp8",
       fp8_decode_option(dev) + " -DTM=" + std::to_string(tm) + " -DTN=" + std::to_string(tn));
+  // Work per work-item as ops::linear: up to 64 rows, and enough column tiles that a launch is a
+  // few hundred work-items rather than thousands.
+  const uint32_t m_rows = std::min<uint32_t>(ceil_div(M, tm) * tm, 64);
+  const uint32_t col_tiles = ceil_div(N, tn), row_blocks = ceil_div(M, m_rows);
+  uint32_t n_tiles = 1;
+  while (n_tiles < 16 && uint64_t(col_tiles) * row_blocks / (n_tiles * 2) >= 256) n_tiles *= 2;
   cl::set_args(k, x, x_off, ldx, w.mem, scale_inv.mem, ceil_div(K, kQuantBlock), y, y_off, ldy, M,
-               N, K, alpha, int(accumulate));
-  dev.launch(k, {ceil_div(N, tn), ceil_div(M, tm), 1}, 2);
+               N, K, alpha, int(accumulate), n_tiles, m_rows);
+  dev.launch(k, {ceil_div(col_tiles, n_tiles), row_blocks, 1}, 2);
 }
 
 void dequantize_fp8(Device& dev, const Weight& w, const Weight& scale_inv, const cl::Mem& out) {

@@ -12,7 +12,6 @@
 #include "models/deepseek_v3/model.h"
 #include "models/deepseek_v3/plan.h"
 #include "models/deepseek_v3/presets.h"
-#include "models/deepseek_v3/weights.h"
 #include "models/registry.h"
 #include "runtime/engine/generation.h"
 #include "runtime/model.h"
@@ -234,35 +233,6 @@ TEST(DeepseekV3Weights, WrongExpertCountsAreClearErrors) {
                            {{"first_k_dense_replace", 2}});
   msg = load_error(dir);
   EXPECT_NE(msg.find("layer 1 has routed experts, but"), std::string::npos) << msg;
-}
-
-// On a device that reads host memory (PoCL) each MoE layer's experts are also one grouped buffer
-// for the one-launch expert kernels (the decoder takes that path whenever it is there), for every
-// expert dtype and for an expert-parallel rank's block.
-TEST(DeepseekV3Weights, MoeLayersGroupTheirExpertsInOneBuffer) {
-  Device& dev = test::default_device();
-  ASSERT_TRUE(dev.info().host_unified_memory);
-  for (const char* name : {"deepseek-v3-tiny-grouped-bf16", "deepseek-v3-tiny-grouped-fp8"}) {
-    const auto dir = ckpt(name);
-    const auto cfg = deepseek_v3::DeepseekV3Config::from_dir(dir);
-    WeightStore store(dir);
-    for (const auto [begin, end] : {std::pair<uint32_t, uint32_t>{0, UINT32_MAX}, {5, 12}}) {
-      const auto w = deepseek_v3::load_weights(cfg, store, dev, begin, end);
-      size_t moe_layers = 0;
-      for (const auto& L : w.layers) {
-        if (!L.is_moe) continue;
-        ++moe_layers;
-        const ops::GroupedExperts& g = L.moe.grouped;
-        ASSERT_TRUE(bool(g)) << name;
-        EXPECT_EQ(g.n_experts, L.moe.experts.size()) << name;
-        EXPECT_EQ(g.n_experts, begin == 0 ? uint32_t(cfg.n_routed_experts) : 7u) << name;
-        EXPECT_EQ(g.dtype, L.moe.experts[0].gate.w.dtype) << name;
-        EXPECT_EQ(g.hidden, uint32_t(cfg.hidden_size));
-        EXPECT_EQ(g.inter, uint32_t(cfg.moe_intermediate_size));
-      }
-      EXPECT_GT(moe_layers, 0u) << name;
-    }
-  }
 }
 
 TEST(DeepseekV3Weights, MtpLayerIsRecognisedButALayerBeyondItIsNot) {

@@ -32,6 +32,7 @@ DecoderStack::DecoderStack(const DeepseekV3Config& cfg, const std::filesystem::p
   mla_.nope = uint32_t(cfg_.qk_nope_head_dim);
   mla_.rope = uint32_t(cfg_.qk_rope_head_dim);
   mla_.v = uint32_t(cfg_.v_head_dim);
+  mla_.cache_dtype = opts.kv_cache_dtype;
   router_.n_experts = uint32_t(cfg_.n_routed_experts);
   router_.top_k = uint32_t(cfg_.num_experts_per_tok);
   router_.n_group = uint32_t(cfg_.n_group);
@@ -42,6 +43,7 @@ DecoderStack::DecoderStack(const DeepseekV3Config& cfg, const std::filesystem::p
     ops::validate(mla_);
     ops::validate(router_);
     mla_params_ = MlaParams::from(cfg_, opts.quantize_fp8_activations);
+    mla_params_.shape.cache_dtype = mla_.cache_dtype;
   } catch (const std::invalid_argument& e) {
     throw std::runtime_error((dir / "config.json").string() + ": not supported: " + e.what());
   }
@@ -104,12 +106,12 @@ std::vector<Device*> DecoderStack::devices() const {
 }
 
 uint64_t DecoderStack::kv_bytes_per_token() const {
-  return uint64_t(num_layers()) * mla_.row() * sizeof(float);
+  return uint64_t(num_layers()) * mla_.row_bytes();
 }
 
 void DecoderStack::allocate_cache(uint32_t num_pages, uint32_t page_size) {
   if (page_size == 0) throw std::invalid_argument("kv_cache.page_size must be positive");
-  const size_t layer_bytes = size_t(num_pages + 1) * page_size * mla_.row() * sizeof(float);
+  const size_t layer_bytes = size_t(num_pages + 1) * page_size * mla_.row_bytes();
   for (auto& rep : replicas_) {
     if (!rep.dev) continue;
     Device& dev = *rep.dev;
@@ -132,68 +134,8 @@ void DecoderStack::allocate_cache(uint32_t num_pages, uint32_t page_size) {
   page_size_ = page_size;
 }
 
-void DecoderStack::grouped_experts(Device& dev, const ops::GroupedExperts& g,
-                                   const ops::GroupedPlan& plan, const cl::Mem& x,
-                                   const cl::Mem* x_rows, const cl::Mem& y) {
-  const uint32_t H = g.hidden, F = g.inter, M = plan.rows;
-  // FP8 activation quantization is per row: with x_rows the caller quantized the tokens once,
-  // which quantizes every grouped row that reads them; grouped rows are quantized here.
-  const bool aq = fp8_act_quant_ && g.dtype == DType::F8_E4M3;
-  const cl::Mem* in = &x;
-  Scratch xq, gq;
-  if (aq && !x_rows) {
-    xq = Scratch(dev, size_t(M) * H * 4);
-    ops::act_quant_fp8(dev, x, 0, H, M, H, xq.mem());
-    in = &xq.mem();
-  }
-  Scratch gu(dev, size_t(M) * 2 * F * 4);
-  ops::moe_grouped_linear(dev, *in, H, x_rows, g, 0, 2, plan, gu.mem(), 2 * F);
-  ops::silu_mul(dev, gu.mem(), 0, 2 * F, gu.mem(), F, 2 * F, gu.mem(), 2 * F, M, F);
-  const cl::Mem* act = &gu.mem();
-  uint32_t ld_act = 2 * F;
-  if (aq) {
-    gq = Scratch(dev, size_t(M) * F * 4);
-    ops::act_quant_fp8(dev, gu.mem(), 0, 2 * F, M, F, gq.mem());
-    act = &gq.mem();
-    ld_act = F;
-  }
-  ops::moe_grouped_linear(dev, *act, ld_act, nullptr, g, 2, 1, plan, y, H);
-}
-
-void DecoderStack::moe_on_device(size_t layer, ReplicaWork& w) {
-  if (w.T == 0) return;
-  Device& dev = *w.dev;
-  const MoeWeights& m = replicas_[first_local_].layers[layer].moe;
-  const uint32_t H = uint32_t(cfg_.hidden_size), E = router_.n_experts, k = router_.top_k;
-  const uint32_t T = w.T, S = T * k;
-  Scratch logits(dev, size_t(T) * E * 4), ids(dev, size_t(S) * 4), weights(dev, size_t(S) * 4);
-  ops::linear(dev, w.xn.mem(), 0, H, m.router, nullptr, logits.mem(), 0, E, T);
-  ops::moe_route(dev, logits.mem(), &m.correction_bias, T, router_, ids.mem(), weights.mem());
-  const ops::GroupedPlan plan = ops::plan_experts(dev, ids.mem(), T, k, E);
-  // The experts read their tokens in place through src_token, after the activations are
-  // quantized per token where FP8 asks for it.
-  const cl::Mem* x = &w.xn.mem();
-  Scratch xq;
-  if (fp8_act_quant_ && m.grouped.dtype == DType::F8_E4M3) {
-    xq = Scratch(dev, size_t(T) * H * 4);
-    ops::act_quant_fp8(dev, w.xn.mem(), 0, H, T, H, xq.mem());
-    x = &xq.mem();
-  }
-  Scratch out(dev, size_t(S) * H * 4);
-  grouped_experts(dev, m.grouped, plan, *x, &plan.src_token.mem(), out.mem());
-  ops::moe_combine(dev, out.mem(), H, plan.slot_row.mem(), weights.mem(), T, k, H, w.h.mem(), H,
-                   true);
-  if (m.shared)
-    dense_mlp(dev, m.shared, w.xn.mem(), 0, H, T, w.gu.mem(), w.h.mem(), 0, H, true,
-              fp8_act_quant_);
-}
-
 void DecoderStack::moe(size_t layer, std::vector<ReplicaWork>& work) {
   const size_t N = replicas_.size();
-  if (N == 1 && !comm_ && replicas_[0].layers[layer].moe.grouped) {
-    moe_on_device(layer, work[0]);
-    return;
-  }
   const uint32_t H = uint32_t(cfg_.hidden_size), E = router_.n_experts, k = router_.top_k;
   const uint32_t F = uint32_t(cfg_.moe_intermediate_size);
   auto moe_of = [&](size_t r) -> const MoeWeights& { return replicas_[r].layers[layer].moe; };
@@ -240,7 +182,6 @@ void DecoderStack::moe(size_t layer, std::vector<ReplicaWork>& work) {
   // Device::write blocks until its queue drains, so a write between enqueued kernels would hold
   // the host (and every other device) until that device caught up.
   std::vector<Scratch> src_token(N), slot_row(N), fwd(N), back(N);
-  std::vector<ops::GroupedPlan> grouped_plan(N);
   for (size_t r = 0; r < N; ++r) {
     if (!local(r)) continue;
     Device& dev = *work[r].dev;
@@ -249,7 +190,6 @@ void DecoderStack::moe(size_t layer, std::vector<ReplicaWork>& work) {
     slot_row[r] = Scratch(dev, rows(S) * 4);
     dev.write(src_token[r].mem(), eb[r].src_token.data(), S * 4);
     dev.write(slot_row[r].mem(), eb[r].slot_row.data(), S * 4);
-    if (moe_of(r).grouped) grouped_plan[r] = ops::plan_expert_tiles(dev, expert_rows[r]);
     if (!regroup[r]) continue;
     fwd[r] = Scratch(dev, M * 4);
     back[r] = Scratch(dev, M * 4);
@@ -307,20 +247,16 @@ void DecoderStack::moe(size_t layer, std::vector<ReplicaWork>& work) {
       x = &xg.mem();
       y = &outg.mem();
     }
+    uint32_t widest = 0;
+    for (size_t e = 0; e + 1 < expert_rows[d].size(); ++e)
+      widest = std::max(widest, expert_rows[d][e + 1] - expert_rows[d][e]);
+    Scratch gu(dev, size_t(widest) * 2 * F * 4);
     const MoeWeights& m = moe_of(d);
-    if (m.grouped) {
-      grouped_experts(dev, m.grouped, grouped_plan[d], *x, nullptr, *y);
-    } else {
-      uint32_t widest = 0;
-      for (size_t e = 0; e + 1 < expert_rows[d].size(); ++e)
-        widest = std::max(widest, expert_rows[d][e + 1] - expert_rows[d][e]);
-      Scratch gu(dev, size_t(widest) * 2 * F * 4);
-      for (size_t e = 0; e + 1 < expert_rows[d].size(); ++e) {
-        const uint32_t begin = expert_rows[d][e], n = expert_rows[d][e + 1] - begin;
-        if (n > 0)
-          dense_mlp(dev, m.experts[e], *x, begin * H, H, n, gu.mem(), *y, begin * H, H, false,
-                    fp8_act_quant_);
-      }
+    for (size_t e = 0; e + 1 < expert_rows[d].size(); ++e) {
+      const uint32_t begin = expert_rows[d][e], n = expert_rows[d][e + 1] - begin;
+      if (n > 0)
+        dense_mlp(dev, m.experts[e], *x, begin * H, H, n, gu.mem(), *y, begin * H, H, false,
+                  fp8_act_quant_);
     }
     if (regroup[d]) ops::gather_rows(dev, outg.mem(), H, back[d].mem(), M, H, out_recv[d].mem(), H);
     dev.flush();

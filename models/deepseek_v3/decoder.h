@@ -122,7 +122,8 @@ class DecoderStack {
     Device* dev = nullptr;
     std::vector<LayerWeights> layers;  // routed experts: this rank's block only
     cl::Mem inv_freq;
-    // Paged MLA cache, one buffer per layer: [(num_pages + 1) * page_size, kv_lora + rope] f32.
+    // Paged MLA cache, one buffer per layer: [(num_pages + 1) * page_size, kv_lora + rope] of
+    // kv_cache.dtype (f32 or bf16).
     std::vector<cl::Mem> cache;
     cl::Mem hidden;  // hidden states returned by the last step
     size_t hidden_capacity = 0;
@@ -131,12 +132,6 @@ class DecoderStack {
   void attention(size_t l, ReplicaWork& w, Replica& rep);
   // Every replica's h += routed experts + shared expert of its xn, for MoE layer `layer`.
   void moe(size_t layer, std::vector<ReplicaWork>& work);
-  // One device, no exchange: routing, plan and the grouped experts all on the device.
-  void moe_on_device(size_t layer, ReplicaWork& w);
-  // The routed experts of `g` on M rows of x grouped as `plan` says (x rows of token `x_rows[r]`
-  // when given): y[r] = expert(x row).
-  void grouped_experts(Device& dev, const ops::GroupedExperts& g, const ops::GroupedPlan& plan,
-                       const cl::Mem& x, const cl::Mem* x_rows, const cl::Mem& y);
 
   DeepseekV3Config cfg_;
   std::vector<Replica> replicas_;  // replica r = device r = EP rank r (dev null: another process)

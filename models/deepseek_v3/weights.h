@@ -10,7 +10,6 @@
 #include <vector>
 
 #include "models/deepseek_v3/config.h"
-#include "runtime/ops_moe.h"
 #include "runtime/tensor.h"
 
 namespace clshard {
@@ -52,9 +51,6 @@ struct MoeWeights {
   std::vector<MlpWeights> experts;
   uint32_t first_expert = 0;
   MlpWeights shared;  // n_shared_experts * moe_intermediate_size wide; empty when none
-  // The same experts as one buffer for the grouped kernels, where the device reads host memory
-  // and the experts' tensors lie in one file (empty otherwise: the experts run one by one).
-  ops::GroupedExperts grouped;
 };
 
 struct LayerWeights {
