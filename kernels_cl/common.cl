@@ -74,10 +74,3 @@ inline float16 e4m3x16_decode_scaled(uchar16 b) {
 #define FP8_X_SCALE 0x1p8f
 #define FP8_ACC_SCALE 1.0f
 #endif
-
-// f32 -> bf16, rounding to nearest even (NaN stays a quiet NaN): for caches kept in bf16.
-inline ushort f32_to_bf16(float f) {
-  const uint u = as_uint(f);
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (ushort)((u >> 16) | 0x40u);
-  return (ushort)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}

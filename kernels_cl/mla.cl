@@ -13,8 +13,6 @@
 //   -DNORM_BF16=0|1 kv_a_layernorm weight dtype
 //   -DINTERLEAVED=0|1 RoPE pairs (2i, 2i+1) as DeepSeek's checkpoints, or (i, i + d/2)
 //   -DLKV=.. -DDR=.. -DDN=.. -DDV=.. the MLA dimensions (multiples of 16 for LKV/DR, of 8 for DN/DV)
-//   -DCACHE_BF16=0|1 cache rows in f32 or in bf16 (kv_cache.dtype; rounded to nearest even when
-//                   stored, widened in registers when read)
 
 #ifndef WKIND
 #define WKIND 0
@@ -51,18 +49,6 @@ typedef ushort ntype;
 typedef float ntype;
 #endif
 
-#if CACHE_BF16
-typedef ushort ctype;
-#define CLOAD16(i, p) bf16x16_to_f32(vload16((i), (p)))
-#define CLOAD8(i, p) bf16x8_to_f32(vload8((i), (p)))
-#define CSTORE(v, p) (*(p) = f32_to_bf16(v))
-#else
-typedef float ctype;
-#define CLOAD16(i, p) vload16((i), (p))
-#define CLOAD8(i, p) vload8((i), (p))
-#define CSTORE(v, p) (*(p) = (v))
-#endif
-
 inline size_t cache_row_index(global const uint* lut, uint pos, uint page_size) {
   return (size_t)lut[pos / page_size] * page_size + pos % page_size;
 }
@@ -83,24 +69,6 @@ inline void rope_pairs(global float* x, uint n_pairs, uint pos, global const flo
     x[i1] = a * s + b * c;
   }
 }
-#if CACHE_BF16
-// The same on private memory (a key roped before it is rounded into a bf16 cache).
-inline void rope_pairs_private(float* x, uint n_pairs, uint pos, global const float* inv_freq,
-                               float factor) {
-  for (uint i = 0; i < n_pairs; ++i) {
-    const float angle = (float)pos * inv_freq[i];
-    const float c = cos(angle) * factor, s = sin(angle) * factor;
-#if INTERLEAVED
-    const uint i0 = 2 * i, i1 = 2 * i + 1;
-#else
-    const uint i0 = i, i1 = i + n_pairs;
-#endif
-    const float a = x[i0], b = x[i1];
-    x[i0] = a * c - b * s;
-    x[i1] = a * s + b * c;
-  }
-}
-#endif
 
 // Per new token: RoPE on every head's q_pe (in place in q), and the cache row from the raw
 // kv_a_proj_with_mqa output [c_kv (LKV) | k_pe (DR)]: normalised latent, roped key.
@@ -110,7 +78,7 @@ kernel void mla_rope_store(global float* q, uint q_off, uint ldq, uint n_heads, 
                            global const ntype* norm_w, float eps, global const float* inv_freq,
                            float rope_factor, global const uint* token_row,
                            global const uint* token_pos, global const uint* lookup,
-                           uint pages_per_row, uint page_size, global ctype* cache) {
+                           uint pages_per_row, uint page_size, global float* cache) {
   const uint t = get_global_id(0);
   const uint pos = token_pos[t];
   global float* qt = q + q_off + (size_t)t * ldq;
@@ -119,21 +87,13 @@ kernel void mla_rope_store(global float* q, uint q_off, uint ldq, uint n_heads, 
 
   global const float* src = kv + kv_off + (size_t)t * ldkv;
   global const uint* lut = lookup + (size_t)token_row[t] * pages_per_row;
-  global ctype* row = cache + cache_row_index(lut, pos, page_size) * (LKV + DR);
+  global float* row = cache + cache_row_index(lut, pos, page_size) * (LKV + DR);
   float ss = 0.0f;
   for (uint i = 0; i < LKV; ++i) ss = fma(src[i], src[i], ss);
   const float inv = 1.0f / sqrt(ss / (float)LKV + eps);
-  for (uint i = 0; i < LKV; ++i) CSTORE((src[i] * inv) * LOADN(norm_w + i), row + i);
-#if CACHE_BF16
-  // The key is roped in f32 and rounded once when stored.
-  float kpe[DR];
-  for (uint i = 0; i < DR; ++i) kpe[i] = src[LKV + i];
-  rope_pairs_private(kpe, DR / 2, pos, inv_freq, rope_factor);
-  for (uint i = 0; i < DR; ++i) row[LKV + i] = f32_to_bf16(kpe[i]);
-#else
+  for (uint i = 0; i < LKV; ++i) row[i] = (src[i] * inv) * LOADN(norm_w + i);
   for (uint i = 0; i < DR; ++i) row[LKV + i] = src[LKV + i];
   rope_pairs(row + LKV, DR / 2, pos, inv_freq, rope_factor);
-#endif
 }
 
 // ---- decode path: attention in the latent space ------------------------------------------------
@@ -192,7 +152,7 @@ kernel void mla_absorb_q(global const float* q, uint q_off, uint ldq, global con
 // 0..pos: score = scale * qf . row (LKV + DR wide), value = row[:LKV]. Streams blocks of 16
 // positions with an online softmax (running max and sum), as attention.cl does.
 #define ATT_BLOCK 16
-kernel void mla_decode_attention(global const float* qf, global const ctype* cache,
+kernel void mla_decode_attention(global const float* qf, global const float* cache,
                                  global const uint* token_row, global const uint* token_pos,
                                  global const uint* lookup, uint pages_per_row, uint page_size,
                                  uint n_heads, float scale, global float* out) {
@@ -212,16 +172,15 @@ kernel void mla_decode_attention(global const float* qf, global const ctype* cac
     float s[ATT_BLOCK];
     float bmax = -INFINITY;
     for (uint j = 0; j < n; ++j) {
-      global const ctype* row = cache + cache_row_index(lut, p0 + j, page_size) * (LKV + DR);
+      global const float* row = cache + cache_row_index(lut, p0 + j, page_size) * (LKV + DR);
       // Two accumulators halve the FMA dependency chain (36 vectors long for V3).
       float16 d0 = (float16)(0.0f), d1 = (float16)(0.0f);
 #pragma unroll
       for (int i = 0; i + 1 < (LKV + DR) / 16; i += 2) {
-        d0 = fma(qv[i], CLOAD16(i, row), d0);
-        d1 = fma(qv[i + 1], CLOAD16(i + 1, row), d1);
+        d0 = fma(qv[i], vload16(i, row), d0);
+        d1 = fma(qv[i + 1], vload16(i + 1, row), d1);
       }
-      if ((LKV + DR) / 16 % 2)
-        d0 = fma(qv[(LKV + DR) / 16 - 1], CLOAD16((LKV + DR) / 16 - 1, row), d0);
+      if ((LKV + DR) / 16 % 2) d0 = fma(qv[(LKV + DR) / 16 - 1], vload16((LKV + DR) / 16 - 1, row), d0);
       const float16 d = d0 + d1;
       const float8 d8 = d.lo + d.hi;
       const float4 d4 = d8.lo + d8.hi;
@@ -234,11 +193,11 @@ kernel void mla_decode_attention(global const float* qf, global const ctype* cac
 #pragma unroll
     for (int i = 0; i < LKV / 16; ++i) acc[i] *= corr;
     for (uint j = 0; j < n; ++j) {
-      global const ctype* row = cache + cache_row_index(lut, p0 + j, page_size) * (LKV + DR);
+      global const float* row = cache + cache_row_index(lut, p0 + j, page_size) * (LKV + DR);
       const float p = exp(s[j] - m_new);
       l += p;
 #pragma unroll
-      for (int i = 0; i < LKV / 16; ++i) acc[i] = fma((float16)(p), CLOAD16(i, row), acc[i]);
+      for (int i = 0; i < LKV / 16; ++i) acc[i] = fma((float16)(p), vload16(i, row), acc[i]);
     }
     m = m_new;
   }
@@ -308,12 +267,12 @@ kernel void mla_head_linear(global const float* x, global const wtype* w,
 // ---- prefill path: decompressed K and V ---------------------------------------------------------
 
 // Copies the latent part of cache rows into a contiguous buffer: out[i] = cache row src_rows[i].
-kernel void mla_gather_latent(global const ctype* cache, global const uint* src_rows,
+kernel void mla_gather_latent(global const float* cache, global const uint* src_rows,
                               global float* out) {
   const uint i = get_global_id(0);
-  global const ctype* src = cache + (size_t)src_rows[i] * (LKV + DR);
+  global const float* src = cache + (size_t)src_rows[i] * (LKV + DR);
   global float* dst = out + (size_t)i * LKV;
-  for (uint k = 0; k < LKV / 16; ++k) vstore16(CLOAD16(k, src), k, dst);
+  for (uint k = 0; k < LKV / 16; ++k) vstore16(vload16(k, src), k, dst);
 }
 
 // Causal attention of each new token (one work-item per token x head) with K and V decompressed:
@@ -322,7 +281,7 @@ kernel void mla_gather_latent(global const ctype* cache, global const uint* src_
 // q_pe . k_pe). Online softmax over blocks of 16 positions.
 kernel void mla_prefill_attention(global const float* q, uint q_off, uint ldq,
                                   global const float* kv, uint ldkv, global const uint* ctx_start,
-                                  global const ctype* cache, global const uint* token_row,
+                                  global const float* cache, global const uint* token_row,
                                   global const uint* token_pos, global const uint* lookup,
                                   uint pages_per_row, uint page_size, uint n_heads, float scale,
                                   global float* out, uint ldo) {
@@ -347,7 +306,7 @@ kernel void mla_prefill_attention(global const float* q, uint q_off, uint ldq,
     float bmax = -INFINITY;
     for (uint j = 0; j < n; ++j) {
       global const float* k = kv0 + (size_t)(p0 + j) * ldkv;
-      global const ctype* kpe =
+      global const float* kpe =
           cache + cache_row_index(lut, p0 + j, page_size) * (LKV + DR) + LKV;
       // Two accumulators halve the FMA dependency chain.
       float8 d0 = (float8)(0.0f), d1 = (float8)(0.0f);
@@ -359,10 +318,10 @@ kernel void mla_prefill_attention(global const float* q, uint q_off, uint ldq,
       if (DN / 8 % 2) d0 = fma(qn[DN / 8 - 1], vload8(DN / 8 - 1, k), d0);
 #pragma unroll
       for (int i = 0; i + 1 < DR / 8; i += 2) {
-        d0 = fma(qr[i], CLOAD8(i, kpe), d0);
-        d1 = fma(qr[i + 1], CLOAD8(i + 1, kpe), d1);
+        d0 = fma(qr[i], vload8(i, kpe), d0);
+        d1 = fma(qr[i + 1], vload8(i + 1, kpe), d1);
       }
-      if (DR / 8 % 2) d0 = fma(qr[DR / 8 - 1], CLOAD8(DR / 8 - 1, kpe), d0);
+      if (DR / 8 % 2) d0 = fma(qr[DR / 8 - 1], vload8(DR / 8 - 1, kpe), d0);
       const float8 d = d0 + d1;
       const float4 d4 = d.lo + d.hi;
       s[j] = d4.x + d4.y + d4.z + d4.w;

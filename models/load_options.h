@@ -7,7 +7,6 @@
 #include <vector>
 
 #include "parallel/topology.h"
-#include "runtime/dtype.h"
 
 namespace clshard {
 
@@ -24,9 +23,6 @@ struct LoadOptions {
   // kernels; true fake-quantizes activations to fp8 per token per 128 columns before each FP8
   // linear, as MAX and DeepSeek's reference code do (model.fp8_activations: fp8).
   bool quantize_fp8_activations = false;
-  // kv_cache.dtype: the element type of the KV cache rows (F32 or BF16; a model that cannot keep
-  // the one asked for throws at load).
-  DType kv_cache_dtype = DType::F32;
   // cluster.transport: mpi — the deployment's ranks are processes (one device each): mpi_ranks of
   // them, this process rank mpi_rank driving devices[0]. 0: every rank is a device of `devices`.
   uint32_t mpi_ranks = 0, mpi_rank = 0;

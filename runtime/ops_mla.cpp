@@ -11,8 +11,7 @@ namespace {
 
 std::string dims_option(const MlaShape& s) {
   return "-DLKV=" + std::to_string(s.kv_lora) + " -DDR=" + std::to_string(s.rope) +
-         " -DDN=" + std::to_string(s.nope) + " -DDV=" + std::to_string(s.v) +
-         (s.cache_dtype == DType::BF16 ? " -DCACHE_BF16=1" : "");
+         " -DDN=" + std::to_string(s.nope) + " -DDV=" + std::to_string(s.v);
 }
 
 // kv_b_proj as the MLA kernels read it: f32, bf16, or e4m3 with block scales.
@@ -58,9 +57,6 @@ void validate(const MlaShape& s) {
     throw std::invalid_argument("MLA: qk_nope_head_dim " + std::to_string(s.nope) +
                                 " and v_head_dim " + std::to_string(s.v) +
                                 " must be positive multiples of 8");
-  if (s.cache_dtype != DType::F32 && s.cache_dtype != DType::BF16)
-    throw std::invalid_argument(std::string("MLA: kv_cache.dtype ") + dtype_name(s.cache_dtype) +
-                                " is not supported (f32 or bf16)");
 }
 
 void act_quant_fp8(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, uint32_t M,

@@ -26,12 +26,8 @@ namespace clshard::ops {
 
 struct MlaShape {
   uint32_t n_heads = 0, kv_lora = 0, nope = 0, rope = 0, v = 0;
-  // The cache's element type (kv_cache.dtype): F32, or BF16 (rows rounded to nearest even when
-  // stored, widened when read; MAX's default for MLA).
-  DType cache_dtype = DType::F32;
   uint32_t qk() const { return nope + rope; }
   uint32_t row() const { return kv_lora + rope; }  // cache row width (576 for V3)
-  size_t row_bytes() const { return size_t(row()) * dtype_size(cache_dtype); }
 };
 // Throws std::invalid_argument unless kv_lora and rope are multiples of 16 and nope and v of 8
 // (the kernels' vector widths; V3: 512, 64, 128, 128).

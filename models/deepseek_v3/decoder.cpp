@@ -32,7 +32,6 @@ DecoderStack::DecoderStack(const DeepseekV3Config& cfg, const std::filesystem::p
   mla_.nope = uint32_t(cfg_.qk_nope_head_dim);
   mla_.rope = uint32_t(cfg_.qk_rope_head_dim);
   mla_.v = uint32_t(cfg_.v_head_dim);
-  mla_.cache_dtype = opts.kv_cache_dtype;
   router_.n_experts = uint32_t(cfg_.n_routed_experts);
   router_.top_k = uint32_t(cfg_.num_experts_per_tok);
   router_.n_group = uint32_t(cfg_.n_group);
@@ -43,7 +42,6 @@ DecoderStack::DecoderStack(const DeepseekV3Config& cfg, const std::filesystem::p
     ops::validate(mla_);
     ops::validate(router_);
     mla_params_ = MlaParams::from(cfg_, opts.quantize_fp8_activations);
-    mla_params_.shape.cache_dtype = mla_.cache_dtype;
   } catch (const std::invalid_argument& e) {
     throw std::runtime_error((dir / "config.json").string() + ": not supported: " + e.what());
   }
@@ -106,12 +104,12 @@ std::vector<Device*> DecoderStack::devices() const {
 }
 
 uint64_t DecoderStack::kv_bytes_per_token() const {
-  return uint64_t(num_layers()) * mla_.row_bytes();
+  return uint64_t(num_layers()) * mla_.row() * sizeof(float);
 }
 
 void DecoderStack::allocate_cache(uint32_t num_pages, uint32_t page_size) {
   if (page_size == 0) throw std::invalid_argument("kv_cache.page_size must be positive");
-  const size_t layer_bytes = size_t(num_pages + 1) * page_size * mla_.row_bytes();
+  const size_t layer_bytes = size_t(num_pages + 1) * page_size * mla_.row() * sizeof(float);
   for (auto& rep : replicas_) {
     if (!rep.dev) continue;
     Device& dev = *rep.dev;

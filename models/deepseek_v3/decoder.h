@@ -122,8 +122,7 @@ class DecoderStack {
     Device* dev = nullptr;
     std::vector<LayerWeights> layers;  // routed experts: this rank's block only
     cl::Mem inv_freq;
-    // Paged MLA cache, one buffer per layer: [(num_pages + 1) * page_size, kv_lora + rope] of
-    // kv_cache.dtype (f32 or bf16).
+    // Paged MLA cache, one buffer per layer: [(num_pages + 1) * page_size, kv_lora + rope] f32.
     std::vector<cl::Mem> cache;
     cl::Mem hidden;  // hidden states returned by the last step
     size_t hidden_capacity = 0;

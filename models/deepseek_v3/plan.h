@@ -16,7 +16,7 @@ struct PlanOptions {
   uint32_t page_size = 128;          // MAX's default KV page
   uint32_t max_batch_tokens = 8192;  // new tokens per step (sizes the activation estimate)
   uint32_t max_context_tokens = 8192;  // cached + new tokens a prefill step decompresses
-  uint32_t cache_dtype_bytes = 4;    // f32 by default; kv_cache.dtype bf16: 2
+  uint32_t cache_dtype_bytes = 4;    // this engine keeps the MLA cache in f32
 };
 
 struct ParamCounts {

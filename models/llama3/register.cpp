@@ -12,10 +12,6 @@ namespace {
 
 std::unique_ptr<CausalLM> load(const std::filesystem::path& dir, const LoadOptions& opts,
                                const parallel::Topology& topology) {
-  if (opts.kv_cache_dtype != DType::F32)
-    throw std::invalid_argument(dir.string() + ": kv_cache.dtype " +
-                                dtype_name(opts.kv_cache_dtype) +
-                                " is not supported for Llama 3 yet (f32)");
   // Replicas of tensor-parallel groups, as the topology gives them; one group needs no
   // data-parallel wrapper.
   std::vector<std::unique_ptr<CausalLM>> replicas;

@@ -321,16 +321,6 @@ int run(int argc, char** argv) {
     const std::filesystem::path what =
         pl_config.empty() ? cfg.model.path : std::filesystem::path(pl_config);
     nlohmann::json ck = plan_checkpoint(what);
-    // The checkpoint's plan counts f32 cache rows; kv_cache.dtype bf16 halves them (the MLA cache
-    // keeps it; other caches refuse it at load).
-    if (cfg.kv_cache.dtype != DType::F32 && ck.contains("kv_cache") &&
-        ck["kv_cache"].value("layout", std::string()).rfind("MLA", 0) == 0) {
-      auto& kv = ck["kv_cache"];
-      const uint64_t was = kv["dtype_bytes"].get<uint64_t>(), now = dtype_size(cfg.kv_cache.dtype);
-      for (const char* key : {"bytes_per_token", "bytes_per_page"})
-        kv[key] = kv[key].get<uint64_t>() / was * now;
-      kv["dtype_bytes"] = now;
-    }
     // Expert blocks as loading would make them before any speed is measured: even.
     const parallel::ParallelDegrees degrees{size_t(cfg.parallel.data), size_t(cfg.parallel.tensor),
                                             size_t(cfg.parallel.expert), false};

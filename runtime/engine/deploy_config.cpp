@@ -114,7 +114,6 @@ const std::vector<std::string>& deploy_config_keys() {
       "kv_cache.page_size",
       "kv_cache.memory_fraction",
       "kv_cache.pages",
-      "kv_cache.dtype",
       "batch.max_batch_size",
       "batch.max_batch_input_tokens",
       "sampling.temperature",
@@ -441,10 +440,6 @@ class Parser {
       } else if (k == "pages") {
         cfg_.kv_cache.pages = integer(v, p, line, "an integer >= 0 (0: derive from memory_fraction)", 0,
                                       std::numeric_limits<int32_t>::max());
-      } else if (k == "dtype") {
-        const std::string d = choice(v, p, line, {"f32", "bf16", "fp8"});
-        if (d == "fp8") fail(line, p, "fp8 is not supported yet; expected f32 or bf16");
-        cfg_.kv_cache.dtype = d == "bf16" ? DType::BF16 : DType::F32;
       }
     });
   }

@@ -16,7 +16,6 @@
 #include <vector>
 
 #include "runtime/device_manager.h"
-#include "runtime/dtype.h"
 
 namespace clshard {
 
@@ -67,9 +66,6 @@ struct KvCacheSection {
   // Share of each device's free memory (after weights and activations) given to KV pages.
   double memory_fraction = 0.9;
   int64_t pages = 0;  // pages per replica; 0: derive from memory_fraction
-  // Element type of the cache rows: F32 (default, the reference tests' setting) or BF16 (half the
-  // bytes; MAX's default for DeepSeek's MLA cache). Models that cannot keep it say so at load.
-  DType dtype = DType::F32;
   bool operator==(const KvCacheSection&) const = default;
 };
 
