@@ -186,6 +186,37 @@ int main(int argc, char** argv) {
     ops::linear(dev, xs, 0, H, w.lm_head, nullptr, logits, 0, V, B);
   };
   const double head_bytes = weight_bytes(w.lm_head);
-  time_sequence(dev, "unfused", unfused, L, head, head_bytes, roofline, reps);
+  std::vector<Stage> fused = {
+      {"norm + q/k/v (one GEMV)",
+       [&](size_t l) {
+         ops::linear_fused(dev, h, 0, H, nullptr, &lw(l).input_norm, eps,
+                           {&lw(l).q, &lw(l).k, &lw(l).v}, qkv, 0, qkv_w, B);
+       },
+       weight_bytes(L0.q) + weight_bytes(L0.k) + weight_bytes(L0.v)},
+      {"rope + kv store", rope},
+      {"attention", attention},
+      {"o_proj + residual", o_proj, weight_bytes(L0.o)},
+      {"norm + gate/up + silu",
+       [&](size_t l) {
+         ops::linear_swiglu(dev, h, 0, H, &lw(l).post_attention_norm, eps, lw(l).gate, lw(l).up,
+                            gu, 0, F, B);
+       },
+       weight_bytes(L0.gate) + weight_bytes(L0.up)},
+      {"down_proj + residual",
+       [&](size_t l) {
+         ops::linear(dev, gu, 0, F, w.layers[l].down, nullptr, h, 0, H, B, 1.0f, true);
+       },
+       weight_bytes(L0.down)},
+  };
+  auto fused_head = [&] {
+    ops::linear_fused(dev, h, 0, H, &st.logit_rows, &w.final_norm, eps, {&w.lm_head}, logits, 0,
+                      V, B);
+  };
+  // Interleaved, twice each: the machine is shared and its bandwidth moves between runs.
+  for (int round = 0; round < 2; ++round) {
+    time_sequence(dev, "unfused", unfused, L, head, head_bytes, roofline, reps);
+    time_sequence(dev, "fused (what Llama3Model runs)", fused, L, fused_head, head_bytes,
+                  roofline, reps);
+  }
   return 0;
 }
