@@ -449,6 +449,21 @@ TEST(MpiRun, GenerateGivesOneProcessesTokens) {
       << err;
 }
 
+// `clshard plan` of 2 processes of 2 sub-devices each says so.
+TEST(MpiPlan, TwoProcessesOfTwoSubDevices) {
+  const auto dir = test::temp_dir("mpi_plan");
+  const auto yaml = write_deployment(dir, "dp4ep4", "deepseek-v3-tiny-grouped-fp8",
+                                     "{data: 4, expert: 4}", true, "  split: 2\n");
+  std::string out, err;
+  ASSERT_EQ(test::run_clshard({"plan", yaml.string(), "--device-memory", "1"}, &out, &err), 0)
+      << err;
+  EXPECT_NE(out.find("layout: 4 devices over 2 MPI rank(s) of 2 sub-devices each (`mpirun -np "
+                     "2`; device i below is rank i / 2's sub-device i % 2), data 4, tensor 1, "
+                     "expert 4"),
+            std::string::npos)
+      << out;
+}
+
 TEST(MpiRun, StepsRoundTrip) {
   StepInputs s;
   s.tokens = {5, 6, 7};

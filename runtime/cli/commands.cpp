@@ -338,7 +338,7 @@ int run(int argc, char** argv) {
     const parallel::ParallelDegrees degrees{size_t(cfg.parallel.data), size_t(cfg.parallel.tensor),
                                             size_t(cfg.parallel.expert), false};
     size_t devices = pl_devices ? pl_devices : degrees.data * degrees.tensor;
-    // Over MPI the ranks are processes of one device each (on any number of nodes).
+    // Over MPI the devices are those of every process (on any number of nodes).
     const bool mpi = cfg.cluster.transport == ClusterTransport::Mpi;
     parallel::DeploymentShape shape;
     shape.memory_fraction = cfg.kv_cache.memory_fraction;
@@ -398,10 +398,21 @@ int run(int argc, char** argv) {
               << " bytes per token, " << ck["kv_cache"]["bytes_per_token"].get<uint64_t>() *
                                             shape.page_size
               << " per page of " << shape.page_size << "\n";
-    std::cout << "layout: " << devices
-              << (mpi ? " MPI rank(s) of one device each (`mpirun -np " + std::to_string(devices) +
-                            "`; device i below is rank i)"
-                      : std::string(" device(s)"))
+    // Over MPI each process drives one device, or all the sub-devices of a numeric split.
+    size_t per_rank = 1;
+    if (mpi && !cfg.devices.split.empty() &&
+        cfg.devices.split.find_first_not_of("0123456789") == std::string::npos)
+      per_rank = std::stoul(cfg.devices.split);
+    std::string layout = " device(s)";
+    if (mpi && per_rank == 1)
+      layout = " MPI rank(s) of one device each (`mpirun -np " + std::to_string(devices) +
+               "`; device i below is rank i)";
+    else if (mpi)
+      layout = " devices over " + std::to_string(devices / per_rank) + " MPI rank(s) of " +
+               std::to_string(per_rank) + " sub-devices each (`mpirun -np " +
+               std::to_string(devices / per_rank) + "`; device i below is rank i / " +
+               std::to_string(per_rank) + "'s sub-device i % " + std::to_string(per_rank) + ")";
+    std::cout << "layout: " << devices << layout
               << ", data " << degrees.data << ", tensor " << degrees.tensor << ", expert "
               << degrees.expert << "\n";
     if (!draft.is_null())
