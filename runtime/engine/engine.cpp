@@ -104,8 +104,9 @@ bool Engine::observe(uint64_t handle, Live& live, int32_t token) {
   if (think_start_ && token == *think_start_) live.thinking = true;
   if (think_end_ && token == *think_end_) live.thinking = false;
   const auto& stops = live.req.stop_token_ids;
-  if (std::find(eos_ids_.begin(), eos_ids_.end(), token) != eos_ids_.end() ||
-      std::find(stops.begin(), stops.end(), token) != stops.end()) {
+  const bool eos = !live.req.ignore_eos &&
+                   std::find(eos_ids_.begin(), eos_ids_.end(), token) != eos_ids_.end();
+  if (eos || std::find(stops.begin(), stops.end(), token) != stops.end()) {
     live.drop_last = true;
     schedulers_[live.replica].finish(live.local, EndReason::Stop);
     return true;

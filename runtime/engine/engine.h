@@ -25,6 +25,9 @@ struct GenerationRequest {
   uint32_t max_tokens = 256;
   std::vector<int32_t> stop_token_ids;  // besides the model's EOS ids
   std::vector<std::string> stop;        // stop strings (needs a tokenizer)
+  // The model's EOS ids do not end the request (benchmarks: exactly max_tokens tokens);
+  // stop_token_ids and stop strings still do.
+  bool ignore_eos = false;
 };
 
 struct GenerationResult {
