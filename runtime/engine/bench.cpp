@@ -125,8 +125,8 @@ BenchResult run_bench_shape(Deployment& d, const BenchShape& shape, uint64_t see
   };
   std::map<uint64_t, Trace> traces;
   size_t step_index = 0;
-  engine->on_token([&](uint64_t handle, int32_t, const std::string&) {
-    Trace& t = traces[handle];
+  engine->on_token([&](const TokenEvent& e) {
+    Trace& t = traces[e.handle];
     if (t.chunk_step.empty() || t.chunk_step.back() != step_index) {
       t.chunk_time.push_back(Clock::now());
       t.chunk_step.push_back(step_index);
