@@ -95,6 +95,7 @@ uint64_t Engine::submit(GenerationRequest request) {
   live.local = schedulers_[replica].add(request.prompt, request.max_tokens);
   handle_of_[replica][live.local] = h;
   live.req = std::move(request);
+  if (live.req.constraint) live.constraint = live.req.constraint->clone();
   if (tokenizer_) live.decoder.emplace(*tokenizer_, /*skip_special_tokens=*/true);
   live_.emplace(h, std::move(live));
   return h;
@@ -104,8 +105,17 @@ bool Engine::observe(uint64_t handle, Live& live, int32_t token) {
   if (think_start_ && token == *think_start_) live.thinking = true;
   if (think_end_ && token == *think_end_) live.thinking = false;
   const auto& stops = live.req.stop_token_ids;
-  if (std::find(eos_ids_.begin(), eos_ids_.end(), token) != eos_ids_.end() ||
-      std::find(stops.begin(), stops.end(), token) != stops.end()) {
+  const bool is_eos = std::find(eos_ids_.begin(), eos_ids_.end(), token) != eos_ids_.end();
+  // The masks allow only what the constraint allows (and EOS where it can end), so a token it
+  // refuses is a bug: the request fails rather than return output that breaks its format.
+  if (live.constraint && !(is_eos && live.constraint->can_end()) &&
+      !live.constraint->advance(token)) {
+    schedulers_[live.replica].finish(live.local, EndReason::Error,
+                                     "structured output: token " + std::to_string(token) +
+                                         " is not allowed by the request's format");
+    return true;
+  }
+  if (is_eos || std::find(stops.begin(), stops.end(), token) != stops.end()) {
     live.drop_last = true;
     schedulers_[live.replica].finish(live.local, EndReason::Stop);
     return true;
@@ -132,6 +142,11 @@ bool Engine::observe(uint64_t handle, Live& live, int32_t token) {
     live.text += piece;
   }
   if (on_token_) on_token_(handle, token, piece);
+  // A complete structured output (nothing may follow it) ends the request without an EOS.
+  if (live.constraint && live.constraint->is_complete()) {
+    schedulers_[live.replica].finish(live.local, EndReason::Stop);
+    return true;
+  }
   return false;
 }
 
@@ -152,13 +167,24 @@ void Engine::step_plain(Batch& b) {
     // Every row's logits are sampled in one launch; intermediate prefill chunks are ignored.
     std::vector<SamplingParams> params;
     std::vector<uint64_t> seeds;
+    std::vector<const TokenConstraint*> row_constraint;
     for (size_t i = 0; i < b.row_info.size(); ++i) {
       const Live& live = live_.at(b.row_handle[i]);
       params.push_back(live.req.sampling);
       seeds.push_back(
           step_seed(live.req.sampling, live.req.prompt.size() + b.row_info[i]->num_generated));
+      row_constraint.push_back(b.row_info[i]->needs_sample ? live.constraint.get() : nullptr);
     }
-    tokens = sample_tokens(*out.device, out.logits, out.rows, out.vocab, params, seeds);
+    row_constraint.resize(out.rows, nullptr);
+    std::vector<uint32_t> bits;
+    if (constraint_masks(row_constraint, out.vocab, bits)) {
+      Scratch mask(*out.device, bits.size() * sizeof(uint32_t));
+      out.device->write(mask.mem(), bits.data(), bits.size() * sizeof(uint32_t));
+      tokens = sample_tokens(*out.device, out.logits, out.rows, out.vocab, params, seeds,
+                             &mask.mem());
+    } else {
+      tokens = sample_tokens(*out.device, out.logits, out.rows, out.vocab, params, seeds);
+    }
   }
   stats_.device_s += since(t1);
   auto t2 = Clock::now();

@@ -54,6 +54,7 @@ void Engine::step_speculative(Batch& b) {
   std::vector<SamplingParams> params;
   std::vector<uint64_t> seeds;
   std::vector<uint8_t> thinking;
+  std::vector<const TokenConstraint*> constraints;
   for (size_t i = 0; i < b.row_info.size(); ++i) {
     const ScheduledRow& row = *b.row_info[i];
     if (!row.needs_sample) continue;
@@ -67,12 +68,22 @@ void Engine::step_speculative(Batch& b) {
     params.push_back(live.req.sampling);
     seeds.push_back(step_seed(live.req.sampling, live.req.prompt.size() + row.num_generated));
     thinking.push_back(spec_.relaxed_thinking && live.thinking);
+    constraints.push_back(live.constraint.get());
   }
   AcceptanceResult acc;
   if (!verifying.empty()) {
     logit_offsets.push_back(out.logit_offsets[verifying.back() + 1]);
-    acc = accept_drafts(*out.device, out.logits, out.vocab, logit_offsets, drafts, draft_offsets,
-                        params, seeds, thinking, spec_.relaxed);
+    std::vector<uint32_t> bits;
+    if (draft_masks(constraints, logit_offsets, drafts, draft_offsets, out.rows, out.vocab,
+                    bits)) {
+      Scratch mask(*out.device, bits.size() * sizeof(uint32_t));
+      out.device->write(mask.mem(), bits.data(), bits.size() * sizeof(uint32_t));
+      acc = accept_drafts(*out.device, out.logits, out.vocab, logit_offsets, drafts,
+                          draft_offsets, params, seeds, thinking, spec_.relaxed, &mask.mem());
+    } else {
+      acc = accept_drafts(*out.device, out.logits, out.vocab, logit_offsets, drafts,
+                          draft_offsets, params, seeds, thinking, spec_.relaxed);
+    }
   }
   stats_.device_s += since(t1);
 
