@@ -46,10 +46,29 @@ float f16_to_f32(uint16_t h) {
 }
 
 uint16_t f32_to_f16(float f) {
+#if defined(__FLT16_MAX__)  // the compiler has _Float16 (GCC 12; clang 14 lacks it on x86)
   const _Float16 h = static_cast<_Float16>(f);
   uint16_t bits;
   std::memcpy(&bits, &h, 2);
   return bits;
+#else
+  // Round to nearest even, as the conversion above does.
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint16_t sign = uint16_t((x >> 16) & 0x8000);
+  const uint32_t abs = x & 0x7fffffff;
+  if (abs > 0x7f800000) return uint16_t(sign | 0x7e00);  // NaN
+  if (abs >= 0x477ff000) return uint16_t(sign | 0x7c00);  // rounds past 65504: infinity
+  if (abs < 0x38800000) {  // below 2^-14: a subnormal half (or zero)
+    const float scaled = std::fabs(f) * 16777216.0f;  // in units of 2^-24, exact
+    return uint16_t(sign | uint16_t(std::nearbyint(scaled)));
+  }
+  const uint32_t mant = abs & 0x7fffff, exp = (abs >> 23) - 112;
+  uint32_t h = (exp << 10) | (mant >> 13);
+  const uint32_t rest = mant & 0x1fff;
+  if (rest > 0x1000 || (rest == 0x1000 && (h & 1))) ++h;
+  return uint16_t(sign | h);
+#endif
 }
 
 }  // namespace clshard

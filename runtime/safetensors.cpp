@@ -1,5 +1,8 @@
 #include "runtime/safetensors.h"
 
+#include "runtime/bounded_json.h"
+#include "runtime/mapped_file_guard.h"
+
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -39,6 +42,83 @@ std::string TensorView::describe() const {
   return name + " " + shape_str(shape) + " " + dtype_name(dtype);
 }
 
+SafetensorsHeader parse_safetensors(const uint8_t* base, size_t size,
+                                    const std::filesystem::path& path) {
+  if (size < 8)
+    fail(path, "truncated: " + std::to_string(size) + " bytes, not even the 8-byte header length");
+  uint64_t header_len = 0;
+  std::memcpy(&header_len, base, 8);
+  if (header_len > size - 8 || header_len > kMaxSafetensorsHeaderBytes)
+    fail(path, "header length " + std::to_string(header_len) + " does not fit in a file of " +
+                   std::to_string(size) + " bytes (truncated or not a safetensors file)");
+  nlohmann::json header;
+  try {
+    header = parse_json_bounded(reinterpret_cast<const char*>(base) + 8, header_len);
+  } catch (const std::exception& e) {
+    fail(path, std::string("header is not valid JSON: ") + e.what());
+  }
+  if (!header.is_object()) fail(path, "header is not a JSON object");
+  const uint8_t* data = base + 8 + header_len;
+  const size_t data_size = size - 8 - header_len;
+
+  SafetensorsHeader out;
+  std::vector<std::pair<uint64_t, const TensorView*>> spans;
+  for (auto& [name, entry] : header.items()) {
+    if (name == "__metadata__") {
+      if (entry.is_object())
+        for (auto& [k, v] : entry.items())
+          if (v.is_string()) out.metadata[k] = v.get<std::string>();
+      continue;
+    }
+    const std::string where = "tensor '" + name + "'";
+    if (!entry.is_object() || !entry.contains("dtype") || !entry.contains("shape") ||
+        !entry.contains("data_offsets"))
+      fail(path, where + ": expected an object with dtype, shape and data_offsets");
+    if (!entry["dtype"].is_string()) fail(path, where + ": dtype is not a string");
+    auto dt = dtype_from_name(entry["dtype"].get<std::string>());
+    if (!dt) fail(path, where + ": unknown dtype '" + entry["dtype"].get<std::string>() + "'");
+    TensorView v;
+    v.name = name;
+    v.dtype = *dt;
+    if (!entry["shape"].is_array()) fail(path, where + ": shape is not an array");
+    // The byte count is checked against the span without overflow: a shape whose product wraps
+    // around 2^64 must not pass for a small tensor.
+    uint64_t expect = dtype_size(v.dtype);
+    bool beyond_64_bits = false;
+    for (auto& d : entry["shape"]) {
+      if (!d.is_number_integer() || d.get<int64_t>() < 0)
+        fail(path, where + ": shape holds a non-integer or negative dimension");
+      beyond_64_bits |= __builtin_mul_overflow(expect, d.get<uint64_t>(), &expect);
+      v.shape.push_back(d.get<int64_t>());
+    }
+    auto& off = entry["data_offsets"];
+    if (!off.is_array() || off.size() != 2 || !off[0].is_number_unsigned() ||
+        !off[1].is_number_unsigned())
+      fail(path, where + ": data_offsets must be two non-negative integers");
+    uint64_t begin = off[0].get<uint64_t>(), end = off[1].get<uint64_t>();
+    if (end < begin || end > data_size)
+      fail(path, where + ": data_offsets [" + std::to_string(begin) + ", " + std::to_string(end) +
+                     "] fall outside the data section of " + std::to_string(data_size) +
+                     " bytes (truncated file?)");
+    if (beyond_64_bits || end - begin != expect)
+      fail(path, where + ": shape " + shape_str(v.shape) + " x " + dtype_name(v.dtype) + " is " +
+                     (beyond_64_bits ? std::string("more than 2^64") : std::to_string(expect)) +
+                     " bytes but data_offsets span " + std::to_string(end - begin));
+    v.data = data + begin;
+    v.bytes = end - begin;
+    auto [it, inserted] = out.tensors.emplace(name, std::move(v));
+    spans.emplace_back(begin, &it->second);
+  }
+  std::sort(spans.begin(), spans.end(),
+            [](const auto& a, const auto& b) { return a.first < b.first; });
+  for (size_t i = 1; i < spans.size(); ++i) {
+    const TensorView* prev = spans[i - 1].second;
+    if (spans[i - 1].first + prev->bytes > spans[i].first)
+      fail(path, "tensors '" + prev->name + "' and '" + spans[i].second->name + "' overlap");
+  }
+  return out;
+}
+
 SafetensorsFile::SafetensorsFile(const std::filesystem::path& path) : path_(path) {
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) fail(path, std::string("cannot open: ") + std::strerror(errno));
@@ -59,87 +139,55 @@ SafetensorsFile::SafetensorsFile(const std::filesystem::path& path) : path_(path
     map_ = nullptr;
     fail(path, std::string("cannot mmap: ") + std::strerror(errno));
   }
-  const uint8_t* base = static_cast<const uint8_t*>(map_);
-  uint64_t header_len = 0;
-  std::memcpy(&header_len, base, 8);
-  if (header_len > map_size_ - 8 || header_len > (100u << 20))
-    fail(path, "header length " + std::to_string(header_len) + " does not fit in a file of " +
-                   std::to_string(map_size_) + " bytes (truncated or not a safetensors file)");
-  nlohmann::json header;
   try {
-    header = nlohmann::json::parse(base + 8, base + 8 + header_len);
-  } catch (const std::exception& e) {
-    fail(path, std::string("header is not valid JSON: ") + e.what());
+    auto header = parse_safetensors(static_cast<const uint8_t*>(map_), map_size_, path);
+    tensors_ = std::move(header.tensors);
+    metadata_ = std::move(header.metadata);
+  } catch (...) {
+    ::munmap(map_, map_size_);
+    map_ = nullptr;
+    throw;
   }
-  if (!header.is_object()) fail(path, "header is not a JSON object");
-  const uint8_t* data = base + 8 + header_len;
-  const size_t data_size = map_size_ - 8 - header_len;
-
-  std::vector<std::pair<uint64_t, const TensorView*>> spans;
-  for (auto& [name, entry] : header.items()) {
-    if (name == "__metadata__") {
-      if (entry.is_object())
-        for (auto& [k, v] : entry.items())
-          if (v.is_string()) metadata_[k] = v.get<std::string>();
-      continue;
-    }
-    const std::string where = "tensor '" + name + "'";
-    if (!entry.is_object() || !entry.contains("dtype") || !entry.contains("shape") ||
-        !entry.contains("data_offsets"))
-      fail(path, where + ": expected an object with dtype, shape and data_offsets");
-    if (!entry["dtype"].is_string()) fail(path, where + ": dtype is not a string");
-    auto dt = dtype_from_name(entry["dtype"].get<std::string>());
-    if (!dt) fail(path, where + ": unknown dtype '" + entry["dtype"].get<std::string>() + "'");
-    TensorView v;
-    v.name = name;
-    v.dtype = *dt;
-    if (!entry["shape"].is_array()) fail(path, where + ": shape is not an array");
-    for (auto& d : entry["shape"]) {
-      if (!d.is_number_integer() || d.get<int64_t>() < 0)
-        fail(path, where + ": shape holds a non-integer or negative dimension");
-      v.shape.push_back(d.get<int64_t>());
-    }
-    auto& off = entry["data_offsets"];
-    if (!off.is_array() || off.size() != 2 || !off[0].is_number_unsigned() ||
-        !off[1].is_number_unsigned())
-      fail(path, where + ": data_offsets must be two non-negative integers");
-    uint64_t begin = off[0].get<uint64_t>(), end = off[1].get<uint64_t>();
-    if (end < begin || end > data_size)
-      fail(path, where + ": data_offsets [" + std::to_string(begin) + ", " + std::to_string(end) +
-                     "] fall outside the data section of " + std::to_string(data_size) +
-                     " bytes (truncated file?)");
-    const uint64_t expect = uint64_t(v.numel()) * dtype_size(v.dtype);
-    if (end - begin != expect)
-      fail(path, where + ": shape " + shape_str(v.shape) + " x " + dtype_name(v.dtype) + " is " +
-                     std::to_string(expect) + " bytes but data_offsets span " +
-                     std::to_string(end - begin));
-    v.data = data + begin;
-    v.bytes = end - begin;
-    v.file = &path_;
-    auto [it, inserted] = tensors_.emplace(name, std::move(v));
-    spans.emplace_back(begin, &it->second);
-  }
-  std::sort(spans.begin(), spans.end(),
-            [](const auto& a, const auto& b) { return a.first < b.first; });
-  for (size_t i = 1; i < spans.size(); ++i) {
-    const TensorView* prev = spans[i - 1].second;
-    if (spans[i - 1].first + prev->bytes > spans[i].first)
-      fail(path, "tensors '" + prev->name + "' and '" + spans[i].second->name + "' overlap");
-  }
+  for (auto& [name, view] : tensors_) view.file = &path_;
+  guard_mapped_file(map_, map_size_, path_);
 }
 
 SafetensorsFile::~SafetensorsFile() {
-  if (map_) ::munmap(map_, map_size_);
+  if (!map_) return;
+  unguard_mapped_file(map_);
+  ::munmap(map_, map_size_);
 }
 
 nlohmann::json read_json_file(const std::filesystem::path& path) {
-  std::ifstream in(path);
+  std::ifstream in(path, std::ios::binary);
   if (!in) throw std::runtime_error(path.string() + ": cannot open (missing file?)");
+  std::ostringstream text;
+  text << in.rdbuf();
   try {
-    return nlohmann::json::parse(in);
-  } catch (const nlohmann::json::parse_error& e) {
+    return parse_json_bounded(text.str());
+  } catch (const std::exception& e) {
     throw std::runtime_error(path.string() + ": not valid JSON: " + e.what());
   }
+}
+
+std::vector<std::string> safetensors_index_shards(const nlohmann::json& j,
+                                                  const std::filesystem::path& index) {
+  if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object())
+    throw std::runtime_error(index.string() + ": expected a weight_map object");
+  std::set<std::string> names;
+  for (auto& [tensor, file] : j["weight_map"].items()) {
+    if (!file.is_string())
+      throw std::runtime_error(index.string() + ": weight_map['" + tensor + "'] is not a string");
+    const auto& name = file.get_ref<const std::string&>();
+    // A shard is a file beside the index: no folder may be named, so a hostile index cannot make
+    // us open files elsewhere.
+    if (name.empty() || name == "." || name == ".." || name.find('/') != std::string::npos ||
+        name.find('\0') != std::string::npos)
+      throw std::runtime_error(index.string() + ": weight_map['" + tensor + "'] names '" + name +
+                               "', not a file name in the checkpoint's folder");
+    names.insert(name);
+  }
+  return {names.begin(), names.end()};
 }
 
 WeightStore::WeightStore(const std::filesystem::path& dir) : dir_(dir) {
@@ -150,16 +198,8 @@ WeightStore::WeightStore(const std::filesystem::path& dir) : dir_(dir) {
   if (fs::exists(dir / "model.safetensors")) {
     shards.push_back(dir / "model.safetensors");
   } else if (fs::exists(index)) {
-    auto j = read_json_file(index);
-    if (!j.contains("weight_map") || !j["weight_map"].is_object())
-      throw std::runtime_error(index.string() + ": expected a weight_map object");
-    std::set<std::string> names;
-    for (auto& [tensor, file] : j["weight_map"].items()) {
-      if (!file.is_string())
-        throw std::runtime_error(index.string() + ": weight_map['" + tensor + "'] is not a string");
-      names.insert(file.get<std::string>());
-    }
-    for (const auto& n : names) shards.push_back(dir / n);
+    for (const auto& n : safetensors_index_shards(read_json_file(index), index))
+      shards.push_back(dir / n);
     for (const auto& s : shards)
       if (!fs::exists(s))
         throw std::runtime_error(index.string() + " names shard " + s.filename().string() +

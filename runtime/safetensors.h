@@ -28,6 +28,18 @@ struct TensorView {
   std::string describe() const;  // "name [a, b] BF16"
 };
 
+// What a safetensors file's bytes describe, validated as SafetensorsFile does on open; the views
+// point into the bytes (TensorView::file unset). Separate from the mapping so the parser can be
+// fuzzed on bytes in memory (tests/fuzz/).
+struct SafetensorsHeader {
+  std::map<std::string, TensorView> tensors;
+  std::map<std::string, std::string> metadata;
+};
+// A header larger than this is refused (real checkpoints: a few hundred KB for 100k tensors).
+inline constexpr uint64_t kMaxSafetensorsHeaderBytes = 100ull << 20;
+SafetensorsHeader parse_safetensors(const uint8_t* bytes, size_t size,
+                                    const std::filesystem::path& path_for_errors);
+
 // One mmapped .safetensors file. Validation on open: header length inside the file, header JSON,
 // dtype names, shape x dtype size == byte span, spans inside the data section and not overlapping.
 class SafetensorsFile {
@@ -48,6 +60,11 @@ class SafetensorsFile {
   std::map<std::string, TensorView> tensors_;
   std::map<std::string, std::string> metadata_;
 };
+
+// The shard file names model.safetensors.index.json's weight_map names, sorted and unique; each
+// must be a plain file name. Errors name `index_path`.
+std::vector<std::string> safetensors_index_shards(const nlohmann::json& index,
+                                                  const std::filesystem::path& index_path);
 
 // All the weights of a checkpoint directory: model.safetensors, or the shards named by
 // model.safetensors.index.json, or else every *.safetensors file in the directory.

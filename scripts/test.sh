@@ -1,8 +1,28 @@
 #!/usr/bin/env bash
 # Fresh Debian machine -> the passing test suite. This is exactly what .ci/run runs.
+#   bash scripts/test.sh --sanitize   the suite under ASan + UBSan (build-asan/), then the tests that
+#                                     use threads under TSan (build-tsan/); not part of CI (time)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+if [ "${1:-}" = --sanitize ]; then
+  launcher=()
+  command -v ccache > /dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
+  supp="$PWD/tests/sanitizers"
+  cmake --preset sanitize "${launcher[@]}" > /dev/null
+  cmake --build build-asan -j"$(nproc)"
+  ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:detect_stack_use_after_return=0 \
+  LSAN_OPTIONS="suppressions=$supp/lsan.supp:print_suppressions=0" \
+  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+    ctest --test-dir build-asan --output-on-failure -j1 -E '^mpi_'
+  # The threaded parts: collectives and signals between devices, the engine, the batch job.
+  cmake --preset tsan "${launcher[@]}" > /dev/null
+  cmake --build build-tsan -j"$(nproc)" --target clshard_tests clshard
+  TSAN_OPTIONS="suppressions=$supp/tsan.supp:halt_on_error=1:second_deadlock_stack=1" \
+    ctest --test-dir build-tsan --output-on-failure -j1 \
+      -R '^(Collectives|Signals|DataParallel|Engine|BatchJob|BatchOutput|Transport|OpenClTransport)'
+  exit 0
+fi
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release
 cmake --build build -j"$(nproc)"
 # Tests keep PoCL's compiled kernels and ours inside build/ (set by tests/CMakeLists.txt), so a

@@ -1,10 +1,12 @@
 // The batch job's files: the input's two shapes and its error records, the output in input order
 // with its OpenAI shape, resume after a kill (torn last line, journal), and the progress display.
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <csignal>
+#include <cstdio>
 #include <fstream>
 #include <sstream>
 #include <stdexcept>
@@ -338,6 +340,37 @@ TEST(BatchOutput, WritesInInputOrderWhateverTheOrderOfCompletion) {
   EXPECT_EQ(st.error_records, 2u);
   EXPECT_EQ(st.ids, (std::set<std::string>{"a", "7", "c", "5"}));  // the null id is no id
   EXPECT_EQ(st.valid_bytes, st.file_bytes);
+}
+
+// The disk fills while a record is written (here a file size limit, as `ulimit -f` sets): the
+// error names the output, and the file holds whole records only, so a rerun resumes cleanly.
+TEST(BatchOutputDeathTest, AFullDiskLeavesOnlyWholeRecords) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  fs::path dir = test::temp_dir("batch_output_full");
+  fs::path out = dir / "out.jsonl";
+  EXPECT_EXIT(
+      {
+        std::signal(SIGXFSZ, SIG_IGN);  // as clshard's main() does
+        BatchInput in = parse(kFourRequests);
+        BatchOutputWriter w(out, in, BatchOutputOptions{true, false, ""});
+        w.complete("a", record("x", {5}, FinishReason::Stop, 2));  // fits
+        struct rlimit limit = {};
+        limit.rlim_cur = slurp(out).size() + 40;  // the next record does not fit
+        limit.rlim_max = RLIM_INFINITY;
+        setrlimit(RLIMIT_FSIZE, &limit);
+        try {
+          w.complete("7", record(std::string(200, 'y'), {6, 6}, FinishReason::Length, 3));
+        } catch (const std::exception& e) {
+          limit.rlim_cur = RLIM_INFINITY;  // the limit holds for the captured stderr too
+          setrlimit(RLIMIT_FSIZE, &limit);
+          std::fprintf(stderr, "%s\n", e.what());
+          std::exit(slurp(out) == kLineA ? 7 : 8);  // 7: the file ends with the whole record a
+        }
+        std::exit(9);
+      },
+      ::testing::ExitedWithCode(7),
+      "writing .*out.jsonl: File too large \\(the records written so far are intact; free space "
+      "and rerun to resume\\)");
 }
 
 TEST(BatchOutput, FinishingTwiceWhileWaitingIsAnError) {

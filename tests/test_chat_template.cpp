@@ -505,6 +505,31 @@ TEST(ChatTemplate, RaiseExceptionReportsMessageAndPosition) {
             "chat template line 2 col 6: raise_exception: Conversation roles must alternate");
 }
 
+// A template is code from a checkpoint: its arithmetic, its work and its output are bounded
+// (found by fuzzing: tests/fuzz/regressions/chat_template/). Each case names what went wrong.
+TEST(ChatTemplate, HostileTemplatesEndWithAnError) {
+  auto what = [](const std::string& tmpl) {
+    std::string message = error_of([&] { render_chat_template(tmpl, json::object()); });
+    const size_t colon = message.find(": ");  // after "chat template line L col C"
+    return colon == std::string::npos ? message : message.substr(colon + 2);
+  };
+  EXPECT_EQ(what("{{ 9223372036854775807 + 1 }}"), "integer overflow in +");
+  EXPECT_EQ(what("{{ -9223372036854775807 - 2 }}"), "integer overflow in -");
+  EXPECT_EQ(what("{{ 9223372036854775807 * 3 }}"), "integer overflow in *");
+  EXPECT_EQ(what("{{ (-9223372036854775807 - 1) // -1 }}"), "integer overflow in //");
+  EXPECT_EQ(what("{{ 2 ** 1000000000000000000 }}"), "integer overflow in **");
+  EXPECT_EQ(what("{{ 'a' * 100000000000 }}"), "the template built a value or output over 16 MiB");
+  EXPECT_EQ(what("{% for i in range(1000000000) %}x{% endfor %}"),
+            "the template ran more than 100000 steps (a loop that does not end?)");
+  EXPECT_EQ(what("{% set x = [1] * 1000 %}{% for a in x %}{% for b in x %}{% endfor %}"
+                 "{% endfor %}"),
+            "the template ran more than 100000 steps (a loop that does not end?)");
+  // What real templates do stays well inside the limits.
+  EXPECT_EQ(render_chat_template("{{ 2 ** 62 }} {{ range(3) | join(',') }} {{ 'ab' * 3 }}",
+                                 json::object()),
+            "4611686018427387904 0,1,2 ababab");
+}
+
 TEST(ChatTemplate, EvaluationErrorsNameTheProblem) {
   EXPECT_EQ(error_of([] { render_chat_template("ab{{ foo.bar }}", json::object()); }),
             "chat template line 1 col 6: 'foo' is undefined (reading its attribute 'bar')");

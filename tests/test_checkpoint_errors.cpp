@@ -9,6 +9,7 @@
 #include "models/llama3/config.h"
 #include "models/registry.h"
 #include "runtime/model.h"
+#include "runtime/mapped_file_guard.h"
 #include "runtime/safetensors.h"
 #include "tests/test_util.h"
 
@@ -104,6 +105,16 @@ TEST(CheckpointErrors, ValidationOfSpansAndDtypes) {
   EXPECT_HAS(error(), "overlap");
   write_header(R"({"a":{"dtype":"BF16","shape":[2,2],"data_offsets":[0,8]},
                    "__metadata__":{"format":"pt"}})", 8);
+  // Found by fuzzing: 2^62 x 4 x 4 bytes wraps around 2^64 to 0, the span the tensor claims.
+  write_header(R"({"a":{"dtype":"F32","shape":[4611686018427387904,4],"data_offsets":[0,0]}})", 0);
+  EXPECT_HAS(error(), "tensor 'a': shape [4611686018427387904, 4] x F32 is more than 2^64 bytes "
+                      "but data_offsets span 0");
+  write_header(R"([1, 2])", 0);
+  EXPECT_HAS(error(), "header is not a JSON object");
+  write_header(std::string(200, '[') + std::string(200, ']'), 0);
+  EXPECT_HAS(error(), "header is not valid JSON: JSON nested deeper than 128 levels");
+  write_header(R"({"a":{"dtype":"BF16","shape":[2,2],"data_offsets":[0,8]},
+                   "__metadata__":{"format":"pt"}})", 8);
   SafetensorsFile ok(dir / "x.safetensors");
   EXPECT_EQ(ok.tensors().at("a").shape, (std::vector<int64_t>{2, 2}));
   EXPECT_EQ(ok.metadata().at("format"), "pt");
@@ -134,6 +145,49 @@ TEST(CheckpointErrors, WrongShapeAndDtype) {
   EXPECT_HAS(e, "'model.layers.1.mlp.down_proj.weight' has shape [384, 128], expected [128, 384]");
   e = load_error(rewrite("bad_dtype", "dtype"));
   EXPECT_HAS(e, "'model.layers.1.mlp.down_proj.weight' has dtype I32, expected F32 or BF16 or F16");
+}
+
+// A checkpoint truncated while it is mapped: reading a weight past the new end is a SIGBUS, which
+// ends the process with a message naming the file and exit status 3, not a bare "Bus error".
+TEST(CheckpointErrorsDeathTest, FileTruncatedWhileMappedEndsWithItsName) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  auto dir = test::temp_dir("truncated_while_mapped");
+  const auto file = dir / "model.safetensors";
+  std::vector<uint8_t> bytes(1 << 20, 7);
+  write_safetensors(file, {{"w", DType::U8, {int64_t(bytes.size())}, bytes}});
+  EXPECT_EXIT(
+      {
+        SafetensorsFile f(file);
+        const TensorView& w = f.tensors().at("w");
+        std::filesystem::resize_file(file, 64);
+        volatile uint8_t last = w.data[w.bytes - 1];  // the page is gone: SIGBUS
+        (void)last;
+        std::exit(0);
+      },
+      ::testing::ExitedWithCode(kExitCheckpointChanged),
+      "clshard: checkpoint file .*model.safetensors changed while in use \\(truncated or "
+      "replaced\\?\\); restore it and rerun");
+}
+
+TEST(CheckpointErrors, IndexNamesOnlyFilesBesideIt) {
+  auto error = [](const char* index) -> std::string {
+    try {
+      safetensors_index_shards(nlohmann::json::parse(index), "ckpt/model.safetensors.index.json");
+    } catch (const std::exception& e) {
+      return e.what();
+    }
+    return "(no error)";
+  };
+  EXPECT_EQ(error(R"({"weight_map": {"w": "../../etc/passwd"}})"),
+            "ckpt/model.safetensors.index.json: weight_map['w'] names '../../etc/passwd', not a "
+            "file name in the checkpoint's folder");
+  EXPECT_EQ(error(R"({"weight_map": {"w": ".."}})"),
+            "ckpt/model.safetensors.index.json: weight_map['w'] names '..', not a file name in "
+            "the checkpoint's folder");
+  EXPECT_EQ(error(R"([])"), "ckpt/model.safetensors.index.json: expected a weight_map object");
+  EXPECT_EQ(safetensors_index_shards(
+                nlohmann::json::parse(R"({"weight_map": {"a": "s2", "b": "s1", "c": "s2"}})"), "i"),
+            (std::vector<std::string>{"s1", "s2"}));
 }
 
 TEST(CheckpointErrors, ShardedIndexAndMissingTensor) {

@@ -14,6 +14,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "runtime/bounded_json.h"
+
 namespace clshard {
 
 namespace fs = std::filesystem;
@@ -356,9 +358,11 @@ BatchInput parse_batch_input(const std::string& text, const SamplingDefaults& de
     try {
       json obj;
       try {
-        obj = json::parse(line);
+        obj = parse_json_bounded(line);
       } catch (const json::parse_error& e) {
         bad("", json_error_message(e));
+      } catch (const std::runtime_error& e) {
+        bad("", e.what());
       }
       if (!obj.is_object()) bad("", std::string("expected a JSON object, got ") + type_name(obj));
       r.openai_shape = obj.contains("body") || obj.contains("custom_id");
@@ -466,13 +470,20 @@ ScannedFile scan_records(const fs::path& file) {
   return out;
 }
 
+// Appends whole records or nothing: when the disk fills (or a file size limit is hit) part way,
+// the file is cut back to where it was, so what is on disk stays a list of complete records.
 void write_all(int fd, const std::string& data, const fs::path& file) {
+  const off_t before = ::lseek(fd, 0, SEEK_END);
   size_t done = 0;
   while (done < data.size()) {
     ssize_t n = ::write(fd, data.data() + done, data.size() - done);
     if (n < 0) {
       if (errno == EINTR) continue;
-      throw std::runtime_error("writing " + file.string() + ": " + std::strerror(errno));
+      const int error = errno;
+      if (before >= 0 && done > 0) (void)!::ftruncate(fd, before);
+      throw std::runtime_error("writing " + file.string() + ": " + std::strerror(error) +
+                               " (the records written so far are intact; free space and rerun "
+                               "to resume)");
     }
     done += size_t(n);
   }

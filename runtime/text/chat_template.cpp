@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <ctime>
+#include <limits>
 #include <map>
 #include <optional>
 #include <stdexcept>
@@ -1449,6 +1450,33 @@ class Renderer {
 
   [[noreturn]] void fail(size_t pos, const std::string& what) const { fail_at(src_, pos, what); }
 
+  // A template is code from a checkpoint: its work and its output are bounded, so a hostile one
+  // ends with an error instead of running for hours or filling the memory. Real chat templates
+  // take a few thousand steps (100k is ~3000 messages) and write a few KB; a step costs about
+  // 1 us, 20 under ASan.
+  static constexpr uint64_t kMaxSteps = 100'000;  // statements, loop turns, built items
+  static constexpr size_t kMaxValueBytes = 16u << 20;    // any string or list, and the output
+  void charge(uint64_t steps, size_t pos) const {
+    steps_ += steps;
+    if (steps_ > kMaxSteps)
+      fail(pos, "the template ran more than " + std::to_string(kMaxSteps) +
+                    " steps (a loop that does not end?)");
+  }
+  void check_size(size_t bytes, size_t pos) const {
+    if (bytes > kMaxValueBytes)
+      fail(pos, "the template built a value or output over " +
+                    std::to_string(kMaxValueBytes >> 20) + " MiB");
+  }
+  // Python's ints are unbounded; ours are 64-bit, and a result that does not fit is an error.
+  int64_t checked(char op, int64_t a, int64_t b, size_t pos) const {
+    int64_t result = 0;
+    const bool overflowed = op == '+'   ? __builtin_add_overflow(a, b, &result)
+                            : op == '-' ? __builtin_sub_overflow(a, b, &result)
+                                        : __builtin_mul_overflow(a, b, &result);
+    if (overflowed) fail(pos, std::string("integer overflow in ") + op);
+    return result;
+  }
+
   const json& need_data(const Value& v, size_t pos, const std::string& context) const {
     if (v.kind == Value::Kind::Undefined) fail(pos, context + ": '" + v.what + "' is undefined");
     if (v.kind == Value::Kind::Namespace) fail(pos, context + ": a namespace is not allowed here");
@@ -1481,10 +1509,14 @@ class Renderer {
   Flow exec(const Stmt& stmt, std::string& out) {
     switch (stmt.kind) {
       case Stmt::Kind::Text:
+        charge(1, stmt.pos);
         out += stmt.text;
+        check_size(out.size(), stmt.pos);
         return Flow::Normal;
       case Stmt::Kind::Output:
+        charge(1, stmt.pos);
         out += to_str(eval(*stmt.expr));
+        check_size(out.size(), stmt.pos);
         return Flow::Normal;
       case Stmt::Kind::If:
         for (const auto& [condition, branch] : stmt.branches)
@@ -1575,6 +1607,7 @@ class Renderer {
     if (items.empty()) return exec_body(stmt.else_body, out);
     const auto length = static_cast<int64_t>(items.size());
     for (int64_t i = 0; i < length; ++i) {
+      charge(1, stmt.pos);
       // Each iteration gets a fresh scope: variables set inside do not outlive it.
       scopes_.emplace_back();
       json loop = {{"index", i + 1},         {"index0", i},
@@ -1804,7 +1837,11 @@ class Renderer {
   // Operators ---------------------------------------------------------------------------------
 
   Value binary(const std::string& op, const Value& left, const Value& right, size_t pos) const {
-    if (op == "~") return Value::make(to_str(left) + to_str(right));
+    if (op == "~") {
+      std::string joined = to_str(left) + to_str(right);
+      check_size(joined.size(), pos);
+      return Value::make(std::move(joined));
+    }
     const json& a = need_data(left, pos, "operator " + op);
     const json& b = need_data(right, pos, "operator " + op);
     auto type_error = [&]() -> Value {
@@ -1814,11 +1851,16 @@ class Renderer {
     const bool numbers = is_number(a) && is_number(b) && !a.is_boolean() && !b.is_boolean();
     const bool ints = numbers && is_int(a) && is_int(b);
     if (op == "+") {
-      if (ints) return Value::make(a.get<int64_t>() + b.get<int64_t>());
+      if (ints) return Value::make(checked('+', a.get<int64_t>(), b.get<int64_t>(), pos));
       if (numbers) return Value::make(a.get<double>() + b.get<double>());
-      if (a.is_string() && b.is_string())
+      if (a.is_string() && b.is_string()) {
+        check_size(a.get_ref<const std::string&>().size() + b.get_ref<const std::string&>().size(),
+                   pos);
         return Value::make(a.get<std::string>() + b.get<std::string>());
+      }
       if (a.is_array() && b.is_array()) {
+        check_size(a.size() + b.size(), pos);
+        charge(a.size() + b.size(), pos);
         json out = a;
         out.insert(out.end(), b.begin(), b.end());
         return Value::make(std::move(out));
@@ -1826,12 +1868,12 @@ class Renderer {
       return type_error();
     }
     if (op == "-") {
-      if (ints) return Value::make(a.get<int64_t>() - b.get<int64_t>());
+      if (ints) return Value::make(checked('-', a.get<int64_t>(), b.get<int64_t>(), pos));
       if (numbers) return Value::make(a.get<double>() - b.get<double>());
       return type_error();
     }
     if (op == "*") {
-      if (ints) return Value::make(a.get<int64_t>() * b.get<int64_t>());
+      if (ints) return Value::make(checked('*', a.get<int64_t>(), b.get<int64_t>(), pos));
       if (numbers) return Value::make(a.get<double>() * b.get<double>());
       // Repetition: "ab" * 3, [x] * 3.
       const json* sequence = (a.is_string() || a.is_array()) && is_int(b)   ? &a
@@ -1839,6 +1881,11 @@ class Renderer {
                                                                             : nullptr;
       if (!sequence) return type_error();
       const int64_t count = std::max<int64_t>(0, (sequence == &a ? b : a).get<int64_t>());
+      const size_t unit = sequence->is_string() ? sequence->get_ref<const std::string&>().size()
+                                                : sequence->size();
+      if (unit != 0 && uint64_t(count) > kMaxValueBytes / unit)
+        check_size(kMaxValueBytes + 1, pos);
+      charge(uint64_t(count), pos);
       json out = sequence->is_string() ? json("") : json::array();
       for (int64_t i = 0; i < count; ++i) {
         if (out.is_string())
@@ -1857,6 +1904,8 @@ class Renderer {
       if (b.get<double>() == 0.0) fail(pos, op == "%" ? "modulo by zero" : "division by zero");
       if (ints) {
         const int64_t x = a.get<int64_t>(), y = b.get<int64_t>();
+        if (x == std::numeric_limits<int64_t>::min() && y == -1)
+          fail(pos, "integer overflow in " + op);
         int64_t quotient = x / y, remainder = x % y;
         if (remainder != 0 && ((remainder < 0) != (y < 0))) {  // Python floors toward -infinity
           --quotient;
@@ -1870,8 +1919,14 @@ class Renderer {
     }
     if (op == "**") {
       if (ints && b.get<int64_t>() >= 0) {
-        int64_t result = 1;
-        for (int64_t i = 0; i < b.get<int64_t>(); ++i) result *= a.get<int64_t>();
+        // By squaring: the exponent may be large, and every product is checked.
+        int64_t result = 1, base = a.get<int64_t>();
+        for (int64_t e = b.get<int64_t>(); e > 0; e >>= 1) {
+          if ((e & 1) && __builtin_mul_overflow(result, base, &result))
+            fail(pos, "integer overflow in **");
+          if (e > 1 && __builtin_mul_overflow(base, base, &base))
+            fail(pos, "integer overflow in **");
+        }
         return Value::make(result);
       }
       return Value::make(std::pow(a.get<double>(), b.get<double>()));
@@ -1977,8 +2032,15 @@ class Renderer {
       const int64_t stop = bounds.size() == 1 ? bounds[0] : bounds[1];
       const int64_t step = bounds.size() == 3 ? bounds[2] : 1;
       if (step == 0) fail(pos, "range() step must not be zero");
+      // The length first, in 128 bits (stop - start can overflow 64), then the items.
+      const __int128 span = step > 0 ? __int128(stop) - start : __int128(start) - stop;
+      const __int128 magnitude = step > 0 ? __int128(step) : -__int128(step);
+      const __int128 count = span <= 0 ? 0 : (span + magnitude - 1) / magnitude;
+      if (count > __int128(kMaxSteps)) charge(kMaxSteps + 1, pos);
+      charge(uint64_t(count), pos);
       json out = json::array();
-      for (int64_t i = start; step > 0 ? i < stop : i > stop; i += step) out.push_back(i);
+      for (int64_t k = 0; k < int64_t(count); ++k)
+        out.push_back(int64_t(start + __int128(k) * step));
       return Value::make(std::move(out));
     }
     if (name == "strftime_now") {
@@ -2058,8 +2120,10 @@ class Renderer {
         const std::optional<std::string> new_text = arg_string(1, "new");
         if (!old_text || !new_text) fail(pos, context + " needs two strings");
         const std::optional<Value> count = args.get(2, "count");
-        return Value::make(
-            py_replace(s, *old_text, *new_text, count ? need_int(*count, pos, context) : -1));
+        std::string replaced =
+            py_replace(s, *old_text, *new_text, count ? need_int(*count, pos, context) : -1);
+        check_size(replaced.size(), pos);
+        return Value::make(std::move(replaced));
       }
       if (name == "find") {
         const std::optional<std::string> needle = arg_string(0, "sub");
@@ -2086,6 +2150,7 @@ class Renderer {
         for (const Value& item : iterate(*items, pos)) {
           if (!first) out += s;
           out += need_string(item, pos, context);
+          check_size(out.size(), pos);
           first = false;
         }
         return Value::make(std::move(out));
@@ -2249,6 +2314,7 @@ class Renderer {
         if (attribute) item = get_attr(item, to_str(*attribute), pos, "item");
         if (!first) out += glue;
         out += to_str(item);
+        check_size(out.size(), pos);
         first = false;
       }
       return Value::make(std::move(out));
@@ -2428,6 +2494,7 @@ class Renderer {
   const std::string& src_;
   std::shared_ptr<const json> context_;
   std::vector<Scope> scopes_;
+  mutable uint64_t steps_ = 0;  // charge()
 };
 
 json to_json(const Value& v) {

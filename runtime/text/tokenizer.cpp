@@ -1,5 +1,7 @@
 #include "runtime/text/tokenizer.h"
 
+#include "runtime/bounded_json.h"
+
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <pcre2.h>
 
@@ -43,8 +45,8 @@ std::string read_whole_file(const std::filesystem::path& path) {
 
 json parse_json(std::string_view text, const std::string& source) {
   try {
-    return json::parse(text.begin(), text.end());
-  } catch (const json::parse_error& e) {
+    return parse_json_bounded(text);
+  } catch (const std::exception& e) {
     throw std::runtime_error(source + ": malformed JSON: " + e.what());
   }
 }
