@@ -261,12 +261,14 @@ void parse_plain(BatchRequest& r, const json& obj) {
   static const std::vector<std::string> allowed = [] {
     std::vector<std::string> a = {"id", "prompt", "prompt_token_ids", "messages"};
     a.insert(a.end(), sampling_fields().begin(), sampling_fields().end());
+    a.insert(a.end(), {"response_format", "regex"});
     return a;
   }();
   for (const auto& [k, v] : obj.items()) {
     if (std::find(allowed.begin(), allowed.end(), k) == allowed.end())
       bad("", "unknown field \"" + k + "\" (expected: " + join(allowed) + ")");
     if (k == "id" || k == "prompt" || k == "prompt_token_ids" || k == "messages" || v.is_null()) continue;
+    if (k == "response_format" || k == "regex") continue;  // structured_fields()
     apply_sampling_field(r.sampling, k, v, k);
   }
   check_logprobs_pair(r.sampling, obj, "");
@@ -294,6 +296,7 @@ void parse_openai(BatchRequest& r, const json& obj) {
     std::vector<std::string> a = {"prompt", "messages", "max_completion_tokens", "model",
                                   "stream", "user"};
     a.insert(a.end(), sampling_fields().begin(), sampling_fields().end());
+    a.insert(a.end(), {"response_format", "regex"});
     return a;
   }();
   if (body.contains("max_tokens") && body.contains("max_completion_tokens") &&
@@ -304,6 +307,7 @@ void parse_openai(BatchRequest& r, const json& obj) {
     if (std::find(supported.begin(), supported.end(), k) == supported.end())
       bad(field, "unsupported field (supported: " + join(supported) + ")");
     if (v.is_null() || k == "prompt" || k == "messages" || k == "user") continue;
+    if (k == "response_format" || k == "regex") continue;  // structured_fields()
     // The deployment decides the model; the field is accepted because every OpenAI batch line has it.
     if (k == "model") continue;
     if (k == "stream") {
@@ -319,6 +323,31 @@ void parse_openai(BatchRequest& r, const json& obj) {
     bad("body", "url /v1/chat/completions needs body.messages");
   if (url == "/v1/completions" && r.messages)
     bad("body", "url /v1/completions needs body.prompt (body.messages goes to /v1/chat/completions)");
+}
+
+// response_format and regex, taken from the line parsed again with its key order kept (a JSON
+// schema's properties are generated in the order written). Their contents are checked when the
+// job compiles them with the tokenizer.
+void structured_fields(BatchRequest& r, const std::string& line) {
+  const ordered_json all = ordered_json::parse(line);
+  const ordered_json& src = r.openai_shape ? all["body"] : all;
+  const std::string prefix = r.openai_shape ? "body." : "";
+  r.response_format_field = prefix + "response_format";
+  r.regex_field = prefix + "regex";
+  if (src.contains("response_format") && !src["response_format"].is_null()) {
+    const ordered_json& rf = src["response_format"];
+    if (!rf.is_object())
+      bad(r.response_format_field,
+          "expected an object like {\"type\": \"json_object\"}, got " +
+              shown(json::parse(rf.dump())));
+    r.response_format = rf;
+  }
+  if (src.contains("regex") && !src["regex"].is_null()) {
+    if (!src["regex"].is_string())
+      bad(r.regex_field, "expected a string (a pattern the whole output must match), got " +
+                             shown(json::parse(src["regex"].dump())));
+    r.regex = src["regex"].get<std::string>();
+  }
 }
 
 std::string json_error_message(const json::parse_error& e) {
@@ -390,6 +419,8 @@ BatchInput parse_batch_input(const std::string& text, const SamplingDefaults& de
       ids_seen[r.id] = {line_no, implicit};
       if (r.openai_shape) parse_openai(r, obj);
       else parse_plain(r, obj);
+      const json& fields = r.openai_shape ? obj["body"] : obj;
+      if (fields.contains("response_format") || fields.contains("regex")) structured_fields(r, line);
       out.requests.push_back(std::move(r));
     } catch (const LineError& e) {
       InputError err;

@@ -9,7 +9,10 @@
 // frequency_penalty, presence_penalty, repetition_penalty, logprobs (true | false, or an integer
 // k in [0, 20] = true with top_logprobs k, as OpenAI's completions), top_logprobs, n (choices;
 // choice i samples with choice_seed(seed, i) of sampling.h), ignore_eos; they override the
-// deployment's defaults. A line that is not a valid request becomes an error
+// deployment's defaults. Structured output: "response_format" (OpenAI's, an object) or "regex"
+// (a string), in the line or in its body; the job compiles them with the tokenizer
+// (runtime/engine/structured/response_format.h) and a bad one becomes the line's error record
+// naming the field. A line that is not a valid request becomes an error
 // record; the job goes on.
 //
 // Output, one JSON object per input line, in input order:
@@ -41,6 +44,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "runtime/engine/deploy_config.h"
 
 namespace clshard {
@@ -60,6 +65,11 @@ struct BatchRequest {
   std::optional<std::vector<ChatTurn>> messages;  // to be rendered with the chat template
   SamplingDefaults sampling;  // the deployment's defaults with this request's fields applied
   bool openai_shape = false;  // {"custom_id", "body": ...}: the output adds custom_id and response
+  // Structured output as given (key order kept: properties come out in schema order), and the
+  // name the fields have in the line ("response_format" or "body.response_format").
+  std::optional<nlohmann::ordered_json> response_format;
+  std::optional<std::string> regex;
+  std::string response_format_field = "response_format", regex_field = "regex";
   bool is_chat() const { return messages.has_value(); }
 };
 

@@ -7,6 +7,7 @@
 
 #include "runtime/engine/batch_io.h"
 #include "runtime/engine/progress.h"
+#include "runtime/engine/structured/response_format.h"
 
 namespace clshard {
 
@@ -41,6 +42,15 @@ BatchJobSummary run_batch_job(Deployment& d, std::ostream& err) {
       g.max_tokens = uint32_t(r->sampling.max_tokens);
       g.stop = r->sampling.stop;
       g.stop_token_ids = r->sampling.stop_token_ids;
+      if (r->response_format || r->regex) {
+        if (!d.tokenizer)
+          throw std::invalid_argument(
+              (r->response_format ? r->response_format_field : r->regex_field) +
+              ": structured output needs the checkpoint's tokenizer.json");
+        g.constraint = compile_response_format(
+            r->response_format ? &*r->response_format : nullptr, r->regex ? &*r->regex : nullptr,
+            *d.tokenizer, r->response_format_field, r->regex_field);
+      }
       g.ignore_eos = r->sampling.ignore_eos;
       const size_t n = size_t(std::max(1, r->sampling.n));
       validate_sampling_params(g.sampling);  // before any choice is submitted
