@@ -3,7 +3,9 @@
 #pragma once
 
 #include <cstdint>
+#include <filesystem>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "parallel/topology.h"
@@ -26,6 +28,16 @@ struct LoadOptions {
   // cluster.transport: mpi — the deployment's ranks are processes (one device each): mpi_ranks of
   // them, this process rank mpi_rank driving devices[0]. 0: every rank is a device of `devices`.
   uint32_t mpi_ranks = 0, mpi_rank = 0;
+  // LoRA (the deployment's lora: section): PEFT adapter directories by name, in the order that
+  // gives their ids (StepInputs::adapter_ids: 1 + the index here), the largest rank allowed and
+  // how many may be loaded at once (all are loaded at start, so at most that many).
+  struct LoraSpec {
+    std::string name;
+    std::filesystem::path dir;
+  };
+  std::vector<LoraSpec> lora_adapters;
+  uint32_t lora_max_rank = 64;
+  uint32_t lora_max_loaded = 8;
   // The ranks the topology spreads the model over.
   size_t ranks() const { return mpi_ranks ? mpi_ranks : devices.size(); }
 

@@ -1,11 +1,14 @@
 #include "models/llama3/model.h"
 
+#include <algorithm>
+#include <optional>
 #include <stdexcept>
 
 #include "parallel/collectives.h"
 #include "parallel/topology.h"
 #include "runtime/device.h"
 #include "runtime/ops.h"
+#include "runtime/ops_lora.h"
 #include "runtime/step_device.h"
 
 namespace clshard::llama3 {
@@ -52,6 +55,10 @@ Llama3Model::Llama3Model(const std::filesystem::path& dir, const LoadOptions& op
     shards_.push_back(std::move(s));
   }
   if (ranks > 1) comm_ = std::make_unique<parallel::Communicator>(devices);
+  if (!opts.lora_adapters.empty() && ranks > 1)
+    throw std::runtime_error("LoRA adapters with tensor parallelism are not supported yet "
+                             "(parallel.tensor must be 1)");
+  lora_ = load_llama_lora(cfg_, opts, *devices[0]);
 
   info_.architecture = cfg_.architecture;
   info_.vocab_size = uint32_t(cfg_.vocab_size);
@@ -148,6 +155,26 @@ StepOutputs Llama3Model::forward(const StepInputs& in) {
   out.logits = logits_;
   if (T == 0) return out;
 
+  // LoRA: each token's adapter slot (-1: the base model), when a row runs an adapter.
+  std::optional<Scratch> lora_slot, lora_v;
+  if (lora_.adapters > 0 && std::any_of(in.adapter_ids.begin(), in.adapter_ids.end(),
+                                        [](uint32_t a) { return a != 0; })) {
+    std::vector<int32_t> slot(T, -1);
+    for (size_t b = 0; b < in.num_rows(); ++b)
+      for (uint32_t i = in.input_row_offsets[b]; i < in.input_row_offsets[b + 1]; ++i)
+        slot[i] = int32_t(in.adapter_ids[b]) - 1;
+    lora_slot.emplace(dev0, size_t(T) * 4);
+    dev0.write(lora_slot->mem(), slot.data(), size_t(T) * 4);
+    lora_v.emplace(dev0, size_t(T) * lora_.max_rank * 4);
+  }
+  // y += alpha * B (A x) of layer l's target t, for the tokens whose row runs an adapter.
+  auto lora = [&](size_t l, LoraTarget t, const cl::Mem& x, uint32_t ldx, const cl::Mem& y,
+                  uint32_t y_off, uint32_t ldy, float alpha) {
+    if (lora_slot)
+      ops::lora(dev0, x, 0, ldx, lora_.layers[l][t], lora_slot->mem(), lora_v->mem(), y, y_off,
+                ldy, T, alpha);
+  };
+
   // The ranks' partial sums (of the embedding shards, of o_proj and down_proj over their
   // columns) become the whole on every rank, then join the residual stream.
   auto allreduce = [&](auto member, const char* what) {
@@ -169,17 +196,21 @@ StepOutputs Llama3Model::forward(const StepInputs& in) {
       ops::rmsnorm(d, w.h.mem(), 0, H, nullptr, L.input_norm, w.xn.mem(), 0, H, T, H, eps);
       const bool bias = bool(L.q_bias);
       ops::linear(d, w.xn.mem(), 0, H, L.q, bias ? &L.q_bias : nullptr, w.qkv.mem(), 0, w.qkv_w, T);
+      lora(l, kLoraQ, w.xn.mem(), H, w.qkv.mem(), 0, w.qkv_w, 1.0f);
       ops::linear(d, w.xn.mem(), 0, H, L.k, bias ? &L.k_bias : nullptr, w.qkv.mem(), w.nh * hd,
                   w.qkv_w, T);
+      lora(l, kLoraK, w.xn.mem(), H, w.qkv.mem(), w.nh * hd, w.qkv_w, 1.0f);
       ops::linear(d, w.xn.mem(), 0, H, L.v, bias ? &L.v_bias : nullptr, w.qkv.mem(),
                   (w.nh + w.nkv) * hd, w.qkv_w, T);
+      lora(l, kLoraV, w.xn.mem(), H, w.qkv.mem(), (w.nh + w.nkv) * hd, w.qkv_w, 1.0f);
       ops::rope_store_kv(d, w.qkv.mem(), w.qkv_w, w.nh, w.nkv, hd, shards_[r].inv_freq,
                          shards_[r].inv_freq_long, long_from_, w.st.tokens, shards_[r].kv[l]);
       ops::paged_attention(d, w.qkv.mem(), w.qkv_w, shards_[r].kv[l], w.st.tokens, w.nh, w.nkv,
                            hd, cfg_.attention_scale(), w.att.mem(), w.nh * hd);
       if (P == 1)
         ops::linear(d, w.att.mem(), 0, w.nh * hd, L.o, nullptr, w.h.mem(), 0, H, T, m, true);
-      else
+      lora(l, kLoraO, w.att.mem(), w.nh * hd, w.h.mem(), 0, H, m);
+      if (P > 1)
         ops::linear(d, w.att.mem(), 0, w.nh * hd, L.o, nullptr, w.part.mem(), 0, H, T);
     }
     if (P > 1) {
@@ -194,13 +225,16 @@ StepOutputs Llama3Model::forward(const StepInputs& in) {
       ops::rmsnorm(d, w.h.mem(), 0, H, nullptr, L.post_attention_norm, w.xn.mem(), 0, H, T, H,
                    eps);
       ops::linear(d, w.xn.mem(), 0, H, L.gate, nullptr, w.gu.mem(), 0, 2 * w.f, T);
+      lora(l, kLoraGate, w.xn.mem(), H, w.gu.mem(), 0, 2 * w.f, 1.0f);
       ops::linear(d, w.xn.mem(), 0, H, L.up, nullptr, w.gu.mem(), w.f, 2 * w.f, T);
+      lora(l, kLoraUp, w.xn.mem(), H, w.gu.mem(), w.f, 2 * w.f, 1.0f);
       // silu(gate) * up written over the gate half, then down-projected into the residual.
       ops::silu_mul(d, w.gu.mem(), 0, 2 * w.f, w.gu.mem(), w.f, 2 * w.f, w.gu.mem(), 2 * w.f, T,
                     w.f);
       if (P == 1)
         ops::linear(d, w.gu.mem(), 0, 2 * w.f, L.down, nullptr, w.h.mem(), 0, H, T, m, true);
-      else
+      lora(l, kLoraDown, w.gu.mem(), 2 * w.f, w.h.mem(), 0, H, m);
+      if (P > 1)
         ops::linear(d, w.gu.mem(), 0, 2 * w.f, L.down, nullptr, w.part.mem(), 0, H, T);
     }
     if (P > 1) {

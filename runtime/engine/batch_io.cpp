@@ -220,12 +220,19 @@ void parse_plain(BatchRequest& r, const json& obj) {
   static const std::vector<std::string> allowed = [] {
     std::vector<std::string> a = {"id", "prompt", "prompt_token_ids", "messages"};
     a.insert(a.end(), sampling_fields().begin(), sampling_fields().end());
+    a.push_back("lora");
     return a;
   }();
   for (const auto& [k, v] : obj.items()) {
     if (std::find(allowed.begin(), allowed.end(), k) == allowed.end())
       bad("", "unknown field \"" + k + "\" (expected: " + join(allowed) + ")");
     if (k == "id" || k == "prompt" || k == "prompt_token_ids" || k == "messages" || v.is_null()) continue;
+    if (k == "lora") {
+      if (!v.is_string() || v.get_ref<const std::string&>().empty())
+        bad(k, "expected the name of a LoRA adapter, got " + shown(v));
+      r.lora = v.get<std::string>();
+      continue;
+    }
     apply_sampling_field(r.sampling, k, v, k);
   }
   set_prompt(r, obj, "");

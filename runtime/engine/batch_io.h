@@ -52,6 +52,7 @@ struct BatchRequest {
   std::optional<std::vector<int32_t>> prompt_token_ids;
   std::optional<std::vector<ChatTurn>> messages;  // to be rendered with the chat template
   SamplingDefaults sampling;  // the deployment's defaults with this request's fields applied
+  std::optional<std::string> lora;  // the LoRA adapter (a name of the deployment's lora.adapters)
   bool openai_shape = false;  // {"custom_id", "body": ...}: the output adds custom_id and response
   bool is_chat() const { return messages.has_value(); }
 };

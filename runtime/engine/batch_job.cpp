@@ -1,12 +1,22 @@
 #include "runtime/engine/batch_job.h"
 
 #include <chrono>
+#include <cstdio>
 #include <map>
 
 #include "runtime/engine/batch_io.h"
 #include "runtime/engine/progress.h"
 
 namespace clshard {
+
+std::string describe_prefix_cache(const EngineStats& s) {
+  char buf[200];
+  std::snprintf(buf, sizeof buf,
+                "%llu prompt tokens cached, %llu computed (hit rate %.1f%%)",
+                (unsigned long long)s.cached_prompt_tokens, (unsigned long long)s.prefill_tokens,
+                100.0 * s.prefix_hit_rate());
+  return buf;
+}
 
 BatchJobSummary run_batch_job(Deployment& d, std::ostream& err) {
   const DeployConfig& cfg = d.config;
@@ -31,6 +41,7 @@ BatchJobSummary run_batch_job(Deployment& d, std::ostream& err) {
       g.max_tokens = uint32_t(r->sampling.max_tokens);
       g.stop = r->sampling.stop;
       g.stop_token_ids = r->sampling.stop_token_ids;
+      g.adapter_id = d.lora_adapter_id(r->lora);
       by_handle[engine->submit(std::move(g))] = r;
     } catch (const std::exception& e) {
       writer.error(r->id, e.what());
@@ -72,6 +83,11 @@ BatchJobSummary run_batch_job(Deployment& d, std::ostream& err) {
   err << "output: " << cfg.job.output.string() << "\n";
   err << "engine: " << sum.engine.steps << " steps, device " << sum.engine.device_s
       << " s, host " << sum.engine.host_s << " s, " << sum.engine.preemptions << " preemption(s)\n";
+  err << "prefix cache: "
+      << (cfg.kv_cache.prefix_caching
+              ? describe_prefix_cache(sum.engine)
+              : "off, " + std::to_string(sum.engine.prefill_tokens) + " prompt tokens computed")
+      << "\n";
   if (sum.engine.speculative.verify_rows > 0)
     err << "speculative: " << sum.engine.speculative.describe() << "\n";
   return sum;
