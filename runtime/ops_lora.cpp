@@ -89,8 +89,9 @@ LoraAdapter read_peft_adapter(const std::string& name, const std::filesystem::pa
                              (cfg.contains("target_modules") ? ", got " + tm.dump()
                                                              : " (missing)"));
   }
+  const bool any_module = supported.empty();
   for (const auto& t : targets)
-    if (std::find(supported.begin(), supported.end(), t) == supported.end())
+    if (!any_module && std::find(supported.begin(), supported.end(), t) == supported.end())
       throw std::runtime_error(at + "\"target_modules\": module '" + t +
                                "' is not supported (supported: " + join(supported) + ")");
 
@@ -108,7 +109,7 @@ LoraAdapter read_peft_adapter(const std::string& name, const std::filesystem::pa
     const size_t suffix = std::string(".lora_A.weight").size();
     const std::string path = tname.substr(prefix.size(), tname.size() - prefix.size() - suffix);
     const std::string module = path.substr(path.rfind('.') + 1);
-    if (std::find(supported.begin(), supported.end(), module) == supported.end())
+    if (!any_module && std::find(supported.begin(), supported.end(), module) == supported.end())
       throw std::runtime_error(wat + ": module '" + module + "' is not supported (supported: " +
                                join(supported) + ")");
     if (view.shape.size() != 2)
@@ -180,6 +181,20 @@ LoraStack upload_lora_stack(Device& dev, const std::vector<const LoraAdapter*>& 
   s.scale = dev.alloc(scale.size() * 4, CL_MEM_READ_ONLY);
   dev.write(s.scale, scale.data(), scale.size() * 4);
   return s;
+}
+
+uint64_t lora_stack_bytes(const std::vector<std::filesystem::path>& dirs, uint32_t max_rank,
+                          const std::vector<std::string>& supported) {
+  std::map<std::string, int64_t> width;  // module path -> in + out
+  uint32_t rank = 0;
+  for (const auto& dir : dirs) {
+    const LoraAdapter a = read_peft_adapter(dir.filename().string(), dir, max_rank, supported);
+    rank = std::max(rank, a.rank);
+    for (const auto& [path, m] : a.modules) width[path] = m.in + m.out;
+  }
+  uint64_t bytes = 0;
+  for (const auto& [path, w] : width) bytes += uint64_t(dirs.size()) * rank * uint64_t(w) * 4;
+  return bytes;
 }
 
 namespace ops {

@@ -38,8 +38,8 @@ struct LoraAdapter {
 // or "all-linear"; use_rslora) and DIR/adapter_model.safetensors (base_model.model.<module>.lora_A
 // / lora_B .weight, f32, bf16 or f16). Errors name the adapter, the file and the field: a missing
 // or malformed file or field, r above max_rank, a target module (in the config or in a tensor
-// name) outside `supported` ("q_proj", ...: the last part of a module path), A and B shapes that
-// disagree with r or with each other, or no LoRA tensor at all.
+// name) outside `supported` ("q_proj", ...: the last part of a module path; empty: any), A and B
+// shapes that disagree with r or with each other, or no LoRA tensor at all.
 LoraAdapter read_peft_adapter(const std::string& name, const std::filesystem::path& dir,
                               uint32_t max_rank, const std::vector<std::string>& supported);
 
@@ -58,6 +58,12 @@ struct LoraStack {
 LoraStack upload_lora_stack(Device& dev, const std::vector<const LoraAdapter*>& adapters,
                             const std::string& path, uint32_t in, uint32_t out,
                             uint32_t max_rank);
+
+// The device bytes the adapters in `dirs` take once loaded (upload_lora_stack per module: every
+// adapter gets a slot padded to the largest rank), from the files' headers; the adapters are
+// checked as read_peft_adapter checks them (empty `supported`: any module).
+uint64_t lora_stack_bytes(const std::vector<std::filesystem::path>& dirs, uint32_t max_rank,
+                          const std::vector<std::string>& supported);
 
 namespace ops {
 

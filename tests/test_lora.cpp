@@ -374,5 +374,25 @@ TEST(Lora, TheBatchJobRunsAdaptersPerLineAndReportsUnknownNames) {
   EXPECT_NE(greedy(2), greedy(0));
 }
 
+// `clshard plan` counts the adapters: two adapters (ranks 4 and 16) in slots of rank 16 over the
+// union of their modules: 2 x 16 x (q 256 + k 192 + v 192 + o 256 + gate 512 + up 512 + down 512)
+// x 2 layers x 4 bytes.
+TEST(Lora, PlanCountsTheAdapters) {
+  Rig rig;
+  const fs::path dir = test::temp_dir("lora_plan");
+  std::ofstream(dir / "deploy.yaml")
+      << "model:\n  path: " << base_dir().string() << "\ndevices:\n  type: cpu\n"
+      << "lora:\n  adapters:\n    r4: " << rig.r4_dir.string() << "\n    r16: "
+      << rig.r16_dir.string() << "\n  max_rank: 16\n";
+  std::string out, err;
+  ASSERT_EQ(test::run_clshard({"plan", (dir / "deploy.yaml").string(), "--device-memory", "1",
+                               "--json"},
+                              &out, &err),
+            0)
+      << err;
+  const auto j = nlohmann::json::parse(out);
+  EXPECT_EQ(j["devices"][0]["lora"].get<uint64_t>(), 2u * 16u * 2432u * 2u * 4u);
+}
+
 }  // namespace
 }  // namespace clshard
