@@ -138,7 +138,8 @@ StepOutputs Llama3Model::forward(const StepInputs& in) {
     w.xn = Scratch(*s.dev, t * H * 4);
     w.qkv = Scratch(*s.dev, t * w.qkv_w * 4);
     w.att = Scratch(*s.dev, t * w.nh * hd * 4);
-    w.gu = Scratch(*s.dev, t * 2 * w.f * 4);
+    // LoRA runs gate and up unfused, side by side (2 * f); the fused path writes f.
+    w.gu = Scratch(*s.dev, t * (lora_.adapters > 0 ? 2 : 1) * w.f * 4);
     if (P > 1) w.part = Scratch(*s.dev, t * H * 4);
     work.push_back(std::move(w));
   }
@@ -193,16 +194,21 @@ StepOutputs Llama3Model::forward(const StepInputs& in) {
       Device& d = *shards_[r].dev;
       const LayerWeights& L = shards_[r].w.layers[l];
       Work& w = work[r];
-      ops::rmsnorm(d, w.h.mem(), 0, H, nullptr, L.input_norm, w.xn.mem(), 0, H, T, H, eps);
-      const bool bias = bool(L.q_bias);
-      ops::linear(d, w.xn.mem(), 0, H, L.q, bias ? &L.q_bias : nullptr, w.qkv.mem(), 0, w.qkv_w, T);
-      lora(l, kLoraQ, w.xn.mem(), H, w.qkv.mem(), 0, w.qkv_w, 1.0f);
-      ops::linear(d, w.xn.mem(), 0, H, L.k, bias ? &L.k_bias : nullptr, w.qkv.mem(), w.nh * hd,
-                  w.qkv_w, T);
-      lora(l, kLoraK, w.xn.mem(), H, w.qkv.mem(), w.nh * hd, w.qkv_w, 1.0f);
-      ops::linear(d, w.xn.mem(), 0, H, L.v, bias ? &L.v_bias : nullptr, w.qkv.mem(),
-                  (w.nh + w.nkv) * hd, w.qkv_w, T);
-      lora(l, kLoraV, w.xn.mem(), H, w.qkv.mem(), (w.nh + w.nkv) * hd, w.qkv_w, 1.0f);
+      if (L.q_bias || lora_slot) {  // the norm, then one GEMV (bias, LoRA) per projection
+        const Weight* qb = L.q_bias ? &L.q_bias : nullptr;
+        const Weight* kb = L.q_bias ? &L.k_bias : nullptr;
+        const Weight* vb = L.q_bias ? &L.v_bias : nullptr;
+        ops::rmsnorm(d, w.h.mem(), 0, H, nullptr, L.input_norm, w.xn.mem(), 0, H, T, H, eps);
+        ops::linear(d, w.xn.mem(), 0, H, L.q, qb, w.qkv.mem(), 0, w.qkv_w, T);
+        lora(l, kLoraQ, w.xn.mem(), H, w.qkv.mem(), 0, w.qkv_w, 1.0f);
+        ops::linear(d, w.xn.mem(), 0, H, L.k, kb, w.qkv.mem(), w.nh * hd, w.qkv_w, T);
+        lora(l, kLoraK, w.xn.mem(), H, w.qkv.mem(), w.nh * hd, w.qkv_w, 1.0f);
+        ops::linear(d, w.xn.mem(), 0, H, L.v, vb, w.qkv.mem(), (w.nh + w.nkv) * hd, w.qkv_w, T);
+        lora(l, kLoraV, w.xn.mem(), H, w.qkv.mem(), (w.nh + w.nkv) * hd, w.qkv_w, 1.0f);
+      } else {  // norm, q, k and v in one launch
+        ops::linear_fused(d, w.h.mem(), 0, H, nullptr, &L.input_norm, eps, {&L.q, &L.k, &L.v},
+                          w.qkv.mem(), 0, w.qkv_w, T);
+      }
       ops::rope_store_kv(d, w.qkv.mem(), w.qkv_w, w.nh, w.nkv, hd, shards_[r].inv_freq,
                          shards_[r].inv_freq_long, long_from_, w.st.tokens, shards_[r].kv[l]);
       ops::paged_attention(d, w.qkv.mem(), w.qkv_w, shards_[r].kv[l], w.st.tokens, w.nh, w.nkv,
@@ -222,20 +228,27 @@ StepOutputs Llama3Model::forward(const StepInputs& in) {
       Device& d = *shards_[r].dev;
       const LayerWeights& L = shards_[r].w.layers[l];
       Work& w = work[r];
-      ops::rmsnorm(d, w.h.mem(), 0, H, nullptr, L.post_attention_norm, w.xn.mem(), 0, H, T, H,
-                   eps);
-      ops::linear(d, w.xn.mem(), 0, H, L.gate, nullptr, w.gu.mem(), 0, 2 * w.f, T);
-      lora(l, kLoraGate, w.xn.mem(), H, w.gu.mem(), 0, 2 * w.f, 1.0f);
-      ops::linear(d, w.xn.mem(), 0, H, L.up, nullptr, w.gu.mem(), w.f, 2 * w.f, T);
-      lora(l, kLoraUp, w.xn.mem(), H, w.gu.mem(), w.f, 2 * w.f, 1.0f);
-      // silu(gate) * up written over the gate half, then down-projected into the residual.
-      ops::silu_mul(d, w.gu.mem(), 0, 2 * w.f, w.gu.mem(), w.f, 2 * w.f, w.gu.mem(), 2 * w.f, T,
-                    w.f);
+      // LoRA adds to gate and up before silu: the unfused path, gate and up side by side.
+      const uint32_t ldg = lora_slot ? 2 * w.f : w.f;
+      if (lora_slot) {
+        ops::rmsnorm(d, w.h.mem(), 0, H, nullptr, L.post_attention_norm, w.xn.mem(), 0, H, T, H,
+                     eps);
+        ops::linear(d, w.xn.mem(), 0, H, L.gate, nullptr, w.gu.mem(), 0, 2 * w.f, T);
+        lora(l, kLoraGate, w.xn.mem(), H, w.gu.mem(), 0, 2 * w.f, 1.0f);
+        ops::linear(d, w.xn.mem(), 0, H, L.up, nullptr, w.gu.mem(), w.f, 2 * w.f, T);
+        lora(l, kLoraUp, w.xn.mem(), H, w.gu.mem(), w.f, 2 * w.f, 1.0f);
+        ops::silu_mul(d, w.gu.mem(), 0, 2 * w.f, w.gu.mem(), w.f, 2 * w.f, w.gu.mem(), 2 * w.f,
+                      T, w.f);
+      } else {
+        // norm, gate, up and silu(gate) * up in one launch, then down-projected into the residual.
+        ops::linear_swiglu(d, w.h.mem(), 0, H, &L.post_attention_norm, eps, L.gate, L.up,
+                           w.gu.mem(), 0, w.f, T);
+      }
       if (P == 1)
-        ops::linear(d, w.gu.mem(), 0, 2 * w.f, L.down, nullptr, w.h.mem(), 0, H, T, m, true);
-      lora(l, kLoraDown, w.gu.mem(), 2 * w.f, w.h.mem(), 0, H, m);
+        ops::linear(d, w.gu.mem(), 0, ldg, L.down, nullptr, w.h.mem(), 0, H, T, m, true);
+      lora(l, kLoraDown, w.gu.mem(), ldg, w.h.mem(), 0, H, m);
       if (P > 1)
-        ops::linear(d, w.gu.mem(), 0, 2 * w.f, L.down, nullptr, w.part.mem(), 0, H, T);
+        ops::linear(d, w.gu.mem(), 0, ldg, L.down, nullptr, w.part.mem(), 0, H, T);
     }
     if (P > 1) {
       allreduce(&Work::part, "MLP output");
@@ -248,11 +261,10 @@ StepOutputs Llama3Model::forward(const StepInputs& in) {
     // buffer (one context, so one buffer serves all).
     for (size_t r = 0; r < P; ++r) {
       Device& d = *shards_[r].dev;
-      Scratch xs(d, size_t(R) * H * 4);
-      ops::rmsnorm(d, work[r].h.mem(), 0, H, &work[r].st.logit_rows, shards_[r].w.final_norm,
-                   xs.mem(), 0, H, R, H, eps);
-      ops::linear(d, xs.mem(), 0, H, shards_[r].w.lm_head, nullptr, logits_,
-                  uint32_t(shards_[r].range.vocab.begin), V, R, float(1.0 / cfg_.logits_scaling));
+      ops::linear_fused(d, work[r].h.mem(), 0, H, &work[r].st.logit_rows,
+                        &shards_[r].w.final_norm, eps, {&shards_[r].w.lm_head}, logits_,
+                        uint32_t(shards_[r].range.vocab.begin), V, R,
+                        float(1.0 / cfg_.logits_scaling));
     }
   }
   // The other ranks' logits columns must be in place before the first device reads them.
