@@ -232,8 +232,12 @@ TEST(PrefixCacheScheduler, APreemptedRequestTakesItsOwnPagesBackWhenNobodyEvicte
   ASSERT_EQ(done.size(), 2u);
   for (const auto& f : done) {
     EXPECT_EQ(f.generated.size(), 20u);
-    if (f.handle == b) EXPECT_GE(f.cached_tokens, 32u);
-    if (f.handle == a) EXPECT_EQ(f.preemptions, 0u);
+    if (f.handle == b) {
+      EXPECT_GE(f.cached_tokens, 32u);
+    }
+    if (f.handle == a) {
+      EXPECT_EQ(f.preemptions, 0u);
+    }
   }
 }
 
@@ -354,9 +358,10 @@ TEST_P(PrefixCacheStress, NoRowEverReadsAnotherSequencesContentAndRefcountsAreEx
       for (uint32_t p = 0; p < row.cache_length; ++p) {
         ASSERT_EQ(target[slot(b, p)], want[p])
             << "request " << row.handle << " position " << p << " step " << steps;
-        if (K > 0)
+        if (K > 0) {
           ASSERT_EQ(draft[slot(b, p)], want[p])
               << "draft cache, request " << row.handle << " position " << p << " step " << steps;
+        }
         ++positions_checked;
       }
       ++rows_checked;
@@ -428,7 +433,9 @@ TEST_P(PrefixCacheStress, NoRowEverReadsAnotherSequencesContentAndRefcountsAreEx
       const auto& want = expected_page.at(*hash);
       for (uint32_t j = 0; j < P; ++j) {
         ASSERT_EQ(target[size_t(page) * P + j], want[j]) << "published page " << page;
-        if (K > 0) ASSERT_EQ(draft[size_t(page) * P + j], want[j]) << "published page " << page;
+        if (K > 0) {
+          ASSERT_EQ(draft[size_t(page) * P + j], want[j]) << "published page " << page;
+        }
       }
     }
   }
