@@ -12,6 +12,7 @@
 #include "models/registry.h"
 #include "parallel/deployment_plan.h"
 #include "parallel/mpi_transport.h"
+#include "runtime/cli/bench_command.h"
 #include "runtime/device.h"
 #include "runtime/device_manager.h"
 #include "runtime/engine/batch_job.h"
@@ -462,6 +463,8 @@ int run(int argc, char** argv) {
     Tokenizer tok = Tokenizer::from_dir(dt_dir);
     std::cout << tok.decode(parse_ids(dt_ids, "--ids"));
   });
+
+  add_bench_command(app);
 
   try {
     app.parse(argc, argv);
