@@ -3,7 +3,9 @@
 #pragma once
 
 #include <cstdint>
+#include <filesystem>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "parallel/topology.h"
@@ -31,6 +33,16 @@ struct LoadOptions {
   size_t ranks() const { return mpi_ranks ? size_t(mpi_ranks) * devices.size() : devices.size(); }
   size_t processes() const { return mpi_ranks ? mpi_ranks : 1; }
   size_t process() const { return mpi_ranks ? mpi_rank : 0; }
+  // LoRA (the deployment's lora: section): PEFT adapter directories by name, in the order that
+  // gives their ids (StepInputs::adapter_ids: 1 + the index here), the largest rank allowed and
+  // how many may be loaded at once (all are loaded at start, so at most that many).
+  struct LoraSpec {
+    std::string name;
+    std::filesystem::path dir;
+  };
+  std::vector<LoraSpec> lora_adapters;
+  uint32_t lora_max_rank = 64;
+  uint32_t lora_max_loaded = 8;
 
   // The parallel settings, as parallel::Topology takes them.
   parallel::ParallelDegrees degrees() const {

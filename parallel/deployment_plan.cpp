@@ -46,8 +46,9 @@ std::vector<DeviceMemory> plan_devices(const nlohmann::json& ck, const Topology&
     m.experts = moe ? experts.count(d) : 0;
     m.draft_weights =
         s.draft_weight_bytes + (E ? s.draft_routed_expert_bytes * m.experts / E : 0);
+    m.lora = s.lora_bytes;
     m.weights = (weights_total - routed) / t.tensor_degree() + (E ? routed * m.experts / E : 0) +
-                m.draft_weights;
+                m.draft_weights + m.lora;
     m.kv_bytes_per_page =
         kv_page_full / t.tensor_degree() + s.draft_kv_bytes_per_token * s.page_size;
     // Each step's token-expert rows leave and come back: send and receive room for both trips.

@@ -22,6 +22,8 @@ struct DeploymentShape {
   // A speculative draft (plan_draft's figures): its replicated weights on every device, its routed
   // experts split like the target's, and its one-layer cache in every KV page.
   uint64_t draft_weight_bytes = 0, draft_routed_expert_bytes = 0, draft_kv_bytes_per_token = 0;
+  // LoRA adapters (lora_stack_bytes): their stacked A and B, on every device (not split).
+  uint64_t lora_bytes = 0;
 };
 
 struct DeviceMemory {
@@ -29,6 +31,7 @@ struct DeviceMemory {
   uint32_t experts = 0;             // routed experts this device holds (MoE models)
   uint64_t weights = 0;             // the draft's included
   uint64_t draft_weights = 0;
+  uint64_t lora = 0;                // LoRA adapters (in weights too)
   uint64_t activations = 0;
   uint64_t ep_buffers = 0;          // dispatch + combine rows in flight
   uint64_t signal_buffers = 0;

@@ -138,4 +138,19 @@ ExpertPlacement Topology::expert_blocks(uint32_t n_experts,
   return place_experts_balanced(n_experts, throughput);
 }
 
+size_t Topology::route_request(const std::vector<uint64_t>& prefix_tokens,
+                               const std::vector<uint64_t>& load, uint64_t max_imbalance) {
+  if (prefix_tokens.size() != load.size())
+    throw std::invalid_argument("Topology::route_request: " + std::to_string(prefix_tokens.size()) +
+                                " prefix lengths for " + std::to_string(load.size()) + " replicas");
+  const size_t least = least_loaded_replica(load);
+  size_t best = least;
+  for (size_t r = 0; r < load.size(); ++r)
+    if (prefix_tokens[r] > prefix_tokens[best] ||
+        (prefix_tokens[r] == prefix_tokens[best] && load[r] < load[best]))
+      best = r;
+  if (prefix_tokens[best] == 0 || load[best] - load[least] > max_imbalance) return least;
+  return best;
+}
+
 }  // namespace clshard::parallel

@@ -4,7 +4,8 @@
 // — the model registry (replica groups), the models (tensor-parallel ranges, expert blocks),
 // `clshard plan` (memory per device). Nothing else decides placement, and the degrees are checked
 // here, by one set of rules with one set of messages. Requests go to replicas by
-// least_loaded_replica (placement.h), which the engine asks per request.
+// Topology::route_request (cache-aware, falling back on least_loaded_replica in placement.h),
+// which the engine asks per request.
 //
 // A rank is a device: rank d is the deployment's device d. Replica r owns the device group
 // devices_of_replica(r); inside a group the devices are the tensor-parallel ranks in order.
@@ -114,6 +115,15 @@ class Topology {
   bool balanced_experts() const { return degrees_.balanced_experts; }
   ExpertPlacement expert_blocks(uint32_t n_experts,
                                 const std::vector<double>& throughput = {}) const;
+
+  // The replica a new request goes to, given per replica how many of its leading tokens the
+  // replica's prefix cache holds (or will hold: requests queued there) and its load (requests
+  // running or waiting). Cache-aware routing, as SGLang's router does it: the replica with the
+  // longest prefix, unless its load exceeds the least loaded replica's by more than
+  // max_imbalance; then, and when no replica holds any of the prefix, the least loaded
+  // (least_loaded_replica). Among equal prefixes the less loaded wins, then the lower index.
+  static size_t route_request(const std::vector<uint64_t>& prefix_tokens,
+                              const std::vector<uint64_t>& load, uint64_t max_imbalance);
 
   // The device whose buffer holds a step's gathered logits (sampling runs there): the first
   // device of replica 0.

@@ -49,6 +49,8 @@ class CausalLM {
   // Data-parallel replicas; each has its own KV pages (kv_num_pages() each), and a step says
   // whose rows are whose with data_parallel_splits.
   virtual uint32_t num_replicas() const { return 1; }
+  // LoRA adapters loaded (StepInputs::adapter_ids 1 .. this); 0 when the model has none.
+  virtual uint32_t num_lora_adapters() const { return 0; }
 };
 
 // A draft model for speculative decoding (NextN/MTP, Eagle3). It runs on the target's devices with

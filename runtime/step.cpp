@@ -59,6 +59,9 @@ void StepInputs::validate(uint32_t page_size, uint32_t num_pages) const {
     throw std::invalid_argument("step: logits_per_row has " +
                                 std::to_string(logits_per_row.size()) + " entries for " +
                                 std::to_string(B) + " rows");
+  if (!adapter_ids.empty() && adapter_ids.size() != B)
+    throw std::invalid_argument("step: adapter_ids has " + std::to_string(adapter_ids.size()) +
+                                " entries for " + std::to_string(B) + " rows");
   if (cache_lengths.size() != B)
     throw std::invalid_argument("step: cache_lengths has " + std::to_string(cache_lengths.size()) +
                                 " entries for " + std::to_string(B) + " rows");
@@ -107,6 +110,8 @@ StepInputs StepInputs::replica_step(size_t r) const {
     s.logits_per_row.assign(logits_per_row.begin() + b0, logits_per_row.begin() + b1);
   s.return_hidden = return_hidden;
   s.hidden_layers = hidden_layers;
+  if (!adapter_ids.empty())
+    s.adapter_ids.assign(adapter_ids.begin() + b0, adapter_ids.begin() + b1);
   return s;
 }
 
@@ -117,8 +122,14 @@ StepInputs merge_replica_steps(const std::vector<StepInputs>& steps, uint32_t nu
   for (const auto& s : steps) m.pages_per_row = std::max(m.pages_per_row, s.pages_per_row);
   const bool per_row = std::any_of(steps.begin(), steps.end(),
                                    [](const StepInputs& s) { return !s.logits_per_row.empty(); });
+  const bool adapters = std::any_of(steps.begin(), steps.end(),
+                                    [](const StepInputs& s) { return !s.adapter_ids.empty(); });
   for (const auto& s : steps) {
     if (s.num_replicas() != 1) throw std::invalid_argument("merge_replica_steps: nested replicas");
+    if (adapters) {
+      if (s.adapter_ids.empty()) m.adapter_ids.insert(m.adapter_ids.end(), s.num_rows(), 0);
+      else m.adapter_ids.insert(m.adapter_ids.end(), s.adapter_ids.begin(), s.adapter_ids.end());
+    }
     if (per_row) {
       if (s.logits_per_row.empty() && s.num_rows() > 0)
         throw std::invalid_argument("merge_replica_steps: logits_per_row set for some steps only");

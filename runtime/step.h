@@ -47,6 +47,9 @@ struct StepInputs {
   // Data parallelism (MAX's data_parallel_splits): rows [splits[r], splits[r+1]) belong to
   // replica r, whose page ids index replica r's own page pool. Empty: one replica.
   std::vector<uint32_t> data_parallel_splits;
+  // LoRA: per row ([B]) the adapter its request runs with, 0 for the base model (1 + the adapter's
+  // index in the model's loaded adapters). Empty: every row runs the base model.
+  std::vector<uint32_t> adapter_ids;
 
   size_t num_rows() const { return input_row_offsets.empty() ? 0 : input_row_offsets.size() - 1; }
   size_t num_tokens() const { return tokens.size(); }

@@ -184,7 +184,7 @@ TEST(BatchInput, ErrorMessages) {
   EXPECT_EQ(error_of("{\"prompt\": \"a\", \"max_token\": 5}"),
             "unknown field \"max_token\" (expected: id, prompt, prompt_token_ids, messages, temperature, top_k, "
             "top_p, min_p, seed, max_tokens, stop, stop_token_ids, frequency_penalty, presence_penalty, "
-            "repetition_penalty, logprobs, top_logprobs, n, ignore_eos)");
+            "repetition_penalty, logprobs, top_logprobs, n, ignore_eos, lora)");
   EXPECT_EQ(error_of("{\"prompt\": \"a\", \"max_tokens\": 0}"), "max_tokens: expected a positive integer, got 0");
   EXPECT_EQ(error_of("{\"prompt\": \"a\", \"top_k\": 2.0}"),
             "top_k: expected an integer >= -1 (-1 or 0: no top-k), got 2.0");

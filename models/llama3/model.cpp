@@ -1,5 +1,7 @@
 #include "models/llama3/model.h"
 
+#include <algorithm>
+#include <optional>
 #include <stdexcept>
 
 #include "parallel/collectives.h"
@@ -7,6 +9,7 @@
 #include "parallel/topology.h"
 #include "runtime/device.h"
 #include "runtime/ops.h"
+#include "runtime/ops_lora.h"
 #include "runtime/step_device.h"
 
 namespace clshard::llama3 {
@@ -77,6 +80,10 @@ Llama3Model::Llama3Model(const std::filesystem::path& dir, const LoadOptions& op
   } else if (ranks > 1) {
     comm_ = std::make_unique<parallel::Communicator>(devices);
   }
+  if (!opts.lora_adapters.empty() && comm_)
+    throw std::runtime_error("LoRA adapters with tensor parallelism are not supported yet "
+                             "(parallel.tensor must be 1)");
+  lora_ = load_llama_lora(cfg_, opts, *devices[0]);
 
   info_.architecture = cfg_.architecture;
   info_.vocab_size = uint32_t(cfg_.vocab_size);
@@ -156,7 +163,8 @@ StepOutputs Llama3Model::forward(const StepInputs& in) {
     w.xn = Scratch(*s.dev, t * H * 4);
     w.qkv = Scratch(*s.dev, t * w.qkv_w * 4);
     w.att = Scratch(*s.dev, t * w.nh * hd * 4);
-    w.gu = Scratch(*s.dev, t * w.f * 4);
+    // LoRA runs gate and up unfused, side by side (2 * f); the fused path writes f.
+    w.gu = Scratch(*s.dev, t * (lora_.adapters > 0 ? 2 : 1) * w.f * 4);
     if (comm_) w.part = Scratch(*s.dev, t * H * 4);
     work.push_back(std::move(w));
   }
@@ -172,6 +180,26 @@ StepOutputs Llama3Model::forward(const StepInputs& in) {
   }
   out.logits = logits_;
   if (T == 0) return out;
+
+  // LoRA: each token's adapter slot (-1: the base model), when a row runs an adapter.
+  std::optional<Scratch> lora_slot, lora_v;
+  if (lora_.adapters > 0 && std::any_of(in.adapter_ids.begin(), in.adapter_ids.end(),
+                                        [](uint32_t a) { return a != 0; })) {
+    std::vector<int32_t> slot(T, -1);
+    for (size_t b = 0; b < in.num_rows(); ++b)
+      for (uint32_t i = in.input_row_offsets[b]; i < in.input_row_offsets[b + 1]; ++i)
+        slot[i] = int32_t(in.adapter_ids[b]) - 1;
+    lora_slot.emplace(dev0, size_t(T) * 4);
+    dev0.write(lora_slot->mem(), slot.data(), size_t(T) * 4);
+    lora_v.emplace(dev0, size_t(T) * lora_.max_rank * 4);
+  }
+  // y += alpha * B (A x) of layer l's target t, for the tokens whose row runs an adapter.
+  auto lora = [&](size_t l, LoraTarget t, const cl::Mem& x, uint32_t ldx, const cl::Mem& y,
+                  uint32_t y_off, uint32_t ldy, float alpha) {
+    if (lora_slot)
+      ops::lora(dev0, x, 0, ldx, lora_.layers[l][t], lora_slot->mem(), lora_v->mem(), y, y_off,
+                ldy, T, alpha);
+  };
 
   // The ranks' partial sums (of the embedding shards, of o_proj and down_proj over their
   // columns) become the whole on every rank, then join the residual stream.
@@ -193,12 +221,17 @@ StepOutputs Llama3Model::forward(const StepInputs& in) {
       Device& d = *shards_[r].dev;
       const LayerWeights& L = shards_[r].w.layers[l];
       Work& w = work[r];
-      if (L.q_bias) {  // attention_bias: the norm, then one GEMV with its bias per projection
+      if (L.q_bias || lora_slot) {  // the norm, then one GEMV (bias, LoRA) per projection
+        const Weight* qb = L.q_bias ? &L.q_bias : nullptr;
+        const Weight* kb = L.q_bias ? &L.k_bias : nullptr;
+        const Weight* vb = L.q_bias ? &L.v_bias : nullptr;
         ops::rmsnorm(d, w.h.mem(), 0, H, nullptr, L.input_norm, w.xn.mem(), 0, H, T, H, eps);
-        ops::linear(d, w.xn.mem(), 0, H, L.q, &L.q_bias, w.qkv.mem(), 0, w.qkv_w, T);
-        ops::linear(d, w.xn.mem(), 0, H, L.k, &L.k_bias, w.qkv.mem(), w.nh * hd, w.qkv_w, T);
-        ops::linear(d, w.xn.mem(), 0, H, L.v, &L.v_bias, w.qkv.mem(), (w.nh + w.nkv) * hd,
-                    w.qkv_w, T);
+        ops::linear(d, w.xn.mem(), 0, H, L.q, qb, w.qkv.mem(), 0, w.qkv_w, T);
+        lora(l, kLoraQ, w.xn.mem(), H, w.qkv.mem(), 0, w.qkv_w, 1.0f);
+        ops::linear(d, w.xn.mem(), 0, H, L.k, kb, w.qkv.mem(), w.nh * hd, w.qkv_w, T);
+        lora(l, kLoraK, w.xn.mem(), H, w.qkv.mem(), w.nh * hd, w.qkv_w, 1.0f);
+        ops::linear(d, w.xn.mem(), 0, H, L.v, vb, w.qkv.mem(), (w.nh + w.nkv) * hd, w.qkv_w, T);
+        lora(l, kLoraV, w.xn.mem(), H, w.qkv.mem(), (w.nh + w.nkv) * hd, w.qkv_w, 1.0f);
       } else {  // norm, q, k and v in one launch
         ops::linear_fused(d, w.h.mem(), 0, H, nullptr, &L.input_norm, eps, {&L.q, &L.k, &L.v},
                           w.qkv.mem(), 0, w.qkv_w, T);
@@ -209,7 +242,8 @@ StepOutputs Llama3Model::forward(const StepInputs& in) {
                            hd, cfg_.attention_scale(), w.att.mem(), w.nh * hd);
       if (!comm_)
         ops::linear(d, w.att.mem(), 0, w.nh * hd, L.o, nullptr, w.h.mem(), 0, H, T, m, true);
-      else
+      lora(l, kLoraO, w.att.mem(), w.nh * hd, w.h.mem(), 0, H, m);
+      if (comm_)
         ops::linear(d, w.att.mem(), 0, w.nh * hd, L.o, nullptr, w.part.mem(), 0, H, T);
     }
     if (comm_) {
@@ -221,13 +255,27 @@ StepOutputs Llama3Model::forward(const StepInputs& in) {
       Device& d = *shards_[r].dev;
       const LayerWeights& L = shards_[r].w.layers[l];
       Work& w = work[r];
-      // norm, gate, up and silu(gate) * up in one launch, then down-projected into the residual.
-      ops::linear_swiglu(d, w.h.mem(), 0, H, &L.post_attention_norm, eps, L.gate, L.up,
-                         w.gu.mem(), 0, w.f, T);
+      // LoRA adds to gate and up before silu: the unfused path, gate and up side by side.
+      const uint32_t ldg = lora_slot ? 2 * w.f : w.f;
+      if (lora_slot) {
+        ops::rmsnorm(d, w.h.mem(), 0, H, nullptr, L.post_attention_norm, w.xn.mem(), 0, H, T, H,
+                     eps);
+        ops::linear(d, w.xn.mem(), 0, H, L.gate, nullptr, w.gu.mem(), 0, 2 * w.f, T);
+        lora(l, kLoraGate, w.xn.mem(), H, w.gu.mem(), 0, 2 * w.f, 1.0f);
+        ops::linear(d, w.xn.mem(), 0, H, L.up, nullptr, w.gu.mem(), w.f, 2 * w.f, T);
+        lora(l, kLoraUp, w.xn.mem(), H, w.gu.mem(), w.f, 2 * w.f, 1.0f);
+        ops::silu_mul(d, w.gu.mem(), 0, 2 * w.f, w.gu.mem(), w.f, 2 * w.f, w.gu.mem(), 2 * w.f,
+                      T, w.f);
+      } else {
+        // norm, gate, up and silu(gate) * up in one launch, then down-projected into the residual.
+        ops::linear_swiglu(d, w.h.mem(), 0, H, &L.post_attention_norm, eps, L.gate, L.up,
+                           w.gu.mem(), 0, w.f, T);
+      }
       if (!comm_)
-        ops::linear(d, w.gu.mem(), 0, w.f, L.down, nullptr, w.h.mem(), 0, H, T, m, true);
-      else
-        ops::linear(d, w.gu.mem(), 0, w.f, L.down, nullptr, w.part.mem(), 0, H, T);
+        ops::linear(d, w.gu.mem(), 0, ldg, L.down, nullptr, w.h.mem(), 0, H, T, m, true);
+      lora(l, kLoraDown, w.gu.mem(), ldg, w.h.mem(), 0, H, m);
+      if (comm_)
+        ops::linear(d, w.gu.mem(), 0, ldg, L.down, nullptr, w.part.mem(), 0, H, T);
     }
     if (comm_) {
       allreduce(&Work::part, "MLP output");

@@ -11,6 +11,7 @@
 #include <memory>
 
 #include "models/llama3/config.h"
+#include "models/llama3/lora.h"
 #include "models/llama3/weights.h"
 #include "models/load_options.h"
 #include "runtime/model.h"
@@ -39,6 +40,7 @@ class Llama3Model : public CausalLM {
   // The returned logits buffer is the model's and stays valid until the next forward.
   StepOutputs forward(const StepInputs& step) override;
   std::vector<Device*> devices() const override;
+  uint32_t num_lora_adapters() const override { return lora_.adapters; }
 
   const Llama3Config& config() const { return cfg_; }
 
@@ -64,6 +66,7 @@ class Llama3Model : public CausalLM {
   uint32_t num_pages_ = 0, page_size_ = 0;
   cl::Mem logits_;  // on the first device; every rank writes its vocabulary columns
   size_t logits_capacity_ = 0;
+  LlamaLora lora_;  // LoRA adapters (one device only)
 };
 
 }  // namespace clshard::llama3

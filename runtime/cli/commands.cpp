@@ -21,6 +21,7 @@
 #include "runtime/engine/mpi_steps.h"
 #include "runtime/engine/progress.h"
 #include "runtime/model.h"
+#include "runtime/ops_lora.h"
 #include "runtime/text/tokenizer.h"
 
 namespace clshard::cli {
@@ -369,6 +370,16 @@ int run(int argc, char** argv) {
       shape.draft_routed_expert_bytes = draft["routed_expert_bytes"].get<uint64_t>();
       shape.draft_kv_bytes_per_token = draft["kv_bytes_per_token"].get<uint64_t>();
     }
+    if (!cfg.lora.adapters.empty()) {
+      std::vector<std::filesystem::path> dirs;
+      for (const auto& [name, dir] : cfg.lora.adapters) dirs.push_back(dir);
+      try {
+        // Which modules a model supports is checked when it loads: here any module counts.
+        shape.lora_bytes = lora_stack_bytes(dirs, uint32_t(cfg.lora.max_rank), {});
+      } catch (const std::exception& e) {
+        throw std::runtime_error(cfg.where("lora.adapters") + ": " + e.what());
+      }
+    }
     const parallel::Topology topology = checkpoint_topology(what, degrees, devices);
     auto rows = parallel::plan_devices(ck, topology, shape);
     if (pl_json) {
@@ -379,7 +390,7 @@ int run(int argc, char** argv) {
       for (const auto& r : rows)
         j["devices"].push_back({{"device", r.device}, {"replica", r.replica},
                                 {"experts", r.experts}, {"weights", r.weights},
-                                {"draft_weights", r.draft_weights},
+                                {"draft_weights", r.draft_weights}, {"lora", r.lora},
                                 {"activations", r.activations}, {"ep_buffers", r.ep_buffers},
                                 {"signal_buffers", r.signal_buffers}, {"kv_pages", r.kv_pages},
                                 {"kv_bytes", r.kv_bytes}, {"fits", r.fits}});
@@ -423,6 +434,9 @@ int run(int argc, char** argv) {
                 << " GB routed experts, split like the target's), "
                 << shape.draft_kv_bytes_per_token << " cache bytes per token; both in the "
                 << "figures below\n";
+    if (shape.lora_bytes > 0)
+      std::cout << "lora: " << cfg.lora.adapters.size() << " adapter(s), " << shape.lora_bytes
+                << " bytes on every device (in the weights below)\n";
     std::cout << parallel::format_device_plan(rows, shape);
   });
 

@@ -262,6 +262,7 @@ void parse_plain(BatchRequest& r, const json& obj) {
     std::vector<std::string> a = {"id", "prompt", "prompt_token_ids", "messages"};
     a.insert(a.end(), sampling_fields().begin(), sampling_fields().end());
     a.insert(a.end(), {"response_format", "regex"});
+    a.push_back("lora");
     return a;
   }();
   for (const auto& [k, v] : obj.items()) {
@@ -269,6 +270,12 @@ void parse_plain(BatchRequest& r, const json& obj) {
       bad("", "unknown field \"" + k + "\" (expected: " + join(allowed) + ")");
     if (k == "id" || k == "prompt" || k == "prompt_token_ids" || k == "messages" || v.is_null()) continue;
     if (k == "response_format" || k == "regex") continue;  // structured_fields()
+    if (k == "lora") {
+      if (!v.is_string() || v.get_ref<const std::string&>().empty())
+        bad(k, "expected the name of a LoRA adapter, got " + shown(v));
+      r.lora = v.get<std::string>();
+      continue;
+    }
     apply_sampling_field(r.sampling, k, v, k);
   }
   check_logprobs_pair(r.sampling, obj, "");

@@ -64,6 +64,7 @@ struct BatchRequest {
   std::optional<std::vector<int32_t>> prompt_token_ids;
   std::optional<std::vector<ChatTurn>> messages;  // to be rendered with the chat template
   SamplingDefaults sampling;  // the deployment's defaults with this request's fields applied
+  std::optional<std::string> lora;  // the LoRA adapter (a name of the deployment's lora.adapters)
   bool openai_shape = false;  // {"custom_id", "body": ...}: the output adds custom_id and response
   // Structured output as given (key order kept: properties come out in schema order), and the
   // name the fields have in the line ("response_format" or "body.response_format").

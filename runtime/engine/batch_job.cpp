@@ -2,6 +2,7 @@
 
 #include <chrono>
 #include <algorithm>
+#include <cstdio>
 #include <map>
 #include <optional>
 
@@ -10,6 +11,15 @@
 #include "runtime/engine/structured/response_format.h"
 
 namespace clshard {
+
+std::string describe_prefix_cache(const EngineStats& s) {
+  char buf[200];
+  std::snprintf(buf, sizeof buf,
+                "%llu prompt tokens cached, %llu computed (hit rate %.1f%%)",
+                (unsigned long long)s.cached_prompt_tokens, (unsigned long long)s.prefill_tokens,
+                100.0 * s.prefix_hit_rate());
+  return buf;
+}
 
 BatchJobSummary run_batch_job(Deployment& d, std::ostream& err) {
   const DeployConfig& cfg = d.config;
@@ -51,6 +61,7 @@ BatchJobSummary run_batch_job(Deployment& d, std::ostream& err) {
             r->response_format ? &*r->response_format : nullptr, r->regex ? &*r->regex : nullptr,
             *d.tokenizer, r->response_format_field, r->regex_field);
       }
+      g.adapter_id = d.lora_adapter_id(r->lora);
       g.ignore_eos = r->sampling.ignore_eos;
       const size_t n = size_t(std::max(1, r->sampling.n));
       validate_sampling_params(g.sampling);  // before any choice is submitted
@@ -139,6 +150,11 @@ BatchJobSummary run_batch_job(Deployment& d, std::ostream& err) {
   err << "output: " << cfg.job.output.string() << "\n";
   err << "engine: " << sum.engine.steps << " steps, device " << sum.engine.device_s
       << " s, host " << sum.engine.host_s << " s, " << sum.engine.preemptions << " preemption(s)\n";
+  err << "prefix cache: "
+      << (cfg.kv_cache.prefix_caching
+              ? describe_prefix_cache(sum.engine)
+              : "off, " + std::to_string(sum.engine.prefill_tokens) + " prompt tokens computed")
+      << "\n";
   if (sum.engine.speculative.verify_rows > 0)
     err << "speculative: " << sum.engine.speculative.describe() << "\n";
   return sum;

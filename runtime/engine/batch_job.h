@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ostream>
+#include <string>
 
 #include "runtime/engine/deployment.h"
 
@@ -16,6 +17,11 @@ struct BatchJobSummary {
   double wall_s = 0;
   EngineStats engine;
 };
+
+// "1234 prompt tokens cached, 345 computed (hit rate 78.2%)": the summary's prefix-cache line.
+// Computed counts every position a prefill row fed (a preempted request's recomputed sequence
+// too); the hit rate is cached / (cached + computed).
+std::string describe_prefix_cache(const EngineStats& s);
 
 BatchJobSummary run_batch_job(Deployment& d, std::ostream& err);
 

@@ -131,6 +131,7 @@ const std::vector<std::string>& deploy_config_keys() {
       "kv_cache.page_size",
       "kv_cache.memory_fraction",
       "kv_cache.pages",
+      "kv_cache.prefix_caching",
       "batch.max_batch_size",
       "batch.max_batch_input_tokens",
       "sampling.temperature",
@@ -151,6 +152,9 @@ const std::vector<std::string>& deploy_config_keys() {
       "speculative.acceptance",
       "speculative.relaxed_topk",
       "speculative.relaxed_delta",
+      "lora.adapters",
+      "lora.max_rank",
+      "lora.max_loaded",
       "job.input",
       "job.output",
   };
@@ -169,7 +173,8 @@ std::vector<std::string> section_keys(const std::string& section) {
 
 const std::vector<std::string>& section_names() {
   static const std::vector<std::string> names = {"model",    "devices",     "parallel", "cluster", "kv_cache",
-                                                 "batch",    "sampling",    "speculative", "job"};
+                                                 "batch",    "sampling",    "speculative", "lora",
+                                                 "job"};
   return names;
 }
 
@@ -236,6 +241,7 @@ class Parser {
       else if (name == "batch") parse_batch(v);
       else if (name == "sampling") parse_sampling(v);
       else if (name == "speculative") parse_speculative(v);
+      else if (name == "lora") parse_lora(v);
       else if (name == "job") parse_job(v);
     });
   }
@@ -461,6 +467,8 @@ class Parser {
       } else if (k == "pages") {
         cfg_.kv_cache.pages = integer(v, p, line, "an integer >= 0 (0: derive from memory_fraction)", 0,
                                       std::numeric_limits<int32_t>::max());
+      } else if (k == "prefix_caching") {
+        cfg_.kv_cache.prefix_caching = boolean(v, p, line);
       }
     });
   }
@@ -542,6 +550,37 @@ class Parser {
         });
       }
     });
+  }
+
+  void parse_lora(const YAML::Node& m) {
+    for_each_section_key(m, "lora", [&](const std::string& k, const YAML::Node& v,
+                                        const std::string& p, int line) {
+      if (k == "adapters") {
+        if (!v.IsMap())
+          fail(line, p, "expected a mapping of adapter names to directories, got " + describe(v));
+        for (auto it = v.begin(); it != v.end(); ++it) {
+          const YAML::Node name = it->first, dir = it->second;
+          const int at = line_of(name, line);
+          if (!name.IsScalar() || name.Scalar().empty())
+            fail(at, p, "expected an adapter name, got " + describe(name));
+          const std::string key = p + "." + name.Scalar();
+          for (const auto& [n, d] : cfg_.lora.adapters)
+            if (n == name.Scalar()) fail(at, key, "duplicate adapter name");
+          fs::path dir_path = path_value(dir, key, line_of(dir, at));
+          if (dir_path.empty()) fail(at, key, "expected the adapter's directory, got nothing");
+          cfg_.lora.adapters.emplace_back(name.Scalar(), dir_path);
+        }
+      } else if (k == "max_rank") {
+        cfg_.lora.max_rank = int(integer(v, p, line, "a positive integer", 1, 4096));
+      } else if (k == "max_loaded") {
+        cfg_.lora.max_loaded = int(integer(v, p, line, "a positive integer", 1, 4096));
+      }
+    });
+    if (int(cfg_.lora.adapters.size()) > cfg_.lora.max_loaded)
+      fail_at("lora.max_loaded", std::to_string(cfg_.lora.adapters.size()) +
+                                     " adapters declared, but at most " +
+                                     std::to_string(cfg_.lora.max_loaded) +
+                                     " may be loaded (every declared adapter is loaded at start)");
   }
 
   void parse_job(const YAML::Node& m) {

@@ -67,6 +67,8 @@ struct KvCacheSection {
   // Share of each device's free memory (after weights and activations) given to KV pages.
   double memory_fraction = 0.9;
   int64_t pages = 0;  // pages per replica; 0: derive from memory_fraction
+  // Reuse the KV pages of prompt prefixes already computed (runtime/engine/scheduler.h).
+  bool prefix_caching = true;
   bool operator==(const KvCacheSection&) const = default;
 };
 
@@ -119,6 +121,15 @@ struct SpeculativeSection {
   bool operator==(const SpeculativeSection&) const = default;
 };
 
+// LoRA adapters (Hugging Face PEFT directories) a request may name in its `lora` field; the base
+// weights are never modified. Every declared adapter is loaded at start.
+struct LoraSection {
+  std::vector<std::pair<std::string, std::filesystem::path>> adapters;  // name -> dir, file order
+  int max_rank = 64;   // an adapter of a higher rank is an error
+  int max_loaded = 8;  // adapters resident at once (so: at most this many declared)
+  bool operator==(const LoraSection&) const = default;
+};
+
 struct JobSection {
   std::filesystem::path input;   // prompts, JSONL; empty: no batch job in this file
   std::filesystem::path output;  // completions, JSONL; empty: <input minus .jsonl>.completions.jsonl
@@ -134,6 +145,7 @@ struct DeployConfig {
   BatchSection batch;
   SamplingDefaults sampling;
   SpeculativeSection speculative;
+  LoraSection lora;
   JobSection job;
 
   // Where the file came from, and the 1-based line of every key it sets ("batch.max_batch_size"),

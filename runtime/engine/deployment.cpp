@@ -84,11 +84,22 @@ Deployment Deployment::open(const DeployConfig& cfg) {
   opts.quantize_fp8_activations = cfg.model.quantize_fp8_activations;
   opts.mpi_ranks = d.mpi_ranks;
   opts.mpi_rank = d.mpi_rank;
+  for (const auto& [name, dir] : cfg.lora.adapters) opts.lora_adapters.push_back({name, dir});
+  opts.lora_max_rank = uint32_t(cfg.lora.max_rank);
+  opts.lora_max_loaded = uint32_t(cfg.lora.max_loaded);
   try {
     d.model = load_model(cfg.model.path, opts);
   } catch (const std::exception& e) {
-    throw std::runtime_error(cfg.where("model.path") + ": " + e.what());
+    const std::string what = e.what();
+    throw std::runtime_error(
+        cfg.where(what.starts_with("LoRA") || what.starts_with("lora.") ? "lora.adapters"
+                                                                       : "model.path") +
+        ": " + what);
   }
+  if (!cfg.lora.adapters.empty() && d.model->num_lora_adapters() != cfg.lora.adapters.size())
+    throw std::runtime_error(cfg.where("lora.adapters") + ": LoRA adapters are supported on " +
+                             "Llama 3 models only so far; " + d.model->info().architecture +
+                             " loaded none");
   if (std::filesystem::exists(cfg.model.path / "tokenizer.json"))
     d.tokenizer = Tokenizer::from_dir(cfg.model.path);
   const SpeculativeSection& sp = cfg.speculative;
@@ -121,6 +132,7 @@ Deployment Deployment::open(const DeployConfig& cfg) {
   d.limits.total_pages = pages;
   d.limits.max_length = max_length;
   d.limits.num_speculative_tokens = uint32_t(sp.num_speculative_tokens);
+  d.limits.prefix_caching = cfg.kv_cache.prefix_caching;
   return d;
 }
 
@@ -137,6 +149,19 @@ std::unique_ptr<Engine> Deployment::make_engine() {
                                          draft.get(), spec);
   engine->set_logprobs_mode(config.sampling.logprobs_mode);
   return engine;
+}
+
+uint32_t Deployment::lora_adapter_id(const std::optional<std::string>& name) const {
+  if (!name) return 0;
+  const auto& declared = config.lora.adapters;
+  for (size_t i = 0; i < declared.size(); ++i)
+    if (declared[i].first == *name) return uint32_t(i + 1);
+  std::string names;
+  for (const auto& [n, dir] : declared) names += (names.empty() ? "" : ", ") + n;
+  throw std::runtime_error("lora: unknown LoRA adapter '" + *name + "' (" +
+                           (declared.empty() ? std::string("the deployment declares none")
+                                             : "the deployment declares: " + names) +
+                           ")");
 }
 
 SamplingParams Deployment::sampling_params(const SamplingDefaults& s) {

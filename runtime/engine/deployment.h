@@ -30,6 +30,9 @@ struct Deployment {
   std::unique_ptr<Engine> make_engine();
   // The YAML's sampling defaults as the sampler's parameters.
   static SamplingParams sampling_params(const SamplingDefaults& d);
+  // A request's LoRA adapter by name: 1 + its index in lora.adapters (the model's adapter id);
+  // 0 for none. An unknown name is an error naming the declared ones.
+  uint32_t lora_adapter_id(const std::optional<std::string>& name) const;
   // A request's prompt as token ids: text encoded (special tokens as the tokenizer adds them),
   // messages rendered with the chat template, ids checked against the vocabulary.
   std::vector<int32_t> prompt_ids(const std::optional<std::string>& prompt,

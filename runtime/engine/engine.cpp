@@ -4,7 +4,7 @@
 #include <chrono>
 #include <cstdio>
 
-#include "parallel/placement.h"
+#include "parallel/topology.h"
 #include "runtime/device.h"
 
 namespace clshard {
@@ -80,19 +80,29 @@ uint64_t Engine::submit(GenerationRequest request) {
   validate_sampling_params(request.sampling);
   if (!request.stop.empty() && !tokenizer_)
     throw std::invalid_argument("stop strings need the checkpoint's tokenizer.json");
+  if (request.adapter_id > model_.num_lora_adapters())
+    throw std::invalid_argument("LoRA adapter id " + std::to_string(request.adapter_id) +
+                                " but the model has " +
+                                std::to_string(model_.num_lora_adapters()) + " adapter(s)");
   const uint32_t vocab = model_.info().vocab_size;
   for (int32_t t : request.prompt)
     if (t < 0 || uint32_t(t) >= vocab)
       throw std::invalid_argument("prompt token " + std::to_string(t) +
                                   " is outside the vocabulary of " + std::to_string(vocab));
-  // The least-loaded replica (requests running or waiting), as parallel/ routes requests.
-  std::vector<uint64_t> load;
-  for (const Scheduler& s : schedulers_) load.push_back(s.num_running() + s.num_waiting());
-  const size_t replica = parallel::least_loaded_replica(load);
+  // Cache-aware routing (parallel/ decides): the load is requests running or waiting; a replica
+  // may run up to an eighth of a batch more than the least loaded one to reuse its prefix.
+  std::vector<uint64_t> load, prefix;
+  for (const Scheduler& s : schedulers_) {
+    load.push_back(s.num_running() + s.num_waiting());
+    prefix.push_back(
+        schedulers_.size() > 1 ? s.prefix_match_tokens(request.prompt, request.adapter_id) : 0);
+  }
+  const uint64_t slack = std::max<uint64_t>(1, schedulers_.front().limits().max_batch_size / 8);
+  const size_t replica = parallel::Topology::route_request(prefix, load, slack);
   const uint64_t h = next_handle_++;
   Live live;
   live.replica = replica;
-  live.local = schedulers_[replica].add(request.prompt, request.max_tokens);
+  live.local = schedulers_[replica].add(request.prompt, request.max_tokens, request.adapter_id);
   handle_of_[replica][live.local] = h;
   live.req = std::move(request);
   if (live.req.constraint) live.constraint = live.req.constraint->clone();
@@ -344,6 +354,7 @@ std::vector<GenerationResult> Engine::step() {
   std::vector<GenerationResult> done;
   auto t3 = Clock::now();
   stats_.preemptions = 0;
+  stats_.cached_prompt_tokens = stats_.prefill_tokens = 0;
   for (size_t r = 0; r < R; ++r) {
     for (FinishedRequest& f : schedulers_[r].take_finished()) {
       GenerationResult res;
@@ -353,6 +364,7 @@ std::vector<GenerationResult> Engine::step() {
       res.error = f.error;
       res.prompt_tokens = f.prompt_tokens;
       res.preemptions = f.preemptions;
+      res.cached_tokens = f.cached_tokens;
       res.token_ids = std::move(f.generated);
       auto it = live_.find(res.handle);
       if (it != live_.end()) {
@@ -367,6 +379,8 @@ std::vector<GenerationResult> Engine::step() {
       done.push_back(std::move(res));
     }
     stats_.preemptions += schedulers_[r].preemptions();
+    stats_.cached_prompt_tokens += schedulers_[r].cached_tokens();
+    stats_.prefill_tokens += schedulers_[r].prefill_tokens();
   }
   stats_.host_s += since(t3);
   return done;

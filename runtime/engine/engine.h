@@ -34,6 +34,7 @@ struct GenerationRequest {
   // output can end, and the request ends (Stop) once the output is complete. The engine works
   // on its own clone(), so one compiled constraint may be submitted several times.
   std::shared_ptr<TokenConstraint> constraint;
+  uint32_t adapter_id = 0;  // LoRA: 1 + the index of the model's adapter; 0: the base model
   bool ignore_eos = false;  // the model's EOS ids do not end it (stop_token_ids still do)
 };
 
@@ -47,6 +48,7 @@ struct GenerationResult {
   std::string error;
   uint32_t prompt_tokens = 0;
   uint32_t preemptions = 0;
+  uint32_t cached_tokens = 0;  // positions taken from the prefix cache instead of computed
   // One entry per token of token_ids when the request asked for sampling.logprobs (else empty).
   std::vector<TokenLogprobs> logprobs;
 };
@@ -81,6 +83,16 @@ struct EngineStats {
   double host_s = 0;    // scheduling, bookkeeping, detokenizing
   double device_s = 0;  // forward passes and sampling (enqueue to the logits/tokens read)
   uint64_t preemptions = 0;
+  // Prefix caching: positions requests took from the cache at admission, and positions prefill
+  // rows computed (prompts, and the sequences of preempted requests recomputed), over every
+  // replica.
+  uint64_t cached_prompt_tokens = 0;
+  uint64_t prefill_tokens = 0;
+  // Share of the positions to prefill that came from the cache.
+  double prefix_hit_rate() const {
+    const uint64_t all = cached_prompt_tokens + prefill_tokens;
+    return all ? double(cached_prompt_tokens) / double(all) : 0.0;
+  }
   SpeculativeStats speculative;
 };
 
@@ -102,8 +114,9 @@ uint32_t plan_kv_pages(const CausalLM& model, uint32_t page_size, int64_t pages,
                        double memory_fraction, uint32_t max_batch_size, uint32_t max_length,
                        const DraftModel* draft = nullptr);
 
-// One scheduler per data-parallel replica of the model; a new request goes to the least-loaded
-// replica, and each step runs every replica's rows together (data_parallel_splits).
+// One scheduler per data-parallel replica of the model; a new request goes to the replica
+// parallel::Topology::route_request picks (the longest cached prefix within a load margin, else the
+// least loaded), and each step runs every replica's rows together (data_parallel_splits).
 class Engine {
  public:
   // The model's KV cache must be allocated (allocate_kv_cache) with limits.total_pages pages (per

@@ -39,9 +39,11 @@ Scheduler::Request& Scheduler::request(uint64_t handle) {
   return it->second;
 }
 
-uint64_t Scheduler::add(std::vector<int32_t> prompt_tokens, uint32_t max_new_tokens) {
+uint64_t Scheduler::add(std::vector<int32_t> prompt_tokens, uint32_t max_new_tokens,
+                        uint32_t adapter_id) {
   const uint64_t handle = next_handle_++;
   Request& req = requests_.try_emplace(handle, handle, pool_, limits_.page_size).first->second;
+  req.adapter_id = adapter_id;
   req.prompt_len = uint32_t(prompt_tokens.size());
   req.tokens = std::move(prompt_tokens);
   // Never more than max_length tokens in all; a prompt that leaves no room is an error below.
@@ -87,11 +89,94 @@ uint64_t Scheduler::add(std::vector<int32_t> prompt_tokens, uint32_t max_new_tok
                    std::to_string(pool_.total_pages()) + " pages");
     return handle;
   }
+  if (limits_.prefix_caching)
+    for (uint64_t h : hashes(req, req.prompt_len / limits_.page_size)) ++live_hashes_[h];
   waiting_.push_back(handle);
   return handle;
 }
 
+const std::vector<uint64_t>& Scheduler::hashes(Request& r, size_t pages) {
+  if (r.page_hashes.size() < pages)
+    extend_prefix_page_hashes(r.page_hashes,
+                              std::span<const int32_t>(r.tokens).first(pages * limits_.page_size),
+                              limits_.page_size, r.adapter_id);
+  return r.page_hashes;
+}
+
+uint32_t Scheduler::reusable_pages(const Request& r) const {
+  return (uint32_t(r.tokens.size()) - 1) / limits_.page_size;
+}
+
+// Takes the leading published pages of r's sequence (r has nothing computed and holds no page).
+void Scheduler::take_cached_prefix(Request& r) {
+  const uint32_t n = reusable_pages(r);
+  const auto& h = hashes(r, n);
+  for (uint32_t i = 0; i < n; ++i) {
+    const auto page = pool_.find_cached(h[i]);
+    if (!page) break;
+    r.pages.append_cached(*page);
+  }
+  r.computed = r.pages.num_pages() * limits_.page_size;
+  r.published = r.pages.num_pages();
+}
+
+// Whether the next page r would compute is one a running request has yet to compute (and then
+// publishes): r does better to wait a step and take it.
+bool Scheduler::next_page_in_progress(Request& r) {
+  const uint32_t next = r.pages.num_pages();
+  if (next >= reusable_pages(r)) return false;
+  const uint64_t h = hashes(r, next + 1)[next];
+  for (uint64_t other : running_) {
+    Request& q = request(other);
+    if (q.published > next || q.tokens.size() < size_t(next + 1) * limits_.page_size) continue;
+    if (hashes(q, next + 1)[next] == h) return true;
+  }
+  return false;
+}
+
+// Publishes r's full pages below position `computed` (see the header for which positions count).
+void Scheduler::publish_computed(Request& r, uint32_t computed) {
+  const uint32_t full = std::min(computed / limits_.page_size, r.pages.num_pages());
+  if (full <= r.published) return;
+  const auto& h = hashes(r, full);
+  for (uint32_t i = r.published; i < full; ++i) pool_.publish(r.pages.pages()[i], h[i]);
+  r.published = full;
+}
+
+void Scheduler::forget_live_hashes(Request& r) {
+  if (!limits_.prefix_caching) return;
+  const uint32_t n = std::min<uint32_t>(r.prompt_len / limits_.page_size,
+                                        uint32_t(r.page_hashes.size()));
+  for (uint32_t i = 0; i < n; ++i) {
+    auto it = live_hashes_.find(r.page_hashes[i]);
+    if (it != live_hashes_.end() && --it->second == 0) live_hashes_.erase(it);
+  }
+}
+
+uint64_t Scheduler::prefix_match_tokens(std::span<const int32_t> tokens,
+                                        uint32_t adapter_id) const {
+  if (!limits_.prefix_caching || tokens.empty()) return 0;
+  std::vector<uint64_t> h;
+  extend_prefix_page_hashes(h, tokens.first((tokens.size() - 1) / limits_.page_size *
+                                            limits_.page_size),
+                            limits_.page_size, adapter_id);
+  uint64_t pages = 0;
+  while (pages < h.size() &&
+         (pool_.find_cached(h[pages]) || live_hashes_.contains(h[pages])))
+    ++pages;
+  return pages * limits_.page_size;
+}
+
+const std::vector<uint32_t>& Scheduler::pages_of(uint64_t handle) const {
+  auto it = requests_.find(handle);
+  if (it == requests_.end())
+    throw std::logic_error("Scheduler::pages_of: request " + std::to_string(handle) +
+                           " is not waiting or running");
+  return it->second.pages.pages();
+}
+
 void Scheduler::finish_now(Request& r, EndReason reason, std::string message) {
+  forget_live_hashes(r);
   r.pages.release();
   if (auto it = std::find(running_.begin(), running_.end(), r.handle); it != running_.end())
     running_.erase(it);
@@ -104,6 +189,7 @@ void Scheduler::finish_now(Request& r, EndReason reason, std::string message) {
   done.error = std::move(message);
   done.prompt_tokens = r.prompt_len;
   done.preemptions = r.preemptions;
+  done.cached_tokens = r.cached_tokens;
   finished_.push_back(std::move(done));
   requests_.erase(r.handle);  // r dangles from here on
 }
@@ -123,6 +209,7 @@ void Scheduler::preempt(uint64_t handle, Plan& plan) {
   r.pages.release();
   r.drafts.clear();  // they continued a sequence that is recomputed from scratch
   r.computed = 0;  // its whole sequence (prompt + generated) is prefilled again on re-admission
+  r.published = 0;  // its published pages stay cached (unless evicted) for its re-admission
   ++r.preemptions;
   ++preemptions_;
   plan.preempted = true;
@@ -218,8 +305,23 @@ Scheduler::Plan Scheduler::plan_step() {
   // first chunk are free. A preempted request sits at the front with its whole sequence pending.
   while (!plan.preempted && !waiting_.empty() && rows_left() && tokens_left() > 0) {
     Request& r = request(waiting_.front());
+    if (limits_.prefix_caching) {
+      take_cached_prefix(r);
+      if (next_page_in_progress(r)) {
+        r.pages.release();  // back to the cache, to be taken again next step
+        r.computed = r.published = 0;
+        break;
+      }
+    }
     const uint32_t chunk = std::min(r.pending(), tokens_left());
-    if (!r.pages.ensure_capacity(row_end(r, chunk, 0))) break;
+    if (!r.pages.ensure_capacity(row_end(r, chunk, 0))) {
+      r.pages.release();
+      r.computed = r.published = 0;
+      break;
+    }
+    cached_tokens_ += r.computed;
+    r.cached_tokens += r.computed;
+    r.prefill_end = uint32_t(r.tokens.size());
     waiting_.pop_front();
     running_.push_back(r.handle);
     plan.rows.push_back({r.handle, chunk});
@@ -265,6 +367,9 @@ ScheduledStep Scheduler::build_step(const Plan& plan) {
   in.lookup_table.assign(plan.rows.size() * size_t(pages_per_row), pool_.null_page());
   const bool speculative = limits_.num_speculative_tokens > 0;
   if (speculative) in.logits_per_row.reserve(plan.rows.size());
+  const bool adapters = std::any_of(plan.rows.begin(), plan.rows.end(), [&](const PlannedRow& p) {
+    return request(p.handle).adapter_id != 0;
+  });
 
   for (size_t b = 0; b < plan.rows.size(); ++b) {
     Request& r = request(plan.rows[b].handle);
@@ -276,8 +381,10 @@ ScheduledStep Scheduler::build_step(const Plan& plan) {
     r.drafts.clear();  // consumed, fed or not
     in.input_row_offsets.push_back(uint32_t(in.tokens.size()));
     in.cache_lengths.push_back(r.computed);
+    if (r.computed < r.prefill_end) prefill_tokens_ += std::min(n, r.prefill_end - r.computed);
     std::copy_n(r.pages.pages().begin(), row_pages[b], in.lookup_table.begin() + b * pages_per_row);
     if (speculative) in.logits_per_row.push_back(needs_sample ? k + 1 : 0);
+    if (adapters) in.adapter_ids.push_back(r.adapter_id);
     ScheduledRow& row = step.rows.emplace_back();
     row.handle = r.handle;
     row.needs_sample = needs_sample;
@@ -332,6 +439,13 @@ void Scheduler::commit(const ScheduledStep& step,
       r.computed += (row.num_tokens - row.num_drafts) + uint32_t(kept.size()) - 1;
       const size_t appended = std::min<size_t>(kept.size(), r.remaining());
       r.tokens.insert(r.tokens.end(), kept.begin(), kept.begin() + appended);
+    }
+    if (limits_.prefix_caching) {
+      // With a draft (K > 0), the positions of the step that ends a request lack the draft's
+      // cache rows (the engine drafts only for requests still running): publish up to the row.
+      const bool ends = r.finish_requested || r.generated() >= r.max_new_tokens;
+      publish_computed(r, limits_.num_speculative_tokens > 0 && ends ? row.cache_length
+                                                                      : r.computed);
     }
     if (r.finish_requested)
       finish_now(r, *r.finish_requested, std::move(r.finish_message));

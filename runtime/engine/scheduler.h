@@ -50,6 +50,19 @@
 // generation then continues where it stopped (nothing is re-sampled). The oldest running request
 // is never preempted, so every step makes progress and no request is lost or duplicated.
 // Everything is deterministic given the same sequence of calls.
+//
+// Prefix caching (limits.prefix_caching): a request's full pages are identified by the hash chain
+// of its tokens and adapter (kv_pages.h). When a request is admitted with nothing computed (new, or
+// preempted), it takes every leading page of its sequence that the pool has published, keeping at
+// least one token to compute so the step yields logits, and starts its cache_length after them.
+// Pages are published at commit once every position in them is computed — with K > 0, once the
+// draft's cache holds them too: the engine runs the draft over a row after commit unless the
+// request ended there, so the pages a request computes in the step that ends it stay private.
+// Writes go only to positions >= a row's cache_length, which lie past every page the request
+// shares, so a shared page is never written. Admission also waits (the FIFO front, and the queue
+// behind it) while the next page the front request would compute is being computed by a running
+// request: one step later it can take it instead of computing it again. A preempted request's
+// published pages stay cached, and it takes them back on re-admission unless they were evicted.
 #pragma once
 
 #include <cstdint>
@@ -77,6 +90,9 @@ struct SchedulerLimits {
   // K: drafts a decode row may carry (see set_drafts()); rows that sample also hold K - 1
   // lookahead positions for the draft model's cache. 0 = no speculation.
   uint32_t num_speculative_tokens = 0;
+  // Reuse published full pages of equal prefixes (see above). Off: every page is private and
+  // freed when its request ends, as before prefix caching.
+  bool prefix_caching = false;
 };
 
 // Why a request ended. (Not batch_io.h's FinishReason, which names only what an output record can
@@ -93,6 +109,7 @@ struct FinishedRequest {
   std::string error;               // what went wrong, when reason == Error
   uint32_t prompt_tokens = 0;
   uint32_t preemptions = 0;        // times this request was preempted and recomputed
+  uint32_t cached_tokens = 0;      // positions taken from the prefix cache, over its admissions
 };
 
 struct ScheduledRow {
@@ -146,7 +163,10 @@ class Scheduler {
   // — is finished at once with reason Error and a message saying why; max_new_tokens == 0
   // finishes at once with reason Length and no tokens. Either way it is reported by
   // take_finished() like any other.
-  uint64_t add(std::vector<int32_t> prompt_tokens, uint32_t max_new_tokens);
+  // adapter_id (0: the base model) is part of the prefix-cache key: KV computed under one LoRA
+  // adapter is never reused under another.
+  uint64_t add(std::vector<int32_t> prompt_tokens, uint32_t max_new_tokens,
+               uint32_t adapter_id = 0);
 
   // The next step, or nullopt when nothing is waiting or running. The previous step must have been
   // committed (std::logic_error otherwise): a request's cache length only advances at commit.
@@ -205,6 +225,17 @@ class Scheduler {
   size_t num_running() const { return running_.size(); }
   size_t num_waiting() const { return waiting_.size(); }
   const KvPagePool& pool() const { return pool_; }
+  // The pages a waiting or running request holds, in position order (std::logic_error otherwise).
+  const std::vector<uint32_t>& pages_of(uint64_t handle) const;
+  // Prefix caching: positions taken from the cache at admission, over every admission; positions
+  // computed by (re)prefill rows (prompt tokens, or a preempted request's whole sequence).
+  uint64_t cached_tokens() const { return cached_tokens_; }
+  uint64_t prefill_tokens() const { return prefill_tokens_; }
+  // How many leading tokens of a request with these tokens and adapter this replica holds or will
+  // hold: its published pages, and the prompt pages of the requests it is running or queuing
+  // (which cache-aware routing counts as held, since they will be computed here). 0 without
+  // prefix caching.
+  uint64_t prefix_match_tokens(std::span<const int32_t> tokens, uint32_t adapter_id) const;
 
  private:
   struct Request {
@@ -220,6 +251,12 @@ class Scheduler {
     std::vector<int32_t> drafts;  // set_drafts() for the next decode row
     std::optional<EndReason> finish_requested;  // finish() during the step: applied at commit
     std::string finish_message;
+    // Prefix caching.
+    uint32_t adapter_id = 0;
+    std::vector<uint64_t> page_hashes;  // hash chain of the full pages of `tokens` (so far)
+    uint32_t published = 0;             // leading pages published (or found already published)
+    uint32_t prefill_end = 0;           // tokens.size() at admission: positions a prefill computes
+    uint32_t cached_tokens = 0;
 
     uint32_t generated() const { return uint32_t(tokens.size()) - prompt_len; }
     uint32_t pending() const { return uint32_t(tokens.size()) - computed; }  // tokens to feed
@@ -245,6 +282,14 @@ class Scheduler {
   void fit_drafts(Plan& plan);
   void preempt(uint64_t handle, Plan& plan);
   ScheduledStep build_step(const Plan& plan);
+  // Prefix caching.
+  const std::vector<uint64_t>& hashes(Request& r, size_t pages);
+  // Pages a request may take from the cache: its full pages but the one holding its last token.
+  uint32_t reusable_pages(const Request& r) const;
+  void take_cached_prefix(Request& r);
+  bool next_page_in_progress(Request& r);
+  void publish_computed(Request& r, uint32_t computed);
+  void forget_live_hashes(Request& r);
 
   SchedulerLimits limits_;
   // Declared before requests_ so that it outlives every request's page table.
@@ -257,6 +302,9 @@ class Scheduler {
   std::optional<uint64_t> outstanding_step_;        // handed out by schedule(), not yet committed
   uint64_t steps_ = 0;
   uint64_t preemptions_ = 0;
+  uint64_t cached_tokens_ = 0, prefill_tokens_ = 0;
+  // Prompt-page hashes of the waiting and running requests, with their counts (routing).
+  std::unordered_map<uint64_t, uint32_t> live_hashes_;
 };
 
 }  // namespace clshard

@@ -209,11 +209,14 @@ void Engine::propose_drafts(const Batch& b, const StepOutputs& target,
       step0.add_row(r, tokens, row.cache_length, pages, 0, begin - replica_base);
     }
   }
-  if (drafting.empty()) return;
+  // The draft runs even when no row drafts: an intermediate prefill chunk's positions need its
+  // cache rows as much as the target's (later drafts read them, and prefix caching shares them).
+  if (step0.in.num_rows() == 0) return;
   step0.finish_splits();
   std::vector<Scratch> keep;
   StepOutputs out = draft_->forward(
       step0.in, step0.gather(target.hidden, target.hidden_width, keep), target.hidden_width);
+  if (drafting.empty()) return;
   std::vector<std::vector<int32_t>> proposed(drafting.size());
   std::vector<int32_t> last = argmax_rows(out);
   for (size_t d = 0; d < drafting.size(); ++d) proposed[d].push_back(last[d]);

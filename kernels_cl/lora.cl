@@ -1,0 +1,43 @@
+// LoRA over a batch whose rows use different adapters (Punica's shrink / expand, S-LoRA's
+// batched form): y[t] += alpha * scale[s] * B_s (A_s x[t]) for every token t whose request's
+// adapter sits in slot s (token_slot[t] = s; -1: the base model, left alone). One launch of each
+// kernel serves every adapter of the batch. The adapters of one layer target are stacked in slots padded to max_rank:
+// A [slots, max_rank, K] and B [slots, N, max_rank] f32, rank[s] <= max_rank the rows in use.
+
+// v[t, j] = sum_k A[s, j, k] x[t, k] for j < rank[s] (0 beyond). Global (T, max_rank).
+kernel void lora_shrink(global const float* x, uint x_off, uint ldx, global const float* A,
+                        global const int* token_slot, global const uint* rank, uint max_rank,
+                        uint K, global float* v) {
+  const uint t = get_global_id(0), j = get_global_id(1);
+  const int s = token_slot[t];
+  float acc = 0.0f;
+  if (s >= 0 && j < rank[s]) {
+    global const float* a = A + ((size_t)s * max_rank + j) * K;
+    global const float* xr = x + x_off + (size_t)t * ldx;
+    for (uint k = 0; k < K; ++k) acc = fma(a[k], xr[k], acc);
+  }
+  v[(size_t)t * max_rank + j] = acc;
+}
+
+// y[t, n] += alpha * scale[s] * sum_j B[s, n, j] v[t, j], CHUNK outputs per work-item.
+// Global (T, ceil(N / CHUNK)).
+#define CHUNK 64
+kernel void lora_expand(global const float* v, global const float* B,
+                        global const int* token_slot, global const uint* rank,
+                        global const float* scale, uint max_rank, uint N, float alpha,
+                        global float* y, uint y_off, uint ldy) {
+  const uint t = get_global_id(0);
+  const int s = token_slot[t];
+  if (s < 0) return;
+  const uint n0 = get_global_id(1) * CHUNK, n1 = min(n0 + CHUNK, N);
+  const uint r = rank[s];
+  const float c = alpha * scale[s];
+  global const float* vr = v + (size_t)t * max_rank;
+  global float* yr = y + y_off + (size_t)t * ldy;
+  for (uint n = n0; n < n1; ++n) {
+    global const float* b = B + ((size_t)s * N + n) * max_rank;
+    float acc = 0.0f;
+    for (uint j = 0; j < r; ++j) acc = fma(b[j], vr[j], acc);
+    yr[n] = fma(c, acc, yr[n]);
+  }
+}

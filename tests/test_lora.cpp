@@ -1,0 +1,398 @@
+// LoRA adapters on Llama 3 (runtime/ops_lora.h, models/llama3/lora.h), against merged weights:
+//   * a request running an adapter gives, at every position, the logits of a checkpoint whose
+//     weights the test merged (W + (alpha / r) B A, computed in double) within 1e-4, for adapters
+//     the test writes (random A and B; rank 4 on q/v/o/down_proj, rank 16 on all seven targets);
+//   * a mixed batch (three adapters and the base model in one step) gives each row the logits it
+//     gets alone, and through the engine the greedy tokens it gets alone;
+//   * bad input: an adapter for another base model (shapes, layers), a rank above max_rank, a
+//     malformed or incomplete adapter_config.json, an unsupported target module, and (in the batch
+//     job) an unknown adapter name, which becomes an error record while the job goes on.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <random>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "models/registry.h"
+#include "runtime/device.h"
+#include "runtime/engine/engine.h"
+#include "runtime/safetensors.h"
+#include "tests/test_util.h"
+
+namespace clshard {
+namespace {
+
+namespace fs = std::filesystem;
+
+fs::path base_dir() { return test::reference_dir() / "ckpt" / "llama3-tiny-f32"; }
+
+// The tiny checkpoint's shapes: hidden 128, 4 heads of 32 (2 kv heads), FFN 384, 2 layers.
+struct Shape {
+  int64_t in, out;
+};
+std::map<std::string, Shape> module_shapes() {
+  return {{"q_proj", {128, 128}},   {"k_proj", {128, 64}}, {"v_proj", {128, 64}},
+          {"o_proj", {128, 128}},   {"gate_proj", {128, 384}}, {"up_proj", {128, 384}},
+          {"down_proj", {384, 128}}};
+}
+std::string module_path(int layer, const std::string& m) {
+  const bool attn = m == "q_proj" || m == "k_proj" || m == "v_proj" || m == "o_proj";
+  return "model.layers." + std::to_string(layer) + (attn ? ".self_attn." : ".mlp.") + m;
+}
+
+struct TestAdapter {
+  int rank = 4;
+  double alpha = 8;
+  std::vector<std::string> modules;
+  // By module path: A [rank, in], B [out, rank].
+  std::map<std::string, std::pair<std::vector<float>, std::vector<float>>> weights;
+};
+
+std::vector<uint8_t> bytes_of(const std::vector<float>& v) {
+  std::vector<uint8_t> b(v.size() * 4);
+  std::memcpy(b.data(), v.data(), b.size());
+  return b;
+}
+
+// Writes a PEFT adapter directory with random A and B for `modules` in every layer.
+TestAdapter write_adapter(const fs::path& dir, int rank, double alpha,
+                          const std::vector<std::string>& modules, uint32_t seed,
+                          std::map<std::string, Shape> shapes = module_shapes(), int layers = 2) {
+  TestAdapter a;
+  a.rank = rank;
+  a.alpha = alpha;
+  a.modules = modules;
+  fs::create_directories(dir);
+  nlohmann::json cfg = {{"r", rank},
+                        {"lora_alpha", alpha},
+                        {"target_modules", modules},
+                        {"peft_type", "LORA"},
+                        {"base_model_name_or_path", "llama3-tiny"}};
+  std::ofstream(dir / "adapter_config.json") << cfg.dump(2);
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> u(-0.15f, 0.15f);
+  std::vector<TensorToWrite> tensors;
+  for (int l = 0; l < layers; ++l)
+    for (const auto& m : modules) {
+      const Shape s = shapes.at(m);
+      std::vector<float> A(size_t(rank * s.in)), B(size_t(s.out * rank));
+      for (float& x : A) x = u(rng);
+      for (float& x : B) x = u(rng);
+      const std::string path = module_path(l, m);
+      const std::string name = "base_model.model." + path;
+      tensors.push_back({name + ".lora_A.weight", DType::F32, {rank, s.in}, bytes_of(A)});
+      tensors.push_back({name + ".lora_B.weight", DType::F32, {s.out, rank}, bytes_of(B)});
+      a.weights[path] = {A, B};
+    }
+  write_safetensors(dir / "adapter_model.safetensors", tensors);
+  return a;
+}
+
+// A copy of the base checkpoint with the adapter merged: W + (alpha / r) B A, in double.
+fs::path write_merged(const fs::path& dir, const TestAdapter& a) {
+  fs::create_directories(dir);
+  for (const char* f : {"config.json", "generation_config.json"})
+    fs::copy_file(base_dir() / f, dir / f, fs::copy_options::overwrite_existing);
+  WeightStore base(base_dir());
+  std::vector<TensorToWrite> out;
+  const double scale = a.alpha / a.rank;
+  for (const std::string& name : base.names()) {
+    const TensorView& t = base.get(name);
+    EXPECT_EQ(t.dtype, DType::F32);
+    std::vector<float> w(size_t(t.numel()));
+    std::memcpy(w.data(), t.data, t.bytes);
+    const std::string path = name.substr(0, name.size() - std::string(".weight").size());
+    if (auto it = a.weights.find(path); it != a.weights.end()) {
+      const auto& [A, B] = it->second;
+      const int64_t n_out = t.dim(0), n_in = t.dim(1);
+      for (int64_t o = 0; o < n_out; ++o)
+        for (int64_t i = 0; i < n_in; ++i) {
+          double d = 0;
+          for (int j = 0; j < a.rank; ++j) d += double(B[o * a.rank + j]) * A[j * n_in + i];
+          w[o * n_in + i] = float(double(w[o * n_in + i]) + scale * d);
+        }
+    }
+    out.push_back({name, DType::F32, t.shape, bytes_of(w)});
+  }
+  write_safetensors(dir / "model.safetensors", out);
+  return dir;
+}
+
+std::unique_ptr<CausalLM> load_with(const std::vector<std::pair<std::string, fs::path>>& adapters,
+                                    const fs::path& dir = base_dir(), uint32_t max_rank = 16) {
+  LoadOptions o{{&test::default_device()}, std::nullopt};
+  for (const auto& [n, d] : adapters) o.lora_adapters.push_back({n, d});
+  o.lora_max_rank = max_rank;
+  return load_model(dir, o);
+}
+
+// Every position's logits of each sequence, all rows in one step, row b running adapters[b].
+std::vector<std::vector<float>> logits_of(CausalLM& model,
+                                          const std::vector<std::vector<int32_t>>& seqs,
+                                          const std::vector<uint32_t>& adapters) {
+  const uint32_t page = 16;
+  StepInputs in;
+  in.input_row_offsets = {0};
+  uint32_t pages_per_row = 1;
+  for (const auto& s : seqs)
+    pages_per_row = std::max(pages_per_row, uint32_t((s.size() + page - 1) / page));
+  in.pages_per_row = pages_per_row;
+  uint32_t next_page = 0;
+  for (size_t b = 0; b < seqs.size(); ++b) {
+    in.tokens.insert(in.tokens.end(), seqs[b].begin(), seqs[b].end());
+    in.input_row_offsets.push_back(uint32_t(in.tokens.size()));
+    in.cache_lengths.push_back(0);
+    for (uint32_t p = 0; p < pages_per_row; ++p) in.lookup_table.push_back(next_page++);
+  }
+  in.return_logits = ReturnLogits::All;
+  if (std::any_of(adapters.begin(), adapters.end(), [](uint32_t a) { return a; }))
+    in.adapter_ids = adapters;
+  model.allocate_kv_cache(next_page, page);
+  StepOutputs out = model.forward(in);
+  const auto all = out.read_logits();
+  std::vector<std::vector<float>> rows;
+  for (size_t b = 0; b < seqs.size(); ++b)
+    rows.emplace_back(all.begin() + size_t(out.logit_offsets[b]) * out.vocab,
+                      all.begin() + size_t(out.logit_offsets[b + 1]) * out.vocab);
+  return rows;
+}
+
+float max_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  EXPECT_EQ(a.size(), b.size());
+  float d = 0;
+  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) d = std::max(d, std::abs(a[i] - b[i]));
+  return d;
+}
+
+std::vector<int32_t> sequence(int seed, size_t n) {
+  std::vector<int32_t> s;
+  for (size_t j = 0; j < n; ++j) s.push_back(int32_t((seed * 83 + j * 29) % 500 + 3));
+  return s;
+}
+
+struct Rig {
+  fs::path root = test::temp_dir("lora");
+  TestAdapter r4, r16, r8;
+  fs::path r4_dir = root / "r4", r16_dir = root / "r16", r8_dir = root / "r8";
+  Rig() {
+    r4 = write_adapter(r4_dir, 4, 8.0, {"q_proj", "v_proj", "o_proj", "down_proj"}, 1);
+    r16 = write_adapter(r16_dir, 16, 32.0,
+                        {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                         "down_proj"},
+                        2);
+    r8 = write_adapter(r8_dir, 8, 4.0, {"k_proj", "gate_proj", "up_proj"}, 3);
+  }
+};
+
+TEST(Lora, LogitsEqualTheMergedCheckpointsWithin1e4) {
+  Rig rig;
+  auto model = load_with({{"r4", rig.r4_dir}, {"r16", rig.r16_dir}});
+  EXPECT_EQ(model->num_lora_adapters(), 2u);
+  auto base = load_model(base_dir(), LoadOptions{{&test::default_device()}, std::nullopt});
+  const std::vector<std::vector<int32_t>> seqs = {sequence(1, 21)};
+  const auto base_logits = logits_of(*base, seqs, {0})[0];
+  for (uint32_t id : {1u, 2u}) {
+    const TestAdapter& a = id == 1 ? rig.r4 : rig.r16;
+    auto merged = load_model(write_merged(rig.root / ("merged" + std::to_string(id)), a),
+                             LoadOptions{{&test::default_device()}, std::nullopt});
+    const auto want = logits_of(*merged, seqs, {0})[0];
+    const auto got = logits_of(*model, seqs, {id})[0];
+    EXPECT_LE(max_diff(got, want), 1e-4f) << "adapter " << id;
+    // The adapter matters: the merged model's logits are far from the base model's.
+    EXPECT_GT(max_diff(want, base_logits), 1e-2f) << "adapter " << id;
+  }
+  // Without an adapter the model with adapters loaded is the base model.
+  EXPECT_LE(max_diff(logits_of(*model, seqs, {0})[0], base_logits), 0.0f);
+}
+
+TEST(Lora, AMixedBatchGivesEachRowWhatItGetsAlone) {
+  Rig rig;
+  auto model = load_with({{"r4", rig.r4_dir}, {"r16", rig.r16_dir}, {"r8", rig.r8_dir}});
+  const std::vector<std::vector<int32_t>> seqs = {sequence(1, 9), sequence(2, 17), sequence(3, 5),
+                                                  sequence(4, 12), sequence(5, 7)};
+  const std::vector<uint32_t> ids = {2, 0, 3, 1, 2};
+  const auto together = logits_of(*model, seqs, ids);
+  for (size_t b = 0; b < seqs.size(); ++b) {
+    const auto alone = logits_of(*model, {seqs[b]}, {ids[b]})[0];
+    EXPECT_LE(max_diff(together[b], alone), 1e-5f) << "row " << b << " adapter " << ids[b];
+  }
+  // Through the engine: the greedy tokens of each request run alone.
+  auto generate = [&](const std::vector<size_t>& which) {
+    SchedulerLimits lim;
+    lim.page_size = 16;
+    lim.total_pages = 32;
+    lim.prefix_caching = true;
+    model->allocate_kv_cache(lim.total_pages, lim.page_size);
+    Engine engine(*model, nullptr, lim);
+    std::map<uint64_t, size_t> index;
+    for (size_t b : which) {
+      GenerationRequest r;
+      r.prompt = seqs[b];
+      r.sampling.temperature = 0;
+      r.max_tokens = 8;
+      r.adapter_id = ids[b];
+      index[engine.submit(r)] = b;
+    }
+    std::map<size_t, std::vector<int32_t>> out;
+    while (engine.has_work())
+      for (auto& res : engine.step()) out[index.at(res.handle)] = res.token_ids;
+    return out;
+  };
+  const auto all = generate({0, 1, 2, 3, 4});
+  for (size_t b = 0; b < seqs.size(); ++b)
+    EXPECT_EQ(all.at(b), generate({b}).at(b)) << "row " << b;
+  // An id past the loaded adapters is refused at submit.
+  SchedulerLimits lim;
+  lim.page_size = 16;
+  lim.total_pages = 32;
+  Engine engine(*model, nullptr, lim);
+  GenerationRequest r;
+  r.prompt = seqs[0];
+  r.adapter_id = 4;
+  try {
+    engine.submit(r);
+    ADD_FAILURE() << "adapter id 4 accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_STREQ(e.what(), "LoRA adapter id 4 but the model has 3 adapter(s)");
+  }
+}
+
+std::string load_error(const std::vector<std::pair<std::string, fs::path>>& adapters,
+                       uint32_t max_rank = 16) {
+  try {
+    load_with(adapters, base_dir(), max_rank);
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+TEST(Lora, BadAdaptersAreClearErrors) {
+  const fs::path root = test::temp_dir("lora_bad");
+  // Another base model: a hidden size of 64.
+  auto shapes = module_shapes();
+  shapes["q_proj"] = {64, 64};
+  write_adapter(root / "other", 4, 8, {"q_proj"}, 1, shapes);
+  EXPECT_EQ(load_error({{"other", root / "other"}}),
+            "LoRA adapter 'other': base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight "
+            "is [4, 64] and base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight [64, "
+            "4], but the base model's q_proj takes 128 inputs and gives 128 outputs (an adapter "
+            "for another base model?)");
+  // ... with more layers.
+  write_adapter(root / "deeper", 4, 8, {"v_proj"}, 1, module_shapes(), 3);
+  EXPECT_EQ(load_error({{"deeper", root / "deeper"}}),
+            "LoRA adapter 'deeper': base_model.model.model.layers.2.self_attn.v_proj.lora_A.weight: "
+            "layer 2, but the base model has 2 layers (an adapter for another base model?)");
+  // Rank above max_rank.
+  write_adapter(root / "r32", 32, 8, {"q_proj"}, 1);
+  EXPECT_EQ(load_error({{"r32", root / "r32"}}),
+            "LoRA adapter 'r32': " + (root / "r32" / "adapter_config.json").string() +
+                ": \"r\": rank 32 is above lora.max_rank 16");
+  // An unsupported module.
+  write_adapter(root / "emb", 4, 8, {"q_proj"}, 1);
+  std::ofstream(root / "emb" / "adapter_config.json")
+      << R"({"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "embed_tokens"]})";
+  EXPECT_EQ(load_error({{"emb", root / "emb"}}),
+            "LoRA adapter 'emb': " + (root / "emb" / "adapter_config.json").string() +
+                ": \"target_modules\": module 'embed_tokens' is not supported (supported: q_proj, "
+                "k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj)");
+  // Malformed and incomplete adapter_config.json.
+  write_adapter(root / "bad", 4, 8, {"q_proj"}, 1);
+  std::ofstream(root / "bad" / "adapter_config.json") << R"({"r": 4, "lora_alpha": )";
+  const std::string bad = load_error({{"bad", root / "bad"}});
+  EXPECT_EQ(bad.rfind("LoRA adapter 'bad': " + (root / "bad" / "adapter_config.json").string(), 0),
+            0u)
+      << bad;
+  std::ofstream(root / "bad" / "adapter_config.json")
+      << R"({"r": "four", "lora_alpha": 8, "target_modules": ["q_proj"]})";
+  EXPECT_EQ(load_error({{"bad", root / "bad"}}),
+            "LoRA adapter 'bad': " + (root / "bad" / "adapter_config.json").string() +
+                ": \"r\": expected a positive integer, got \"four\"");
+  std::ofstream(root / "bad" / "adapter_config.json") << R"({"r": 4, "target_modules": "q_proj"})";
+  EXPECT_EQ(load_error({{"bad", root / "bad"}}),
+            "LoRA adapter 'bad': " + (root / "bad" / "adapter_config.json").string() +
+                ": \"lora_alpha\": expected a number (missing)");
+  EXPECT_EQ(load_error({{"none", root / "missing"}}),
+            "LoRA adapter 'none': " + (root / "missing" / "adapter_config.json").string() +
+                " does not exist");
+}
+
+// The batch job: a line naming an unknown adapter becomes an error record, the others run, and a
+// line with an adapter gives the greedy tokens the engine gives it.
+TEST(Lora, TheBatchJobRunsAdaptersPerLineAndReportsUnknownNames) {
+  Rig rig;
+  const fs::path dir = test::temp_dir("lora_job");
+  std::ofstream(dir / "prompts.jsonl")
+      << R"({"id": "a", "prompt_token_ids": [5, 6, 7, 8, 9], "lora": "r16"})" << "\n"
+      << R"({"id": "b", "prompt_token_ids": [5, 6, 7, 8, 9], "lora": "nope"})" << "\n"
+      << R"({"id": "c", "prompt_token_ids": [5, 6, 7, 8, 9]})" << "\n"
+      << R"({"id": "d", "prompt_token_ids": [5, 6, 7, 8, 9], "lora": "r4"})" << "\n";
+  std::ofstream(dir / "deploy.yaml")
+      << "model:\n  path: " << base_dir().string() << "\ndevices:\n  type: cpu\n"
+      << "kv_cache:\n  page_size: 16\n  pages: 32\n"
+      << "sampling:\n  temperature: 0\n  max_tokens: 6\n"
+      << "lora:\n  adapters:\n    r4: " << rig.r4_dir.string() << "\n    r16: "
+      << rig.r16_dir.string() << "\n  max_rank: 16\n"
+      << "job:\n  input: prompts.jsonl\n  output: out.jsonl\n";
+  std::string out, err;
+  ASSERT_EQ(test::run_clshard({"run", (dir / "deploy.yaml").string()}, &out, &err), 0) << err;
+  std::ifstream in(dir / "out.jsonl");
+  std::map<std::string, nlohmann::json> recs;
+  for (std::string line; std::getline(in, line);) {
+    auto j = nlohmann::json::parse(line);
+    recs[j["id"].get<std::string>()] = j;
+  }
+  ASSERT_EQ(recs.size(), 4u) << err;
+  EXPECT_EQ(recs["b"]["error"],
+            "lora: unknown LoRA adapter 'nope' (the deployment declares: r4, r16)");
+  auto model = load_with({{"r4", rig.r4_dir}, {"r16", rig.r16_dir}});
+  auto greedy = [&](uint32_t id) {
+    SchedulerLimits lim;
+    lim.page_size = 16;
+    lim.total_pages = 32;
+    model->allocate_kv_cache(lim.total_pages, lim.page_size);
+    Engine engine(*model, nullptr, lim);
+    GenerationRequest r;
+    r.prompt = {5, 6, 7, 8, 9};
+    r.sampling.temperature = 0;
+    r.max_tokens = 6;
+    r.adapter_id = id;
+    engine.submit(r);
+    std::vector<int32_t> t;
+    while (engine.has_work())
+      for (auto& res : engine.step()) t = res.token_ids;
+    return t;
+  };
+  EXPECT_EQ(recs["a"]["token_ids"].get<std::vector<int32_t>>(), greedy(2));
+  EXPECT_EQ(recs["c"]["token_ids"].get<std::vector<int32_t>>(), greedy(0));
+  EXPECT_EQ(recs["d"]["token_ids"].get<std::vector<int32_t>>(), greedy(1));
+  EXPECT_NE(greedy(2), greedy(0));
+}
+
+// `clshard plan` counts the adapters: two adapters (ranks 4 and 16) in slots of rank 16 over the
+// union of their modules: 2 x 16 x (q 256 + k 192 + v 192 + o 256 + gate 512 + up 512 + down 512)
+// x 2 layers x 4 bytes.
+TEST(Lora, PlanCountsTheAdapters) {
+  Rig rig;
+  const fs::path dir = test::temp_dir("lora_plan");
+  std::ofstream(dir / "deploy.yaml")
+      << "model:\n  path: " << base_dir().string() << "\ndevices:\n  type: cpu\n"
+      << "lora:\n  adapters:\n    r4: " << rig.r4_dir.string() << "\n    r16: "
+      << rig.r16_dir.string() << "\n  max_rank: 16\n";
+  std::string out, err;
+  ASSERT_EQ(test::run_clshard({"plan", (dir / "deploy.yaml").string(), "--device-memory", "1",
+                               "--json"},
+                              &out, &err),
+            0)
+      << err;
+  const auto j = nlohmann::json::parse(out);
+  EXPECT_EQ(j["devices"][0]["lora"].get<uint64_t>(), 2u * 16u * 2432u * 2u * 4u);
+}
+
+}  // namespace
+}  // namespace clshard
