@@ -14,6 +14,7 @@
 // one request serve the next.
 #pragma once
 
+#include <cstddef>
 #include <memory>
 #include <string>
 
@@ -39,5 +40,13 @@ std::shared_ptr<TokenConstraint> compile_response_format(
 std::shared_ptr<TokenConstraint> compile_response_format(
     const nlohmann::json* response_format, const std::string* regex, const Tokenizer& tok,
     const std::string& field = "response_format", const std::string& regex_field = "regex");
+// A regex alone (the `regex` extension without a response_format): a plain nullptr would fit
+// both overloads above.
+inline std::shared_ptr<TokenConstraint> compile_response_format(
+    std::nullptr_t, const std::string* regex, const Tokenizer& tok,
+    const std::string& field = "response_format", const std::string& regex_field = "regex") {
+  return compile_response_format(static_cast<const nlohmann::ordered_json*>(nullptr), regex, tok,
+                                 field, regex_field);
+}
 
 }  // namespace clshard
