@@ -104,7 +104,8 @@ bool Engine::observe(uint64_t handle, Live& live, int32_t token) {
   if (think_start_ && token == *think_start_) live.thinking = true;
   if (think_end_ && token == *think_end_) live.thinking = false;
   const auto& stops = live.req.stop_token_ids;
-  if (std::find(eos_ids_.begin(), eos_ids_.end(), token) != eos_ids_.end() ||
+  if ((!live.req.ignore_eos &&
+       std::find(eos_ids_.begin(), eos_ids_.end(), token) != eos_ids_.end()) ||
       std::find(stops.begin(), stops.end(), token) != stops.end()) {
     live.drop_last = true;
     schedulers_[live.replica].finish(live.local, EndReason::Stop);
@@ -133,6 +134,44 @@ bool Engine::observe(uint64_t handle, Live& live, int32_t token) {
   }
   if (on_token_) on_token_(handle, token, piece);
   return false;
+}
+
+bool Engine::cancel(uint64_t handle, const std::string& why) {
+  auto it = live_.find(handle);
+  if (it == live_.end()) return false;
+  const Live& live = it->second;
+  // Between steps no request is in flight, so the scheduler frees its pages now.
+  return schedulers_[live.replica].finish(live.local, EndReason::Error, why);
+}
+
+RequestState Engine::state(uint64_t handle) const {
+  auto it = live_.find(handle);
+  if (it == live_.end()) return RequestState::Finished;
+  return schedulers_[it->second.replica].state(it->second.local);
+}
+
+size_t Engine::num_running() const {
+  size_t n = 0;
+  for (const auto& s : schedulers_) n += s.num_running();
+  return n;
+}
+
+size_t Engine::num_waiting() const {
+  size_t n = 0;
+  for (const auto& s : schedulers_) n += s.num_waiting();
+  return n;
+}
+
+uint64_t Engine::kv_pages_in_use() const {
+  uint64_t n = 0;
+  for (const auto& s : schedulers_) n += s.pages_in_use();
+  return n;
+}
+
+uint64_t Engine::kv_pages_total() const {
+  uint64_t n = 0;
+  for (const auto& s : schedulers_) n += s.pool().total_pages();
+  return n;
 }
 
 bool Engine::has_work() const {

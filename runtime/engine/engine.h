@@ -25,6 +25,7 @@ struct GenerationRequest {
   uint32_t max_tokens = 256;
   std::vector<int32_t> stop_token_ids;  // besides the model's EOS ids
   std::vector<std::string> stop;        // stop strings (needs a tokenizer)
+  bool ignore_eos = false;              // the model's EOS ids do not end it (stop ids still do)
 };
 
 struct GenerationResult {
@@ -100,6 +101,19 @@ class Engine {
   void on_token(std::function<void(uint64_t handle, int32_t token, const std::string& text)> f) {
     on_token_ = std::move(f);
   }
+  // Ends a waiting or running request early (a client that went away, a deadline): its KV pages go
+  // back to the pool at once, and the next step() reports it with reason Error, `why` as its
+  // error and the tokens it kept so far. Call it between steps, from the thread that steps the
+  // engine (the engine is not thread-safe). False when the request has already finished or was
+  // never submitted; nothing changes then.
+  bool cancel(uint64_t handle, const std::string& why = "cancelled");
+  // Waiting (no row yet, or preempted), Running, or Finished (also for handles never issued).
+  RequestState state(uint64_t handle) const;
+  // Over every replica: requests with a row / waiting for one, and KV pages in use.
+  size_t num_running() const;
+  size_t num_waiting() const;
+  uint64_t kv_pages_in_use() const;
+  uint64_t kv_pages_total() const;
   const EngineStats& stats() const { return stats_; }
   const Scheduler& scheduler(size_t replica = 0) const { return schedulers_.at(replica); }
   size_t replica_of(uint64_t handle) const { return live_.at(handle).replica; }
