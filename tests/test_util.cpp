@@ -45,7 +45,13 @@ const nlohmann::json& reference_index() {
 }
 
 std::filesystem::path temp_dir(const std::string& name) {
-  auto p = std::filesystem::path(CLSHARD_BINARY_DIR) / "test-tmp" / name;
+  // ctest runs tests in parallel processes: each test gets its own folder, so two tests that
+  // ask for the same name (a shared fixture's model) never remove each other's files.
+  std::string owner = "no-test";
+  if (const auto* info = ::testing::UnitTest::GetInstance()->current_test_info())
+    owner = std::string(info->test_suite_name()) + "." + info->name();
+  std::replace(owner.begin(), owner.end(), '/', '_');
+  auto p = std::filesystem::path(CLSHARD_BINARY_DIR) / "test-tmp" / owner / name;
   std::filesystem::remove_all(p);
   std::filesystem::create_directories(p);
   return p;

@@ -23,7 +23,8 @@ std::filesystem::path shared_dir();      // $CLSHARD_SHARED_DIR or <source>/../s
 std::filesystem::path reference_dir();   // shared_dir()/reference
 std::filesystem::path tokenizers_dir();  // shared_dir()/tokenizers
 const nlohmann::json& reference_index(); // reference/index.json
-std::filesystem::path temp_dir(const std::string& name);  // fresh empty dir under the build tree
+// A fresh empty dir under the build tree, in a folder of the running test's own.
+std::filesystem::path temp_dir(const std::string& name);
 
 // Raw little-endian float32 file.
 std::vector<float> read_f32(const std::filesystem::path& p);
