@@ -4,6 +4,7 @@
 // concurrent streams each get their own tokens, overload answers 429 while /health keeps
 // answering, a client that goes away frees its pages, graceful stop.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <httplib.h>
 
@@ -257,7 +258,16 @@ TEST(ServeMetrics, PrometheusText) {
 const fs::path& tiny_checkpoint() {
   static const fs::path dir = [] {
     fs::path d = fs::path(CLSHARD_BINARY_DIR) / "test-models" / "server-llama3-tiny";
-    if (!fs::exists(d / "config.json")) make_model("llama3-tiny", d, MakeModelOptions{});
+    if (!fs::exists(d / "config.json")) {
+      // ctest runs each test in a process of its own, several at once: written aside, then
+      // renamed into place (a process that loses the race drops its copy).
+      fs::path tmp = d;
+      tmp += ".tmp-" + std::to_string(::getpid());
+      make_model("llama3-tiny", tmp, MakeModelOptions{});
+      std::error_code ec;
+      fs::rename(tmp, d, ec);
+      if (ec) fs::remove_all(tmp);
+    }
     return d;
   }();
   return dir;
