@@ -22,3 +22,25 @@ typedef float wtype;
 #define LOADW1(p) (*(p))
 #endif
 #endif
+
+// The norm weight of kernels that fold an RMSNorm into a GEMV, when it has its own type:
+// -DNORM_TYPE=0|1|2 as WEIGHT_TYPE. ntype defaults to wtype.
+#ifdef NORM_TYPE
+#if NORM_TYPE == 1
+typedef ushort ntype;
+#define LOADN16(i, p) bf16x16_to_f32(vload16((i), (p)))
+#define LOADN1(p) bf16_to_f32(*(p))
+#elif NORM_TYPE == 2
+typedef half ntype;
+#define LOADN16(i, p) vload_half16((i), (p))
+#define LOADN1(p) vload_half(0, (p))
+#else
+typedef float ntype;
+#define LOADN16(i, p) vload16((i), (p))
+#define LOADN1(p) (*(p))
+#endif
+#elif defined(WEIGHT_TYPE)
+typedef wtype ntype;
+#define LOADN16(i, p) LOADW16(i, p)
+#define LOADN1(p) LOADW1(p)
+#endif

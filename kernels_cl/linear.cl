@@ -10,6 +10,11 @@
 // spend more time scheduling than computing. The column tile is the outer loop, so its TN weight
 // rows stay in L1 while the block's x rows stream from L2. Dimension 0 walks column blocks,
 // dimension 1 row blocks. Build options: -DTM=1|4 -DTN=4 -DWEIGHT_TYPE=0|1|2 (f32, bf16, f16; see common.cl).
+//
+// linear_fused is the same tile with what decode runs around a GEMV folded in, so a layer takes
+// 6 launches instead of 12: up to three weights side by side as one output (q/k/v), RMSNorm of
+// the input rows in the prologue (-DNORM=1, norm weight type -DNORM_TYPE=0|1|2), the SwiGLU of
+// gate and up in the epilogue (-DGLU=1), and the residual add (accumulate), already in linear.
 
 #ifndef TM
 #define TM 1
@@ -17,7 +22,68 @@
 #ifndef TN
 #define TN 4
 #endif
+#ifndef NORM
+#define NORM 0
+#endif
+#ifndef GLU
+#define GLU 0
+#endif
 
+
+// The dot products of one TM x TN tile: out[i][j] = sum_k x[i][k] (* g[k]) * w[j][k], each
+// column's sum in the same order whatever the tile around it, so a fused launch gives the same
+// bits as the separate ones. Rows and columns past the edge are clamped by the caller.
+inline void tile_dots(global const float* xr[TM], global const wtype* wr[TN],
+                      global const ntype* g, uint K, float out[TM][TN]) {
+  float16 acc[TM][TN];
+#pragma unroll
+  for (int i = 0; i < TM; ++i)
+#pragma unroll
+    for (int j = 0; j < TN; ++j) acc[i][j] = (float16)(0.0f);
+
+  const uint K16 = K / 16;
+  for (uint k = 0; k < K16; ++k) {
+    float16 wv[TN];
+#pragma unroll
+    for (int j = 0; j < TN; ++j) wv[j] = LOADW16(k, wr[j]);
+#if NORM
+    const float16 gv = LOADN16(k, g);
+#endif
+#pragma unroll
+    for (int i = 0; i < TM; ++i) {
+#if NORM
+      const float16 xv = vload16(k, xr[i]) * gv;
+#else
+      const float16 xv = vload16(k, xr[i]);
+#endif
+#pragma unroll
+      for (int j = 0; j < TN; ++j) acc[i][j] = fma(xv, wv[j], acc[i][j]);
+    }
+  }
+
+#pragma unroll
+  for (int i = 0; i < TM; ++i)
+#pragma unroll
+    for (int j = 0; j < TN; ++j) {
+      const float16 a = acc[i][j];
+      const float8 s8 = a.lo + a.hi;
+      const float4 s4 = s8.lo + s8.hi;
+      const float2 s2 = s4.lo + s4.hi;
+      out[i][j] = s2.x + s2.y;
+    }
+  for (uint k = K16 * 16; k < K; ++k) {
+#pragma unroll
+    for (int i = 0; i < TM; ++i) {
+#if NORM
+      const float xk = xr[i][k] * LOADN1(g + k);
+#else
+      const float xk = xr[i][k];
+#endif
+#pragma unroll
+      for (int j = 0; j < TN; ++j) out[i][j] = fma(xk, LOADW1(wr[j] + k), out[i][j]);
+    }
+  }
+}
 
 // One TM x TN tile at (m0, n0).
 inline void linear_tile(global const float* x, uint x_off, uint ldx, global const wtype* w,
@@ -31,43 +97,8 @@ inline void linear_tile(global const float* x, uint x_off, uint ldx, global cons
   for (int i = 0; i < TM; ++i) xr[i] = x + x_off + (size_t)min(m0 + i, M - 1) * ldx;
 #pragma unroll
   for (int j = 0; j < TN; ++j) wr[j] = w + (size_t)min(n0 + j, N - 1) * ldw;
-
-  float16 acc[TM][TN];
-#pragma unroll
-  for (int i = 0; i < TM; ++i)
-#pragma unroll
-    for (int j = 0; j < TN; ++j) acc[i][j] = (float16)(0.0f);
-
-  const uint K16 = K / 16;
-  for (uint k = 0; k < K16; ++k) {
-    float16 wv[TN];
-#pragma unroll
-    for (int j = 0; j < TN; ++j) wv[j] = LOADW16(k, wr[j]);
-#pragma unroll
-    for (int i = 0; i < TM; ++i) {
-      const float16 xv = vload16(k, xr[i]);
-#pragma unroll
-      for (int j = 0; j < TN; ++j) acc[i][j] = fma(xv, wv[j], acc[i][j]);
-    }
-  }
-
   float out[TM][TN];
-#pragma unroll
-  for (int i = 0; i < TM; ++i)
-#pragma unroll
-    for (int j = 0; j < TN; ++j) {
-      const float16 a = acc[i][j];
-      const float8 s8 = a.lo + a.hi;
-      const float4 s4 = s8.lo + s8.hi;
-      const float2 s2 = s4.lo + s4.hi;
-      out[i][j] = s2.x + s2.y;
-    }
-  for (uint k = K16 * 16; k < K; ++k) {
-#pragma unroll
-    for (int i = 0; i < TM; ++i)
-#pragma unroll
-      for (int j = 0; j < TN; ++j) out[i][j] = fma(xr[i][k], LOADW1(wr[j] + k), out[i][j]);
-  }
+  tile_dots(xr, wr, 0, K, out);
 
 #pragma unroll
   for (int i = 0; i < TM; ++i) {
@@ -101,4 +132,97 @@ kernel void linear(global const float* x, uint x_off, uint ldx,
     for (uint m0 = m_begin; m0 < m_end; m0 += TM)
       linear_tile(x, x_off, ldx, w, ldw, bias, has_bias, y, y_off, ldy, M, N, K, alpha, accumulate,
                   m0, n0);
+}
+
+// Output column n of linear_fused: its weight row. Columns [0, n1) are rows of w0, [n1, n2) of
+// w1, [n2, N) of w2 (q, k, v side by side); with GLU, the gate row (w0) or the up row (w1).
+inline global const wtype* fused_row(uint n, global const wtype* w0, uint ldw0, uint n1,
+                                     global const wtype* w1, uint ldw1, uint n2,
+                                     global const wtype* w2, uint ldw2) {
+  if (n < n1) return w0 + (size_t)n * ldw0;
+  if (n < n2) return w1 + (size_t)(n - n1) * ldw1;
+  return w2 + (size_t)(n - n2) * ldw2;
+}
+
+// y[m, :N] (+)= alpha * (norm(x[rows[m]]) [W0; W1; W2]^T), or with GLU y[m, n] =
+// silu(norm(x) . gate[n]) * (norm(x) . up[n]) for n < N. norm(x) = x / sqrt(mean(x^2) + eps) * g
+// (NORM=1), else x; rows: when use_rows, input row m is x row rows[m] (the rows that get logits).
+// Launch as linear: dimension 0 walks blocks of n_tiles column tiles (each tile TN output columns,
+// TN / 2 with GLU), dimension 1 blocks of m_rows rows.
+kernel void linear_fused(global const float* x, uint x_off, uint ldx, global const uint* rows,
+                         int use_rows, global const ntype* g, float eps,
+                         global const wtype* w0, uint w0_off, uint ldw0, uint n1,
+                         global const wtype* w1, uint w1_off, uint ldw1, uint n2,
+                         global const wtype* w2, uint w2_off, uint ldw2,
+                         global float* y, uint y_off, uint ldy, uint M, uint N, uint K,
+                         float alpha, int accumulate, uint n_tiles, uint m_rows) {
+#if GLU
+  const uint tile_cols = TN / 2;  // TN dot products per row: TN / 2 gate, TN / 2 up
+#else
+  const uint tile_cols = TN;
+#endif
+  const uint n_begin = get_global_id(0) * n_tiles * tile_cols;
+  const uint n_end = min(n_begin + n_tiles * tile_cols, N);
+  const uint m_begin = get_global_id(1) * m_rows;
+  const uint m_end = min(m_begin + m_rows, M);
+  w0 += w0_off;
+  w1 += w1_off;
+  w2 += w2_off;
+  for (uint m0 = m_begin; m0 < m_end; m0 += TM) {
+    global const float* xr[TM];
+    float inv[TM];
+#pragma unroll
+    for (int i = 0; i < TM; ++i) {
+      const uint m = min(m0 + i, M - 1);
+      xr[i] = x + x_off + (size_t)(use_rows ? rows[m] : m) * ldx;
+      inv[i] = 1.0f;
+#if NORM
+      // Every work-item of the launch recomputes its rows' sums of squares (K floats from L1/L2,
+      // a few hundred cycles): cheaper than a launch, and no work-item waits for another.
+      float16 ss16 = (float16)(0.0f);
+      for (uint k = 0; k < K / 16; ++k) {
+        const float16 v = vload16(k, xr[i]);
+        ss16 = fma(v, v, ss16);
+      }
+      const float8 s8 = ss16.lo + ss16.hi;
+      const float4 s4 = s8.lo + s8.hi;
+      const float2 s2 = s4.lo + s4.hi;
+      float ss = s2.x + s2.y;
+      for (uint k = K / 16 * 16; k < K; ++k) ss = fma(xr[i][k], xr[i][k], ss);
+      inv[i] = 1.0f / sqrt(ss / (float)K + eps);
+#endif
+    }
+    for (uint n0 = n_begin; n0 < n_end; n0 += tile_cols) {
+      global const wtype* wr[TN];
+#pragma unroll
+      for (int j = 0; j < TN; ++j) {
+#if GLU
+        const uint c = min(n0 + j % tile_cols, N - 1);
+        wr[j] = j < tile_cols ? w0 + (size_t)c * ldw0 : w1 + (size_t)c * ldw1;
+#else
+        wr[j] = fused_row(min(n0 + j, N - 1), w0, ldw0, n1, w1, ldw1, n2, w2, ldw2);
+#endif
+      }
+      float out[TM][TN];
+      tile_dots(xr, wr, g, K, out);
+#pragma unroll
+      for (int i = 0; i < TM; ++i) {
+        if (m0 + i >= M) break;
+        global float* yr = y + y_off + (size_t)(m0 + i) * ldy;
+#pragma unroll
+        for (int j = 0; j < tile_cols; ++j) {
+          const uint n = n0 + j;
+          if (n >= N) break;
+#if GLU
+          const float a = out[i][j] * inv[i];
+          float v = a / (1.0f + exp(-a)) * (out[i][j + tile_cols] * inv[i]);
+#else
+          float v = out[i][j] * inv[i];
+#endif
+          v *= alpha;
+          yr[n] = accumulate ? yr[n] + v : v;
+        }
+      }
+    }
+  }
 }

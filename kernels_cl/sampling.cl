@@ -490,7 +490,7 @@ kernel void sample_rows(global const float* logits, uint rows, uint vocab,
   out[r] = sample_row(row, mask_row, vocab, args[r], work + (size_t)r * work_stride(vocab));
 }
 
-// ---- speculative-decoding acceptance (runtime/engine/acceptance.h has the rule and its proof) ----------
+// ---- speculative-decoding acceptance (runtime/engine/acceptance.h has the rule and its proof) ---
 
 // Per request, filled by runtime/acceptance.cpp (AcceptRowArgs there).
 typedef struct {
@@ -568,5 +568,179 @@ kernel void accept_rows(global const float* logits, uint batch, uint vocab,
       out[b] = (int2)((int)i, t);
       return;
     }
+  }
+}
+
+// ---- penalties (runtime/engine/sampling.h has the rules) ----------------------------------------
+
+// A request's token counts live in one word per vocabulary entry of its slot in `counts`: the low
+// 31 bits count the times it was generated, PROMPT_BIT says it occurs in the prompt.
+#define PROMPT_BIT 0x80000000u
+
+// Per penalised row, filled by runtime/engine/sampling.cpp (PenaltyRowArgs there).
+typedef struct {
+  float frequency;   // OpenAI: logit -= frequency * generated count
+  float presence;    // OpenAI: logit -= presence * (generated count > 0)
+  float repetition;  // HF, over prompt and generated tokens: l > 0 ? l / r : l * r
+  uint row;          // logits row
+  uint slot;         // counts slot of the request
+  uint extra_offset; // tokens not yet in the counts (earlier drafts of a verified run)
+  uint extra_count;
+  uint pad;
+} PenaltyRowArgs;
+
+// The one place the penalty math is written (vLLM's order: repetition first, then frequency and
+// presence). `generated` and `seen` (generated or in the prompt; -1/0 per lane) per token.
+inline float16 penalised(float16 l, uint16 generated, int16 seen, const PenaltyRowArgs p) {
+  const float16 rep = select(l * p.repetition, l / p.repetition, l > (float16)0.0f);
+  l = select(l, rep, seen);
+  return l - p.frequency * convert_float16(generated) -
+         select((float16)0.0f, (float16)p.presence, generated > (uint16)0u);
+}
+
+// Work-item (j, block): penalised row j over tokens [block * PENALTY_BLOCK, +PENALTY_BLOCK),
+// read from `src` and written to `dst` (the same buffer for in place). Rows with an all-neutral
+// PenaltyRowArgs copy through unchanged (the out-of-place case).
+kernel void apply_penalties(global const float* src, global float* dst, uint vocab,
+                            global const PenaltyRowArgs* args, global const uint* counts,
+                            global const int* extra_tokens) {
+  const PenaltyRowArgs p = args[get_global_id(0)];
+  const uint begin = (uint)get_global_id(1) * PENALTY_BLOCK;
+  if (begin >= vocab) return;
+  const uint end = min(vocab, begin + PENALTY_BLOCK);
+  global const float* in = src + (size_t)p.row * vocab;
+  global float* out = dst + (size_t)p.row * vocab;
+  global const uint* cnt = counts + (size_t)p.slot * vocab;
+  for (uint i = begin; i < end; i += CHUNK) {
+    const uint n = min((uint)CHUNK, end - i);
+    float16 l;
+    uint16 c;
+    if (n == CHUNK) {
+      l = vload16(0, in + i);
+      c = vload16(0, cnt + i);
+    } else {
+      float lt[CHUNK];
+      uint ct[CHUNK];
+      for (uint j = 0; j < CHUNK; ++j) {
+        lt[j] = j < n ? in[i + j] : 0.0f;
+        ct[j] = j < n ? cnt[i + j] : 0u;
+      }
+      l = vload16(0, lt);
+      c = vload16(0, ct);
+    }
+    uint16 generated = c & ~PROMPT_BIT;
+    const uint16 id = (uint16)i + kLane;
+    for (uint e = 0; e < p.extra_count; ++e)
+      generated -= as_uint16(id == (uint16)(uint)extra_tokens[p.extra_offset + e]);
+    const float16 r = penalised(l, generated, (c != (uint16)0u) | (generated != (uint16)0u), p);
+    if (n == CHUNK) {
+      vstore16(r, 0, out + i);
+    } else {
+      float rt[CHUNK];
+      vstore16(r, 0, rt);
+      for (uint j = 0; j < n; ++j) out[i + j] = rt[j];
+    }
+  }
+}
+
+// counts[slot * vocab + token] += 1 for each committed (slot, token); a step can commit the same
+// token of a slot twice (speculative runs), hence the atomics.
+kernel void penalty_counts_add(global uint* counts, uint vocab, global const uint2* slot_token,
+                               uint n) {
+  const uint j = get_global_id(0);
+  if (j >= n) return;
+  atomic_inc(counts + (size_t)slot_token[j].x * vocab + slot_token[j].y);
+}
+
+// Marks a new request's prompt tokens in its (zeroed) slot.
+kernel void penalty_counts_prompt(global uint* counts, uint vocab, uint slot,
+                                  global const int* tokens, uint n) {
+  const uint j = get_global_id(0);
+  if (j >= n) return;
+  atomic_or(counts + (size_t)slot * vocab + (uint)tokens[j], PROMPT_BIT);
+}
+
+// ---- log-probabilities --------------------------------------------------------------------------
+
+// Per row that asks, filled by runtime/engine/sampling.cpp (LogprobRowArgs there).
+typedef struct {
+  uint row;              // logits (and bitmask) row
+  int token;             // the sampled token
+  uint top_n;            // 0..MAX_TOP_LOGPROBS
+  float inv_temperature; // 1 for the raw distribution
+  uint use_mask;         // restrict to the bitmask row's allowed tokens
+  uint pad0, pad1, pad2;
+} LogprobRowArgs;
+
+// Row j, at out + j * (2 + 2 * MAX_TOP_LOGPROBS): log p(token), the number of top entries (as
+// uint bits; top_n or fewer when fewer tokens are allowed), then (id bits, log p) pairs, best
+// first (logit descending, ties to the lower id). p = softmax(l * inv_t) over the allowed tokens
+// (finite or +inf logits, bitmask bit set when use_mask). A token outside that set gets -inf.
+kernel void row_logprobs(global const float* logits, uint vocab, global const LogprobRowArgs* args,
+                         global const uint* bitmask, uint bitmask_words, global float* out) {
+  const LogprobRowArgs a = args[get_global_id(0)];
+  global const float* row = logits + (size_t)a.row * vocab;
+  global const uint* mask_row = a.use_mask ? bitmask + (size_t)a.row * bitmask_words : 0;
+  global float* o = out + get_global_id(0) * (2 + 2 * MAX_TOP_LOGPROBS);
+  // Pass 1: argmax (the max for a stable log-sum-exp) and the top-n ranks (sorted, best first).
+  // Scaling by inv_t > 0 keeps the order, so ranks come from the unscaled logits.
+  uint n_allowed;
+  const uint argmax = row_argmax(row, mask_row, vocab, &n_allowed);
+  ulong top[MAX_TOP_LOGPROBS];
+  uint size = 0;
+  uint worst_key = 0;  // 0 while filling
+  if (a.top_n > 0) {
+    for (uint g = 0; g < vocab; g += GROUP) {
+      if (!group_has_key_in(row, mask_row, vocab, g, worst_key + 1, 0xFFFFFFFFu)) continue;
+      for (uint i = g; i < min(vocab, g + GROUP); i += CHUNK) {
+        const uint n = min((uint)CHUNK, vocab - i);
+        const float16 l = load_logits(row, i, n);
+        const uint16 key = order_keys(clamped(l));
+        uint cand = lane_bits(allowed_lanes(l, mask_row, i, n) & (key > worst_key));
+        if (!cand) continue;
+        uint kt[CHUNK];
+        vstore16(key, 0, kt);
+        for (; cand; cand &= cand - 1) {
+          const uint j = lowest_lane(cand);
+          const ulong rank = ((ulong)kt[j] << 32) | (ulong)(~(i + j));
+          if (size == a.top_n && rank <= top[size - 1]) continue;
+          uint pos = size < a.top_n ? size++ : size - 1;
+          while (pos > 0 && top[pos - 1] < rank) {
+            top[pos] = top[pos - 1];
+            --pos;
+          }
+          top[pos] = rank;
+          if (size == a.top_n) worst_key = (uint)(top[size - 1] >> 32);
+        }
+      }
+    }
+  }
+  o[1] = as_float(size);
+  if (n_allowed == 0) {
+    o[0] = -INFINITY;
+    return;
+  }
+  // Pass 2: log Z = max + log(sum exp(l - max)), summed per lane with Kahan compensation (a plain
+  // float sum of 8k terms per lane at a 128k vocabulary is off by ~2e-5), then across lanes.
+  const float m = fmin(row[argmax], FLT_MAX) * a.inv_temperature;
+  float16 z = 0.0f, comp = 0.0f;
+  for (uint i = 0; i < vocab; i += CHUNK) {
+    const uint n = min((uint)CHUNK, vocab - i);
+    const float16 l = load_logits(row, i, n);
+    const float16 y = select((float16)0.0f, exp(clamped(l) * a.inv_temperature - m),
+                             allowed_lanes(l, mask_row, i, n)) - comp;
+    const float16 t = z + y;
+    comp = (t - z) - y;
+    z = t;
+  }
+  const float log_z = m + log(hsum16(z));
+  const bool token_ok =
+      a.token >= 0 && (uint)a.token < vocab && row[a.token] > -INFINITY &&
+      (!mask_row || ((mask_row[(uint)a.token >> 5] >> ((uint)a.token & 31u)) & 1u));
+  o[0] = token_ok ? fmin(row[a.token], FLT_MAX) * a.inv_temperature - log_z : -INFINITY;
+  for (uint k = 0; k < size; ++k) {
+    const uint id = ~(uint)top[k];
+    o[2 + 2 * k] = as_float(id);
+    o[3 + 2 * k] = fmin(row[id], FLT_MAX) * a.inv_temperature - log_z;
   }
 }

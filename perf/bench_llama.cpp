@@ -32,10 +32,10 @@ int main(int argc, char** argv) {
   const auto& emb = store.get("model.embed_tokens.weight");
   const bool tied = !store.has("lm_head.weight");
   const double bytes_per_token = double(store.total_bytes()) - (tied ? 0.0 : double(emb.bytes));
-  const double bw = measure_bandwidth(dev);
   std::printf("model %s: %u layers, hidden %u, vocab %u, %.2f GB of weights\n", dir.c_str(),
               info.num_layers, info.hidden_size, info.vocab_size, store.total_bytes() / 1e9);
-  std::printf("device %s: measured read bandwidth %.1f GB/s\n", dev.info().name.c_str(), bw);
+  print_device(dev);
+  const double bw = measure_roofline(dev).best();
 
   // Decode at batch 1: prefill 16 tokens, then time 32 single-token steps.
   std::vector<int32_t> prompt(16);

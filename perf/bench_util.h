@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "models/registry.h"
@@ -74,6 +75,55 @@ inline double measure_bandwidth(Device& dev, int reps = 7) {
     dev.finish();
   });
   return double(bytes) / t / 1e9;
+}
+
+// Read bandwidth in GB/s of a native STREAM-style loop: one std::thread per hardware thread, each
+// summing its contiguous share of a 512 MiB buffer (16x the 32 MiB L3 here) once per repeat. It
+// bounds what any kernel can stream, so decode rooflines take the higher of this and the OpenCL
+// read kernel: on some runs PoCL's kernel measures well below what the memory gives.
+inline double stream_read_gbs(int reps = 7, size_t bytes = size_t(512) << 20) {
+  const unsigned nthreads = std::max(1u, std::thread::hardware_concurrency());
+  const size_t n = bytes / sizeof(float), share = n / nthreads / 64 * 64;
+  std::vector<float> buf(n, 1.0f);  // touched here, so no page faults inside the timed loop
+  std::vector<double> sums(nthreads);
+  const double t = median_time(reps, [&] {
+    std::vector<std::thread> threads;
+    for (unsigned i = 0; i < nthreads; ++i)
+      threads.emplace_back([&, i] {
+        // 32 independent accumulators: the adds vectorise and never wait on each other, so the
+        // loop is bound by the loads alone.
+        float acc[32] = {};
+        const float* p = buf.data() + i * share;
+        for (size_t j = 0; j < share; j += 32)
+          for (int k = 0; k < 32; ++k) acc[k] += p[j + k];
+        double s = 0;
+        for (float a : acc) s += a;
+        sums[i] = s;
+      });
+    for (auto& th : threads) th.join();
+  });
+  double total = 0;
+  for (double s : sums) total += s;
+  if (total != double(share) * nthreads)  // all ones: a wrong sum means a wrong loop
+    std::fprintf(stderr, "stream_read_gbs: sum %.0f, expected %zu\n", total, share * nthreads);
+  return double(share * nthreads * sizeof(float)) / t / 1e9;
+}
+
+// Both read rooflines of one run, reported side by side; figures are taken against the higher.
+struct Roofline {
+  double opencl_gbs = 0, stream_gbs = 0;
+  double best() const { return std::max(opencl_gbs, stream_gbs); }
+  const char* best_name() const { return stream_gbs >= opencl_gbs ? "STREAM" : "OpenCL"; }
+};
+inline Roofline measure_roofline(Device& dev, int reps = 7) {
+  Roofline r;
+  r.opencl_gbs = measure_bandwidth(dev, reps);
+  r.stream_gbs = stream_read_gbs(reps);
+  std::printf("read bandwidth: OpenCL read kernel %.1f GB/s, native STREAM loop (%u threads) "
+              "%.1f GB/s -> roofline %s %.1f GB/s\n",
+              r.opencl_gbs, std::max(1u, std::thread::hardware_concurrency()), r.stream_gbs,
+              r.best_name(), r.best());
+  return r;
 }
 
 // The preset checkpoint `dir` (make-model's), written first when it is not there yet.

@@ -22,6 +22,30 @@ std::string weight_option(const Weight& w) {
   }
 }
 
+// Rows per tile: one for decode-sized batches (the weights stream once either way), four from
+// kTileRowsFrom rows on, reusing each loaded x and W vector four times.
+constexpr uint32_t kTileRowsFrom = 4;
+
+// How a linear launch splits on CPUs (see linear.cl): TM-row tiles of tile_cols output columns;
+// each work-item takes up to 64 rows and n_tiles column tiles, enough that a launch is a few
+// hundred work-items rather than tens of thousands (PoCL pays per work-group).
+struct LinearBlocks {
+  uint32_t tm, m_rows, n_tiles, col_blocks, row_blocks;
+};
+LinearBlocks linear_blocks(const Device& dev, uint32_t M, uint32_t N, uint32_t tile_cols) {
+  LinearBlocks b;
+  b.tm = M < kTileRowsFrom ? 1 : 4;
+  b.m_rows = std::min<uint32_t>((M + b.tm - 1) / b.tm * b.tm, 64);
+  const uint32_t col_tiles = (N + tile_cols - 1) / tile_cols;
+  b.row_blocks = (M + b.m_rows - 1) / b.m_rows;
+  b.n_tiles = 1;
+  if (dev.kernel_shape() == KernelShape::Chunks)
+    while (b.n_tiles < 16 && uint64_t(col_tiles) * b.row_blocks / (b.n_tiles * 2) >= 256)
+      b.n_tiles *= 2;
+  b.col_blocks = (col_tiles + b.n_tiles - 1) / b.n_tiles;
+  return b;
+}
+
 }  // namespace
 
 void copy_rows(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const cl::Mem& y,
@@ -53,23 +77,143 @@ void linear(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const W
     dev.launch(k, {size_t(N) * wg, (M + rb - 1) / rb, 1}, 2, local);
     return;
   }
-  // Decode-sized batches take a one-row tile (the weights stream once either way); larger ones a
-  // 4x4 tile that reuses each loaded x and W vector four times.
-  const uint32_t tm = M < 4 ? 1 : 4, tn = 4;
+  const LinearBlocks b = linear_blocks(dev, M, N, 4);
   cl::Kernel k = dev.kernel("linear.cl", "linear",
-                            weight_option(w) + " -DTM=" + std::to_string(tm) +
-                                " -DTN=" + std::to_string(tn));
-  // Work per work-item (see linear.cl): up to 64 rows, and on CPUs enough column tiles that a
-  // launch is a few hundred work-items rather than tens of thousands.
-  const uint32_t m_rows = std::min<uint32_t>((M + tm - 1) / tm * tm, 64);
-  const uint32_t col_tiles = (N + tn - 1) / tn, row_blocks = (M + m_rows - 1) / m_rows;
-  uint32_t n_tiles = 1;
-  if (dev.kernel_shape() == KernelShape::Chunks)
-    while (n_tiles < 16 && uint64_t(col_tiles) * row_blocks / (n_tiles * 2) >= 256) n_tiles *= 2;
+                            weight_option(w) + " -DTM=" + std::to_string(b.tm) + " -DTN=4");
   cl::set_args(k, x, x_off, ldx, w.mem, uint32_t(w.offset), ldw, has_bias ? bias->mem : w.mem,
                uint32_t(has_bias ? bias->offset : 0), has_bias, y, y_off, ldy, M, N, K, alpha,
-               int(accumulate), n_tiles, m_rows);
-  dev.launch(k, {(col_tiles + n_tiles - 1) / n_tiles, row_blocks, 1}, 2);
+               int(accumulate), b.n_tiles, b.m_rows);
+  dev.launch(k, {b.col_blocks, b.row_blocks, 1}, 2);
+}
+
+namespace {
+
+// Checks that the weights of one fused launch agree in K and dtype; returns K.
+uint32_t common_k(const std::vector<const Weight*>& ws, const char* op) {
+  for (const Weight* w : ws)
+    if (w->dim(1) != ws[0]->dim(1) || w->dtype != ws[0]->dtype)
+      throw std::invalid_argument(std::string(op) + ": weight '" + w->name + "' is [" +
+                                  std::to_string(w->dim(0)) + ", " + std::to_string(w->dim(1)) +
+                                  "] " + dtype_name(w->dtype) + ", '" + ws[0]->name + "' [" +
+                                  std::to_string(ws[0]->dim(0)) + ", " +
+                                  std::to_string(ws[0]->dim(1)) + "] " +
+                                  dtype_name(ws[0]->dtype) + ": one launch needs one K and dtype");
+  return uint32_t(ws[0]->dim(1));
+}
+
+// The fused kernel folds the norm only into one-row tiles (decode): with 4-row tiles (prefill)
+// the extra multiply per loaded x vector costs more than a separate launch parallel over rows.
+bool fold_norm(const Device& dev, uint32_t M) {
+  return dev.kernel_shape() == KernelShape::Chunks && M < kTileRowsFrom;
+}
+
+// linear_fused's kernel over `ws` (1 to 3 weights; with glu, gate and up), norm folded or not.
+void launch_fused(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const cl::Mem* rows,
+                  const Weight* norm, float eps, const std::vector<const Weight*>& ws, bool glu,
+                  const cl::Mem& y, uint32_t y_off, uint32_t ldy, uint32_t M, float alpha,
+                  bool accumulate) {
+  const uint32_t K = common_k(ws, glu ? "linear_swiglu" : "linear_fused");
+  uint32_t N = 0;
+  uint32_t ends[3] = {0, 0, 0};
+  for (size_t i = 0; i < ws.size(); ++i) {
+    if (!glu) N += uint32_t(ws[i]->dim(0));
+    ends[i] = N;
+  }
+  if (glu) N = uint32_t(ws[0]->dim(0));
+  const uint32_t tile_cols = glu ? 2 : 4;  // TN = 4 dot products per row: gate/up pairs with glu
+  const LinearBlocks b = linear_blocks(dev, M, N, tile_cols);
+  std::string opts = weight_option(*ws[0]) + " -DTM=" + std::to_string(b.tm) + " -DTN=4";
+  if (norm) {
+    std::string n = weight_option(*norm);  // "-DWEIGHT_TYPE=d"
+    opts += " -DNORM=1 -DNORM_TYPE=" + n.substr(n.size() - 1);
+  }
+  if (glu) opts += " -DGLU=1";
+  cl::Kernel k = dev.kernel("linear.cl", "linear_fused", opts);
+  const Weight& w0 = *ws[0];
+  const Weight& w1 = *ws[std::min<size_t>(1, ws.size() - 1)];
+  const Weight& w2 = *ws[std::min<size_t>(2, ws.size() - 1)];
+  const uint32_t n1 = ws.size() > 1 ? ends[0] : N, n2 = ws.size() > 2 ? ends[1] : N;
+  cl::set_args(k, x, x_off, ldx, rows ? *rows : x, int(rows != nullptr),
+               norm ? norm->mem : w0.mem, eps, w0.mem, uint32_t(w0.offset),
+               uint32_t(w0.row_stride()), n1, w1.mem, uint32_t(w1.offset),
+               uint32_t(w1.row_stride()), n2, w2.mem, uint32_t(w2.offset),
+               uint32_t(w2.row_stride()), y, y_off, ldy, M, N, K, alpha, int(accumulate),
+               b.n_tiles, b.m_rows);
+  dev.launch(k, {b.col_blocks, b.row_blocks, 1}, 2);
+}
+
+}  // namespace
+
+void linear_fused(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx,
+                  const cl::Mem* rows, const Weight* norm, float eps,
+                  const std::vector<const Weight*>& weights, const cl::Mem& y, uint32_t y_off,
+                  uint32_t ldy, uint32_t M, float alpha, bool accumulate) {
+  if (weights.empty() || weights.size() > 3)
+    throw std::invalid_argument("linear_fused takes 1 to 3 weights, got " +
+                                std::to_string(weights.size()));
+  if (M == 0) return;
+  const uint32_t K = common_k(weights, "linear_fused");
+  if (dev.kernel_shape() == KernelShape::WorkGroups) {
+    // The unfused ops: a normalised copy of the rows, then one GEMV per weight.
+    if (rows && !norm)
+      throw std::invalid_argument("linear_fused: a row gather without a norm needs the CPU kernel");
+    Scratch xn(dev, size_t(M) * K * 4);
+    if (norm) rmsnorm(dev, x, x_off, ldx, rows, *norm, xn.mem(), 0, K, M, K, eps);
+    const cl::Mem& in = norm ? xn.mem() : x;
+    uint32_t col = y_off;
+    for (const Weight* w : weights) {
+      linear(dev, in, norm ? 0 : x_off, norm ? K : ldx, *w, nullptr, y, col, ldy, M, alpha,
+             accumulate);
+      col += uint32_t(w->dim(0));
+    }
+    return;
+  }
+  if (norm && !fold_norm(dev, M)) {
+    Scratch xn(dev, size_t(M) * K * 4);
+    rmsnorm(dev, x, x_off, ldx, rows, *norm, xn.mem(), 0, K, M, K, eps);
+    launch_fused(dev, xn.mem(), 0, K, nullptr, nullptr, eps, weights, false, y, y_off, ldy, M,
+                 alpha, accumulate);
+    return;
+  }
+  launch_fused(dev, x, x_off, ldx, rows, norm, eps, weights, false, y, y_off, ldy, M, alpha,
+               accumulate);
+}
+
+void linear_swiglu(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const Weight* norm,
+                   float eps, const Weight& gate, const Weight& up, const cl::Mem& y,
+                   uint32_t y_off, uint32_t ldy, uint32_t M) {
+  if (gate.dim(0) != up.dim(0))
+    throw std::invalid_argument("linear_swiglu: gate '" + gate.name + "' has " +
+                                std::to_string(gate.dim(0)) + " rows, up '" + up.name + "' " +
+                                std::to_string(up.dim(0)));
+  if (M == 0) return;
+  const uint32_t K = common_k({&gate, &up}, "linear_swiglu"), F = uint32_t(gate.dim(0));
+  if (dev.kernel_shape() == KernelShape::WorkGroups) {
+    Scratch xn(dev, size_t(M) * K * 4), gu(dev, size_t(M) * 2 * F * 4);
+    const cl::Mem* in = &x;
+    uint32_t in_off = x_off, in_ld = ldx;
+    if (norm) {
+      rmsnorm(dev, x, x_off, ldx, nullptr, *norm, xn.mem(), 0, K, M, K, eps);
+      in = &xn.mem();
+      in_off = 0;
+      in_ld = K;
+    }
+    linear(dev, *in, in_off, in_ld, gate, nullptr, gu.mem(), 0, 2 * F, M);
+    linear(dev, *in, in_off, in_ld, up, nullptr, gu.mem(), F, 2 * F, M);
+    Scratch out(dev, size_t(M) * F * 4);
+    silu_mul(dev, gu.mem(), 0, 2 * F, gu.mem(), F, 2 * F, out.mem(), F, M, F);
+    copy_rows(dev, out.mem(), 0, F, y, y_off, ldy, M, F);
+    return;
+  }
+  if (norm && !fold_norm(dev, M)) {
+    Scratch xn(dev, size_t(M) * K * 4);
+    rmsnorm(dev, x, x_off, ldx, nullptr, *norm, xn.mem(), 0, K, M, K, eps);
+    launch_fused(dev, xn.mem(), 0, K, nullptr, nullptr, eps, {&gate, &up}, true, y, y_off, ldy, M,
+                 1.0f, false);
+    return;
+  }
+  launch_fused(dev, x, x_off, ldx, nullptr, norm, eps, {&gate, &up}, true, y, y_off, ldy, M, 1.0f,
+               false);
 }
 
 void rmsnorm(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const cl::Mem* rows,

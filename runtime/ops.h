@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "runtime/cl.h"
 #include "runtime/tensor.h"
@@ -18,6 +19,23 @@ namespace clshard::ops {
 void linear(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const Weight& w,
             const Weight* bias, const cl::Mem& y, uint32_t y_off, uint32_t ldy, uint32_t M,
             float alpha = 1.0f, bool accumulate = false);
+
+// One launch for what decode runs around a GEMV: y[m, :N] (+)= alpha * (n(x[m]) [W0; W1; ...]^T)
+// with the weights' rows side by side as one output of N = their total (q, k, v: up to three),
+// where n(x) = rmsnorm(x) * norm (eps) when `norm` is given, else x; with `rows`, input row m is
+// x row rows[m]. Weights share K and dtype. Batches of 4 rows and more (prefill) run the norm as
+// its own launch, and devices that want work-groups run the unfused ops: the results are the
+// same up to f32 rounding (the weights' concatenation alone gives the same bits as linear).
+void linear_fused(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx,
+                  const cl::Mem* rows, const Weight* norm, float eps,
+                  const std::vector<const Weight*>& weights, const cl::Mem& y, uint32_t y_off,
+                  uint32_t ldy, uint32_t M, float alpha = 1.0f, bool accumulate = false);
+
+// The SwiGLU MLP's first half in one launch: y[m, :F] = silu(n(x[m]) gate^T) * (n(x[m]) up^T),
+// n as in linear_fused. gate and up are [F, K].
+void linear_swiglu(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const Weight* norm,
+                   float eps, const Weight& gate, const Weight& up, const cl::Mem& y,
+                   uint32_t y_off, uint32_t ldy, uint32_t M);
 
 // y[r] = rmsnorm(x[rows ? rows[r] : r]) * w, for R rows of width H.
 void rmsnorm(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const cl::Mem* rows,

@@ -181,7 +181,8 @@ TEST(BatchInput, ErrorMessages) {
   EXPECT_EQ(error_of("{\"id\": \"\", \"prompt\": \"a\"}"), "id: is empty");
   EXPECT_EQ(error_of("{\"prompt\": \"a\", \"max_token\": 5}"),
             "unknown field \"max_token\" (expected: id, prompt, prompt_token_ids, messages, temperature, top_k, "
-            "top_p, min_p, seed, max_tokens, stop, stop_token_ids)");
+            "top_p, min_p, seed, max_tokens, stop, stop_token_ids, frequency_penalty, presence_penalty, "
+            "repetition_penalty, logprobs, top_logprobs, n, ignore_eos)");
   EXPECT_EQ(error_of("{\"prompt\": \"a\", \"max_tokens\": 0}"), "max_tokens: expected a positive integer, got 0");
   EXPECT_EQ(error_of("{\"prompt\": \"a\", \"top_k\": 2.0}"),
             "top_k: expected an integer >= -1 (-1 or 0: no top-k), got 2.0");
@@ -216,13 +217,14 @@ TEST(BatchInput, OpenAIErrorMessages) {
             "body: url /v1/chat/completions needs body.messages");
   EXPECT_EQ(error_of(R"({"custom_id": "c", "url": "/v1/completions", "body": {"messages": [{"role": "user", "content": "a"}]}})"),
             "body: url /v1/completions needs body.prompt (body.messages goes to /v1/chat/completions)");
-  EXPECT_EQ(error_of(R"({"custom_id": "c", "body": {"prompt": "a", "n": 2}})"),
-            "body.n: expected 1 (one completion per line), got 2");
+  EXPECT_EQ(error_of(R"({"custom_id": "c", "body": {"prompt": "a", "n": 200}})"),
+            "body.n: expected an integer in [1, 128], got 200");
   EXPECT_EQ(error_of(R"({"custom_id": "c", "body": {"prompt": "a", "stream": true}})"),
             "body.stream: expected false (a batch job does not stream), got true");
-  EXPECT_EQ(error_of(R"({"custom_id": "c", "body": {"prompt": "a", "frequency_penalty": 0.5}})"),
-            "body.frequency_penalty: unsupported field (supported: prompt, messages, max_completion_tokens, model, n, "
-            "stream, user, temperature, top_k, top_p, min_p, seed, max_tokens, stop, stop_token_ids)");
+  EXPECT_EQ(error_of(R"({"custom_id": "c", "body": {"prompt": "a", "logit_bias": {}}})"),
+            "body.logit_bias: unsupported field (supported: prompt, messages, max_completion_tokens, model, "
+            "stream, user, temperature, top_k, top_p, min_p, seed, max_tokens, stop, stop_token_ids, "
+            "frequency_penalty, presence_penalty, repetition_penalty, logprobs, top_logprobs, n, ignore_eos)");
   EXPECT_EQ(error_of(R"({"custom_id": "c", "body": {"prompt": "a", "max_tokens": 3, "max_completion_tokens": 4}})"),
             "body: give max_tokens or max_completion_tokens, not both");
   EXPECT_EQ(error_of(R"({"custom_id": "c", "body": {"prompt": ["a", "b"]}})"),
@@ -351,7 +353,7 @@ TEST(BatchOutput, OpenAIShape) {
   BatchInput in = parse(
       R"({"custom_id": "comp", "url": "/v1/completions", "body": {"prompt": "Once"}})" "\n"
       R"({"custom_id": "chat", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": "Hi"}]}})" "\n"
-      R"({"custom_id": "bad", "body": {"prompt": "x", "n": 3}})" "\n");
+      R"({"custom_id": "bad", "body": {"prompt": "x", "n": 0}})" "\n");
   BatchOutputOptions opts;
   opts.model_name = "llama3-tiny";
   BatchOutputWriter w(dir / "out.jsonl", in, opts);
@@ -366,7 +368,7 @@ TEST(BatchOutput, OpenAIShape) {
             R"("prompt_tokens":9,"completion_tokens":1,"response":{"status_code":200,"body":{"object":"chat.completion",)"
             R"("model":"llama3-tiny","choices":[{"index":0,"message":{"role":"assistant","content":"Hello!"},)"
             R"("finish_reason":"stop"}],"usage":{"prompt_tokens":9,"completion_tokens":1,"total_tokens":10}}}})" "\n"
-            R"({"id":"bad","custom_id":"bad","line":3,"error":"body.n: expected 1 (one completion per line), got 3","response":null})" "\n");
+            R"({"id":"bad","custom_id":"bad","line":3,"error":"body.n: expected an integer in [1, 128], got 0","response":null})" "\n");
 }
 
 TEST(BatchOutput, TextCutInsideAUtf8CharacterStillWrites) {

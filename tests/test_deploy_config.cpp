@@ -201,7 +201,8 @@ TEST(DeployConfig, UnknownKeys) {
             "batch, sampling, speculative, job, serve)");
   EXPECT_EQ(error_of("model: {path: m}\nsampling:\n  temperature: 1\n  top-p: 0.5\n"),
             "deploy.yaml:4: sampling.top-p: unknown key (expected one of: temperature, top_k, top_p, "
-            "min_p, seed, max_tokens, stop, stop_token_ids)");
+            "min_p, seed, max_tokens, stop, stop_token_ids, frequency_penalty, presence_penalty, "
+            "repetition_penalty, logprobs_mode)");
   EXPECT_EQ(error_of("model: {path: m}\ndevices: {gpu: 1}\n"),
             "deploy.yaml:2: devices.gpu: unknown key (expected one of: platform, type, ids, all, split)");
 }

@@ -131,7 +131,7 @@ StepOutputs Llama3Model::forward(const StepInputs& in) {
     w.xn = Scratch(*s.dev, t * H * 4);
     w.qkv = Scratch(*s.dev, t * w.qkv_w * 4);
     w.att = Scratch(*s.dev, t * w.nh * hd * 4);
-    w.gu = Scratch(*s.dev, t * 2 * w.f * 4);
+    w.gu = Scratch(*s.dev, t * w.f * 4);
     if (P > 1) w.part = Scratch(*s.dev, t * H * 4);
     work.push_back(std::move(w));
   }
@@ -166,13 +166,16 @@ StepOutputs Llama3Model::forward(const StepInputs& in) {
       Device& d = *shards_[r].dev;
       const LayerWeights& L = shards_[r].w.layers[l];
       Work& w = work[r];
-      ops::rmsnorm(d, w.h.mem(), 0, H, nullptr, L.input_norm, w.xn.mem(), 0, H, T, H, eps);
-      const bool bias = bool(L.q_bias);
-      ops::linear(d, w.xn.mem(), 0, H, L.q, bias ? &L.q_bias : nullptr, w.qkv.mem(), 0, w.qkv_w, T);
-      ops::linear(d, w.xn.mem(), 0, H, L.k, bias ? &L.k_bias : nullptr, w.qkv.mem(), w.nh * hd,
-                  w.qkv_w, T);
-      ops::linear(d, w.xn.mem(), 0, H, L.v, bias ? &L.v_bias : nullptr, w.qkv.mem(),
-                  (w.nh + w.nkv) * hd, w.qkv_w, T);
+      if (L.q_bias) {  // attention_bias: the norm, then one GEMV with its bias per projection
+        ops::rmsnorm(d, w.h.mem(), 0, H, nullptr, L.input_norm, w.xn.mem(), 0, H, T, H, eps);
+        ops::linear(d, w.xn.mem(), 0, H, L.q, &L.q_bias, w.qkv.mem(), 0, w.qkv_w, T);
+        ops::linear(d, w.xn.mem(), 0, H, L.k, &L.k_bias, w.qkv.mem(), w.nh * hd, w.qkv_w, T);
+        ops::linear(d, w.xn.mem(), 0, H, L.v, &L.v_bias, w.qkv.mem(), (w.nh + w.nkv) * hd,
+                    w.qkv_w, T);
+      } else {  // norm, q, k and v in one launch
+        ops::linear_fused(d, w.h.mem(), 0, H, nullptr, &L.input_norm, eps, {&L.q, &L.k, &L.v},
+                          w.qkv.mem(), 0, w.qkv_w, T);
+      }
       ops::rope_store_kv(d, w.qkv.mem(), w.qkv_w, w.nh, w.nkv, hd, shards_[r].inv_freq,
                          shards_[r].inv_freq_long, long_from_, w.st.tokens, shards_[r].kv[l]);
       ops::paged_attention(d, w.qkv.mem(), w.qkv_w, shards_[r].kv[l], w.st.tokens, w.nh, w.nkv,
@@ -191,17 +194,13 @@ StepOutputs Llama3Model::forward(const StepInputs& in) {
       Device& d = *shards_[r].dev;
       const LayerWeights& L = shards_[r].w.layers[l];
       Work& w = work[r];
-      ops::rmsnorm(d, w.h.mem(), 0, H, nullptr, L.post_attention_norm, w.xn.mem(), 0, H, T, H,
-                   eps);
-      ops::linear(d, w.xn.mem(), 0, H, L.gate, nullptr, w.gu.mem(), 0, 2 * w.f, T);
-      ops::linear(d, w.xn.mem(), 0, H, L.up, nullptr, w.gu.mem(), w.f, 2 * w.f, T);
-      // silu(gate) * up written over the gate half, then down-projected into the residual.
-      ops::silu_mul(d, w.gu.mem(), 0, 2 * w.f, w.gu.mem(), w.f, 2 * w.f, w.gu.mem(), 2 * w.f, T,
-                    w.f);
+      // norm, gate, up and silu(gate) * up in one launch, then down-projected into the residual.
+      ops::linear_swiglu(d, w.h.mem(), 0, H, &L.post_attention_norm, eps, L.gate, L.up,
+                         w.gu.mem(), 0, w.f, T);
       if (P == 1)
-        ops::linear(d, w.gu.mem(), 0, 2 * w.f, L.down, nullptr, w.h.mem(), 0, H, T, m, true);
+        ops::linear(d, w.gu.mem(), 0, w.f, L.down, nullptr, w.h.mem(), 0, H, T, m, true);
       else
-        ops::linear(d, w.gu.mem(), 0, 2 * w.f, L.down, nullptr, w.part.mem(), 0, H, T);
+        ops::linear(d, w.gu.mem(), 0, w.f, L.down, nullptr, w.part.mem(), 0, H, T);
     }
     if (P > 1) {
       allreduce(&Work::part, "MLP output");
@@ -214,11 +213,10 @@ StepOutputs Llama3Model::forward(const StepInputs& in) {
     // buffer (one context, so one buffer serves all).
     for (size_t r = 0; r < P; ++r) {
       Device& d = *shards_[r].dev;
-      Scratch xs(d, size_t(R) * H * 4);
-      ops::rmsnorm(d, work[r].h.mem(), 0, H, &work[r].st.logit_rows, shards_[r].w.final_norm,
-                   xs.mem(), 0, H, R, H, eps);
-      ops::linear(d, xs.mem(), 0, H, shards_[r].w.lm_head, nullptr, logits_,
-                  uint32_t(shards_[r].range.vocab.begin), V, R, float(1.0 / cfg_.logits_scaling));
+      ops::linear_fused(d, work[r].h.mem(), 0, H, &work[r].st.logit_rows,
+                        &shards_[r].w.final_norm, eps, {&shards_[r].w.lm_head}, logits_,
+                        uint32_t(shards_[r].range.vocab.begin), V, R,
+                        float(1.0 / cfg_.logits_scaling));
     }
   }
   // The other ranks' logits columns must be in place before the first device reads them.

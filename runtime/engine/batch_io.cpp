@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
@@ -63,9 +64,9 @@ int64_t integer_field(const json& v, const std::string& field, const std::string
 
 double number_field(const json& v, const std::string& field,
                     std::optional<std::string> (*check)(double)) {
-  // Every check rejects -1, which gives the phrase for values that are not numbers at all.
+  // Every check rejects NaN, which gives the phrase for values that are not numbers at all.
   if (!v.is_number() || check(v.get<double>()))
-    bad(field, "expected " + *check(-1.0) + ", got " + shown(v));
+    bad(field, "expected " + *check(std::nan("")) + ", got " + shown(v));
   return v.get<double>();
 }
 
@@ -84,8 +85,11 @@ std::vector<int32_t> token_ids_field(const json& v, const std::string& field, bo
 }
 
 const std::vector<std::string>& sampling_fields() {
-  static const std::vector<std::string> f = {"temperature", "top_k", "top_p", "min_p", "seed",
-                                             "max_tokens", "stop", "stop_token_ids"};
+  static const std::vector<std::string> f = {
+      "temperature",      "top_k",        "top_p",    "min_p",
+      "seed",             "max_tokens",   "stop",     "stop_token_ids",
+      "frequency_penalty", "presence_penalty", "repetition_penalty", "logprobs",
+      "top_logprobs",     "n",            "ignore_eos"};
   return f;
 }
 
@@ -129,7 +133,42 @@ void apply_sampling_field(SamplingDefaults& s, const std::string& key, const jso
     s.stop = std::move(stop);
   } else if (key == "stop_token_ids") {
     s.stop_token_ids = token_ids_field(v, field, true);
+  } else if (key == "frequency_penalty") {
+    s.frequency_penalty = float(number_field(v, field, check_penalty));
+  } else if (key == "presence_penalty") {
+    s.presence_penalty = float(number_field(v, field, check_penalty));
+  } else if (key == "repetition_penalty") {
+    s.repetition_penalty = float(number_field(v, field, check_repetition_penalty));
+  } else if (key == "logprobs") {
+    // Chat's boolean, or the completions API's integer (the number of top tokens).
+    if (v.is_boolean()) {
+      s.logprobs = v.get<bool>();
+    } else {
+      const std::string expected = "true, false or " + *check_top_logprobs(-1);
+      const int64_t k = integer_field(v, field, expected);
+      if (check_top_logprobs(k)) bad(field, "expected " + expected + ", got " + shown(v));
+      s.logprobs = true;
+      s.top_logprobs = int32_t(k);
+    }
+  } else if (key == "top_logprobs") {
+    const int64_t k = integer_field(v, field, *check_top_logprobs(-1));
+    if (check_top_logprobs(k))
+      bad(field, "expected " + *check_top_logprobs(-1) + ", got " + shown(v));
+    s.top_logprobs = int32_t(k);
+  } else if (key == "n") {
+    const int64_t n = integer_field(v, field, *check_n(0));
+    if (check_n(n)) bad(field, "expected " + *check_n(0) + ", got " + shown(v));
+    s.n = int32_t(n);
+  } else if (key == "ignore_eos") {
+    if (!v.is_boolean()) bad(field, "expected true or false, got " + shown(v));
+    s.ignore_eos = v.get<bool>();
   }
+}
+
+// top_logprobs > 0 needs logprobs (OpenAI's rule); `prefix` is "" or "body.".
+void check_logprobs_pair(const SamplingDefaults& s, const json& obj, const std::string& prefix) {
+  if (s.top_logprobs > 0 && !s.logprobs && obj.contains("top_logprobs"))
+    bad(prefix + "top_logprobs", "needs " + prefix + "logprobs: true");
 }
 
 std::vector<ChatTurn> messages_field(const json& v, const std::string& field) {
@@ -228,6 +267,7 @@ void parse_plain(BatchRequest& r, const json& obj) {
     if (k == "id" || k == "prompt" || k == "prompt_token_ids" || k == "messages" || v.is_null()) continue;
     apply_sampling_field(r.sampling, k, v, k);
   }
+  check_logprobs_pair(r.sampling, obj, "");
   set_prompt(r, obj, "");
 }
 
@@ -249,7 +289,8 @@ void parse_openai(BatchRequest& r, const json& obj) {
   if (!body.is_object()) bad("body", "expected an object, got " + std::string(type_name(body)));
 
   static const std::vector<std::string> supported = [] {
-    std::vector<std::string> a = {"prompt", "messages", "max_completion_tokens", "model", "n", "stream", "user"};
+    std::vector<std::string> a = {"prompt", "messages", "max_completion_tokens", "model",
+                                  "stream", "user"};
     a.insert(a.end(), sampling_fields().begin(), sampling_fields().end());
     return a;
   }();
@@ -263,16 +304,13 @@ void parse_openai(BatchRequest& r, const json& obj) {
     if (v.is_null() || k == "prompt" || k == "messages" || k == "user") continue;
     // The deployment decides the model; the field is accepted because every OpenAI batch line has it.
     if (k == "model") continue;
-    if (k == "n") {
-      if (v != 1) bad(field, "expected 1 (one completion per line), got " + shown(v));
-      continue;
-    }
     if (k == "stream") {
       if (v != false) bad(field, "expected false (a batch job does not stream), got " + shown(v));
       continue;
     }
     apply_sampling_field(r.sampling, k, v, field);
   }
+  check_logprobs_pair(r.sampling, body, "body.");
   if (body.contains("prompt_token_ids")) bad("body.prompt_token_ids", "unsupported field (use body.prompt)");
   set_prompt(r, body, "body.");
   if (url == "/v1/chat/completions" && !r.messages)
@@ -582,6 +620,68 @@ std::string to_line(const ordered_json& j) {
 }
 }  // namespace
 
+namespace {
+
+// A log-probability as JSON: -inf (a token the distribution excludes) has no JSON number and is
+// written as null.
+ordered_json logprob_value(float lp) {
+  return std::isfinite(lp) ? ordered_json(lp) : ordered_json(nullptr);
+}
+
+ordered_json plain_logprobs(const std::vector<RecordLogprobs>& lps) {
+  ordered_json out = ordered_json::array();
+  for (const RecordLogprobs& e : lps) {
+    ordered_json top = ordered_json::array();
+    for (const auto& t : e.top)
+      top.push_back({{"token_id", t.token_id}, {"token", t.token},
+                     {"logprob", logprob_value(t.logprob)}});
+    out.push_back({{"token_id", e.chosen.token_id}, {"token", e.chosen.token},
+                   {"logprob", logprob_value(e.chosen.logprob)}, {"top_logprobs", top}});
+  }
+  return out;
+}
+
+ordered_json token_bytes(const std::string& s) {
+  ordered_json b = ordered_json::array();
+  for (unsigned char c : s) b.push_back(int(c));
+  return b;
+}
+
+// OpenAI's chat shape: {"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}.
+ordered_json chat_logprobs(const std::vector<RecordLogprobs>& lps) {
+  ordered_json content = ordered_json::array();
+  for (const RecordLogprobs& e : lps) {
+    ordered_json top = ordered_json::array();
+    for (const auto& t : e.top)
+      top.push_back({{"token", t.token}, {"logprob", logprob_value(t.logprob)},
+                     {"bytes", token_bytes(t.token)}});
+    content.push_back({{"token", e.chosen.token}, {"logprob", logprob_value(e.chosen.logprob)},
+                       {"bytes", token_bytes(e.chosen.token)}, {"top_logprobs", top}});
+  }
+  return {{"content", content}};
+}
+
+// OpenAI's completions shape: {"tokens", "token_logprobs", "top_logprobs": [{token: logprob}],
+// "text_offset"}.
+ordered_json completion_logprobs(const std::vector<RecordLogprobs>& lps) {
+  ordered_json tokens = ordered_json::array(), lp = ordered_json::array(),
+               top = ordered_json::array(), offsets = ordered_json::array();
+  size_t offset = 0;
+  for (const RecordLogprobs& e : lps) {
+    tokens.push_back(e.chosen.token);
+    lp.push_back(logprob_value(e.chosen.logprob));
+    ordered_json t = ordered_json::object();
+    for (const auto& x : e.top) t[x.token] = logprob_value(x.logprob);
+    top.push_back(t);
+    offsets.push_back(offset);
+    offset += e.chosen.token.size();
+  }
+  return {{"tokens", tokens}, {"token_logprobs", lp}, {"top_logprobs", top},
+          {"text_offset", offsets}};
+}
+
+}  // namespace
+
 std::string BatchOutputWriter::completion_line(const Slot& s, const CompletionRecord& r) const {
   ordered_json j;
   j["id"] = id_value(s.id, s.id_is_number);
@@ -592,16 +692,42 @@ std::string BatchOutputWriter::completion_line(const Slot& s, const CompletionRe
   j["finish_reason"] = to_string(r.finish_reason);
   j["prompt_tokens"] = r.prompt_tokens;
   j["completion_tokens"] = r.completion_tokens;
+  if (r.logprobs) j["logprobs"] = plain_logprobs(*r.logprobs);
+  // The choices: r itself, or r.choices when there are several.
+  std::vector<const CompletionRecord*> choices;
+  if (r.choices.empty()) choices.push_back(&r);
+  for (const CompletionRecord& c : r.choices) choices.push_back(&c);
+  if (!r.choices.empty()) {
+    ordered_json list = ordered_json::array();
+    for (size_t i = 0; i < choices.size(); ++i) {
+      ordered_json c;
+      c["index"] = i;
+      c["text"] = choices[i]->text;
+      c["token_ids"] = choices[i]->token_ids;
+      c["finish_reason"] = to_string(choices[i]->finish_reason);
+      c["completion_tokens"] = choices[i]->completion_tokens;
+      if (choices[i]->logprobs) c["logprobs"] = plain_logprobs(*choices[i]->logprobs);
+      list.push_back(c);
+    }
+    j["choices"] = list;
+  }
   if (s.openai_shape) {
-    ordered_json choice;
-    choice["index"] = 0;
-    if (s.chat) choice["message"] = {{"role", "assistant"}, {"content", r.text}};
-    else choice["text"] = r.text;
-    choice["finish_reason"] = to_string(r.finish_reason);
+    ordered_json list = ordered_json::array();
+    for (size_t i = 0; i < choices.size(); ++i) {
+      const CompletionRecord& c = *choices[i];
+      ordered_json choice;
+      choice["index"] = i;
+      if (s.chat) choice["message"] = {{"role", "assistant"}, {"content", c.text}};
+      else choice["text"] = c.text;
+      if (c.logprobs)
+        choice["logprobs"] = s.chat ? chat_logprobs(*c.logprobs) : completion_logprobs(*c.logprobs);
+      choice["finish_reason"] = to_string(c.finish_reason);
+      list.push_back(choice);
+    }
     ordered_json body;
     body["object"] = s.chat ? "chat.completion" : "text_completion";
     if (!options_.model_name.empty()) body["model"] = options_.model_name;
-    body["choices"] = ordered_json::array({choice});
+    body["choices"] = list;
     body["usage"] = {{"prompt_tokens", r.prompt_tokens},
                      {"completion_tokens", r.completion_tokens},
                      {"total_tokens", r.prompt_tokens + r.completion_tokens}};

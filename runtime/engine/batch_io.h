@@ -5,12 +5,19 @@
 //   {"id": ..., "prompt": "text" | "prompt_token_ids": [...] | "messages": [...], <sampling>}
 //   {"custom_id": "...", "method": "POST", "url": "/v1/completions" | "/v1/chat/completions",
 //    "body": {"prompt" | "messages", "max_tokens", "temperature", ...}}   (OpenAI batch file)
-// <sampling> is any of temperature, top_k, top_p, min_p, seed, max_tokens, stop, stop_token_ids;
-// they override the deployment's defaults. A line that is not a valid request becomes an error
+// <sampling> is any of temperature, top_k, top_p, min_p, seed, max_tokens, stop, stop_token_ids,
+// frequency_penalty, presence_penalty, repetition_penalty, logprobs (true | false, or an integer
+// k in [0, 20] = true with top_logprobs k, as OpenAI's completions), top_logprobs, n (choices;
+// choice i samples with choice_seed(seed, i) of sampling.h), ignore_eos; they override the
+// deployment's defaults. A line that is not a valid request becomes an error
 // record; the job goes on.
 //
 // Output, one JSON object per input line, in input order:
 //   {"id", "line", "text", "token_ids", "finish_reason", "prompt_tokens", "completion_tokens"}
+//     plus "logprobs": [{"token_id", "token", "logprob", "top_logprobs": [{"token_id", "token",
+//     "logprob"}]}] when asked, and with n > 1 "choices": [{"index", "text", "token_ids",
+//     "finish_reason", "completion_tokens", "logprobs"?}] (the top-level fields are choice 0's,
+//     completion_tokens the sum over the choices)
 //   {"id", "line", "error"}                                  (a bad line, or a request that failed)
 // OpenAI-shaped requests also get "custom_id" and "response" (OpenAI's batch output shape).
 //
@@ -90,6 +97,18 @@ void apply_request_sampling_field(SamplingDefaults& s, const std::string& key,
 enum class FinishReason { Stop, Length };
 const char* to_string(FinishReason r);
 
+// A token and its log-probability as the output shows it ("token": its text, when a tokenizer is
+// there; empty otherwise).
+struct TokenLogprobText {
+  int32_t token_id = -1;
+  std::string token;
+  float logprob = 0.0f;
+};
+struct RecordLogprobs {
+  TokenLogprobText chosen;
+  std::vector<TokenLogprobText> top;
+};
+
 // What the engine reports for one finished request.
 struct CompletionRecord {
   std::string text;                // decoded completion (stop string excluded)
@@ -97,6 +116,10 @@ struct CompletionRecord {
   FinishReason finish_reason = FinishReason::Length;
   uint64_t prompt_tokens = 0;
   uint64_t completion_tokens = 0;
+  std::optional<std::vector<RecordLogprobs>> logprobs;  // per completion token, when asked
+  // n > 1: every choice in order (their prompt_tokens unused); the fields above then hold choice
+  // 0, and completion_tokens the sum over the choices.
+  std::vector<CompletionRecord> choices;
 };
 
 // The journal that holds records finished out of order until the output catches up.

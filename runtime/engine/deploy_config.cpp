@@ -73,6 +73,23 @@ std::optional<std::string> check_max_tokens(int64_t v) {
   if (v < 1 || v > std::numeric_limits<int32_t>::max()) return "a positive integer";
   return std::nullopt;
 }
+std::optional<std::string> check_penalty(double v) {
+  if (!(v >= -2 && v <= 2)) return "a number in [-2, 2]";
+  return std::nullopt;
+}
+std::optional<std::string> check_repetition_penalty(double v) {
+  if (!(v > 0) || !std::isfinite(v)) return "a number > 0";
+  return std::nullopt;
+}
+std::optional<std::string> check_top_logprobs(int64_t v) {
+  if (v < 0 || v > kMaxTopLogprobs)
+    return "an integer in [0, " + std::to_string(kMaxTopLogprobs) + "]";
+  return std::nullopt;
+}
+std::optional<std::string> check_n(int64_t v) {
+  if (v < 1 || v > kMaxChoices) return "an integer in [1, " + std::to_string(kMaxChoices) + "]";
+  return std::nullopt;
+}
 std::optional<std::string> check_stop_token_id(int64_t v) {
   if (v < 0 || v > std::numeric_limits<int32_t>::max()) return "a token id (an integer >= 0)";
   return std::nullopt;
@@ -124,6 +141,10 @@ const std::vector<std::string>& deploy_config_keys() {
       "sampling.max_tokens",
       "sampling.stop",
       "sampling.stop_token_ids",
+      "sampling.frequency_penalty",
+      "sampling.presence_penalty",
+      "sampling.repetition_penalty",
+      "sampling.logprobs_mode",
       "speculative.method",
       "speculative.num_speculative_tokens",
       "speculative.draft_model",
@@ -304,13 +325,13 @@ class Parser {
     return v;
   }
 
-  // `check` returns what was expected for out-of-range values; every check rejects -1, which
+  // `check` returns what was expected for out-of-range values; every check rejects NaN, which
   // gives the phrase for values that are not numbers at all.
   double number(const YAML::Node& n, const std::string& path, int line,
                 std::optional<std::string> (*check)(double)) {
     double v = 0;
     if (!is_plain_scalar(n) || !parse_double(n.Scalar(), v) || check(v))
-      fail(line, path, "expected " + *check(-1.0) + ", got " + describe(n));
+      fail(line, path, "expected " + *check(std::nan("")) + ", got " + describe(n));
     return v;
   }
 
@@ -494,6 +515,16 @@ class Parser {
           s.stop_token_ids.push_back(int32_t(integer(item, ip, il, *check_stop_token_id(-1), 0,
                                                      std::numeric_limits<int32_t>::max())));
         });
+      } else if (k == "frequency_penalty") {
+        s.frequency_penalty = float(number(v, p, line, check_penalty));
+      } else if (k == "presence_penalty") {
+        s.presence_penalty = float(number(v, p, line, check_penalty));
+      } else if (k == "repetition_penalty") {
+        s.repetition_penalty = float(number(v, p, line, check_repetition_penalty));
+      } else if (k == "logprobs_mode") {
+        s.logprobs_mode = choice(v, p, line, {"raw", "processed"}) == "processed"
+                              ? LogprobsMode::Processed
+                              : LogprobsMode::Raw;
       }
     });
   }

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "runtime/device_manager.h"
+#include "runtime/engine/sampling.h"
 
 namespace clshard {
 
@@ -86,6 +87,17 @@ struct SamplingDefaults {
   int32_t max_tokens = 256;  // completion tokens at most
   std::vector<std::string> stop;        // stop strings (not included in the output text)
   std::vector<int32_t> stop_token_ids;  // stop tokens besides the checkpoint's EOS
+  // Penalties (runtime/engine/sampling.h has the rules).
+  float frequency_penalty = 0.0f;   // [-2, 2]
+  float presence_penalty = 0.0f;    // [-2, 2]
+  float repetition_penalty = 1.0f;  // > 0; 1 = off
+  // Deployment only: which distribution logprobs describe.
+  LogprobsMode logprobs_mode = LogprobsMode::Raw;
+  // Per request only (a batch line or an API request; not keys of the deployment file).
+  bool logprobs = false;
+  int32_t top_logprobs = 0;  // [0, 20]
+  int32_t n = 1;             // completions; choice i samples with choice_seed(seed, i)
+  bool ignore_eos = false;
   bool operator==(const SamplingDefaults&) const = default;
 };
 
@@ -183,5 +195,10 @@ std::optional<std::string> check_top_p(double v);
 std::optional<std::string> check_min_p(double v);
 std::optional<std::string> check_max_tokens(int64_t v);
 std::optional<std::string> check_stop_token_id(int64_t v);
+std::optional<std::string> check_penalty(double v);             // frequency/presence: [-2, 2]
+std::optional<std::string> check_repetition_penalty(double v);  // > 0
+std::optional<std::string> check_top_logprobs(int64_t v);       // [0, 20]
+std::optional<std::string> check_n(int64_t v);                  // [1, kMaxChoices]
+inline constexpr int32_t kMaxChoices = 128;
 
 }  // namespace clshard

@@ -130,8 +130,10 @@ std::unique_ptr<Engine> Deployment::make_engine() {
     spec.relaxed.top_k = uint32_t(sp.relaxed_topk);
     spec.relaxed.delta = float(sp.relaxed_delta);
   }
-  return std::make_unique<Engine>(*model, tokenizer ? &*tokenizer : nullptr, limits, draft.get(),
-                                  spec);
+  auto engine = std::make_unique<Engine>(*model, tokenizer ? &*tokenizer : nullptr, limits,
+                                         draft.get(), spec);
+  engine->set_logprobs_mode(config.sampling.logprobs_mode);
+  return engine;
 }
 
 SamplingParams Deployment::sampling_params(const SamplingDefaults& s) {
@@ -141,6 +143,11 @@ SamplingParams Deployment::sampling_params(const SamplingDefaults& s) {
   p.top_p = s.top_p;
   p.min_p = s.min_p;
   p.seed = s.seed;
+  p.frequency_penalty = s.frequency_penalty;
+  p.presence_penalty = s.presence_penalty;
+  p.repetition_penalty = s.repetition_penalty;
+  p.logprobs = s.logprobs;
+  p.top_logprobs = s.top_logprobs;
   return p;
 }
 

@@ -100,13 +100,19 @@ uint64_t Engine::submit(GenerationRequest request) {
   return h;
 }
 
-bool Engine::observe(uint64_t handle, Live& live, int32_t token) {
+void Engine::emit(uint64_t handle, int32_t token, std::string_view text,
+                  const TokenLogprobs* lp) {
+  if (on_token_) on_token_(TokenEvent{handle, token, text, lp});
+}
+
+bool Engine::observe(uint64_t handle, Live& live, int32_t token, const TokenLogprobs* lp) {
   if (think_start_ && token == *think_start_) live.thinking = true;
   if (think_end_ && token == *think_end_) live.thinking = false;
+  if (lp) live.logprobs.push_back(*lp);
   const auto& stops = live.req.stop_token_ids;
-  if ((!live.req.ignore_eos &&
-       std::find(eos_ids_.begin(), eos_ids_.end(), token) != eos_ids_.end()) ||
-      std::find(stops.begin(), stops.end(), token) != stops.end()) {
+  const bool eos = !live.req.ignore_eos &&
+                   std::find(eos_ids_.begin(), eos_ids_.end(), token) != eos_ids_.end();
+  if (eos || std::find(stops.begin(), stops.end(), token) != stops.end()) {
     live.drop_last = true;
     schedulers_[live.replica].finish(live.local, EndReason::Stop);
     return true;
@@ -125,14 +131,14 @@ bool Engine::observe(uint64_t handle, Live& live, int32_t token) {
     if (cut != std::string::npos) {
       piece = cut > old_len ? live.text.substr(old_len, cut - old_len) : std::string();
       live.text.resize(std::max(cut, std::min(cut, old_len)));
-      if (on_token_) on_token_(handle, token, piece);
+      emit(handle, token, piece, lp);
       schedulers_[live.replica].finish(live.local, EndReason::Stop);
       return true;
     }
   } else {
     live.text += piece;
   }
-  if (on_token_) on_token_(handle, token, piece);
+  emit(handle, token, piece, lp);
   return false;
 }
 
@@ -174,6 +180,51 @@ uint64_t Engine::kv_pages_total() const {
   return n;
 }
 
+uint32_t Engine::penalty_slot(Device& dev, uint32_t vocab, Live& live) {
+  if (!penalty_counts_) penalty_counts_.emplace(dev, vocab);
+  if (&penalty_counts_->device() != &dev || penalty_counts_->vocab() != vocab)
+    throw std::logic_error("Engine: penalties need the logits on one device with one vocabulary");
+  if (!live.penalty_slot) live.penalty_slot = penalty_counts_->acquire(live.req.prompt);
+  return *live.penalty_slot;
+}
+
+void Engine::count_committed(
+    const std::vector<std::pair<uint64_t, std::vector<int32_t>>>& kept) {
+  std::vector<std::pair<uint32_t, int32_t>> add;
+  for (const auto& [h, tokens] : kept) {
+    const Live& live = live_.at(h);
+    if (!live.penalty_slot) continue;
+    for (int32_t t : tokens) add.emplace_back(*live.penalty_slot, t);
+  }
+  if (!add.empty()) penalty_counts_->add(add);
+}
+
+const cl::Mem& Engine::penalised_logits(const StepOutputs& out,
+                                        const std::vector<PenaltyRow>& rows, bool keep_raw,
+                                        Scratch& copy) {
+  if (rows.empty()) return out.logits;
+  if (!keep_raw) {
+    apply_penalties(*penalty_counts_, out.logits, out.logits, out.rows, rows);
+    return out.logits;
+  }
+  copy = Scratch(*out.device, size_t(out.rows) * out.vocab * sizeof(float));
+  apply_penalties(*penalty_counts_, out.logits, copy.mem(), out.rows, rows);
+  return copy.mem();
+}
+
+std::vector<TokenLogprobs> Engine::step_logprobs(const StepOutputs& out,
+                                                 const cl::Mem& sampled_from,
+                                                 std::vector<LogprobRow> rows,
+                                                 const std::vector<const SamplingParams*>& params) {
+  const bool processed = logprobs_mode_ == LogprobsMode::Processed;
+  for (size_t j = 0; j < rows.size(); ++j) {
+    rows[j].top_n = uint32_t(params[j]->top_logprobs);
+    rows[j].inv_temperature =
+        processed && params[j]->temperature > 0.0f ? 1.0f / params[j]->temperature : 1.0f;
+  }
+  return compute_logprobs(*out.device, processed ? sampled_from : out.logits, out.vocab, rows);
+}
+
 bool Engine::has_work() const {
   for (const auto& s : schedulers_)
     if (s.has_unfinished()) return true;
@@ -185,23 +236,44 @@ void Engine::step_plain(Batch& b) {
   auto t1 = Clock::now();
   StepOutputs out = model_.forward(b.merged);
   std::vector<int32_t> tokens;
+  std::vector<std::optional<TokenLogprobs>> row_logprobs(b.row_info.size());
   bool any_sample = false;
   for (const auto* row : b.row_info) any_sample = any_sample || row->needs_sample;
   if (any_sample) {
     // Every row's logits are sampled in one launch; intermediate prefill chunks are ignored.
     std::vector<SamplingParams> params;
     std::vector<uint64_t> seeds;
+    std::vector<PenaltyRow> penalised;
+    std::vector<LogprobRow> lp_rows;
+    std::vector<const SamplingParams*> lp_params;
+    bool keep_raw = false;
     for (size_t i = 0; i < b.row_info.size(); ++i) {
-      const Live& live = live_.at(b.row_handle[i]);
-      params.push_back(live.req.sampling);
-      seeds.push_back(
-          step_seed(live.req.sampling, live.req.prompt.size() + b.row_info[i]->num_generated));
+      Live& live = live_.at(b.row_handle[i]);
+      const SamplingParams& sp = live.req.sampling;
+      params.push_back(sp);
+      seeds.push_back(step_seed(sp, live.req.prompt.size() + b.row_info[i]->num_generated));
+      if (!b.row_info[i]->needs_sample) continue;
+      if (sp.has_penalties()) {
+        penalised.push_back({uint32_t(i), penalty_slot(*out.device, out.vocab, live), sp, {}});
+        keep_raw = keep_raw || (sp.logprobs && logprobs_mode_ == LogprobsMode::Raw);
+      }
+      if (sp.logprobs) {
+        lp_rows.push_back({uint32_t(i), -1, 0, 1.0f, false});
+        lp_params.push_back(&live.req.sampling);
+      }
     }
-    tokens = sample_tokens(*out.device, out.logits, out.rows, out.vocab, params, seeds);
+    Scratch copy;
+    const cl::Mem& sample_from = penalised_logits(out, penalised, keep_raw, copy);
+    tokens = sample_tokens(*out.device, sample_from, out.rows, out.vocab, params, seeds);
+    for (LogprobRow& r : lp_rows) r.token = tokens[r.row];
+    auto lps = step_logprobs(out, sample_from, lp_rows, lp_params);
+    for (size_t j = 0; j < lp_rows.size(); ++j) row_logprobs[lp_rows[j].row] = std::move(lps[j]);
   }
   stats_.device_s += since(t1);
   auto t2 = Clock::now();
   std::vector<std::pair<uint64_t, int32_t>> kept;  // (engine handle, token)
+  std::vector<size_t> kept_row;                     // its merged row
+  std::vector<std::pair<uint64_t, std::vector<int32_t>>> counted;
   for (size_t r = 0, i = 0; r < R; ++r) {
     if (!b.plans[r]) continue;
     std::vector<int32_t> sampled;
@@ -209,20 +281,26 @@ void Engine::step_plain(Batch& b) {
       if (row.needs_sample) {
         sampled.push_back(tokens[i]);
         kept.emplace_back(b.row_handle[i], tokens[i]);
+        kept_row.push_back(i);
+        counted.push_back({b.row_handle[i], {tokens[i]}});
       }
       ++i;
     }
     schedulers_[r].commit(*b.plans[r], sampled);
   }
+  count_committed(counted);
   stats_.output_tokens += kept.size();
-  for (const auto& [h, token] : kept) {
+  for (size_t k = 0; k < kept.size(); ++k) {
+    const auto& [h, token] = kept[k];
     Live& live = live_.at(h);
+    const auto& lp = row_logprobs[kept_row[k]];
     if (schedulers_[live.replica].state(live.local) == RequestState::Finished &&
         !live.decoder) {
-      if (on_token_) on_token_(h, token, "");
+      if (lp) live.logprobs.push_back(*lp);
+      emit(h, token, "", lp ? &*lp : nullptr);
       continue;
     }
-    observe(h, live, token);
+    observe(h, live, token, lp ? &*lp : nullptr);
   }
   stats_.host_s += since(t2);
 }
@@ -292,6 +370,9 @@ std::vector<GenerationResult> Engine::step() {
       if (it != live_.end()) {
         if (it->second.drop_last && !res.token_ids.empty()) res.token_ids.pop_back();
         if (it->second.decoder) res.text = it->second.text + it->second.decoder->flush();
+        res.logprobs = std::move(it->second.logprobs);
+        if (res.logprobs.size() > res.token_ids.size()) res.logprobs.resize(res.token_ids.size());
+        if (it->second.penalty_slot) penalty_counts_->release(*it->second.penalty_slot);
         live_.erase(it);
       }
       stats_.prompt_tokens += res.prompt_tokens;

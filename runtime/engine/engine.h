@@ -9,8 +9,11 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
+#include <type_traits>
 #include <vector>
 
+#include "runtime/device.h"
 #include "runtime/engine/acceptance.h"
 #include "runtime/engine/sampling.h"
 #include "runtime/engine/scheduler.h"
@@ -25,7 +28,7 @@ struct GenerationRequest {
   uint32_t max_tokens = 256;
   std::vector<int32_t> stop_token_ids;  // besides the model's EOS ids
   std::vector<std::string> stop;        // stop strings (needs a tokenizer)
-  bool ignore_eos = false;              // the model's EOS ids do not end it (stop ids still do)
+  bool ignore_eos = false;  // the model's EOS ids do not end it (stop_token_ids still do)
 };
 
 struct GenerationResult {
@@ -38,6 +41,16 @@ struct GenerationResult {
   std::string error;
   uint32_t prompt_tokens = 0;
   uint32_t preemptions = 0;
+  // One entry per token of token_ids when the request asked for sampling.logprobs (else empty).
+  std::vector<TokenLogprobs> logprobs;
+};
+
+// What on_token reports for every token a request keeps.
+struct TokenEvent {
+  uint64_t handle = 0;
+  int32_t token = -1;
+  std::string_view text;                    // the text it adds (UTF-8 complete; may be empty)
+  const TokenLogprobs* logprobs = nullptr;  // when the request asked for sampling.logprobs
 };
 
 // Speculative decoding figures: drafts proposed and accepted, in all and per draft position.
@@ -97,9 +110,17 @@ class Engine {
   // One step; returns the requests that finished in it.
   std::vector<GenerationResult> step();
   bool has_work() const;
-  // Called for every token a request keeps, with the text it adds (UTF-8 complete; may be empty).
-  void on_token(std::function<void(uint64_t handle, int32_t token, const std::string& text)> f) {
-    on_token_ = std::move(f);
+  // Called for every token a request keeps: f(const TokenEvent&), or the older
+  // f(uint64_t handle, int32_t token, const std::string& text).
+  template <typename F>
+  void on_token(F f) {
+    if constexpr (std::is_invocable_v<F&, const TokenEvent&>) {
+      on_token_ = std::move(f);
+    } else {
+      on_token_ = [g = std::move(f)](const TokenEvent& e) mutable {
+        g(e.handle, e.token, std::string(e.text));
+      };
+    }
   }
   // Ends a waiting or running request early (a client that went away, a deadline): its KV pages go
   // back to the pool at once, and the next step() reports it with reason Error, `why` as its
@@ -114,6 +135,8 @@ class Engine {
   size_t num_waiting() const;
   uint64_t kv_pages_in_use() const;
   uint64_t kv_pages_total() const;
+  // Which distribution logprobs describe (sampling.h); raw by default.
+  void set_logprobs_mode(LogprobsMode mode) { logprobs_mode_ = mode; }
   const EngineStats& stats() const { return stats_; }
   const Scheduler& scheduler(size_t replica = 0) const { return schedulers_.at(replica); }
   size_t replica_of(uint64_t handle) const { return live_.at(handle).replica; }
@@ -127,6 +150,8 @@ class Engine {
     std::string text;
     bool drop_last = false;  // the last token was a stop/EOS token: not part of the completion
     bool thinking = false;   // inside <think> ... </think> (relaxed acceptance)
+    std::optional<uint32_t> penalty_slot;  // its counts in penalty_counts_, once it sampled
+    std::vector<TokenLogprobs> logprobs;   // per kept token, when asked
   };
   // One step's rows over every replica, merged in replica order.
   struct Batch {
@@ -145,7 +170,21 @@ class Engine {
   void propose_drafts(const Batch& batch, const StepOutputs& target,
                       const std::vector<std::vector<int32_t>>& committed);
   // Records a kept token (stop tokens, stop strings, streaming); true when it ended the request.
-  bool observe(uint64_t handle, Live& live, int32_t token);
+  // `lp`: its log-probabilities when the request asked for them.
+  bool observe(uint64_t handle, Live& live, int32_t token, const TokenLogprobs* lp = nullptr);
+  void emit(uint64_t handle, int32_t token, std::string_view text, const TokenLogprobs* lp);
+  // Penalties (sampling.h): the counts slot of a request that asks for them, acquired on its
+  // first sampled row on the logits device; and the counts of the tokens a step committed.
+  uint32_t penalty_slot(Device& dev, uint32_t vocab, Live& live);
+  void count_committed(const std::vector<std::pair<uint64_t, std::vector<int32_t>>>& kept);
+  // Applies the penalties of `rows` to the step's logits; returns the buffer to sample from: the
+  // logits themselves (in place) or, when a penalised row also wants raw logprobs, a copy.
+  const cl::Mem& penalised_logits(const StepOutputs& out, const std::vector<PenaltyRow>& rows,
+                                  bool keep_raw, Scratch& copy);
+  // The log-probabilities of the listed rows, from the raw or the sampled-from buffer.
+  std::vector<TokenLogprobs> step_logprobs(const StepOutputs& out, const cl::Mem& sampled_from,
+                                           std::vector<LogprobRow> rows,
+                                           const std::vector<const SamplingParams*>& params);
 
   CausalLM& model_;
   const Tokenizer* tokenizer_;
@@ -157,8 +196,10 @@ class Engine {
   std::vector<std::map<uint64_t, uint64_t>> handle_of_;  // per replica: local -> engine handle
   uint64_t next_handle_ = 1;
   std::vector<int32_t> eos_ids_;
-  std::function<void(uint64_t, int32_t, const std::string&)> on_token_;
+  std::function<void(const TokenEvent&)> on_token_;
   EngineStats stats_;
+  LogprobsMode logprobs_mode_ = LogprobsMode::Raw;
+  std::optional<PenaltyCounts> penalty_counts_;
 };
 
 }  // namespace clshard

@@ -22,6 +22,9 @@ using sampling_kernel::is_greedy;
 // heap (2 KiB of ulong per work-item at 256).
 constexpr uint32_t kTopKHeapMax = 256;
 constexpr uint32_t kChunk = 16;  // the kernel's float16 chunk; the reference sums in its order
+// Tokens per work-item of apply_penalties: rows x (vocab / block) work-items spread a batch over
+// the cores even when few rows ask for penalties.
+constexpr uint32_t kPenaltyBlock = 4096;
 
 // top_k as the kernel takes it: 0 = no filter.
 uint32_t effective_top_k(const SamplingParams& p) { return p.top_k > 0 ? uint32_t(p.top_k) : 0; }
@@ -167,7 +170,10 @@ RowArgs row_args(const SamplingParams& p, uint64_t step_seed, const std::string&
 size_t work_floats(uint32_t vocab) { return size_t(vocab) + (vocab + kChunk - 1) / kChunk; }
 
 cl::Kernel kernel(Device& dev, const char* name) {
-  return dev.kernel("sampling.cl", name, "-DTOPK_HEAP_MAX=" + std::to_string(kTopKHeapMax));
+  return dev.kernel("sampling.cl", name,
+                    "-DTOPK_HEAP_MAX=" + std::to_string(kTopKHeapMax) +
+                        " -DPENALTY_BLOCK=" + std::to_string(kPenaltyBlock) +
+                        " -DMAX_TOP_LOGPROBS=" + std::to_string(kMaxTopLogprobs));
 }
 
 void require_buffer(const cl::Mem& m, const std::string& where, const char* name, size_t rows,
@@ -218,6 +224,20 @@ void validate_sampling_params(const SamplingParams& p) {
     throw std::invalid_argument("top_p must be in (0, 1], got " + std::to_string(p.top_p));
   if (!(p.min_p >= 0.0f && p.min_p <= 1.0f))
     throw std::invalid_argument("min_p must be in [0, 1], got " + std::to_string(p.min_p));
+  if (!(p.frequency_penalty >= -2.0f && p.frequency_penalty <= 2.0f))
+    throw std::invalid_argument("frequency_penalty must be in [-2, 2], got " +
+                                std::to_string(p.frequency_penalty));
+  if (!(p.presence_penalty >= -2.0f && p.presence_penalty <= 2.0f))
+    throw std::invalid_argument("presence_penalty must be in [-2, 2], got " +
+                                std::to_string(p.presence_penalty));
+  if (!(p.repetition_penalty > 0.0f) || std::isinf(p.repetition_penalty))
+    throw std::invalid_argument("repetition_penalty must be finite and > 0, got " +
+                                std::to_string(p.repetition_penalty));
+  if (p.top_logprobs < 0 || p.top_logprobs > kMaxTopLogprobs)
+    throw std::invalid_argument("top_logprobs must be in [0, " + std::to_string(kMaxTopLogprobs) +
+                                "], got " + std::to_string(p.top_logprobs));
+  if (p.top_logprobs > 0 && !p.logprobs)
+    throw std::invalid_argument("top_logprobs needs logprobs");
 }
 
 std::vector<int32_t> sample_tokens(Device& dev, const cl::Mem& logits, uint32_t rows,
@@ -263,6 +283,190 @@ std::vector<int32_t> sample_tokens(Device& dev, const cl::Mem& logits, uint32_t 
                                "no token is allowed (the bitmask and non-finite logits exclude "
                                "all " + std::to_string(vocab) + ")");
   return tokens;
+}
+
+// ---- penalties ----------------------------------------------------------------------------------
+
+namespace {
+
+// Mirrors PenaltyRowArgs in kernels_cl/sampling.cl.
+struct PenaltyRowArgs {
+  float frequency, presence, repetition;
+  uint32_t row, slot, extra_offset, extra_count, pad;
+};
+static_assert(sizeof(PenaltyRowArgs) == 32);
+
+// Mirrors LogprobRowArgs in kernels_cl/sampling.cl.
+struct LogprobRowArgs {
+  uint32_t row;
+  int32_t token;
+  uint32_t top_n;
+  float inv_temperature;
+  uint32_t use_mask, pad0, pad1, pad2;
+};
+static_assert(sizeof(LogprobRowArgs) == 32);
+
+constexpr size_t kLogprobStride = 2 + 2 * size_t(kMaxTopLogprobs);  // floats per row of output
+
+}  // namespace
+
+PenaltyCounts::PenaltyCounts(Device& dev, uint32_t vocab) : dev_(&dev), vocab_(vocab) {
+  if (vocab == 0) throw std::invalid_argument("PenaltyCounts: vocab is 0");
+}
+
+uint32_t PenaltyCounts::slots_in_use() const {
+  return uint32_t(std::count(used_.begin(), used_.end(), true));
+}
+
+uint32_t PenaltyCounts::acquire(const std::vector<int32_t>& prompt) {
+  const size_t slot_bytes = size_t(vocab_) * 4;
+  auto free_slot = std::find(used_.begin(), used_.end(), false);
+  uint32_t slot = uint32_t(free_slot - used_.begin());
+  if (free_slot == used_.end()) {
+    // Grow by doubling; the live slots are copied over on the device.
+    const size_t old_slots = used_.size(), new_slots = std::max<size_t>(4, old_slots * 2);
+    cl::Mem bigger = dev_->alloc(new_slots * slot_bytes);
+    if (old_slots > 0)
+      cl::check(clEnqueueCopyBuffer(dev_->queue(), counts_.get(), bigger.get(), 0, 0,
+                                    old_slots * slot_bytes, 0, nullptr, nullptr),
+                "clEnqueueCopyBuffer(penalty counts)");
+    counts_ = std::move(bigger);
+    used_.resize(new_slots, false);
+  }
+  used_[slot] = true;
+  dev_->fill_zero(counts_, slot_bytes, size_t(slot) * slot_bytes);
+  std::vector<int32_t> tokens;
+  for (int32_t t : prompt)
+    if (t >= 0 && uint32_t(t) < vocab_) tokens.push_back(t);
+  if (!tokens.empty()) {
+    Scratch buf(*dev_, tokens.size() * 4);
+    dev_->write(buf.mem(), tokens.data(), tokens.size() * 4);
+    cl::Kernel k = sampling_kernel::kernel(*dev_, "penalty_counts_prompt");
+    cl::set_args(k, counts_, vocab_, slot, buf.mem(), uint32_t(tokens.size()));
+    dev_->launch(k, {tokens.size(), 1, 1}, 1);
+  }
+  return slot;
+}
+
+void PenaltyCounts::release(uint32_t slot) {
+  if (slot < used_.size()) used_[slot] = false;
+}
+
+void PenaltyCounts::add(const std::vector<std::pair<uint32_t, int32_t>>& slot_tokens) {
+  std::vector<uint32_t> pairs;
+  for (const auto& [slot, token] : slot_tokens) {
+    if (slot >= used_.size() || !used_[slot])
+      throw std::logic_error("PenaltyCounts::add: slot " + std::to_string(slot) + " is not in use");
+    if (token < 0 || uint32_t(token) >= vocab_) continue;
+    pairs.push_back(slot);
+    pairs.push_back(uint32_t(token));
+  }
+  if (pairs.empty()) return;
+  const uint32_t n = uint32_t(pairs.size() / 2);
+  Scratch buf(*dev_, pairs.size() * 4);
+  dev_->write(buf.mem(), pairs.data(), pairs.size() * 4);
+  cl::Kernel k = sampling_kernel::kernel(*dev_, "penalty_counts_add");
+  cl::set_args(k, counts_, vocab_, buf.mem(), n);
+  dev_->launch(k, {n, 1, 1}, 1);
+}
+
+void apply_penalties(const PenaltyCounts& counts, const cl::Mem& src, const cl::Mem& dst,
+                     uint32_t rows, const std::vector<PenaltyRow>& penalised) {
+  Device& dev = counts.device();
+  const uint32_t vocab = counts.vocab();
+  const bool in_place = src.get() == dst.get();
+  sampling_kernel::require_buffer(src, "apply_penalties: ", "source logits", rows, vocab,
+                                  "floats");
+  if (!in_place)
+    sampling_kernel::require_buffer(dst, "apply_penalties: ", "destination logits", rows, vocab,
+                                    "floats");
+  std::vector<PenaltyRowArgs> args;
+  std::vector<int32_t> extra;
+  std::vector<bool> listed(rows, false);
+  for (const PenaltyRow& p : penalised) {
+    const std::string where = "apply_penalties: row " + std::to_string(p.row) + ": ";
+    if (p.row >= rows) throw std::invalid_argument(where + "outside the " +
+                                                   std::to_string(rows) + " rows");
+    if (listed[p.row]) throw std::invalid_argument(where + "listed twice");
+    try {
+      validate_sampling_params(p.params);
+    } catch (const std::invalid_argument& e) {
+      throw std::invalid_argument(where + e.what());
+    }
+    listed[p.row] = true;
+    args.push_back({p.params.frequency_penalty, p.params.presence_penalty,
+                    p.params.repetition_penalty, p.row, p.slot, uint32_t(extra.size()),
+                    uint32_t(p.extra_tokens.size()), 0});
+    extra.insert(extra.end(), p.extra_tokens.begin(), p.extra_tokens.end());
+  }
+  // Out of place, every other row goes through as a neutral row (a copy).
+  if (!in_place)
+    for (uint32_t r = 0; r < rows; ++r)
+      if (!listed[r]) args.push_back({0.0f, 0.0f, 1.0f, r, 0, 0, 0, 0});
+  if (args.empty()) return;
+  if (!counts.counts()) throw std::logic_error("apply_penalties: no slot was ever acquired");
+  Scratch args_buf(dev, args.size() * sizeof(args[0]));
+  dev.write(args_buf.mem(), args.data(), args.size() * sizeof(args[0]));
+  if (extra.empty()) extra.push_back(-1);
+  Scratch extra_buf(dev, extra.size() * 4);
+  dev.write(extra_buf.mem(), extra.data(), extra.size() * 4);
+  cl::Kernel k = sampling_kernel::kernel(dev, "apply_penalties");
+  cl::set_args(k, src, dst, vocab, args_buf.mem(), counts.counts(), extra_buf.mem());
+  dev.launch(k, {args.size(), (vocab + kPenaltyBlock - 1) / kPenaltyBlock, 1}, 2);
+}
+
+std::vector<TokenLogprobs> compute_logprobs(Device& dev, const cl::Mem& logits, uint32_t vocab,
+                                            const std::vector<LogprobRow>& rows,
+                                            const cl::Mem* bitmask) {
+  if (rows.empty()) return {};
+  if (vocab == 0) throw std::invalid_argument("compute_logprobs: vocab is 0");
+  uint32_t max_row = 0;
+  std::vector<LogprobRowArgs> args;
+  bool any_mask = false;
+  for (const LogprobRow& r : rows) {
+    if (r.top_n > uint32_t(kMaxTopLogprobs))
+      throw std::invalid_argument("compute_logprobs: row " + std::to_string(r.row) +
+                                  ": top_logprobs must be in [0, " +
+                                  std::to_string(kMaxTopLogprobs) + "], got " +
+                                  std::to_string(r.top_n));
+    if (r.use_bitmask && !bitmask)
+      throw std::invalid_argument("compute_logprobs: row " + std::to_string(r.row) +
+                                  " asks for the bitmask but none was given");
+    any_mask |= r.use_bitmask;
+    max_row = std::max(max_row, r.row);
+    args.push_back({r.row, r.token, r.top_n, r.inv_temperature, r.use_bitmask ? 1u : 0u, 0, 0, 0});
+  }
+  const uint32_t words = bitmask_words(vocab);
+  sampling_kernel::require_buffer(logits, "compute_logprobs: ", "logits", max_row + 1, vocab,
+                                  "floats");
+  if (any_mask)
+    sampling_kernel::require_buffer(*bitmask, "compute_logprobs: ", "bitmask", max_row + 1, words,
+                                    "words");
+  Scratch args_buf(dev, args.size() * sizeof(args[0]));
+  dev.write(args_buf.mem(), args.data(), args.size() * sizeof(args[0]));
+  Scratch out(dev, args.size() * kLogprobStride * 4);
+  cl::Kernel k = sampling_kernel::kernel(dev, "row_logprobs");
+  const cl::Mem no_bitmask;
+  cl::set_args(k, logits, vocab, args_buf.mem(), any_mask ? *bitmask : no_bitmask, words,
+               out.mem());
+  dev.launch(k, {args.size(), 1, 1}, 1);
+  std::vector<float> host(args.size() * kLogprobStride);
+  dev.read(out.mem(), host.data(), host.size() * 4);
+  std::vector<TokenLogprobs> result(rows.size());
+  for (size_t j = 0; j < rows.size(); ++j) {
+    const float* o = host.data() + j * kLogprobStride;
+    TokenLogprobs& t = result[j];
+    t.token = rows[j].token;
+    t.logprob = o[0];
+    uint32_t n;
+    std::memcpy(&n, &o[1], 4);
+    for (uint32_t i = 0; i < n && i < rows[j].top_n; ++i) {
+      int32_t id;
+      std::memcpy(&id, &o[2 + 2 * i], 4);
+      t.top.push_back({id, o[3 + 2 * i]});
+    }
+  }
+  return result;
 }
 
 std::vector<float> sampling_distribution(const float* logits, uint32_t vocab,

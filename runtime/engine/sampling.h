@@ -32,17 +32,40 @@ struct SamplingParams {
   float top_p = 1.0f;        // (0, 1]
   float min_p = 0.0f;        // [0, 1]
   uint64_t seed = 0;         // per request; each step samples with step_seed(...)
+  // Penalties (apply_penalties), applied before temperature and the filters:
+  float frequency_penalty = 0.0f;   // [-2, 2], OpenAI: per time a token was generated
+  float presence_penalty = 0.0f;    // [-2, 2], OpenAI: once for a token generated at all
+  float repetition_penalty = 1.0f;  // > 0, HF: tokens in the prompt or generated; 1 = off
+  // Log-probabilities of each kept token (compute_logprobs): the sampled one, and the top n.
+  bool logprobs = false;
+  int32_t top_logprobs = 0;  // [0, kMaxTopLogprobs]; > 0 needs logprobs
   // (max_tokens, stop ids/strings live in the request, not here)
+
+  bool has_penalties() const {
+    return frequency_penalty != 0.0f || presence_penalty != 0.0f || repetition_penalty != 1.0f;
+  }
 };
 
+// The most top_logprobs a request may ask for (OpenAI's limit).
+inline constexpr int32_t kMaxTopLogprobs = 20;
+
 // Throws std::invalid_argument naming the first bad field (negative or NaN temperature, top_k
-// below -1, top_p outside (0, 1], min_p outside [0, 1]).
+// below -1, top_p outside (0, 1], min_p outside [0, 1], a penalty outside [-2, 2] or a
+// repetition_penalty <= 0, top_logprobs outside [0, 20] or without logprobs).
 void validate_sampling_params(const SamplingParams& p);
 
 // The seed a request samples its next token with (MAX: request seed + tokens in the context), so
 // its output does not depend on what else is in the batch.
 inline uint64_t step_seed(const SamplingParams& p, uint64_t tokens_in_context) {
   return p.seed + tokens_in_context;
+}
+
+// The seed of choice i of a request asking for n > 1 completions: choice 0 is the request's own
+// seed, so n = 1 and a single request agree. Not seed + i: step_seed adds the context length, so
+// choice 1 would replay choice 0's draws one token later; the choices' step seeds stay apart for
+// contexts below 2^32 tokens.
+inline uint64_t choice_seed(uint64_t seed, uint32_t choice) {
+  return seed + (uint64_t(choice) << 32);
 }
 
 // 32-bit words per row of a packed bitmask: bit (i % 32) of word i / 32 set = token i allowed.
@@ -60,6 +83,87 @@ std::vector<int32_t> sample_tokens(Device& dev, const cl::Mem& logits, uint32_t 
                                    uint32_t vocab, const std::vector<SamplingParams>& params,
                                    const std::vector<uint64_t>& step_seeds,
                                    const cl::Mem* bitmask = nullptr);
+
+// ---- penalties ----------------------------------------------------------------------------------
+//
+// With g = the times the request generated token t so far and seen = (t in the prompt or g > 0),
+// as vLLM applies them (repetition first):
+//   l = seen ? (l > 0 ? l / repetition : l * repetition) : l
+//   l = l - frequency * g - (g > 0 ? presence : 0)
+// The counts live on the device, one uint32 per vocabulary entry in a slot per request (low 31
+// bits: g; top bit: in the prompt). A dense slot rather than a sparse (token, count) list: the
+// update is one atomic increment per committed token with no search, the apply pass is a streaming
+// pass of 16-wide loads that costs about what reading the logits costs, and the memory (vocab x 4
+// bytes per running request that asks for penalties: 0.5 MB at 128k) is small next to its KV pages.
+
+// The device-side token counts of the requests that use penalties, one slot each.
+class PenaltyCounts {
+ public:
+  PenaltyCounts(Device& dev, uint32_t vocab);
+  // A zeroed slot with the prompt's tokens marked (one small upload); grows the buffer when full.
+  uint32_t acquire(const std::vector<int32_t>& prompt);
+  void release(uint32_t slot);
+  // Counts the tokens committed in a step: (slot, token) pairs, one launch.
+  void add(const std::vector<std::pair<uint32_t, int32_t>>& slot_tokens);
+  const cl::Mem& counts() const { return counts_; }
+  Device& device() const { return *dev_; }
+  uint32_t vocab() const { return vocab_; }
+  uint32_t slots_in_use() const;
+
+ private:
+  Device* dev_;
+  uint32_t vocab_;
+  cl::Mem counts_;
+  std::vector<bool> used_;
+};
+
+// A logits row to penalise: the request's params, its counts slot, and tokens to count on top
+// of the slot (a verified draft run: the drafts before this position).
+struct PenaltyRow {
+  uint32_t row = 0;
+  uint32_t slot = 0;
+  SamplingParams params;
+  std::vector<int32_t> extra_tokens;
+};
+
+// Writes the penalised rows of `src` (f32 [rows, vocab]) into `dst` (the same buffer: in place).
+// Out of place (dst != src), the rows not listed are copied unchanged. One launch.
+void apply_penalties(const PenaltyCounts& counts, const cl::Mem& src, const cl::Mem& dst,
+                     uint32_t rows, const std::vector<PenaltyRow>& penalised);
+
+// ---- log-probabilities --------------------------------------------------------------------------
+
+struct TokenLogprob {
+  int32_t token = -1;
+  float logprob = 0.0f;
+};
+// The log-probability of a kept token and the top_logprobs best tokens of its row (best first:
+// logit descending, ties to the lower id).
+struct TokenLogprobs {
+  int32_t token = -1;
+  float logprob = 0.0f;
+  std::vector<TokenLogprob> top;
+};
+
+// Which distribution logprobs describe: the model's own (log_softmax of the raw logits; vLLM's
+// default raw_logprobs), or the processed one: log_softmax((penalised logits) / T) (T = 0 reads
+// as 1) over the bitmask's allowed tokens; top-k/top-p/min-p do not enter either.
+enum class LogprobsMode { Raw, Processed };
+
+struct LogprobRow {
+  uint32_t row = 0;        // logits row
+  int32_t token = -1;      // the token kept there
+  uint32_t top_n = 0;      // [0, kMaxTopLogprobs]
+  float inv_temperature = 1.0f;
+  bool use_bitmask = false;
+};
+
+// Log-probabilities for the listed rows of `logits` (f32 [rows, vocab] on dev), one work-item per
+// listed row: a max pass that keeps the top n, a log-sum-exp pass. A token with a -inf or NaN logit
+// (or outside the bitmask) gets -inf. `bitmask` as sample_tokens, read only for use_bitmask rows.
+std::vector<TokenLogprobs> compute_logprobs(Device& dev, const cl::Mem& logits, uint32_t vocab,
+                                            const std::vector<LogprobRow>& rows,
+                                            const cl::Mem* bitmask = nullptr);
 
 // ---- host references (tests, and a CPU fallback) ------------------------------------------------
 

@@ -54,10 +54,14 @@ void Engine::step_speculative(Batch& b) {
   std::vector<SamplingParams> params;
   std::vector<uint64_t> seeds;
   std::vector<uint8_t> thinking;
+  // Penalties at every verified position: position k counts the drafts before it on top of the
+  // request's committed tokens, so acceptance sees what plain decoding would have sampled from.
+  std::vector<PenaltyRow> penalised;
+  bool keep_raw = false;
   for (size_t i = 0; i < b.row_info.size(); ++i) {
     const ScheduledRow& row = *b.row_info[i];
     if (!row.needs_sample) continue;
-    const Live& live = live_.at(b.row_handle[i]);
+    Live& live = live_.at(b.row_handle[i]);
     verifying.push_back(i);
     logit_offsets.push_back(out.logit_offsets[i]);
     const uint32_t end = b.merged.input_row_offsets[i + 1];
@@ -67,13 +71,42 @@ void Engine::step_speculative(Batch& b) {
     params.push_back(live.req.sampling);
     seeds.push_back(step_seed(live.req.sampling, live.req.prompt.size() + row.num_generated));
     thinking.push_back(spec_.relaxed_thinking && live.thinking);
+    const SamplingParams& sp = live.req.sampling;
+    if (sp.has_penalties()) {
+      const uint32_t slot = penalty_slot(*out.device, out.vocab, live);
+      const auto first = drafts.end() - row.num_drafts;
+      for (uint32_t k = 0; k <= row.num_drafts; ++k)
+        penalised.push_back({logit_offsets.back() + k, slot, sp,
+                             std::vector<int32_t>(first, first + k)});
+      keep_raw = keep_raw || (sp.logprobs && logprobs_mode_ == LogprobsMode::Raw);
+    }
   }
   AcceptanceResult acc;
+  Scratch copy;
+  const cl::Mem& verify_from = penalised_logits(out, penalised, keep_raw, copy);
   if (!verifying.empty()) {
     logit_offsets.push_back(out.logit_offsets[verifying.back() + 1]);
-    acc = accept_drafts(*out.device, out.logits, out.vocab, logit_offsets, drafts, draft_offsets,
-                        params, seeds, thinking, spec_.relaxed);
+    acc = accept_drafts(*out.device, verify_from, out.vocab, logit_offsets, drafts,
+                        draft_offsets, params, seeds, thinking, spec_.relaxed);
   }
+  // Log-probabilities of every token a verifying row may commit: the accepted drafts and the
+  // target's token, each at its own position.
+  std::vector<LogprobRow> lp_rows;
+  std::vector<const SamplingParams*> lp_params;
+  std::vector<size_t> lp_first(verifying.size() + 1, 0);
+  for (size_t s = 0; s < verifying.size(); ++s) {
+    lp_first[s] = lp_rows.size();
+    const SamplingParams& sp = live_.at(b.row_handle[verifying[s]]).req.sampling;
+    if (sp.logprobs)
+      for (uint32_t k = 0; k <= acc.num_accepted[s]; ++k) {
+        const int32_t t =
+            k < acc.num_accepted[s] ? drafts[draft_offsets[s] + k] : acc.next_token[s];
+        lp_rows.push_back({logit_offsets[s] + k, t, 0, 1.0f, false});
+        lp_params.push_back(&sp);
+      }
+  }
+  lp_first[verifying.size()] = lp_rows.size();
+  const std::vector<TokenLogprobs> lps = step_logprobs(out, verify_from, lp_rows, lp_params);
   stats_.device_s += since(t1);
 
   // What each verifying row keeps: the accepted drafts and the target's token, cut where the
@@ -100,14 +133,19 @@ void Engine::step_speculative(Batch& b) {
     Live& live = live_.at(b.row_handle[i]);
     const uint32_t room = schedulers_[live.replica].remaining_tokens(live.local);
     if (run.size() > room) run.resize(std::max<uint32_t>(room, 1));
+    const bool has_lp = lp_first[s + 1] > lp_first[s];
     for (size_t t = 0; t < run.size(); ++t)
-      if (observe(b.row_handle[i], live, run[t])) {
+      if (observe(b.row_handle[i], live, run[t], has_lp ? &lps[lp_first[s] + t] : nullptr)) {
         run.resize(t + 1);
         break;
       }
     stats_.output_tokens += run.size();
     committed[s] = std::move(run);
   }
+  std::vector<std::pair<uint64_t, std::vector<int32_t>>> counted;
+  for (size_t s = 0; s < verifying.size(); ++s)
+    counted.push_back({b.row_handle[verifying[s]], committed[s]});
+  count_committed(counted);
   for (size_t r = 0, s = 0; r < b.plans.size(); ++r) {
     if (!b.plans[r]) continue;
     std::vector<std::vector<int32_t>> mine;

@@ -1,0 +1,222 @@
+// Where a Llama 3 decode step's time goes, kernel by kernel: the launches of
+// Llama3Model::forward for one decode step (batch B, one token per row, a short cache), replayed
+// with the checkpoint's own weights. Each stage (one kernel position in the layer) is timed over
+// all layers chained in the in-order queue with one finish, so the figure is the kernel's own time
+// plus its share of launch cost, without a per-launch synchronisation. The layers rotate through
+// the weights, so the caches are as cold as in a real step. The whole step chained in one finish
+// is timed too: the sum of the stages should come close to it.
+// Both sequences are timed: the unfused launches (12 per layer) and the fused ones the model runs.
+// Usage: bench_decode_breakdown [MODEL_DIR] [--batch B] [--reps N]
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "models/llama3/config.h"
+#include "models/llama3/weights.h"
+#include "parallel/topology.h"
+#include "perf/bench_util.h"
+#include "runtime/device.h"
+#include "runtime/device_manager.h"
+#include "runtime/ops.h"
+#include "runtime/safetensors.h"
+#include "runtime/step_device.h"
+
+using namespace clshard;
+using namespace clshard::bench;
+
+namespace {
+
+struct Stage {
+  std::string name;
+  std::function<void(size_t layer)> run;  // enqueues the stage's launch(es) for one layer
+  double bytes_per_layer = 0;             // weight bytes the stage streams
+};
+
+double weight_bytes(const Weight& w) { return double(w.dim(0)) * w.dim(1) * dtype_size(w.dtype); }
+
+// Times each stage over all layers, then the whole sequence; prints the table.
+void time_sequence(Device& dev, const char* title, const std::vector<Stage>& stages,
+                   size_t layers, const std::function<void()>& head, double head_bytes,
+                   double roofline_gbs, int reps) {
+  std::printf("\n%s: %zu launches per layer\n", title, stages.size());
+  std::printf("  %-28s %10s %10s %9s %8s\n", "stage (x layers)", "ms/step", "us/launch", "GB/s",
+              "share");
+  std::vector<double> t(stages.size());
+  for (size_t s = 0; s < stages.size(); ++s)
+    t[s] = median_time(reps, [&] {
+      for (size_t l = 0; l < layers; ++l) stages[s].run(l);
+      dev.finish();
+    });
+  const double t_head = median_time(reps, [&] {
+    head();
+    dev.finish();
+  });
+  const double t_step = median_time(reps, [&] {
+    for (size_t l = 0; l < layers; ++l)
+      for (const auto& st : stages) st.run(l);
+    head();
+    dev.finish();
+  });
+  double sum = t_head;
+  for (double x : t) sum += x;
+  auto row = [&](const std::string& name, double secs, double launches, double bytes) {
+    std::printf("  %-28s %10.3f %10.1f %9s %7.1f%%\n", name.c_str(), secs * 1e3,
+                secs / launches * 1e6,
+                bytes > 0 ? std::to_string(int(bytes / secs / 1e9)).c_str() : "-",
+                100 * secs / sum);
+  };
+  for (size_t s = 0; s < stages.size(); ++s)
+    row(stages[s].name, t[s], double(layers), stages[s].bytes_per_layer * layers);
+  row("final norm + lm_head", t_head, 1, head_bytes);
+  double bytes = head_bytes;
+  for (const auto& st : stages) bytes += st.bytes_per_layer * layers;
+  std::printf("  sum of stages %.2f ms; whole step chained %.2f ms = %.2f tok/s; %.2f GB of "
+              "weights -> %.0f%% of the %.1f GB/s roofline\n",
+              sum * 1e3, t_step * 1e3, 1 / t_step, bytes / 1e9,
+              100 * bytes / roofline_gbs / 1e9 / t_step, roofline_gbs);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::filesystem::path dir = ".cache/models/llama3-1b-bf16";
+  uint32_t B = 1;
+  int reps = 7;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--batch") == 0 && i + 1 < argc) B = uint32_t(std::stoul(argv[++i]));
+    else if (std::strcmp(argv[i], "--reps") == 0 && i + 1 < argc) reps = std::stoi(argv[++i]);
+    else dir = argv[i];
+  }
+  ensure_preset("llama3-1b", "bf16", dir);
+  DeviceManager mgr(DeviceSelection{});
+  Device& dev = mgr[0];
+  print_device(dev);
+  const double roofline = measure_roofline(dev, reps).best();
+
+  auto cfg = llama3::Llama3Config::from_dir(dir);
+  WeightStore store(dir);
+  cfg.finalize(store);
+  parallel::Topology topo(parallel::Layout::TensorParallelReplicas, parallel::ParallelDegrees{}, 1);
+  const auto range = llama3::shard_range(cfg, topo, 0);
+  const auto w = llama3::load_weights(cfg, store, dev, range);
+  const uint32_t H = uint32_t(cfg.hidden_size), hd = uint32_t(cfg.head_dim);
+  const uint32_t nh = uint32_t(cfg.num_attention_heads), nkv = uint32_t(cfg.num_key_value_heads);
+  const uint32_t F = uint32_t(cfg.intermediate_size), V = uint32_t(cfg.vocab_size);
+  const uint32_t qkv_w = (nh + 2 * nkv) * hd, L = uint32_t(cfg.num_hidden_layers);
+  const float eps = float(cfg.rms_norm_eps);
+  std::printf("%s: %u layers, hidden %u, heads %u/%u, ffn %u, vocab %u; decode batch %u\n",
+              dir.c_str(), L, H, nh, nkv, F, V, B);
+
+  // A decode step: B rows, each with 32 tokens cached, one new token.
+  const uint32_t page_size = 128, cached = 32;
+  StepInputs in;
+  in.input_row_offsets.push_back(0);
+  for (uint32_t b = 0; b < B; ++b) {
+    in.tokens.push_back(int32_t(1000 + 17 * b));
+    in.input_row_offsets.push_back(b + 1);
+    in.cache_lengths.push_back(cached);
+    in.lookup_table.push_back(b);
+  }
+  in.pages_per_row = 1;
+  DeviceStep st = upload_step(dev, in, page_size, B, V);
+  std::vector<cl::Mem> kv;
+  const size_t layer_bytes = size_t(B + 1) * 2 * page_size * nkv * hd * 4;
+  for (uint32_t l = 0; l < L; ++l) {
+    kv.push_back(dev.alloc(layer_bytes));
+    dev.fill_zero(kv.back(), layer_bytes);
+  }
+  auto inv = cfg.rope_inv_freqs();
+  cl::Mem inv_freq = dev.alloc(inv.size() * 4);
+  dev.write(inv_freq, inv.data(), inv.size() * 4);
+  cl::Mem h = dev.alloc(size_t(B) * H * 4), xn = dev.alloc(size_t(B) * H * 4);
+  cl::Mem qkv = dev.alloc(size_t(B) * qkv_w * 4), att = dev.alloc(size_t(B) * nh * hd * 4);
+  cl::Mem gu = dev.alloc(size_t(B) * 2 * F * 4), xs = dev.alloc(size_t(B) * H * 4);
+  cl::Mem logits = dev.alloc(size_t(B) * V * 4);
+  ops::embedding(dev, st.token_ids, B, w.embed, h, 1.0f);
+  dev.finish();
+  const float scale = float(cfg.attention_scale());
+
+  auto rope = [&](size_t l) {
+    ops::rope_store_kv(dev, qkv, qkv_w, nh, nkv, hd, inv_freq, inv_freq, 0xffffffffu, st.tokens,
+                       kv[l]);
+  };
+  auto attention = [&](size_t l) {
+    ops::paged_attention(dev, qkv, qkv_w, kv[l], st.tokens, nh, nkv, hd, scale, att, nh * hd);
+  };
+  auto o_proj = [&](size_t l) {
+    ops::linear(dev, att, 0, nh * hd, w.layers[l].o, nullptr, h, 0, H, B, 1.0f, true);
+  };
+  auto down = [&](size_t l) {
+    ops::linear(dev, gu, 0, 2 * F, w.layers[l].down, nullptr, h, 0, H, B, 1.0f, true);
+  };
+  auto lw = [&](size_t l) -> const llama3::LayerWeights& { return w.layers[l]; };
+  const auto& L0 = w.layers[0];
+  std::vector<Stage> unfused = {
+      {"rmsnorm (attention)",
+       [&](size_t l) { ops::rmsnorm(dev, h, 0, H, nullptr, lw(l).input_norm, xn, 0, H, B, H, eps); }},
+      {"q_proj", [&](size_t l) { ops::linear(dev, xn, 0, H, lw(l).q, nullptr, qkv, 0, qkv_w, B); },
+       weight_bytes(L0.q)},
+      {"k_proj",
+       [&](size_t l) { ops::linear(dev, xn, 0, H, lw(l).k, nullptr, qkv, nh * hd, qkv_w, B); },
+       weight_bytes(L0.k)},
+      {"v_proj",
+       [&](size_t l) {
+         ops::linear(dev, xn, 0, H, lw(l).v, nullptr, qkv, (nh + nkv) * hd, qkv_w, B);
+       },
+       weight_bytes(L0.v)},
+      {"rope + kv store", rope},
+      {"attention", attention},
+      {"o_proj + residual", o_proj, weight_bytes(L0.o)},
+      {"rmsnorm (mlp)",
+       [&](size_t l) {
+         ops::rmsnorm(dev, h, 0, H, nullptr, lw(l).post_attention_norm, xn, 0, H, B, H, eps);
+       }},
+      {"gate_proj", [&](size_t l) { ops::linear(dev, xn, 0, H, lw(l).gate, nullptr, gu, 0, 2 * F, B); },
+       weight_bytes(L0.gate)},
+      {"up_proj", [&](size_t l) { ops::linear(dev, xn, 0, H, lw(l).up, nullptr, gu, F, 2 * F, B); },
+       weight_bytes(L0.up)},
+      {"silu * up", [&](size_t) { ops::silu_mul(dev, gu, 0, 2 * F, gu, F, 2 * F, gu, 2 * F, B, F); }},
+      {"down_proj + residual", down, weight_bytes(L0.down)},
+  };
+  auto head = [&] {
+    ops::rmsnorm(dev, h, 0, H, &st.logit_rows, w.final_norm, xs, 0, H, B, H, eps);
+    ops::linear(dev, xs, 0, H, w.lm_head, nullptr, logits, 0, V, B);
+  };
+  const double head_bytes = weight_bytes(w.lm_head);
+  std::vector<Stage> fused = {
+      {"norm + q/k/v (one GEMV)",
+       [&](size_t l) {
+         ops::linear_fused(dev, h, 0, H, nullptr, &lw(l).input_norm, eps,
+                           {&lw(l).q, &lw(l).k, &lw(l).v}, qkv, 0, qkv_w, B);
+       },
+       weight_bytes(L0.q) + weight_bytes(L0.k) + weight_bytes(L0.v)},
+      {"rope + kv store", rope},
+      {"attention", attention},
+      {"o_proj + residual", o_proj, weight_bytes(L0.o)},
+      {"norm + gate/up + silu",
+       [&](size_t l) {
+         ops::linear_swiglu(dev, h, 0, H, &lw(l).post_attention_norm, eps, lw(l).gate, lw(l).up,
+                            gu, 0, F, B);
+       },
+       weight_bytes(L0.gate) + weight_bytes(L0.up)},
+      {"down_proj + residual",
+       [&](size_t l) {
+         ops::linear(dev, gu, 0, F, w.layers[l].down, nullptr, h, 0, H, B, 1.0f, true);
+       },
+       weight_bytes(L0.down)},
+  };
+  auto fused_head = [&] {
+    ops::linear_fused(dev, h, 0, H, &st.logit_rows, &w.final_norm, eps, {&w.lm_head}, logits, 0,
+                      V, B);
+  };
+  // Interleaved, twice each: the machine is shared and its bandwidth moves between runs.
+  for (int round = 0; round < 2; ++round) {
+    time_sequence(dev, "unfused", unfused, L, head, head_bytes, roofline, reps);
+    time_sequence(dev, "fused (what Llama3Model runs)", fused, L, fused_head, head_bytes,
+                  roofline, reps);
+  }
+  return 0;
+}

@@ -1,0 +1,115 @@
+// The per-step cost of penalties and logprobs (runtime/engine/sampling.h) on the first OpenCL
+// device, at batch 32 on a Llama-3-sized vocabulary (128256) and a small one: sample_tokens alone,
+// apply_penalties in place and out of place (the copy the engine makes when a penalised row also
+// wants raw logprobs), compute_logprobs with 0 and 20 top tokens, and the per-step count update.
+// The A/B rows are interleaved (each repeat times every variant once) so machine load hits them
+// alike. Usage: bench_sampling [--quick]
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <vector>
+
+#include "perf/bench_util.h"
+#include "runtime/device_manager.h"
+#include "runtime/engine/sampling.h"
+
+using namespace clshard;
+using namespace clshard::bench;
+
+namespace {
+
+constexpr uint32_t kRows = 32;
+
+struct Variant {
+  const char* name;
+  std::function<void()> run;
+  std::vector<double> times;
+};
+
+void bench_vocab(Device& dev, uint32_t vocab, int reps) {
+  std::mt19937 rng(vocab);
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  std::vector<float> logits(size_t(kRows) * vocab);
+  for (float& x : logits) x = normal(rng);
+  const size_t bytes = logits.size() * sizeof(float);
+  cl::Mem raw = dev.alloc(bytes), work = dev.alloc(bytes), copy = dev.alloc(bytes);
+  dev.write(raw, logits.data(), bytes);
+
+  // 32 requests with a 512-token prompt and 256 generated tokens each.
+  PenaltyCounts counts(dev, vocab);
+  std::vector<PenaltyRow> rows;
+  SamplingParams p;
+  p.temperature = 0.8f;
+  p.frequency_penalty = 0.5f;
+  p.presence_penalty = 0.5f;
+  p.repetition_penalty = 1.1f;
+  for (uint32_t r = 0; r < kRows; ++r) {
+    std::vector<int32_t> prompt(512);
+    for (auto& t : prompt) t = int32_t(rng() % vocab);
+    const uint32_t slot = counts.acquire(prompt);
+    std::vector<std::pair<uint32_t, int32_t>> gen;
+    for (int i = 0; i < 256; ++i) gen.emplace_back(slot, int32_t(rng() % vocab));
+    counts.add(gen);
+    rows.push_back({r, slot, p, {}});
+  }
+  std::vector<std::pair<uint32_t, int32_t>> step_tokens;
+  for (uint32_t r = 0; r < kRows; ++r) step_tokens.emplace_back(rows[r].slot, int32_t(r));
+  const std::vector<SamplingParams> params(kRows, p);
+  std::vector<uint64_t> seeds(kRows);
+  for (uint32_t r = 0; r < kRows; ++r) seeds[r] = 1000 + 7919 * r;
+  std::vector<LogprobRow> lp0, lp20;
+  for (uint32_t r = 0; r < kRows; ++r) {
+    lp0.push_back({r, int32_t(r), 0, 1.0f, false});
+    lp20.push_back({r, int32_t(r), 20, 1.0f, false});
+  }
+  auto restore = [&] {
+    cl::check(clEnqueueCopyBuffer(dev.queue(), raw.get(), work.get(), 0, 0, bytes, 0, nullptr,
+                                  nullptr),
+              "clEnqueueCopyBuffer");
+    dev.finish();
+  };
+
+  std::vector<Variant> v;
+  v.push_back({"sample_tokens (T=0.8)",
+               [&] { sample_tokens(dev, raw, kRows, vocab, params, seeds); }, {}});
+  v.push_back({"apply_penalties in place", [&] {
+                 apply_penalties(counts, work, work, kRows, rows);
+                 dev.finish();
+               }, {}});
+  v.push_back({"apply_penalties to a copy", [&] {
+                 apply_penalties(counts, raw, copy, kRows, rows);
+                 dev.finish();
+               }, {}});
+  v.push_back({"compute_logprobs top 0", [&] { compute_logprobs(dev, raw, vocab, lp0); }, {}});
+  v.push_back({"compute_logprobs top 20", [&] { compute_logprobs(dev, raw, vocab, lp20); }, {}});
+  v.push_back({"counts add (32 tokens)", [&] {
+                 counts.add(step_tokens);
+                 dev.finish();
+               }, {}});
+  for (auto& x : v) x.run();  // warm-up, kernel builds
+  for (int i = 0; i < reps; ++i)
+    for (auto& x : v) {
+      restore();  // in place keeps penalising the same logits, not its own output
+      const auto t0 = Clock::now();
+      x.run();
+      x.times.push_back(seconds_since(t0));
+    }
+  for (auto& x : v) {
+    std::sort(x.times.begin(), x.times.end());
+    std::printf("%-30s %8u %12.3f\n", x.name, vocab, x.times[x.times.size() / 2] * 1e3);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  DeviceManager mgr(DeviceSelection{});
+  Device& dev = mgr[0];
+  print_device(dev);
+  const int reps = argc > 1 && std::strcmp(argv[1], "--quick") == 0 ? 3 : 9;
+  std::printf("\nbatch %u rows; median of %d interleaved repeats\n", kRows, reps);
+  std::printf("%-30s %8s %12s\n", "step part", "vocab", "time (ms)");
+  for (uint32_t vocab : {2048u, 128256u}) bench_vocab(dev, vocab, reps);
+  return 0;
+}
