@@ -44,3 +44,55 @@ typedef wtype ntype;
 #define LOADN16(i, p) LOADW16(i, p)
 #define LOADN1(p) LOADW1(p)
 #endif
+
+// e4m3fn (FP8: 1 sign, 4 exponent bits bias 7, 3 mantissa bits, subnormals, no infinities,
+// 0x7F / 0xFF NaN) -> f32, written once for every kernel that reads FP8 weights.
+// Exact: normal codes move the 7 magnitude bits under f32's exponent (<< 20) and add the bias
+// difference 127 - 7 = 120; exponent field 0 is mantissa * 2^-9 in float arithmetic, never an f32
+// denormal, so it holds on devices that flush denormals.
+inline float e4m3_to_f32(uchar b) {
+  const uint u = b;
+  const uint mag = u & 0x7Fu;
+  float v = mag < 8u ? (float)mag * 0x1p-9f : as_float((mag << 20) + (120u << 23));
+  if (mag == 0x7Fu) v = NAN;
+  return as_float(as_uint(v) | ((u & 0x80u) << 24));
+}
+inline int16 e4m3x16_is_nan(uchar16 b) {
+  return convert_int16((b & (uchar16)0x7F) == (uchar16)0x7F);
+}
+inline float16 e4m3x16_to_f32(uchar16 b) {
+  const uint16 u = convert_uint16(b);
+  const uint16 mag = u & 0x7Fu;
+  const float16 normal = as_float16((mag << 20) + (120u << 23));
+  const float16 sub = convert_float16(mag) * 0x1p-9f;
+  const float16 v = as_float16(as_uint16(select(normal, sub, mag < (uint16)8u)) | ((u & 0x80u) << 24));
+  return select(v, (float16)NAN, e4m3x16_is_nan(b));
+}
+
+// The GEMV decode: a handful of instructions per 16 codes that leave a power-of-two factor for the
+// caller to fold into the block scale (x * scale * FP8_X_SCALE feeds the FMA, the sums are
+// multiplied by FP8_ACC_SCALE). Chosen per device with -DFP8_DENORM (runtime/ops_moe.cpp):
+// FP8_DENORM=1 (devices with f32 denormals): sign-extend the byte, shift the 7 magnitude bits under
+//   the f32 exponent (<< 20) and keep sign | magnitude: exactly e4m3 * 2^-120 (subnormal codes
+//   become f32 denormals, still exact). 2^120 is split as 2^100 on x * scale and 2^20 on the sums:
+//   exact while |x * scale| < 2^28 and each product stays above 2^-106.
+// FP8_DENORM=0: the same 7 bits under an f16's exponent (<< 7) are a half equal to e4m3 * 2^-8,
+//   widened by vload_half (F16C's vcvtph2ps on x86; core OpenCL, no cl_khr_fp16 needed).
+// NaN codes decode to finite values here: callers that must propagate them watch the raw bytes.
+#ifndef FP8_DENORM
+#define FP8_DENORM 1
+#endif
+#if FP8_DENORM
+inline float16 e4m3x16_decode_scaled(uchar16 b) {
+  return as_float16((convert_int16(as_char16(b)) << 20) & (int16)(int)0x87F00000);
+}
+#define FP8_X_SCALE 0x1p100f
+#define FP8_ACC_SCALE 0x1p20f
+#else
+inline float16 e4m3x16_decode_scaled(uchar16 b) {
+  const short16 h = (convert_short16(as_char16(b)) << 7) & (short16)(short)0xBF80;
+  return vload_half16(0, (const private half*)&h);
+}
+#define FP8_X_SCALE 0x1p8f
+#define FP8_ACC_SCALE 1.0f
+#endif

@@ -18,21 +18,7 @@
 #define WKIND 0
 #endif
 
-// e4m3fn -> f32: exponent 4 bits (bias 7), mantissa 3 bits, no infinities. A normal number's bits
-// shifted into f32 position need the exponent rebiased by 120; subnormals (exponent 0) are m * 2^-9.
-inline float16 e4m3x16_to_f32(uchar16 b) {
-  const uint16 u = convert_uint16(b);
-  const uint16 mag = u & 0x7Fu;
-  const float16 normal = as_float16((mag << 20) + (120u << 23));
-  const float16 sub = convert_float16(mag) * 0x1p-9f;
-  const float16 v = select(normal, sub, mag < (uint16)8u);
-  return as_float16(as_uint16(v) | ((u & 0x80u) << 24));
-}
-inline float e4m3_to_f32(uchar b) {
-  const uint mag = b & 0x7Fu;
-  const float v = mag < 8u ? (float)mag * 0x1p-9f : as_float((mag << 20) + (120u << 23));
-  return (b & 0x80u) ? -v : v;
-}
+// e4m3fn -> f32: e4m3x16_to_f32 / e4m3_to_f32 of common.cl (exact, NaN codes as NaN).
 
 #if WKIND == 1
 typedef ushort wtype;

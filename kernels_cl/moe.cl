@@ -143,3 +143,219 @@ kernel void moe_combine(global const float* expert_out, uint ld, global const ui
     o[c] = accumulate ? o[c] + acc : acc;
   }
 }
+
+// ---------------------------------------------------------------------------------------------
+// The routed experts of a step without the host: the plan (counts, offsets, the token
+// permutation and the row tiles of each expert) is made on the device from the router's ids, and
+// one launch of moe_grouped_linear computes a projection of every active expert.
+
+// Tiles of at most rows_per_tile rows, none straddling two experts, in expert order.
+inline void make_tiles(global const uint* expert_offsets, uint n_experts, uint rows_per_tile,
+                       global uint* tiles, global uint* tile_count) {
+  uint t = 0;
+  for (uint e = 0; e < n_experts; ++e)
+    for (uint r = expert_offsets[e]; r < expert_offsets[e + 1]; r += rows_per_tile) {
+      tiles[2 * t] = e;
+      tiles[2 * t + 1] = r;
+      ++t;
+    }
+  *tile_count = t;
+}
+
+// One work-item: ops::group_by_expert on the device (a counting sort over the n = T * top_k
+// (token, slot) pairs, rows of an expert in ascending (token, slot) order), then the tiles.
+// cursor: scratch of n_experts uints.
+kernel void moe_plan(global const int* topk_ids, uint n, uint top_k, uint n_experts,
+                     uint rows_per_tile, global uint* expert_offsets, global uint* src_token,
+                     global uint* slot_row, global uint* cursor, global uint* tiles,
+                     global uint* tile_count) {
+  for (uint e = 0; e <= n_experts; ++e) expert_offsets[e] = 0;
+  for (uint i = 0; i < n; ++i) ++expert_offsets[topk_ids[i] + 1];
+  for (uint e = 0; e < n_experts; ++e) {
+    expert_offsets[e + 1] += expert_offsets[e];
+    cursor[e] = expert_offsets[e];
+  }
+  for (uint i = 0; i < n; ++i) {
+    const uint row = cursor[topk_ids[i]]++;
+    src_token[row] = i / top_k;
+    slot_row[i] = row;
+  }
+  make_tiles(expert_offsets, n_experts, rows_per_tile, tiles, tile_count);
+}
+
+// The tiles alone, from offsets the host planned (the expert-parallel exchange).
+kernel void moe_tiles(global const uint* expert_offsets, uint n_experts, uint rows_per_tile,
+                      global uint* tiles, global uint* tile_count) {
+  make_tiles(expert_offsets, n_experts, rows_per_tile, tiles, tile_count);
+}
+
+// moe_grouped_linear: for every tile (dimension 1; work-items past tile_count return at once) of
+// expert e's rows r, y[r, mat * N + n] = x[x_row(r)] . W_{e,mat}[n] for the n_mats matrices
+// slot0 .. slot0 + n_mats - 1 of the expert (0 gate, 1 up, 2 down): gate and up in one launch
+// write [gate | up] rows as dense_mlp does. x_row(r) = x_rows[r] when indirect (the tokens of the
+// expert's rows, read in place: no gathered copy), else r. Every expert's tensors live in one
+// buffer `w`; table[6 e + s] is the element offset of matrix s of expert e, table[6 e + 3 + s] that
+// of its block scales in `scales` (FP8). Each row's sums run in the order linear.cl /
+// linear_fp8.cl use for it, whichever rows share its tile. Dimension 0 walks blocks of
+// col_tiles_per_item column tiles (TN features each, within one matrix).
+// Build options: -DTM -DTN and -DWEIGHT_TYPE=0|1|2 (common.cl), or -DGROUPED_FP8=1 -DFP8_DENORM.
+#if defined(WEIGHT_TYPE) || defined(GROUPED_FP8)
+#ifndef TM
+#define TM 1
+#endif
+#ifndef TN
+#define TN 4
+#endif
+#if GROUPED_FP8
+typedef uchar gw_t;
+#define QBLOCK 128
+#define VECS_PER_BLOCK (QBLOCK / 16)
+#else
+typedef wtype gw_t;
+#endif
+
+inline void grouped_tile(global const float* x, uint ldx, global const uint* x_rows, int indirect,
+                         global const gw_t* w, global const float* srow, uint KB, global float* y,
+                         uint ldy, uint y_col, uint N, uint K, uint m0, uint m_end, uint n0) {
+  global const float* xr[TM];
+  global const gw_t* wr[TN];
+#pragma unroll
+  for (int i = 0; i < TM; ++i) {
+    const uint r = min(m0 + i, m_end - 1);
+    xr[i] = x + (size_t)(indirect ? x_rows[r] : r) * ldx;
+  }
+#pragma unroll
+  for (int j = 0; j < TN; ++j) wr[j] = w + (size_t)min(n0 + j, N - 1) * K;
+  float16 acc[TM][TN];
+#pragma unroll
+  for (int i = 0; i < TM; ++i)
+#pragma unroll
+    for (int j = 0; j < TN; ++j) acc[i][j] = (float16)(0.0f);
+  const uint K16 = K / 16;
+#if GROUPED_FP8
+  uchar16 umax[TN];
+  char16 smax[TN];
+#pragma unroll
+  for (int j = 0; j < TN; ++j) {
+    umax[j] = (uchar16)(0);
+    smax[j] = (char16)(-128);
+  }
+  for (uint kb = 0; kb < KB; ++kb) {
+    const float s = srow[kb] * FP8_X_SCALE;
+    const uint v_end = min((kb + 1) * VECS_PER_BLOCK, K16);
+    for (uint v = kb * VECS_PER_BLOCK; v < v_end; ++v) {
+      float16 wv[TN];
+#pragma unroll
+      for (int j = 0; j < TN; ++j) {
+        const uchar16 b = vload16(v, wr[j]);
+        umax[j] = max(umax[j], b);
+        smax[j] = max(smax[j], as_char16(b));
+        wv[j] = e4m3x16_decode_scaled(b);
+      }
+#pragma unroll
+      for (int i = 0; i < TM; ++i) {
+        const float16 xv = vload16(v, xr[i]) * s;
+#pragma unroll
+        for (int j = 0; j < TN; ++j) acc[i][j] = fma(xv, wv[j], acc[i][j]);
+      }
+    }
+  }
+#define ACC_OUT FP8_ACC_SCALE
+#else
+  for (uint k = 0; k < K16; ++k) {
+    float16 wv[TN];
+#pragma unroll
+    for (int j = 0; j < TN; ++j) wv[j] = LOADW16(k, wr[j]);
+#pragma unroll
+    for (int i = 0; i < TM; ++i) {
+      const float16 xv = vload16(k, xr[i]);
+#pragma unroll
+      for (int j = 0; j < TN; ++j) acc[i][j] = fma(xv, wv[j], acc[i][j]);
+    }
+  }
+#define ACC_OUT 1.0f
+#endif
+  float out[TM][TN];
+#pragma unroll
+  for (int i = 0; i < TM; ++i)
+#pragma unroll
+    for (int j = 0; j < TN; ++j) {
+      const float16 a = acc[i][j];
+      const float8 s8 = a.lo + a.hi;
+      const float4 s4 = s8.lo + s8.hi;
+      const float2 s2 = s4.lo + s4.hi;
+      out[i][j] = (s2.x + s2.y) * ACC_OUT;
+    }
+#if GROUPED_FP8
+  if (K16 * 16 < K) {
+    const float s_last = srow[KB - 1];
+    for (uint k = K16 * 16; k < K; ++k) {
+#pragma unroll
+      for (int i = 0; i < TM; ++i) {
+        const float xs = xr[i][k] * s_last;
+#pragma unroll
+        for (int j = 0; j < TN; ++j) out[i][j] = fma(xs, e4m3_to_f32(wr[j][k]), out[i][j]);
+      }
+    }
+  }
+  bool row_has_nan[TN];
+#pragma unroll
+  for (int j = 0; j < TN; ++j)
+    row_has_nan[j] = any(umax[j] == (uchar16)(0xFF)) || any(smax[j] == (char16)(0x7F));
+#else
+  for (uint k = K16 * 16; k < K; ++k) {
+#pragma unroll
+    for (int i = 0; i < TM; ++i)
+#pragma unroll
+      for (int j = 0; j < TN; ++j) out[i][j] = fma(xr[i][k], LOADW1(wr[j] + k), out[i][j]);
+  }
+#endif
+#pragma unroll
+  for (int i = 0; i < TM; ++i) {
+    if (m0 + i >= m_end) break;
+    global float* yr = y + (size_t)(m0 + i) * ldy + y_col;
+#pragma unroll
+    for (int j = 0; j < TN; ++j) {
+      const uint n = n0 + j;
+      if (n >= N) break;
+#if GROUPED_FP8
+      yr[n] = row_has_nan[j] ? NAN : out[i][j];
+#else
+      yr[n] = out[i][j];
+#endif
+    }
+  }
+}
+
+kernel void moe_grouped_linear(global const float* x, uint ldx, global const uint* x_rows,
+                               int indirect, global const gw_t* w, global const float* scales,
+                               global const ulong* table, uint slot0, uint n_mats,
+                               global const uint* tiles, global const uint* tile_count,
+                               global const uint* expert_offsets, uint rows_per_tile,
+                               global float* y, uint ldy, uint N, uint K,
+                               uint col_tiles_per_item) {
+  const uint tile = get_global_id(1);
+  if (tile >= *tile_count) return;
+  const uint e = tiles[2 * tile], r_begin = tiles[2 * tile + 1];
+  const uint r_end = min(r_begin + rows_per_tile, expert_offsets[e + 1]);
+  const uint per_mat = (N + TN - 1) / TN;
+  const uint c_begin = get_global_id(0) * col_tiles_per_item;
+  const uint c_end = min(c_begin + col_tiles_per_item, per_mat * n_mats);
+#if GROUPED_FP8
+  const uint KB = (K + QBLOCK - 1) / QBLOCK;
+#else
+  const uint KB = 0;
+#endif
+  for (uint c = c_begin; c < c_end; ++c) {
+    const uint mat = c / per_mat, n0 = (c % per_mat) * TN;
+    global const gw_t* wm = w + table[6 * e + slot0 + mat];
+#if GROUPED_FP8
+    global const float* srow = scales + table[6 * e + 3 + slot0 + mat] + (size_t)(n0 / QBLOCK) * KB;
+#else
+    global const float* srow = scales;
+#endif
+    for (uint m0 = r_begin; m0 < r_end; m0 += TM)
+      grouped_tile(x, ldx, x_rows, indirect, wm, srow, KB, y, ldy, mat * N, N, K, m0, r_end, n0);
+  }
+}
+#endif  // WEIGHT_TYPE || GROUPED_FP8

@@ -23,11 +23,14 @@ struct LoadOptions {
   // kernels; true fake-quantizes activations to fp8 per token per 128 columns before each FP8
   // linear, as MAX and DeepSeek's reference code do (model.fp8_activations: fp8).
   bool quantize_fp8_activations = false;
-  // cluster.transport: mpi — the deployment's ranks are processes (one device each): mpi_ranks of
-  // them, this process rank mpi_rank driving devices[0]. 0: every rank is a device of `devices`.
+  // cluster.transport: mpi — the deployment's devices are spread over mpi_ranks processes, each
+  // driving devices.size() of them; this process is mpi_rank and drives `devices` (the topology's
+  // devices mpi_rank * devices.size() ..). 0: every device is in this process.
   uint32_t mpi_ranks = 0, mpi_rank = 0;
-  // The ranks the topology spreads the model over.
-  size_t ranks() const { return mpi_ranks ? mpi_ranks : devices.size(); }
+  // The ranks (devices) the topology spreads the model over, and the processes they are in.
+  size_t ranks() const { return mpi_ranks ? size_t(mpi_ranks) * devices.size() : devices.size(); }
+  size_t processes() const { return mpi_ranks ? mpi_ranks : 1; }
+  size_t process() const { return mpi_ranks ? mpi_rank : 0; }
 
   // The parallel settings, as parallel::Topology takes them.
   parallel::ParallelDegrees degrees() const {

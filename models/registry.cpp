@@ -86,10 +86,8 @@ std::unique_ptr<CausalLM> load_model(const std::filesystem::path& dir, const Loa
   if (!std::filesystem::is_directory(dir))
     throw std::runtime_error(dir.string() + ": model directory not found");
   const ModelFamily& family = family_of(read_json_file(cfg_path), cfg_path);
-  if (opts.mpi_ranks > 0 && family.layout != parallel::Layout::DataParallelAttentionExpertParallel)
-    throw std::runtime_error(family.name + ": does not run over MPI yet (only the DP-attention + "
-                             "EP layout, DeepSeek-V3, does)");
-  const parallel::Topology topology(family.layout, opts.degrees(), opts.ranks(), family.name);
+  const parallel::Topology topology(family.layout, opts.degrees(), opts.ranks(), family.name,
+                                    opts.processes());
   return family.load(dir, opts, topology);
 }
 

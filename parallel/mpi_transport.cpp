@@ -103,11 +103,12 @@ std::optional<PollFailure> poll(std::vector<MPI_Request>& reqs, const std::vecto
 struct Requests {
   std::vector<MPI_Request> reqs;
   std::vector<size_t> peer;
-  void post(bool send, void* buf, size_t count, MPI_Datatype type, size_t rank, int tag,
-            const std::string& name) {
+  // `rank`: the peer process in `comm`.
+  void post(MPI_Comm comm, bool send, void* buf, size_t count, MPI_Datatype type, size_t rank,
+            int tag, const std::string& name) {
     MPI_Request rq;
-    const int rc = send ? MPI_Isend(buf, int(count), type, int(rank), tag, MPI_COMM_WORLD, &rq)
-                        : MPI_Irecv(buf, int(count), type, int(rank), tag, MPI_COMM_WORLD, &rq);
+    const int rc = send ? MPI_Isend(buf, int(count), type, int(rank), tag, comm, &rq)
+                        : MPI_Irecv(buf, int(count), type, int(rank), tag, comm, &rq);
     check_mpi(rc, name + (send ? ": MPI_Isend to rank " : ": MPI_Irecv from rank ") +
                       std::to_string(rank));
     reqs.push_back(rq);
@@ -201,48 +202,83 @@ std::vector<std::vector<uint32_t>> mpi_allgather_u32(const std::vector<uint32_t>
 }
 
 struct MpiTransport::Buffers {
+  MPI_Comm comm = MPI_COMM_NULL;  // the group's
   HostBuffer outbox;
-  HostBuffer inbox[2];          // alternating by epoch parity
-  cl::Event inbox_written[2];   // the staging write that last read each inbox
-  cl::Mem staging;              // received pieces on the device
-  size_t staging_bytes = 0;
+  HostBuffer inbox[2];  // alternating by epoch parity; one region per local device
+  // Per local device: the staging write that last read each inbox, and the staging buffer.
+  std::vector<cl::Event> inbox_written[2];
+  std::vector<cl::Mem> staging;
+  std::vector<size_t> staging_bytes;
 };
 
 MpiTransport::MpiTransport(Device& device, MpiTransportOptions options)
-    : device_(&device), options_(options), buf_(std::make_unique<Buffers>()) {
+    : MpiTransport(std::vector<Device*>{&device}, 0, options) {}
+
+MpiTransport::MpiTransport(std::vector<Device*> devices, int color, MpiTransportOptions options)
+    : devices_(std::move(devices)), options_(options), buf_(std::make_unique<Buffers>()) {
   if (!mpi_initialized())
     throw std::logic_error("MpiTransport: MPI is not initialized (call parallel::mpi_init)");
-  rank_ = size_t(mpi_world_rank());
-  size_ = size_t(mpi_world_size());
+  if (devices_.empty()) throw std::invalid_argument("MpiTransport: no device");
+  const int world = mpi_world_rank();
+  check_mpi(MPI_Comm_split(MPI_COMM_WORLD, color, world, &buf_->comm), "MPI_Comm_split");
+  MPI_Comm_set_errhandler(buf_->comm, MPI_ERRORS_RETURN);
+  int p = 0, n = 1;
+  MPI_Comm_rank(buf_->comm, &p);
+  MPI_Comm_size(buf_->comm, &n);
+  process_ = size_t(p);
+  processes_ = size_t(n);
+  // Every process of the group says its world rank and device count.
+  const int mine[2] = {world, int(devices_.size())};
+  std::vector<int> all(size_t(2 * n));
+  check_mpi(MPI_Allgather(mine, 2, MPI_INT, all.data(), 2, MPI_INT, buf_->comm), "MPI_Allgather");
+  for (int i = 0; i < n; ++i) {
+    world_rank_.push_back(all[size_t(2 * i)]);
+    if (all[size_t(2 * i + 1)] != int(devices_.size()))
+      throw std::invalid_argument("MpiTransport: MPI rank " + std::to_string(all[size_t(2 * i)]) +
+                                  " drives " + std::to_string(all[size_t(2 * i + 1)]) +
+                                  " device(s), MPI rank " + std::to_string(world) + " " +
+                                  std::to_string(devices_.size()) +
+                                  "; every process of a group needs the same count");
+  }
+  rank_ = process_ * devices_.size();
+  size_ = processes_ * devices_.size();
+  for (auto& w : buf_->inbox_written) w.resize(devices_.size());
+  buf_->staging.resize(devices_.size());
+  buf_->staging_bytes.assign(devices_.size(), 0);
   if (const char* t = std::getenv("CLSHARD_MPI_TIMEOUT_MS"); t && std::atol(t) > 0)
     options_.timeout = std::chrono::milliseconds(std::atol(t));
   if (const char* s = std::getenv("CLSHARD_TEST_MPI_STOP")) {
     unsigned long r = 0, e = 0;
     char how[8] = "";
-    const int n = std::sscanf(s, "%lu:%lu:%7s", &r, &e, how);
-    if (n >= 2) stop_at_ = {{size_t(r), uint32_t(e)}};
-    stop_signal_ = n == 3 && std::string(how) == "kill" ? SIGKILL : SIGSTOP;
+    const int k = std::sscanf(s, "%lu:%lu:%7s", &r, &e, how);
+    if (k >= 2) stop_at_ = {{size_t(r), uint32_t(e)}};
+    stop_signal_ = k == 3 && std::string(how) == "kill" ? SIGKILL : SIGSTOP;
   }
 }
 
 MpiTransport::~MpiTransport() {
   // Staging writes may still read the inboxes.
-  clFinish(device_->queue());
+  for (Device* d : devices_) clFinish(d->queue());
+  int fin = 0;
+  MPI_Finalized(&fin);
+  if (!fin && buf_->comm != MPI_COMM_NULL) MPI_Comm_free(&buf_->comm);
 }
 
 Device& MpiTransport::device(size_t r) const {
-  if (r != rank_)
+  if (!is_local(r))
     throw std::logic_error("MpiTransport: rank " + std::to_string(r) +
-                           "'s device lives in another process (this is rank " +
-                           std::to_string(rank_) + ")");
-  return *device_;
+                           "'s device lives in another process (this one holds ranks " +
+                           std::to_string(rank_) + ".." +
+                           std::to_string(rank_ + devices_.size() - 1) + ")");
+  return *devices_[local_index(r)];
 }
 
 uint32_t MpiTransport::begin_exchange(const std::string& name) {
   if (broken_)
     throw std::runtime_error(name + ": the MPI transport failed in an earlier collective");
   ++epoch_;
-  if (stop_at_ && stop_at_->first == rank_ && stop_at_->second == epoch_) std::raise(stop_signal_);
+  if (stop_at_ && stop_at_->first == size_t(world_rank_[process_]) && stop_at_->second == epoch_)
+    std::raise(stop_signal_);
   return epoch_;
 }
 
@@ -250,11 +286,13 @@ void MpiTransport::fail(const std::string& name, uint32_t epoch, const std::vect
                         const std::string& why) {
   broken_ = true;
   std::ostringstream msg;
-  msg << name << ": MPI rank " << rank_ << " of " << size_ << " at epoch " << epoch << ": ";
+  msg << name << ": MPI rank " << world_rank_[process_] << " of " << mpi_world_size()
+      << " at epoch " << epoch << ": ";
   std::string who = "MPI rank ";
   for (size_t i = 0; i < owing.size(); ++i) {
-    msg << (i ? ", " : "") << "rank " << owing[i];
-    who += (i ? "," : "") + std::to_string(owing[i]);
+    const int w = world_rank_.at(owing[i]);
+    msg << (i ? ", " : "") << "rank " << w;
+    who += (i ? "," : "") + std::to_string(w);
   }
   msg << " " << why;
   throw CollectiveError(name, epoch, who, msg.str());
@@ -264,48 +302,72 @@ std::vector<Transport::View> MpiTransport::open_phase(const std::string& name,
                                                       const std::vector<Piece>& pieces) {
   const uint32_t epoch = begin_exchange(name);
   const int tag = int(epoch % 32000) + 1;  // MPI guarantees tags up to 32767
+  const size_t k = devices_.size();
   HostBuffer& inbox = buf_->inbox[epoch % 2];
+  auto& inbox_written = buf_->inbox_written[epoch % 2];
 
-  // Where each piece goes in host memory: outgoing ones in the outbox, incoming in the inbox.
-  std::vector<size_t> at(pieces.size(), 0);
-  size_t out_bytes = 0, in_bytes = 0;
+  // How each piece travels: between processes (outbox / inbox), between local devices of one
+  // context (the destination reads the source's buffer), or of two (through the inbox).
+  enum class Route { None, Send, Receive, Direct, Host };
+  std::vector<Route> route(pieces.size(), Route::None);
+  std::vector<size_t> at(pieces.size(), 0);  // byte offset in the outbox or the inbox region
+  std::vector<size_t> region_bytes(k, 0);
+  size_t out_bytes = 0;
   for (size_t p = 0; p < pieces.size(); ++p) {
     const Piece& pc = pieces[p];
-    const size_t bytes = pc.span.count_floats * sizeof(float);
+    const size_t bytes = round_up(pc.span.count_floats * sizeof(float), kAlign);
     if (bytes == 0 || pc.src == pc.dst) continue;
-    if (pc.src == rank_) {
+    const bool src_here = is_local(pc.src), dst_here = is_local(pc.dst);
+    if (src_here && !dst_here) {
+      route[p] = Route::Send;
       at[p] = out_bytes;
-      out_bytes += round_up(bytes, kAlign);
-    } else if (pc.dst == rank_) {
-      at[p] = in_bytes;
-      in_bytes += round_up(bytes, kAlign);
+      out_bytes += bytes;
+    } else if (dst_here) {
+      const bool direct = src_here && devices_[local_index(pc.src)]->context() ==
+                                          devices_[local_index(pc.dst)]->context();
+      route[p] = direct ? Route::Direct : src_here ? Route::Host : Route::Receive;
+      if (direct) continue;
+      at[p] = region_bytes[local_index(pc.dst)];
+      region_bytes[local_index(pc.dst)] += bytes;
     }
   }
-  // The staging write of the phase that last used this inbox must be done reading it.
-  if (buf_->inbox_written[epoch % 2]) {
-    cl_event e = buf_->inbox_written[epoch % 2].get();
+  std::vector<size_t> region_at(k, 0);
+  size_t in_bytes = 0;
+  for (size_t i = 0; i < k; ++i) {
+    region_at[i] = in_bytes;
+    in_bytes += region_bytes[i];
+  }
+  // The staging writes of the phase that last used this inbox must be done reading it.
+  for (auto& ev : inbox_written) {
+    if (!ev) continue;
+    cl_event e = ev.get();
     cl::check(clWaitForEvents(1, &e), name + ": waiting for an earlier staging write");
-    buf_->inbox_written[epoch % 2] = cl::Event();
+    ev = cl::Event();
   }
   char* out = buf_->outbox.reserve(out_bytes);
   char* in = inbox.reserve(in_bytes);
+  auto in_at = [&](size_t p) { return in + region_at[local_index(pieces[p].dst)] + at[p]; };
 
   // Receives first, so a peer's send finds them posted.
   Requests rq;
+  for (size_t p = 0; p < pieces.size(); ++p)
+    if (route[p] == Route::Receive)
+      rq.post(buf_->comm, false, in_at(p), pieces[p].span.count_floats, MPI_FLOAT,
+              process_of(pieces[p].src), tag, name);
+  // This process's outgoing pieces to host memory (Device::read waits for the producers), then
+  // out; pieces between local devices of different contexts straight into the inbox.
+  const bool silent = silent_ && is_local(*silent_);
   for (size_t p = 0; p < pieces.size(); ++p) {
     const Piece& pc = pieces[p];
-    if (pc.span.count_floats == 0 || pc.dst != rank_ || pc.src == rank_) continue;
-    rq.post(false, in + at[p], pc.span.count_floats, MPI_FLOAT, pc.src, tag, name);
-  }
-  // This rank's outgoing pieces to host memory (Device::read waits for the producers), then out.
-  const bool silent = silent_ && *silent_ == rank_;
-  for (size_t p = 0; p < pieces.size(); ++p) {
-    const Piece& pc = pieces[p];
-    if (pc.span.count_floats == 0 || pc.src != rank_ || pc.dst == rank_) continue;
+    if (route[p] != Route::Send && route[p] != Route::Host) continue;
     const size_t bytes = pc.span.count_floats * sizeof(float);
-    device_->read(pc.span.buf, out + at[p], bytes, pc.span.offset_floats * sizeof(float));
+    char* host = route[p] == Route::Send ? out + at[p] : in_at(p);
+    devices_[local_index(pc.src)]->read(pc.span.buf, host, bytes,
+                                        pc.span.offset_floats * sizeof(float));
     stats_.bytes_staged += bytes;
-    if (!silent) rq.post(true, out + at[p], pc.span.count_floats, MPI_FLOAT, pc.dst, tag, name);
+    if (route[p] == Route::Send && !silent)
+      rq.post(buf_->comm, true, host, pc.span.count_floats, MPI_FLOAT, process_of(pc.dst), tag,
+              name);
   }
 
   // Poll until every request is done or the deadline passes.
@@ -314,27 +376,46 @@ std::vector<Transport::View> MpiTransport::open_phase(const std::string& name,
   stats_.host_wait_seconds +=
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
-  // Received pieces onto the device: one staging buffer, one write.
-  std::vector<View> views(pieces.size());
-  if (in_bytes > 0) {
-    if (buf_->staging_bytes < in_bytes) {
-      buf_->staging_bytes = round_up(std::max(in_bytes, buf_->staging_bytes * 2), 4096);
-      buf_->staging = device_->alloc(buf_->staging_bytes);
+  // Received pieces onto each local device: one staging buffer, one write.
+  for (size_t i = 0; i < k; ++i) {
+    if (region_bytes[i] == 0) continue;
+    Device& dev = *devices_[i];
+    if (buf_->staging_bytes[i] < region_bytes[i]) {
+      buf_->staging_bytes[i] =
+          round_up(std::max(region_bytes[i], buf_->staging_bytes[i] * 2), 4096);
+      buf_->staging[i] = dev.alloc(buf_->staging_bytes[i]);
     }
     cl_event ev = nullptr;
-    cl::check(clEnqueueWriteBuffer(device_->queue(), buf_->staging.get(), CL_FALSE, 0, in_bytes,
-                                   in, 0, nullptr, &ev),
-              name + ": staging received pieces into " + device_->label());
-    buf_->inbox_written[epoch % 2] = cl::Event(ev);
-    stats_.bytes_staged += in_bytes;
+    cl::check(clEnqueueWriteBuffer(dev.queue(), buf_->staging[i].get(), CL_FALSE, 0,
+                                   region_bytes[i], in + region_at[i], 0, nullptr, &ev),
+              name + ": staging received pieces into " + dev.label());
+    inbox_written[i] = cl::Event(ev);
+    stats_.bytes_staged += region_bytes[i];
   }
+  std::vector<View> views(pieces.size());
   for (size_t p = 0; p < pieces.size(); ++p) {
     const Piece& pc = pieces[p];
-    if (pc.dst != rank_) continue;  // consumed in another process
-    if (pc.src == rank_ || pc.span.count_floats == 0) {
-      views[p].span = pc.span;  // this rank's own buffer, on its own queue
-    } else {
-      views[p].span = {buf_->staging, at[p] / sizeof(float), pc.span.count_floats};
+    if (!is_local(pc.dst)) continue;  // consumed in another process
+    switch (route[p]) {
+      case Route::None:  // this rank's own buffer (or nothing), on its own queue
+        views[p].span = pc.span;
+        break;
+      case Route::Direct: {
+        // The destination reads the source's buffer once the source's producers are done; the
+        // source waits for those readers in close_phase.
+        cl_event marker = nullptr;
+        Device& src = *devices_[local_index(pc.src)];
+        cl::check(clEnqueueMarkerWithWaitList(src.queue(), 0, nullptr, &marker),
+                  name + ": marking the payload on " + src.label());
+        src.flush();
+        views[p].span = pc.span;
+        views[p].wait = cl::Event(marker);
+        views[p].reads_source_buffer = true;
+        break;
+      }
+      default:
+        views[p].span = {buf_->staging[local_index(pc.dst)], at[p] / sizeof(float),
+                         pc.span.count_floats};
     }
   }
   return views;
@@ -347,30 +428,52 @@ void MpiTransport::share_host(const std::string& name,
                                 std::to_string(size_) + " ranks");
   const uint32_t epoch = begin_exchange(name);
   const int tag = int(epoch % 32000) + 1;
-  const std::vector<uint32_t> mine = per_rank[rank_];
+  const size_t k = devices_.size(), L = per_rank[rank_].size();
+  // This process's ranks' values, one after another; the same from every peer.
+  std::vector<uint32_t> mine;
+  for (size_t i = 0; i < k; ++i) {
+    if (per_rank[rank_ + i].size() != L)
+      throw std::logic_error(name + ": the local ranks disagree on the length");
+    mine.insert(mine.end(), per_rank[rank_ + i].begin(), per_rank[rank_ + i].end());
+  }
+  std::vector<std::vector<uint32_t>> theirs(processes_);
   // Point to point rather than MPI_Iallgather: a peer that never comes is then a request to name.
   Requests rq;
-  for (size_t r = 0; r < size_; ++r) {
-    if (r == rank_) continue;
-    per_rank[r].assign(mine.size(), 0);
-    rq.post(false, per_rank[r].data(), mine.size(), MPI_UINT32_T, r, tag, name);
+  for (size_t q = 0; q < processes_; ++q) {
+    if (q == process_) continue;
+    theirs[q].assign(mine.size(), 0);
+    rq.post(buf_->comm, false, theirs[q].data(), mine.size(), MPI_UINT32_T, q, tag, name);
   }
-  const bool silent = silent_ && *silent_ == rank_;
-  for (size_t r = 0; r < size_ && !silent; ++r)
-    if (r != rank_)
-      rq.post(true, const_cast<uint32_t*>(mine.data()), mine.size(), MPI_UINT32_T, r, tag, name);
+  const bool silent = silent_ && is_local(*silent_);
+  for (size_t q = 0; q < processes_ && !silent; ++q)
+    if (q != process_)
+      rq.post(buf_->comm, true, mine.data(), mine.size(), MPI_UINT32_T, q, tag, name);
   const auto start = std::chrono::steady_clock::now();
   if (auto err = poll(rq.reqs, rq.peer, options_.timeout)) fail(name, epoch, err->owing, err->why);
   stats_.host_wait_seconds +=
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  for (size_t r = 0; r < size_; ++r)
-    if (per_rank[r].size() != mine.size())
-      throw std::logic_error(name + ": ranks disagree on the length");
+  for (size_t q = 0; q < processes_; ++q) {
+    if (q == process_) continue;
+    for (size_t i = 0; i < k; ++i)
+      per_rank[q * k + i].assign(theirs[q].begin() + std::ptrdiff_t(i * L),
+                                 theirs[q].begin() + std::ptrdiff_t((i + 1) * L));
+  }
 }
 
-void MpiTransport::close_phase(const std::string&, const std::vector<std::vector<cl::Event>>&) {
-  // One device per process: the consumers are on the queue that runs this rank's later work, so
-  // nothing can overwrite what they read; the peers' data arrived in host copies.
+void MpiTransport::close_phase(const std::string& name,
+                               const std::vector<std::vector<cl::Event>>& readers_of) {
+  // Between processes the peers' data arrived in host copies, and each local device's consumers
+  // of staged pieces are on its own queue. A local source whose buffer another local device read
+  // in place waits for those readers before its later work can overwrite it.
+  for (size_t i = 0; i < devices_.size(); ++i) {
+    const auto& readers = readers_of.at(rank_ + i);
+    if (readers.empty()) continue;
+    std::vector<cl_event> w;
+    for (const auto& e : readers) w.push_back(e.get());
+    cl::check(clEnqueueBarrierWithWaitList(devices_[i]->queue(), cl_uint(w.size()), w.data(),
+                                           nullptr),
+              name + ": ordering " + devices_[i]->label() + " after its readers");
+  }
 }
 
 }  // namespace clshard::parallel

@@ -1,24 +1,30 @@
-// The transport between processes: one rank per process (launched by mpirun), each driving one
-// OpenCL device, the payload moving over MPI. Built only when CMake found OpenMPI
-// (CLSHARD_HAVE_MPI); mpi.h stays out of this header.
+// The transport between processes (launched by mpirun), each driving one or more OpenCL devices:
+// the payload between processes moves over MPI, between the devices of one process by the
+// in-process routes (the destination reads the source's buffer where they share a context, else
+// through host memory). Built only when CMake found OpenMPI (CLSHARD_HAVE_MPI); mpi.h stays out of
+// this header.
 //
-// A Communicator over an MpiTransport has the size of the MPI world, but only this process's rank
-// is local (Transport::is_local): the collectives take a span per rank as before, the spans of
-// remote ranks carrying only their lengths (no buffer), and consumers run on the local device only.
+// Ranks: the transport's processes (its group, in world-rank order) each drive k devices, the same
+// k everywhere; process p holds ranks [p * k, p * k + k), so over the whole world (color 0) rank
+// d is the deployment's device d as parallel::Topology numbers them. A Communicator over an
+// MpiTransport has that many ranks, but only this process's are local (Transport::is_local): the
+// collectives take a span per rank as before, the spans of remote ranks carrying only their
+// lengths (no buffer), and consumers run on the local devices only.
 //
-// One phase (open_phase): receives from every peer that sends this rank a piece are posted first;
-// the local pieces bound for peers are read to host memory (Device::read, behind the producers the
-// caller enqueued) and sent; the host polls the requests (MPI_Test, nonblocking) until all are
-// done or the deadline passes — a peer that died or never answers is a CollectiveError naming the
-// collective, the epoch and the rank(s) still owed, never a hang. Received pieces are written into
-// one device staging buffer and the consumers read them there. Pieces between ranks are matched by
-// (source, tag = epoch) and MPI's in-order delivery, so both ends enumerate a phase's pieces in the
-// same order (the Communicator builds them from every rank's lengths).
+// One phase (open_phase): receives from every peer process that sends this one a piece are posted
+// first; the local pieces bound for peers are read to host memory (Device::read, behind the
+// producers the caller enqueued) and sent; the host polls the requests (MPI_Test, nonblocking)
+// until all are done or the deadline passes — a peer that died or never answers is a
+// CollectiveError naming the collective, the epoch and the MPI rank(s) still owed, never a hang.
+// Received pieces are written into one device staging buffer per local device and the consumers
+// read them there. Pieces between processes are matched by (source, tag = epoch) and MPI's in-order
+// delivery, so both ends enumerate a phase's pieces in the same order (the Communicator builds them
+// from every rank's lengths).
 //
-// Host buffers (one outbox, two inboxes alternating by epoch parity) and the device staging buffer
-// grow to the largest phase seen and are then reused: no allocation per step. After an error the
-// transport refuses further phases (the peers' state is unknown); the process should end with
-// abort_world().
+// Host buffers (one outbox, two inboxes alternating by epoch parity) and the device staging
+// buffers grow to the largest phase seen and are then reused: no allocation per step. After an
+// error the transport refuses further phases (the peers' state is unknown); the process should end
+// with abort_world().
 #pragma once
 
 #include <chrono>
@@ -59,13 +65,19 @@ class MpiTransport final : public Transport {
  public:
   // This process is MPI rank mpi_world_rank() of mpi_world_size() and drives `device`.
   explicit MpiTransport(Device& device, MpiTransportOptions options = {});
+  // This process drives `devices` (the same count in every process of the group). The group is
+  // the processes that pass the same `color` (MPI_Comm_split, collective over the world: every
+  // process constructs its MpiTransports in the same order, each passing one color).
+  MpiTransport(std::vector<Device*> devices, int color, MpiTransportOptions options = {});
   ~MpiTransport() override;
   MpiTransport(const MpiTransport&) = delete;
   MpiTransport& operator=(const MpiTransport&) = delete;
 
   size_t size() const override { return size_; }
+  // The first local rank (this process's index in the group times devices_per_process()).
   size_t rank() const { return rank_; }
-  bool is_local(size_t r) const override { return r == rank_; }
+  size_t devices_per_process() const { return devices_.size(); }
+  bool is_local(size_t r) const override { return r >= rank_ && r < rank_ + devices_.size(); }
   Device& device(size_t r) const override;
   std::vector<View> open_phase(const std::string& name, const std::vector<Piece>& pieces) override;
   void close_phase(const std::string& name,
@@ -73,7 +85,7 @@ class MpiTransport final : public Transport {
   void share_host(const std::string& name, std::vector<std::vector<uint32_t>>& per_rank) override;
   const Stats& stats() const override { return stats_; }
   void set_timeout(std::chrono::milliseconds t) override { options_.timeout = t; }
-  // While set to this rank, the phase posts no sends (a peer that never answers).
+  // While set to a local rank, the phase posts no sends (a peer that never answers).
   void silence_rank_for_test(std::optional<size_t> r) override { silent_ = r; }
 
  private:
@@ -83,9 +95,13 @@ class MpiTransport final : public Transport {
   // The CollectiveError naming the collective, the epoch and the ranks still owed.
   [[noreturn]] void fail(const std::string& name, uint32_t epoch, const std::vector<size_t>& owing,
                          const std::string& why);
-  Device* device_;
+  size_t process_of(size_t r) const { return r / devices_.size(); }
+  size_t local_index(size_t r) const { return r - rank_; }
+  std::vector<Device*> devices_;  // this process's: ranks rank_ .. rank_ + devices_.size() - 1
   MpiTransportOptions options_;
   size_t rank_ = 0, size_ = 1;
+  size_t process_ = 0, processes_ = 1;  // this process in the group, the group's processes
+  std::vector<int> world_rank_;         // of each process of the group (errors name them)
   // Test hook (CLSHARD_TEST_MPI_STOP="rank:epoch[:kill]"): that rank stops (SIGSTOP: a peer that
   // never answers mid-step) or is killed (SIGKILL) as it opens that epoch's exchange.
   std::optional<std::pair<size_t, uint32_t>> stop_at_;

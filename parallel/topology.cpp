@@ -58,11 +58,22 @@ void check_degrees(const ParallelDegrees& d, size_t devices) {
 }
 
 Topology::Topology(Layout layout, const ParallelDegrees& degrees, size_t devices,
-                   std::string model)
-    : layout_(layout), degrees_(degrees), devices_(devices) {
+                   std::string model, size_t processes)
+    : layout_(layout), degrees_(degrees), devices_(devices), processes_(processes) {
   if (devices == 0) throw TopologyError({"devices"}, "no device selected");
+  if (processes == 0 || devices % processes != 0)
+    throw TopologyError({"devices"}, count_of_devices(devices) + " cannot be shared evenly by " +
+                                         std::to_string(processes) + " processes");
   check_layout(layout, degrees, devices, model);
   check_degrees(degrees, devices);
+  // A replica's group lies inside one process or spans whole processes, so every process builds
+  // the same number of groups that talk over MPI (their transports are created collectively).
+  const size_t k = devices / processes;
+  if (processes > 1 && degrees.tensor % k != 0 && k % degrees.tensor != 0)
+    throw TopologyError({"parallel.tensor"},
+                        std::to_string(degrees.tensor) + " tensor-parallel devices per replica "
+                        "over processes of " + count_of_devices(k) + " each: one must divide "
+                        "the other");
   replicas_ = place_replicas(devices, degrees.data, degrees.tensor);
 }
 
@@ -71,6 +82,13 @@ const std::vector<size_t>& Topology::devices_of_replica(size_t replica) const {
     throw std::out_of_range("replica " + std::to_string(replica) + " of " +
                             std::to_string(replicas()));
   return replicas_.devices_of_replica[replica];
+}
+
+std::vector<size_t> Topology::processes_of_replica(size_t replica) const {
+  std::vector<size_t> p;
+  for (size_t d : devices_of_replica(replica))
+    if (p.empty() || p.back() != process_of_device(d)) p.push_back(process_of_device(d));
+  return p;
 }
 
 size_t Topology::tensor_rank_of_device(size_t device) const {

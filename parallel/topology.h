@@ -8,6 +8,8 @@
 //
 // A rank is a device: rank d is the deployment's device d. Replica r owns the device group
 // devices_of_replica(r); inside a group the devices are the tensor-parallel ranks in order.
+// Over MPI (cluster.transport: mpi) the devices are spread over the processes in order: process p
+// drives devices [p * k, p * k + k), k = devices_per_process(), as its local devices 0 .. k - 1.
 #pragma once
 
 #include <cstddef>
@@ -68,12 +70,23 @@ class Topology {
  public:
   // Checks the degrees against the device count by the layout's rules and the shared ones
   // (TopologyError naming the key); `model` names the model family in the messages.
+  // `processes`: how many processes share the devices (MPI ranks; 1 in process); it must divide
+  // the device count.
   Topology(Layout layout, const ParallelDegrees& degrees, size_t devices,
-           std::string model = "the model");
+           std::string model = "the model", size_t processes = 1);
 
   Layout layout() const { return layout_; }
   const ParallelDegrees& degrees() const { return degrees_; }
   size_t devices() const { return devices_; }  // = ranks
+
+  // Processes (MPI ranks) and the devices each drives.
+  size_t processes() const { return processes_; }
+  size_t devices_per_process() const { return devices_ / processes_; }
+  size_t process_of_device(size_t device) const { return device / devices_per_process(); }
+  // The device's index among its process's devices.
+  size_t local_index(size_t device) const { return device % devices_per_process(); }
+  // The processes a replica's device group spans, in order.
+  std::vector<size_t> processes_of_replica(size_t replica) const;
 
   // Replicas and their device groups.
   size_t replicas() const { return replicas_.replicas(); }
@@ -110,6 +123,7 @@ class Topology {
   Layout layout_;
   ParallelDegrees degrees_;
   size_t devices_ = 0;
+  size_t processes_ = 1;
   ReplicaPlacement replicas_;
 };
 

@@ -54,6 +54,22 @@ std::string fp8_decode_option(const Device& dev) {
   return denorm ? "-DFP8_DENORM=1" : "-DFP8_DENORM=0";
 }
 
+// The plan's buffers and tile shape for `rows` grouped rows over n_experts: 4-row tiles where the
+// experts average 4 rows or more (prefill), one-row tiles for decode; a work-item takes up to 64
+// rows of one expert, as ops::linear's blocks.
+ops::GroupedPlan plan_shape(Device& dev, uint32_t rows, uint32_t n_experts) {
+  ops::GroupedPlan p;
+  p.rows = rows;
+  p.n_experts = n_experts;
+  p.tm = rows >= 4 * n_experts ? 4 : 1;
+  p.rows_per_tile = 64;
+  p.max_tiles = ceil_div(rows, p.rows_per_tile) + std::min(rows, n_experts);
+  p.expert_offsets = Scratch(dev, (size_t(n_experts) + 1) * 4);
+  p.tiles = Scratch(dev, size_t(std::max(p.max_tiles, 1u)) * 2 * 4);
+  p.tile_count = Scratch(dev, 4);
+  return p;
+}
+
 }  // namespace
 
 namespace ops {
@@ -68,9 +84,15 @@ void linear_fp8(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, con
   cl::Kernel k = dev.kernel(
       "linear_fp8.cl", "linear_fp8",
       fp8_decode_option(dev) + " -DTM=" + std::to_string(tm) + " -DTN=" + std::to_string(tn));
+  // Work per work-item as ops::linear: up to 64 rows, and enough column tiles that a launch is a
+  // few hundred work-items rather than thousands.
+  const uint32_t m_rows = std::min<uint32_t>(ceil_div(M, tm) * tm, 64);
+  const uint32_t col_tiles = ceil_div(N, tn), row_blocks = ceil_div(M, m_rows);
+  uint32_t n_tiles = 1;
+  while (n_tiles < 16 && uint64_t(col_tiles) * row_blocks / (n_tiles * 2) >= 256) n_tiles *= 2;
   cl::set_args(k, x, x_off, ldx, w.mem, scale_inv.mem, ceil_div(K, kQuantBlock), y, y_off, ldy, M,
-               N, K, alpha, int(accumulate));
-  dev.launch(k, {ceil_div(N, tn), ceil_div(M, tm), 1}, 2);
+               N, K, alpha, int(accumulate), n_tiles, m_rows);
+  dev.launch(k, {ceil_div(col_tiles, n_tiles), row_blocks, 1}, 2);
 }
 
 void dequantize_fp8(Device& dev, const Weight& w, const Weight& scale_inv, const cl::Mem& out) {
@@ -172,6 +194,69 @@ void moe_combine(Device& dev, const cl::Mem& expert_out, uint32_t ld, const cl::
   cl::Kernel k = dev.kernel("moe.cl", "moe_combine");
   cl::set_args(k, expert_out, ld, slot_row, topk_weights, top_k, H, out, ldo, int(accumulate));
   dev.launch(k, {T, ceil_div(H, kRowChunk), 1}, 2);
+}
+
+
+GroupedPlan plan_experts(Device& dev, const cl::Mem& topk_ids, uint32_t T, uint32_t top_k,
+                         uint32_t n_experts) {
+  GroupedPlan p = plan_shape(dev, T * top_k, n_experts);
+  p.src_token = Scratch(dev, size_t(std::max(p.rows, 1u)) * 4);
+  p.slot_row = Scratch(dev, size_t(std::max(p.rows, 1u)) * 4);
+  p.cursor = Scratch(dev, size_t(n_experts) * 4);
+  cl::Kernel k = dev.kernel("moe.cl", "moe_plan");
+  cl::set_args(k, topk_ids, p.rows, top_k, n_experts, p.rows_per_tile, p.expert_offsets.mem(),
+               p.src_token.mem(), p.slot_row.mem(), p.cursor.mem(), p.tiles.mem(),
+               p.tile_count.mem());
+  dev.launch(k, {1, 1, 1}, 1);
+  return p;
+}
+
+GroupedPlan plan_expert_tiles(Device& dev, const std::vector<uint32_t>& expert_offsets) {
+  if (expert_offsets.empty())
+    throw std::invalid_argument("plan_expert_tiles: no expert offsets");
+  const uint32_t E = uint32_t(expert_offsets.size() - 1);
+  GroupedPlan p = plan_shape(dev, expert_offsets.back(), E);
+  dev.write(p.expert_offsets.mem(), expert_offsets.data(), expert_offsets.size() * 4);
+  cl::Kernel k = dev.kernel("moe.cl", "moe_tiles");
+  cl::set_args(k, p.expert_offsets.mem(), E, p.rows_per_tile, p.tiles.mem(), p.tile_count.mem());
+  dev.launch(k, {1, 1, 1}, 1);
+  return p;
+}
+
+void moe_grouped_linear(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::Mem* x_rows,
+                        const GroupedExperts& g, uint32_t slot0, uint32_t n_mats,
+                        const GroupedPlan& plan, const cl::Mem& y, uint32_t ldy) {
+  if (!g || slot0 + n_mats > 3 || g.n_experts != plan.n_experts)
+    throw std::invalid_argument("moe_grouped_linear: the plan covers " +
+                                std::to_string(plan.n_experts) + " experts, the weights " +
+                                std::to_string(g.n_experts) + "; matrices " +
+                                std::to_string(slot0) + " + " + std::to_string(n_mats) + " of 3");
+  if (plan.rows == 0) return;
+  const bool down = slot0 == 2;
+  const uint32_t N = down ? g.hidden : g.inter, K = down ? g.inter : g.hidden;
+  constexpr uint32_t tn = 4;
+  std::string opts = " -DTM=" + std::to_string(plan.tm) + " -DTN=" + std::to_string(tn);
+  switch (g.dtype) {
+    case DType::F32: opts += " -DWEIGHT_TYPE=0"; break;
+    case DType::BF16: opts += " -DWEIGHT_TYPE=1"; break;
+    case DType::F16: opts += " -DWEIGHT_TYPE=2"; break;
+    case DType::F8_E4M3: opts += " -DGROUPED_FP8=1 " + fp8_decode_option(dev); break;
+    default:
+      throw std::invalid_argument(std::string("moe_grouped_linear: expert weights of dtype ") +
+                                  dtype_name(g.dtype));
+  }
+  cl::Kernel k = dev.kernel("moe.cl", "moe_grouped_linear", opts);
+  // As ops::linear: enough column tiles per work-item that a launch is a few hundred work-items
+  // (PoCL pays about a microsecond per work-group), counting the tiles that will have rows.
+  const uint32_t col_tiles = ceil_div(N, tn) * n_mats;
+  const uint32_t busy_tiles = std::min(plan.max_tiles, ceil_div(plan.rows, plan.rows_per_tile) +
+                                                           std::min(plan.rows, plan.n_experts));
+  uint32_t per_item = 1;
+  while (per_item < 16 && uint64_t(col_tiles) * busy_tiles / (per_item * 2) >= 256) per_item *= 2;
+  cl::set_args(k, x, ldx, x_rows ? *x_rows : x, int(x_rows != nullptr), g.mem, g.mem, g.table,
+               slot0, n_mats, plan.tiles.mem(), plan.tile_count.mem(), plan.expert_offsets.mem(),
+               plan.rows_per_tile, y, ldy, N, K, per_item);
+  dev.launch(k, {ceil_div(col_tiles, per_item), plan.max_tiles, 1}, 2);
 }
 
 }  // namespace ops

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "runtime/cl.h"
+#include "runtime/device.h"
 #include "runtime/tensor.h"
 
 namespace clshard {
@@ -78,6 +79,36 @@ void moe_combine(Device& dev, const cl::Mem& expert_out, uint32_t ld, const cl::
                  const cl::Mem& topk_weights, uint32_t T, uint32_t top_k, uint32_t H,
                  const cl::Mem& out, uint32_t ldo, bool accumulate);
 
+
+// Every local routed expert of one MoE layer in one buffer, so that one launch reaches them all
+// (moe_grouped_linear in kernels_cl/moe.cl): `mem` holds the weights (and FP8 block scales),
+// table (ulong [n_experts][6]) the element offsets of gate, up, down and of their scales.
+struct GroupedExperts {
+  cl::Mem mem, table;
+  DType dtype = DType::F32;  // F32, BF16, F16 or F8_E4M3 (then with scales)
+  uint32_t n_experts = 0, hidden = 0, inter = 0;
+  explicit operator bool() const { return bool(mem); }
+};
+
+// Where the grouped rows of a step are, on the device: expert_offsets [E + 1], the token of each
+// grouped row (src_token [rows]), the grouped row of each (token, slot) (slot_row [rows]) and the
+// row tiles the grouped kernels walk. Built by plan_experts (from the router's ids, nothing read
+// back) or plan_expert_tiles (from offsets the host planned).
+struct GroupedPlan {
+  Scratch expert_offsets, src_token, slot_row, cursor, tiles, tile_count;
+  uint32_t rows = 0, n_experts = 0, tm = 1, rows_per_tile = 0, max_tiles = 0;
+};
+GroupedPlan plan_experts(Device& dev, const cl::Mem& topk_ids, uint32_t T, uint32_t top_k,
+                         uint32_t n_experts);
+GroupedPlan plan_expert_tiles(Device& dev, const std::vector<uint32_t>& expert_offsets);
+
+// y[r, mat * N + n] = x[row(r)] . W_{e(r), slot0 + mat}[n] for mat < n_mats over every grouped row
+// r of the plan (slot 0 gate, 1 up, 2 down; N, K the matrix's shape): gate and up together write
+// dense_mlp's [gate | up] rows. row(r) = src_token[r] when x_rows is given (tokens read in place),
+// else r. Each row's sums are those ops::linear / linear_fp8 form for it.
+void moe_grouped_linear(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::Mem* x_rows,
+                        const GroupedExperts& experts, uint32_t slot0, uint32_t n_mats,
+                        const GroupedPlan& plan, const cl::Mem& y, uint32_t ldy);
 }  // namespace clshard::ops
 
 // Plain C++ references used by the tests (and by the model's tests).

@@ -18,7 +18,7 @@ packages=(
   openmpi-bin libopenmpi-dev
   libcpp-httplib-dev curl
   clang libfuzzer-14-dev
-  gnuplot-nox
+  gnuplot-nox python3-yaml
 )
 missing=()
 for p in "${packages[@]}"; do

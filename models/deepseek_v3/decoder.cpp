@@ -23,10 +23,10 @@ DecoderStack::DecoderStack(const DeepseekV3Config& cfg, const std::filesystem::p
       topology.devices() != N || N == 0)
     throw std::invalid_argument(std::string(who) + ": the topology is not DP = EP over the " +
                                 std::to_string(N) + " devices of the options");
-  if (mpi && (opts.devices.size() != 1 || opts.mpi_rank >= N))
-    throw std::invalid_argument(std::string(who) + ": over MPI each process runs one rank on one "
-                                "device; this one has " + std::to_string(opts.devices.size()) +
-                                " devices");
+  if (mpi && topology.processes() != opts.processes())
+    throw std::invalid_argument(std::string(who) + ": the topology spans " +
+                                std::to_string(topology.processes()) + " processes, MPI " +
+                                std::to_string(opts.processes()));
   mla_.n_heads = uint32_t(cfg_.num_attention_heads);
   mla_.kv_lora = uint32_t(cfg_.kv_lora_rank);
   mla_.nope = uint32_t(cfg_.qk_nope_head_dim);
@@ -70,7 +70,10 @@ DecoderStack::DecoderStack(const DeepseekV3Config& cfg, const std::filesystem::p
   const auto inv = cfg_.rope_inv_freqs();
   for (size_t r = 0; r < N; ++r) {
     Replica rep;
-    rep.dev = !mpi ? opts.devices[r] : r == opts.mpi_rank ? opts.devices[0] : nullptr;
+    // Over MPI this process drives the devices the topology gives it; the others' are remote.
+    rep.dev = topology.process_of_device(r) == opts.process()
+                  ? opts.devices[topology.local_index(r)]
+                  : nullptr;
     if (!rep.dev) {
       replicas_.push_back(std::move(rep));
       continue;
@@ -79,11 +82,12 @@ DecoderStack::DecoderStack(const DeepseekV3Config& cfg, const std::filesystem::p
     rep.dev->write(rep.inv_freq, inv.data(), inv.size() * sizeof(float));
     replicas_.push_back(std::move(rep));
   }
-  first_local_ = mpi ? opts.mpi_rank : 0;
+  first_local_ = opts.process() * topology.devices_per_process();
   if (mpi) {
 #ifdef CLSHARD_HAVE_MPI
+    // Every process of the world in one group: transport rank = device.
     comm_ = std::make_unique<parallel::Communicator>(
-        std::make_unique<parallel::MpiTransport>(*opts.devices[0]));
+        std::make_unique<parallel::MpiTransport>(opts.devices, 0));
 #else
     throw std::invalid_argument(std::string(who) + ": this build has no MPI transport (OpenMPI "
                                 "not found at build time)");

@@ -13,9 +13,10 @@ namespace clshard::deepseek_v3 {
 
 DeepseekV3Model::DeepseekV3Model(const std::filesystem::path& dir, const LoadOptions& opts,
                                  std::optional<parallel::ExpertPlacement> placement)
-    : DeepseekV3Model(dir, opts,
-                      parallel::Topology(kLayout, opts.degrees(), opts.ranks(), kName),
-                      std::move(placement)) {}
+    : DeepseekV3Model(
+          dir, opts,
+          parallel::Topology(kLayout, opts.degrees(), opts.ranks(), kName, opts.processes()),
+          std::move(placement)) {}
 
 DeepseekV3Model::DeepseekV3Model(const std::filesystem::path& dir, const LoadOptions& opts,
                                  const parallel::Topology& topology,

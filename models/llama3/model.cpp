@@ -3,6 +3,7 @@
 #include <stdexcept>
 
 #include "parallel/collectives.h"
+#include "parallel/mpi_transport.h"
 #include "parallel/topology.h"
 #include "runtime/device.h"
 #include "runtime/ops.h"
@@ -13,12 +14,22 @@ namespace clshard::llama3 {
 Llama3Model::Llama3Model(const std::filesystem::path& dir, const LoadOptions& opts,
                          const parallel::Topology& topology, size_t replica)
     : cfg_(Llama3Config::from_dir(dir)) {
-  if (topology.devices() != opts.devices.size())
+  if (topology.devices() != opts.ranks())
     throw std::invalid_argument("Llama3Model: the topology has " +
                                 std::to_string(topology.devices()) + " devices, the options " +
-                                std::to_string(opts.devices.size()));
+                                std::to_string(opts.ranks()));
+  // This process's devices of the replica's group and their tensor ranks (over MPI the others
+  // are other processes'; in process, all of them).
   std::vector<Device*> devices;
-  for (size_t d : topology.devices_of_replica(replica)) devices.push_back(opts.devices[d]);
+  const auto& group = topology.devices_of_replica(replica);
+  for (size_t t = 0; t < group.size(); ++t) {
+    if (topology.process_of_device(group[t]) != opts.process()) continue;
+    devices.push_back(opts.devices[topology.local_index(group[t])]);
+    tensor_ranks_.push_back(t);
+  }
+  if (devices.empty())
+    throw std::invalid_argument("Llama3Model: replica " + std::to_string(replica) +
+                                " has no device in this process");
   store_ = std::make_unique<WeightStore>(dir);
   cfg_.finalize(*store_);
   if (cfg_.head_dim % 8 != 0)
@@ -26,7 +37,8 @@ Llama3Model::Llama3Model(const std::filesystem::path& dir, const LoadOptions& op
                              std::to_string(cfg_.head_dim) +
                              " is not supported (the attention kernel needs a multiple of 8)");
   const size_t ranks = devices.size();
-  if (ranks > 1) {
+  const bool mpi = topology.processes_of_replica(replica).size() > 1;
+  if (group.size() > 1) {
     for (Device* d : devices)
       if (d->context() != devices[0]->context())
         throw std::runtime_error(
@@ -37,13 +49,15 @@ Llama3Model::Llama3Model(const std::filesystem::path& dir, const LoadOptions& op
           "tensor parallelism with embedding/residual multipliers (Granite) is not supported, as "
           "in MAX");
   }
+  for (size_t t = 0; t < group.size(); ++t)
+    vocab_cols_.push_back(uint32_t(shard_range(cfg_, topology, t).vocab.count));
   auto inv = cfg_.rope_inv_freqs();
   std::vector<float> inv_long = cfg_.longrope_scaling ? cfg_.rope_inv_freqs_long() : inv;
   if (cfg_.longrope_scaling) long_from_ = uint32_t(cfg_.longrope_scaling->original_max_position);
   for (size_t r = 0; r < ranks; ++r) {
     Shard s;
     s.dev = devices[r];
-    s.range = shard_range(cfg_, topology, r);
+    s.range = shard_range(cfg_, topology, tensor_ranks_[r]);
     s.w = load_weights(cfg_, *store_, *s.dev, s.range);
     s.inv_freq = s.dev->alloc(inv.size() * sizeof(float), CL_MEM_READ_ONLY);
     s.dev->write(s.inv_freq, inv.data(), inv.size() * sizeof(float));
@@ -51,7 +65,18 @@ Llama3Model::Llama3Model(const std::filesystem::path& dir, const LoadOptions& op
     s.dev->write(s.inv_freq_long, inv_long.data(), inv_long.size() * sizeof(float));
     shards_.push_back(std::move(s));
   }
-  if (ranks > 1) comm_ = std::make_unique<parallel::Communicator>(devices);
+  if (mpi) {
+    // The group's processes exchange over MPI (one group per replica: color = replica); each
+    // process's transport ranks are its devices of the group.
+#ifdef CLSHARD_HAVE_MPI
+    comm_ = std::make_unique<parallel::Communicator>(
+        std::make_unique<parallel::MpiTransport>(devices, int(replica)));
+#else
+    throw std::invalid_argument("Llama3Model: this build has no MPI transport");
+#endif
+  } else if (ranks > 1) {
+    comm_ = std::make_unique<parallel::Communicator>(devices);
+  }
 
   info_.architecture = cfg_.architecture;
   info_.vocab_size = uint32_t(cfg_.vocab_size);
@@ -132,7 +157,7 @@ StepOutputs Llama3Model::forward(const StepInputs& in) {
     w.qkv = Scratch(*s.dev, t * w.qkv_w * 4);
     w.att = Scratch(*s.dev, t * w.nh * hd * 4);
     w.gu = Scratch(*s.dev, t * w.f * 4);
-    if (P > 1) w.part = Scratch(*s.dev, t * H * 4);
+    if (comm_) w.part = Scratch(*s.dev, t * H * 4);
     work.push_back(std::move(w));
   }
   const uint32_t R = uint32_t(work[0].st.logit_token_indices.size());
@@ -150,16 +175,18 @@ StepOutputs Llama3Model::forward(const StepInputs& in) {
 
   // The ranks' partial sums (of the embedding shards, of o_proj and down_proj over their
   // columns) become the whole on every rank, then join the residual stream.
+  // Over MPI the other processes' ranks take part with their lengths only.
   auto allreduce = [&](auto member, const char* what) {
-    std::vector<parallel::DeviceSpan> spans;
-    for (auto& w : work) spans.push_back({(w.*member).mem(), 0, size_t(T) * H});
+    std::vector<parallel::DeviceSpan> spans(comm_->size(), {cl::Mem(), 0, size_t(T) * H});
+    for (size_t r = 0; r < P; ++r)
+      spans[tensor_ranks_[r]] = {(work[r].*member).mem(), 0, size_t(T) * H};
     comm_->allreduce(spans, what);
   };
 
   for (size_t r = 0; r < P; ++r)
     ops::embedding(*shards_[r].dev, work[r].st.token_ids, T, shards_[r].w.embed, work[r].h.mem(),
                    float(cfg_.embedding_multiplier), uint32_t(shards_[r].range.vocab.begin));
-  if (P > 1) allreduce(&Work::h, "embedding");
+  if (comm_) allreduce(&Work::h, "embedding");
 
   for (size_t l = 0; l < cfg_.num_hidden_layers; ++l) {
     for (size_t r = 0; r < P; ++r) {
@@ -180,12 +207,12 @@ StepOutputs Llama3Model::forward(const StepInputs& in) {
                          shards_[r].inv_freq_long, long_from_, w.st.tokens, shards_[r].kv[l]);
       ops::paged_attention(d, w.qkv.mem(), w.qkv_w, shards_[r].kv[l], w.st.tokens, w.nh, w.nkv,
                            hd, cfg_.attention_scale(), w.att.mem(), w.nh * hd);
-      if (P == 1)
+      if (!comm_)
         ops::linear(d, w.att.mem(), 0, w.nh * hd, L.o, nullptr, w.h.mem(), 0, H, T, m, true);
       else
         ops::linear(d, w.att.mem(), 0, w.nh * hd, L.o, nullptr, w.part.mem(), 0, H, T);
     }
-    if (P > 1) {
+    if (comm_) {
       allreduce(&Work::part, "attention output");
       for (size_t r = 0; r < P; ++r)
         ops::axpy(*shards_[r].dev, work[r].h.mem(), work[r].part.mem(), m, T * H);
@@ -197,18 +224,39 @@ StepOutputs Llama3Model::forward(const StepInputs& in) {
       // norm, gate, up and silu(gate) * up in one launch, then down-projected into the residual.
       ops::linear_swiglu(d, w.h.mem(), 0, H, &L.post_attention_norm, eps, L.gate, L.up,
                          w.gu.mem(), 0, w.f, T);
-      if (P == 1)
+      if (!comm_)
         ops::linear(d, w.gu.mem(), 0, w.f, L.down, nullptr, w.h.mem(), 0, H, T, m, true);
       else
         ops::linear(d, w.gu.mem(), 0, w.f, L.down, nullptr, w.part.mem(), 0, H, T);
     }
-    if (P > 1) {
+    if (comm_) {
       allreduce(&Work::part, "MLP output");
       for (size_t r = 0; r < P; ++r)
         ops::axpy(*shards_[r].dev, work[r].h.mem(), work[r].part.mem(), m, T * H);
     }
   }
-  if (R > 0) {
+  if (R > 0 && comm_ && comm_->size() > P) {
+    // Over MPI each rank computes its vocabulary columns as a block of their own, and every rank
+    // gathers the blocks into the [R, V] logits (this process's first rank into logits_).
+    std::vector<Scratch> cols(P), full(P);
+    std::vector<parallel::DeviceSpan> send, recv;
+    for (size_t t = 0; t < comm_->size(); ++t) {
+      send.push_back({cl::Mem(), 0, size_t(R) * vocab_cols_[t]});
+      recv.push_back({cl::Mem(), 0, size_t(R) * V});
+    }
+    for (size_t r = 0; r < P; ++r) {
+      Device& d = *shards_[r].dev;
+      const uint32_t cols_r = vocab_cols_[tensor_ranks_[r]];
+      cols[r] = Scratch(d, std::max<size_t>(size_t(R) * cols_r, 1) * 4);
+      ops::linear_fused(d, work[r].h.mem(), 0, H, &work[r].st.logit_rows,
+                        &shards_[r].w.final_norm, eps, {&shards_[r].w.lm_head}, cols[r].mem(), 0,
+                        cols_r, R, float(1.0 / cfg_.logits_scaling));
+      send[tensor_ranks_[r]].buf = cols[r].mem();
+      if (r > 0) full[r] = Scratch(d, size_t(R) * V * 4);
+      recv[tensor_ranks_[r]].buf = r == 0 ? logits_ : full[r].mem();
+    }
+    comm_->allgather_columns(send, recv, R, "logits");
+  } else if (R > 0) {
     // Each rank computes its vocabulary columns of the logits straight into the first device's
     // buffer (one context, so one buffer serves all).
     for (size_t r = 0; r < P; ++r) {

@@ -54,8 +54,11 @@ class Llama3Model : public CausalLM {
 
   Llama3Config cfg_;
   std::unique_ptr<WeightStore> store_;  // keeps the mapped files alive under the weights
-  std::vector<Shard> shards_;
-  std::unique_ptr<parallel::Communicator> comm_;  // with more than one shard
+  std::vector<Shard> shards_;  // this process's ranks of the replica (all of them in process)
+  std::vector<size_t> tensor_ranks_;  // of each shard
+  std::vector<uint32_t> vocab_cols_;  // logits columns of every tensor rank of the replica
+  // With more than one tensor rank: in process, or over MPI when the group spans processes.
+  std::unique_ptr<parallel::Communicator> comm_;
   ModelInfo info_;
   uint32_t long_from_ = 0xffffffffu;
   uint32_t num_pages_ = 0, page_size_ = 0;

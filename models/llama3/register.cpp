@@ -5,6 +5,9 @@
 #include "models/llama3/presets.h"
 #include "models/registry.h"
 #include "parallel/data_parallel_lm.h"
+#include "parallel/mpi_transport.h"
+
+#include <algorithm>
 
 namespace clshard::llama3 {
 
@@ -13,12 +16,24 @@ namespace {
 std::unique_ptr<CausalLM> load(const std::filesystem::path& dir, const LoadOptions& opts,
                                const parallel::Topology& topology) {
   // Replicas of tensor-parallel groups, as the topology gives them; one group needs no
-  // data-parallel wrapper.
+  // data-parallel wrapper. Over MPI a process builds the replicas it has devices of, and the
+  // replicas' logits meet over a communicator of every device.
   std::vector<std::unique_ptr<CausalLM>> replicas;
-  for (size_t r = 0; r < topology.replicas(); ++r)
-    replicas.push_back(std::make_unique<Llama3Model>(dir, opts, topology, r));
+  for (size_t r = 0; r < topology.replicas(); ++r) {
+    const auto procs = topology.processes_of_replica(r);
+    const bool here = std::find(procs.begin(), procs.end(), opts.process()) != procs.end();
+    replicas.push_back(here ? std::make_unique<Llama3Model>(dir, opts, topology, r) : nullptr);
+  }
   if (replicas.size() == 1) return std::move(replicas[0]);
-  return std::make_unique<parallel::DataParallelLM>(std::move(replicas));
+  if (opts.mpi_ranks == 0) return std::make_unique<parallel::DataParallelLM>(std::move(replicas));
+#ifdef CLSHARD_HAVE_MPI
+  auto comm = std::make_unique<parallel::Communicator>(
+      std::make_unique<parallel::MpiTransport>(opts.devices, 0));
+  return std::make_unique<parallel::DataParallelLM>(std::move(replicas), topology,
+                                                    std::move(comm));
+#else
+  throw std::invalid_argument("Llama 3: this build has no MPI transport");
+#endif
 }
 
 nlohmann::json plan(const nlohmann::json& cfg, const std::filesystem::path& path) {

@@ -13,6 +13,7 @@
 #include "models/registry.h"
 #include "parallel/deployment_plan.h"
 #include "parallel/mpi_transport.h"
+#include "runtime/cli/bench_command.h"
 #include "runtime/device.h"
 #include "runtime/device_manager.h"
 #include "runtime/engine/batch_job.h"
@@ -95,13 +96,23 @@ struct ModelFlags {
   }
 };
 
-// `logits` and `run` run over MPI; `generate` (streaming to one terminal) does not yet.
-DeployConfig single_process_only(DeployConfig cfg, const char* command) {
-  if (cfg.cluster.transport == ClusterTransport::Mpi)
-    throw std::runtime_error(cfg.where("cluster.transport") + ": mpi: `" + command +
-                             "` does not run over MPI yet (`logits` and `run` do)");
-  return cfg;
-}
+// Over MPI, the ranks other than 0 serve rank 0's steps (mpi_steps.h) and return true; rank 0's
+// model becomes a StepLeader, and `stop` ends the others' service once rank 0 is done.
+struct MpiSteps {
+  Deployment& d;
+  bool follow() {
+    if (d.mpi_ranks == 0) return false;
+    if (d.mpi_rank != 0) {
+      serve_steps(*d.model);
+      return true;
+    }
+    d.model = std::make_unique<StepLeader>(std::move(d.model));
+    return false;
+  }
+  void stop() {
+    if (d.mpi_ranks > 0) stop_followers();
+  }
+};
 
 std::string join_ids(const std::vector<int32_t>& ids) {
   std::string s;
@@ -246,15 +257,20 @@ int run(int argc, char** argv) {
       std::vector<std::vector<int32_t>> prompts;
       for (const auto& t : gen_tokens) prompts.push_back(parse_ids(t, "--tokens"));
       cfg.kv_cache.pages = 1;  // greedy_generate lays out its own pages
-      Deployment d = Deployment::open(single_process_only(cfg, "generate"));
+      Deployment d = Deployment::open(cfg);
+      MpiSteps mpi{d};
+      if (mpi.follow()) return;
       auto t0 = std::chrono::steady_clock::now();
       auto out = greedy_generate(*d.model, prompts, max_new, uint32_t(cfg.kv_cache.page_size));
       double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      mpi.stop();
       for (const auto& o : out) std::cout << join_ids(o) << "\n";
       std::cerr << prompts.size() * max_new << " tokens in " << s << " s\n";
       return;
     }
-    Deployment d = Deployment::open(single_process_only(cfg, "generate"));
+    Deployment d = Deployment::open(cfg);
+    MpiSteps mpi{d};
+    if (mpi.follow()) return;
     auto engine = d.make_engine();
     GenerationRequest req;
     req.prompt = d.prompt_ids(gen_prompt, std::nullopt, std::nullopt);
@@ -271,6 +287,7 @@ int run(int argc, char** argv) {
     while (engine->has_work())
       for (auto& r : engine->step()) done.push_back(std::move(r));
     double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    mpi.stop();
     std::cout << "\n";
     if (!done.empty() && done[0].reason == EndReason::Error)
       throw std::runtime_error(done[0].error);
@@ -292,13 +309,10 @@ int run(int argc, char** argv) {
   runc->callback([&] {
     Deployment d = Deployment::open(load_deploy_config(run_deploy));
     // Over MPI rank 0 runs the job and hands each step to the other ranks (mpi_steps.h).
-    if (d.mpi_ranks > 0 && d.mpi_rank != 0) {
-      serve_steps(*d.model);
-      return;
-    }
-    if (d.mpi_ranks > 0) d.model = std::make_unique<StepLeader>(std::move(d.model));
+    MpiSteps mpi{d};
+    if (mpi.follow()) return;
     run_batch_job(d, std::cerr);
-    if (d.mpi_ranks > 0) stop_followers();
+    mpi.stop();
   });
 
   // serve: the OpenAI-compatible HTTP server (runtime/cli/serve_command.cpp).
@@ -329,7 +343,7 @@ int run(int argc, char** argv) {
     const parallel::ParallelDegrees degrees{size_t(cfg.parallel.data), size_t(cfg.parallel.tensor),
                                             size_t(cfg.parallel.expert), false};
     size_t devices = pl_devices ? pl_devices : degrees.data * degrees.tensor;
-    // Over MPI the ranks are processes of one device each (on any number of nodes).
+    // Over MPI the devices are those of every process (on any number of nodes).
     const bool mpi = cfg.cluster.transport == ClusterTransport::Mpi;
     parallel::DeploymentShape shape;
     shape.memory_fraction = cfg.kv_cache.memory_fraction;
@@ -389,10 +403,21 @@ int run(int argc, char** argv) {
               << " bytes per token, " << ck["kv_cache"]["bytes_per_token"].get<uint64_t>() *
                                             shape.page_size
               << " per page of " << shape.page_size << "\n";
-    std::cout << "layout: " << devices
-              << (mpi ? " MPI rank(s) of one device each (`mpirun -np " + std::to_string(devices) +
-                            "`; device i below is rank i)"
-                      : std::string(" device(s)"))
+    // Over MPI each process drives one device, or all the sub-devices of a numeric split.
+    size_t per_rank = 1;
+    if (mpi && !cfg.devices.split.empty() &&
+        cfg.devices.split.find_first_not_of("0123456789") == std::string::npos)
+      per_rank = std::stoul(cfg.devices.split);
+    std::string layout = " device(s)";
+    if (mpi && per_rank == 1)
+      layout = " MPI rank(s) of one device each (`mpirun -np " + std::to_string(devices) +
+               "`; device i below is rank i)";
+    else if (mpi)
+      layout = " devices over " + std::to_string(devices / per_rank) + " MPI rank(s) of " +
+               std::to_string(per_rank) + " sub-devices each (`mpirun -np " +
+               std::to_string(devices / per_rank) + "`; device i below is rank i / " +
+               std::to_string(per_rank) + "'s sub-device i % " + std::to_string(per_rank) + ")";
+    std::cout << "layout: " << devices << layout
               << ", data " << degrees.data << ", tensor " << degrees.tensor << ", expert "
               << degrees.expert << "\n";
     if (!draft.is_null())
@@ -452,6 +477,8 @@ int run(int argc, char** argv) {
     Tokenizer tok = Tokenizer::from_dir(dt_dir);
     std::cout << tok.decode(parse_ids(dt_ids, "--ids"));
   });
+
+  add_bench_command(app);
 
   try {
     app.parse(argc, argv);

@@ -55,24 +55,27 @@ Deployment Deployment::open(const DeployConfig& cfg) {
 #endif
   d.config = cfg;
   d.devices = std::make_unique<DeviceManager>(cfg.devices);
-  // Over MPI each process runs one rank on one device: the selection's only device, or the
-  // one at this process's index among the ranks of its node (one rank per GPU of a node).
-  Device* rank_device = nullptr;
+  // Over MPI the selection applies within each process: a CPU split into sub-devices
+  // (devices.split) gives each process all of its sub-devices (several ranks per process, the
+  // in-process routes between them); otherwise each process runs one rank, on the selection's only
+  // device or the one at this process's index among the ranks of its node (one rank per GPU).
+  std::vector<Device*> rank_devices = d.devices->devices();
 #ifdef CLSHARD_HAVE_MPI
-  if (d.mpi_ranks > 0) {
-    const size_t local = d.devices->size() == 1 ? 0 : size_t(parallel::mpi_local_rank());
-    if (local >= d.devices->size())
+  if (d.mpi_ranks > 0 && cfg.devices.split.empty() && rank_devices.size() > 1) {
+    const size_t local = size_t(parallel::mpi_local_rank());
+    if (local >= rank_devices.size())
       throw std::runtime_error(cfg.where("devices") + ": this process is rank " +
                                std::to_string(local) + " on its node, the selection gives " +
-                               std::to_string(d.devices->size()) +
+                               std::to_string(rank_devices.size()) +
                                " device(s); over MPI each rank takes one");
-    rank_device = d.devices->devices().at(local);
+    rank_devices = {rank_devices.at(local)};
   }
 #endif
-  check_device_count(cfg, d.mpi_ranks > 0 ? d.mpi_ranks : d.devices->size());
+  check_device_count(cfg, d.mpi_ranks > 0 ? size_t(d.mpi_ranks) * rank_devices.size()
+                                          : rank_devices.size());
   check_checkpoint_dtype(cfg);
   LoadOptions opts;
-  opts.devices = rank_device ? std::vector<Device*>{rank_device} : d.devices->devices();
+  opts.devices = rank_devices;
   if (cfg.model.max_length) opts.max_length = uint32_t(*cfg.model.max_length);
   opts.data_parallel_degree = uint32_t(cfg.parallel.data);
   opts.tensor_parallel_degree = uint32_t(cfg.parallel.tensor);

@@ -95,6 +95,7 @@ uint64_t Engine::submit(GenerationRequest request) {
   live.local = schedulers_[replica].add(request.prompt, request.max_tokens);
   handle_of_[replica][live.local] = h;
   live.req = std::move(request);
+  if (live.req.constraint) live.constraint = live.req.constraint->clone();
   if (tokenizer_) live.decoder.emplace(*tokenizer_, /*skip_special_tokens=*/true);
   live_.emplace(h, std::move(live));
   return h;
@@ -110,8 +111,18 @@ bool Engine::observe(uint64_t handle, Live& live, int32_t token, const TokenLogp
   if (think_end_ && token == *think_end_) live.thinking = false;
   if (lp) live.logprobs.push_back(*lp);
   const auto& stops = live.req.stop_token_ids;
-  const bool eos = !live.req.ignore_eos &&
-                   std::find(eos_ids_.begin(), eos_ids_.end(), token) != eos_ids_.end();
+  const bool is_eos_id = std::find(eos_ids_.begin(), eos_ids_.end(), token) != eos_ids_.end();
+  // The masks allow only what the constraint allows (and EOS where it can end), so a token it
+  // refuses is a bug: the request fails rather than return output that breaks its format.
+  if (live.constraint && !(is_eos_id && live.constraint->can_end()) &&
+      !live.constraint->advance(token)) {
+    schedulers_[live.replica].finish(live.local, EndReason::Error,
+                                     "structured output: token " + std::to_string(token) +
+                                         " is not allowed by the request's format");
+    return true;
+  }
+  // An EOS a constraint allowed ends its complete output even under ignore_eos.
+  const bool eos = is_eos_id && (!live.req.ignore_eos || live.constraint);
   if (eos || std::find(stops.begin(), stops.end(), token) != stops.end()) {
     live.drop_last = true;
     schedulers_[live.replica].finish(live.local, EndReason::Stop);
@@ -139,6 +150,11 @@ bool Engine::observe(uint64_t handle, Live& live, int32_t token, const TokenLogp
     live.text += piece;
   }
   emit(handle, token, piece, lp);
+  // A complete structured output (nothing may follow it) ends the request without an EOS.
+  if (live.constraint && live.constraint->is_complete()) {
+    schedulers_[live.replica].finish(live.local, EndReason::Stop);
+    return true;
+  }
   return false;
 }
 
@@ -246,6 +262,7 @@ void Engine::step_plain(Batch& b) {
     std::vector<PenaltyRow> penalised;
     std::vector<LogprobRow> lp_rows;
     std::vector<const SamplingParams*> lp_params;
+    std::vector<const TokenConstraint*> row_constraint(out.rows, nullptr);
     bool keep_raw = false;
     for (size_t i = 0; i < b.row_info.size(); ++i) {
       Live& live = live_.at(b.row_handle[i]);
@@ -253,6 +270,7 @@ void Engine::step_plain(Batch& b) {
       params.push_back(sp);
       seeds.push_back(step_seed(sp, live.req.prompt.size() + b.row_info[i]->num_generated));
       if (!b.row_info[i]->needs_sample) continue;
+      row_constraint[i] = live.constraint.get();
       if (sp.has_penalties()) {
         penalised.push_back({uint32_t(i), penalty_slot(*out.device, out.vocab, live), sp, {}});
         keep_raw = keep_raw || (sp.logprobs && logprobs_mode_ == LogprobsMode::Raw);
@@ -264,7 +282,15 @@ void Engine::step_plain(Batch& b) {
     }
     Scratch copy;
     const cl::Mem& sample_from = penalised_logits(out, penalised, keep_raw, copy);
-    tokens = sample_tokens(*out.device, sample_from, out.rows, out.vocab, params, seeds);
+    std::vector<uint32_t> bits;
+    if (constraint_masks(row_constraint, out.vocab, bits)) {
+      Scratch mask(*out.device, bits.size() * sizeof(uint32_t));
+      out.device->write(mask.mem(), bits.data(), bits.size() * sizeof(uint32_t));
+      tokens = sample_tokens(*out.device, sample_from, out.rows, out.vocab, params, seeds,
+                             &mask.mem());
+    } else {
+      tokens = sample_tokens(*out.device, sample_from, out.rows, out.vocab, params, seeds);
+    }
     for (LogprobRow& r : lp_rows) r.token = tokens[r.row];
     auto lps = step_logprobs(out, sample_from, lp_rows, lp_params);
     for (size_t j = 0; j < lp_rows.size(); ++j) row_logprobs[lp_rows[j].row] = std::move(lps[j]);

@@ -15,6 +15,7 @@
 
 #include "runtime/device.h"
 #include "runtime/engine/acceptance.h"
+#include "runtime/engine/constraint.h"
 #include "runtime/engine/sampling.h"
 #include "runtime/engine/scheduler.h"
 #include "runtime/model.h"
@@ -28,6 +29,11 @@ struct GenerationRequest {
   uint32_t max_tokens = 256;
   std::vector<int32_t> stop_token_ids;  // besides the model's EOS ids
   std::vector<std::string> stop;        // stop strings (needs a tokenizer)
+  // Structured output (runtime/engine/constraint.h; compile_response_format builds one): every
+  // sampled and every accepted draft token is one the constraint allows, EOS only where the
+  // output can end, and the request ends (Stop) once the output is complete. The engine works
+  // on its own clone(), so one compiled constraint may be submitted several times.
+  std::shared_ptr<TokenConstraint> constraint;
   bool ignore_eos = false;  // the model's EOS ids do not end it (stop_token_ids still do)
 };
 
@@ -150,6 +156,7 @@ class Engine {
     std::string text;
     bool drop_last = false;  // the last token was a stop/EOS token: not part of the completion
     bool thinking = false;   // inside <think> ... </think> (relaxed acceptance)
+    std::unique_ptr<TokenConstraint> constraint;  // this request's copy, at its committed tokens
     std::optional<uint32_t> penalty_slot;  // its counts in penalty_counts_, once it sampled
     std::vector<TokenLogprobs> logprobs;   // per kept token, when asked
   };
@@ -169,6 +176,22 @@ class Engine {
   // drafts (runtime/speculative.cpp).
   void propose_drafts(const Batch& batch, const StepOutputs& target,
                       const std::vector<std::vector<int32_t>>& committed);
+  // Packed bitmask rows (bitmask_words(vocab) words each) for a step's logits rows: all ones for
+  // rows without a constraint (engine_constraints.cpp). `row_constraint[r]` is the constraint a row
+  // samples under (null = none); true when any row has one.
+  bool constraint_masks(const std::vector<const TokenConstraint*>& row_constraint, uint32_t vocab,
+                        std::vector<uint32_t>& bits) const;
+  // Writes one row of mask for constraint `c`: its allowed tokens, plus the EOS ids when the
+  // output can end there.
+  void constraint_row(const TokenConstraint& c, uint32_t vocab, uint32_t* row) const;
+  // The same for a speculative step's verification rows [rows, words]: verifying request s
+  // (constraints[s], null = none) samples its position i under its constraint advanced through
+  // drafts d_0..d_{i-1}; rows past a draft the constraint refuses are never read (that draft is
+  // rejected) and repeat the last mask, as do rows past an EOS draft (the EOS ends the request).
+  bool draft_masks(const std::vector<const TokenConstraint*>& constraints,
+                   const std::vector<uint32_t>& logit_offsets,
+                   const std::vector<int32_t>& drafts, const std::vector<uint32_t>& draft_offsets,
+                   uint32_t rows, uint32_t vocab, std::vector<uint32_t>& bits) const;
   // Records a kept token (stop tokens, stop strings, streaming); true when it ended the request.
   // `lp`: its log-probabilities when the request asked for them.
   bool observe(uint64_t handle, Live& live, int32_t token, const TokenLogprobs* lp = nullptr);

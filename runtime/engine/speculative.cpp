@@ -54,6 +54,7 @@ void Engine::step_speculative(Batch& b) {
   std::vector<SamplingParams> params;
   std::vector<uint64_t> seeds;
   std::vector<uint8_t> thinking;
+  std::vector<const TokenConstraint*> constraints;
   // Penalties at every verified position: position k counts the drafts before it on top of the
   // request's committed tokens, so acceptance sees what plain decoding would have sampled from.
   std::vector<PenaltyRow> penalised;
@@ -71,6 +72,7 @@ void Engine::step_speculative(Batch& b) {
     params.push_back(live.req.sampling);
     seeds.push_back(step_seed(live.req.sampling, live.req.prompt.size() + row.num_generated));
     thinking.push_back(spec_.relaxed_thinking && live.thinking);
+    constraints.push_back(live.constraint.get());
     const SamplingParams& sp = live.req.sampling;
     if (sp.has_penalties()) {
       const uint32_t slot = penalty_slot(*out.device, out.vocab, live);
@@ -86,8 +88,17 @@ void Engine::step_speculative(Batch& b) {
   const cl::Mem& verify_from = penalised_logits(out, penalised, keep_raw, copy);
   if (!verifying.empty()) {
     logit_offsets.push_back(out.logit_offsets[verifying.back() + 1]);
-    acc = accept_drafts(*out.device, verify_from, out.vocab, logit_offsets, drafts,
-                        draft_offsets, params, seeds, thinking, spec_.relaxed);
+    std::vector<uint32_t> bits;
+    if (draft_masks(constraints, logit_offsets, drafts, draft_offsets, out.rows, out.vocab,
+                    bits)) {
+      Scratch mask(*out.device, bits.size() * sizeof(uint32_t));
+      out.device->write(mask.mem(), bits.data(), bits.size() * sizeof(uint32_t));
+      acc = accept_drafts(*out.device, verify_from, out.vocab, logit_offsets, drafts,
+                          draft_offsets, params, seeds, thinking, spec_.relaxed, &mask.mem());
+    } else {
+      acc = accept_drafts(*out.device, verify_from, out.vocab, logit_offsets, drafts,
+                          draft_offsets, params, seeds, thinking, spec_.relaxed);
+    }
   }
   // Log-probabilities of every token a verifying row may commit: the accepted drafts and the
   // target's token, each at its own position.

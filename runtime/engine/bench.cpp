@@ -1,0 +1,470 @@
+#include "runtime/engine/bench.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <barrier>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <ctime>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <random>
+#include <set>
+#include <sstream>
+#include <stdexcept>
+#include <thread>
+
+#include "runtime/device.h"
+
+namespace clshard {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double seconds(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+std::string shape_name(const BenchShape& s) {
+  return "batch " + std::to_string(s.batch) + ", prompt " + std::to_string(s.prompt_len) +
+         ", gen " + std::to_string(s.gen_len);
+}
+
+std::string fixed(double v, int decimals) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.*f", decimals, v);
+  return buf;
+}
+
+}  // namespace
+
+Percentiles percentiles(std::vector<double> v) {
+  Percentiles p;
+  if (v.empty()) return p;
+  std::sort(v.begin(), v.end());
+  auto at = [&](double q) {
+    const double rank = q * double(v.size() - 1);
+    const size_t lo = size_t(std::floor(rank)), hi = std::min(lo + 1, v.size() - 1);
+    return v[lo] + (v[hi] - v[lo]) * (rank - double(lo));
+  };
+  p.p50 = at(0.50);
+  p.p90 = at(0.90);
+  p.p99 = at(0.99);
+  return p;
+}
+
+std::vector<uint32_t> parse_size_list(const std::string& text, const std::string& flag) {
+  std::vector<uint32_t> out;
+  const std::string expected = " (expected a list like 1,8,32)";
+  if (text.empty()) throw std::runtime_error(flag + ": empty list" + expected);
+  size_t begin = 0;
+  while (true) {
+    const size_t comma = text.find(',', begin);
+    const std::string item =
+        text.substr(begin, comma == std::string::npos ? std::string::npos : comma - begin);
+    const bool digits = !item.empty() && item.size() <= 9 &&
+                        std::all_of(item.begin(), item.end(), [](char c) {
+                          return c >= '0' && c <= '9';
+                        });
+    if (!digits || std::stoul(item) == 0)
+      throw std::runtime_error(flag + ": '" + item + "' is not a positive integer" + expected);
+    out.push_back(uint32_t(std::stoul(item)));
+    if (comma == std::string::npos) break;
+    begin = comma + 1;
+  }
+  return out;
+}
+
+std::vector<int32_t> synthetic_prompt(uint32_t vocab, uint32_t len, uint64_t seed, uint64_t index,
+                                      const std::vector<int32_t>& avoid) {
+  // One generator per request, seeded from (seed, index) through seed_seq so that neighbouring
+  // indices give unrelated streams.
+  std::seed_seq seq{uint32_t(seed), uint32_t(seed >> 32), uint32_t(index), uint32_t(index >> 32)};
+  std::mt19937_64 gen(seq);
+  std::uniform_int_distribution<int32_t> pick(0, int32_t(vocab) - 1);
+  std::vector<int32_t> ids;
+  ids.reserve(len);
+  while (ids.size() < len) {
+    const int32_t t = pick(gen);
+    if (std::find(avoid.begin(), avoid.end(), t) == avoid.end()) ids.push_back(t);
+  }
+  return ids;
+}
+
+namespace {
+
+// Every request must reach gen_len tokens (with speculation, K draft positions beyond them too).
+void check_fits(const Deployment& d, const BenchShape& shape) {
+  const uint32_t K = d.draft ? d.limits.num_speculative_tokens : 0;
+  const uint64_t need = uint64_t(shape.prompt_len) + shape.gen_len + K;
+  if (need > d.limits.max_length)
+    throw std::runtime_error("bench: prompt " + std::to_string(shape.prompt_len) + " + gen " +
+                             std::to_string(shape.gen_len) +
+                             (K ? " + " + std::to_string(K) + " drafts" : std::string()) +
+                             " tokens exceed the model's max_length " +
+                             std::to_string(d.limits.max_length) + " (" +
+                             d.config.where("model.max_length") + ")");
+}
+
+}  // namespace
+
+BenchResult run_bench_shape(Deployment& d, const BenchShape& shape, uint64_t seed) {
+  check_fits(d, shape);
+  auto engine = d.make_engine();
+  const ModelInfo& info = d.model->info();
+
+  // Per request: when each of its delivering steps handed it tokens, and how many.
+  struct Trace {
+    std::vector<Clock::time_point> chunk_time;
+    std::vector<size_t> chunk_step;
+    std::vector<uint32_t> chunk_tokens;
+    uint64_t tokens = 0;
+  };
+  std::map<uint64_t, Trace> traces;
+  size_t step_index = 0;
+  engine->on_token([&](const TokenEvent& e) {
+    Trace& t = traces[e.handle];
+    if (t.chunk_step.empty() || t.chunk_step.back() != step_index) {
+      t.chunk_time.push_back(Clock::now());
+      t.chunk_step.push_back(step_index);
+      t.chunk_tokens.push_back(0);
+    }
+    ++t.chunk_tokens.back();
+    ++t.tokens;
+  });
+
+  const SamplingParams sampling = Deployment::sampling_params(d.config.sampling);
+  std::vector<GenerationRequest> requests;
+  for (uint32_t i = 0; i < shape.batch; ++i) {
+    GenerationRequest g;
+    g.prompt = synthetic_prompt(info.vocab_size, shape.prompt_len, seed, i, info.eos_token_ids);
+    g.sampling = sampling;
+    g.max_tokens = shape.gen_len;
+    g.ignore_eos = true;  // exactly gen_len tokens; the deployment's stop lists are not used
+    requests.push_back(std::move(g));
+  }
+
+  const auto t0 = Clock::now();
+  for (auto& g : requests) engine->submit(std::move(g));
+  std::vector<Clock::time_point> step_end;
+  uint64_t finished = 0;
+  while (engine->has_work()) {
+    for (const GenerationResult& r : engine->step()) {
+      if (r.reason == EndReason::Error)
+        throw std::runtime_error("bench: " + shape_name(shape) + ": a request failed: " + r.error);
+      if (r.token_ids.size() != shape.gen_len)
+        throw std::runtime_error("bench: " + shape_name(shape) + ": a request ended after " +
+                                 std::to_string(r.token_ids.size()) + " tokens, not " +
+                                 std::to_string(shape.gen_len));
+      ++finished;
+    }
+    step_end.push_back(Clock::now());
+    ++step_index;
+  }
+  const auto t_end = Clock::now();
+  if (finished != shape.batch || traces.size() != shape.batch)
+    throw std::logic_error("bench: " + std::to_string(finished) + " of " +
+                           std::to_string(shape.batch) + " requests finished");
+
+  BenchResult res;
+  res.shape = shape;
+  res.engine = engine->stats();
+  res.speculative = d.draft != nullptr;
+  res.total_s = seconds(t0, t_end);
+  res.prompt_tokens = uint64_t(shape.batch) * shape.prompt_len;
+  size_t prefill_last_step = 0;
+  std::vector<double> ttft, itl;
+  double tpot_sum = 0;
+  for (const auto& [handle, t] : traces) {
+    res.output_tokens += t.tokens;
+    prefill_last_step = std::max(prefill_last_step, t.chunk_step.front());
+    ttft.push_back(1e3 * seconds(t0, t.chunk_time.front()));
+    for (size_t c = 1; c < t.chunk_time.size(); ++c)
+      itl.push_back(1e3 * seconds(t.chunk_time[c - 1], t.chunk_time[c]));
+    if (t.tokens > 1)
+      tpot_sum += 1e3 * seconds(t.chunk_time.front(), t.chunk_time.back()) / double(t.tokens - 1);
+  }
+  // The prefill phase ends with the step that gave the last request its first token.
+  res.prefill_s = seconds(t0, step_end.at(prefill_last_step));
+  res.decode_s = seconds(step_end.at(prefill_last_step), t_end);
+  for (const auto& [handle, t] : traces)
+    for (size_t c = 0; c < t.chunk_step.size(); ++c)
+      if (t.chunk_step[c] > prefill_last_step) res.decode_tokens += t.chunk_tokens[c];
+  res.prefill_tok_s = res.prefill_s > 0 ? double(res.prompt_tokens) / res.prefill_s : 0;
+  res.ttft_ms = percentiles(ttft);
+  res.itl_ms = percentiles(itl);
+  res.tpot_ms_mean = shape.gen_len > 1 ? tpot_sum / double(shape.batch) : 0;
+  if (res.decode_tokens > 0 && res.decode_s > 0)
+    res.decode_tok_s = double(res.decode_tokens) / res.decode_s;
+  res.output_tok_s = res.total_s > 0 ? double(res.output_tokens) / res.total_s : 0;
+  return res;
+}
+
+std::vector<BenchResult> run_bench(Deployment& d, const BenchOptions& opts,
+                                   std::ostream& progress) {
+  if (opts.batches.empty() || opts.prompt_lens.empty() || opts.gen_lens.empty())
+    throw std::invalid_argument("bench: empty grid");
+  std::vector<BenchShape> grid;
+  for (uint32_t b : opts.batches)
+    for (uint32_t p : opts.prompt_lens)
+      for (uint32_t g : opts.gen_lens) grid.push_back({b, p, g});
+  // Checked before any run, so a long sweep does not fail half-way on a too-long configuration.
+  for (const BenchShape& s : grid) check_fits(d, s);
+  if (opts.warmup) {
+    const uint32_t prompt = *std::min_element(opts.prompt_lens.begin(), opts.prompt_lens.end());
+    const uint32_t gen =
+        std::min<uint32_t>(4, *std::min_element(opts.gen_lens.begin(), opts.gen_lens.end()));
+    for (uint32_t b : std::set<uint32_t>(opts.batches.begin(), opts.batches.end())) {
+      const BenchShape w{b, prompt, gen};
+      progress << "bench: warm-up (not measured): " << shape_name(w) << "\n" << std::flush;
+      run_bench_shape(d, w, opts.seed + 1);
+    }
+  }
+  std::vector<BenchResult> results;
+  for (size_t i = 0; i < grid.size(); ++i) {
+    progress << "bench: [" << i + 1 << "/" << grid.size() << "] " << shape_name(grid[i]) << " ..."
+             << std::flush;
+    results.push_back(run_bench_shape(d, grid[i], opts.seed));
+    const BenchResult& r = results.back();
+    progress << " " << fixed(r.total_s, 2) << " s, prefill " << fixed(r.prefill_tok_s, 1)
+             << " tok/s, decode "
+             << (r.decode_tok_s ? fixed(*r.decode_tok_s, 1) + " tok/s" : std::string("-"))
+             << "\n" << std::flush;
+  }
+  return results;
+}
+
+nlohmann::ordered_json bench_record(const BenchResult& r) {
+  nlohmann::ordered_json j;
+  j["batch"] = r.shape.batch;
+  j["prompt_len"] = r.shape.prompt_len;
+  j["gen_len"] = r.shape.gen_len;
+  j["prompt_tokens"] = r.prompt_tokens;
+  j["output_tokens"] = r.output_tokens;
+  j["total_s"] = r.total_s;
+  j["prefill_s"] = r.prefill_s;
+  j["decode_s"] = r.decode_s;
+  j["prefill_tok_s"] = r.prefill_tok_s;
+  j["decode_tok_s"] = r.decode_tok_s ? nlohmann::ordered_json(*r.decode_tok_s) : nullptr;
+  j["decode_tokens"] = r.decode_tokens;
+  j["output_tok_s"] = r.output_tok_s;
+  j["ttft_ms_p50"] = r.ttft_ms.p50;
+  j["ttft_ms_p90"] = r.ttft_ms.p90;
+  j["ttft_ms_p99"] = r.ttft_ms.p99;
+  j["itl_ms_p50"] = r.itl_ms.p50;
+  j["itl_ms_p90"] = r.itl_ms.p90;
+  j["itl_ms_p99"] = r.itl_ms.p99;
+  j["tpot_ms_mean"] = r.tpot_ms_mean;
+  const EngineStats& e = r.engine;
+  const double steps = double(std::max<uint64_t>(e.steps, 1));
+  j["steps"] = e.steps;
+  j["host_ms_per_step"] = 1e3 * e.host_s / steps;
+  j["device_ms_per_step"] = 1e3 * e.device_s / steps;
+  j["preemptions"] = e.preemptions;
+  if (r.speculative) {
+    const SpeculativeStats& s = e.speculative;
+    j["drafted"] = s.drafted;
+    j["accepted"] = s.accepted;
+    j["acceptance_rate"] = s.acceptance_rate();
+    j["mean_accepted_length"] = s.mean_accepted_length();
+    nlohmann::ordered_json by = nlohmann::ordered_json::array();
+    for (size_t k = 0; k < s.drafted_at.size(); ++k)
+      by.push_back(s.drafted_at[k] ? double(s.accepted_at[k]) / double(s.drafted_at[k]) : 0.0);
+    j["acceptance_by_position"] = by;
+    j["draft_ms_per_step"] = 1e3 * s.draft_s / steps;
+  }
+  return j;
+}
+
+namespace {
+
+std::string cpu_model_name() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line))
+    if (line.rfind("model name", 0) == 0) {
+      const size_t colon = line.find(':');
+      if (colon != std::string::npos) return line.substr(line.find_first_not_of(' ', colon + 1));
+    }
+  return "";
+}
+
+std::string utc_now() {
+  const std::time_t t = std::time(nullptr);
+  std::tm tm{};
+  gmtime_r(&t, &tm);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return buf;
+}
+
+}  // namespace
+
+nlohmann::ordered_json bench_environment(const Deployment& d, const std::string& commit) {
+  const DeployConfig& cfg = d.config;
+  nlohmann::ordered_json env;
+  env["time_utc"] = utc_now();
+  env["clshard_commit"] = commit.empty() ? nlohmann::ordered_json(nullptr)
+                                         : nlohmann::ordered_json(commit);
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+  env["host"] = {{"cpu", cpu_model_name()},
+                 {"hardware_threads", std::thread::hardware_concurrency()},
+                 {"memory_bytes", pages > 0 && page > 0 ? uint64_t(pages) * uint64_t(page) : 0}};
+  nlohmann::ordered_json devs = nlohmann::ordered_json::array();
+  for (Device* dev : d.devices->devices()) {
+    const DeviceInfo& i = dev->info();
+    devs.push_back({{"name", i.name},
+                    {"vendor", i.vendor},
+                    {"platform", i.platform},
+                    {"platform_version", i.platform_version},
+                    {"driver_version", i.driver_version},
+                    {"opencl_version", i.opencl_version},
+                    {"compute_units", i.compute_units},
+                    {"global_mem_bytes", i.global_mem},
+                    {"sub_device", i.is_sub_device}});
+  }
+  env["devices"] = devs;
+  nlohmann::ordered_json dep;
+  dep["source"] = cfg.source;
+  std::ifstream file(cfg.source, std::ios::binary);
+  if (cfg.source != "--model" && file) {
+    std::ostringstream text;
+    text << file.rdbuf();
+    dep["file_contents"] = text.str();
+  }
+  dep["parallel"] = {{"data", cfg.parallel.data},
+                     {"tensor", cfg.parallel.tensor},
+                     {"expert", cfg.parallel.expert}};
+  dep["cluster_transport"] = to_string(cfg.cluster.transport);
+  dep["mpi_ranks"] = d.mpi_ranks;
+  dep["replicas"] = d.model->num_replicas();
+  dep["kv_cache"] = {{"page_size", d.limits.page_size}, {"pages_per_replica", d.limits.total_pages}};
+  dep["batch"] = {{"max_batch_size", d.limits.max_batch_size},
+                  {"max_batch_input_tokens", d.limits.max_batch_input_tokens}};
+  dep["sampling"] = {{"temperature", cfg.sampling.temperature},
+                     {"top_k", cfg.sampling.top_k},
+                     {"top_p", cfg.sampling.top_p},
+                     {"min_p", cfg.sampling.min_p},
+                     {"seed", cfg.sampling.seed}};
+  dep["speculative"] = {{"method", to_string(cfg.speculative.method)},
+                        {"num_speculative_tokens", cfg.speculative.num_speculative_tokens}};
+  env["deployment"] = dep;
+  const ModelInfo& m = d.model->info();
+  env["model"] = {{"path", cfg.model.path.string()},
+                  {"architecture", m.architecture},
+                  {"vocab_size", m.vocab_size},
+                  {"hidden_size", m.hidden_size},
+                  {"num_layers", m.num_layers},
+                  {"max_seq_len", m.max_seq_len},
+                  {"weight_bytes", m.weight_bytes}};
+  return env;
+}
+
+std::string format_bench_table(const std::vector<BenchResult>& results) {
+  const bool spec = std::any_of(results.begin(), results.end(),
+                                [](const BenchResult& r) { return r.speculative; });
+  std::vector<std::vector<std::string>> rows;
+  std::vector<std::string> head = {"batch",   "prompt", "gen",    "prefill tok/s", "decode tok/s",
+                                   "TTFT p50", "p90",   "p99 ms", "ITL p50",       "p90",
+                                   "p99 ms",  "host ms/step", "steps"};
+  if (spec) head.push_back("accepted (by position)");
+  rows.push_back(head);
+  for (const BenchResult& r : results) {
+    std::vector<std::string> row = {std::to_string(r.shape.batch),
+                                    std::to_string(r.shape.prompt_len),
+                                    std::to_string(r.shape.gen_len),
+                                    fixed(r.prefill_tok_s, 1),
+                                    r.decode_tok_s ? fixed(*r.decode_tok_s, 1) : "-",
+                                    fixed(r.ttft_ms.p50, 1),
+                                    fixed(r.ttft_ms.p90, 1),
+                                    fixed(r.ttft_ms.p99, 1),
+                                    fixed(r.itl_ms.p50, 1),
+                                    fixed(r.itl_ms.p90, 1),
+                                    fixed(r.itl_ms.p99, 1),
+                                    fixed(1e3 * r.engine.host_s /
+                                              double(std::max<uint64_t>(r.engine.steps, 1)),
+                                          2),
+                                    std::to_string(r.engine.steps)};
+    if (spec) {
+      const SpeculativeStats& s = r.engine.speculative;
+      std::string a = fixed(100.0 * s.acceptance_rate(), 1) + "% (";
+      for (size_t k = 0; k < s.drafted_at.size(); ++k)
+        a += (k ? " " : "") +
+             fixed(s.drafted_at[k] ? 100.0 * double(s.accepted_at[k]) / double(s.drafted_at[k])
+                                   : 0.0,
+                   0) +
+             "%";
+      row.push_back(a + ")");
+    }
+    rows.push_back(row);
+  }
+  std::vector<size_t> width(head.size(), 0);
+  for (const auto& row : rows)
+    for (size_t c = 0; c < row.size(); ++c) width[c] = std::max(width[c], row[c].size());
+  std::string out;
+  for (const auto& row : rows) {
+    for (size_t c = 0; c < row.size(); ++c) {
+      const bool last = c + 1 == row.size();
+      const std::string pad(width[c] - row[c].size(), ' ');
+      out += last ? row[c] : pad + row[c] + "  ";
+    }
+    out += "\n";
+  }
+  return out;
+}
+
+double measure_read_bandwidth(unsigned threads, size_t bytes, int repeats) {
+  // 16-byte vectors of integers (SSE2 on any x86-64; the compiler's vector extension elsewhere)
+  // and 8 accumulators: the loop compiles to one load-add per vector without spills, so it is
+  // bound by memory, not by adds. (32-byte vectors without -mavx spill to the stack.)
+  typedef uint64_t Lanes __attribute__((vector_size(16)));
+  constexpr size_t kUnroll = 8;
+  threads = std::max(1u, threads);
+  const size_t blocks = std::max<size_t>(bytes / threads / (kUnroll * sizeof(Lanes)), 1);
+  std::vector<std::vector<Lanes>> parts(threads);
+  std::vector<uint64_t> sinks(threads, 0);
+  std::barrier gate{std::ptrdiff_t(threads)};
+  Clock::time_point t0;
+  double best = 0;
+  auto work = [&](unsigned id) {
+    // Each thread first touches its own part (its NUMA node's memory).
+    parts[id].assign(blocks * kUnroll, Lanes{id + 1u, 2});
+    for (int rep = 0; rep < repeats; ++rep) {
+      gate.arrive_and_wait();
+      if (id == 0) t0 = Clock::now();
+      Lanes a0{}, a1{}, a2{}, a3{}, a4{}, a5{}, a6{}, a7{};
+      const Lanes* p = parts[id].data();
+      for (size_t i = 0; i < blocks * kUnroll; i += kUnroll) {
+        a0 += p[i];
+        a1 += p[i + 1];
+        a2 += p[i + 2];
+        a3 += p[i + 3];
+        a4 += p[i + 4];
+        a5 += p[i + 5];
+        a6 += p[i + 6];
+        a7 += p[i + 7];
+      }
+      const Lanes s = ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7));
+      sinks[id] += s[0] ^ s[1];
+      gate.arrive_and_wait();
+      if (id == 0) {
+        const double read = double(threads * blocks * kUnroll * sizeof(Lanes));
+        best = std::max(best, read / seconds(t0, Clock::now()) / 1e9);
+      }
+    }
+  };
+  std::vector<std::thread> pool;
+  for (unsigned id = 1; id < threads; ++id) pool.emplace_back(work, id);
+  work(0);
+  for (auto& t : pool) t.join();
+  // The sums are used, so the reads cannot be optimised away.
+  volatile uint64_t keep = 0;
+  for (uint64_t s : sinks) keep = keep ^ s;
+  (void)keep;
+  return best;
+}
+
+}  // namespace clshard

@@ -1,0 +1,100 @@
+// `clshard bench`: throughput and latency of a deployment over a grid of batch sizes, prompt
+// lengths and completion lengths. Model-agnostic: requests of random token ids go through the real
+// Engine (continuous batching, data-parallel replicas, speculative decoding), so the figures are
+// what the batch job would see.
+//
+// One configuration = `batch` requests of `prompt_len` random token ids each (seeded), submitted
+// together, each generating exactly `gen_len` tokens (EOS ignored). Measured from the submission:
+//   prefill phase  until every request has its first token; prefill_tok_s = prompt tokens / phase
+//   decode phase   from there to the last token; decode_tok_s = tokens delivered in it / phase
+//   ttft           per request, submission to its first token
+//   itl            gaps between the steps that deliver a request's tokens (a speculative step that
+//                  delivers several tokens counts once, as serving benchmarks count stream chunks)
+//   tpot           per request, (last token - first token) / (tokens - 1)
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "runtime/engine/deployment.h"
+#include "runtime/engine/engine.h"
+
+namespace clshard {
+
+struct BenchShape {
+  uint32_t batch = 1;
+  uint32_t prompt_len = 128;
+  uint32_t gen_len = 32;
+};
+
+struct BenchOptions {
+  std::vector<uint32_t> batches = {1};
+  std::vector<uint32_t> prompt_lens = {128};
+  std::vector<uint32_t> gen_lens = {32};
+  uint64_t seed = 0;  // of the random prompts
+  // One warm-up run per batch size before the measured ones (kernels compiled and cached, KV pages
+  // touched); never part of a figure.
+  bool warmup = true;
+};
+
+struct Percentiles {
+  double p50 = 0, p90 = 0, p99 = 0;
+};
+// Linear interpolation between closest ranks (numpy's default); all zero for no samples.
+Percentiles percentiles(std::vector<double> samples);
+
+struct BenchResult {
+  BenchShape shape;
+  uint64_t prompt_tokens = 0, output_tokens = 0;
+  double total_s = 0, prefill_s = 0, decode_s = 0;
+  uint64_t decode_tokens = 0;  // tokens delivered in the decode phase
+  double prefill_tok_s = 0;
+  std::optional<double> decode_tok_s;  // none when no token comes after the prefill phase
+  double output_tok_s = 0;             // output tokens / total time
+  Percentiles ttft_ms, itl_ms;
+  double tpot_ms_mean = 0;
+  EngineStats engine;  // steps, host and device time, preemptions, speculative figures
+  bool speculative = false;
+};
+
+// "1,8,32" -> {1, 8, 32}: positive integers separated by commas, nothing else. The error names
+// the flag and the item: "--batch: 'x' is not a positive integer (expected a list like 1,8,32)".
+std::vector<uint32_t> parse_size_list(const std::string& text, const std::string& flag);
+
+// `len` token ids drawn uniformly from [0, vocab) excluding `avoid` (the EOS ids), reproducible
+// from (seed, index).
+std::vector<int32_t> synthetic_prompt(uint32_t vocab, uint32_t len, uint64_t seed, uint64_t index,
+                                      const std::vector<int32_t>& avoid = {});
+
+// Runs one configuration on a fresh engine of the deployment.
+BenchResult run_bench_shape(Deployment& d, const BenchShape& shape, uint64_t seed);
+
+// Every configuration of the grid (batch-major, then prompt length, then completion length),
+// warm-up first; progress lines go to `progress`.
+std::vector<BenchResult> run_bench(Deployment& d, const BenchOptions& opts,
+                                   std::ostream& progress);
+
+// The record of one configuration: at least batch, prompt_len, gen_len, prefill_tok_s,
+// decode_tok_s, ttft_ms_p50/p90/p99, itl_ms_p50/p90/p99, host_ms_per_step, and acceptance
+// figures for speculative deployments.
+nlohmann::ordered_json bench_record(const BenchResult& r);
+
+// What the figures were measured on: host, OpenCL devices (driver, version), the deployment
+// (file contents, or the --model flags), the model. `commit` is the source's git commit ("" when
+// unknown).
+nlohmann::ordered_json bench_environment(const Deployment& d, const std::string& commit);
+
+// The results as an aligned text table, one line per configuration.
+std::string format_bench_table(const std::vector<BenchResult>& results);
+
+// STREAM-style read bandwidth of host memory: `threads` threads each summing their part of a
+// `bytes` buffer, best of `repeats` passes, in GB/s (1e9 bytes per second).
+double measure_read_bandwidth(unsigned threads, size_t bytes, int repeats = 5);
+
+}  // namespace clshard

@@ -1,0 +1,277 @@
+#include "runtime/engine/structured/byte_dfa.h"
+
+#include <algorithm>
+#include <map>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+
+namespace clshard::structured {
+
+namespace {
+
+// Thompson NFA: a state either reads one byte out of a set (to `next`) or has epsilon edges.
+struct Nfa {
+  struct State {
+    int32_t set = -1;  // index into sets, or -1 for an epsilon-only state
+    int32_t next = -1;
+    std::vector<int32_t> eps;
+  };
+  std::vector<State> states;
+  std::vector<std::bitset<256>> sets;
+  std::map<std::string, int32_t> set_index;  // dedup of byte sets (by their bit string)
+  size_t limit = 0;
+
+  int32_t add() {
+    if (states.size() >= limit)
+      throw std::invalid_argument("the expression is too large: its automaton would exceed " +
+                                  std::to_string(limit) + " NFA states");
+    states.emplace_back();
+    return int32_t(states.size() - 1);
+  }
+  int32_t set_id(const std::bitset<256>& b) {
+    auto [it, fresh] = set_index.emplace(b.to_string(), int32_t(sets.size()));
+    if (fresh) sets.push_back(b);
+    return it->second;
+  }
+  void link(int32_t from, int32_t to) { states[size_t(from)].eps.push_back(to); }
+
+  struct Frag {
+    int32_t in, out;  // `out` has no edges yet
+  };
+
+  Frag build(const Regex& r) {
+    switch (r->kind) {
+      case RegexNode::Kind::Empty: {
+        const int32_t s = add();
+        return {s, s};
+      }
+      case RegexNode::Kind::Bytes: {
+        const int32_t s = add(), e = add();
+        states[size_t(s)].set = set_id(r->bytes);
+        states[size_t(s)].next = e;
+        return {s, e};
+      }
+      case RegexNode::Kind::Concat: {
+        Frag f = build(r->children[0]);
+        for (size_t i = 1; i < r->children.size(); ++i) {
+          Frag g = build(r->children[i]);
+          link(f.out, g.in);
+          f.out = g.out;
+        }
+        return f;
+      }
+      case RegexNode::Kind::Alt: {
+        const int32_t s = add(), e = add();
+        for (const Regex& c : r->children) {
+          Frag g = build(c);
+          link(s, g.in);
+          link(g.out, e);
+        }
+        return {s, e};
+      }
+      case RegexNode::Kind::Repeat:
+        return build_repeat(r->children[0], r->children.size() > 1 ? r->children[1] : nullptr,
+                            r->min, r->max);
+    }
+    throw std::logic_error("unknown regex node");
+  }
+
+  // item{min,max}, items separated by `sep` when given.
+  Frag build_repeat(const Regex& item, const Regex& sep, uint32_t min, uint32_t max) {
+    const int32_t s = add();
+    Frag f{s, s};
+    auto append = [&](const Frag& g) {
+      link(f.out, g.in);
+      f.out = g.out;
+    };
+    uint32_t made = 0;
+    // Mandatory copies, keeping the last one back when the tail is a loop (it becomes the loop).
+    const uint32_t fixed = max == kUnbounded && min > 0 ? min - 1 : min;
+    for (; made < fixed; ++made) {
+      if (made > 0 && sep) append(build(sep));
+      append(build(item));
+    }
+    if (max == kUnbounded) {
+      // One copy of the item with a back edge (through the separator): item (sep item)*.
+      const int32_t e = add();
+      const int32_t entry = add();
+      if (made > 0 && sep) {
+        Frag sp = build(sep);
+        link(entry, sp.in);
+        Frag it = build(item);
+        link(sp.out, it.in);
+        link(it.out, e);
+        link(it.out, entry);
+      } else {
+        Frag it = build(item);
+        link(entry, it.in);
+        link(it.out, e);
+        if (sep) {
+          Frag sp = build(sep);
+          link(it.out, sp.in);
+          link(sp.out, it.in);
+        } else {
+          link(it.out, it.in);
+        }
+      }
+      link(f.out, entry);
+      if (min == 0) link(f.out, e);  // zero items
+      f.out = e;
+      return f;
+    }
+    // Optional copies: (item (item (...)?)?)?, every one can stop.
+    const int32_t e = add();
+    for (; made < max; ++made) {
+      link(f.out, e);
+      if (made > 0 && sep) append(build(sep));
+      append(build(item));
+    }
+    link(f.out, e);
+    f.out = e;
+    return f;
+  }
+};
+
+struct VecHash {
+  size_t operator()(const std::vector<int32_t>& v) const {
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (int32_t x : v) h = (h ^ uint32_t(x)) * 0x100000001b3ull;
+    return size_t(h);
+  }
+};
+
+}  // namespace
+
+ByteDfa ByteDfa::build(const Regex& re, uint32_t max_states) {
+  Nfa nfa;
+  nfa.limit = size_t(max_states) * 8;
+  const Nfa::Frag top = nfa.build(re);
+  const int32_t accept = top.out;
+  const size_t N = nfa.states.size();
+
+  ByteDfa dfa;
+  dfa.nfa_states_ = uint32_t(N);
+  // Byte classes: bytes no set tells apart behave the same everywhere.
+  {
+    std::array<uint32_t, 256> cls{};
+    uint32_t count = 1;
+    for (const auto& set : nfa.sets) {
+      std::map<std::pair<uint32_t, bool>, uint32_t> split;
+      uint32_t next = 0;
+      for (int b = 0; b < 256; ++b) {
+        auto [it, fresh] = split.emplace(std::make_pair(cls[size_t(b)], bool(set[size_t(b)])), next);
+        if (fresh) ++next;
+        cls[size_t(b)] = it->second;
+      }
+      count = next;
+    }
+    dfa.num_classes_ = count;
+    for (int b = 0; b < 256; ++b) dfa.class_of_[size_t(b)] = uint16_t(cls[size_t(b)]);
+  }
+  const uint32_t C = dfa.num_classes_;
+  std::vector<uint8_t> class_rep(C);
+  for (int b = 255; b >= 0; --b) class_rep[dfa.class_of_[size_t(b)]] = uint8_t(b);
+
+  // Epsilon closure, keeping the states that read a byte and the accept state.
+  std::vector<uint32_t> mark(N, 0);
+  uint32_t epoch = 0;
+  std::vector<int32_t> stack;
+  auto closure = [&](std::vector<int32_t>& seeds) {
+    ++epoch;
+    std::vector<int32_t> out;
+    stack = seeds;
+    for (int32_t s : seeds) mark[size_t(s)] = epoch;
+    while (!stack.empty()) {
+      const int32_t s = stack.back();
+      stack.pop_back();
+      const auto& st = nfa.states[size_t(s)];
+      if (st.set >= 0 || s == accept) out.push_back(s);
+      for (int32_t t : st.eps)
+        if (mark[size_t(t)] != epoch) {
+          mark[size_t(t)] = epoch;
+          stack.push_back(t);
+        }
+    }
+    std::sort(out.begin(), out.end());
+    return out;
+  };
+
+  std::unordered_map<std::vector<int32_t>, int32_t, VecHash> ids;
+  std::vector<std::vector<int32_t>> sets;
+  std::vector<int32_t> seeds = {top.in};
+  sets.push_back(closure(seeds));
+  ids.emplace(sets[0], 0);
+  std::vector<int32_t> trans;
+  std::vector<uint8_t> accepting;
+  for (size_t d = 0; d < sets.size(); ++d) {
+    accepting.push_back(std::binary_search(sets[d].begin(), sets[d].end(), accept));
+    for (uint32_t c = 0; c < C; ++c) {
+      const uint8_t b = class_rep[c];
+      seeds.clear();
+      for (int32_t s : sets[d]) {
+        const auto& st = nfa.states[size_t(s)];
+        if (st.set >= 0 && nfa.sets[size_t(st.set)][b]) seeds.push_back(st.next);
+      }
+      if (seeds.empty()) {
+        trans.push_back(kDead);
+        continue;
+      }
+      std::vector<int32_t> target = closure(seeds);
+      auto it = ids.find(target);
+      if (it == ids.end()) {
+        if (sets.size() >= max_states)
+          throw std::invalid_argument("the expression is too large: its automaton would exceed " +
+                                      std::to_string(max_states) + " states");
+        it = ids.emplace(target, int32_t(sets.size())).first;
+        sets.push_back(std::move(target));
+      }
+      trans.push_back(it->second);
+    }
+  }
+  const size_t D = sets.size();
+
+  // Keep only the states from which an accepting state can be reached.
+  std::vector<std::vector<int32_t>> preds(D);
+  for (size_t d = 0; d < D; ++d)
+    for (uint32_t c = 0; c < C; ++c)
+      if (trans[d * C + c] != kDead) preds[size_t(trans[d * C + c])].push_back(int32_t(d));
+  std::vector<uint8_t> live(D, 0);
+  std::vector<int32_t> todo;
+  for (size_t d = 0; d < D; ++d)
+    if (accepting[d]) {
+      live[d] = 1;
+      todo.push_back(int32_t(d));
+    }
+  while (!todo.empty()) {
+    const int32_t d = todo.back();
+    todo.pop_back();
+    for (int32_t p : preds[size_t(d)])
+      if (!live[size_t(p)]) {
+        live[size_t(p)] = 1;
+        todo.push_back(p);
+      }
+  }
+  if (!live[0]) throw std::invalid_argument("the expression matches no string");
+  std::vector<int32_t> renum(D, kDead);
+  int32_t n = 0;
+  for (size_t d = 0; d < D; ++d)
+    if (live[d]) renum[d] = n++;
+  dfa.trans_.assign(size_t(n) * C, kDead);
+  dfa.accepting_.assign(size_t(n), 0);
+  dfa.has_next_.assign(size_t(n), 0);
+  for (size_t d = 0; d < D; ++d) {
+    if (!live[d]) continue;
+    const size_t nd = size_t(renum[d]);
+    dfa.accepting_[nd] = accepting[d];
+    for (uint32_t c = 0; c < C; ++c) {
+      const int32_t t = trans[d * C + c];
+      const int32_t nt = t == kDead ? kDead : renum[size_t(t)];
+      dfa.trans_[nd * C + c] = nt;
+      if (nt != kDead) dfa.has_next_[nd] = 1;
+    }
+  }
+  return dfa;
+}
+
+}  // namespace clshard::structured

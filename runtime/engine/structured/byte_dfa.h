@@ -1,0 +1,55 @@
+// A deterministic automaton over bytes, built from a Regex tree (regex_ast.h): Thompson NFA, then
+// the subset construction over byte equivalence classes, then every state that cannot reach an
+// accepting state is removed, so any path the DFA allows can still be completed.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string_view>
+#include <vector>
+
+#include "runtime/engine/structured/regex_ast.h"
+
+namespace clshard::structured {
+
+class ByteDfa {
+ public:
+  static constexpr int32_t kDead = -1;
+
+  // Throws std::invalid_argument when the expression matches no string at all, or when the
+  // automaton would exceed max_states states (the message gives the limit).
+  static ByteDfa build(const Regex& re, uint32_t max_states = 200000);
+
+  int32_t start() const { return 0; }
+  int32_t next(int32_t state, uint8_t byte) const {
+    return trans_[size_t(state) * num_classes_ + class_of_[byte]];
+  }
+  // kDead when any byte leads out of the language.
+  int32_t walk(int32_t state, std::string_view bytes) const {
+    for (unsigned char c : bytes) {
+      if (state == kDead) return kDead;
+      state = next(state, c);
+    }
+    return state;
+  }
+  bool accepting(int32_t state) const { return accepting_[size_t(state)] != 0; }
+  // Some byte leads on from this state.
+  bool has_next(int32_t state) const { return has_next_[size_t(state)] != 0; }
+  // Whether the whole byte string is in the language.
+  bool matches(std::string_view bytes) const {
+    const int32_t s = walk(start(), bytes);
+    return s != kDead && accepting(s);
+  }
+  uint32_t num_states() const { return uint32_t(accepting_.size()); }
+  uint32_t num_classes() const { return num_classes_; }
+  uint32_t nfa_states() const { return nfa_states_; }
+
+ private:
+  std::array<uint16_t, 256> class_of_{};
+  uint32_t num_classes_ = 0;
+  std::vector<int32_t> trans_;  // [state][class] -> state or kDead
+  std::vector<uint8_t> accepting_, has_next_;
+  uint32_t nfa_states_ = 0;
+};
+
+}  // namespace clshard::structured

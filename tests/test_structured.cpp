@@ -1,0 +1,346 @@
+// Structured output, the compiler's side (runtime/engine/structured/): token masks on hand-made
+// vocabularies (tokens spanning several JSON tokens, UTF-8 split across tokens, a token that is a
+// prefix of a keyword), regex masks against PCRE2's partial matching as an independent oracle,
+// and the errors that name the JSON path.
+#include <gtest/gtest.h>
+
+#define PCRE2_CODE_UNIT_WIDTH 8
+#include <pcre2.h>
+
+#include <random>
+#include <set>
+
+#include <nlohmann/json.hpp>
+
+#include "models/registry.h"
+#include "runtime/engine/sampling.h"
+#include "runtime/engine/structured/json_schema.h"
+#include "runtime/engine/structured/regex_parser.h"
+#include "runtime/engine/structured/response_format.h"
+#include "runtime/engine/structured/token_automaton.h"
+#include "runtime/text/tokenizer.h"
+#include "tests/test_util.h"
+
+namespace clshard {
+namespace {
+
+using namespace structured;
+using ordered_json = nlohmann::ordered_json;
+
+// A hand-made vocabulary: id = position.
+const std::vector<std::string>& hand_vocab() {
+  static const std::vector<std::string> v = {
+      "{", "}", "[", "]", "\"", ":", ",", " ", "\n",                    // 0..8
+      "\":", "},{", "\",\"", "\"}", "{\"", "\":\"",                     // 9..14 span JSON tokens
+      "a", "b", "ab", "name", "na", "me",                               // 15..20
+      "t", "tr", "true", "rue", "ue", "f", "false", "n", "nu", "null",  // 21..30
+      "0", "1", "12", "01", "-", ".", "5", "e",                         // 31..38
+      "\xC3", "\xA9", "\xC3\xA9", "caf\xC3", "\xA9\"",                  // 39..43 UTF-8 splits
+      "\\", "u", "\\n", "x", "", "\xFF"};                               // 44..49
+  return v;
+}
+
+std::shared_ptr<const TokenAutomaton> automaton(const Regex& re,
+                                                const std::vector<std::string>& vocab) {
+  return std::make_shared<const TokenAutomaton>(ByteDfa::build(re),
+                                                std::make_shared<TokenVocabulary>(vocab));
+}
+
+std::set<std::string> allowed(const DfaConstraint& c) {
+  const auto& v = hand_vocab();
+  std::vector<uint32_t> bits(bitmask_words(uint32_t(v.size())));
+  c.allowed_tokens(bits.data(), uint32_t(v.size()));
+  std::set<std::string> out;
+  for (size_t i = 0; i < v.size(); ++i) {
+    const bool bit = (bits[i / 32] >> (i % 32)) & 1u;
+    EXPECT_EQ(bit, c.allows(int32_t(i))) << "token " << i;
+    if (bit) out.insert(v[i]);
+  }
+  return out;
+}
+
+int32_t id(const std::string& s) {
+  const auto& v = hand_vocab();
+  return int32_t(std::find(v.begin(), v.end(), s) - v.begin());
+}
+
+void feed(DfaConstraint& c, const std::vector<std::string>& toks) {
+  for (const auto& t : toks) ASSERT_TRUE(c.advance(id(t))) << "token '" << t << "'";
+}
+
+// Every token of the hand-made vocabulary but these.
+std::set<std::string> all_but(const std::set<std::string>& out) {
+  std::set<std::string> s;
+  for (const auto& t : hand_vocab())
+    if (!t.empty() && !out.count(t)) s.insert(t);
+  return s;
+}
+
+TEST(StructuredMasks, ObjectSchemaTokensSpanningSeveralJsonTokensAndUtf8Splits) {
+  const auto schema = ordered_json::parse(
+      R"({"type":"object","properties":{"name":{"type":"string"},"b":{"type":"boolean"}},
+          "required":["name"]})");
+  DfaConstraint c(automaton(json_schema_regex(schema, "s"), hand_vocab()));
+  EXPECT_EQ(allowed(c), (std::set<std::string>{"{", "{\""}));
+  EXPECT_FALSE(c.can_end());
+  feed(c, {"{"});
+  EXPECT_EQ(allowed(c), (std::set<std::string>{" ", "\n", "\""}));
+  feed(c, {"\"", "na", "me"});
+  // `":` and `":"` span the key's closing quote, the colon and the value's opening quote.
+  EXPECT_EQ(allowed(c), (std::set<std::string>{"\"", "\":", "\":\""}));
+  feed(c, {"\":\""});
+  // Inside the string: `"}` and `","` close it and go on validly, `{"` is a brace in the text
+  // and a closing quote; not `":` (a colon after the value), not a raw newline, a lone UTF-8
+  // continuation byte or 0xFF.
+  EXPECT_EQ(allowed(c), all_but({"\":", "\":\"", "\n", "\xA9", "\xA9\"", "\xFF"}));
+  // UTF-8 split across tokens: after "caf\xC3" only a continuation byte may come.
+  feed(c, {"caf\xC3"});
+  EXPECT_EQ(allowed(c), (std::set<std::string>{"\xA9", "\xA9\""}));
+  feed(c, {"\xA9", "\\"});
+  // After a backslash: the escapes " \ b f n r t u, each possibly followed by more text.
+  EXPECT_EQ(allowed(c), (std::set<std::string>{"\"", "\":", "\",\"", "\"}", "\":\"", "\\",
+                                               "\\n", "u", "ue", "b", "f", "false", "n", "nu",
+                                               "null", "name", "na", "t", "tr", "true", "rue"}));
+  feed(c, {"\"", "\""});  // the escaped quote, then the closing one
+  // The optional "b" may follow; `},{` may not (one object), nor `"}`.
+  EXPECT_EQ(allowed(c), (std::set<std::string>{"}", ",", " ", "\n"}));
+  EXPECT_FALSE(c.can_end());
+  feed(c, {","});
+  EXPECT_EQ(allowed(c), (std::set<std::string>{" ", "\n", "\""}));
+  feed(c, {"\"", "b", "\":"});
+  EXPECT_EQ(allowed(c), (std::set<std::string>{" ", "\n", "t", "tr", "true", "f", "false"}));
+  // A token that is a prefix of a keyword, then the rest of it.
+  feed(c, {"tr"});
+  EXPECT_EQ(allowed(c), (std::set<std::string>{"u", "ue"}));
+  feed(c, {"ue"});
+  EXPECT_EQ(allowed(c), (std::set<std::string>{"}", " ", "\n"}));
+  EXPECT_FALSE(c.advance(id("},{")));  // refused, and the state stays where it was
+  feed(c, {"}"});
+  EXPECT_TRUE(c.can_end());
+  EXPECT_TRUE(c.is_complete());
+  EXPECT_TRUE(allowed(c).empty());
+}
+
+TEST(StructuredMasks, ArrayOfObjectsWithMaxItems) {
+  const auto schema = ordered_json::parse(
+      R"({"type":"array","maxItems":3,"items":{"type":"object",
+          "properties":{"a":{"type":"integer"}},"required":["a"]}})");
+  DfaConstraint c(automaton(json_schema_regex(schema, "s"), hand_vocab()));
+  EXPECT_EQ(allowed(c), (std::set<std::string>{"["}));
+  feed(c, {"["});
+  EXPECT_EQ(allowed(c), (std::set<std::string>{" ", "\n", "]", "{", "{\""}));
+  feed(c, {"{\"", "a", "\":"});
+  // An integer: no leading zero before a digit ("01").
+  EXPECT_EQ(allowed(c), (std::set<std::string>{" ", "\n", "-", "0", "1", "12", "5"}));
+  feed(c, {"1"});
+  // `},{` closes this item, separates and opens the next; no fraction for an integer.
+  EXPECT_EQ(allowed(c), (std::set<std::string>{"0", "1", "12", "01", "5", " ", "\n", "}",
+                                               "},{"}));
+  feed(c, {"},{"});
+  EXPECT_EQ(allowed(c), (std::set<std::string>{" ", "\n", "\""}));
+  feed(c, {"\"", "a", "\":", "0"});
+  EXPECT_EQ(allowed(c), (std::set<std::string>{" ", "\n", "}", "},{"}));
+  feed(c, {"},{", "\"", "a", "\":", "-"});
+  EXPECT_EQ(allowed(c), (std::set<std::string>{"0", "1", "12", "5"}));
+  feed(c, {"5"});
+  // The third item: maxItems forbids `},{` now.
+  EXPECT_EQ(allowed(c), (std::set<std::string>{"0", "1", "12", "01", "5", " ", "\n", "}"}));
+  feed(c, {"}"});
+  EXPECT_EQ(allowed(c), (std::set<std::string>{" ", "\n", "]"}));
+  EXPECT_FALSE(c.can_end());
+  feed(c, {"]"});
+  EXPECT_TRUE(c.is_complete());
+}
+
+TEST(StructuredMasks, EnumOfStringsAndKeywords) {
+  const auto schema = ordered_json::parse(R"({"enum":["name","na",true,"\u00e9"]})");
+  DfaConstraint c(automaton(json_schema_regex(schema, "s"), hand_vocab()));
+  EXPECT_EQ(allowed(c), (std::set<std::string>{"\"", "t", "tr", "true"}));
+  DfaConstraint k = c;
+  feed(c, {"\""});
+  EXPECT_EQ(allowed(c), (std::set<std::string>{"n", "na", "name", "\xC3", "\xC3\xA9"}));
+  feed(c, {"na"});
+  EXPECT_EQ(allowed(c), (std::set<std::string>{"\"", "me"}));
+  EXPECT_FALSE(c.can_end());
+  feed(c, {"\""});
+  EXPECT_TRUE(c.is_complete());
+  feed(k, {"t"});
+  EXPECT_EQ(allowed(k), (std::set<std::string>{"rue"}));
+  std::unique_ptr<TokenConstraint> copy = k.clone();
+  ASSERT_TRUE(copy->advance(id("rue")));
+  EXPECT_TRUE(copy->is_complete());
+  EXPECT_FALSE(k.can_end());  // the clone moved on alone
+}
+
+// PCRE2 as an independent oracle: a token is allowed iff the text so far plus the token is a
+// prefix of some match of the pattern (PCRE2's hard partial matching, anchored at both ends),
+// and the output can end iff the text so far matches whole.
+class Pcre2Oracle {
+ public:
+  explicit Pcre2Oracle(const std::string& pattern) {
+    int err;
+    PCRE2_SIZE off;
+    // Anchored at the end by \z (PCRE2_ENDANCHORED does not combine with partial matching).
+    const std::string whole = "(?:" + pattern + ")\\z";
+    code_ = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(whole.c_str()), whole.size(),
+                          PCRE2_UTF | PCRE2_ANCHORED, &err, &off, nullptr);
+    if (!code_) throw std::runtime_error("pcre2_compile failed for " + pattern);
+    data_ = pcre2_match_data_create_from_pattern(code_, nullptr);
+  }
+  ~Pcre2Oracle() {
+    pcre2_match_data_free(data_);
+    pcre2_code_free(code_);
+  }
+  bool prefix(const std::string& s) const {
+    const int rc = run(s, PCRE2_PARTIAL_HARD);
+    if (rc < 0 && rc != PCRE2_ERROR_NOMATCH && rc != PCRE2_ERROR_PARTIAL)
+      throw std::runtime_error("pcre2_match failed: " + std::to_string(rc));
+    return rc != PCRE2_ERROR_NOMATCH;
+  }
+  bool full(const std::string& s) const { return run(s, 0) >= 0; }
+
+ private:
+  int run(const std::string& s, uint32_t opts) const {
+    return pcre2_match(code_, reinterpret_cast<PCRE2_SPTR>(s.data()), s.size(), 0, opts, data_,
+                       nullptr);
+  }
+  pcre2_code* code_;
+  pcre2_match_data* data_;
+};
+
+TEST(StructuredMasks, RegexMasksAgreeWithPcre2PartialMatching) {
+  // Whole UTF-8 characters only: PCRE2 does not match inside one.
+  const std::vector<std::string> vocab = {
+      "a", "b", "c", ",", "ab", "bc", "abc", "ab,", "b,c", "1", "12", "123", "-", "f", "o",
+      "fo", "foo", "fob", "x", "\xC3\xA9", "\xC3\xA9\xC3\xA9", "e", "d", "cd", "@", ".", "com",
+      ".com", "_", "Z", "  ", " ", "\n", "7-", "-1", "z\xE2\x82\xAC", "\xE2\x82\xAC"};
+  const std::vector<std::string> patterns = {
+      "[a-c]+(,[a-c]+)*",   "\\d{2,4}-\\d{2}",     "(foo|fob|fa)+x?",       "\xC3\xA9+[^\xC3\xA9]?",
+      "a{3}|b{2,}",         "\\w+@\\w+\\.com",     "(?:ab|cd)*e",           "[^,\\n]{1,5}\\n?",
+      "-?(0|[1-9]\\d*)",    ".{0,3}z\xE2\x82\xAC", "\\s*(abc|ab)\\s*$",     "^[\\w.]+(?:,\\s?[\\w.]+)*"};
+  auto vocab_ptr = std::make_shared<TokenVocabulary>(vocab);
+  std::mt19937 rng(11);
+  for (const auto& pattern : patterns) {
+    SCOPED_TRACE(pattern);
+    Pcre2Oracle oracle(pattern);
+    auto a = std::make_shared<const TokenAutomaton>(ByteDfa::build(parse_regex(pattern)),
+                                                    vocab_ptr);
+    for (int walk = 0; walk < 20; ++walk) {
+      DfaConstraint c(a);
+      std::string text;
+      for (int step = 0; step < 12; ++step) {
+        std::vector<uint32_t> bits(bitmask_words(uint32_t(vocab.size())));
+        c.allowed_tokens(bits.data(), uint32_t(vocab.size()));
+        std::vector<int32_t> ok;
+        for (size_t t = 0; t < vocab.size(); ++t) {
+          const bool bit = (bits[t / 32] >> (t % 32)) & 1u;
+          ASSERT_EQ(bit, oracle.prefix(text + vocab[t]))
+              << "after '" << text << "', token '" << vocab[t] << "'";
+          if (bit) ok.push_back(int32_t(t));
+        }
+        ASSERT_EQ(c.can_end(), oracle.full(text)) << "after '" << text << "'";
+        if (ok.empty()) break;
+        const int32_t t = ok[rng() % ok.size()];
+        ASSERT_TRUE(c.advance(t));
+        text += vocab[size_t(t)];
+      }
+    }
+  }
+}
+
+TEST(StructuredMasks, MatchesTheRegexThemselves) {
+  const ByteDfa d = ByteDfa::build(parse_regex("(a|b)*abb"));
+  EXPECT_TRUE(d.matches("abb"));
+  EXPECT_TRUE(d.matches("babaabb"));
+  EXPECT_FALSE(d.matches("ab"));
+  EXPECT_FALSE(d.matches("abba"));
+  const ByteDfa n = ByteDfa::build(parse_regex("x{2,3}(,y)+"));
+  EXPECT_TRUE(n.matches("xx,y,y"));
+  EXPECT_TRUE(n.matches("xxx,y"));
+  EXPECT_FALSE(n.matches("x,y"));
+  EXPECT_FALSE(n.matches("xxxx,y"));
+  EXPECT_FALSE(n.matches("xx"));
+}
+
+// The tokenizer of `make-model --preset llama3-tiny` (512 tokens), made once per process.
+const Tokenizer& tiny_tokenizer() {
+  static const Tokenizer tok = [] {
+    const auto dir = test::temp_dir("structured_tokenizer");
+    make_model("llama3-tiny", dir, MakeModelOptions{});
+    return Tokenizer::from_dir(dir);
+  }();
+  return tok;
+}
+
+std::string compile_error(const std::string& response_format_json, const std::string* regex) {
+  const ordered_json rf = response_format_json.empty() ? ordered_json()
+                                                       : ordered_json::parse(response_format_json);
+  try {
+    compile_response_format(response_format_json.empty() ? nullptr : &rf, regex,
+                            tiny_tokenizer());
+  } catch (const std::invalid_argument& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+std::string schema_error(const std::string& schema) {
+  return compile_error(R"({"type":"json_schema","json_schema":{"name":"x","schema":)" + schema +
+                           "}}",
+                       nullptr);
+}
+
+TEST(StructuredErrors, NameTheFieldAndTheJsonPath) {
+  EXPECT_EQ(schema_error(R"({"type":"object","properties":{"age":{"type":"integer",
+                            "multipleOf":5}}})"),
+            "response_format.json_schema.schema.properties.age: unsupported keyword 'multipleOf'");
+  EXPECT_EQ(schema_error(R"({"type":"object","properties":{"x":{"anyOf":[{"type":"null"},
+                            {"type":"string","pattern":"a+"}]}}})"),
+            "response_format.json_schema.schema.properties.x.anyOf[1]: unsupported keyword "
+            "'pattern'");
+  EXPECT_EQ(schema_error(R"({"type":"array","items":{"type":"strin"}})"),
+            "response_format.json_schema.schema.items.type: expected one of string, number, "
+            "integer, boolean, null, object, array; got \"strin\"");
+  EXPECT_EQ(schema_error(R"({"type":"object","properties":{"a":{}},"required":["b"]})"),
+            "response_format.json_schema.schema.required[0]: 'b' is not among the properties");
+  EXPECT_EQ(schema_error(R"({"$defs":{"n":{"type":"array","items":{"$ref":"#/$defs/n"}}},
+                            "$ref":"#/$defs/n"})"),
+            "response_format.json_schema.schema.$defs.n.items.$ref: recursive reference "
+            "'#/$defs/n' is not supported");
+  EXPECT_EQ(schema_error(R"({"type":"string","maxLength":2,"minLength":3})"),
+            "response_format.json_schema.schema: maxLength is below minLength");
+  EXPECT_EQ(compile_error(R"({"type":"xml"})", nullptr),
+            "response_format.type: expected \"text\", \"json_object\" or \"json_schema\", got "
+            "\"xml\"");
+  EXPECT_EQ(compile_error(R"({"type":"json_schema"})", nullptr),
+            "response_format.json_schema: expected an object with a \"schema\"");
+  const std::string bad_regex = "ab\\bc", unbalanced = "(ab", rx = "a+";
+  EXPECT_EQ(compile_error("", &bad_regex), "regex: at offset 3: unsupported escape '\\b'");
+  EXPECT_EQ(compile_error("", &unbalanced), "regex: at offset 3: missing ')'");
+  EXPECT_EQ(compile_error(R"({"type":"json_object"})", &rx),
+            "regex: cannot be combined with a response_format of type json_object");
+  // No format, or plain text: no constraint.
+  const ordered_json text = {{"type", "text"}};
+  EXPECT_EQ(compile_response_format(&text, nullptr, tiny_tokenizer()), nullptr);
+  EXPECT_EQ(compile_response_format(static_cast<const ordered_json*>(nullptr), nullptr,
+                                    tiny_tokenizer()),
+            nullptr);
+}
+
+TEST(StructuredErrors, SchemaOrderIsKeptWithOrderedJson) {
+  const auto rf = ordered_json::parse(R"({"type":"json_schema","json_schema":{"schema":
+      {"type":"object","properties":{"zeta":{"const":1},"alpha":{"const":2}},
+       "required":["zeta","alpha"]}}})");
+  auto c = compile_response_format(&rf, nullptr, tiny_tokenizer());
+  ASSERT_NE(c, nullptr);
+  const Tokenizer& tok = tiny_tokenizer();
+  for (int32_t t : tok.encode(R"({"zeta":1,"alpha":2})")) ASSERT_TRUE(c->advance(t)) << t;
+  EXPECT_TRUE(c->is_complete());
+  auto other = compile_response_format(&rf, nullptr, tiny_tokenizer());
+  bool ok = true;
+  for (int32_t t : tok.encode(R"({"alpha":2,"zeta":1})")) ok = ok && other->advance(t);
+  EXPECT_FALSE(ok) << "properties must come in schema order";
+}
+
+}  // namespace
+}  // namespace clshard
