@@ -8,6 +8,7 @@
 #   parallel  parallel/            device parallel
 #   models    models/              device text parallel models
 #   engine    runtime/engine/      device text parallel models engine
+#   serve     runtime/serve/       device text parallel models engine serve
 #   cli       runtime/cli/         everything
 cmake_minimum_required(VERSION 3.25)
 if(NOT SOURCE_DIR)
@@ -19,7 +20,8 @@ set(allowed_text device text)
 set(allowed_parallel device parallel)
 set(allowed_models device text parallel models)
 set(allowed_engine device text parallel models engine)
-set(allowed_cli device text parallel models engine cli)
+set(allowed_serve device text parallel models engine serve)
+set(allowed_cli device text parallel models engine serve cli)
 
 # The layer of a path relative to the repository root, or "" for a path outside the layers.
 function(layer_of path out)
@@ -27,6 +29,8 @@ function(layer_of path out)
     set(${out} text PARENT_SCOPE)
   elseif(path MATCHES "^runtime/engine/")
     set(${out} engine PARENT_SCOPE)
+  elseif(path MATCHES "^runtime/serve/")
+    set(${out} serve PARENT_SCOPE)
   elseif(path MATCHES "^runtime/cli/")
     set(${out} cli PARENT_SCOPE)
   elseif(path MATCHES "^runtime/[^/]+$")

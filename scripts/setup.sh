@@ -16,7 +16,7 @@ packages=(
   libbenchmark-dev
   libopenblas-dev
   openmpi-bin libopenmpi-dev
-  libcpp-httplib-dev
+  libcpp-httplib-dev curl
   clang libfuzzer-14-dev
   gnuplot-nox python3-yaml
 )
@@ -24,13 +24,22 @@ missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
+# Node.js and npm for the server's client tests (tests/server/): Debian's, unless an npm is
+# already there (a Node from elsewhere is kept as it is).
+command -v npm >/dev/null 2>&1 || missing+=(nodejs npm)
 if [ ${#missing[@]} -eq 0 ]; then
   echo "setup: all ${#packages[@]} packages already installed"
-  exit 0
+else
+  SUDO=""
+  [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+  echo "setup: installed ${missing[*]}"
 fi
-SUDO=""
-[ "$(id -u)" -ne 0 ] && SUDO="sudo"
-export DEBIAN_FRONTEND=noninteractive
-$SUDO apt-get update -qq
-$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
-echo "setup: installed ${missing[*]}"
+# The official openai client the server tests use, at the version package-lock.json pins.
+server_tests="$(dirname "$0")/../tests/server"
+if [ ! -d "$server_tests/node_modules/openai" ]; then
+  (cd "$server_tests" && npm ci --no-audit --no-fund --loglevel=error)
+  echo "setup: installed the openai npm package into tests/server/node_modules"
+fi

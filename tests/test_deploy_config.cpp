@@ -198,7 +198,7 @@ TEST(DeployConfig, UnknownKeys) {
             "deploy.yaml:3: model.pth: unknown key (expected one of: path, dtype, max_length, fp8_activations)");
   EXPECT_EQ(error_of("model: {path: m}\nbatches: {}\n"),
             "deploy.yaml:2: batches: unknown key (expected one of: model, devices, parallel, cluster, kv_cache, "
-            "batch, sampling, speculative, lora, job)");
+            "batch, sampling, speculative, lora, job, serve)");
   EXPECT_EQ(error_of("model: {path: m}\nsampling:\n  temperature: 1\n  top-p: 0.5\n"),
             "deploy.yaml:4: sampling.top-p: unknown key (expected one of: temperature, top_k, top_p, "
             "min_p, seed, max_tokens, stop, stop_token_ids, frequency_penalty, presence_penalty, "
@@ -233,7 +233,7 @@ TEST(DeployConfig, WrongTypes) {
   EXPECT_EQ(error_of("model: {path: m}\nbatch: 32\n"), "deploy.yaml:2: batch: expected a mapping of keys, got \"32\"");
   EXPECT_EQ(error_of("- model\n- batch\n"),
             "deploy.yaml:1: (top level): expected a mapping of sections (model, devices, parallel, cluster, kv_cache, "
-            "batch, sampling, speculative, lora, job), got a list");
+            "batch, sampling, speculative, lora, job, serve), got a list");
 }
 
 TEST(DeployConfig, Choices) {

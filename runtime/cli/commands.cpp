@@ -1,4 +1,5 @@
 #include "runtime/cli/commands.h"
+#include "runtime/cli/serve_command.h"
 
 #include <CLI/CLI.hpp>
 
@@ -314,6 +315,9 @@ int run(int argc, char** argv) {
     run_batch_job(d, std::cerr);
     mpi.stop();
   });
+
+  // serve: the OpenAI-compatible HTTP server (runtime/cli/serve_command.cpp).
+  add_serve_command(app);
 
   // plan: what a deployment will take on each device, from config.json alone.
   auto* pl = app.add_subcommand("plan", "Memory plan per device, without loading the weights");

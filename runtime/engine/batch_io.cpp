@@ -368,6 +368,17 @@ std::string json_error_message(const json::parse_error& e) {
 
 }  // namespace
 
+const std::vector<std::string>& request_sampling_fields() { return sampling_fields(); }
+
+void apply_request_sampling_field(SamplingDefaults& s, const std::string& key, const json& value,
+                                  const std::string& field) {
+  try {
+    apply_sampling_field(s, key, value, field);
+  } catch (const LineError& e) {
+    throw std::invalid_argument(e.message);
+  }
+}
+
 BatchInput parse_batch_input(const std::string& text, const SamplingDefaults& defaults) {
   BatchInput out;
   struct FirstUse {

@@ -95,6 +95,14 @@ BatchInput read_batch_input(const std::filesystem::path& path, const SamplingDef
 // The same from the file's text.
 BatchInput parse_batch_input(const std::string& jsonl_text, const SamplingDefaults& defaults);
 
+// The per-request sampling fields a request body may carry (temperature, top_k, ...), as the
+// batch input reads them; the server (runtime/serve/) reads its bodies with the same rules.
+const std::vector<std::string>& request_sampling_fields();
+// Applies one of them (or max_completion_tokens) to `s`; std::invalid_argument "FIELD: what was
+// expected, got ..." for a bad value, FIELD being `field` (the name to report).
+void apply_request_sampling_field(SamplingDefaults& s, const std::string& key,
+                                  const nlohmann::json& value, const std::string& field);
+
 enum class FinishReason { Stop, Length };
 const char* to_string(FinishReason r);
 

@@ -157,6 +157,14 @@ const std::vector<std::string>& deploy_config_keys() {
       "lora.max_loaded",
       "job.input",
       "job.output",
+      "serve.host",
+      "serve.port",
+      "serve.max_waiting",
+      "serve.api_key",
+      "serve.request_deadline_s",
+      "serve.shutdown_deadline_s",
+      "serve.model_name",
+      "serve.max_connections",
   };
   return keys;
 }
@@ -174,7 +182,7 @@ std::vector<std::string> section_keys(const std::string& section) {
 const std::vector<std::string>& section_names() {
   static const std::vector<std::string> names = {"model",    "devices",     "parallel", "cluster", "kv_cache",
                                                  "batch",    "sampling",    "speculative", "lora",
-                                                 "job"};
+                                                 "job",      "serve"};
   return names;
 }
 
@@ -243,6 +251,7 @@ class Parser {
       else if (name == "speculative") parse_speculative(v);
       else if (name == "lora") parse_lora(v);
       else if (name == "job") parse_job(v);
+      else if (name == "serve") parse_serve(v);
     });
   }
 
@@ -587,6 +596,36 @@ class Parser {
     for_each_section_key(m, "job", [&](const std::string& k, const YAML::Node& v, const std::string& p, int line) {
       if (k == "input") cfg_.job.input = path_value(v, p, line);
       else if (k == "output") cfg_.job.output = path_value(v, p, line);
+    });
+  }
+
+  void parse_serve(const YAML::Node& m) {
+    ServeSection& s = cfg_.serve;
+    auto seconds = [](double x) -> std::optional<std::string> {
+      if (x >= 0 && x <= 1e7) return std::nullopt;
+      return "a number of seconds >= 0";
+    };
+    for_each_section_key(m, "serve", [&](const std::string& k, const YAML::Node& v,
+                                         const std::string& p, int line) {
+      if (k == "host") {
+        s.host = string(v, p, line);
+        if (s.host.empty())
+          fail(line, p, "expected an address to bind (127.0.0.1, 0.0.0.0, ...), got \"\"");
+      } else if (k == "port") {
+        s.port = int(integer(v, p, line, "a TCP port (0 to 65535; 0: any free port)", 0, 65535));
+      } else if (k == "max_waiting") {
+        s.max_waiting = int(integer(v, p, line, "an integer >= 0", 0, 1 << 20));
+      } else if (k == "api_key") {
+        s.api_key = string(v, p, line);
+      } else if (k == "request_deadline_s") {
+        s.request_deadline_s = number(v, p, line, seconds);
+      } else if (k == "shutdown_deadline_s") {
+        s.shutdown_deadline_s = number(v, p, line, seconds);
+      } else if (k == "model_name") {
+        s.model_name = string(v, p, line);
+      } else if (k == "max_connections") {
+        s.max_connections = int(integer(v, p, line, "an integer in [4, 65536]", 4, 65536));
+      }
     });
   }
 

@@ -136,6 +136,21 @@ struct JobSection {
   bool operator==(const JobSection&) const = default;
 };
 
+// `clshard serve`: the OpenAI-compatible HTTP server (runtime/serve/).
+struct ServeSection {
+  std::string host = "127.0.0.1";  // the address to bind; 0.0.0.0 serves every interface
+  int port = 8000;                 // 0: any free port (printed when listening)
+  // Requests accepted but not yet running (waiting for a batch row or KV pages); one more is
+  // answered 429 at once.
+  int max_waiting = 64;
+  std::string api_key;             // empty: no key; else /v1/* needs "Authorization: Bearer KEY"
+  double request_deadline_s = 600; // a request not finished by then is cancelled (0: no deadline)
+  double shutdown_deadline_s = 30; // SIGINT/SIGTERM: running requests get this long, then cancelled
+  std::string model_name;          // the name clients give as `model`; empty: model.path's folder
+  int max_connections = 512;       // HTTP connections served at once (one thread each)
+  bool operator==(const ServeSection&) const = default;
+};
+
 struct DeployConfig {
   ModelSection model;
   DeviceSection devices;
@@ -147,6 +162,7 @@ struct DeployConfig {
   SpeculativeSection speculative;
   LoraSection lora;
   JobSection job;
+  ServeSection serve;
 
   // Where the file came from, and the 1-based line of every key it sets ("batch.max_batch_size"),
   // so that checks made later (against devices, against the model) can point at the line too.

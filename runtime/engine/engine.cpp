@@ -168,6 +168,44 @@ bool Engine::observe(uint64_t handle, Live& live, int32_t token, const TokenLogp
   return false;
 }
 
+bool Engine::cancel(uint64_t handle, const std::string& why) {
+  auto it = live_.find(handle);
+  if (it == live_.end()) return false;
+  const Live& live = it->second;
+  // Between steps no request is in flight, so the scheduler frees its pages now.
+  return schedulers_[live.replica].finish(live.local, EndReason::Error, why);
+}
+
+RequestState Engine::state(uint64_t handle) const {
+  auto it = live_.find(handle);
+  if (it == live_.end()) return RequestState::Finished;
+  return schedulers_[it->second.replica].state(it->second.local);
+}
+
+size_t Engine::num_running() const {
+  size_t n = 0;
+  for (const auto& s : schedulers_) n += s.num_running();
+  return n;
+}
+
+size_t Engine::num_waiting() const {
+  size_t n = 0;
+  for (const auto& s : schedulers_) n += s.num_waiting();
+  return n;
+}
+
+uint64_t Engine::kv_pages_in_use() const {
+  uint64_t n = 0;
+  for (const auto& s : schedulers_) n += s.pages_in_use();
+  return n;
+}
+
+uint64_t Engine::kv_pages_total() const {
+  uint64_t n = 0;
+  for (const auto& s : schedulers_) n += s.pool().total_pages();
+  return n;
+}
+
 uint32_t Engine::penalty_slot(Device& dev, uint32_t vocab, Live& live) {
   if (!penalty_counts_) penalty_counts_.emplace(dev, vocab);
   if (&penalty_counts_->device() != &dev || penalty_counts_->vocab() != vocab)

@@ -141,6 +141,19 @@ class Engine {
       };
     }
   }
+  // Ends a waiting or running request early (a client that went away, a deadline): its KV pages go
+  // back to the pool at once, and the next step() reports it with reason Error, `why` as its
+  // error and the tokens it kept so far. Call it between steps, from the thread that steps the
+  // engine (the engine is not thread-safe). False when the request has already finished or was
+  // never submitted; nothing changes then.
+  bool cancel(uint64_t handle, const std::string& why = "cancelled");
+  // Waiting (no row yet, or preempted), Running, or Finished (also for handles never issued).
+  RequestState state(uint64_t handle) const;
+  // Over every replica: requests with a row / waiting for one, and KV pages in use.
+  size_t num_running() const;
+  size_t num_waiting() const;
+  uint64_t kv_pages_in_use() const;
+  uint64_t kv_pages_total() const;
   // Which distribution logprobs describe (sampling.h); raw by default.
   void set_logprobs_mode(LogprobsMode mode) { logprobs_mode_ = mode; }
   const EngineStats& stats() const { return stats_; }
