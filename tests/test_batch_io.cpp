@@ -184,7 +184,7 @@ TEST(BatchInput, ErrorMessages) {
   EXPECT_EQ(error_of("{\"prompt\": \"a\", \"max_token\": 5}"),
             "unknown field \"max_token\" (expected: id, prompt, prompt_token_ids, messages, temperature, top_k, "
             "top_p, min_p, seed, max_tokens, stop, stop_token_ids, frequency_penalty, presence_penalty, "
-            "repetition_penalty, logprobs, top_logprobs, n, ignore_eos, lora)");
+            "repetition_penalty, logprobs, top_logprobs, n, ignore_eos, response_format, regex, lora)");
   EXPECT_EQ(error_of("{\"prompt\": \"a\", \"max_tokens\": 0}"), "max_tokens: expected a positive integer, got 0");
   EXPECT_EQ(error_of("{\"prompt\": \"a\", \"top_k\": 2.0}"),
             "top_k: expected an integer >= -1 (-1 or 0: no top-k), got 2.0");
@@ -226,7 +226,8 @@ TEST(BatchInput, OpenAIErrorMessages) {
   EXPECT_EQ(error_of(R"({"custom_id": "c", "body": {"prompt": "a", "logit_bias": {}}})"),
             "body.logit_bias: unsupported field (supported: prompt, messages, max_completion_tokens, model, "
             "stream, user, temperature, top_k, top_p, min_p, seed, max_tokens, stop, stop_token_ids, "
-            "frequency_penalty, presence_penalty, repetition_penalty, logprobs, top_logprobs, n, ignore_eos)");
+            "frequency_penalty, presence_penalty, repetition_penalty, logprobs, top_logprobs, n, ignore_eos, "
+            "response_format, regex)");
   EXPECT_EQ(error_of(R"({"custom_id": "c", "body": {"prompt": "a", "max_tokens": 3, "max_completion_tokens": 4}})"),
             "body: give max_tokens or max_completion_tokens, not both");
   EXPECT_EQ(error_of(R"({"custom_id": "c", "body": {"prompt": ["a", "b"]}})"),
