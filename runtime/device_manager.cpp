@@ -190,6 +190,7 @@ DeviceManager::DeviceManager(const DeviceSelection& sel) {
     size_t pi = std::find(plats.begin(), plats.end(), m.platform) - plats.begin();
     devices_.push_back(
         std::make_unique<Device>(m.platform, m.device, contexts[pi], int(devices_.size())));
+    if (sel.kernel_shape) devices_.back()->set_kernel_shape(*sel.kernel_shape);
   }
 }
 

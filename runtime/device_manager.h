@@ -4,6 +4,7 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -20,6 +21,9 @@ struct DeviceSelection {
   // CPU split into sub-devices: "" (none), "cores" (one core each), "numa" (one per NUMA node), or
   // a number N (N equal sub-devices).
   std::string split;
+  // The kernel shape of every opened device: nullopt (auto) keeps each device's own (Chunks on
+  // CPUs, WorkGroups elsewhere); a value forces it, e.g. the GPU shape on PoCL for testing.
+  std::optional<KernelShape> kernel_shape;
 };
 
 // One row of `clshard devices`.

@@ -42,6 +42,7 @@ TEST(DeployConfig, MinimalFileKeepsEveryDefault) {
   EXPECT_TRUE(c.devices.ids.empty());
   EXPECT_FALSE(c.devices.all);
   EXPECT_EQ(c.devices.split, "");
+  EXPECT_FALSE(c.devices.kernel_shape.has_value());  // auto: by device type
   EXPECT_EQ(c.parallel, ParallelSection{});
   EXPECT_EQ(c.parallel.data, 1);
   EXPECT_EQ(c.parallel.expert, 1);
@@ -79,6 +80,7 @@ devices:
   platform: "Portable Computing"
   type: cpu
   split: 2
+  kernel_shape: gpu
 parallel: {data: 2, expert: 2, tensor: 1, placement: balanced}
 kv_cache:
   page_size: 64
@@ -109,6 +111,7 @@ job:
   EXPECT_EQ(c.devices.platform, "Portable Computing");
   EXPECT_EQ(c.devices.type, "cpu");
   EXPECT_EQ(c.devices.split, "2");
+  EXPECT_EQ(c.devices.kernel_shape, std::optional<KernelShape>(KernelShape::WorkGroups));
   EXPECT_EQ(c.known_device_count(), std::optional<size_t>(2));
   EXPECT_EQ(c.parallel, (ParallelSection{2, 2, 1, Placement::Balanced}));
   EXPECT_EQ(c.kv_cache, (KvCacheSection{64, 0.9, 1000}));
@@ -126,9 +129,10 @@ job:
   EXPECT_EQ(c.speculative.draft_model, fs::path("/drafts/eagle"));
   EXPECT_EQ(c.job.input, fs::path("/data/in.jsonl"));
   EXPECT_EQ(c.job.output, fs::path("/data/out.jsonl"));
-  EXPECT_EQ(c.key_lines.at("parallel.placement"), 9);
-  EXPECT_EQ(c.key_lines.at("sampling.stop_token_ids"), 24);
-  EXPECT_EQ(c.where("batch.max_batch_size"), "deploy.yaml:14: batch.max_batch_size");
+  EXPECT_EQ(c.key_lines.at("devices.kernel_shape"), 9);
+  EXPECT_EQ(c.key_lines.at("parallel.placement"), 10);
+  EXPECT_EQ(c.key_lines.at("sampling.stop_token_ids"), 25);
+  EXPECT_EQ(c.where("batch.max_batch_size"), "deploy.yaml:15: batch.max_batch_size");
   EXPECT_EQ(c.where("model.max_length"), "deploy.yaml:4: model.max_length");
   EXPECT_EQ(c.where("devices.ids"), "deploy.yaml: devices.ids");
 }
@@ -204,7 +208,8 @@ TEST(DeployConfig, UnknownKeys) {
             "min_p, seed, max_tokens, stop, stop_token_ids, frequency_penalty, presence_penalty, "
             "repetition_penalty, logprobs_mode)");
   EXPECT_EQ(error_of("model: {path: m}\ndevices: {gpu: 1}\n"),
-            "deploy.yaml:2: devices.gpu: unknown key (expected one of: platform, type, ids, all, split)");
+            "deploy.yaml:2: devices.gpu: unknown key (expected one of: platform, type, ids, all, split, "
+            "kernel_shape)");
 }
 
 TEST(DeployConfig, WrongTypes) {
@@ -241,6 +246,11 @@ TEST(DeployConfig, Choices) {
             "deploy.yaml:1: model.dtype: expected one of auto | f32 | bf16 | fp8, got \"fp16\"");
   EXPECT_EQ(error_of("model: {path: m}\ndevices: {type: GPU}\n"),
             "deploy.yaml:2: devices.type: expected one of cpu | gpu | accelerator | any, got \"GPU\"");
+  EXPECT_EQ(error_of("model: {path: m}\ndevices:\n  type: cpu\n  kernel_shape: workgroups\n"),
+            "deploy.yaml:4: devices.kernel_shape: expected one of auto | cpu | gpu, got \"workgroups\"");
+  EXPECT_EQ(parse("model: {path: m}\ndevices: {kernel_shape: cpu}\n").devices.kernel_shape,
+            std::optional<KernelShape>(KernelShape::Chunks));
+  EXPECT_FALSE(parse("model: {path: m}\ndevices: {kernel_shape: auto}\n").devices.kernel_shape);
   EXPECT_EQ(error_of("model: {path: m}\nparallel: {placement: random}\n"),
             "deploy.yaml:2: parallel.placement: expected one of even | balanced, got \"random\"");
   EXPECT_EQ(error_of("model: {path: m}\nspeculative: {method: medusa}\n"),

@@ -123,6 +123,7 @@ const std::vector<std::string>& deploy_config_keys() {
       "devices.ids",
       "devices.all",
       "devices.split",
+      "devices.kernel_shape",
       "parallel.data",
       "parallel.expert",
       "parallel.tensor",
@@ -436,6 +437,12 @@ class Parser {
         if (!(s.empty() || s == "cores" || s == "numa" || (number && n >= 1 && n <= 4096)))
           fail(line, p, "expected \"\" (no split), cores, numa or a positive number of sub-devices, got " + describe(v));
         cfg_.devices.split = number ? std::to_string(n) : s;
+      } else if (k == "kernel_shape") {
+        const std::string shape = choice(v, p, line, {"auto", "cpu", "gpu"});
+        cfg_.devices.kernel_shape =
+            shape == "cpu"   ? std::optional<KernelShape>(KernelShape::Chunks)
+            : shape == "gpu" ? std::optional<KernelShape>(KernelShape::WorkGroups)
+                             : std::nullopt;
       }
     });
   }
