@@ -7,6 +7,7 @@
 // per block), so nothing of size context is stored. Build option: -DHEAD_DIM=d (a multiple of 8).
 // The cache layout is rope.cl's.
 
+#ifdef HEAD_DIM
 #define BLOCK 16
 #define VECS (HEAD_DIM / 8)
 
@@ -70,3 +71,175 @@ kernel void paged_attention(global const float* q, uint ldq, global const float*
 #pragma unroll
   for (int i = 0; i < VECS; ++i) vstore8(acc[i] * inv_l, i, o);
 }
+#endif  // HEAD_DIM
+
+#ifdef ATT_WG
+// ---- The GPU shape: split-K attention over the pages, then a reduction of the splits ----
+// Shared by the MHA cache above and MLA's absorbed decode (mla.cl's cache rows), which differ only
+// in where a position's key and value sit: paged_slot(...) + k_off (+ v_off), and the KV head's
+// kv_head_stride. Build options:
+//   -DATT_WG    lanes per work-group (a power of two)
+//   -DDK, -DDV  key (score) and value widths; -DV_IN_K=1: the value is the key's first DV floats
+//   -DG         query heads per work-group (they share one KV head: GQA's group, MLA's all heads)
+//   -DTILE      positions per local-memory tile
+// A work-group owns (split, head group, token): the positions [split * split_len, ...) up to the
+// token's own (causal). Per tile it loads the keys (and values) once into local memory with
+// neighbouring lanes on neighbouring floats, computes the G x TILE scores, moves the online
+// softmax (common.cl) and accumulates the values, a lane owning value columns lane, lane + ATT_WG,
+// ... With one split it writes the normalised output; with more, unnormalised partials (acc, max,
+// sum) that attention_merge_splits combines. Launch: global (n_splits * ATT_WG, n_heads / G, T),
+// local (ATT_WG, 1, 1).
+#ifndef V_IN_K
+#define V_IN_K 0
+#endif
+#define DPL ((DV + ATT_WG - 1) / ATT_WG)  // value columns per lane
+#define KSTRIDE (DK + 1)  // a padded local key row: lanes reading one column of many rows spread banks
+kernel __attribute__((reqd_work_group_size(ATT_WG, 1, 1)))
+void paged_attention_wg(global const float* q, uint q_ldt, uint q_ldh, global const float* cache,
+                        ulong page_stride, uint slot_stride, uint k_off, uint v_off,
+                        uint kv_head_stride, uint heads_per_kv, global const uint* token_row,
+                        global const uint* token_pos, global const uint* lookup,
+                        uint pages_per_row, uint page_size, uint n_heads, float scale,
+                        uint split_len, uint n_splits, global float* out, uint o_ldt, uint o_ldh,
+                        global float* part, global float* part_ml) {
+  local float kt[TILE * KSTRIDE];
+#if !V_IN_K
+  local float vt[TILE * DV];
+#define VT(j, d) vt[(j) * DV + (d)]
+#else
+#define VT(j, d) kt[(j) * KSTRIDE + (d)]
+#endif
+  local float pr[G * TILE];  // scores, then their exp(s - m)
+  local float m_run[G], l_run[G], corr[G];  // per head; lane g < G keeps head g's
+  const uint lane = get_local_id(0);
+  const uint split = get_group_id(0), h0 = get_group_id(1) * G, t = get_group_id(2);
+  const uint last = token_pos[t];
+  const uint p_begin = split * split_len;
+  if (p_begin > last) return;  // past this token's context: the whole group leaves
+  const uint p_end = min(last + 1, p_begin + split_len);
+  global const uint* lut = lookup + (size_t)token_row[t] * pages_per_row;
+  const uint head_off = (h0 / heads_per_kv) * kv_head_stride;
+  float acc[G][DPL];
+#pragma unroll
+  for (int g = 0; g < G; ++g)
+#pragma unroll
+    for (int i = 0; i < DPL; ++i) acc[g][i] = 0.0f;
+  if (lane < G) {
+    m_run[lane] = -INFINITY;
+    l_run[lane] = 0.0f;
+  }
+  for (uint p0 = p_begin; p0 < p_end; p0 += TILE) {
+    const uint n = min((uint)TILE, p_end - p0);
+    for (uint idx = lane; idx < TILE * DK; idx += ATT_WG) {
+      const uint j = idx / DK, d = idx % DK;
+      kt[j * KSTRIDE + d] =
+          j < n ? cache[paged_slot(lut, p0 + j, page_size, page_stride, slot_stride) + k_off +
+                        head_off + d]
+                : 0.0f;
+    }
+#if !V_IN_K
+    for (uint idx = lane; idx < TILE * DV; idx += ATT_WG) {
+      const uint j = idx / DV, d = idx % DV;
+      vt[idx] = j < n ? cache[paged_slot(lut, p0 + j, page_size, page_stride, slot_stride) +
+                              v_off + head_off + d]
+                      : 0.0f;
+    }
+#endif
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (uint idx = lane; idx < G * TILE; idx += ATT_WG) {
+      const uint g = idx / TILE, j = idx % TILE;
+      float s = -INFINITY;
+      if (j < n) {
+        global const float* qp = q + (size_t)t * q_ldt + (size_t)(h0 + g) * q_ldh;
+        local const float* kr = kt + j * KSTRIDE;
+        float d0 = 0.0f, d1 = 0.0f;  // two chains: half the FMA latency per score
+        uint d = 0;
+        for (; d + 1 < DK; d += 2) {
+          d0 = fma(qp[d], kr[d], d0);
+          d1 = fma(qp[d + 1], kr[d + 1], d1);
+        }
+        if (d < DK) d0 = fma(qp[d], kr[d], d0);
+        s = (d0 + d1) * scale;
+      }
+      pr[idx] = s;
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    if (lane < G) {
+      float bmax = -INFINITY;
+      for (uint j = 0; j < n; ++j) bmax = fmax(bmax, pr[lane * TILE + j]);
+      const float m_new = fmax(m_run[lane], bmax);
+      corr[lane] = softmax_rescale(m_run[lane], m_new);
+      m_run[lane] = m_new;
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (uint idx = lane; idx < G * TILE; idx += ATT_WG)
+      pr[idx] = idx % TILE < n ? exp(pr[idx] - m_run[idx / TILE]) : 0.0f;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    if (lane < G) {
+      float sum = 0.0f;
+      for (uint j = 0; j < n; ++j) sum += pr[lane * TILE + j];
+      l_run[lane] = l_run[lane] * corr[lane] + sum;
+    }
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      const float c = corr[g];
+#pragma unroll
+      for (int i = 0; i < DPL; ++i) {
+        const uint d = lane + i * ATT_WG;
+        if (d < DV) {
+          float a = acc[g][i] * c;
+          for (uint j = 0; j < n; ++j) a = fma(pr[g * TILE + j], VT(j, d), a);
+          acc[g][i] = a;
+        }
+      }
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);  // the tiles are overwritten next
+  }
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    const uint h = h0 + g;
+    if (n_splits == 1) {
+      global float* o = out + (size_t)t * o_ldt + (size_t)h * o_ldh;
+      const float inv_l = 1.0f / l_run[g];
+#pragma unroll
+      for (int i = 0; i < DPL; ++i)
+        if (lane + i * ATT_WG < DV) o[lane + i * ATT_WG] = acc[g][i] * inv_l;
+    } else {
+      const size_t slot = ((size_t)t * n_heads + h) * n_splits + split;
+      global float* pa = part + slot * DV;
+#pragma unroll
+      for (int i = 0; i < DPL; ++i)
+        if (lane + i * ATT_WG < DV) pa[lane + i * ATT_WG] = acc[g][i];
+      if (lane == 0) {
+        part_ml[2 * slot] = m_run[g];
+        part_ml[2 * slot + 1] = l_run[g];
+      }
+    }
+  }
+#undef VT
+}
+
+// The splits of paged_attention_wg combined: with M the largest of their maxima, out =
+// sum_s acc_s exp(m_s - M) / sum_s l_s exp(m_s - M), over the splits that hold positions of the
+// token. Launch: global (ATT_WG, n_heads, T), local (ATT_WG, 1, 1).
+kernel __attribute__((reqd_work_group_size(ATT_WG, 1, 1)))
+void attention_merge_splits(global const float* part, global const float* part_ml,
+                            global const uint* token_pos, uint split_len, uint n_splits,
+                            uint n_heads, global float* out, uint o_ldt, uint o_ldh) {
+  const uint lane = get_local_id(0), h = get_group_id(1), t = get_group_id(2);
+  const uint used = min(n_splits, token_pos[t] / split_len + 1);
+  const size_t base = ((size_t)t * n_heads + h) * n_splits;
+  float m = -INFINITY;
+  for (uint s = 0; s < used; ++s) m = fmax(m, part_ml[2 * (base + s)]);
+  float l = 0.0f;
+  for (uint s = 0; s < used; ++s) l += part_ml[2 * (base + s) + 1] * softmax_rescale(part_ml[2 * (base + s)], m);
+  const float inv_l = 1.0f / l;
+  global float* o = out + (size_t)t * o_ldt + (size_t)h * o_ldh;
+  for (uint d = lane; d < DV; d += ATT_WG) {
+    float a = 0.0f;
+    for (uint s = 0; s < used; ++s)
+      a = fma(part[(base + s) * DV + d], softmax_rescale(part_ml[2 * (base + s)], m), a);
+    o[d] = a * inv_l;
+  }
+}
+#endif  // ATT_WG

@@ -96,3 +96,51 @@ inline float16 e4m3x16_decode_scaled(uchar16 b) {
 #define FP8_X_SCALE 0x1p8f
 #define FP8_ACC_SCALE 1.0f
 #endif
+
+// ---- The GPU shape's shared pieces (work-group reductions, online softmax, page lookup) ----
+
+// The sum and the max over the lanes of a work-group (dimension 0; its size a power of two) of
+// one value per lane, through `scratch` (local, one float per lane); every lane gets the result.
+// Every lane of the group must call (barriers). A tree in local memory: portable to any
+// OpenCL 1.2 device, where subgroup operations are not.
+inline float wg_sum(float v, local float* scratch) {
+  const uint lane = get_local_id(0);
+  scratch[lane] = v;
+  barrier(CLK_LOCAL_MEM_FENCE);
+  for (uint s = get_local_size(0) / 2; s > 0; s >>= 1) {
+    if (lane < s) scratch[lane] += scratch[lane + s];
+    barrier(CLK_LOCAL_MEM_FENCE);
+  }
+  const float r = scratch[0];
+  barrier(CLK_LOCAL_MEM_FENCE);  // scratch is free again for the next call
+  return r;
+}
+inline float wg_max(float v, local float* scratch) {
+  const uint lane = get_local_id(0);
+  scratch[lane] = v;
+  barrier(CLK_LOCAL_MEM_FENCE);
+  for (uint s = get_local_size(0) / 2; s > 0; s >>= 1) {
+    if (lane < s) scratch[lane] = fmax(scratch[lane], scratch[lane + s]);
+    barrier(CLK_LOCAL_MEM_FENCE);
+  }
+  const float r = scratch[0];
+  barrier(CLK_LOCAL_MEM_FENCE);
+  return r;
+}
+
+// Online softmax: a running max m and sum l of exp(s - m) over the scores seen so far. A block
+// of scores with max block_max moves m to m_new = max(m, block_max); what was summed under the old
+// max (l and the value accumulators) is multiplied by the returned factor exp(m - m_new). Zero
+// while nothing was seen (m = -inf), never NaN.
+inline float softmax_rescale(float m, float m_new) {
+  return m == -INFINITY ? 0.0f : exp(m - m_new);
+}
+
+// The paged caches: position p of a row lives in page lut[p / page_size] (the row's page table),
+// slot p % page_size. The float offset of that slot in a cache whose pages are page_stride floats
+// apart and whose slots slot_stride apart (MHA: [page][K, V][slot][kv heads][head dim]; MLA:
+// [page][slot][latent | rope]).
+inline size_t paged_slot(global const uint* lut, uint p, uint page_size, size_t page_stride,
+                         uint slot_stride) {
+  return (size_t)lut[p / page_size] * page_stride + (size_t)(p % page_size) * slot_stride;
+}

@@ -98,6 +98,112 @@ kernel void moe_route(global const float* logits, global const bias_t* bias,
     wts[r] = w * routed_scaling_factor;
   }
 }
+
+#ifdef ROUTE_WG
+// The GPU shape of moe_route (-DROUTE_WG lanes, a power of two): one work-group per token, the
+// scores in local memory with lane l computing experts l, l + ROUTE_WG, ... Each of the TOP_K
+// picks is a work-group argmax (largest b, ties to the lower expert id: moe_route's order), so the
+// ids and weights are moe_route's bit for bit; the group scores and the weights' sum run on one
+// lane in moe_route's order. Launch: global (T * ROUTE_WG), local (ROUTE_WG).
+kernel __attribute__((reqd_work_group_size(ROUTE_WG, 1, 1)))
+void moe_route_wg(global const float* logits, global const bias_t* bias,
+                  float routed_scaling_factor, global int* topk_ids,
+                  global float* topk_weights) {
+  local float score[N_EXPERTS], sel[N_EXPERTS];
+  local uchar eligible[N_EXPERTS];
+  local float best_v[ROUTE_WG];
+  local int best_i[ROUTE_WG];
+  local int picked[TOP_K];
+  const uint t = get_group_id(0), lane = get_local_id(0);
+  global const float* lt = logits + (size_t)t * N_EXPERTS;
+  for (uint e = lane; e < N_EXPERTS; e += ROUTE_WG) {
+    const float s = 1.0f / (1.0f + exp(-lt[e]));
+    score[e] = s;
+#if BIAS
+    sel[e] = s + LOAD_BIAS(bias, e);
+#else
+    sel[e] = s;
+#endif
+    eligible[e] = 1;
+  }
+  barrier(CLK_LOCAL_MEM_FENCE);
+#if N_GROUP > 1
+  local float group_score[N_GROUP];
+  local uchar group_kept[N_GROUP];
+  for (uint g = lane; g < N_GROUP; g += ROUTE_WG) {
+    float best = -INFINITY, second = -INFINITY;
+    for (uint e = g * EXPERTS_PER_GROUP; e < (g + 1) * EXPERTS_PER_GROUP; ++e) {
+      const float v = sel[e];
+      if (v > best) {
+        second = best;
+        best = v;
+      } else if (v > second) {
+        second = v;
+      }
+    }
+    group_score[g] = best + second;
+    group_kept[g] = 0;
+  }
+  barrier(CLK_LOCAL_MEM_FENCE);
+  if (lane == 0)
+    for (int r = 0; r < TOPK_GROUP; ++r) {
+      int bi = -1;
+      float bv = 0.0f;
+      for (int g = 0; g < N_GROUP; ++g)
+        if (!group_kept[g] && (bi < 0 || group_score[g] > bv)) {
+          bi = g;
+          bv = group_score[g];
+        }
+      group_kept[bi] = 1;
+    }
+  barrier(CLK_LOCAL_MEM_FENCE);
+  for (uint e = lane; e < N_EXPERTS; e += ROUTE_WG) eligible[e] = group_kept[e / EXPERTS_PER_GROUP];
+  barrier(CLK_LOCAL_MEM_FENCE);
+#endif
+  for (int r = 0; r < TOP_K; ++r) {
+    int bi = -1;
+    float bv = 0.0f;
+    for (uint e = lane; e < N_EXPERTS; e += ROUTE_WG)
+      if (eligible[e] && (bi < 0 || sel[e] > bv)) {
+        bi = (int)e;
+        bv = sel[e];
+      }
+    best_v[lane] = bv;
+    best_i[lane] = bi;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (uint s = ROUTE_WG / 2; s > 0; s >>= 1) {
+      if (lane < s) {
+        const int ia = best_i[lane], ib = best_i[lane + s];
+        const float va = best_v[lane], vb = best_v[lane + s];
+        if (ib >= 0 && (ia < 0 || vb > va || (!(vb < va) && ib < ia))) {
+          best_i[lane] = ib;
+          best_v[lane] = vb;
+        }
+      }
+      barrier(CLK_LOCAL_MEM_FENCE);
+    }
+    if (lane == 0) {
+      picked[r] = best_i[0];
+      eligible[best_i[0]] = 0;
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+  }
+  if (lane == 0) {
+    float sum = 0.0f;
+    for (int r = 0; r < TOP_K; ++r) sum += score[picked[r]];
+    global int* ids = topk_ids + (size_t)t * TOP_K;
+    global float* wts = topk_weights + (size_t)t * TOP_K;
+    for (int r = 0; r < TOP_K; ++r) {
+      float w = score[picked[r]];
+#if NORM_TOPK
+      w = w / sum;
+#endif
+      ids[r] = picked[r];
+      wts[r] = w * routed_scaling_factor;
+    }
+  }
+}
+#endif  // ROUTE_WG
 #endif  // N_EXPERTS
 
 // ---------------------------------------------------------------------------------------------

@@ -3,6 +3,27 @@
 // Build option: -DWEIGHT_TYPE=0|1|2 (f32, bf16, f16; see common.cl) for the norm weight.
 
 
+#ifdef NORM_WG
+// The GPU shape (-DNORM_WG lanes, a power of two): one work-group per row; lane l reads
+// x[l], x[l + NORM_WG], ... (neighbouring lanes, neighbouring floats) and the sum of squares meets
+// in local memory. Launch: global (R * NORM_WG), local (NORM_WG). In place (y == x) is safe: every
+// read of a row happens before the reduction's barriers, every write after them.
+kernel __attribute__((reqd_work_group_size(NORM_WG, 1, 1)))
+void rmsnorm_wg(global const float* x, uint x_off, uint ldx, global const uint* rows, int use_rows,
+                global const wtype* w, global float* y, uint y_off, uint ldy, uint H, float eps) {
+  local float scratch[NORM_WG];
+  const uint r = get_group_id(0), lane = get_local_id(0);
+  const uint src = use_rows ? rows[r] : r;
+  global const float* xr = x + x_off + (size_t)src * ldx;
+  global float* yr = y + y_off + (size_t)r * ldy;
+  float ss = 0.0f;
+  for (uint i = lane; i < H; i += NORM_WG) ss = fma(xr[i], xr[i], ss);
+  ss = wg_sum(ss, scratch);
+  const float inv = 1.0f / sqrt(ss / (float)H + eps);
+  for (uint i = lane; i < H; i += NORM_WG) yr[i] = (xr[i] * inv) * LOADW1(w + i);
+}
+#endif
+
 // rows: optional row indexes into x (gather), when use_rows != 0: y row r = norm(x row rows[r]).
 kernel void rmsnorm(global const float* x, uint x_off, uint ldx, global const uint* rows,
                     int use_rows, global const wtype* w, global float* y, uint y_off, uint ldy,

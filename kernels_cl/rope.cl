@@ -40,3 +40,45 @@ kernel void rope_store_kv(global float* qkv, uint ld, uint n_heads, uint n_kv_he
     vdst[i] = v[i];
   }
 }
+
+#ifdef ROPE_WG
+// The GPU shape (-DROPE_WG lanes): one work-group per new token. The (head, pair) rotations are
+// spread over the lanes so neighbouring lanes touch neighbouring floats; the lane that rotates a
+// key also stores it in the cache (no lane reads another's result, so no barrier), and the values
+// are copied by all lanes. The same arithmetic per element as rope_store_kv.
+// Launch: global (T * ROPE_WG), local (ROPE_WG).
+kernel __attribute__((reqd_work_group_size(ROPE_WG, 1, 1)))
+void rope_store_kv_wg(global float* qkv, uint ld, uint n_heads, uint n_kv_heads, uint head_dim,
+                      global const float* inv_freq, global const float* inv_freq_long,
+                      uint long_from, global const uint* token_row, global const uint* token_pos,
+                      global const uint* lookup, uint pages_per_row, uint page_size,
+                      global float* cache) {
+  const uint t = get_group_id(0), lane = get_local_id(0);
+  const uint pos = token_pos[t];
+  const uint half_dim = head_dim / 2;
+  global const float* freqs = pos >= long_from ? inv_freq_long : inv_freq;
+  global float* row = qkv + (size_t)t * ld;
+  const size_t kv_row = (size_t)n_kv_heads * head_dim;
+  global const uint* lut = lookup + (size_t)token_row[t] * pages_per_row;
+  global float* kdst = cache + paged_slot(lut, pos, page_size, 2 * page_size * kv_row, kv_row);
+  global float* vdst = kdst + (size_t)page_size * kv_row;
+  const uint n_pairs = (n_heads + n_kv_heads) * half_dim;
+  for (uint idx = lane; idx < n_pairs; idx += ROPE_WG) {
+    const uint h = idx / half_dim, i = idx % half_dim;
+    const float angle = (float)pos * freqs[i];
+    const float c = cos(angle), s = sin(angle);
+    global float* x = row + h * head_dim;
+    const float a = x[i], b = x[i + half_dim];
+    const float ra = a * c - b * s, rb = b * c + a * s;
+    x[i] = ra;
+    x[i + half_dim] = rb;
+    if (h >= n_heads) {
+      global float* k = kdst + (h - n_heads) * head_dim;
+      k[i] = ra;
+      k[i + half_dim] = rb;
+    }
+  }
+  global const float* v = row + (size_t)(n_heads + n_kv_heads) * head_dim;
+  for (uint i = lane; i < kv_row; i += ROPE_WG) vdst[i] = v[i];
+}
+#endif

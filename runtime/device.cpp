@@ -19,6 +19,10 @@ const char* device_kind_name(DeviceKind k) {
   }
 }
 
+const char* kernel_shape_name(KernelShape s) {
+  return s == KernelShape::Chunks ? "cpu" : "gpu";
+}
+
 namespace {
 
 // hwloc's view of the machine, loaded once.
@@ -139,6 +143,7 @@ Device::Device(cl_platform_id platform, cl_device_id id, cl::Context ctx, int in
   cl::check(err, "creating a command queue on " + info_.name);
   pool_ = std::make_unique<BufferPool>(ctx_.get());
   shape_ = info_.kind == DeviceKind::Cpu ? KernelShape::Chunks : KernelShape::WorkGroups;
+  tuning_ = lookup_kernel_tuning(info_);
 }
 
 std::string Device::label() const {

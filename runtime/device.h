@@ -23,6 +23,27 @@ enum class DeviceKind { Cpu, Gpu, Accelerator, Other };
 // elements. Ops with two variants pick by this.
 enum class KernelShape { Chunks, WorkGroups };
 const char* device_kind_name(DeviceKind k);
+const char* kernel_shape_name(KernelShape s);  // "cpu" | "gpu", as devices.kernel_shape says
+
+// The parameters of the WorkGroups-shaped kernels on one device: host launch sizes and kernel
+// constants both come from here (the kernels get them as -D build options). Looked up by device
+// type, vendor and name in runtime/kernel_tuning.cpp; tests and benchmarks may set others.
+struct KernelTuning {
+  uint32_t norm_wg = 256;         // RMSNorm: lanes per row
+  uint32_t rope_wg = 64;          // RoPE + KV store: lanes per token
+  uint32_t linear_wg = 64;        // linear_wg.cl: lanes per output feature
+  uint32_t linear_rows = 4;       // linear_wg.cl: rows per work-group
+  uint32_t attn_wg = 64;          // paged attention: lanes per (token, head group, split)
+  uint32_t attn_tile = 32;        // positions per local-memory tile (MHA)
+  uint32_t attn_heads = 8;        // query heads sharing one KV head per work-group, at most
+  uint32_t attn_split = 512;      // positions per split-K work-group (rounded to the tile)
+  uint32_t mla_wg = 128;          // MLA decode: lanes per work-group
+  uint32_t mla_tile = 8;          // MLA decode: cache rows per tile (576 floats each)
+  uint32_t mla_heads = 8;         // MLA decode: query heads per work-group, at most
+  uint32_t route_wg = 64;         // MoE router: lanes per token (over the experts)
+  uint64_t split_scratch_bytes = 64ull << 20;  // cap on split-K partials per launch
+  bool operator==(const KernelTuning&) const = default;
+};
 
 // Where a device sits in the machine, as hwloc sees it.
 struct DeviceLocality {
@@ -50,6 +71,10 @@ struct DeviceInfo {
 };
 
 DeviceInfo query_device_info(cl_device_id id, cl_platform_id platform);
+
+// The table's entry for a device (runtime/kernel_tuning.cpp): the first row whose type, vendor
+// and name match, else the default.
+KernelTuning lookup_kernel_tuning(const DeviceInfo& info);
 
 // A buffer pool: scratch buffers are reused across steps by size class (powers of two), so a
 // decode loop does not allocate. Buffers go back to the pool when their Scratch handle dies.
@@ -84,6 +109,9 @@ class Device {
   // or time both variants on one device.
   KernelShape kernel_shape() const { return shape_; }
   void set_kernel_shape(KernelShape s) { shape_ = s; }
+  // Launch parameters of the WorkGroups shape (lookup_kernel_tuning unless set).
+  const KernelTuning& tuning() const { return tuning_; }
+  void set_tuning(const KernelTuning& t) { tuning_ = t; }
   // A short label for messages: "device 0 (pthread-skylake-avx512 on Portable Computing Language)".
   std::string label() const;
 
@@ -118,6 +146,7 @@ class Device {
   DeviceInfo info_;
   int index_;
   KernelShape shape_;
+  KernelTuning tuning_;
   std::unique_ptr<BufferPool> pool_;
   std::map<std::string, cl::Program> programs_;
   std::map<std::string, cl::Kernel> kernels_;

@@ -66,7 +66,7 @@ void linear(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const W
   const uint32_t ldw = uint32_t(w.row_stride());
   const int has_bias = bias != nullptr;
   if (dev.kernel_shape() == KernelShape::WorkGroups) {
-    constexpr uint32_t wg = 64, rb = 4;  // lanes per output feature, rows per work-group
+    const uint32_t wg = dev.tuning().linear_wg, rb = dev.tuning().linear_rows;
     cl::Kernel k = dev.kernel("linear_wg.cl", "linear_wg",
                               weight_option(w) + " -DWG=" + std::to_string(wg) +
                                   " -DRB=" + std::to_string(rb));
@@ -219,8 +219,16 @@ void linear_swiglu(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, 
 void rmsnorm(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const cl::Mem* rows,
              const Weight& w, const cl::Mem& y, uint32_t y_off, uint32_t ldy, uint32_t R,
              uint32_t H, float eps) {
-  cl::Kernel k = dev.kernel("norm.cl", "rmsnorm", weight_option(w));
   const int use_rows = rows != nullptr;
+  if (dev.kernel_shape() == KernelShape::WorkGroups) {
+    const size_t wg = dev.tuning().norm_wg;
+    cl::Kernel k = dev.kernel("norm.cl", "rmsnorm_wg",
+                              weight_option(w) + " -DNORM_WG=" + std::to_string(wg));
+    cl::set_args(k, x, x_off, ldx, use_rows ? *rows : x, use_rows, w.mem, y, y_off, ldy, H, eps);
+    dev.launch(k, {R * wg, 1, 1}, 1, &wg);
+    return;
+  }
+  cl::Kernel k = dev.kernel("norm.cl", "rmsnorm", weight_option(w));
   cl::set_args(k, x, x_off, ldx, use_rows ? *rows : x, use_rows, w.mem, y, y_off, ldy, H, eps);
   dev.launch(k, {R, 1, 1}, 1);
 }
@@ -253,11 +261,17 @@ void rope_store_kv(Device& dev, const cl::Mem& qkv, uint32_t ld, uint32_t n_head
                    uint32_t n_kv_heads, uint32_t head_dim, const cl::Mem& inv_freq,
                    const cl::Mem& inv_freq_long, uint32_t long_from, const StepTokens& st,
                    const cl::Mem& cache_layer) {
-  cl::Kernel k = dev.kernel("rope.cl", "rope_store_kv");
+  const bool wg_shape = dev.kernel_shape() == KernelShape::WorkGroups;
+  const size_t wg = dev.tuning().rope_wg;
+  cl::Kernel k = wg_shape ? dev.kernel("rope.cl", "rope_store_kv_wg", "-DROPE_WG=" + std::to_string(wg))
+                          : dev.kernel("rope.cl", "rope_store_kv");
   cl::set_args(k, qkv, ld, n_heads, n_kv_heads, head_dim, inv_freq, inv_freq_long, long_from,
                st.token_row, st.token_pos, st.lookup, st.pages_per_row, st.page_size,
                cache_layer);
-  dev.launch(k, {st.T, 1, 1}, 1);
+  if (wg_shape)
+    dev.launch(k, {st.T * wg, 1, 1}, 1, &wg);
+  else
+    dev.launch(k, {st.T, 1, 1}, 1);
 }
 
 void paged_attention(Device& dev, const cl::Mem& q, uint32_t ldq, const cl::Mem& cache_layer,
@@ -266,11 +280,78 @@ void paged_attention(Device& dev, const cl::Mem& q, uint32_t ldq, const cl::Mem&
   if (head_dim % 8 != 0)
     throw std::runtime_error("paged_attention: head_dim " + std::to_string(head_dim) +
                              " is not a multiple of 8");
+  if (dev.kernel_shape() == KernelShape::WorkGroups) {
+    const KernelTuning& tu = dev.tuning();
+    PagedKvLayout lay;
+    const uint32_t kv_row = n_kv_heads * head_dim;
+    lay.page_stride = uint64_t(2) * st.page_size * kv_row;
+    lay.slot_stride = kv_row;
+    lay.k_off = 0;
+    lay.v_off = st.page_size * kv_row;
+    lay.kv_head_stride = head_dim;
+    lay.heads_per_kv = n_heads / n_kv_heads;
+    lay.dk = lay.dv = head_dim;
+    lay.wg = tu.attn_wg;
+    lay.tile = tu.attn_tile;
+    lay.max_heads = tu.attn_heads;
+    paged_attention_split_k(dev, q, ldq, head_dim, cache_layer, st, n_heads, lay, scale, out, ldo,
+                            head_dim);
+    return;
+  }
   cl::Kernel k = dev.kernel("attention.cl", "paged_attention",
                             "-DHEAD_DIM=" + std::to_string(head_dim));
   cl::set_args(k, q, ldq, cache_layer, st.token_row, st.token_pos, st.lookup, st.pages_per_row,
                st.page_size, n_heads, n_kv_heads, scale, out, ldo);
   dev.launch(k, {st.T, n_heads, 1}, 2);
+}
+
+void paged_attention_split_k(Device& dev, const cl::Mem& q, uint32_t q_ldt, uint32_t q_ldh,
+                             const cl::Mem& cache_layer, const StepTokens& st, uint32_t n_heads,
+                             const PagedKvLayout& lay, float scale, const cl::Mem& out,
+                             uint32_t o_ldt, uint32_t o_ldh) {
+  if (st.T == 0 || n_heads == 0) return;
+  const KernelTuning& tu = dev.tuning();
+  // Heads per work-group: the largest count up to max_heads that divides the heads sharing a KV
+  // head, so a group never straddles two.
+  uint32_t g = std::max<uint32_t>(1, std::min(lay.max_heads, lay.heads_per_kv));
+  while (lay.heads_per_kv % g != 0) --g;
+  // Splits: the longest context a row can hold (its page table) in split_len pieces, fewer when
+  // the partials of T x heads x splits would pass the scratch cap.
+  const uint32_t tile = lay.tile;
+  const uint64_t capacity = uint64_t(st.pages_per_row) * st.page_size;
+  auto round_tile = [&](uint64_t n) { return (n + tile - 1) / tile * tile; };
+  uint64_t split_len = round_tile(std::max<uint64_t>(tu.attn_split, tile));
+  uint64_t n_splits = std::max<uint64_t>(1, (capacity + split_len - 1) / split_len);
+  const uint64_t per_split = uint64_t(st.T) * n_heads * (lay.dv + 2) * sizeof(float);
+  const uint64_t max_splits = std::max<uint64_t>(1, tu.split_scratch_bytes / per_split);
+  if (n_splits > max_splits) {
+    n_splits = max_splits;
+    split_len = round_tile((capacity + n_splits - 1) / n_splits);
+    n_splits = std::max<uint64_t>(1, (capacity + split_len - 1) / split_len);
+  }
+  const std::string opts = "-DATT_WG=" + std::to_string(lay.wg) + " -DDK=" + std::to_string(lay.dk) +
+                           " -DDV=" + std::to_string(lay.dv) + " -DG=" + std::to_string(g) +
+                           " -DTILE=" + std::to_string(tile) + " -DV_IN_K=" +
+                           std::to_string(int(lay.v_in_k));
+  cl::Kernel k = dev.kernel("attention.cl", "paged_attention_wg", opts);
+  Scratch part, part_ml;
+  if (n_splits > 1) {
+    part = Scratch(dev, per_split / (lay.dv + 2) * lay.dv * n_splits);
+    part_ml = Scratch(dev, per_split / (lay.dv + 2) * 2 * n_splits);
+  }
+  const cl::Mem& pa = n_splits > 1 ? part.mem() : out;
+  const cl::Mem& pm = n_splits > 1 ? part_ml.mem() : out;
+  cl::set_args(k, q, q_ldt, q_ldh, cache_layer, lay.page_stride, lay.slot_stride, lay.k_off,
+               lay.v_off, lay.kv_head_stride, lay.heads_per_kv, st.token_row, st.token_pos,
+               st.lookup, st.pages_per_row, st.page_size, n_heads, scale, uint32_t(split_len),
+               uint32_t(n_splits), out, o_ldt, o_ldh, pa, pm);
+  const size_t local[3] = {lay.wg, 1, 1};
+  dev.launch(k, {size_t(n_splits) * lay.wg, n_heads / g, st.T}, 3, local);
+  if (n_splits == 1) return;
+  cl::Kernel merge = dev.kernel("attention.cl", "attention_merge_splits", opts);
+  cl::set_args(merge, pa, pm, st.token_pos, uint32_t(split_len), uint32_t(n_splits), n_heads, out,
+               o_ldt, o_ldh);
+  dev.launch(merge, {lay.wg, n_heads, st.T}, 3, local);
 }
 
 }  // namespace clshard::ops

@@ -83,4 +83,28 @@ void paged_attention(Device& dev, const cl::Mem& q, uint32_t ldq, const cl::Mem&
                      const StepTokens& st, uint32_t n_heads, uint32_t n_kv_heads,
                      uint32_t head_dim, float scale, const cl::Mem& out, uint32_t ldo);
 
+// Where a position's key and value sit in a paged cache, for the WorkGroups shape's split-K
+// attention (attention.cl's paged_attention_wg), which MHA and MLA's absorbed decode share: the
+// key of position p for query head h is at paged_slot(p) + k_off + (h / heads_per_kv) *
+// kv_head_stride (dk floats), the value dv floats at the same place + v_off - k_off, or the
+// key's first dv floats when v_in_k.
+struct PagedKvLayout {
+  uint64_t page_stride = 0;  // floats between pages
+  uint32_t slot_stride = 0;  // floats between positions of a page
+  uint32_t k_off = 0, v_off = 0, kv_head_stride = 0, heads_per_kv = 1;
+  uint32_t dk = 0, dv = 0;
+  bool v_in_k = false;
+  // Launch shape (from the device's KernelTuning): lanes, positions per tile, heads per group.
+  uint32_t wg = 64, tile = 32, max_heads = 8;
+};
+
+// out[t, h] (at out + t * o_ldt + h * o_ldh, dv floats) = causal softmax(scale * q . K) V of the
+// T new tokens (q[t, h] at q + t * q_ldt + h * q_ldh, dk floats) over their rows' pages: split-K
+// over the positions (split_len from the tuning, fewer splits when the partials would pass
+// split_scratch_bytes), then one reduction launch.
+void paged_attention_split_k(Device& dev, const cl::Mem& q, uint32_t q_ldt, uint32_t q_ldh,
+                             const cl::Mem& cache_layer, const StepTokens& st, uint32_t n_heads,
+                             const PagedKvLayout& layout, float scale, const cl::Mem& out,
+                             uint32_t o_ldt, uint32_t o_ldh);
+
 }  // namespace clshard::ops

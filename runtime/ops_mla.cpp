@@ -138,6 +138,25 @@ void mla_decode_attention(Device& dev, const cl::Mem& qf, const cl::Mem& cache_l
                           const StepTokens& st, const MlaShape& s, float scale,
                           const cl::Mem& o_lat) {
   validate(s);
+  if (dev.kernel_shape() == KernelShape::WorkGroups) {
+    // Every head reads the same cache row (one latent KV head): attention.cl's split-K kernel
+    // with the row as key and its first kv_lora floats as value, mla_heads heads per work-group
+    // sharing each tile of rows.
+    const KernelTuning& tu = dev.tuning();
+    PagedKvLayout lay;
+    lay.page_stride = uint64_t(st.page_size) * s.row();
+    lay.slot_stride = s.row();
+    lay.heads_per_kv = s.n_heads;
+    lay.dk = s.row();
+    lay.dv = s.kv_lora;
+    lay.v_in_k = true;
+    lay.wg = tu.mla_wg;
+    lay.tile = tu.mla_tile;
+    lay.max_heads = tu.mla_heads;
+    paged_attention_split_k(dev, qf, s.n_heads * s.row(), s.row(), cache_layer, st, s.n_heads, lay,
+                            scale, o_lat, s.n_heads * s.kv_lora, s.kv_lora);
+    return;
+  }
   cl::Kernel k = dev.kernel("mla.cl", "mla_decode_attention", dims_option(s));
   cl::set_args(k, qf, cache_layer, st.token_row, st.token_pos, st.lookup, st.pages_per_row,
                st.page_size, s.n_heads, scale, o_lat);

@@ -143,11 +143,18 @@ void moe_route(Device& dev, const cl::Mem& logits, const Weight* correction_bias
                               " -DTOPK_GROUP=" + std::to_string(cfg.topk_group) +
                               " -DNORM_TOPK=" + std::to_string(int(cfg.norm_topk_prob)) +
                               " -DBIAS=" + std::to_string(bias_mode);
-  cl::Kernel k = dev.kernel("moe.cl", "moe_route", options);
+  const bool wg_shape = dev.kernel_shape() == KernelShape::WorkGroups;
+  const size_t wg = dev.tuning().route_wg;
+  cl::Kernel k = wg_shape ? dev.kernel("moe.cl", "moe_route_wg",
+                                       options + " -DROUTE_WG=" + std::to_string(wg))
+                          : dev.kernel("moe.cl", "moe_route", options);
   // Without a bias the kernel never reads its bias argument; any valid buffer fills the slot.
   cl::set_args(k, logits, correction_bias ? correction_bias->mem : logits,
                cfg.routed_scaling_factor, topk_ids, topk_weights);
-  dev.launch(k, {T, 1, 1}, 1);
+  if (wg_shape)
+    dev.launch(k, {T * wg, 1, 1}, 1, &wg);
+  else
+    dev.launch(k, {T, 1, 1}, 1);
 }
 
 ExpertBatches group_by_expert(const std::vector<int32_t>& topk_ids, uint32_t T, uint32_t top_k,

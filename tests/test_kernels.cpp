@@ -142,9 +142,17 @@ TEST_P(LinearStrides, OffsetsAndStrides) {
 INSTANTIATE_TEST_SUITE_P(Shapes, LinearStrides,
                          ::testing::Values(KernelShape::Chunks, KernelShape::WorkGroups));
 
-TEST(NormKernel, RmsNormWithAndWithoutGather) {
+// The CPU shape and the GPU shape (run on PoCL), a row narrower and one wider than a work-group.
+struct NormCase {
+  KernelShape shape;
+  uint32_t H;
+};
+class NormKernel : public ::testing::TestWithParam<NormCase> {};
+
+TEST_P(NormKernel, RmsNormWithAndWithoutGather) {
   Device& dev = test::default_device();
-  const uint32_t R = 5, H = 77;
+  ShapeScope scope(dev, GetParam().shape);
+  const uint32_t R = 5, H = GetParam().H;
   auto x = random_vec(size_t(R) * H, 11, 3.0f);
   auto wv = random_vec(H, 12);
   for (DType dt : {DType::F32, DType::BF16, DType::F16}) {
@@ -171,6 +179,15 @@ TEST(NormKernel, RmsNormWithAndWithoutGather) {
     }
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Shapes, NormKernel,
+                         ::testing::Values(NormCase{KernelShape::Chunks, 77},
+                                           NormCase{KernelShape::WorkGroups, 77},
+                                           NormCase{KernelShape::WorkGroups, 1031}),
+                         [](const auto& info) {
+                           return std::string(kernel_shape_name(info.param.shape)) + "_H" +
+                                  std::to_string(info.param.H);
+                         });
 
 TEST(EmbeddingKernel, LooksUpAndScales) {
   Device& dev = test::default_device();
@@ -200,16 +217,46 @@ TEST(ActivationKernel, SiluMulOverStackedGateUp) {
     }
 }
 
+// The shapes and tunings the attention kernels run under: the CPU shape, and the GPU shape with
+// the device's own tuning (one split for these short rows), with splits of 16 positions over
+// 8-position tiles and 32 lanes (several splits per row, partial tiles, one head per group), and
+// with the split scratch capped so the split count has to shrink.
+struct AttentionCase {
+  const char* name;
+  KernelShape shape;
+  uint32_t split = 0, tile = 0, wg = 0, heads = 0;  // 0: the device's tuning
+  uint64_t scratch = 0;
+};
+class AttentionKernels : public ::testing::TestWithParam<AttentionCase> {};
+
+KernelTuning tuning_for(Device& dev, const AttentionCase& c) {
+  KernelTuning t = dev.tuning();
+  if (c.split) t.attn_split = c.split;
+  if (c.tile) t.attn_tile = c.tile;
+  if (c.wg) t.attn_wg = c.wg;
+  if (c.heads) t.attn_heads = c.heads;
+  if (c.scratch) t.split_scratch_bytes = c.scratch;
+  return t;
+}
+
 // RoPE + KV store + paged attention against a direct C++ computation, two rows with different
 // cached lengths, pages scattered in the pool (not in order).
-TEST(AttentionKernels, RopeStoreAndPagedAttentionMatchCpp) {
+TEST_P(AttentionKernels, RopeStoreAndPagedAttentionMatchCpp) {
   Device& dev = test::default_device();
+  ShapeScope scope(dev, GetParam().shape);
+  const KernelTuning saved = dev.tuning();
+  dev.set_tuning(tuning_for(dev, GetParam()));
+  struct Restore {
+    Device& d;
+    KernelTuning t;
+    ~Restore() { d.set_tuning(t); }
+  } restore{dev, saved};
   const uint32_t nh = 4, nkv = 2, hd = 16, page = 16, npages = 8;
   const uint32_t ld = (nh + 2 * nkv) * hd;
-  // Row 0: 20 cached tokens + 3 new; row 1: 0 cached + 18 new.
-  const std::vector<uint32_t> cached = {20, 0}, fresh = {3, 18};
-  const uint32_t ppr = 2;
-  const std::vector<uint32_t> lut = {5, 2, 7, 0};
+  // Row 0: 37 cached tokens + 3 new; row 1: 0 cached + 18 new.
+  const std::vector<uint32_t> cached = {37, 0}, fresh = {3, 18};
+  const uint32_t ppr = 3;
+  const std::vector<uint32_t> lut = {5, 2, 7, 0, 3, 8};
   std::vector<float> inv(hd / 2);
   for (uint32_t i = 0; i < hd / 2; ++i) inv[i] = std::pow(10000.0f, -float(2 * i) / hd);
   // Full K/V history per row (pre-rope q/k/v for every position).
@@ -287,6 +334,15 @@ TEST(AttentionKernels, RopeStoreAndPagedAttentionMatchCpp) {
     }
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, AttentionKernels,
+    ::testing::Values(AttentionCase{"cpu", KernelShape::Chunks},
+                      AttentionCase{"gpu", KernelShape::WorkGroups},
+                      AttentionCase{"gpu_split16_tile8", KernelShape::WorkGroups, 16, 8, 32, 1},
+                      AttentionCase{"gpu_scratch_capped", KernelShape::WorkGroups, 8, 8, 64, 2,
+                                    13000}),
+    [](const auto& info) { return std::string(info.param.name); });
 
 }  // namespace
 }  // namespace clshard

@@ -333,13 +333,49 @@ TEST_F(MlaOps, RopeStoreWritesNormalisedLatentAndRopedKey) {
   }
 }
 
-class MlaPaths : public MlaOps, public ::testing::WithParamInterface<DType> {};
+// The kernel shapes the paths run under: the CPU shape; the GPU shape with the device's tuning;
+// and the GPU shape with 8-position splits over 4-row tiles, 2 heads per work-group and 32 lanes
+// (several splits per row, partial tiles).
+enum class MlaShapeCase { Cpu, Gpu, GpuSplit8 };
+const char* shape_case_name(MlaShapeCase c) {
+  return c == MlaShapeCase::Cpu ? "cpu" : c == MlaShapeCase::Gpu ? "gpu" : "gpu_split8";
+}
+
+class MlaPaths : public MlaOps,
+                 public ::testing::WithParamInterface<std::tuple<DType, MlaShapeCase>> {
+ protected:
+  void SetUp() override {
+    MlaOps::SetUp();
+    saved_shape_ = dev.kernel_shape();
+    saved_tuning_ = dev.tuning();
+    const MlaShapeCase c = std::get<1>(GetParam());
+    dev.set_kernel_shape(c == MlaShapeCase::Cpu ? KernelShape::Chunks : KernelShape::WorkGroups);
+    if (c == MlaShapeCase::GpuSplit8) {
+      KernelTuning t = saved_tuning_;
+      t.attn_split = 8;
+      t.mla_tile = 4;
+      t.mla_heads = 2;
+      t.mla_wg = 32;
+      dev.set_tuning(t);
+    }
+  }
+  void TearDown() override {
+    dev.set_kernel_shape(saved_shape_);
+    dev.set_tuning(saved_tuning_);
+    MlaOps::TearDown();
+  }
+  DType dtype() const { return std::get<0>(GetParam()); }
+
+ private:
+  KernelShape saved_shape_ = KernelShape::Chunks;
+  KernelTuning saved_tuning_;
+};
 
 // Requests with cached tokens (written by an earlier step) and new ones crossing 4-token pages:
 // a multi-token step, then a one-token decode step. Both paths equal the host reference and each
 // other, with kv_b_proj in the parameter's dtype.
 TEST_P(MlaPaths, DecodeAndPrefillPathsMatchTheReference) {
-  const KvB k = make_kv_b(dev, GetParam(), rng);
+  const KvB k = make_kv_b(dev, dtype(), rng);
   const float scale = 0.15f;
   plan_pages({6, 11, 22});
   // History: rows 1 and 2 already hold 7 and 19 tokens.
@@ -357,15 +393,21 @@ TEST_P(MlaPaths, DecodeAndPrefillPathsMatchTheReference) {
     double d_dp = 0;
     for (size_t i = 0; i < decode.size(); ++i)
       d_dp = std::max(d_dp, double(std::abs(decode[i] - prefill[i])));
-    EXPECT_LT(max_abs(decode, want), 2e-5) << dtype_name(GetParam());
-    EXPECT_LT(max_abs(prefill, want), 2e-5) << dtype_name(GetParam());
-    EXPECT_LT(d_dp, 2e-5) << dtype_name(GetParam());
+    EXPECT_LT(max_abs(decode, want), 2e-5) << dtype_name(dtype());
+    EXPECT_LT(max_abs(prefill, want), 2e-5) << dtype_name(dtype());
+    EXPECT_LT(d_dp, 2e-5) << dtype_name(dtype());
   }
 }
 
 INSTANTIATE_TEST_SUITE_P(KvBDtypes, MlaPaths,
-                         ::testing::Values(DType::F32, DType::BF16, DType::F8_E4M3),
-                         [](const auto& info) { return std::string(dtype_name(info.param)); });
+                         ::testing::Combine(::testing::Values(DType::F32, DType::BF16,
+                                                              DType::F8_E4M3),
+                                            ::testing::Values(MlaShapeCase::Cpu, MlaShapeCase::Gpu,
+                                                              MlaShapeCase::GpuSplit8)),
+                         [](const auto& info) {
+                           return std::string(dtype_name(std::get<0>(info.param))) + "_" +
+                                  shape_case_name(std::get<1>(info.param));
+                         });
 
 }  // namespace
 }  // namespace clshard

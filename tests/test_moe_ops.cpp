@@ -50,9 +50,18 @@ struct Routing {
   std::vector<float> weights;
 };
 
+// Routed in the given kernel shape (WorkGroups: the GPU-shaped router, run on PoCL).
 Routing route_on_device(const std::vector<float>& logits, const std::vector<float>* bias,
-                        uint32_t T, const ops::RouterConfig& cfg, DType bias_dtype = DType::F32) {
+                        uint32_t T, const ops::RouterConfig& cfg, DType bias_dtype = DType::F32,
+                        KernelShape shape = KernelShape::Chunks) {
   Device& dev = device();
+  const KernelShape saved = dev.kernel_shape();
+  dev.set_kernel_shape(shape);
+  struct Restore {
+    Device& d;
+    KernelShape s;
+    ~Restore() { d.set_kernel_shape(s); }
+  } restore{dev, saved};
   cl::Mem lb = upload(dev, logits);
   Weight bw;
   if (bias) {
@@ -89,10 +98,13 @@ void expect_route(const std::vector<float>& scores, const std::vector<float>* bi
                   const ops::RouterConfig& cfg, const std::vector<int32_t>& ids,
                   const std::vector<float>& weights) {
   const std::vector<float> logits = logits_of(scores);
-  for (const char* where : {"device", "host"}) {
+  for (const char* where : {"device cpu shape", "device gpu shape", "host"}) {
     SCOPED_TRACE(where);
-    const Routing r = std::string(where) == "device" ? route_on_device(logits, bias, 1, cfg)
-                                                     : route_on_host(logits, bias, 1, cfg);
+    const std::string w = where;
+    const Routing r = w == "host" ? route_on_host(logits, bias, 1, cfg)
+                                  : route_on_device(logits, bias, 1, cfg, DType::F32,
+                                                    w == "device cpu shape" ? KernelShape::Chunks
+                                                                            : KernelShape::WorkGroups);
     EXPECT_EQ(r.ids, ids);
     ASSERT_EQ(r.weights.size(), weights.size());
     for (size_t i = 0; i < weights.size(); ++i)
@@ -196,6 +208,11 @@ void compare_random(uint32_t T, const ops::RouterConfig& cfg, bool with_bias, ui
   ASSERT_EQ(dev.weights.size(), host.weights.size());
   for (size_t i = 0; i < host.weights.size(); ++i)
     EXPECT_NEAR(dev.weights[i], host.weights[i], 2e-6f * cfg.routed_scaling_factor) << i;
+  // The GPU-shaped router (a work-group per token) picks the same experts with the same weights,
+  // bit for bit: the same arithmetic in the same order.
+  const Routing wg = route_on_device(logits, bp, T, cfg, bias_dtype, KernelShape::WorkGroups);
+  EXPECT_EQ(wg.ids, dev.ids);
+  EXPECT_EQ(wg.weights, dev.weights);
 
   // What the routing must satisfy regardless of the implementation: distinct ids, from at most
   // topk_group groups, in descending selection-score order, weights summing to the scale.

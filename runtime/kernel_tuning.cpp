@@ -1,0 +1,188 @@
+// The per-device parameter table of the WorkGroups-shaped kernels (KernelTuning, device.h), kept
+// as data: a device gets its row from the built-in table below or from the tuning file a tuning
+// run wrote (kernel_tuning.h), without touching the ops or the kernels, which take every value
+// from the row (host launch sizes, and -D build options for the kernel constants).
+#include "runtime/kernel_tuning.h"
+
+#include <nlohmann/json.hpp>
+
+#include <fstream>
+#include <stdexcept>
+#include <utility>
+
+#include "runtime/program_cache.h"
+
+namespace clshard {
+
+namespace {
+
+struct TuningRow {
+  DeviceKind kind;     // the device type the row is for
+  const char* vendor;  // a substring of CL_DEVICE_VENDOR; "" matches any
+  const char* name;    // a substring of CL_DEVICE_NAME; "" matches any
+  KernelTuning tuning;
+};
+
+KernelTuning cpu_forced() {
+  // The GPU shape forced on a CPU driver (tests, `kernel_shape: gpu` on PoCL): PoCL runs a
+  // work-group's lanes as loops between barriers, so fewer lanes per group cost less there.
+  KernelTuning t;
+  t.norm_wg = 64;
+  t.mla_wg = 64;
+  return t;
+}
+
+KernelTuning nvidia() {
+  // NVIDIA GPUs: 32-lane warps, 48 KB of shared memory per work-group without opt-in (the tiles
+  // stay under it). Wider attention groups keep more loads in flight per SM. Starting values
+  // until a tuning run writes measured ones (kernel_tuning.h).
+  KernelTuning t;
+  t.attn_wg = 128;
+  t.mla_wg = 256;
+  t.mla_heads = 16;
+  return t;
+}
+
+const std::vector<TuningRow>& table() {
+  static const std::vector<TuningRow> rows = {
+      {DeviceKind::Gpu, "NVIDIA", "", nvidia()},
+      {DeviceKind::Cpu, "", "", cpu_forced()},
+  };
+  return rows;
+}
+
+bool contains(const std::string& s, const char* part) {
+  return *part == '\0' || s.find(part) != std::string::npos;
+}
+
+using U32Field = uint32_t KernelTuning::*;
+const std::vector<std::pair<std::string, U32Field>>& u32_fields() {
+  static const std::vector<std::pair<std::string, U32Field>> f = {
+      {"norm_wg", &KernelTuning::norm_wg},       {"rope_wg", &KernelTuning::rope_wg},
+      {"linear_wg", &KernelTuning::linear_wg},   {"linear_rows", &KernelTuning::linear_rows},
+      {"attn_wg", &KernelTuning::attn_wg},       {"attn_tile", &KernelTuning::attn_tile},
+      {"attn_heads", &KernelTuning::attn_heads}, {"attn_split", &KernelTuning::attn_split},
+      {"mla_wg", &KernelTuning::mla_wg},         {"mla_tile", &KernelTuning::mla_tile},
+      {"mla_heads", &KernelTuning::mla_heads},   {"route_wg", &KernelTuning::route_wg}};
+  return f;
+}
+
+nlohmann::json read_file(const std::filesystem::path& file) {
+  std::ifstream in(file);
+  if (!in) return nlohmann::json::object();
+  try {
+    return nlohmann::json::parse(in);
+  } catch (const std::exception& e) {
+    throw std::runtime_error(file.string() + ": not JSON (" + e.what() + ")");
+  }
+}
+
+// The "entries" array of a tuning file (empty when the file has none).
+nlohmann::json& entries_of(nlohmann::json& doc, const std::filesystem::path& file) {
+  if (!doc.is_object()) throw std::runtime_error(file.string() + ": expected a JSON object");
+  if (!doc.contains("entries")) doc["entries"] = nlohmann::json::array();
+  if (!doc["entries"].is_array())
+    throw std::runtime_error(file.string() + ": entries: expected an array");
+  return doc["entries"];
+}
+
+// Applies the file's entry for `info`, if any, over `t`.
+void apply_file(const DeviceInfo& info, KernelTuning& t) {
+  const std::filesystem::path file = kernel_tuning_file();
+  nlohmann::json doc = read_file(file);
+  const nlohmann::json& entries = entries_of(doc, file);
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const nlohmann::json& e = entries[i];
+    const std::string where = file.string() + ": entries[" + std::to_string(i) + "]";
+    if (!e.is_object() || !e.contains("vendor") || !e.contains("name") ||
+        !e["vendor"].is_string() || !e["name"].is_string() || !e.contains("tuning") ||
+        !e["tuning"].is_object())
+      throw std::runtime_error(where + ": expected {\"vendor\": string, \"name\": string, "
+                               "\"tuning\": {field: positive integer}}");
+    if (e["vendor"].get<std::string>() != info.vendor || e["name"].get<std::string>() != info.name)
+      continue;
+    for (const auto& [field, value] : e["tuning"].items()) {
+      if (!value.is_number_unsigned() || value.get<uint64_t>() == 0 ||
+          !set_kernel_tuning_field(t, field, value.get<uint64_t>())) {
+        std::string names;
+        for (const std::string& n : kernel_tuning_fields()) names += (names.empty() ? "" : ", ") + n;
+        throw std::runtime_error(where + ".tuning." + field + ": expected one of the fields (" +
+                                 names + ") with a positive integer, got " + value.dump());
+      }
+    }
+  }
+}
+
+}  // namespace
+
+KernelTuning builtin_kernel_tuning(const DeviceInfo& info) {
+  for (const TuningRow& r : table())
+    if (r.kind == info.kind && contains(info.vendor, r.vendor) && contains(info.name, r.name))
+      return r.tuning;
+  return KernelTuning{};
+}
+
+KernelTuning lookup_kernel_tuning(const DeviceInfo& info) {
+  KernelTuning t = builtin_kernel_tuning(info);
+  apply_file(info, t);
+  return t;
+}
+
+const std::vector<std::string>& kernel_tuning_fields() {
+  static const std::vector<std::string> names = [] {
+    std::vector<std::string> n;
+    for (const auto& f : u32_fields()) n.push_back(f.first);
+    n.push_back("split_scratch_bytes");
+    return n;
+  }();
+  return names;
+}
+
+uint64_t kernel_tuning_field(const KernelTuning& t, const std::string& field) {
+  for (const auto& [name, member] : u32_fields())
+    if (name == field) return t.*member;
+  if (field == "split_scratch_bytes") return t.split_scratch_bytes;
+  throw std::invalid_argument("no kernel tuning field '" + field + "'");
+}
+
+bool set_kernel_tuning_field(KernelTuning& t, const std::string& field, uint64_t value) {
+  for (const auto& [name, member] : u32_fields())
+    if (name == field) {
+      if (value > UINT32_MAX) return false;
+      t.*member = uint32_t(value);
+      return true;
+    }
+  if (field == "split_scratch_bytes") {
+    t.split_scratch_bytes = value;
+    return true;
+  }
+  return false;
+}
+
+std::filesystem::path kernel_tuning_file() { return kernel_cache_dir() / "tuning.json"; }
+
+void save_kernel_tuning(const DeviceInfo& info, const KernelTuning& t) {
+  const std::filesystem::path file = kernel_tuning_file();
+  nlohmann::json doc = read_file(file);
+  nlohmann::json& entries = entries_of(doc, file);
+  nlohmann::json fields = nlohmann::json::object();
+  for (const std::string& f : kernel_tuning_fields()) fields[f] = kernel_tuning_field(t, f);
+  nlohmann::json entry = {{"vendor", info.vendor}, {"name", info.name}, {"tuning", fields}};
+  bool replaced = false;
+  for (auto& e : entries)
+    if (e.is_object() && e.value("vendor", "") == info.vendor && e.value("name", "") == info.name) {
+      e = entry;
+      replaced = true;
+    }
+  if (!replaced) entries.push_back(entry);
+  std::filesystem::create_directories(file.parent_path());
+  const std::filesystem::path tmp = file.string() + ".tmp";
+  {
+    std::ofstream out(tmp);
+    out << doc.dump(2) << "\n";
+    if (!out) throw std::runtime_error("writing " + tmp.string() + " failed");
+  }
+  std::filesystem::rename(tmp, file);
+}
+
+}  // namespace clshard

@@ -1,0 +1,155 @@
+// devices.kernel_shape: a deployment that forces the GPU-shaped kernels (work-groups of lanes)
+// runs them on PoCL's CPU device, and whole models still give the reference logits (Meta's and
+// DeepSeek's own code, ../shared/reference) within the CPU shape's tolerance, on the prefill path
+// and on the decode path (one token per step over the paged cache).
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "runtime/device.h"
+#include "runtime/engine/deploy_config.h"
+#include "runtime/engine/deployment.h"
+#include "runtime/engine/generation.h"
+#include "runtime/kernel_tuning.h"
+#include "tests/reference_cases.h"
+#include "tests/test_util.h"
+
+namespace clshard {
+namespace {
+
+constexpr float kTolerance = 1e-3f;  // the reference README's fp32-engine tolerance (max abs)
+
+Deployment open_with_shape(const test::RefCase& rc, const std::string& shape) {
+  const std::string yaml = "model: {path: \"" + rc.checkpoint.string() +
+                           "\"}\n"
+                           "devices: {type: cpu, kernel_shape: " +
+                           shape +
+                           "}\n"
+                           "kv_cache: {page_size: 16, pages: 64}\n";
+  return Deployment::open(parse_deploy_config(yaml, "deploy.yaml"));
+}
+
+TEST(KernelShapeKey, AutoKeepsTheCpuShapeOnCpuDevicesAndCpuForcesIt) {
+  const test::RefCase rc = test::load_case("llama3-tiny-f32/short");
+  for (const std::string shape : {"auto", "cpu"}) {
+    Deployment d = open_with_shape(rc, shape);
+    ASSERT_GE(d.devices->size(), 1u);
+    for (Device* dev : d.devices->devices())
+      EXPECT_EQ(dev->kernel_shape(), KernelShape::Chunks) << shape;
+  }
+}
+
+class ForcedGpuShape : public ::testing::TestWithParam<std::string> {};
+
+// Every position of every sequence in one ragged prefill, then the decode path: within the
+// reference tolerance, and within it of the CPU shape's own logits.
+TEST_P(ForcedGpuShape, WholeModelMatchesTheReferenceAndTheCpuShape) {
+  const test::RefCase rc = test::load_case(GetParam());
+  std::vector<std::vector<float>> cpu_logits;
+  {
+    Deployment d = open_with_shape(rc, "cpu");
+    cpu_logits = all_position_logits(*d.model, rc.sequences(), 16);
+  }
+  Deployment d = open_with_shape(rc, "gpu");
+  for (Device* dev : d.devices->devices())
+    ASSERT_EQ(dev->kernel_shape(), KernelShape::WorkGroups) << dev->label();
+  const auto prefill = all_position_logits(*d.model, rc.sequences(), 16);
+  ASSERT_EQ(prefill.size(), rc.seqs.size());
+  for (size_t i = 0; i < rc.seqs.size(); ++i) {
+    EXPECT_LT(test::max_abs_diff(prefill[i], rc.seqs[i].logits), kTolerance) << rc.id << " " << i;
+    EXPECT_LT(test::max_abs_diff(prefill[i], cpu_logits[i]), kTolerance) << rc.id << " " << i;
+  }
+  const auto decode = test::prefill_then_decode(*d.model, rc);
+  for (size_t i = 0; i < rc.seqs.size(); ++i)
+    EXPECT_LT(test::max_abs_diff(decode[i], rc.seqs[i].logits), kTolerance) << rc.id << " " << i;
+}
+
+// Sets an environment variable for one scope.
+struct EnvScope {
+  std::string name, saved;
+  bool had;
+  EnvScope(const std::string& n, const std::string& value) : name(n) {
+    const char* v = std::getenv(n.c_str());
+    had = v != nullptr;
+    if (had) saved = v;
+    setenv(n.c_str(), value.c_str(), 1);
+  }
+  ~EnvScope() {
+    if (had) setenv(name.c_str(), saved.c_str(), 1);
+    else unsetenv(name.c_str());
+  }
+};
+
+// The tuning file in the kernel cache directory: an entry for a device replaces the built-in
+// row's fields it names, for that device only; saving twice keeps one entry; bad entries are
+// errors naming the file, the entry and the field.
+TEST(KernelTuningFile, AnEntryOverridesTheBuiltInRowForItsDeviceOnly) {
+  const auto dir = test::temp_dir("kernel_tuning_file");
+  EnvScope env("CLSHARD_KERNEL_CACHE", dir.string());
+  const DeviceInfo info = test::default_device().info();
+  DeviceInfo other = info;
+  other.name += " (another)";
+  EXPECT_EQ(kernel_tuning_file(), dir / "tuning.json");
+  EXPECT_EQ(lookup_kernel_tuning(info), builtin_kernel_tuning(info));  // no file yet
+
+  KernelTuning t = builtin_kernel_tuning(info);
+  t.attn_wg = 32;
+  t.mla_heads = 2;
+  ASSERT_NE(t, builtin_kernel_tuning(info));
+  save_kernel_tuning(info, t);
+  EXPECT_EQ(lookup_kernel_tuning(info), t);
+  EXPECT_EQ(lookup_kernel_tuning(other), builtin_kernel_tuning(other));
+  t.attn_wg = 128;
+  save_kernel_tuning(info, t);
+  EXPECT_EQ(lookup_kernel_tuning(info), t);
+  {
+    std::ifstream in(kernel_tuning_file());
+    const auto doc = nlohmann::json::parse(in);
+    EXPECT_EQ(doc["entries"].size(), 1u);
+    EXPECT_EQ(doc["entries"][0]["tuning"]["attn_wg"], 128);
+  }
+
+  // A partial entry: the fields it names, the built-in row for the rest.
+  auto write = [&](const nlohmann::json& tuning) {
+    std::ofstream(kernel_tuning_file())
+        << nlohmann::json{{"entries", {{{"vendor", info.vendor}, {"name", info.name}, {"tuning", tuning}}}}}.dump();
+  };
+  write({{"rope_wg", 32}});
+  KernelTuning want = builtin_kernel_tuning(info);
+  want.rope_wg = 32;
+  EXPECT_EQ(lookup_kernel_tuning(info), want);
+
+  auto error_of = [&] {
+    try {
+      lookup_kernel_tuning(info);
+    } catch (const std::runtime_error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  const std::string prefix = kernel_tuning_file().string() + ": entries[0].tuning.";
+  write({{"attn_wg", 0}});
+  EXPECT_EQ(error_of().rfind(prefix + "attn_wg: expected one of the fields (norm_wg, ", 0), 0u)
+      << error_of();
+  EXPECT_NE(error_of().find("with a positive integer, got 0"), std::string::npos) << error_of();
+  write({{"warp_size", 32}});
+  EXPECT_EQ(error_of().rfind(prefix + "warp_size: expected one of the fields", 0), 0u) << error_of();
+  std::ofstream(kernel_tuning_file()) << "{\"entries\": [";
+  EXPECT_EQ(error_of().rfind(kernel_tuning_file().string() + ": not JSON", 0), 0u) << error_of();
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, ForcedGpuShape,
+                         ::testing::Values("llama3-tiny-bf16/short", "llama3-tiny-rope64-bf16/long",
+                                           "deepseek-v3-tiny-bf16/short",
+                                           "deepseek-v3-tiny-grouped-bf16/short"),
+                         [](const auto& info) {
+                           std::string n = info.param;
+                           for (char& c : n)
+                             if (!isalnum(static_cast<unsigned char>(c))) c = '_';
+                           return n;
+                         });
+
+}  // namespace
+}  // namespace clshard
