@@ -1,5 +1,5 @@
 // devices.kernel_shape: a deployment that forces the GPU-shaped kernels (work-groups of lanes)
-// runs them on PoCL's CPU device, and whole models still give the reference logits (Meta's and
+// runs them on the first OpenCL device (PoCL's CPU device here), and whole models still give the reference logits (Meta's and
 // DeepSeek's own code, ../shared/reference) within the CPU shape's tolerance, on the prefill path
 // and on the decode path (one token per step over the paged cache).
 #include <gtest/gtest.h>
@@ -24,20 +24,26 @@ constexpr float kTolerance = 1e-3f;  // the reference README's fp32-engine toler
 Deployment open_with_shape(const test::RefCase& rc, const std::string& shape) {
   const std::string yaml = "model: {path: \"" + rc.checkpoint.string() +
                            "\"}\n"
-                           "devices: {type: cpu, kernel_shape: " +
+                           "devices: {kernel_shape: " +
                            shape +
                            "}\n"
                            "kv_cache: {page_size: 16, pages: 64}\n";
   return Deployment::open(parse_deploy_config(yaml, "deploy.yaml"));
 }
 
-TEST(KernelShapeKey, AutoKeepsTheCpuShapeOnCpuDevicesAndCpuForcesIt) {
+// auto: the device's own shape (the chunked kernels on CPU devices, work-groups elsewhere); cpu
+// forces the chunked kernels on any device.
+TEST(KernelShapeKey, AutoKeepsEachDevicesShapeAndCpuForcesTheChunkedOne) {
   const test::RefCase rc = test::load_case("llama3-tiny-f32/short");
   for (const std::string shape : {"auto", "cpu"}) {
     Deployment d = open_with_shape(rc, shape);
     ASSERT_GE(d.devices->size(), 1u);
-    for (Device* dev : d.devices->devices())
-      EXPECT_EQ(dev->kernel_shape(), KernelShape::Chunks) << shape;
+    for (Device* dev : d.devices->devices()) {
+      const bool cpu = dev->info().kind == DeviceKind::Cpu;
+      EXPECT_EQ(dev->kernel_shape(),
+                shape == "cpu" || cpu ? KernelShape::Chunks : KernelShape::WorkGroups)
+          << shape << " on " << dev->label();
+    }
   }
 }
 
