@@ -5,7 +5,5 @@ kernel void read_sum(global const float* x, uint chunk16, global float* out) {
   global const float* p = x + (size_t)g * chunk16 * 16;
   float16 acc = (float16)(0.0f);
   for (uint i = 0; i < chunk16; ++i) acc += vload16(i, p);
-  const float8 a8 = acc.lo + acc.hi;
-  const float4 a4 = a8.lo + a8.hi;
-  out[g] = a4.x + a4.y + a4.z + a4.w;
+  out[g] = hsum16(acc);
 }

@@ -5,6 +5,15 @@ inline float bf16_to_f32(ushort b) { return as_float(((uint)b) << 16); }
 inline float8 bf16x8_to_f32(ushort8 b) { return as_float8(convert_uint8(b) << 16); }
 inline float16 bf16x16_to_f32(ushort16 b) { return as_float16(convert_uint16(b) << 16); }
 
+// The sum of 16 lanes, pairwise (halves, then quarters ...): every kernel that reduces a vector
+// accumulator uses this one order, so their results agree bit for bit.
+inline float hsum16(float16 v) {
+  const float8 a = v.lo + v.hi;
+  const float4 b = a.lo + a.hi;
+  const float2 c = b.lo + b.hi;
+  return c.x + c.y;
+}
+
 // The weight element type of kernels built with -DWEIGHT_TYPE=0|1|2 (f32 | bf16 | f16): wtype,
 // and loaders that widen to f32 in registers (a weight is never converted in memory).
 #ifdef WEIGHT_TYPE

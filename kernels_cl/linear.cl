@@ -64,13 +64,7 @@ inline void tile_dots(global const float* xr[TM], global const wtype* wr[TN],
 #pragma unroll
   for (int i = 0; i < TM; ++i)
 #pragma unroll
-    for (int j = 0; j < TN; ++j) {
-      const float16 a = acc[i][j];
-      const float8 s8 = a.lo + a.hi;
-      const float4 s4 = s8.lo + s8.hi;
-      const float2 s2 = s4.lo + s4.hi;
-      out[i][j] = s2.x + s2.y;
-    }
+    for (int j = 0; j < TN; ++j) out[i][j] = hsum16(acc[i][j]);
   for (uint k = K16 * 16; k < K; ++k) {
 #pragma unroll
     for (int i = 0; i < TM; ++i) {
@@ -184,10 +178,7 @@ kernel void linear_fused(global const float* x, uint x_off, uint ldx, global con
         const float16 v = vload16(k, xr[i]);
         ss16 = fma(v, v, ss16);
       }
-      const float8 s8 = ss16.lo + ss16.hi;
-      const float4 s4 = s8.lo + s8.hi;
-      const float2 s2 = s4.lo + s4.hi;
-      float ss = s2.x + s2.y;
+      float ss = hsum16(ss16);
       for (uint k = K / 16 * 16; k < K; ++k) ss = fma(xr[i][k], xr[i][k], ss);
       inv[i] = 1.0f / sqrt(ss / (float)K + eps);
 #endif

@@ -85,13 +85,7 @@ inline void linear_fp8_tile(global const float* x, uint x_off, uint ldx, global 
 #pragma unroll
   for (int i = 0; i < TM; ++i)
 #pragma unroll
-    for (int j = 0; j < TN; ++j) {
-      const float16 a = acc[i][j];
-      const float8 s8 = a.lo + a.hi;
-      const float4 s4 = s8.lo + s8.hi;
-      const float2 s2 = s4.lo + s4.hi;
-      out[i][j] = (s2.x + s2.y) * FP8_ACC_SCALE;
-    }
+    for (int j = 0; j < TN; ++j) out[i][j] = hsum16(acc[i][j]) * FP8_ACC_SCALE;
   // The K % 16 tail lies inside the last K block (128 is a multiple of 16); its decode is exact and
   // NaN-aware on its own.
   if (K16 * 16 < K) {

@@ -279,13 +279,7 @@ inline void grouped_tile(global const float* x, uint ldx, global const uint* x_r
 #pragma unroll
   for (int i = 0; i < TM; ++i)
 #pragma unroll
-    for (int j = 0; j < TN; ++j) {
-      const float16 a = acc[i][j];
-      const float8 s8 = a.lo + a.hi;
-      const float4 s4 = s8.lo + s8.hi;
-      const float2 s2 = s4.lo + s4.hi;
-      out[i][j] = (s2.x + s2.y) * ACC_OUT;
-    }
+    for (int j = 0; j < TN; ++j) out[i][j] = hsum16(acc[i][j]) * ACC_OUT;
 #if GROUPED_FP8
   if (K16 * 16 < K) {
     const float s_last = srow[KB - 1];

@@ -75,13 +75,6 @@ inline uint order_key(float x) {
   return u ^ ((0u - (u >> 31)) | 0x80000000u);
 }
 
-inline float hsum16(float16 v) {
-  const float8 a = v.lo + v.hi;
-  const float4 b = a.lo + a.hi;
-  const float2 c = b.lo + b.hi;
-  return c.x + c.y;
-}
-
 // The n (1..16) tokens from i; missing lanes read -inf (never allowed).
 inline float16 load_logits(global const float* row, uint i, uint n) {
   if (n == CHUNK) return vload16(0, row + i);

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "parallel/topology.h"
+#include "runtime/ops_lora.h"
 
 namespace clshard {
 
@@ -35,11 +36,8 @@ struct LoadOptions {
   size_t process() const { return mpi_ranks ? mpi_rank : 0; }
   // LoRA (the deployment's lora: section): PEFT adapter directories by name, in the order that
   // gives their ids (StepInputs::adapter_ids: 1 + the index here), the largest rank allowed and
-  // how many may be loaded at once (all are loaded at start, so at most that many).
-  struct LoraSpec {
-    std::string name;
-    std::filesystem::path dir;
-  };
+  // how many may be resident on a device at once (the others are uploaded when a step needs them).
+  using LoraSpec = clshard::LoraSpec;
   std::vector<LoraSpec> lora_adapters;
   uint32_t lora_max_rank = 64;
   uint32_t lora_max_loaded = 8;

@@ -37,6 +37,9 @@ class DataParallelLM : public CausalLM {
   std::vector<Device*> devices() const override;
   uint32_t num_replicas() const override { return uint32_t(replicas_.size()); }
   uint32_t num_lora_adapters() const override { return replicas_.front()->num_lora_adapters(); }
+  uint32_t max_loaded_lora_adapters() const override {
+    return replicas_.front()->max_loaded_lora_adapters();
+  }
 
  private:
   CausalLM& first() const { return *replicas_[first_]; }  // this process's first replica

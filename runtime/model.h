@@ -51,6 +51,9 @@ class CausalLM {
   virtual uint32_t num_replicas() const { return 1; }
   // LoRA adapters loaded (StepInputs::adapter_ids 1 .. this); 0 when the model has none.
   virtual uint32_t num_lora_adapters() const { return 0; }
+  // How many of them may be resident at once (lora.max_loaded): a step's rows, and a replica's
+  // running requests, run at most this many distinct adapters. 0 when the model has none.
+  virtual uint32_t max_loaded_lora_adapters() const { return 0; }
 };
 
 // A draft model for speculative decoding (NextN/MTP, Eagle3). It runs on the target's devices with

@@ -392,6 +392,23 @@ TEST(Lora, PlanCountsTheAdapters) {
       << err;
   const auto j = nlohmann::json::parse(out);
   EXPECT_EQ(j["devices"][0]["lora"].get<uint64_t>(), 2u * 16u * 2432u * 2u * 4u);
+  // lora.max_loaded 1: one slot per module on the device, half of that; the text says so too.
+  std::ofstream(dir / "deploy.yaml", std::ios::app) << "  max_loaded: 1\n";
+  ASSERT_EQ(test::run_clshard({"plan", (dir / "deploy.yaml").string(), "--device-memory", "1",
+                               "--json"},
+                              &out, &err),
+            0)
+      << err;
+  EXPECT_EQ(nlohmann::json::parse(out)["devices"][0]["lora"].get<uint64_t>(),
+            16u * 2432u * 2u * 4u);
+  ASSERT_EQ(test::run_clshard({"plan", (dir / "deploy.yaml").string(), "--device-memory", "1"},
+                              &out, &err),
+            0)
+      << err;
+  EXPECT_NE(out.find("lora: 2 adapter(s), at most 1 resident (lora.max_loaded), " +
+                     std::to_string(16u * 2432u * 2u * 4u) + " bytes on every device"),
+            std::string::npos)
+      << out;
 }
 
 }  // namespace

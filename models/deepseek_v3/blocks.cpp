@@ -32,7 +32,7 @@ MlaScratch::MlaScratch(Device& dev, const MlaParams& p, size_t rows)
 
 void mla_attention(Device& dev, const MlaWeights& a, const MlaParams& p, const cl::Mem& x,
                    uint32_t ldx, uint32_t T, const MlaCacheStep& cs, MlaScratch& s,
-                   const cl::Mem& h, uint32_t ldh, bool accumulate) {
+                   const cl::Mem& h, uint32_t ldh, bool accumulate, const LayerLora& lora) {
   const uint32_t Lq = p.q_lora, qkv_a_width = p.qkv_a_width(), q_width = p.q_width();
   const uint32_t att_width = p.att_width();
   const bool aq = p.fp8_act_quant;
@@ -42,13 +42,18 @@ void mla_attention(Device& dev, const MlaWeights& a, const MlaParams& p, const c
   };
   if (Lq > 0) {
     linear(x, ldx, a.q_a, s.qkv_a.mem(), 0, qkv_a_width, false);
+    lora.apply(kLoraQa, x, 0, ldx, s.qkv_a.mem(), 0, qkv_a_width);
     linear(x, ldx, a.kv_a, s.qkv_a.mem(), Lq, qkv_a_width, false);
+    lora.apply(kLoraKvA, x, 0, ldx, s.qkv_a.mem(), Lq, qkv_a_width);
     ops::rmsnorm(dev, s.qkv_a.mem(), 0, qkv_a_width, nullptr, a.q_a_norm, s.qa_norm.mem(), 0, Lq, T,
                  Lq, p.eps);
     linear(s.qa_norm.mem(), Lq, a.q_b, s.q.mem(), 0, q_width, false);
+    lora.apply(kLoraQb, s.qa_norm.mem(), 0, Lq, s.q.mem(), 0, q_width);
   } else {
     linear(x, ldx, a.q, s.q.mem(), 0, q_width, false);
+    lora.apply(kLoraQ, x, 0, ldx, s.q.mem(), 0, q_width);
     linear(x, ldx, a.kv_a, s.qkv_a.mem(), 0, qkv_a_width, false);
+    lora.apply(kLoraKvA, x, 0, ldx, s.qkv_a.mem(), 0, qkv_a_width);
   }
   ops::mla_rope_store(dev, s.q.mem(), 0, q_width, s.qkv_a.mem(), Lq, qkv_a_width, a.kv_a_norm,
                       p.eps, *cs.inv_freq, p.rope_factor, p.rope_interleave, p.shape, *cs.tokens,
@@ -61,20 +66,24 @@ void mla_attention(Device& dev, const MlaWeights& a, const MlaParams& p, const c
                                a.kv_b.w, &a.kv_b.scale_inv, p.shape, p.softmax_scale, s.att.mem(),
                                att_width);
   linear(s.att.mem(), att_width, a.o, h, 0, ldh, accumulate);
+  lora.apply(kLoraO, s.att.mem(), 0, att_width, h, 0, ldh);
 }
 
 void dense_mlp(Device& dev, const MlpWeights& m, const cl::Mem& x, uint32_t x_off, uint32_t ldx,
                uint32_t M, const cl::Mem& gu, const cl::Mem& y, uint32_t y_off, uint32_t ldy,
-               bool accumulate, bool fp8_act_quant) {
+               bool accumulate, bool fp8_act_quant, const LayerLora& lora) {
   const uint32_t F = m.gate.out_features();
   ops::linear_any(dev, x, x_off, ldx, m.gate.w, &m.gate.scale_inv, gu, 0, 2 * F, M, 1.0f, false,
                   fp8_act_quant);
+  lora.apply(kLoraGate, x, x_off, ldx, gu, 0, 2 * F);
   ops::linear_any(dev, x, x_off, ldx, m.up.w, &m.up.scale_inv, gu, F, 2 * F, M, 1.0f, false,
                   fp8_act_quant);
+  lora.apply(kLoraUp, x, x_off, ldx, gu, F, 2 * F);
   // silu(gate) * up over the gate half, then the down projection.
   ops::silu_mul(dev, gu, 0, 2 * F, gu, F, 2 * F, gu, 2 * F, M, F);
   ops::linear_any(dev, gu, 0, 2 * F, m.down.w, &m.down.scale_inv, y, y_off, ldy, M, 1.0f,
                   accumulate, fp8_act_quant);
+  lora.apply(kLoraDown, gu, 0, 2 * F, y, y_off, ldy);
 }
 
 void ReplicaLogits::prepare(const std::vector<Device*>& devs,

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "models/deepseek_v3/config.h"
+#include "models/deepseek_v3/lora.h"
 #include "models/deepseek_v3/weights.h"
 #include "runtime/ops_mla.h"
 #include "runtime/step_device.h"
@@ -54,16 +55,19 @@ struct MlaCacheStep {
 };
 
 // h[T, o_proj out] (+)= o_proj(MLA(x)) for x [T, a.kv_a.in_features()] at row stride ldx; writes
-// the T tokens' cache rows first.
+// the T tokens' cache rows first. `lora` adds the adapters' products to the projections' outputs
+// (q_a, q_b or q, kv_a before its norm and the cache, o).
 void mla_attention(Device& dev, const MlaWeights& a, const MlaParams& p, const cl::Mem& x,
                    uint32_t ldx, uint32_t T, const MlaCacheStep& cs, MlaScratch& s,
-                   const cl::Mem& h, uint32_t ldh, bool accumulate = true);
+                   const cl::Mem& h, uint32_t ldh, bool accumulate = true,
+                   const LayerLora& lora = {});
 
 // y[M, down out] (+)= down(silu(gate(x)) * up(x)), x rows of gate's in_features at stride ldx;
-// gu is scratch of at least M x 2 x gate's out_features floats.
+// gu is scratch of at least M x 2 x gate's out_features floats. `lora` (its M rows are the
+// step's tokens) adds the adapters' gate, up and down products.
 void dense_mlp(Device& dev, const MlpWeights& m, const cl::Mem& x, uint32_t x_off, uint32_t ldx,
                uint32_t M, const cl::Mem& gu, const cl::Mem& y, uint32_t y_off, uint32_t ldy,
-               bool accumulate, bool fp8_act_quant);
+               bool accumulate, bool fp8_act_quant, const LayerLora& lora = {});
 
 // The logits of a step whose rows run on data-parallel replicas with a replicated lm_head (MAX's
 // DP mode): replica r writes its rows' logits into buffer(r), and device 0's buffer, which the

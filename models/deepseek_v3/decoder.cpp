@@ -100,6 +100,15 @@ DecoderStack::DecoderStack(const DeepseekV3Config& cfg, const std::filesystem::p
 
 DecoderStack::~DecoderStack() = default;
 
+void DecoderStack::load_lora(const LoadOptions& opts) {
+  if (opts.lora_adapters.empty()) return;
+  const LoraTargets targets = lora_targets(cfg_);
+  auto adapters = std::make_shared<const std::vector<LoraAdapter>>(
+      read_lora_adapters(opts.lora_adapters, opts.lora_max_rank, targets));
+  for (auto& rep : replicas_)
+    if (rep.dev) rep.lora = LoraAdapters(*rep.dev, adapters, targets.modules, opts.lora_max_loaded);
+}
+
 std::vector<Device*> DecoderStack::devices() const {
   std::vector<Device*> d;
   for (const auto& r : replicas_)
@@ -280,7 +289,7 @@ void DecoderStack::moe(size_t layer, std::vector<ReplicaWork>& work) {
                      w.h.mem(), H, true);
     if (moe_of(r).shared)
       dense_mlp(*w.dev, moe_of(r).shared, w.xn.mem(), 0, H, w.T, w.gu.mem(), w.h.mem(), 0, H,
-                true, fp8_act_quant_);
+                true, fp8_act_quant_, LayerLora{&w.lora, layer});
   }
 }
 
@@ -291,12 +300,13 @@ void DecoderStack::attention(size_t l, ReplicaWork& w, Replica& rep) {
   ops::rmsnorm(dev, w.h.mem(), 0, H, nullptr, L.input_norm, w.xn.mem(), 0, H, w.T, H,
                mla_params_.eps);
   const MlaCacheStep cs{&rep.cache[l], &w.st.tokens, last_path_, &w.plan, &rep.inv_freq};
-  mla_attention(dev, L.attn, mla_params_, w.xn.mem(), H, w.T, cs, w.mla, w.h.mem(), H, true);
+  const LayerLora lora{&w.lora, l};
+  mla_attention(dev, L.attn, mla_params_, w.xn.mem(), H, w.T, cs, w.mla, w.h.mem(), H, true, lora);
   ops::rmsnorm(dev, w.h.mem(), 0, H, nullptr, L.post_attention_norm, w.xn.mem(), 0, H, w.T, H,
                mla_params_.eps);
   if (!L.is_moe)
     dense_mlp(dev, L.mlp, w.xn.mem(), 0, H, w.T, w.gu.mem(), w.h.mem(), 0, H, true,
-              fp8_act_quant_);
+              fp8_act_quant_, lora);
 }
 
 std::vector<ReplicaWork> DecoderStack::begin_step(const StepInputs& in, uint32_t vocab,
@@ -335,6 +345,7 @@ std::vector<ReplicaWork> DecoderStack::begin_step(const StepInputs& in, uint32_t
     w.xn = Scratch(dev, t * std::max(H, input_width) * 4);
     w.mla = MlaScratch(dev, mla_params_, t);
     w.gu = Scratch(dev, t * 2 * std::max(ffn, Fs) * 4);
+    w.lora = replicas_[r].lora.bind(w.in);
   }
   return work;
 }

@@ -28,6 +28,7 @@
 
 #include "models/deepseek_v3/blocks.h"
 #include "models/deepseek_v3/config.h"
+#include "models/deepseek_v3/lora.h"
 #include "models/deepseek_v3/weights.h"
 #include "parallel/placement.h"
 #include "parallel/topology.h"
@@ -54,6 +55,7 @@ struct ReplicaWork {
   uint32_t T = 0;
   Scratch h, xn, gu;
   MlaScratch mla;
+  LoraAdapters::Batch lora;  // the step's adapters on this replica (inactive: none)
 };
 
 class DecoderStack {
@@ -114,6 +116,14 @@ class DecoderStack {
   // states returned to the caller).
   ReplicaHidden hidden_buffer(size_t r, uint32_t rows, uint32_t width);
 
+  // LoRA: reads and checks opts.lora_adapters against the model (lora.h) once, and gives every
+  // local replica its own resident set of at most opts.lora_max_loaded. The drafts' stacks load
+  // none (their layers run the base model).
+  void load_lora(const LoadOptions& opts);
+  uint32_t lora_adapters() const { return replicas_.at(first_local_).lora.count(); }
+  uint32_t lora_slots() const { return replicas_.at(first_local_).lora.slots(); }
+  const LoraAdapters& lora(size_t r) const { return replicas_.at(r).lora; }
+
   float eps() const { return float(cfg_.rms_norm_eps); }
   bool fp8_act_quant() const { return fp8_act_quant_; }
 
@@ -126,6 +136,7 @@ class DecoderStack {
     std::vector<cl::Mem> cache;
     cl::Mem hidden;  // hidden states returned by the last step
     size_t hidden_capacity = 0;
+    LoraAdapters lora;
   };
 
   void attention(size_t l, ReplicaWork& w, Replica& rep);

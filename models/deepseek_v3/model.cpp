@@ -34,6 +34,7 @@ DeepseekV3Model::DeepseekV3Model(const std::filesystem::path& dir, const LoadOpt
     stack_.set_layers(r, weights_.back().layers);
   }
   mtp_layers_ = mtp_layers_present(cfg_, *store_);
+  stack_.load_lora(opts);
 
   info_.architecture = cfg_.architecture;
   info_.vocab_size = uint32_t(cfg_.vocab_size);

@@ -56,6 +56,8 @@ class DeepseekV3Model : public CausalLM {
   StepOutputs forward(const StepInputs& step) override;
   std::vector<Device*> devices() const override;
   uint32_t num_replicas() const override { return uint32_t(stack_.replicas()); }
+  uint32_t num_lora_adapters() const override { return stack_.lora_adapters(); }
+  uint32_t max_loaded_lora_adapters() const override { return stack_.lora_slots(); }
 
   const DeepseekV3Config& config() const { return cfg_; }
   // Replica 0's weights (its routed experts are EP rank 0's block).

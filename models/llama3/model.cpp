@@ -164,7 +164,7 @@ StepOutputs Llama3Model::forward(const StepInputs& in) {
     w.qkv = Scratch(*s.dev, t * w.qkv_w * 4);
     w.att = Scratch(*s.dev, t * w.nh * hd * 4);
     // LoRA runs gate and up unfused, side by side (2 * f); the fused path writes f.
-    w.gu = Scratch(*s.dev, t * (lora_.adapters > 0 ? 2 : 1) * w.f * 4);
+    w.gu = Scratch(*s.dev, t * (lora_.count() > 0 ? 2 : 1) * w.f * 4);
     if (comm_) w.part = Scratch(*s.dev, t * H * 4);
     work.push_back(std::move(w));
   }
@@ -181,24 +181,14 @@ StepOutputs Llama3Model::forward(const StepInputs& in) {
   out.logits = logits_;
   if (T == 0) return out;
 
-  // LoRA: each token's adapter slot (-1: the base model), when a row runs an adapter.
-  std::optional<Scratch> lora_slot, lora_v;
-  if (lora_.adapters > 0 && std::any_of(in.adapter_ids.begin(), in.adapter_ids.end(),
-                                        [](uint32_t a) { return a != 0; })) {
-    std::vector<int32_t> slot(T, -1);
-    for (size_t b = 0; b < in.num_rows(); ++b)
-      for (uint32_t i = in.input_row_offsets[b]; i < in.input_row_offsets[b + 1]; ++i)
-        slot[i] = int32_t(in.adapter_ids[b]) - 1;
-    lora_slot.emplace(dev0, size_t(T) * 4);
-    dev0.write(lora_slot->mem(), slot.data(), size_t(T) * 4);
-    lora_v.emplace(dev0, size_t(T) * lora_.max_rank * 4);
-  }
+  // LoRA: the rows' adapters made resident, each token's slot on the device (inactive when no
+  // row runs an adapter).
+  const LoraAdapters::Batch lora_batch = lora_.bind(in);
+  const bool lora_slot = lora_batch.active();
   // y += alpha * B (A x) of layer l's target t, for the tokens whose row runs an adapter.
   auto lora = [&](size_t l, LoraTarget t, const cl::Mem& x, uint32_t ldx, const cl::Mem& y,
                   uint32_t y_off, uint32_t ldy, float alpha) {
-    if (lora_slot)
-      ops::lora(dev0, x, 0, ldx, lora_.layers[l][t], lora_slot->mem(), lora_v->mem(), y, y_off,
-                ldy, T, alpha);
+    lora_batch.apply(lora_module(l, t), x, 0, ldx, y, y_off, ldy, alpha);
   };
 
   // The ranks' partial sums (of the embedding shards, of o_proj and down_proj over their

@@ -40,7 +40,8 @@ class Llama3Model : public CausalLM {
   // The returned logits buffer is the model's and stays valid until the next forward.
   StepOutputs forward(const StepInputs& step) override;
   std::vector<Device*> devices() const override;
-  uint32_t num_lora_adapters() const override { return lora_.adapters; }
+  uint32_t num_lora_adapters() const override { return lora_.count(); }
+  uint32_t max_loaded_lora_adapters() const override { return lora_.slots(); }
 
   const Llama3Config& config() const { return cfg_; }
 
@@ -66,7 +67,7 @@ class Llama3Model : public CausalLM {
   uint32_t num_pages_ = 0, page_size_ = 0;
   cl::Mem logits_;  // on the first device; every rank writes its vocabulary columns
   size_t logits_capacity_ = 0;
-  LlamaLora lora_;  // LoRA adapters (one device only)
+  LoraAdapters lora_;  // LoRA adapters (one device only)
 };
 
 }  // namespace clshard::llama3

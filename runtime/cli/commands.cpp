@@ -379,7 +379,8 @@ int run(int argc, char** argv) {
       for (const auto& [name, dir] : cfg.lora.adapters) dirs.push_back(dir);
       try {
         // Which modules a model supports is checked when it loads: here any module counts.
-        shape.lora_bytes = lora_stack_bytes(dirs, uint32_t(cfg.lora.max_rank), {});
+        shape.lora_bytes = lora_stack_bytes(dirs, uint32_t(cfg.lora.max_rank),
+                                            uint32_t(cfg.lora.max_loaded), {});
       } catch (const std::exception& e) {
         throw std::runtime_error(cfg.where("lora.adapters") + ": " + e.what());
       }
@@ -439,7 +440,9 @@ int run(int argc, char** argv) {
                 << shape.draft_kv_bytes_per_token << " cache bytes per token; both in the "
                 << "figures below\n";
     if (shape.lora_bytes > 0)
-      std::cout << "lora: " << cfg.lora.adapters.size() << " adapter(s), " << shape.lora_bytes
+      std::cout << "lora: " << cfg.lora.adapters.size() << " adapter(s), at most "
+                << std::min<size_t>(cfg.lora.adapters.size(), size_t(cfg.lora.max_loaded))
+                << " resident (lora.max_loaded), " << shape.lora_bytes
                 << " bytes on every device (in the weights below)\n";
     std::cout << parallel::format_device_plan(rows, shape);
   });

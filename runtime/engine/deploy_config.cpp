@@ -585,11 +585,6 @@ class Parser {
         cfg_.lora.max_loaded = int(integer(v, p, line, "a positive integer", 1, 4096));
       }
     });
-    if (int(cfg_.lora.adapters.size()) > cfg_.lora.max_loaded)
-      fail_at("lora.max_loaded", std::to_string(cfg_.lora.adapters.size()) +
-                                     " adapters declared, but at most " +
-                                     std::to_string(cfg_.lora.max_loaded) +
-                                     " may be loaded (every declared adapter is loaded at start)");
   }
 
   void parse_job(const YAML::Node& m) {

@@ -122,11 +122,12 @@ struct SpeculativeSection {
 };
 
 // LoRA adapters (Hugging Face PEFT directories) a request may name in its `lora` field; the base
-// weights are never modified. Every declared adapter is loaded at start.
+// weights are never modified. Every declared adapter is read at start; at most max_loaded are
+// resident on a device, the others uploaded when a request needs them (least recently used out).
 struct LoraSection {
   std::vector<std::pair<std::string, std::filesystem::path>> adapters;  // name -> dir, file order
   int max_rank = 64;   // an adapter of a higher rank is an error
-  int max_loaded = 8;  // adapters resident at once (so: at most this many declared)
+  int max_loaded = 8;  // adapters resident on a device at once (others wait to be uploaded)
   bool operator==(const LoraSection&) const = default;
 };
 

@@ -100,7 +100,7 @@ Deployment Deployment::open(const DeployConfig& cfg) {
   }
   if (!cfg.lora.adapters.empty() && d.model->num_lora_adapters() != cfg.lora.adapters.size())
     throw std::runtime_error(cfg.where("lora.adapters") + ": LoRA adapters are supported on " +
-                             "Llama 3 models only so far; " + d.model->info().architecture +
+                             "Llama 3 and DeepSeek-V3 models; " + d.model->info().architecture +
                              " loaded none");
   if (std::filesystem::exists(cfg.model.path / "tokenizer.json"))
     d.tokenizer = Tokenizer::from_dir(cfg.model.path);

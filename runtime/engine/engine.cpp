@@ -66,7 +66,11 @@ Engine::Engine(CausalLM& model, const Tokenizer* tokenizer, const SchedulerLimit
   }
   stats_.speculative.drafted_at.assign(spec_.num_tokens, 0);
   stats_.speculative.accepted_at.assign(spec_.num_tokens, 0);
-  for (uint32_t r = 0; r < model.num_replicas(); ++r) schedulers_.emplace_back(limits);
+  // The running requests of a replica use at most the adapters its device holds at once.
+  SchedulerLimits replica_limits = limits;
+  if (model.max_loaded_lora_adapters() > 0)
+    replica_limits.max_loaded_adapters = model.max_loaded_lora_adapters();
+  for (uint32_t r = 0; r < model.num_replicas(); ++r) schedulers_.emplace_back(replica_limits);
   handle_of_.resize(schedulers_.size());
   if (model.kv_num_pages() < limits.total_pages || model.kv_page_size() != limits.page_size)
     throw std::logic_error("Engine: the model's KV cache does not match the scheduler's pages");

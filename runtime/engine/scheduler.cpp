@@ -303,8 +303,14 @@ Scheduler::Plan Scheduler::plan_step() {
   fit_drafts(plan);
   // 3. Admission, FIFO: the front request waits (and so do those behind it) until the pages of its
   // first chunk are free. A preempted request sits at the front with its whole sequence pending.
+  // With a limit on resident LoRA adapters, a request whose adapter cannot join the running ones
+  // lets those behind it whose adapters can go first (S-LoRA): they run while it waits.
   while (!plan.preempted && !waiting_.empty() && rows_left() && tokens_left() > 0) {
-    Request& r = request(waiting_.front());
+    const auto next = std::find_if(waiting_.begin(), waiting_.end(), [&](uint64_t h) {
+      return adapter_fits(requests_.at(h).adapter_id);
+    });
+    if (next == waiting_.end()) break;
+    Request& r = request(*next);
     if (limits_.prefix_caching) {
       take_cached_prefix(r);
       if (next_page_in_progress(r)) {
@@ -322,12 +328,23 @@ Scheduler::Plan Scheduler::plan_step() {
     cached_tokens_ += r.computed;
     r.cached_tokens += r.computed;
     r.prefill_end = uint32_t(r.tokens.size());
-    waiting_.pop_front();
+    waiting_.erase(next);
     running_.push_back(r.handle);
     plan.rows.push_back({r.handle, chunk});
     plan.tokens += chunk;
   }
   return plan;
+}
+
+bool Scheduler::adapter_fits(uint32_t adapter_id) const {
+  if (adapter_id == 0 || limits_.max_loaded_adapters == 0) return true;
+  std::vector<uint32_t> in_use;
+  for (uint64_t h : running_) {
+    const uint32_t a = requests_.at(h).adapter_id;
+    if (a == adapter_id) return true;
+    if (a != 0 && std::find(in_use.begin(), in_use.end(), a) == in_use.end()) in_use.push_back(a);
+  }
+  return in_use.size() < limits_.max_loaded_adapters;
 }
 
 // The drafts' pages, from the free pages only: a row whose drafts need more than are free feeds

@@ -93,6 +93,10 @@ struct SchedulerLimits {
   // Reuse published full pages of equal prefixes (see above). Off: every page is private and
   // freed when its request ends, as before prefix caching.
   bool prefix_caching = false;
+  // LoRA: the distinct adapters the running requests may use at once (the model's resident
+  // slots, lora.max_loaded); a request with another adapter waits at the front until one of them
+  // has no running request left. 0: no limit.
+  uint32_t max_loaded_adapters = 0;
 };
 
 // Why a request ended. (Not batch_io.h's FinishReason, which names only what an output record can
@@ -280,6 +284,8 @@ class Scheduler {
   uint64_t row_end(const Request& r, uint32_t fed, uint32_t drafts) const;
   bool place(Request& r, uint32_t num_tokens, Plan& plan);
   void fit_drafts(Plan& plan);
+  // Whether a request with this adapter may run beside the running ones (max_loaded_adapters).
+  bool adapter_fits(uint32_t adapter_id) const;
   void preempt(uint64_t handle, Plan& plan);
   ScheduledStep build_step(const Plan& plan);
   // Prefix caching.
