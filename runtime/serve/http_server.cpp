@@ -187,6 +187,9 @@ class OpenAiServer::Http {
     server.new_task_queue = [max_connections] { return new ConnectionThreads(max_connections); };
     server.set_payload_max_length(64u << 20);
     server.set_keep_alive_timeout(5);
+    // A stream writes one small chunk per token: with Nagle's algorithm a chunk written while the
+    // previous one waits for its (delayed) ACK sits in the kernel for up to 40 ms.
+    server.set_tcp_nodelay(true);
     server.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
       if (s_.settings_.api_key.empty() || req.path.rfind("/v1/", 0) != 0)
         return httplib::Server::HandlerResponse::Unhandled;
