@@ -41,3 +41,47 @@ kernel void lora_expand(global const float* v, global const float* B,
     yr[n] = fma(c, acc, yr[n]);
   }
 }
+
+// Both products in one launch (what ops::lora runs for max_rank <= WG): one work-group of WG
+// items per token. The items split K for v = A_s x (each keeping MAXR partial sums), the partial
+// sums meet in local memory, then the items split N for y += alpha * scale[s] * B_s v. Built with
+// -DWG and -DMAXR (the stack's max_rank, at most WG). Slot and rank are the same for every item
+// of a group, so a group leaves before its barriers whole or not at all.
+#ifdef MAXR
+kernel void lora_fused(global const float* x, uint x_off, uint ldx, global const float* A,
+                       global const float* B, global const int* token_slot,
+                       global const uint* rank, global const float* scale, uint K, uint N,
+                       float alpha, global float* y, uint y_off, uint ldy) {
+  local float part[MAXR * WG];
+  local float v[MAXR];
+  const uint t = get_group_id(0), lid = get_local_id(0);
+  const int s = token_slot[t];
+  if (s < 0) return;
+  const uint r = rank[s];
+  if (r == 0) return;
+  global const float* xr = x + x_off + (size_t)t * ldx;
+  global const float* a = A + (size_t)s * MAXR * K;
+  float acc[MAXR];
+  for (uint j = 0; j < r; ++j) acc[j] = 0.0f;
+  for (uint k = lid; k < K; k += WG) {
+    const float xk = xr[k];
+    for (uint j = 0; j < r; ++j) acc[j] = fma(a[(size_t)j * K + k], xk, acc[j]);
+  }
+  for (uint j = 0; j < r; ++j) part[j * WG + lid] = acc[j];
+  barrier(CLK_LOCAL_MEM_FENCE);
+  if (lid < r) {
+    float sum = 0.0f;
+    for (uint i = 0; i < WG; ++i) sum += part[lid * WG + i];
+    v[lid] = sum;
+  }
+  barrier(CLK_LOCAL_MEM_FENCE);
+  const float c = alpha * scale[s];
+  global const float* b = B + (size_t)s * N * MAXR;
+  global float* yr = y + y_off + (size_t)t * ldy;
+  for (uint n = lid; n < N; n += WG) {
+    float sum = 0.0f;
+    for (uint j = 0; j < r; ++j) sum = fma(b[(size_t)n * MAXR + j], v[j], sum);
+    yr[n] = fma(c, sum, yr[n]);
+  }
+}
+#endif

@@ -3,8 +3,12 @@
 //      with prefix caching off and on: wall time, prefill positions computed, hit rate;
 //   2. decode throughput at batch 32 with 0, 1 and 4 LoRA adapters of rank 16 on all seven Llama
 //      targets (random weights, written under .cache/lora-bench), the requests spread evenly.
-// Usage: bench_prefix_lora [MODEL_DIR] [--preset NAME] [--requests N] [--prefix P] [--skip-prefix]
-//        [--skip-lora]   (default: the llama3-1b preset in bf16, 64 requests, 512-token prefix)
+// Each figure is the median of --repeat runs (3), each run printed with the 1-minute load average
+// before it (the machine may be shared).
+// Usage: bench_prefix_lora [MODEL_DIR] [--preset NAME] [--requests N] [--prefix P] [--repeat R]
+//        [--skip-prefix] [--skip-lora]
+//        (default: the llama3-1b preset in bf16, 64 requests, 512-token prefix)
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -68,17 +72,31 @@ void write_adapter(const fs::path& dir, const nlohmann::json& cfg, uint32_t seed
   write_safetensors(dir / "adapter_model.safetensors", t);
 }
 
+// The 1-minute load average (/proc/loadavg), -1 where there is none.
+double load_average() {
+  std::ifstream f("/proc/loadavg");
+  double l = -1;
+  f >> l;
+  return l;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   fs::path dir;
   std::string preset = "llama3-1b";
-  uint32_t n_requests = 64, prefix_len = 512;
+  uint32_t n_requests = 64, prefix_len = 512, repeat = 3;
   bool do_prefix = true, do_lora = true;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--preset") && i + 1 < argc) preset = argv[++i];
     else if (!std::strcmp(argv[i], "--requests") && i + 1 < argc) n_requests = std::stoul(argv[++i]);
     else if (!std::strcmp(argv[i], "--prefix") && i + 1 < argc) prefix_len = std::stoul(argv[++i]);
+    else if (!std::strcmp(argv[i], "--repeat") && i + 1 < argc) repeat = std::stoul(argv[++i]);
     else if (!std::strcmp(argv[i], "--skip-prefix")) do_prefix = false;
     else if (!std::strcmp(argv[i], "--skip-lora")) do_lora = false;
     else dir = argv[i];
@@ -92,33 +110,40 @@ int main(int argc, char** argv) {
     std::printf("%s on %s: %u requests sharing a %u-token prefix (+8 tokens each), 8 output "
                 "tokens, greedy\n",
                 dir.c_str(), dev.info().name.c_str(), n_requests, prefix_len);
-    std::printf("%8s %10s %16s %16s %10s\n", "caching", "wall s", "prefill computed",
-                "cached", "hit rate");
+    std::printf("%8s %6s %6s %10s %16s %16s %10s\n", "caching", "run", "load", "wall s",
+                "prefill computed", "cached", "hit rate");
     for (bool caching : {false, true}) {
-      SchedulerLimits lim;
-      lim.max_batch_size = 32;
-      lim.max_batch_input_tokens = 2048;
-      lim.page_size = 128;
-      lim.total_pages = 32 * ((prefix_len + 16 + 127) / 128 + 1);
-      lim.prefix_caching = caching;
-      model->allocate_kv_cache(lim.total_pages, lim.page_size);
-      Engine engine(*model, nullptr, lim);
-      for (uint32_t r = 0; r < n_requests; ++r) {
-        GenerationRequest req;
-        for (uint32_t i = 0; i < prefix_len; ++i) req.prompt.push_back(int32_t(1000 + i * 7));
-        for (uint32_t i = 0; i < 8; ++i) req.prompt.push_back(int32_t(5000 + r * 31 + i));
-        req.max_tokens = 8;
-        req.sampling.temperature = 0;
-        engine.submit(std::move(req));
+      std::vector<double> walls;
+      for (uint32_t run = 0; run < repeat; ++run) {
+        SchedulerLimits lim;
+        lim.max_batch_size = 32;
+        lim.max_batch_input_tokens = 2048;
+        lim.page_size = 128;
+        lim.total_pages = 32 * ((prefix_len + 16 + 127) / 128 + 1);
+        lim.prefix_caching = caching;
+        model->allocate_kv_cache(lim.total_pages, lim.page_size);
+        Engine engine(*model, nullptr, lim);
+        for (uint32_t r = 0; r < n_requests; ++r) {
+          GenerationRequest req;
+          for (uint32_t i = 0; i < prefix_len; ++i) req.prompt.push_back(int32_t(1000 + i * 7));
+          for (uint32_t i = 0; i < 8; ++i) req.prompt.push_back(int32_t(5000 + r * 31 + i));
+          req.max_tokens = 8;
+          req.sampling.temperature = 0;
+          engine.submit(std::move(req));
+        }
+        const double load = load_average();
+        const auto t0 = Clock::now();
+        while (engine.has_work()) engine.step();
+        const double wall = seconds_since(t0);
+        walls.push_back(wall);
+        const auto& s = engine.stats();
+        std::printf("%8s %6u %6.2f %10.2f %16llu %16llu %9.1f%%\n", caching ? "on" : "off", run,
+                    load, wall, (unsigned long long)s.prefill_tokens,
+                    (unsigned long long)s.cached_prompt_tokens, 100.0 * s.prefix_hit_rate());
+        std::fflush(stdout);
       }
-      const auto t0 = Clock::now();
-      while (engine.has_work()) engine.step();
-      const double wall = seconds_since(t0);
-      const auto& s = engine.stats();
-      std::printf("%8s %10.2f %16llu %16llu %9.1f%%\n", caching ? "on" : "off", wall,
-                  (unsigned long long)s.prefill_tokens,
-                  (unsigned long long)s.cached_prompt_tokens, 100.0 * s.prefix_hit_rate());
-      std::fflush(stdout);
+      std::printf("%8s median wall %.2f s over %u runs\n", caching ? "on" : "off", median(walls),
+                  repeat);
     }
   }
 
@@ -136,30 +161,39 @@ int main(int argc, char** argv) {
     std::printf("\ndecode at batch %u, prompts of 32 tokens, %u output tokens, rank-16 adapters on "
                 "q/k/v/o/gate/up/down\n",
                 batch, gen);
-    std::printf("%9s %14s %16s\n", "adapters", "decode tok/s", "vs base");
+    std::printf("%9s %6s %6s %14s\n", "adapters", "run", "load", "decode tok/s");
     double base = 0;
     for (uint32_t adapters : {0u, 1u, 4u}) {
-      SchedulerLimits lim;
-      lim.max_batch_size = batch;
-      lim.page_size = 128;
-      lim.total_pages = batch + 1;
-      model->allocate_kv_cache(lim.total_pages, lim.page_size);
-      Engine engine(*model, nullptr, lim);
-      for (uint32_t r = 0; r < batch; ++r) {
-        GenerationRequest req;
-        for (uint32_t i = 0; i < 32; ++i) req.prompt.push_back(int32_t(1000 + r * 97 + i * 13));
-        req.max_tokens = gen;
-        req.sampling.temperature = 0;
-        req.adapter_id = adapters ? 1 + r % adapters : 0;
-        engine.submit(std::move(req));
+      std::vector<double> rates;
+      for (uint32_t run = 0; run < repeat; ++run) {
+        SchedulerLimits lim;
+        lim.max_batch_size = batch;
+        lim.page_size = 128;
+        lim.total_pages = batch + 1;
+        model->allocate_kv_cache(lim.total_pages, lim.page_size);
+        Engine engine(*model, nullptr, lim);
+        for (uint32_t r = 0; r < batch; ++r) {
+          GenerationRequest req;
+          for (uint32_t i = 0; i < 32; ++i) req.prompt.push_back(int32_t(1000 + r * 97 + i * 13));
+          req.max_tokens = gen;
+          req.sampling.temperature = 0;
+          req.adapter_id = adapters ? 1 + r % adapters : 0;
+          engine.submit(std::move(req));
+        }
+        engine.step();  // the prefill of every prompt
+        const uint64_t tokens_before = engine.stats().output_tokens;
+        const double load = load_average();
+        const auto t0 = Clock::now();
+        while (engine.has_work()) engine.step();
+        const double tps = double(engine.stats().output_tokens - tokens_before) / seconds_since(t0);
+        rates.push_back(tps);
+        std::printf("%9u %6u %6.2f %14.1f\n", adapters, run, load, tps);
+        std::fflush(stdout);
       }
-      engine.step();  // the prefill of every prompt
-      const uint64_t tokens_before = engine.stats().output_tokens;
-      const auto t0 = Clock::now();
-      while (engine.has_work()) engine.step();
-      const double tps = double(engine.stats().output_tokens - tokens_before) / seconds_since(t0);
-      if (adapters == 0) base = tps;
-      std::printf("%9u %14.1f %15.1f%%\n", adapters, tps, 100.0 * tps / base);
+      const double m = median(rates);
+      if (adapters == 0) base = m;
+      std::printf("%9u median %.1f tok/s over %u runs, %.1f%% of the base model's\n", adapters, m,
+                  repeat, 100.0 * m / base);
       std::fflush(stdout);
     }
   }

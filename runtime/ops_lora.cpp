@@ -330,6 +330,19 @@ void lora(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const Lor
           const cl::Mem& token_slot, const cl::Mem& v, const cl::Mem& y, uint32_t y_off,
           uint32_t ldy, uint32_t T, float alpha) {
   if (stack.empty() || T == 0) return;
+  // One launch per module (lora_fused) while a token's partial sums fit a work-group's local
+  // memory; the shrink / expand pair past that.
+  constexpr uint32_t wg = 64;
+  if (stack.max_rank <= wg) {
+    cl::Kernel k = dev.kernel("lora.cl", "lora_fused",
+                              "-DWG=" + std::to_string(wg) +
+                                  " -DMAXR=" + std::to_string(stack.max_rank));
+    cl::set_args(k, x, x_off, ldx, stack.A, stack.B, token_slot, stack.rank, stack.scale,
+                 stack.in, stack.out, alpha, y, y_off, ldy);
+    const size_t local[3] = {wg, 1, 1};
+    dev.launch(k, {size_t(T) * wg, 1, 1}, 1, local);
+    return;
+  }
   constexpr uint32_t chunk = 64;  // CHUNK in lora.cl
   cl::Kernel shrink = dev.kernel("lora.cl", "lora_shrink");
   cl::set_args(shrink, x, x_off, ldx, stack.A, token_slot, stack.rank, stack.max_rank, stack.in,

@@ -1,6 +1,7 @@
 // LoRA adapters: Hugging Face PEFT directories read and checked on the host, stacked per layer
 // target on the device, and the segmented low-rank op (kernels_cl/lora.cl) that applies every
-// adapter of a batch in one launch pair, row by row (Punica / S-LoRA). The base weights are never
+// adapter of a batch in one launch (a shrink / expand pair past rank 64), row by row (Punica /
+// S-LoRA). The base weights are never
 // touched: a target's output gets y += alpha * (lora_alpha / r) * B (A x) for the tokens whose
 // request names an adapter. Model-agnostic: a model says which modules it supports and their
 // shapes.
@@ -149,7 +150,8 @@ uint64_t lora_stack_bytes(const std::vector<std::filesystem::path>& dirs, uint32
 namespace ops {
 
 // y[t, y_off + n] += alpha * scale[s] * (B_s A_s x[t])[n] for t < T with s = token_slot[t] >= 0
-// (int [T]); rows with -1 are left alone. v is scratch of T * stack.max_rank floats.
+// (int [T]); rows with -1 are left alone. v is scratch of T * stack.max_rank floats (used when
+// max_rank is above 64: one launch per call up to that, a shrink and an expand past it).
 void lora(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const LoraStack& stack,
           const cl::Mem& token_slot, const cl::Mem& v, const cl::Mem& y, uint32_t y_off,
           uint32_t ldy, uint32_t T, float alpha = 1.0f);

@@ -2,6 +2,8 @@
 # Fuzzes clshard's parsers with libFuzzer under ASan + UBSan (clang; the regular build does not
 # need it). One target per input surface (tests/fuzz/fuzz_entries.h).
 #   bash scripts/fuzz.sh [TARGET|all] [SECONDS per target, default 120]
+#   bash scripts/fuzz.sh all 0     replay only: every seed and kept crasher once through each target
+#                                  under ASan + UBSan, no fuzzing (scripts/test.sh runs this in CI)
 # Crashes, hangs (> 1 s per input), leaks and sanitizer reports land in build-fuzz/artifacts/TARGET/;
 # keep each as tests/fuzz/regressions/TARGET/NAME (the suite replays them) once fixed.
 set -euo pipefail
@@ -25,10 +27,12 @@ status=0
 for t in "${targets[@]}"; do
   corpus="build-fuzz/corpus/$t" artifacts="build-fuzz/artifacts/$t/"
   mkdir -p "$corpus" "$artifacts"
-  echo "== $t: ${seconds}s" >&2
+  [ "$seconds" = 0 ] && echo "== $t: replay" >&2 || echo "== $t: ${seconds}s" >&2
   log="build-fuzz/fuzz-$t.log"
   # -timeout=1: an input that takes over a second is a hang; -rss_limit_mb: a memory blow-up.
-  if ! "build-fuzz/tests/fuzz/fuzz_$t" "$corpus" "$seeds/$t" -max_total_time="$seconds" \
+  # SECONDS 0: -runs=0 executes the inputs of the corpus folders once and stops.
+  if [ "$seconds" = 0 ]; then budget=(-runs=0); else budget=(-max_total_time="$seconds"); fi
+  if ! "build-fuzz/tests/fuzz/fuzz_$t" "$corpus" "$seeds/$t" "${budget[@]}" \
       -timeout=1 -rss_limit_mb=2048 -max_len=65536 -dict="tests/fuzz/dict/${dict[$t]}.dict" \
       -artifact_prefix="$artifacts" -print_final_stats=1 > "$log" 2>&1; then
     status=1

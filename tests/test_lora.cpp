@@ -1,7 +1,8 @@
 // LoRA adapters on Llama 3 (runtime/ops_lora.h, models/llama3/lora.h), against merged weights:
 //   * a request running an adapter gives, at every position, the logits of a checkpoint whose
 //     weights the test merged (W + (alpha / r) B A, computed in double) within 1e-4, for adapters
-//     the test writes (random A and B; rank 4 on q/v/o/down_proj, rank 16 on all seven targets);
+//     the test writes (random A and B; rank 4 on q/v/o/down_proj, rank 16 on all seven targets,
+//     rank 72 on q/o/down_proj, past the one-launch kernel's 64);
 //   * a mixed batch (three adapters and the base model in one step) gives each row the logits it
 //     gets alone, and through the engine the greedy tokens it gets alone;
 //   * bad input: an adapter for another base model (shapes, layers), a rank above max_rank, a
@@ -208,6 +209,23 @@ TEST(Lora, LogitsEqualTheMergedCheckpointsWithin1e4) {
   }
   // Without an adapter the model with adapters loaded is the base model.
   EXPECT_LE(max_diff(logits_of(*model, seqs, {0})[0], base_logits), 0.0f);
+}
+
+// Ranks above 64 take the shrink / expand pair instead of the one-launch kernel: the same merged
+// equality, with a rank-72 adapter beside a rank-4 one (slots padded to 72).
+TEST(Lora, RanksAbove64EqualTheMergedCheckpointToo) {
+  Rig rig;
+  const TestAdapter r72 =
+      write_adapter(rig.root / "r72", 72, 16.0, {"q_proj", "o_proj", "down_proj"}, 9);
+  auto model = load_with({{"r4", rig.r4_dir}, {"r72", rig.root / "r72"}}, base_dir(), 128);
+  const std::vector<std::vector<int32_t>> seqs = {sequence(6, 13)};
+  for (uint32_t id : {1u, 2u}) {
+    auto merged = load_model(write_merged(rig.root / ("merged_big" + std::to_string(id)),
+                                          id == 1 ? rig.r4 : r72),
+                             LoadOptions{{&test::default_device()}, std::nullopt});
+    EXPECT_LE(max_diff(logits_of(*model, seqs, {id})[0], logits_of(*merged, seqs, {0})[0]), 1e-4f)
+        << "adapter " << id;
+  }
 }
 
 TEST(Lora, AMixedBatchGivesEachRowWhatItGetsAlone) {

@@ -211,7 +211,7 @@ StepOutputs Llama3Model::forward(const StepInputs& in) {
       Device& d = *shards_[r].dev;
       const LayerWeights& L = shards_[r].w.layers[l];
       Work& w = work[r];
-      if (L.q_bias || lora_slot) {  // the norm, then one GEMV (bias, LoRA) per projection
+      if (L.q_bias) {  // the norm, then one GEMV (with its bias, and LoRA) per projection
         const Weight* qb = L.q_bias ? &L.q_bias : nullptr;
         const Weight* kb = L.q_bias ? &L.k_bias : nullptr;
         const Weight* vb = L.q_bias ? &L.v_bias : nullptr;
@@ -225,6 +225,12 @@ StepOutputs Llama3Model::forward(const StepInputs& in) {
       } else {  // norm, q, k and v in one launch
         ops::linear_fused(d, w.h.mem(), 0, H, nullptr, &L.input_norm, eps, {&L.q, &L.k, &L.v},
                           w.qkv.mem(), 0, w.qkv_w, T);
+        if (lora_slot) {  // LoRA adds to q, k and v from the normed input, which it needs apart
+          ops::rmsnorm(d, w.h.mem(), 0, H, nullptr, L.input_norm, w.xn.mem(), 0, H, T, H, eps);
+          lora(l, kLoraQ, w.xn.mem(), H, w.qkv.mem(), 0, w.qkv_w, 1.0f);
+          lora(l, kLoraK, w.xn.mem(), H, w.qkv.mem(), w.nh * hd, w.qkv_w, 1.0f);
+          lora(l, kLoraV, w.xn.mem(), H, w.qkv.mem(), (w.nh + w.nkv) * hd, w.qkv_w, 1.0f);
+        }
       }
       ops::rope_store_kv(d, w.qkv.mem(), w.qkv_w, w.nh, w.nkv, hd, shards_[r].inv_freq,
                          shards_[r].inv_freq_long, long_from_, w.st.tokens, shards_[r].kv[l]);
