@@ -11,8 +11,11 @@
 #include <atomic>
 #include <chrono>
 #include <filesystem>
+#include <cstring>
 #include <fstream>
 #include <future>
+#include <map>
+#include <random>
 #include <regex>
 #include <set>
 #include <sstream>
@@ -23,6 +26,7 @@
 #include "models/registry.h"
 #include "runtime/engine/batch_job.h"
 #include "runtime/engine/deployment.h"
+#include "runtime/safetensors.h"
 #include "runtime/serve/http_server.h"
 #include "runtime/serve/metrics.h"
 #include "runtime/serve/openai_api.h"
@@ -173,8 +177,8 @@ TEST(OpenAiApi, BadRequestsNameTheField) {
   EXPECT_EQ(e.param, "messages[0].role");
   EXPECT_STREQ(e.what(), "messages[0].role: expected a non-empty string, got 1");
   e = parse_error(Endpoint::ChatCompletions,
-                  R"({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2})");
-  EXPECT_STREQ(e.what(), "n: expected 1 (one choice per request), got 2");
+                  R"({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 0})");
+  EXPECT_STREQ(e.what(), "n: expected an integer in [1, 128], got 0");
   e = parse_error(Endpoint::Completions,
                   R"({"model": "m", "prompt": "x", "stream_options": {"include_usage": true}})");
   EXPECT_STREQ(e.what(), "stream_options: only allowed with stream: true");
@@ -185,6 +189,121 @@ TEST(OpenAiApi, BadRequestsNameTheField) {
   e = parse_error(Endpoint::Completions, R"({"model": "m", "prompt": "x",)");
   EXPECT_EQ(e.status, 400);
   EXPECT_EQ(std::string(e.what()).rfind("the body is not valid JSON", 0), 0u) << e.what();
+}
+
+// The request features: structured output kept as given (key order too), logprobs in each
+// endpoint's own form, penalties, n, seed, stop; and the 400s that name the field.
+TEST(OpenAiApi, RequestFeatures) {
+  auto c = serve::parse_api_request(
+      Endpoint::Completions,
+      R"({"model": "m", "prompt": "x", "logprobs": 3, "n": 4, "seed": 9, "stop": "\n",
+          "frequency_penalty": 0.5, "presence_penalty": -0.25, "repetition_penalty": 1.3,
+          "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema":
+            {"type": "object", "properties": {"z": {"type": "integer"}, "a": {"type": "null"}}}}},
+          "regex": null})",
+      SamplingDefaults{});
+  EXPECT_TRUE(c.sampling.logprobs);
+  EXPECT_EQ(c.sampling.top_logprobs, 3);
+  EXPECT_EQ(c.sampling.n, 4);
+  EXPECT_EQ(c.sampling.seed, 9u);
+  EXPECT_EQ(c.sampling.stop, std::vector<std::string>{"\n"});
+  EXPECT_FLOAT_EQ(c.sampling.frequency_penalty, 0.5f);
+  EXPECT_FLOAT_EQ(c.sampling.presence_penalty, -0.25f);
+  EXPECT_FLOAT_EQ(c.sampling.repetition_penalty, 1.3f);
+  ASSERT_TRUE(c.response_format);
+  EXPECT_EQ(c.response_format->dump(),
+            R"({"type":"json_schema","json_schema":{"name":"p","schema":{"type":"object",)"
+            R"("properties":{"z":{"type":"integer"},"a":{"type":"null"}}}}})")
+      << "the schema's key order is kept";
+  EXPECT_FALSE(c.regex);
+
+  auto chat = serve::parse_api_request(
+      Endpoint::ChatCompletions,
+      R"({"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": true,
+          "top_logprobs": 2, "regex": "[a-z]+", "max_completion_tokens": 3})",
+      SamplingDefaults{});
+  EXPECT_TRUE(chat.sampling.logprobs);
+  EXPECT_EQ(chat.sampling.top_logprobs, 2);
+  EXPECT_EQ(chat.regex, std::optional<std::string>("[a-z]+"));
+  EXPECT_EQ(chat.sampling.max_tokens, 3);
+
+  const std::string msgs = R"("model": "m", "messages": [{"role": "user", "content": "x"}])";
+  struct Case {
+    Endpoint endpoint;
+    std::string body, param, message;
+  };
+  const std::vector<Case> cases = {
+      {Endpoint::ChatCompletions, "{" + msgs + R"(, "logprobs": 2})", "logprobs",
+       "logprobs: expected true or false (the number of top tokens goes in top_logprobs), got 2"},
+      {Endpoint::ChatCompletions, "{" + msgs + R"(, "top_logprobs": 2})", "top_logprobs",
+       "top_logprobs: needs logprobs: true"},
+      {Endpoint::ChatCompletions, "{" + msgs + R"(, "logprobs": true, "top_logprobs": 21})",
+       "top_logprobs", "top_logprobs: expected an integer in [0, 20], got 21"},
+      {Endpoint::Completions, R"({"model": "m", "prompt": "x", "logprobs": true})", "logprobs",
+       "logprobs: expected the number of top tokens to return (an integer in [0, 20]), got true"},
+      {Endpoint::Completions, R"({"model": "m", "prompt": "x", "logprobs": 21})", "logprobs",
+       "logprobs: expected true, false or an integer in [0, 20], got 21"},
+      {Endpoint::ChatCompletions, "{" + msgs + R"(, "response_format": "json"})",
+       "response_format",
+       "response_format: expected an object like {\"type\": \"json_object\"}, got \"json\""},
+      {Endpoint::ChatCompletions, "{" + msgs + R"(, "regex": 5})", "regex",
+       "regex: expected a string (a pattern the whole output must match), got 5"},
+      {Endpoint::ChatCompletions, "{" + msgs + R"(, "frequency_penalty": 3})",
+       "frequency_penalty", "frequency_penalty: expected a number in [-2, 2], got 3"},
+      {Endpoint::ChatCompletions, "{" + msgs + R"(, "n": 129})", "n",
+       "n: expected an integer in [1, 128], got 129"},
+      {Endpoint::ChatCompletions, "{" + msgs + R"(, "seed": -1})", "seed",
+       "seed: expected an integer >= 0, got -1"},
+      {Endpoint::ChatCompletions, "{" + msgs + R"(, "stop": [""]})", "stop",
+       "stop[0]: expected a non-empty string, got \"\""},
+  };
+  for (const Case& k : cases) {
+    const ApiError e = parse_error(k.endpoint, k.body);
+    EXPECT_EQ(e.status, 400) << k.body;
+    EXPECT_EQ(e.param, k.param) << k.body;
+    EXPECT_EQ(std::string(e.what()), k.message) << k.body;
+  }
+  const ApiError tl = parse_error(Endpoint::Completions,
+                                  R"({"model": "m", "prompt": "x", "top_logprobs": 2})");
+  EXPECT_EQ(tl.param, "top_logprobs");
+  EXPECT_EQ(std::string(tl.what()).rfind("top_logprobs: unsupported field", 0), 0u) << tl.what();
+}
+
+// Log-probabilities in OpenAI's shapes, in responses and stream chunks.
+TEST(OpenAiApi, LogprobsShapes) {
+  // Token 11 is the last byte of "é" (a byte-level token that is part of a UTF-8 character): its
+  // text is U+FFFD, its bytes its own.
+  std::vector<RecordLogprobs> lps(2);
+  lps[0].chosen = {7, "Hi", -0.5f, ""};
+  lps[0].top = {{7, "Hi", -0.5f, ""}, {9, " x", -1.25f, ""}};
+  lps[1].chosen = {11, "\xEF\xBF\xBD", -2.0f, "\xA9"};
+  lps[1].top = {{11, "\xEF\xBF\xBD", -2.0f, "\xA9"}};
+  serve::ApiRequest req;
+  req.endpoint = Endpoint::ChatCompletions;
+  serve::ResponseMeta meta{"chatcmpl-1", 7, "m"};
+  EXPECT_EQ(json::parse(
+                serve::stream_chunk(req, meta, 1, "Hi", {}, false, std::nullopt, &lps).dump()),
+            json::parse(
+            R"({"id":"chatcmpl-1","object":"chat.completion.chunk","created":7,"model":"m",)"
+            R"("choices":[{"index":1,"delta":{"content":"Hi"},"logprobs":{"content":[)"
+            R"({"token":"Hi","logprob":-0.5,"bytes":[72,105],"top_logprobs":[)"
+            R"({"token":"Hi","logprob":-0.5,"bytes":[72,105]},)"
+            R"({"token":" x","logprob":-1.25,"bytes":[32,120]}]},)"
+            R"({"token":"�","logprob":-2.0,"bytes":[169],"top_logprobs":[)"
+            R"({"token":"�","logprob":-2.0,"bytes":[169]}]}]},"finish_reason":null}]})"));
+  req.endpoint = Endpoint::Completions;
+  serve::ChoiceOutput choice{"Hi\xC3\xA9", {7, 11}, EndReason::Stop, lps};
+  const json r = json::parse(
+      serve::response_json(req, {"cmpl-1", 7, "m"}, {choice}, {3, 2}).dump());
+  EXPECT_EQ(r["choices"][0]["logprobs"],
+            json::parse(R"({"tokens": ["Hi", "�"], "token_logprobs": [-0.5, -2.0],
+                            "top_logprobs": [{"Hi": -0.5, " x": -1.25}, {"�": -2.0}],
+                            "text_offset": [0, 2]})"));
+  // A stream chunk's offsets continue from the text sent before it.
+  const json chunk = json::parse(
+      serve::stream_chunk(req, {"cmpl-1", 7, "m"}, 0, "x", {}, false, std::nullopt, &lps, 5)
+          .dump());
+  EXPECT_EQ(chunk["choices"][0]["logprobs"]["text_offset"], json::parse("[5, 7]"));
 }
 
 TEST(OpenAiApi, ChunksAndResponses) {
@@ -295,11 +414,17 @@ struct Reply {
   httplib::Headers headers;
 };
 
+std::vector<std::string> adapter_names(const DeployConfig& cfg) {
+  std::vector<std::string> names;
+  for (const auto& [name, dir] : cfg.lora.adapters) names.push_back(name);
+  return names;
+}
+
 // A loopback server on a free port, the model loaded.
 class LiveServer {
  public:
   explicit LiveServer(const DeployConfig& cfg, bool attach = true)
-      : cfg_(cfg), server_(cfg.serve, "llama3-tiny", cfg.sampling) {
+      : cfg_(cfg), server_(cfg.serve, "llama3-tiny", cfg.sampling, adapter_names(cfg)) {
     port_ = server_.bind();
     server_.start();
     if (attach) this->attach();
@@ -604,6 +729,376 @@ TEST(Server, SixtyFourConcurrentStreamsGetTheirOwnTokens) {
                 s.metric("clshard_requests_finished_total{outcome=\"stop\"}"),
             2 * clients);
   EXPECT_EQ(s.metric("clshard_kv_pages_used"), 0);
+}
+
+// Per-choice token ids and texts of a stream with n choices.
+std::map<int, std::pair<std::vector<int32_t>, std::string>> stream_choices(const std::string& body,
+                                                                           bool chat) {
+  std::map<int, std::pair<std::vector<int32_t>, std::string>> out;
+  for (const json& chunk : parse_sse(body, chat).chunks)
+    for (const json& c : chunk["choices"]) {
+      auto& [ids, text] = out[c["index"].get<int>()];
+      if (c.contains("token_ids"))
+        for (int32_t t : c["token_ids"]) ids.push_back(t);
+      text += chat ? c["delta"].value("content", "") : c["text"].get<std::string>();
+    }
+  return out;
+}
+
+// Structured output through the server: a json_schema response that parses and validates, a
+// regex, n choices (each its own seed, choice 0 the n = 1 answer, streamed the same), and the 400s
+// of schemas and patterns the compiler refuses, naming the field.
+TEST(Server, StructuredOutputAndChoices) {
+  LiveServer s(tiny_config());
+  const json schema = json::parse(R"({"type": "object", "properties": {
+      "name": {"type": "string", "maxLength": 6}, "n": {"type": "integer"},
+      "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},
+      "required": ["name", "n"], "additionalProperties": false})");
+  json chat = {{"model", "llama3-tiny"},
+               {"messages", {{{"role", "user"}, {"content", "Give me JSON"}}}},
+               {"temperature", 1.0},
+               {"seed", 3},
+               {"n", 3},
+               {"max_tokens", 200},
+               {"return_token_ids", true},
+               {"response_format",
+                {{"type", "json_schema"}, {"json_schema", {{"name", "thing"}, {"schema", schema}}}}}};
+  Reply r = s.post("/v1/chat/completions", chat);
+  ASSERT_EQ(r.status, 200) << r.body;
+  json j = json::parse(r.body);
+  ASSERT_EQ(j["choices"].size(), 3u);
+  size_t tokens = 0;
+  std::set<std::string> texts;
+  for (size_t i = 0; i < 3; ++i) {
+    const json& c = j["choices"][i];
+    EXPECT_EQ(c["index"], i);
+    EXPECT_EQ(c["finish_reason"], "stop") << "the output completes well within 200 tokens";
+    const std::string text = c["message"]["content"];
+    texts.insert(text);
+    const json v = json::parse(text);  // throws (fails the test) when it does not parse
+    ASSERT_TRUE(v.is_object()) << text;
+    ASSERT_TRUE(v.contains("name") && v["name"].is_string()) << text;
+    EXPECT_LE(v["name"].get<std::string>().size(), 6u * 4) << text;  // 6 characters, UTF-8
+    ASSERT_TRUE(v.contains("n") && v["n"].is_number_integer()) << text;
+    for (const auto& [k, val] : v.items()) EXPECT_TRUE(k == "name" || k == "n" || k == "tags");
+    if (v.contains("tags")) {
+      ASSERT_TRUE(v["tags"].is_array());
+      EXPECT_LE(v["tags"].size(), 3u);
+      for (const json& t : v["tags"]) EXPECT_TRUE(t == "a" || t == "b") << text;
+    }
+    tokens += c["token_ids"].size();
+  }
+  EXPECT_GT(texts.size(), 1u) << "three choices, three seeds";
+  EXPECT_EQ(j["usage"]["completion_tokens"], tokens) << "usage counts every choice";
+
+  // Choice 0 is the answer of the same request with n = 1; the stream gives each choice the
+  // tokens of the whole answer.
+  json one = chat;
+  one["n"] = 1;
+  json j1 = json::parse(s.post("/v1/chat/completions", one).body);
+  EXPECT_EQ(j1["choices"][0]["token_ids"], j["choices"][0]["token_ids"]);
+  chat["stream"] = true;
+  auto streamed = stream_choices(s.post_stream("/v1/chat/completions", chat).body, true);
+  ASSERT_EQ(streamed.size(), 3u);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(streamed[i].first, j["choices"][i]["token_ids"].get<std::vector<int32_t>>()) << i;
+    EXPECT_EQ(streamed[i].second, j["choices"][i]["message"]["content"]) << i;
+  }
+
+  // The regex extension on completions.
+  json rx = completion_body("Code:", 11, 40, false);
+  rx["regex"] = "[0-9]{3}-[a-z]{2}";
+  Reply rr = s.post("/v1/completions", rx);
+  ASSERT_EQ(rr.status, 200) << rr.body;
+  const std::string code = json::parse(rr.body)["choices"][0]["text"];
+  EXPECT_TRUE(std::regex_match(code, std::regex("[0-9]{3}-[a-z]{2}"))) << code;
+
+  // What the compiler refuses: 400, the field and the JSON path in it.
+  struct Case {
+    json extra;
+    std::string param, message;
+  };
+  const std::vector<Case> cases = {
+      {json::parse(R"({"response_format": {"type": "json_schema", "json_schema": {"name": "x",
+          "schema": {"type": "object", "properties": {"age": {"type": "integer",
+          "minimum": 0}}}}}})"),
+       "response_format",
+       "response_format.json_schema.schema.properties.age: unsupported keyword 'minimum'"},
+      {json::parse(R"({"response_format": {"type": "yaml"}})"), "response_format", ""},
+      {json::parse(R"({"regex": "a(b"})"), "regex", "regex: at offset 3: missing ')'"},
+      {json{{"regex", "[0-9]+"},
+            {"response_format", {{"type", "json_schema"}, {"json_schema", {{"schema", schema}}}}}},
+       "regex", "regex: cannot be combined with a response_format of type json_schema"},
+  };
+  for (const Case& k : cases) {
+    json body = completion_body("x", 1, 8, false);
+    for (const auto& [key, v] : k.extra.items()) body[key] = v;
+    Reply e = s.post("/v1/completions", body);
+    EXPECT_EQ(e.status, 400) << e.body;
+    const json err = json::parse(e.body)["error"];
+    EXPECT_EQ(err["type"], "invalid_request_error");
+    EXPECT_EQ(err["param"], k.param) << err;
+    if (!k.message.empty()) {
+      EXPECT_EQ(err["message"], k.message);
+    } else {
+      EXPECT_EQ(err["message"].get<std::string>().rfind("response_format.type: ", 0), 0u) << err;
+    }
+  }
+  EXPECT_EQ(s.metric("clshard_kv_pages_used"), 0);
+}
+
+// Penalties and logprobs: the stream gives exactly the tokens (and log-probabilities) of the
+// non-streaming answer for the same seed, and both are the batch job's for the same request.
+TEST(Server, PenaltiesAndLogprobsStreamEqualsWholeAndBatchJob) {
+  const json sampling = {{"temperature", 1.0},        {"seed", 77},
+                         {"max_tokens", 24},          {"frequency_penalty", 0.8},
+                         {"presence_penalty", 0.5},   {"repetition_penalty", 1.3}};
+  json chat = {{"model", "llama3-tiny"},
+               {"messages", {{{"role", "user"}, {"content", "Repeat after me: la la la"}}}},
+               {"logprobs", true},
+               {"top_logprobs", 3}};
+  json completion = {{"model", "llama3-tiny"}, {"prompt", "la la la la"}, {"logprobs", 2}};
+  for (const auto& [k, v] : sampling.items()) chat[k] = completion[k] = v;
+
+  const fs::path dir = test::temp_dir("server-penalties-vs-batch");
+  {
+    std::ofstream in(dir / "in.jsonl");
+    in << json{{"custom_id", "chat"}, {"url", "/v1/chat/completions"}, {"body", chat}}.dump()
+       << "\n"
+       << json{{"custom_id", "cmpl"}, {"url", "/v1/completions"}, {"body", completion}}.dump()
+       << "\n";
+  }
+  DeployConfig job_cfg = tiny_config();
+  job_cfg.job.input = dir / "in.jsonl";
+  job_cfg.job.output = dir / "out.jsonl";
+  std::map<std::string, json> batch;
+  {
+    Deployment d = Deployment::open(job_cfg);
+    std::ostringstream log;
+    run_batch_job(d, log);
+    std::ifstream out(dir / "out.jsonl");
+    for (std::string line; std::getline(out, line);) {
+      json j = json::parse(line);
+      ASSERT_FALSE(j.contains("error")) << j;
+      batch[j["custom_id"]] = j;
+    }
+  }
+  ASSERT_EQ(batch.size(), 2u);
+
+  // Log-probabilities agree within 1e-5 (the same computation; the batch job's run may batch the
+  // two requests together).
+  auto near = [](const json& a, const json& b, const std::string& what) {
+    ASSERT_EQ(a.size(), b.size()) << what;
+    for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i].get<double>(), b[i].get<double>(), 1e-5)
+        << what << "[" << i << "]";
+  };
+  auto chat_lps = [](const json& content) {
+    std::vector<double> v;
+    for (const json& e : content) {
+      v.push_back(e["logprob"]);
+      for (const json& t : e["top_logprobs"]) v.push_back(t["logprob"]);
+    }
+    return json(v);
+  };
+  auto chat_tokens = [](const json& content) {
+    std::vector<std::string> v;
+    for (const json& e : content) {
+      v.push_back(e["token"]);
+      for (const json& t : e["top_logprobs"]) v.push_back(t["token"]);
+    }
+    return v;
+  };
+
+  LiveServer s(tiny_config());
+  chat["return_token_ids"] = completion["return_token_ids"] = true;
+  // Chat.
+  Reply whole = s.post("/v1/chat/completions", chat);
+  ASSERT_EQ(whole.status, 200) << whole.body;
+  const json w = json::parse(whole.body)["choices"][0];
+  const json b = batch["chat"]["response"]["body"]["choices"][0];
+  EXPECT_EQ(w["token_ids"], batch["chat"]["token_ids"]);
+  EXPECT_EQ(w["message"]["content"], b["message"]["content"]);
+  const json& content = w["logprobs"]["content"];
+  ASSERT_EQ(content.size(), w["token_ids"].size());
+  for (const json& e : content) {
+    EXPECT_EQ(e["top_logprobs"].size(), 3u);
+    EXPECT_LE(e["logprob"].get<double>(), 0.0);
+    EXPECT_TRUE(e["bytes"].is_array());
+    EXPECT_GE(e["top_logprobs"][0]["logprob"].get<double>(),
+              e["top_logprobs"][2]["logprob"].get<double>());
+  }
+  EXPECT_EQ(chat_tokens(content), chat_tokens(b["logprobs"]["content"]));
+  near(chat_lps(content), chat_lps(b["logprobs"]["content"]), "chat vs batch");
+
+  chat["stream"] = true;
+  const std::string sbody = s.post_stream("/v1/chat/completions", chat).body;
+  Sse sse = parse_sse(sbody, true);
+  EXPECT_TRUE(sse.done);
+  EXPECT_EQ(sse.token_ids, w["token_ids"].get<std::vector<int32_t>>());
+  EXPECT_EQ(sse.text, w["message"]["content"]);
+  json streamed_content = json::array();
+  for (const json& c : sse.chunks)
+    for (const json& ch : c["choices"])
+      if (!ch["logprobs"].is_null())
+        for (const json& e : ch["logprobs"]["content"]) streamed_content.push_back(e);
+  EXPECT_EQ(chat_tokens(streamed_content), chat_tokens(content));
+  near(chat_lps(streamed_content), chat_lps(content), "chat stream vs whole");
+
+  // Completions: logprobs: 2.
+  Reply cw = s.post("/v1/completions", completion);
+  ASSERT_EQ(cw.status, 200) << cw.body;
+  const json c = json::parse(cw.body)["choices"][0];
+  const json cb = batch["cmpl"]["response"]["body"]["choices"][0];
+  EXPECT_EQ(c["token_ids"], batch["cmpl"]["token_ids"]);
+  EXPECT_EQ(c["text"], cb["text"]);
+  const json& lp = c["logprobs"];
+  ASSERT_EQ(lp["tokens"].size(), c["token_ids"].size());
+  EXPECT_EQ(lp["tokens"], cb["logprobs"]["tokens"]);
+  EXPECT_EQ(lp["text_offset"], cb["logprobs"]["text_offset"]);
+  near(lp["token_logprobs"], cb["logprobs"]["token_logprobs"], "completions vs batch");
+  for (const json& top : lp["top_logprobs"]) EXPECT_LE(top.size(), 2u);
+  completion["stream"] = true;
+  Sse cs = parse_sse(s.post_stream("/v1/completions", completion).body, false);
+  EXPECT_EQ(cs.token_ids, c["token_ids"].get<std::vector<int32_t>>());
+  EXPECT_EQ(cs.text, c["text"]);
+  json tokens = json::array(), token_lps = json::array(), offsets = json::array(),
+       tops = json::array();
+  for (const json& chunk : cs.chunks)
+    for (const json& ch : chunk["choices"])
+      if (!ch["logprobs"].is_null())
+        for (size_t i = 0; i < ch["logprobs"]["tokens"].size(); ++i) {
+          tokens.push_back(ch["logprobs"]["tokens"][i]);
+          token_lps.push_back(ch["logprobs"]["token_logprobs"][i]);
+          offsets.push_back(ch["logprobs"]["text_offset"][i]);
+          tops.push_back(ch["logprobs"]["top_logprobs"][i]);
+        }
+  EXPECT_EQ(tokens, lp["tokens"]);
+  EXPECT_EQ(offsets, lp["text_offset"]) << "offsets run on across chunks";
+  near(token_lps, lp["token_logprobs"], "completions stream vs whole");
+  ASSERT_EQ(tops.size(), lp["top_logprobs"].size());
+}
+
+// A PEFT adapter with random A and B on every q_proj and v_proj of the tiny checkpoint.
+void write_test_adapter(const fs::path& dir, const fs::path& checkpoint) {
+  const json cfg = json::parse(std::ifstream(checkpoint / "config.json"));
+  const int64_t hidden = cfg["hidden_size"], layers = cfg["num_hidden_layers"];
+  const int64_t heads = cfg["num_attention_heads"];
+  const int64_t kv = cfg.value("num_key_value_heads", heads) * (hidden / heads);
+  const int64_t rank = 8;
+  fs::create_directories(dir);
+  std::ofstream(dir / "adapter_config.json")
+      << json{{"r", rank}, {"lora_alpha", 16}, {"target_modules", {"q_proj", "v_proj"}},
+              {"peft_type", "LORA"}}
+             .dump();
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> u(-0.3f, 0.3f);
+  std::vector<TensorToWrite> tensors;
+  auto add = [&](const std::string& name, int64_t rows, int64_t cols) {
+    std::vector<uint8_t> bytes(size_t(rows * cols) * 4);
+    for (size_t i = 0; i < bytes.size(); i += 4) {
+      const float x = u(rng);
+      std::memcpy(bytes.data() + i, &x, 4);
+    }
+    tensors.push_back({name, DType::F32, {rows, cols}, std::move(bytes)});
+  };
+  for (int64_t l = 0; l < layers; ++l)
+    for (const auto& [m, out] : std::vector<std::pair<std::string, int64_t>>{{"q_proj", hidden},
+                                                                             {"v_proj", kv}}) {
+      const std::string base =
+          "base_model.model.model.layers." + std::to_string(l) + ".self_attn." + m;
+      add(base + ".lora_A.weight", rank, hidden);
+      add(base + ".lora_B.weight", out, rank);
+    }
+  write_safetensors(dir / "adapter_model.safetensors", tensors);
+}
+
+// `model` may name a LoRA adapter of the deployment: /v1/models lists it beside the base model,
+// a request naming it runs on it (the batch job's tokens for a line with that `lora`), and an
+// unknown name stays 404.
+TEST(Server, ModelNamesALoraAdapter) {
+  const fs::path dir = test::temp_dir("server-lora");
+  write_test_adapter(dir / "tuned", tiny_checkpoint());
+  DeployConfig cfg = parse_deploy_config(
+      "model: {path: " + tiny_checkpoint().string() +
+          "}\n"
+          "devices: {type: cpu}\n"
+          "kv_cache: {page_size: 16, pages: 128}\n"
+          "sampling: {temperature: 0.0, max_tokens: 12}\n"
+          "lora: {adapters: {tuned: " + (dir / "tuned").string() + "}, max_rank: 8}\n"
+          "serve: {port: 0}\n",
+      "server-lora.yaml");
+  {
+    std::ofstream in(dir / "in.jsonl");
+    in << R"({"id": "t", "prompt": "The adapter says", "lora": "tuned"})" << "\n"
+       << R"({"id": "b", "prompt": "The adapter says"})" << "\n";
+  }
+  DeployConfig job_cfg = cfg;
+  job_cfg.job.input = dir / "in.jsonl";
+  job_cfg.job.output = dir / "out.jsonl";
+  std::map<std::string, std::vector<int32_t>> batch;
+  {
+    Deployment d = Deployment::open(job_cfg);
+    std::ostringstream log;
+    run_batch_job(d, log);
+    std::ifstream out(dir / "out.jsonl");
+    for (std::string line; std::getline(out, line);) {
+      json j = json::parse(line);
+      ASSERT_FALSE(j.contains("error")) << j;
+      batch[j["id"]] = j["token_ids"].get<std::vector<int32_t>>();
+    }
+  }
+  ASSERT_NE(batch["t"], batch["b"]) << "the adapter changes the greedy tokens";
+
+  LiveServer s(cfg);
+  json models = json::parse(s.get("/v1/models").body);
+  ASSERT_EQ(models["data"].size(), 2u);
+  EXPECT_EQ(models["data"][0]["id"], "llama3-tiny");
+  EXPECT_TRUE(models["data"][0]["parent"].is_null());
+  EXPECT_EQ(models["data"][1]["id"], "tuned");
+  EXPECT_EQ(models["data"][1]["parent"], "llama3-tiny");
+
+  for (const auto& [name, id] : std::vector<std::pair<std::string, std::string>>{
+           {"tuned", "t"}, {"llama3-tiny", "b"}}) {
+    json body = {{"model", name}, {"prompt", "The adapter says"}, {"return_token_ids", true}};
+    Reply r = s.post("/v1/completions", body);
+    ASSERT_EQ(r.status, 200) << r.body;
+    const json j = json::parse(r.body);
+    EXPECT_EQ(j["model"], name);
+    EXPECT_EQ(j["choices"][0]["token_ids"].get<std::vector<int32_t>>(), batch[id]) << name;
+    body["stream"] = true;
+    EXPECT_EQ(parse_sse(s.post_stream("/v1/completions", body).body, false).token_ids, batch[id])
+        << name << ", streamed";
+  }
+  Reply unknown = s.post("/v1/completions", {{"model", "tuned2"}, {"prompt", "x"}});
+  EXPECT_EQ(unknown.status, 404);
+  EXPECT_EQ(json::parse(unknown.body)["error"]["message"],
+            "The model `tuned2` does not exist (this server serves `llama3-tiny`, `tuned`).");
+}
+
+// A client that gives up waiting for a whole (non-streaming) answer and closes its connection
+// cancels the request: its pages go back and it does not run to max_tokens.
+TEST(Server, ClientGoneBeforeTheWholeAnswerFreesItsPages) {
+  LiveServer s(tiny_config());
+  json body = completion_body("a long story", 5, 2000, false);
+  body["ignore_eos"] = true;  // it runs 2000 tokens unless cancelled
+  {
+    httplib::Client cli("127.0.0.1", s.port());
+    cli.set_read_timeout(0, 300000);  // gives up after 0.3 s, and closes the connection
+    auto r = cli.Post("/v1/completions", body.dump(), "application/json");
+    EXPECT_FALSE(r) << "2000 tokens do not fit in 0.3 s on this model";
+  }
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(15);
+  double used = -1, cancelled = 0;
+  while (std::chrono::steady_clock::now() < deadline) {
+    used = s.metric("clshard_kv_pages_used");
+    cancelled = s.metric("clshard_requests_finished_total{outcome=\"cancelled\"}");
+    if (used == 0 && cancelled == 1) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_EQ(used, 0) << "KV pages back within 15 s of the disconnect";
+  EXPECT_EQ(cancelled, 1);
+  EXPECT_LT(s.metric("clshard_generation_tokens_total"), 2000) << "it did not run to the end";
+  EXPECT_EQ(s.get("/health").status, 200);
 }
 
 TEST(Server, OverloadAnswers429AndHealthKeepsAnswering) {

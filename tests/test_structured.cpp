@@ -7,6 +7,7 @@
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <pcre2.h>
 
+#include <cmath>
 #include <random>
 #include <set>
 
@@ -260,6 +261,18 @@ TEST(StructuredMasks, MatchesTheRegexThemselves) {
   EXPECT_FALSE(n.matches("x,y"));
   EXPECT_FALSE(n.matches("xxxx,y"));
   EXPECT_FALSE(n.matches("xx"));
+}
+
+// Numbers: at most 16 integer digits and 2 exponent digits, so every number the grammar allows is
+// a finite double (nlohmann refuses 471e658, which the former 3 exponent digits allowed).
+TEST(StructuredMasks, NumbersStayFiniteDoubles) {
+  const ByteDfa d = ByteDfa::build(json_schema_regex(ordered_json{{"type", "number"}}, "s"));
+  for (const char* ok : {"0", "-12.5", "1e99", "9999999999999999.9999999999999999E+99", "3e-7"}) {
+    EXPECT_TRUE(d.matches(ok)) << ok;
+    EXPECT_TRUE(std::isfinite(nlohmann::json::parse(ok).get<double>())) << ok;
+  }
+  for (const char* bad : {"1e100", "471e658", "1e", "01", "1.", "--1", "12345678901234567"})
+    EXPECT_FALSE(d.matches(bad)) << bad;
 }
 
 // The tokenizer of `make-model --preset llama3-tiny` (512 tokens), made once per process.

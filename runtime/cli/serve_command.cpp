@@ -92,7 +92,9 @@ void run_server(const ServeFlags& flags) {
   } join_signals{done, signals};
 
   const std::string name = served_model_name(cfg);
-  serve::OpenAiServer server(cfg.serve, name, cfg.sampling);
+  std::vector<std::string> adapters;
+  for (const auto& [adapter, dir] : cfg.lora.adapters) adapters.push_back(adapter);
+  serve::OpenAiServer server(cfg.serve, name, cfg.sampling, adapters);
   const int port = server.bind();
   server.start();
   std::cerr << "clshard serve: listening on http://" << cfg.serve.host << ":" << port

@@ -696,26 +696,30 @@ ordered_json token_bytes(const std::string& s) {
   return b;
 }
 
-// OpenAI's chat shape: {"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}.
-ordered_json chat_logprobs(const std::vector<RecordLogprobs>& lps) {
+ordered_json token_bytes(const TokenLogprobText& t) {
+  return token_bytes(t.bytes.empty() ? t.token : t.bytes);
+}
+
+}  // namespace
+
+ordered_json openai_chat_logprobs(const std::vector<RecordLogprobs>& lps) {
   ordered_json content = ordered_json::array();
   for (const RecordLogprobs& e : lps) {
     ordered_json top = ordered_json::array();
     for (const auto& t : e.top)
       top.push_back({{"token", t.token}, {"logprob", logprob_value(t.logprob)},
-                     {"bytes", token_bytes(t.token)}});
+                     {"bytes", token_bytes(t)}});
     content.push_back({{"token", e.chosen.token}, {"logprob", logprob_value(e.chosen.logprob)},
-                       {"bytes", token_bytes(e.chosen.token)}, {"top_logprobs", top}});
+                       {"bytes", token_bytes(e.chosen)}, {"top_logprobs", top}});
   }
   return {{"content", content}};
 }
 
-// OpenAI's completions shape: {"tokens", "token_logprobs", "top_logprobs": [{token: logprob}],
-// "text_offset"}.
-ordered_json completion_logprobs(const std::vector<RecordLogprobs>& lps) {
+ordered_json openai_completion_logprobs(const std::vector<RecordLogprobs>& lps,
+                                        size_t text_offset) {
   ordered_json tokens = ordered_json::array(), lp = ordered_json::array(),
                top = ordered_json::array(), offsets = ordered_json::array();
-  size_t offset = 0;
+  size_t offset = text_offset;
   for (const RecordLogprobs& e : lps) {
     tokens.push_back(e.chosen.token);
     lp.push_back(logprob_value(e.chosen.logprob));
@@ -723,13 +727,11 @@ ordered_json completion_logprobs(const std::vector<RecordLogprobs>& lps) {
     for (const auto& x : e.top) t[x.token] = logprob_value(x.logprob);
     top.push_back(t);
     offsets.push_back(offset);
-    offset += e.chosen.token.size();
+    offset += e.chosen.bytes.empty() ? e.chosen.token.size() : e.chosen.bytes.size();
   }
   return {{"tokens", tokens}, {"token_logprobs", lp}, {"top_logprobs", top},
           {"text_offset", offsets}};
 }
-
-}  // namespace
 
 std::string BatchOutputWriter::completion_line(const Slot& s, const CompletionRecord& r) const {
   ordered_json j;
@@ -769,7 +771,8 @@ std::string BatchOutputWriter::completion_line(const Slot& s, const CompletionRe
       if (s.chat) choice["message"] = {{"role", "assistant"}, {"content", c.text}};
       else choice["text"] = c.text;
       if (c.logprobs)
-        choice["logprobs"] = s.chat ? chat_logprobs(*c.logprobs) : completion_logprobs(*c.logprobs);
+        choice["logprobs"] = s.chat ? openai_chat_logprobs(*c.logprobs)
+                                    : openai_completion_logprobs(*c.logprobs);
       choice["finish_reason"] = to_string(c.finish_reason);
       list.push_back(choice);
     }

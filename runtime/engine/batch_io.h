@@ -112,11 +112,21 @@ struct TokenLogprobText {
   int32_t token_id = -1;
   std::string token;
   float logprob = 0.0f;
+  std::string bytes;  // the token's own bytes (may be part of a UTF-8 character); empty: token's
 };
 struct RecordLogprobs {
   TokenLogprobText chosen;
   std::vector<TokenLogprobText> top;
 };
+
+// OpenAI's logprobs objects, as the batch job's OpenAI-shaped records and the server write them.
+// Chat: {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob",
+// "bytes"}]}]}. Completions: {"tokens", "token_logprobs", "top_logprobs": [{token: logprob}],
+// "text_offset"}, offsets counted in bytes of the completion from `text_offset` (a stream's
+// chunk starts where the text sent before it ends). A -inf log-probability is written as null.
+nlohmann::ordered_json openai_chat_logprobs(const std::vector<RecordLogprobs>& lps);
+nlohmann::ordered_json openai_completion_logprobs(const std::vector<RecordLogprobs>& lps,
+                                                  size_t text_offset = 0);
 
 // What the engine reports for one finished request.
 struct CompletionRecord {

@@ -8,7 +8,6 @@
 
 #include "runtime/engine/batch_io.h"
 #include "runtime/engine/progress.h"
-#include "runtime/engine/structured/response_format.h"
 
 namespace clshard {
 
@@ -46,46 +45,25 @@ BatchJobSummary run_batch_job(Deployment& d, std::ostream& err) {
   std::map<uint64_t, std::pair<const BatchRequest*, size_t>> by_handle;  // -> (request, choice)
   for (const BatchRequest* r : todo) {
     try {
-      GenerationRequest g;
-      g.prompt = d.prompt_ids(r->prompt, r->prompt_token_ids, r->messages);
-      g.sampling = Deployment::sampling_params(r->sampling);
-      g.max_tokens = uint32_t(r->sampling.max_tokens);
-      g.stop = r->sampling.stop;
-      g.stop_token_ids = r->sampling.stop_token_ids;
-      if (r->response_format || r->regex) {
-        if (!d.tokenizer)
-          throw std::invalid_argument(
-              (r->response_format ? r->response_format_field : r->regex_field) +
-              ": structured output needs the checkpoint's tokenizer.json");
-        g.constraint = compile_response_format(
-            r->response_format ? &*r->response_format : nullptr, r->regex ? &*r->regex : nullptr,
-            *d.tokenizer, r->response_format_field, r->regex_field);
-      }
-      g.adapter_id = d.lora_adapter_id(r->lora);
-      g.ignore_eos = r->sampling.ignore_eos;
-      const size_t n = size_t(std::max(1, r->sampling.n));
+      RequestFormat format;
+      if (r->response_format) format.response_format = &*r->response_format;
+      if (r->regex) format.regex = &*r->regex;
+      format.response_format_field = r->response_format_field;
+      format.regex_field = r->regex_field;
+      GenerationRequest g = d.generation_request(
+          d.prompt_ids(r->prompt, r->prompt_token_ids, r->messages), r->sampling, r->lora, format);
       validate_sampling_params(g.sampling);  // before any choice is submitted
+      std::vector<GenerationRequest> choices = Deployment::choice_requests(g, r->sampling.n);
       Pending& p = pending[r];
       p.req = r;
-      p.choices.resize(n);
-      for (size_t i = 0; i < n; ++i) {
-        GenerationRequest gi = g;
-        gi.sampling.seed = choice_seed(g.sampling.seed, uint32_t(i));
-        by_handle[engine->submit(std::move(gi))] = {r, i};
-      }
+      p.choices.resize(choices.size());
+      for (size_t i = 0; i < choices.size(); ++i)
+        by_handle[engine->submit(std::move(choices[i]))] = {r, i};
     } catch (const std::exception& e) {
       pending.erase(r);
       writer.error(r->id, e.what());
     }
   }
-  auto logprob_text = [&](int32_t id) -> std::string {
-    if (!d.tokenizer || id < 0) return {};
-    try {
-      return d.tokenizer->decode({id});
-    } catch (const std::exception&) {
-      return {};
-    }
-  };
   auto to_record = [&](GenerationResult& r, bool want_logprobs) {
     CompletionRecord rec;
     rec.text = std::move(r.text);
@@ -93,16 +71,7 @@ BatchJobSummary run_batch_job(Deployment& d, std::ostream& err) {
     rec.finish_reason = r.reason == EndReason::Stop ? FinishReason::Stop : FinishReason::Length;
     rec.prompt_tokens = r.prompt_tokens;
     rec.completion_tokens = rec.token_ids.size();
-    if (want_logprobs) {
-      rec.logprobs.emplace();
-      for (const TokenLogprobs& lp : r.logprobs) {
-        RecordLogprobs e;
-        e.chosen = {lp.token, logprob_text(lp.token), lp.logprob};
-        for (const TokenLogprob& t : lp.top)
-          e.top.push_back({t.token, logprob_text(t.token), t.logprob});
-        rec.logprobs->push_back(std::move(e));
-      }
-    }
+    if (want_logprobs) rec.logprobs = d.logprobs_text(r.logprobs);
     return rec;
   };
   if (sum.skipped)

@@ -1,10 +1,12 @@
 #include "runtime/engine/deployment.h"
 
+#include <algorithm>
 #include <filesystem>
 #include <stdexcept>
 
 #include "models/registry.h"
 #include "parallel/mpi_transport.h"
+#include "runtime/engine/structured/response_format.h"
 #include "runtime/safetensors.h"
 #include "runtime/text/chat_template.h"
 
@@ -177,6 +179,69 @@ SamplingParams Deployment::sampling_params(const SamplingDefaults& s) {
   p.logprobs = s.logprobs;
   p.top_logprobs = s.top_logprobs;
   return p;
+}
+
+GenerationRequest Deployment::generation_request(std::vector<int32_t> prompt,
+                                                 const SamplingDefaults& s,
+                                                 const std::optional<std::string>& lora,
+                                                 const RequestFormat& format) const {
+  GenerationRequest g;
+  g.prompt = std::move(prompt);
+  g.sampling = sampling_params(s);
+  g.max_tokens = uint32_t(s.max_tokens);
+  g.stop = s.stop;
+  g.stop_token_ids = s.stop_token_ids;
+  g.ignore_eos = s.ignore_eos;
+  if (format.response_format || format.regex) {
+    if (!tokenizer)
+      throw std::invalid_argument(
+          (format.response_format ? format.response_format_field : format.regex_field) +
+          ": structured output needs the checkpoint's tokenizer.json");
+    g.constraint = compile_response_format(format.response_format, format.regex, *tokenizer,
+                                           format.response_format_field, format.regex_field);
+  }
+  g.adapter_id = lora_adapter_id(lora);
+  return g;
+}
+
+std::vector<GenerationRequest> Deployment::choice_requests(const GenerationRequest& g,
+                                                           int32_t n) {
+  std::vector<GenerationRequest> out;
+  for (int32_t i = 0; i < std::max(1, n); ++i) {
+    out.push_back(g);
+    out.back().sampling.seed = choice_seed(g.sampling.seed, uint32_t(i));
+  }
+  return out;
+}
+
+std::vector<RecordLogprobs> Deployment::logprobs_text(
+    const std::vector<TokenLogprobs>& lps) const {
+  auto text = [&](int32_t id) -> TokenLogprobText {
+    TokenLogprobText t;
+    t.token_id = id;
+    if (!tokenizer || id < 0) return t;
+    try {
+      t.token = tokenizer->decode({id});
+      t.bytes = tokenizer->token_bytes(id);
+    } catch (const std::exception&) {
+      t.token.clear();
+      t.bytes.clear();
+    }
+    return t;
+  };
+  std::vector<RecordLogprobs> out;
+  out.reserve(lps.size());
+  for (const TokenLogprobs& lp : lps) {
+    RecordLogprobs e;
+    e.chosen = text(lp.token);
+    e.chosen.logprob = lp.logprob;
+    for (const TokenLogprob& t : lp.top) {
+      e.top.push_back(text(t.token));
+      e.top.back().logprob = t.logprob;
+    }
+    out.push_back(std::move(e));
+  }
+  return out;
 }
 
 std::vector<int32_t> Deployment::prompt_ids(

@@ -22,27 +22,39 @@ const char* cancel_message(CancelCause c) {
 
 std::optional<GenerationResult> RequestChannel::wait(std::vector<TokenEvent>& events,
                                                      Clock::duration timeout) {
-  std::unique_lock lk(mu_);
-  cv_.wait_for(lk, timeout, [&] { return !events_.empty() || result_.has_value(); });
+  std::unique_lock lk(sync_->mu);
+  sync_->cv.wait_for(lk, timeout, [&] { return has_news(); });
   for (auto& e : events_) events.push_back(std::move(e));
   events_.clear();
   return result_;
 }
 
+void RequestChannel::wait_any(const std::vector<std::shared_ptr<RequestChannel>>& channels,
+                              Clock::duration timeout) {
+  if (channels.empty()) return;
+  ChannelSync& sync = *channels.front()->sync_;
+  std::unique_lock lk(sync.mu);
+  sync.cv.wait_for(lk, timeout, [&] {
+    for (const auto& ch : channels)
+      if (ch->has_news()) return true;
+    return false;
+  });
+}
+
 void RequestChannel::push(TokenEvent e) {
   {
-    std::lock_guard lk(mu_);
+    std::lock_guard lk(sync_->mu);
     events_.push_back(std::move(e));
   }
-  cv_.notify_all();
+  sync_->cv.notify_all();
 }
 
 void RequestChannel::finish(GenerationResult r) {
   {
-    std::lock_guard lk(mu_);
+    std::lock_guard lk(sync_->mu);
     result_ = std::move(r);
   }
-  cv_.notify_all();
+  sync_->cv.notify_all();
 }
 
 EngineWorker::EngineWorker(std::unique_ptr<Engine> engine, size_t max_waiting,
@@ -52,8 +64,8 @@ EngineWorker::EngineWorker(std::unique_ptr<Engine> engine, size_t max_waiting,
       request_deadline_s_(request_deadline_s),
       metrics_(metrics),
       speculative_(speculative) {
-  engine_->on_token([this](uint64_t handle, int32_t token, const std::string& text) {
-    auto it = live_.find(handle);
+  engine_->on_token([this](const clshard::TokenEvent& e) {
+    auto it = live_.find(e.handle);
     if (it == live_.end()) return;
     RequestChannel& ch = *it->second;
     const auto now = Clock::now();
@@ -63,7 +75,9 @@ EngineWorker::EngineWorker(std::unique_ptr<Engine> engine, size_t max_waiting,
       metrics_.observe_inter_token(seconds(now - *ch.last_token_at_));
     ch.last_token_at_ = now;
     metrics_.add_generation_tokens(1);
-    ch.push({token, text});
+    TokenEvent event{e.token, std::string(e.text), std::nullopt};
+    if (e.logprobs) event.logprobs = *e.logprobs;
+    ch.push(std::move(event));
   });
   publish_gauges();
   thread_ = std::thread([this] { run(); });
@@ -81,27 +95,42 @@ EngineWorker::~EngineWorker() {
 std::shared_ptr<RequestChannel> EngineWorker::submit(GenerationRequest request,
                                                      Clock::time_point arrival,
                                                      Admission* admission) {
-  auto ch = std::make_shared<RequestChannel>(arrival);
+  std::vector<GenerationRequest> one;
+  one.push_back(std::move(request));
+  auto chs = submit(std::move(one), arrival, admission);
+  return chs.empty() ? nullptr : chs.front();
+}
+
+std::vector<std::shared_ptr<RequestChannel>> EngineWorker::submit(
+    std::vector<GenerationRequest> requests, Clock::time_point arrival, Admission* admission) {
+  auto sync = std::make_shared<ChannelSync>();
+  std::vector<std::shared_ptr<RequestChannel>> chs;
   {
     std::lock_guard lk(mu_);
     if (stopping_ || failure_) {
       *admission = Admission::Stopping;
-      return nullptr;
+      return {};
     }
-    if (waiting_.load() >= max_waiting_) {
+    // A group larger than the whole queue is taken when the queue is empty (else never).
+    const size_t waiting = waiting_.load();
+    if (waiting >= max_waiting_ || (waiting > 0 && waiting + requests.size() > max_waiting_)) {
       *admission = Admission::QueueFull;
-      return nullptr;
+      return {};
     }
-    ++waiting_;
-    ++in_flight_;
-    if (request_deadline_s_ > 0)
-      ch->deadline_ = arrival + std::chrono::duration_cast<Clock::duration>(
-                                    std::chrono::duration<double>(request_deadline_s_));
-    inbox_.push_back({std::move(request), ch});
+    for (GenerationRequest& request : requests) {
+      auto ch = std::make_shared<RequestChannel>(arrival, sync);
+      ++waiting_;
+      ++in_flight_;
+      if (request_deadline_s_ > 0)
+        ch->deadline_ = arrival + std::chrono::duration_cast<Clock::duration>(
+                                      std::chrono::duration<double>(request_deadline_s_));
+      inbox_.push_back({std::move(request), ch});
+      chs.push_back(std::move(ch));
+    }
   }
   *admission = Admission::Accepted;
   cv_.notify_all();
-  return ch;
+  return chs;
 }
 
 void EngineWorker::cancel(const std::shared_ptr<RequestChannel>& channel, CancelCause cause) {

@@ -25,6 +25,14 @@ using Clock = std::chrono::steady_clock;
 struct TokenEvent {
   int32_t token = 0;
   std::string text;  // what the token adds to the completion (UTF-8 complete; may be empty)
+  std::optional<TokenLogprobs> logprobs;  // when the request asked for sampling.logprobs
+};
+
+// The lock and the wake-up that the channels of one API request share (its n choices), so the
+// HTTP thread can wait for news from any of them.
+struct ChannelSync {
+  std::mutex mu;
+  std::condition_variable cv;
 };
 
 // Why the server ended a request before the engine did.
@@ -33,13 +41,19 @@ enum class CancelCause { None, ClientGone, Deadline, Shutdown };
 // One request's tokens from the engine thread to the HTTP thread that serves it.
 class RequestChannel {
  public:
-  explicit RequestChannel(Clock::time_point arrival) : arrival_(arrival) {}
+  explicit RequestChannel(Clock::time_point arrival,
+                          std::shared_ptr<ChannelSync> sync = std::make_shared<ChannelSync>())
+      : arrival_(arrival), sync_(std::move(sync)) {}
 
   // HTTP side: waits up to `timeout` for tokens or the end; appends the tokens that arrived since
   // the last call to `events` and returns the result once the request has ended (after its last
   // token). The result's reason is Error when the engine refused the request (its error says why)
   // or the server cancelled it (cancel_cause() says why).
   std::optional<GenerationResult> wait(std::vector<TokenEvent>& events, Clock::duration timeout);
+  // Waits up to `timeout` until one of `channels` (which share one ChannelSync) has tokens not yet
+  // taken or has ended.
+  static void wait_any(const std::vector<std::shared_ptr<RequestChannel>>& channels,
+                       Clock::duration timeout);
   CancelCause cancel_cause() const { return cancel_cause_.load(); }
   Clock::time_point arrival() const { return arrival_; }
 
@@ -48,9 +62,10 @@ class RequestChannel {
   void push(TokenEvent e);
   void finish(GenerationResult r);
 
+  bool has_news() const { return !events_.empty() || result_.has_value(); }  // under sync_->mu
+
   const Clock::time_point arrival_;
-  std::mutex mu_;
-  std::condition_variable cv_;
+  std::shared_ptr<ChannelSync> sync_;
   std::vector<TokenEvent> events_;
   std::optional<GenerationResult> result_;
   std::atomic<CancelCause> cancel_cause_{CancelCause::None};
@@ -76,6 +91,12 @@ class EngineWorker {
   // Any thread. The channel of the queued request, or nullptr with why it was not taken.
   std::shared_ptr<RequestChannel> submit(GenerationRequest request, Clock::time_point arrival,
                                          Admission* admission);
+  // The same for the engine requests of one API request (its choices), all or none: their
+  // channels, in order, sharing one ChannelSync; empty with why they were not taken. They count
+  // as that many waiting requests.
+  std::vector<std::shared_ptr<RequestChannel>> submit(std::vector<GenerationRequest> requests,
+                                                      Clock::time_point arrival,
+                                                      Admission* admission);
   // Any thread; the request ends with reason Error and this cause (no effect once it has ended).
   void cancel(const std::shared_ptr<RequestChannel>& channel, CancelCause cause);
   // Graceful stop: takes no new request, waits until every request has ended or `deadline`, then

@@ -1,7 +1,12 @@
 #include "runtime/serve/http_server.h"
 
+#include <dirent.h>
+#include <netdb.h>
+#include <poll.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 
+#include <algorithm>
 #include <condition_variable>
 #include <ctime>
 #include <deque>
@@ -103,6 +108,57 @@ size_t stop_holdback(const std::string& text, const std::vector<std::string>& st
   return hold;
 }
 
+// httplib 0.11 (Debian's) tells a handler neither its connection nor whether the client is still
+// there, and a non-streaming handler writes nothing until the answer is ready. So the handler
+// finds its connection's socket once: the descriptor of this process whose local port, peer port
+// and peer address are the request's (Linux: /proc/self/fd). The connection belongs to the
+// handler's thread while the handler runs, so no other request can hold that descriptor. -1 when
+// none matches (the request then runs to its end whatever the client does).
+std::string numeric_host(const sockaddr_storage& a, socklen_t len, int* port) {
+  char host[NI_MAXHOST], serv[NI_MAXSERV];
+  if (getnameinfo(reinterpret_cast<const sockaddr*>(&a), len, host, sizeof host, serv,
+                  sizeof serv, NI_NUMERICHOST | NI_NUMERICSERV) != 0)
+    return {};
+  *port = std::atoi(serv);
+  return host;
+}
+
+int connection_socket(const httplib::Request& req) {
+  DIR* dir = ::opendir("/proc/self/fd");
+  if (!dir) return -1;
+  int found = -1;
+  while (dirent* e = ::readdir(dir)) {
+    if (e->d_name[0] < '0' || e->d_name[0] > '9') continue;
+    const int fd = std::atoi(e->d_name);
+    struct stat st;
+    if (::fstat(fd, &st) != 0 || !S_ISSOCK(st.st_mode)) continue;
+    sockaddr_storage local{}, peer{};
+    socklen_t local_len = sizeof local, peer_len = sizeof peer;
+    if (::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &local_len) != 0 ||
+        ::getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &peer_len) != 0)
+      continue;
+    int local_port = -1, peer_port = -1;
+    numeric_host(local, local_len, &local_port);
+    const std::string peer_host = numeric_host(peer, peer_len, &peer_port);
+    if (peer_port == req.remote_port && peer_host == req.remote_addr &&
+        (req.local_port < 0 || local_port == req.local_port)) {
+      found = fd;
+      break;
+    }
+  }
+  ::closedir(dir);
+  return found;
+}
+
+// The client closed its end (or reset it): its answer can no longer be delivered. A client that
+// only half-closes after sending its request counts as gone too (HTTP clients keep both halves
+// open while they wait).
+bool client_gone(int fd) {
+  if (fd < 0) return false;
+  pollfd p{fd, POLLRDHUP, 0};
+  return ::poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
+}
+
 const char* rejection_reason(const ApiError& e) {
   if (e.status == 401) return "unauthorized";
   if (e.status == 404) return "model_not_found";
@@ -131,6 +187,9 @@ class OpenAiServer::Http {
     server.new_task_queue = [max_connections] { return new ConnectionThreads(max_connections); };
     server.set_payload_max_length(64u << 20);
     server.set_keep_alive_timeout(5);
+    // A stream writes one small chunk per token: with Nagle's algorithm a chunk written while the
+    // previous one waits for its (delayed) ACK sits in the kernel for up to 40 ms.
+    server.set_tcp_nodelay(true);
     server.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
       if (s_.settings_.api_key.empty() || req.path.rfind("/v1/", 0) != 0)
         return httplib::Server::HandlerResponse::Unhandled;
@@ -170,12 +229,23 @@ class OpenAiServer::Http {
       res.set_content(s_.metrics_.render(), "text/plain; version=0.0.4; charset=utf-8");
     });
     server.Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
-      ordered_json m = {{"id", s_.model_name_},
+      // The base model, then every LoRA adapter a request may name (vLLM's shape: "parent" is
+      // the base model an adapter runs on).
+      ordered_json data = ordered_json::array();
+      data.push_back({{"id", s_.model_name_},
+                      {"object", "model"},
+                      {"created", s_.started_at_},
+                      {"owned_by", "clshard"},
+                      {"root", s_.model_name_},
+                      {"parent", nullptr}});
+      for (const std::string& a : s_.adapters_)
+        data.push_back({{"id", a},
                         {"object", "model"},
                         {"created", s_.started_at_},
-                        {"owned_by", "clshard"}};
-      res.set_content(json_text({{"object", "list"}, {"data", ordered_json::array({m})}}),
-                      "application/json");
+                        {"owned_by", "clshard"},
+                        {"root", a},
+                        {"parent", s_.model_name_}});
+      res.set_content(json_text({{"object", "list"}, {"data", data}}), "application/json");
     });
     server.Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
       completion(Endpoint::Completions, req, res);
@@ -204,44 +274,57 @@ class OpenAiServer::Http {
     res.set_content(json_text(j), "application/json");
   }
 
-  // The engine's request from the API's, with the checks the engine would fail later made now
-  // (a stream has sent its 200 by then).
-  GenerationRequest generation_request(const ApiRequest& r) {
+  // The engine's requests (one per choice) from the API's, with the checks the engine would fail
+  // later made now (a stream has sent its 200 by then). The fields map to the engine as the
+  // batch job's do (Deployment::generation_request).
+  std::vector<GenerationRequest> generation_requests(const ApiRequest& r) {
     const Deployment& d = *s_.deployment_;
-    GenerationRequest g;
+    std::vector<int32_t> prompt;
     const std::string field = r.messages ? "messages" : "prompt";
     try {
       if (r.messages) {
         if (!d.tokenizer)
           throw std::runtime_error("chat needs the checkpoint's tokenizer.json");
-        g.prompt = d.tokenizer->encode(apply_chat_template_json(*d.tokenizer, *r.messages, true),
-                                       false);
+        prompt = d.tokenizer->encode(apply_chat_template_json(*d.tokenizer, *r.messages, true),
+                                     false);
       } else {
-        g.prompt = d.prompt_ids(r.prompt, r.prompt_token_ids, std::nullopt);
+        prompt = d.prompt_ids(r.prompt, r.prompt_token_ids, std::nullopt);
       }
     } catch (const std::exception& e) {
       throw bad_field(field, e.what());
     }
     const uint32_t vocab = d.model->info().vocab_size;
-    for (size_t i = 0; i < g.prompt.size(); ++i)
-      if (g.prompt[i] < 0 || uint32_t(g.prompt[i]) >= vocab)
+    for (size_t i = 0; i < prompt.size(); ++i)
+      if (prompt[i] < 0 || uint32_t(prompt[i]) >= vocab)
         throw bad_field(field + "[" + std::to_string(i) + "]",
-                        "token " + std::to_string(g.prompt[i]) +
+                        "token " + std::to_string(prompt[i]) +
                             " is outside the vocabulary of " + std::to_string(vocab));
-    if (g.prompt.empty()) throw bad_field(field, "is empty (a prompt needs at least one token)");
+    if (prompt.empty()) throw bad_field(field, "is empty (a prompt needs at least one token)");
     const SchedulerLimits& lim = d.limits;
-    if (g.prompt.size() >= lim.max_length)
+    if (prompt.size() >= lim.max_length)
       throw ApiError(400, "invalid_request_error",
-                     field + ": " + std::to_string(g.prompt.size()) +
+                     field + ": " + std::to_string(prompt.size()) +
                          " tokens leave no room for a completion within the model's max_length " +
                          std::to_string(lim.max_length),
                      field, "context_length_exceeded");
-    const SamplingDefaults& s = r.sampling;
-    g.sampling = Deployment::sampling_params(s);
-    g.max_tokens = uint32_t(s.max_tokens);
-    g.stop = s.stop;
-    g.stop_token_ids = s.stop_token_ids;
-    g.ignore_eos = r.ignore_eos;
+    RequestFormat format;
+    if (r.response_format) format.response_format = &*r.response_format;
+    if (r.regex) format.regex = &*r.regex;
+    const std::optional<std::string> lora =
+        r.model == s_.model_name_ ? std::nullopt : std::optional<std::string>(r.model);
+    GenerationRequest g;
+    try {
+      g = d.generation_request(std::move(prompt), r.sampling, lora, format);
+      validate_sampling_params(g.sampling);
+    } catch (const std::invalid_argument& e) {
+      // A bad response_format or regex (the message begins with the field and the JSON path in
+      // it), or sampling parameters the sampler refuses.
+      const std::string what = e.what();
+      const std::string param = what.rfind("regex", 0) == 0             ? "regex"
+                                : what.rfind("response_format", 0) == 0 ? "response_format"
+                                                                        : "";
+      throw ApiError(400, "invalid_request_error", what, param);
+    }
     // What the scheduler would refuse: more positions than the whole KV cache.
     const uint64_t new_tokens = std::min<uint64_t>(g.max_tokens, lim.max_length - g.prompt.size());
     const uint64_t lookahead = lim.num_speculative_tokens ? lim.num_speculative_tokens - 1 : 0;
@@ -254,7 +337,18 @@ class OpenAiServer::Http {
                          std::to_string(pages) + " KV pages; the cache has " +
                          std::to_string(lim.total_pages) + " (lower max_tokens)",
                      "max_tokens", "context_length_exceeded");
-    return g;
+    return Deployment::choice_requests(g, r.sampling.n);
+  }
+
+  bool serves(const std::string& model) const {
+    return model == s_.model_name_ ||
+           std::find(s_.adapters_.begin(), s_.adapters_.end(), model) != s_.adapters_.end();
+  }
+
+  std::string served_names() const {
+    std::string names = "`" + s_.model_name_ + "`";
+    for (const std::string& a : s_.adapters_) names += ", `" + a + "`";
+    return names;
   }
 
   void completion(Endpoint endpoint, const httplib::Request& hreq, httplib::Response& res) {
@@ -262,10 +356,10 @@ class OpenAiServer::Http {
     try {
       auto req = std::make_shared<ApiRequest>(
           parse_api_request(endpoint, hreq.body, s_.defaults_));
-      if (req->model != s_.model_name_)
+      if (!serves(req->model))
         throw ApiError(404, "invalid_request_error",
-                       "The model `" + req->model + "` does not exist (this server serves `" +
-                           s_.model_name_ + "`).",
+                       "The model `" + req->model + "` does not exist (this server serves " +
+                           served_names() + ").",
                        "model", "model_not_found");
       if (!s_.ready_)
         throw ApiError(503, "service_unavailable", "the model is still loading", {},
@@ -273,66 +367,114 @@ class OpenAiServer::Http {
       if (s_.draining_)
         throw ApiError(503, "service_unavailable", "the server is shutting down", {},
                        "shutting_down");
-      GenerationRequest g = generation_request(*req);
+      std::vector<GenerationRequest> gs = generation_requests(*req);
       Admission admission;
-      auto ch = s_.worker_->submit(std::move(g), arrival, &admission);
-      if (!ch && admission == Admission::QueueFull)
+      auto chs = s_.worker_->submit(std::move(gs), arrival, &admission);
+      if (chs.empty() && admission == Admission::QueueFull)
         throw ApiError(429, "rate_limit_exceeded",
                        "too many requests waiting (serve.max_waiting " +
                            std::to_string(s_.settings_.max_waiting) + "); retry later",
                        {}, "rate_limit_exceeded");
-      if (!ch) {
+      if (chs.empty()) {
         auto f = s_.worker_->failure();
         throw ApiError(503, "service_unavailable",
                        f ? "the engine failed: " + *f : "the server is shutting down", {},
                        f ? "engine_failed" : "shutting_down");
       }
-      ResponseMeta meta{new_response_id(endpoint), int64_t(std::time(nullptr)), s_.model_name_};
+      ResponseMeta meta{new_response_id(endpoint), int64_t(std::time(nullptr)), req->model};
       if (req->stream)
-        stream(req, meta, ch, res);
+        stream(req, meta, std::move(chs), res);
       else
-        whole(*req, meta, *ch, res);
+        whole(*req, meta, chs, connection_socket(hreq), res);
     } catch (const ApiError& e) {
       s_.metrics_.request_rejected(rejection_reason(e));
       send_error(res, e);
     }
   }
 
-  void whole(const ApiRequest& req, const ResponseMeta& meta, RequestChannel& ch,
-             httplib::Response& res) {
-    std::vector<TokenEvent> events;
-    std::optional<GenerationResult> result;
-    while (!(result = ch.wait(events, std::chrono::milliseconds(200)))) events.clear();
-    if (result->reason == EndReason::Error) {
-      const CancelCause cause = ch.cancel_cause();
-      send_error(res, cause != CancelCause::None
-                          ? cancelled_error(cause)
-                          : ApiError(400, "invalid_request_error", result->error));
-      return;
-    }
-    ChoiceOutput c{result->text, result->token_ids, result->reason};
-    Usage u{result->prompt_tokens, result->token_ids.size()};
-    res.set_content(json_text(response_json(req, meta, {c}, u)), "application/json");
+  std::optional<std::vector<RecordLogprobs>> logprobs_of(const ApiRequest& req,
+                                                         const std::vector<TokenLogprobs>& lps) {
+    if (!req.sampling.logprobs) return std::nullopt;
+    return s_.deployment_->logprobs_text(lps);
   }
 
-  struct StreamState {
-    std::shared_ptr<const ApiRequest> req;
-    ResponseMeta meta;
+  // Waits for every choice; a client that closes its connection meanwhile (`socket`, checked
+  // every 100 ms) cancels them, which frees their pages.
+  void whole(const ApiRequest& req, const ResponseMeta& meta,
+             const std::vector<std::shared_ptr<RequestChannel>>& chs, int socket,
+             httplib::Response& res) {
+    std::vector<std::optional<GenerationResult>> results(chs.size());
+    std::vector<TokenEvent> events;
+    bool cancelled = false;
+    for (;;) {
+      std::vector<std::shared_ptr<RequestChannel>> live;
+      for (size_t i = 0; i < chs.size(); ++i)
+        if (!results[i]) live.push_back(chs[i]);
+      if (live.empty()) break;
+      RequestChannel::wait_any(live, std::chrono::milliseconds(100));
+      for (size_t i = 0; i < chs.size(); ++i)
+        if (!results[i]) {
+          results[i] = chs[i]->wait(events, Clock::duration::zero());
+          events.clear();
+        }
+      if (!cancelled && client_gone(socket)) {
+        cancelled = true;
+        for (size_t i = 0; i < chs.size(); ++i)
+          if (!results[i]) s_.worker_->cancel(chs[i], CancelCause::ClientGone);
+      }
+    }
+    for (size_t i = 0; i < chs.size(); ++i) {
+      const GenerationResult& r = *results[i];
+      if (r.reason != EndReason::Error) continue;
+      const CancelCause cause = chs[i]->cancel_cause();
+      send_error(res, cause != CancelCause::None
+                          ? cancelled_error(cause)
+                          : ApiError(400, "invalid_request_error", r.error));
+      return;
+    }
+    std::vector<ChoiceOutput> choices;
+    Usage u{results[0]->prompt_tokens, 0};
+    for (auto& r : results) {
+      u.completion_tokens += r->token_ids.size();
+      choices.push_back({r->text, r->token_ids, r->reason, logprobs_of(req, r->logprobs)});
+    }
+    res.set_content(json_text(response_json(req, meta, choices, u)), "application/json");
+  }
+
+  // One choice of a stream.
+  struct ChoiceStream {
     std::shared_ptr<RequestChannel> ch;
     std::string text;             // every piece so far
     size_t text_sent = 0;
     std::vector<int32_t> tokens;  // every token so far
+    std::vector<TokenLogprobs> logprobs;  // per token, when asked
     size_t tokens_sent = 0;
+    size_t logprob_offset = 0;  // bytes of the tokens whose logprobs were sent (text_offset)
     bool first = true;
-    bool ended = false;
+    std::optional<GenerationResult> result;  // once it has ended
+    bool finished = false;                   // its finish chunk was sent
+  };
+  struct StreamState {
+    std::shared_ptr<const ApiRequest> req;
+    ResponseMeta meta;
+    std::vector<ChoiceStream> choices;
+    bool ended = false;  // [DONE] written
+    std::vector<std::shared_ptr<RequestChannel>> channels() const {
+      std::vector<std::shared_ptr<RequestChannel>> out;
+      for (const ChoiceStream& c : choices) out.push_back(c.ch);
+      return out;
+    }
   };
 
   void stream(std::shared_ptr<const ApiRequest> req, const ResponseMeta& meta,
-              std::shared_ptr<RequestChannel> ch, httplib::Response& res) {
+              std::vector<std::shared_ptr<RequestChannel>> chs, httplib::Response& res) {
     auto st = std::make_shared<StreamState>();
     st->req = std::move(req);
     st->meta = meta;
-    st->ch = std::move(ch);
+    for (auto& ch : chs) {
+      st->choices.emplace_back();
+      st->choices.back().ch = std::move(ch);
+    }
     ++s_.open_streams_;
     res.set_header("Cache-Control", "no-cache");
     res.set_chunked_content_provider(
@@ -345,60 +487,97 @@ class OpenAiServer::Http {
         },
         [this, st](bool) {
           // The stream ended before the request did: the client went away (or the write failed).
-          if (!st->ended) s_.worker_->cancel(st->ch, CancelCause::ClientGone);
+          for (ChoiceStream& c : st->choices)
+            if (!st->ended || !c.result) s_.worker_->cancel(c.ch, CancelCause::ClientGone);
           --s_.open_streams_;
         });
   }
 
-  // The events to write next: new tokens (one chunk), or the end, or a keep-alive comment after a
-  // second of silence (writing is how a closed connection shows).
-  std::string next_events(StreamState& st) {
-    std::vector<TokenEvent> events;
-    std::optional<GenerationResult> result = st.ch->wait(events, std::chrono::seconds(1));
-    for (TokenEvent& e : events) {
-      st.text += e.text;
-      st.tokens.push_back(e.token);
+  // The chunk of choice `index` with the text and tokens up to `tokens_end`.
+  std::string chunk(StreamState& st, uint32_t index, const std::string& text, size_t tokens_end,
+                    std::optional<EndReason> fin) {
+    ChoiceStream& c = st.choices[index];
+    const ApiRequest& req = *st.req;
+    const size_t from = std::min(c.tokens_sent, tokens_end);
+    std::vector<int32_t> ids(c.tokens.begin() + from, c.tokens.begin() + tokens_end);
+    std::optional<std::vector<RecordLogprobs>> lps;
+    size_t offset = c.logprob_offset;
+    if (req.sampling.logprobs) {
+      const size_t lp_end = std::min(tokens_end, c.logprobs.size());
+      lps = s_.deployment_->logprobs_text(std::vector<TokenLogprobs>(
+          c.logprobs.begin() + std::min(from, lp_end), c.logprobs.begin() + lp_end));
+      for (const RecordLogprobs& e : *lps)
+        c.logprob_offset += e.chosen.bytes.empty() ? e.chosen.token.size() : e.chosen.bytes.size();
     }
+    const std::string out = sse_event(stream_chunk(req, st.meta, index, text, ids, c.first, fin,
+                                                   lps ? &*lps : nullptr, offset));
+    c.first = false;
+    c.tokens_sent = std::max(c.tokens_sent, tokens_end);
+    return out;
+  }
+
+  // The events to write next: new tokens (one chunk per choice that has some), the ends, or a
+  // keep-alive comment after a second of silence (writing is how a closed connection shows).
+  std::string next_events(StreamState& st) {
+    std::vector<std::shared_ptr<RequestChannel>> live;
+    for (const ChoiceStream& c : st.choices)
+      if (!c.result) live.push_back(c.ch);
+    RequestChannel::wait_any(live, std::chrono::seconds(1));
     const ApiRequest& req = *st.req;
     std::string out;
-    auto emit = [&](const std::string& text, size_t tokens_end, std::optional<EndReason> fin) {
-      std::vector<int32_t> ids(st.tokens.begin() + std::min(st.tokens_sent, tokens_end),
-                               st.tokens.begin() + tokens_end);
-      out += sse_event(stream_chunk(req, st.meta, 0, text, ids, st.first, fin));
-      st.first = false;
-      st.tokens_sent = std::max(st.tokens_sent, tokens_end);
-    };
-    if (!result) {
-      const size_t safe = st.text.size() - stop_holdback(st.text, req.sampling.stop);
-      const bool new_ids = req.return_token_ids && st.tokens.size() > st.tokens_sent;
-      if (safe > st.text_sent || new_ids) {
-        emit(st.text.substr(st.text_sent, safe - st.text_sent), st.tokens.size(), std::nullopt);
-        st.text_sent = safe;
-      } else if (events.empty()) {
-        out = ": keep-alive\n\n";
+    for (uint32_t i = 0; i < st.choices.size(); ++i) {
+      ChoiceStream& c = st.choices[i];
+      if (c.result) continue;
+      std::vector<TokenEvent> events;
+      c.result = c.ch->wait(events, Clock::duration::zero());
+      for (TokenEvent& e : events) {
+        c.text += e.text;
+        c.tokens.push_back(e.token);
+        if (e.logprobs) c.logprobs.push_back(std::move(*e.logprobs));
       }
-      return out;
+      if (c.result && c.result->reason == EndReason::Error) {
+        // The request failed or was cancelled: the error ends the whole stream, and the other
+        // choices are cancelled.
+        const CancelCause cause = c.ch->cancel_cause();
+        ApiError e = cause != CancelCause::None ? cancelled_error(cause)
+                                                : ApiError(500, "server_error", c.result->error);
+        for (ChoiceStream& other : st.choices)
+          if (!other.result) s_.worker_->cancel(other.ch, CancelCause::ClientGone);
+        st.ended = true;
+        return out + sse_event(e.body()) + sse_done();
+      }
+      if (!c.result) {
+        const size_t safe = c.text.size() - stop_holdback(c.text, req.sampling.stop);
+        const bool new_ids = (req.return_token_ids || req.sampling.logprobs) &&
+                             c.tokens.size() > c.tokens_sent;
+        if (safe > c.text_sent || new_ids) {
+          out += chunk(st, i, c.text.substr(c.text_sent, safe - c.text_sent), c.tokens.size(),
+                       std::nullopt);
+          c.text_sent = safe;
+        }
+        continue;
+      }
+      // The engine's text is the completion: the rest of it (text held back, a UTF-8 tail
+      // flushed), then the finish chunk.
+      c.tokens = c.result->token_ids;
+      c.logprobs = c.result->logprobs;
+      const std::string& text = c.result->text;
+      const std::string rest = c.text_sent < text.size() ? text.substr(c.text_sent) : "";
+      if (!rest.empty() || ((req.return_token_ids || req.sampling.logprobs) &&
+                            c.tokens.size() > c.tokens_sent))
+        out += chunk(st, i, rest, c.tokens.size(), std::nullopt);
+      out += chunk(st, i, "", c.tokens.size(), c.result->reason);
+      c.finished = true;
     }
+    bool all_done = true;
+    for (const ChoiceStream& c : st.choices) all_done = all_done && c.finished;
+    if (!all_done) return out.empty() ? ": keep-alive\n\n" : out;
     st.ended = true;
-    if (result->reason == EndReason::Error) {
-      const CancelCause cause = st.ch->cancel_cause();
-      ApiError e = cause != CancelCause::None
-                       ? cancelled_error(cause)
-                       : ApiError(500, "server_error", result->error);
-      out += sse_event(e.body());
-      out += sse_done();
-      return out;
+    if (req.include_usage) {
+      Usage u{st.choices[0].result->prompt_tokens, 0};
+      for (const ChoiceStream& c : st.choices) u.completion_tokens += c.result->token_ids.size();
+      out += sse_event(usage_chunk(req, st.meta, u));
     }
-    // The engine's text is the completion: the rest of it (text held back, a UTF-8 tail flushed).
-    st.tokens = result->token_ids;
-    const std::string& text = result->text;
-    const std::string rest = st.text_sent < text.size() ? text.substr(st.text_sent) : "";
-    if (!rest.empty() || (req.return_token_ids && st.tokens.size() > st.tokens_sent))
-      emit(rest, st.tokens.size(), std::nullopt);
-    emit("", st.tokens.size(), result->reason);
-    if (req.include_usage)
-      out += sse_event(
-          usage_chunk(req, st.meta, Usage{result->prompt_tokens, result->token_ids.size()}));
     out += sse_done();
     return out;
   }
@@ -407,10 +586,11 @@ class OpenAiServer::Http {
 };
 
 OpenAiServer::OpenAiServer(const ServeSection& settings, std::string model_name,
-                           const SamplingDefaults& defaults)
+                           const SamplingDefaults& defaults, std::vector<std::string> adapters)
     : settings_(settings),
       model_name_(std::move(model_name)),
       defaults_(defaults),
+      adapters_(std::move(adapters)),
       http_(std::make_unique<Http>(*this)) {
   started_at_ = int64_t(std::time(nullptr));
   http_->routes();

@@ -2,7 +2,8 @@
 //   POST /v1/completions, POST /v1/chat/completions   (stream: true → server-sent events)
 //   GET  /v1/models, GET /health (503 until the model has loaded), GET /metrics (Prometheus)
 // HTTP threads read and check a request, hand it to the engine thread (engine_worker.h) and write
-// its tokens as they are committed; a client that goes away mid-stream cancels its request.
+// its tokens as they are committed; a client that goes away cancels its request (mid-stream: the
+// write fails; waiting for a whole answer: its socket shows the peer closed, see http_server.cpp).
 #pragma once
 
 #include <atomic>
@@ -10,6 +11,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "runtime/engine/deploy_config.h"
 #include "runtime/serve/metrics.h"
@@ -24,10 +26,12 @@ class EngineWorker;
 
 class OpenAiServer {
  public:
-  // settings: the deployment's `serve:` section; model_name: what a request's `model` must say;
-  // defaults: the deployment's sampling defaults, which a request's fields override.
+  // settings: the deployment's `serve:` section; model_name: what a request's `model` says for
+  // the base model; defaults: the deployment's sampling defaults, which a request's fields
+  // override; adapters: the names of the deployment's LoRA adapters (lora.adapters), which a
+  // request's `model` may name instead to run on that adapter.
   OpenAiServer(const ServeSection& settings, std::string model_name,
-               const SamplingDefaults& defaults);
+               const SamplingDefaults& defaults, std::vector<std::string> adapters = {});
   ~OpenAiServer();  // shutdown(0) when still serving
   OpenAiServer(const OpenAiServer&) = delete;
   OpenAiServer& operator=(const OpenAiServer&) = delete;
@@ -55,6 +59,7 @@ class OpenAiServer {
   ServeSection settings_;
   std::string model_name_;
   SamplingDefaults defaults_;
+  std::vector<std::string> adapters_;
   ServerMetrics metrics_;
   std::unique_ptr<Http> http_;
   std::thread listen_thread_;

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <random>
 
+#include "runtime/engine/sampling.h"
+
 namespace clshard::serve {
 
 using json = nlohmann::json;
@@ -157,13 +159,14 @@ ApiRequest parse_api_request(Endpoint endpoint, const std::string& body,
   r.endpoint = endpoint;
   r.sampling = defaults;
   const bool chat = endpoint == Endpoint::ChatCompletions;
-  std::vector<std::string> supported = {"model", chat ? "messages" : "prompt", "n", "stream",
-                                        "stream_options", "user", "return_token_ids",
-                                        "ignore_eos"};
+  std::vector<std::string> supported = {"model", chat ? "messages" : "prompt", "stream",
+                                        "stream_options", "user", "return_token_ids"};
   if (chat) supported.push_back("max_completion_tokens");
   else supported.push_back("echo");
   const auto& sampling = request_sampling_fields();
-  supported.insert(supported.end(), sampling.begin(), sampling.end());
+  for (const std::string& f : sampling)
+    if (chat || f != "top_logprobs") supported.push_back(f);  // completions: logprobs: n
+  supported.insert(supported.end(), {"response_format", "regex"});
   for (const auto& [k, v] : obj.items())
     if (std::find(supported.begin(), supported.end(), k) == supported.end())
       throw bad_field(k, "unsupported field (supported: " + join(supported) + ")");
@@ -182,6 +185,18 @@ ApiRequest parse_api_request(Endpoint endpoint, const std::string& body,
   }
   if (given("max_tokens") && given("max_completion_tokens"))
     throw bad_field("max_completion_tokens", "give max_tokens or max_completion_tokens, not both");
+  // OpenAI's logprobs: chat's is true/false (the top tokens in top_logprobs), completions' the
+  // number of top tokens.
+  if (given("logprobs")) {
+    const json& lp = obj["logprobs"];
+    if (chat && !lp.is_boolean())
+      throw bad_field("logprobs", "expected true or false (the number of top tokens goes in "
+                                  "top_logprobs), got " + shown(lp));
+    if (!chat && !lp.is_number_integer())
+      throw bad_field("logprobs",
+                      "expected the number of top tokens to return (an integer in [0, " +
+                          std::to_string(kMaxTopLogprobs) + "]), got " + shown(lp));
+  }
   for (const auto& [k, v] : obj.items()) {
     const bool is_sampling = std::find(sampling.begin(), sampling.end(), k) != sampling.end() ||
                              k == "max_completion_tokens";
@@ -192,8 +207,25 @@ ApiRequest parse_api_request(Endpoint endpoint, const std::string& body,
       throw ApiError(400, "invalid_request_error", e.what(), k);
     }
   }
-  if (given("n") && obj["n"] != 1)
-    throw bad_field("n", "expected 1 (one choice per request), got " + shown(obj["n"]));
+  if (given("top_logprobs") && r.sampling.top_logprobs > 0 && !r.sampling.logprobs)
+    throw bad_field("top_logprobs", "needs logprobs: true");
+  if (given("response_format") || given("regex")) {
+    // Again with the key order kept: a schema's properties are generated in the order written.
+    const ordered_json ordered = ordered_json::parse(body);
+    if (given("response_format")) {
+      if (!ordered["response_format"].is_object())
+        throw bad_field("response_format", "expected an object like {\"type\": "
+                                           "\"json_object\"}, got " +
+                                               shown(obj["response_format"]));
+      r.response_format = ordered["response_format"];
+    }
+    if (given("regex")) {
+      if (!obj["regex"].is_string())
+        throw bad_field("regex", "expected a string (a pattern the whole output must match), got " +
+                                     shown(obj["regex"]));
+      r.regex = obj["regex"].get<std::string>();
+    }
+  }
   if (given("echo") && boolean_field(obj["echo"], "echo"))
     throw bad_field("echo",
                     "true is not supported (the completion is returned without its prompt)");
@@ -202,7 +234,6 @@ ApiRequest parse_api_request(Endpoint endpoint, const std::string& body,
   if (given("stream")) r.stream = boolean_field(obj["stream"], "stream");
   if (given("return_token_ids"))
     r.return_token_ids = boolean_field(obj["return_token_ids"], "return_token_ids");
-  if (given("ignore_eos")) r.ignore_eos = boolean_field(obj["ignore_eos"], "ignore_eos");
   if (given("stream_options")) {
     const json& so = obj["stream_options"];
     if (!so.is_object())
@@ -259,7 +290,9 @@ ordered_json response_json(const ApiRequest& req, const ResponseMeta& meta,
       choice["message"] = ordered_json{{"role", "assistant"}, {"content", c.text}};
     else
       choice["text"] = c.text;
-    choice["logprobs"] = nullptr;
+    choice["logprobs"] = !c.logprobs ? ordered_json(nullptr)
+                         : chat      ? openai_chat_logprobs(*c.logprobs)
+                                     : openai_completion_logprobs(*c.logprobs);
     choice["finish_reason"] = finish_reason_name(c.reason);
     if (req.return_token_ids) choice["token_ids"] = c.token_ids;
     list.push_back(std::move(choice));
@@ -271,7 +304,8 @@ ordered_json response_json(const ApiRequest& req, const ResponseMeta& meta,
 
 ordered_json stream_chunk(const ApiRequest& req, const ResponseMeta& meta, uint32_t index,
                           const std::string& text, const std::vector<int32_t>& token_ids,
-                          bool first, std::optional<EndReason> finish) {
+                          bool first, std::optional<EndReason> finish,
+                          const std::vector<RecordLogprobs>* logprobs, size_t text_offset) {
   const bool chat = req.endpoint == Endpoint::ChatCompletions;
   ordered_json j = envelope(req, meta, chat ? "chat.completion.chunk" : "text_completion");
   ordered_json choice;
@@ -284,7 +318,9 @@ ordered_json stream_chunk(const ApiRequest& req, const ResponseMeta& meta, uint3
   } else {
     choice["text"] = text;
   }
-  choice["logprobs"] = nullptr;
+  choice["logprobs"] = !logprobs ? ordered_json(nullptr)
+                       : chat     ? openai_chat_logprobs(*logprobs)
+                                  : openai_completion_logprobs(*logprobs, text_offset);
   choice["finish_reason"] = finish ? ordered_json(finish_reason_name(*finish)) : ordered_json();
   if (req.return_token_ids) choice["token_ids"] = token_ids;
   j["choices"] = ordered_json::array({std::move(choice)});

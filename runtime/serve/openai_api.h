@@ -42,11 +42,18 @@ struct ApiRequest {
   std::optional<std::string> prompt;
   std::optional<std::vector<int32_t>> prompt_token_ids;
   std::optional<nlohmann::json> messages;
-  SamplingDefaults sampling;  // the deployment's defaults with the body's fields applied
+  // The deployment's defaults with the body's fields applied: temperature, top_k, top_p, min_p,
+  // seed, max_tokens / max_completion_tokens, stop, stop_token_ids, the penalties, logprobs
+  // (chat: true/false with top_logprobs; completions: the number of top tokens), n, and vLLM's
+  // ignore_eos (the model's EOS does not end the completion).
+  SamplingDefaults sampling;
   bool stream = false;
   bool include_usage = false;     // stream_options.include_usage
   bool return_token_ids = false;  // vLLM's extension: token ids in every choice and chunk
-  bool ignore_eos = false;        // vLLM's extension: the model's EOS does not end the completion
+  // Structured output as given (key order kept: a schema's properties come out in its order);
+  // checked when the server compiles it with the tokenizer (Deployment::generation_request).
+  std::optional<nlohmann::ordered_json> response_format;
+  std::optional<std::string> regex;  // the extension field: a pattern the whole output matches
 };
 
 // Reads a body. Unknown and unsupported fields are 400 errors naming them (a field set to null is
@@ -59,6 +66,7 @@ struct ChoiceOutput {
   std::string text;
   std::vector<int32_t> token_ids;
   EndReason reason = EndReason::Length;
+  std::optional<std::vector<RecordLogprobs>> logprobs;  // per token, when the request asked
 };
 
 struct ResponseMeta {
@@ -80,13 +88,17 @@ nlohmann::ordered_json usage_json(const Usage& u);
 nlohmann::ordered_json response_json(const ApiRequest& req, const ResponseMeta& meta,
                                      const std::vector<ChoiceOutput>& choices, const Usage& usage);
 
-// One chunk of a stream (OpenAI's text_completion / chat.completion.chunk objects): `text` is the
-// delta; `first` adds the assistant role to a chat delta; `finish` ends the choice. With
-// include_usage every chunk carries "usage": null.
+// One chunk of a stream (OpenAI's text_completion / chat.completion.chunk objects) for choice
+// `index`: `text` is the delta; `first` adds the assistant role to a chat delta; `finish` ends the
+// choice. With include_usage every chunk carries "usage": null. `logprobs`: those of the chunk's
+// tokens when the request asked (null otherwise), in the endpoint's shape; a completions chunk's
+// text_offset counts from `text_offset`, the bytes of the choice's text sent before it.
 nlohmann::ordered_json stream_chunk(const ApiRequest& req, const ResponseMeta& meta,
                                     uint32_t index, const std::string& text,
                                     const std::vector<int32_t>& token_ids, bool first,
-                                    std::optional<EndReason> finish);
+                                    std::optional<EndReason> finish,
+                                    const std::vector<RecordLogprobs>* logprobs = nullptr,
+                                    size_t text_offset = 0);
 // The last chunk with include_usage: no choices, the usage of the whole request.
 nlohmann::ordered_json usage_chunk(const ApiRequest& req, const ResponseMeta& meta,
                                    const Usage& usage);

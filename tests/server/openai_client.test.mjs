@@ -1,6 +1,7 @@
 // The official `openai` npm client against a live `clshard serve` (started by with_server.sh,
 // which sets CLSHARD_URL, CLSHARD_MODEL and CLSHARD_API_KEY): the client parses every response
-// (completions, chat, streaming with usage, errors), and a stream says what the whole answer says.
+// (completions, chat, streaming with usage, logprobs in both endpoints' shapes, a json_schema answer
+// with n choices, errors), and a stream says what the whole answer says.
 import assert from 'node:assert/strict';
 
 let OpenAI;
@@ -99,6 +100,81 @@ check('a seed makes sampling repeatable', async () => {
   const c = await client.completions.create({ ...req, stream: true });
   assert.equal(a.choices[0].text, b.choices[0].text);
   assert.equal((await collect(c, false)).text, a.choices[0].text);
+});
+
+check('chat logprobs: OpenAI\'s content list, also streamed', async () => {
+  const req = { model, messages: [{ role: 'user', content: 'Count: one two' }], max_tokens: 8,
+                temperature: 1.0, seed: 21, logprobs: true, top_logprobs: 3,
+                frequency_penalty: 0.5, presence_penalty: 0.2 };
+  const whole = await client.chat.completions.create(req);
+  const content = whole.choices[0].logprobs.content;
+  assert.equal(content.length, whole.usage.completion_tokens);
+  for (const e of content) {
+    assert.equal(typeof e.token, 'string');
+    assert.ok(e.logprob <= 0);
+    assert.ok(Array.isArray(e.bytes) && e.bytes.length > 0);
+    assert.equal(e.top_logprobs.length, 3);
+    for (const t of e.top_logprobs) assert.ok(t.logprob <= e.top_logprobs[0].logprob);
+  }
+  const stream = await client.chat.completions.create({ ...req, stream: true });
+  const streamed = [];
+  let text = '';
+  for await (const chunk of stream)
+    for (const c of chunk.choices) {
+      text += c.delta.content ?? '';
+      if (c.logprobs) streamed.push(...c.logprobs.content);
+    }
+  assert.equal(text, whole.choices[0].message.content);
+  assert.deepEqual(streamed.map((e) => e.token), content.map((e) => e.token));
+  streamed.forEach((e, i) => assert.ok(Math.abs(e.logprob - content[i].logprob) < 1e-5));
+});
+
+check('completions logprobs: tokens, token_logprobs, top_logprobs, text_offset', async () => {
+  const req = { model, prompt: 'la la la', max_tokens: 8, temperature: 1.0, seed: 5,
+                logprobs: 2, repetition_penalty: 1.2 };
+  const whole = await client.completions.create(req);
+  const lp = whole.choices[0].logprobs;
+  const n = whole.usage.completion_tokens;
+  assert.equal(lp.tokens.length, n);
+  assert.equal(lp.token_logprobs.length, n);
+  assert.equal(lp.top_logprobs.length, n);
+  assert.equal(lp.text_offset.length, n);
+  assert.equal(lp.text_offset[0], 0);
+  for (const top of lp.top_logprobs) assert.ok(Object.keys(top).length <= 2);
+  const stream = await client.completions.create({ ...req, stream: true });
+  const tokens = [];
+  for await (const chunk of stream)
+    for (const c of chunk.choices) if (c.logprobs) tokens.push(...c.logprobs.tokens);
+  assert.deepEqual(tokens, lp.tokens);
+});
+
+check('json_schema: the client parses the structured answer', async () => {
+  const schema = { type: 'object',
+                   properties: { city: { type: 'string', maxLength: 8 },
+                                 population: { type: 'integer' },
+                                 capital: { type: 'boolean' } },
+                   required: ['city', 'population', 'capital'], additionalProperties: false };
+  const whole = await client.chat.completions.create({
+    model, messages: [{ role: 'user', content: 'A city as JSON' }], max_tokens: 120,
+    temperature: 1.0, seed: 8, n: 2,
+    response_format: { type: 'json_schema', json_schema: { name: 'city', schema, strict: true } } });
+  assert.equal(whole.choices.length, 2);
+  for (const c of whole.choices) {
+    assert.equal(c.finish_reason, 'stop');
+    const v = JSON.parse(c.message.content);
+    assert.deepEqual(Object.keys(v), ['city', 'population', 'capital']);
+    assert.equal(typeof v.city, 'string');
+    assert.ok([...v.city].length <= 8);
+    assert.ok(Number.isInteger(v.population));
+    assert.equal(typeof v.capital, 'boolean');
+  }
+  await assert.rejects(
+      client.chat.completions.create({
+        model, messages: [{ role: 'user', content: 'x' }],
+        response_format: { type: 'json_schema',
+                           json_schema: { name: 'x', schema: { type: 'string', pattern: 'a+' } } } }),
+      (e) => e instanceof OpenAI.BadRequestError && e.param === 'response_format' &&
+             e.message.includes("response_format.json_schema.schema: unsupported keyword 'pattern'"));
 });
 
 check('errors come back as the client\'s typed errors', async () => {

@@ -4,7 +4,7 @@
 // Layout: between tokens at most kMaxWhitespace whitespace characters (space, \n, \t, \r), so a
 // model cannot loop forever on spaces. Objects list their properties in schema order (required
 // ones always, optional ones may be left out; no others). Integers have at most 16 digits,
-// fractions at most 16, exponents at most 3 (an unbounded number is no use to anyone and would
+// fractions at most 16, exponents at most kMaxExponentDigits (an unbounded number is no use to anyone and would
 // let a model loop forever on digits). Generic values (json_object mode, or a schema without a
 // type) nest at most kMaxJsonDepth containers deep.
 //
@@ -26,6 +26,8 @@ namespace clshard::structured {
 
 inline constexpr uint32_t kMaxWhitespace = 2;
 inline constexpr uint32_t kMaxJsonDepth = 4;
+// Exponent digits of a generated number: 2 keeps every number a finite double (json_schema.cpp).
+inline constexpr uint32_t kMaxExponentDigits = 2;
 // minItems/maxItems/minLength/maxLength above this are unrolled too far to be useful.
 inline constexpr uint32_t kMaxBoundedCount = 256;
 
