@@ -6,7 +6,7 @@
 // Each figure is the median of --repeat runs (3), each run printed with the 1-minute load average
 // before it (the machine may be shared).
 // Usage: bench_prefix_lora [MODEL_DIR] [--preset NAME] [--requests N] [--prefix P] [--repeat R]
-//        [--skip-prefix] [--skip-lora]
+//        [--skip-prefix] [--skip-lora] [--attention-only (adapters on q/k/v/o only)]
 //        (default: the llama3-1b preset in bf16, 64 requests, 512-token prefix)
 #include <algorithm>
 #include <cstdio>
@@ -33,26 +33,32 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// A rank-16 adapter on every Llama target of every layer, random weights.
-void write_adapter(const fs::path& dir, const nlohmann::json& cfg, uint32_t seed) {
+// A rank-16 adapter on every Llama target of every layer (q/k/v/o only with attention_only),
+// random weights.
+void write_adapter(const fs::path& dir, const nlohmann::json& cfg, uint32_t seed,
+                   bool attention_only) {
   if (fs::exists(dir / "adapter_model.safetensors")) return;
   fs::create_directories(dir);
   const int r = 16;
   std::ofstream(dir / "adapter_config.json")
       << nlohmann::json{{"r", r},
                         {"lora_alpha", 32},
-                        {"target_modules", {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                            "up_proj", "down_proj"}}}
+                        {"target_modules",
+                         attention_only
+                             ? nlohmann::json{"q_proj", "k_proj", "v_proj", "o_proj"}
+                             : nlohmann::json{"q_proj", "k_proj", "v_proj", "o_proj",
+                                              "gate_proj", "up_proj", "down_proj"}}}
              .dump();
   const int64_t H = cfg["hidden_size"], F = cfg["intermediate_size"];
   const int64_t hd = cfg.contains("head_dim") ? cfg["head_dim"].get<int64_t>()
                                               : H / cfg["num_attention_heads"].get<int64_t>();
   const int64_t q = cfg["num_attention_heads"].get<int64_t>() * hd;
   const int64_t kv = cfg["num_key_value_heads"].get<int64_t>() * hd;
-  const std::vector<std::tuple<std::string, int64_t, int64_t>> mods = {
+  std::vector<std::tuple<std::string, int64_t, int64_t>> mods = {
       {"self_attn.q_proj", H, q},  {"self_attn.k_proj", H, kv}, {"self_attn.v_proj", H, kv},
       {"self_attn.o_proj", q, H},  {"mlp.gate_proj", H, F},     {"mlp.up_proj", H, F},
       {"mlp.down_proj", F, H}};
+  if (attention_only) mods.resize(4);
   std::mt19937 rng(seed);
   std::uniform_real_distribution<float> u(-0.01f, 0.01f);
   std::vector<TensorToWrite> t;
@@ -91,7 +97,7 @@ int main(int argc, char** argv) {
   fs::path dir;
   std::string preset = "llama3-1b";
   uint32_t n_requests = 64, prefix_len = 512, repeat = 3;
-  bool do_prefix = true, do_lora = true;
+  bool do_prefix = true, do_lora = true, attention_only = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--preset") && i + 1 < argc) preset = argv[++i];
     else if (!std::strcmp(argv[i], "--requests") && i + 1 < argc) n_requests = std::stoul(argv[++i]);
@@ -99,6 +105,7 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--repeat") && i + 1 < argc) repeat = std::stoul(argv[++i]);
     else if (!std::strcmp(argv[i], "--skip-prefix")) do_prefix = false;
     else if (!std::strcmp(argv[i], "--skip-lora")) do_lora = false;
+    else if (!std::strcmp(argv[i], "--attention-only")) attention_only = true;
     else dir = argv[i];
   }
   if (dir.empty()) dir = ensure_preset(preset, "bf16", ".cache/models/" + preset + "-bf16");
@@ -151,16 +158,17 @@ int main(int argc, char** argv) {
     const auto cfg = read_json_file(dir / "config.json");
     LoadOptions opts{{&dev}, std::nullopt};
     for (uint32_t a = 0; a < 4; ++a) {
-      const fs::path adir = ".cache/lora-bench/" + preset + "-r16-" + std::to_string(a);
-      write_adapter(adir, cfg, a + 1);
+      const fs::path adir = ".cache/lora-bench/" + preset + "-r16-" +
+                            (attention_only ? "attn-" : "") + std::to_string(a);
+      write_adapter(adir, cfg, a + 1, attention_only);
       opts.lora_adapters.push_back({"a" + std::to_string(a), adir});
     }
     opts.lora_max_rank = 16;
     auto model = load_model(dir, opts);
     const uint32_t batch = 32, gen = 16;
     std::printf("\ndecode at batch %u, prompts of 32 tokens, %u output tokens, rank-16 adapters on "
-                "q/k/v/o/gate/up/down\n",
-                batch, gen);
+                "%s\n",
+                batch, gen, attention_only ? "q/k/v/o" : "q/k/v/o/gate/up/down");
     std::printf("%9s %6s %6s %14s\n", "adapters", "run", "load", "decode tok/s");
     double base = 0;
     for (uint32_t adapters : {0u, 1u, 4u}) {

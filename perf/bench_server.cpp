@@ -5,10 +5,16 @@
 // and each client streams its requests one after another (POST /v1/completions, stream: true).
 // The difference is what the HTTP layer costs: parsing, the engine thread's hand-over, SSE.
 //
-// usage: bench_server [--requests-per-client N] [--max-tokens N] [--out DIR]
+// Each figure is the median of --repeat runs (default 3); the load average is printed beside them
+// (other work on the machine moves these figures a lot). The batch job fdatasyncs every record
+// (its durability), which the server does not do.
+//
+// usage: bench_server [--requests-per-client N] [--max-tokens N] [--repeat N] [--out DIR]
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -60,6 +66,13 @@ struct Figures {
   double wall_s = 0;
   uint64_t requests = 0, tokens = 0;
 };
+
+// The run of median wall time.
+Figures median(std::vector<Figures> runs) {
+  std::sort(runs.begin(), runs.end(),
+            [](const Figures& a, const Figures& b) { return a.wall_s < b.wall_s; });
+  return runs[runs.size() / 2];
+}
 
 Figures run_batch(const fs::path& model, const fs::path& dir, uint32_t clients, size_t n,
                   int max_tokens) {
@@ -141,17 +154,21 @@ Figures run_server(const fs::path& model, uint32_t clients, size_t n, int max_to
 int main(int argc, char** argv) {
   size_t per_client = 2;
   int max_tokens = 32;
+  int repeat = 3;
   fs::path out = fs::temp_directory_path() / "clshard-bench-server";
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--requests-per-client") && i + 1 < argc) {
       per_client = std::stoul(argv[++i]);
     } else if (!std::strcmp(argv[i], "--max-tokens") && i + 1 < argc) {
       max_tokens = std::stoi(argv[++i]);
+    } else if (!std::strcmp(argv[i], "--repeat") && i + 1 < argc) {
+      repeat = std::max(1, std::stoi(argv[++i]));
     } else if (!std::strcmp(argv[i], "--out") && i + 1 < argc) {
       out = argv[++i];
     } else {
       std::fprintf(stderr,
-                   "usage: bench_server [--requests-per-client N] [--max-tokens N] [--out DIR]\n");
+                   "usage: bench_server [--requests-per-client N] [--max-tokens N] [--repeat N] "
+                   "[--out DIR]\n");
       return 2;
     }
   }
@@ -167,13 +184,19 @@ int main(int argc, char** argv) {
   run_batch(model, out, 1, 1, 4);
   for (uint32_t clients : {1u, 8u, 32u, 64u}) {
     const size_t n = clients * per_client;
-    const Figures b = run_batch(model, out, clients, n, max_tokens);
-    const Figures s = run_server(model, clients, n, max_tokens);
+    std::vector<Figures> bs, ss;
+    for (int r = 0; r < repeat; ++r) {
+      bs.push_back(run_batch(model, out, clients, n, max_tokens));
+      ss.push_back(run_server(model, clients, n, max_tokens));
+    }
+    const Figures b = median(bs), s = median(ss);
     const double btok = double(b.tokens) / b.wall_s, stok = double(s.tokens) / s.wall_s;
     std::printf("%8u %9zu | %10.2f %12.1f | %10.2f %12.1f | %8.1f%%%s\n", clients, n,
                 double(b.requests) / b.wall_s, btok, double(s.requests) / s.wall_s, stok,
                 100.0 * (1.0 - stok / btok),
                 s.requests == n && b.requests == n ? "" : "  (some requests failed)");
   }
+  double load[3] = {0, 0, 0};
+  if (getloadavg(load, 3) == 3) std::printf("load average %.2f %.2f %.2f\n", load[0], load[1], load[2]);
   return 0;
 }

@@ -105,6 +105,8 @@ class LoraAdapters {
   uint64_t device_bytes() const;
   // Uploads so far (an adapter that has to come back after it was unloaded counts again).
   uint64_t uploads() const { return uploads_; }
+  // Whether some adapter targets module m (else applying it is a no-op).
+  bool targets(size_t m) const { return m < stacks_.size() && !stacks_[m].empty(); }
   // The adapter ids (1-based) resident now, by slot (0: a free slot).
   const std::vector<uint32_t>& resident() const { return slot_adapter_; }
 

@@ -251,9 +251,12 @@ StepOutputs Llama3Model::forward(const StepInputs& in) {
       Device& d = *shards_[r].dev;
       const LayerWeights& L = shards_[r].w.layers[l];
       Work& w = work[r];
-      // LoRA adds to gate and up before silu: the unfused path, gate and up side by side.
-      const uint32_t ldg = lora_slot ? 2 * w.f : w.f;
-      if (lora_slot) {
+      // LoRA adds to gate and up before silu: the unfused path, gate and up side by side (when
+      // an adapter targets them; down_proj's adapters read either layout).
+      const bool gu_lora = lora_slot && (lora_.targets(lora_module(l, kLoraGate)) ||
+                                         lora_.targets(lora_module(l, kLoraUp)));
+      const uint32_t ldg = gu_lora ? 2 * w.f : w.f;
+      if (gu_lora) {
         ops::rmsnorm(d, w.h.mem(), 0, H, nullptr, L.post_attention_norm, w.xn.mem(), 0, H, T, H,
                      eps);
         ops::linear(d, w.xn.mem(), 0, H, L.gate, nullptr, w.gu.mem(), 0, 2 * w.f, T);
