@@ -286,6 +286,7 @@ int main(int argc, char** argv) {
       dev.finish();
     });
   };
+  const KernelShape own = dev.kernel_shape();  // before --tune forces the GPU shape
   if (tune) {
     // One field at a time over its candidates, the GPU shape, the summed medians of the ops that
     // read it; a candidate the device cannot build or launch (local memory, work-group size) is
@@ -335,7 +336,6 @@ int main(int argc, char** argv) {
 
   std::printf("\n%-24s %-26s %12s %10s %12s %10s %8s\n", "op", "size", "cpu shape ms", "GB/s",
               "gpu shape ms", "GB/s", "gpu/cpu");
-  const KernelShape own = dev.kernel_shape();
   for (const Row& r : rows) {
     double ms[2];
     for (int i = 0; i < 2; ++i) {
