@@ -1,5 +1,5 @@
 // The server's throughput next to the batch job's for the same requests: requests/s and output
-// tokens/s at 1, 8, 32 and 64 concurrent streaming clients on the llama3-tiny preset (random
+// tokens/s at 1, 8, 32 and 64 concurrent streaming clients on a make-model preset (--preset, default llama3-tiny; random
 // weights; every request runs max_tokens tokens with ignore_eos). The batch job runs the same
 // requests with max_batch_size = the number of clients; the server's engine has the same limit
 // and each client streams its requests one after another (POST /v1/completions, stream: true).
@@ -56,8 +56,11 @@ DeployConfig config(const fs::path& model, uint32_t clients) {
                              "bench-server.yaml");
 }
 
+// The make-model preset under test (--preset), also the model name the server answers to.
+std::string g_preset = "llama3-tiny";
+
 json request_body(size_t i, int max_tokens) {
-  return {{"model", "llama3-tiny"}, {"prompt", "request " + std::to_string(i) + " says"},
+  return {{"model", g_preset}, {"prompt", "request " + std::to_string(i) + " says"},
           {"max_tokens", max_tokens},  {"seed", i},
           {"ignore_eos", true},        {"temperature", 1.0}};
 }
@@ -103,7 +106,7 @@ Figures run_batch(const fs::path& model, const fs::path& dir, uint32_t clients, 
 Figures run_server(const fs::path& model, uint32_t clients, size_t n, int max_tokens) {
   DeployConfig cfg = config(model, clients);
   std::vector<std::string> adapters;
-  serve::OpenAiServer server(cfg.serve, "llama3-tiny", cfg.sampling, adapters);
+  serve::OpenAiServer server(cfg.serve, g_preset, cfg.sampling, adapters);
   const int port = server.bind();
   server.start();
   server.attach(std::make_unique<Deployment>(Deployment::open(cfg)));
@@ -165,19 +168,21 @@ int main(int argc, char** argv) {
       repeat = std::max(1, std::stoi(argv[++i]));
     } else if (!std::strcmp(argv[i], "--out") && i + 1 < argc) {
       out = argv[++i];
+    } else if (!std::strcmp(argv[i], "--preset") && i + 1 < argc) {
+      g_preset = argv[++i];
     } else {
       std::fprintf(stderr,
                    "usage: bench_server [--requests-per-client N] [--max-tokens N] [--repeat N] "
-                   "[--out DIR]\n");
+                   "[--out DIR] [--preset llama3-tiny|llama-100m]\n");
       return 2;
     }
   }
   fs::create_directories(out);
-  const fs::path model = out / "llama3-tiny";
-  if (!fs::exists(model / "config.json")) make_model("llama3-tiny", model, MakeModelOptions{});
-  std::printf("llama3-tiny (random weights) on the CPU device, %zu requests per client, "
+  const fs::path model = out / g_preset;
+  if (!fs::exists(model / "config.json")) make_model(g_preset, model, MakeModelOptions{});
+  std::printf("%s (random weights) on the CPU device, %zu requests per client, "
               "%d output tokens each, streaming clients on loopback\n",
-              per_client, max_tokens);
+              g_preset.c_str(), per_client, max_tokens);
   std::printf("%8s %9s | %10s %12s | %10s %12s | %9s\n", "clients", "requests", "batch req/s",
               "batch tok/s", "serve req/s", "serve tok/s", "HTTP cost");
   // A warm-up run builds the kernels (cached for the rest).
