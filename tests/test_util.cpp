@@ -193,6 +193,49 @@ void expect_matches_distribution(const std::vector<int32_t>& tokens,
   }
 }
 
+std::vector<std::vector<float>> logits_of(CausalLM& model,
+                                          const std::vector<std::vector<int32_t>>& seqs,
+                                          const std::vector<uint32_t>& adapters) {
+  const uint32_t page = 16;
+  StepInputs in;
+  in.input_row_offsets = {0};
+  uint32_t pages_per_row = 1;
+  for (const auto& s : seqs)
+    pages_per_row = std::max(pages_per_row, uint32_t((s.size() + page - 1) / page));
+  in.pages_per_row = pages_per_row;
+  uint32_t next_page = 0;
+  for (size_t b = 0; b < seqs.size(); ++b) {
+    in.tokens.insert(in.tokens.end(), seqs[b].begin(), seqs[b].end());
+    in.input_row_offsets.push_back(uint32_t(in.tokens.size()));
+    in.cache_lengths.push_back(0);
+    for (uint32_t p = 0; p < pages_per_row; ++p) in.lookup_table.push_back(next_page++);
+  }
+  in.return_logits = ReturnLogits::All;
+  if (std::any_of(adapters.begin(), adapters.end(), [](uint32_t a) { return a; }))
+    in.adapter_ids = adapters;
+  model.allocate_kv_cache(next_page, page);
+  StepOutputs out = model.forward(in);
+  const auto all = out.read_logits();
+  std::vector<std::vector<float>> rows;
+  for (size_t b = 0; b < seqs.size(); ++b)
+    rows.emplace_back(all.begin() + size_t(out.logit_offsets[b]) * out.vocab,
+                      all.begin() + size_t(out.logit_offsets[b + 1]) * out.vocab);
+  return rows;
+}
+
+float max_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  EXPECT_EQ(a.size(), b.size());
+  float d = 0;
+  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) d = std::max(d, std::abs(a[i] - b[i]));
+  return d;
+}
+
+std::vector<int32_t> sequence(int seed, size_t n) {
+  std::vector<int32_t> s;
+  for (size_t j = 0; j < n; ++j) s.push_back(int32_t((seed * 83 + j * 29) % 500 + 3));
+  return s;
+}
+
 }  // namespace clshard::test
 
 namespace {

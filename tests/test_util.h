@@ -11,6 +11,7 @@
 
 #include "runtime/cl.h"
 #include "runtime/device_manager.h"
+#include "runtime/model.h"
 
 namespace clshard {
 class Device;
@@ -70,5 +71,14 @@ double chi2_critical(int dof);
 // fewer than 5 times pooled into one bin. Reports through gtest's EXPECT/ASSERT.
 void expect_matches_distribution(const std::vector<int32_t>& tokens,
                                  const std::vector<float>& expected, const char* what);
+
+// LoRA tests (test_lora*.cpp): every position's logits of each sequence, all rows in one step with
+// no cache, row b running adapter adapters[b] (0: the base model); the largest |a - b|; a
+// deterministic token sequence of length n for a seed.
+std::vector<std::vector<float>> logits_of(CausalLM& model,
+                                          const std::vector<std::vector<int32_t>>& seqs,
+                                          const std::vector<uint32_t>& adapters);
+float max_diff(const std::vector<float>& a, const std::vector<float>& b);
+std::vector<int32_t> sequence(int seed, size_t n);
 
 }  // namespace clshard::test
