@@ -6,7 +6,7 @@
 // the weights, so the caches are as cold as in a real step. The whole step chained in one finish
 // is timed too: the sum of the stages should come close to it.
 // Both sequences are timed: the unfused launches (12 per layer) and the fused ones the model runs.
-// Usage: bench_decode_breakdown [MODEL_DIR] [--batch B] [--reps N]
+// Usage: bench_decode_breakdown [MODEL_DIR] [--batch B] [--reps N] [--fused-only] [--rounds R]
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -84,10 +84,13 @@ void time_sequence(Device& dev, const char* title, const std::vector<Stage>& sta
 int main(int argc, char** argv) {
   std::filesystem::path dir = ".cache/models/llama3-1b-bf16";
   uint32_t B = 1;
-  int reps = 7;
+  int reps = 7, rounds = 2;
+  bool fused_only = false;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--batch") == 0 && i + 1 < argc) B = uint32_t(std::stoul(argv[++i]));
     else if (std::strcmp(argv[i], "--reps") == 0 && i + 1 < argc) reps = std::stoi(argv[++i]);
+    else if (std::strcmp(argv[i], "--rounds") == 0 && i + 1 < argc) rounds = std::stoi(argv[++i]);
+    else if (std::strcmp(argv[i], "--fused-only") == 0) fused_only = true;
     else dir = argv[i];
   }
   ensure_preset("llama3-1b", "bf16", dir);
@@ -213,8 +216,8 @@ int main(int argc, char** argv) {
                       V, B);
   };
   // Interleaved, twice each: the machine is shared and its bandwidth moves between runs.
-  for (int round = 0; round < 2; ++round) {
-    time_sequence(dev, "unfused", unfused, L, head, head_bytes, roofline, reps);
+  for (int round = 0; round < rounds; ++round) {
+    if (!fused_only) time_sequence(dev, "unfused", unfused, L, head, head_bytes, roofline, reps);
     time_sequence(dev, "fused (what Llama3Model runs)", fused, L, fused_head, head_bytes,
                   roofline, reps);
   }

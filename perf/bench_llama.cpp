@@ -1,11 +1,13 @@
 // End-to-end Llama 3 speed on the first OpenCL device: decode tokens/s at batch 1 and prefill
 // tokens/s for a 512-token prompt, with decode as a fraction of the bandwidth roofline (weight bytes
 // read per token / measured bandwidth).
-// Usage: bench_llama [MODEL_DIR]   (default: .cache/models/llama3-1b-bf16, made if missing)
+// Usage: bench_llama [MODEL_DIR] [--decode-only]
+//   (default model: .cache/models/llama3-1b-bf16, made if missing; --decode-only skips prefill)
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <string>
 
 #include "models/registry.h"
 #include "perf/bench_util.h"
@@ -20,7 +22,12 @@ using namespace clshard::bench;
 
 
 int main(int argc, char** argv) {
-  std::filesystem::path dir = argc > 1 ? argv[1] : ".cache/models/llama3-1b-bf16";
+  std::filesystem::path dir = ".cache/models/llama3-1b-bf16";
+  bool decode_only = false;
+  for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]) == "--decode-only") decode_only = true;
+    else dir = argv[i];
+  }
   ensure_preset("llama3-1b", "bf16", dir);
   DeviceManager mgr(DeviceSelection{});
   Device& dev = mgr[0];
@@ -54,6 +61,50 @@ int main(int argc, char** argv) {
               per_token * 1e3, 1.0 / per_token, roofline_s * 1e3, bytes_per_token / 1e9,
               100.0 * roofline_s / per_token);
 
+  // Where a decode step's wall time goes on the host side: the step driven by hand at batch 1
+  // (the same inputs greedy_generate builds), split into forward() (uploads and kernel enqueues,
+  // the host time), the wait for the queue, and the logits read plus argmax.
+  {
+    const uint32_t page_size = 128, steps = 32;
+    model->allocate_kv_cache(1, page_size);
+    StepInputs in;
+    in.tokens = prompt;
+    in.input_row_offsets = {0, uint32_t(prompt.size())};
+    in.cache_lengths = {0};
+    in.lookup_table = {0};
+    in.pages_per_row = 1;
+    std::vector<double> t_enqueue, t_wait, t_read;
+    for (uint32_t s = 0; s < steps + 1; ++s) {
+      auto t1 = Clock::now();
+      StepOutputs out = model->forward(in);
+      const double e = seconds_since(t1);
+      t1 = Clock::now();
+      out.device->finish();
+      const double w = seconds_since(t1);
+      t1 = Clock::now();
+      const std::vector<float> logits = out.read_logits();
+      const int32_t next = argmax(logits.data(), out.vocab);
+      const double r = seconds_since(t1);
+      in.cache_lengths[0] += uint32_t(in.tokens.size());
+      in.tokens = {next};
+      in.input_row_offsets = {0, 1};
+      if (s == 0) continue;  // the prompt's step
+      t_enqueue.push_back(e);
+      t_wait.push_back(w);
+      t_read.push_back(r);
+    }
+    auto median = [](std::vector<double> v) {
+      std::sort(v.begin(), v.end());
+      return v[v.size() / 2];
+    };
+    const double e = median(t_enqueue), w = median(t_wait), r = median(t_read);
+    std::printf("decode step phases (median of %u): forward() host %.2f ms, queue wait %.2f ms, "
+                "logits read + argmax %.2f ms; sum %.1f ms = %.0f%% of roofline\n",
+                steps, e * 1e3, w * 1e3, r * 1e3, (e + w + r) * 1e3,
+                100.0 * roofline_s / (e + w + r));
+  }
+
+  if (decode_only) return 0;
   // Prefill of a 512-token prompt (one step, last-token logits).
   std::vector<int32_t> long_prompt(512);
   for (size_t i = 0; i < long_prompt.size(); ++i) long_prompt[i] = int32_t((i * 31) % 120000 + 5);
