@@ -4,14 +4,15 @@
 //
 // One work-item per (token, query head); it streams its KV head's keys and values through the
 // page table in blocks of 16 positions with an online softmax (running max and sum, rescaled once
-// per block), so nothing of size context is stored. Build option: -DHEAD_DIM=d (a multiple of 8).
-// The cache layout is rope.cl's.
+// per block), so nothing of size context is stored. Build options: -DHEAD_DIM=d (a multiple of 8),
+// -DCACHE_TYPE (common.cl: the cache's element type, widened to f32 as it is read). The cache
+// layout is rope.cl's.
 
 #ifdef HEAD_DIM
 #define BLOCK 16
 #define VECS (HEAD_DIM / 8)
 
-kernel void paged_attention(global const float* q, uint ldq, global const float* cache,
+kernel void paged_attention(global const float* q, uint ldq, global const ctype* cache,
                             global const uint* token_row, global const uint* token_pos,
                             global const uint* lookup, uint pages_per_row, uint page_size,
                             uint n_heads, uint n_kv_heads, float scale, global float* out,
@@ -39,12 +40,12 @@ kernel void paged_attention(global const float* q, uint ldq, global const float*
     float bmax = -INFINITY;
     for (uint j = 0; j < n; ++j) {
       const uint p = p0 + j;
-      global const float* k =
+      global const ctype* k =
           cache + ((size_t)lut[p / page_size] * 2 * page_size + p % page_size) * kv_row +
           kvh * HEAD_DIM;
       float8 d = (float8)(0.0f);
 #pragma unroll
-      for (int i = 0; i < VECS; ++i) d = fma(qv[i], vload8(i, k), d);
+      for (int i = 0; i < VECS; ++i) d = fma(qv[i], LOADC8(i, k), d);
       const float4 d4 = d.lo + d.hi;
       s[j] = d4.x + d4.y + d4.z + d4.w;
       bmax = fmax(bmax, s[j]);
@@ -56,13 +57,13 @@ kernel void paged_attention(global const float* q, uint ldq, global const float*
     for (int i = 0; i < VECS; ++i) acc[i] *= corr;
     for (uint j = 0; j < n; ++j) {
       const uint p = p0 + j;
-      global const float* v =
+      global const ctype* v =
           cache + (((size_t)lut[p / page_size] * 2 + 1) * page_size + p % page_size) * kv_row +
           kvh * HEAD_DIM;
       const float w = exp(s[j] - m_new);
       l += w;
 #pragma unroll
-      for (int i = 0; i < VECS; ++i) acc[i] = fma((float8)(w), vload8(i, v), acc[i]);
+      for (int i = 0; i < VECS; ++i) acc[i] = fma((float8)(w), LOADC8(i, v), acc[i]);
     }
     m = m_new;
   }
@@ -82,6 +83,7 @@ kernel void paged_attention(global const float* q, uint ldq, global const float*
 //   -DDK, -DDV  key (score) and value widths; -DV_IN_K=1: the value is the key's first DV floats
 //   -DG         query heads per work-group (they share one KV head: GQA's group, MLA's all heads)
 //   -DTILE      positions per local-memory tile
+//   -DCACHE_TYPE the cache's element type (common.cl), widened to f32 as the tiles load
 // A work-group owns (split, head group, token): the positions [split * split_len, ...) up to the
 // token's own (causal). Per tile it loads the keys (and values) once into local memory with
 // neighbouring lanes on neighbouring floats, computes the G x TILE scores, moves the online
@@ -95,7 +97,7 @@ kernel void paged_attention(global const float* q, uint ldq, global const float*
 #define DPL ((DV + ATT_WG - 1) / ATT_WG)  // value columns per lane
 #define KSTRIDE (DK + 1)  // a padded local key row: lanes reading one column of many rows spread banks
 kernel __attribute__((reqd_work_group_size(ATT_WG, 1, 1)))
-void paged_attention_wg(global const float* q, uint q_ldt, uint q_ldh, global const float* cache,
+void paged_attention_wg(global const float* q, uint q_ldt, uint q_ldh, global const ctype* cache,
                         ulong page_stride, uint slot_stride, uint k_off, uint v_off,
                         uint kv_head_stride, uint heads_per_kv, global const uint* token_row,
                         global const uint* token_pos, global const uint* lookup,
@@ -133,15 +135,15 @@ void paged_attention_wg(global const float* q, uint q_ldt, uint q_ldh, global co
     for (uint idx = lane; idx < TILE * DK; idx += ATT_WG) {
       const uint j = idx / DK, d = idx % DK;
       kt[j * KSTRIDE + d] =
-          j < n ? cache[paged_slot(lut, p0 + j, page_size, page_stride, slot_stride) + k_off +
-                        head_off + d]
+          j < n ? LOADC1(cache + paged_slot(lut, p0 + j, page_size, page_stride, slot_stride) +
+                         k_off + head_off + d)
                 : 0.0f;
     }
 #if !V_IN_K
     for (uint idx = lane; idx < TILE * DV; idx += ATT_WG) {
       const uint j = idx / DV, d = idx % DV;
-      vt[idx] = j < n ? cache[paged_slot(lut, p0 + j, page_size, page_stride, slot_stride) +
-                              v_off + head_off + d]
+      vt[idx] = j < n ? LOADC1(cache + paged_slot(lut, p0 + j, page_size, page_stride, slot_stride) +
+                               v_off + head_off + d)
                       : 0.0f;
     }
 #endif

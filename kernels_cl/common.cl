@@ -54,6 +54,31 @@ typedef wtype ntype;
 #define LOADN1(p) LOADW1(p)
 #endif
 
+// The KV caches' element type, -DCACHE_TYPE=0|1 (f32 | bf16; kv_cache.dtype): ctype, a loader
+// that widens to f32 and a store that narrows. bf16 stores round to nearest, ties to even, as
+// torch's cast does (NaN stays a quiet NaN); loads are exact.
+#ifndef CACHE_TYPE
+#define CACHE_TYPE 0
+#endif
+#if CACHE_TYPE == 1
+typedef ushort ctype;
+inline ushort f32_to_bf16_rne(float f) {
+  const uint u = as_uint(f);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (ushort)((u >> 16) | 0x40u);
+  return (ushort)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+#define LOADC1(p) bf16_to_f32(*(p))
+#define LOADC8(i, p) bf16x8_to_f32(vload8((i), (p)))
+#define LOADC16(i, p) bf16x16_to_f32(vload16((i), (p)))
+#define STOREC1(v, p) (*(p) = f32_to_bf16_rne(v))
+#else
+typedef float ctype;
+#define LOADC1(p) (*(p))
+#define LOADC8(i, p) vload8((i), (p))
+#define LOADC16(i, p) vload16((i), (p))
+#define STOREC1(v, p) (*(p) = (v))
+#endif
+
 // e4m3fn (FP8: 1 sign, 4 exponent bits bias 7, 3 mantissa bits, subnormals, no infinities,
 // 0x7F / 0xFF NaN) -> f32, written once for every kernel that reads FP8 weights.
 // Exact: normal codes move the 7 magnitude bits under f32's exponent (<< 20) and add the bias

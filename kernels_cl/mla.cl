@@ -1,6 +1,7 @@
 // Multi-head latent attention (DeepSeek-V2/V3 MLA) over a paged latent cache.
 //
-// Cache of one layer: [num_pages + 1][page_size][LKV + DR] floats; the row of a token is
+// Cache of one layer: [num_pages + 1][page_size][LKV + DR] ctype elements (common.cl: f32, or bf16
+// rounded to nearest even with -DCACHE_TYPE=1, read back widened to f32); the row of a token is
 // [ RMSNorm(c_kv) * kv_a_layernorm (LKV) | RoPE(k_pe) (DR) ] (576 wide for V3), the last page is
 // the null page that pads lookup tables. One row serves every head: it is K (all of it) and V (its
 // first LKV values) in the latent space of the absorbed decode path, and the source of K-nope / V
@@ -53,22 +54,27 @@ inline size_t cache_row_index(global const uint* lut, uint pos, uint page_size) 
   return (size_t)lut[pos / page_size] * page_size + pos % page_size;
 }
 
-// Rotates the n_pairs pairs of x by position * inv_freq (scaled by YaRN's attention factor).
-inline void rope_pairs(global float* x, uint n_pairs, uint pos, global const float* inv_freq,
-                       float factor) {
-  for (uint i = 0; i < n_pairs; ++i) {
-    const float angle = (float)pos * inv_freq[i];
-    const float c = cos(angle) * factor, s = sin(angle) * factor;
+// Rotates the n_pairs pairs of x by position * inv_freq (scaled by YaRN's attention factor); in
+// global memory (rope_pairs) or private (rope_pairs_private: a key rotated before it is narrowed).
 #if INTERLEAVED
-    const uint i0 = 2 * i, i1 = 2 * i + 1;
+#define ROPE_PAIR_INDEX(i, n) const uint i0 = 2 * (i), i1 = 2 * (i) + 1
 #else
-    const uint i0 = i, i1 = i + n_pairs;
+#define ROPE_PAIR_INDEX(i, n) const uint i0 = (i), i1 = (i) + (n)
 #endif
-    const float a = x[i0], b = x[i1];
-    x[i0] = a * c - b * s;
-    x[i1] = a * s + b * c;
+#define DEFINE_ROPE_PAIRS(NAME, SPACE)                                                     \
+  inline void NAME(SPACE float* x, uint n_pairs, uint pos, global const float* inv_freq, \
+                   float factor) {                                                        \
+    for (uint i = 0; i < n_pairs; ++i) {                                                   \
+      const float angle = (float)pos * inv_freq[i];                                        \
+      const float c = cos(angle) * factor, s = sin(angle) * factor;                        \
+      ROPE_PAIR_INDEX(i, n_pairs);                                                         \
+      const float a = x[i0], b = x[i1];                                                    \
+      x[i0] = a * c - b * s;                                                               \
+      x[i1] = a * s + b * c;                                                               \
+    }                                                                                      \
   }
-}
+DEFINE_ROPE_PAIRS(rope_pairs, global)
+DEFINE_ROPE_PAIRS(rope_pairs_private, private)
 
 // Per new token: RoPE on every head's q_pe (in place in q), and the cache row from the raw
 // kv_a_proj_with_mqa output [c_kv (LKV) | k_pe (DR)]: normalised latent, roped key.
@@ -78,7 +84,7 @@ kernel void mla_rope_store(global float* q, uint q_off, uint ldq, uint n_heads, 
                            global const ntype* norm_w, float eps, global const float* inv_freq,
                            float rope_factor, global const uint* token_row,
                            global const uint* token_pos, global const uint* lookup,
-                           uint pages_per_row, uint page_size, global float* cache) {
+                           uint pages_per_row, uint page_size, global ctype* cache) {
   const uint t = get_global_id(0);
   const uint pos = token_pos[t];
   global float* qt = q + q_off + (size_t)t * ldq;
@@ -87,13 +93,21 @@ kernel void mla_rope_store(global float* q, uint q_off, uint ldq, uint n_heads, 
 
   global const float* src = kv + kv_off + (size_t)t * ldkv;
   global const uint* lut = lookup + (size_t)token_row[t] * pages_per_row;
-  global float* row = cache + cache_row_index(lut, pos, page_size) * (LKV + DR);
+  global ctype* row = cache + cache_row_index(lut, pos, page_size) * (LKV + DR);
   float ss = 0.0f;
   for (uint i = 0; i < LKV; ++i) ss = fma(src[i], src[i], ss);
   const float inv = 1.0f / sqrt(ss / (float)LKV + eps);
-  for (uint i = 0; i < LKV; ++i) row[i] = (src[i] * inv) * LOADN(norm_w + i);
+  for (uint i = 0; i < LKV; ++i) STOREC1((src[i] * inv) * LOADN(norm_w + i), row + i);
+#if CACHE_TYPE == 0
   for (uint i = 0; i < DR; ++i) row[LKV + i] = src[LKV + i];
   rope_pairs(row + LKV, DR / 2, pos, inv_freq, rope_factor);
+#else
+  // The key rotated in f32, then rounded once as it is stored.
+  float pe[DR];
+  for (uint i = 0; i < DR; ++i) pe[i] = src[LKV + i];
+  rope_pairs_private(pe, DR / 2, pos, inv_freq, rope_factor);
+  for (uint i = 0; i < DR; ++i) STOREC1(pe[i], row + LKV + i);
+#endif
 }
 
 // ---- decode path: attention in the latent space ------------------------------------------------
@@ -152,7 +166,7 @@ kernel void mla_absorb_q(global const float* q, uint q_off, uint ldq, global con
 // 0..pos: score = scale * qf . row (LKV + DR wide), value = row[:LKV]. Streams blocks of 16
 // positions with an online softmax (running max and sum), as attention.cl does.
 #define ATT_BLOCK 16
-kernel void mla_decode_attention(global const float* qf, global const float* cache,
+kernel void mla_decode_attention(global const float* qf, global const ctype* cache,
                                  global const uint* token_row, global const uint* token_pos,
                                  global const uint* lookup, uint pages_per_row, uint page_size,
                                  uint n_heads, float scale, global float* out) {
@@ -172,15 +186,15 @@ kernel void mla_decode_attention(global const float* qf, global const float* cac
     float s[ATT_BLOCK];
     float bmax = -INFINITY;
     for (uint j = 0; j < n; ++j) {
-      global const float* row = cache + cache_row_index(lut, p0 + j, page_size) * (LKV + DR);
+      global const ctype* row = cache + cache_row_index(lut, p0 + j, page_size) * (LKV + DR);
       // Two accumulators halve the FMA dependency chain (36 vectors long for V3).
       float16 d0 = (float16)(0.0f), d1 = (float16)(0.0f);
 #pragma unroll
       for (int i = 0; i + 1 < (LKV + DR) / 16; i += 2) {
-        d0 = fma(qv[i], vload16(i, row), d0);
-        d1 = fma(qv[i + 1], vload16(i + 1, row), d1);
+        d0 = fma(qv[i], LOADC16(i, row), d0);
+        d1 = fma(qv[i + 1], LOADC16(i + 1, row), d1);
       }
-      if ((LKV + DR) / 16 % 2) d0 = fma(qv[(LKV + DR) / 16 - 1], vload16((LKV + DR) / 16 - 1, row), d0);
+      if ((LKV + DR) / 16 % 2) d0 = fma(qv[(LKV + DR) / 16 - 1], LOADC16((LKV + DR) / 16 - 1, row), d0);
       const float16 d = d0 + d1;
       const float8 d8 = d.lo + d.hi;
       const float4 d4 = d8.lo + d8.hi;
@@ -193,11 +207,11 @@ kernel void mla_decode_attention(global const float* qf, global const float* cac
 #pragma unroll
     for (int i = 0; i < LKV / 16; ++i) acc[i] *= corr;
     for (uint j = 0; j < n; ++j) {
-      global const float* row = cache + cache_row_index(lut, p0 + j, page_size) * (LKV + DR);
+      global const ctype* row = cache + cache_row_index(lut, p0 + j, page_size) * (LKV + DR);
       const float p = exp(s[j] - m_new);
       l += p;
 #pragma unroll
-      for (int i = 0; i < LKV / 16; ++i) acc[i] = fma((float16)(p), vload16(i, row), acc[i]);
+      for (int i = 0; i < LKV / 16; ++i) acc[i] = fma((float16)(p), LOADC16(i, row), acc[i]);
     }
     m = m_new;
   }
@@ -267,12 +281,12 @@ kernel void mla_head_linear(global const float* x, global const wtype* w,
 // ---- prefill path: decompressed K and V ---------------------------------------------------------
 
 // Copies the latent part of cache rows into a contiguous buffer: out[i] = cache row src_rows[i].
-kernel void mla_gather_latent(global const float* cache, global const uint* src_rows,
+kernel void mla_gather_latent(global const ctype* cache, global const uint* src_rows,
                               global float* out) {
   const uint i = get_global_id(0);
-  global const float* src = cache + (size_t)src_rows[i] * (LKV + DR);
+  global const ctype* src = cache + (size_t)src_rows[i] * (LKV + DR);
   global float* dst = out + (size_t)i * LKV;
-  for (uint k = 0; k < LKV / 16; ++k) vstore16(vload16(k, src), k, dst);
+  for (uint k = 0; k < LKV / 16; ++k) vstore16(LOADC16(k, src), k, dst);
 }
 
 // Causal attention of each new token (one work-item per token x head) with K and V decompressed:
@@ -281,7 +295,7 @@ kernel void mla_gather_latent(global const float* cache, global const uint* src_
 // q_pe . k_pe). Online softmax over blocks of 16 positions.
 kernel void mla_prefill_attention(global const float* q, uint q_off, uint ldq,
                                   global const float* kv, uint ldkv, global const uint* ctx_start,
-                                  global const float* cache, global const uint* token_row,
+                                  global const ctype* cache, global const uint* token_row,
                                   global const uint* token_pos, global const uint* lookup,
                                   uint pages_per_row, uint page_size, uint n_heads, float scale,
                                   global float* out, uint ldo) {
@@ -306,7 +320,7 @@ kernel void mla_prefill_attention(global const float* q, uint q_off, uint ldq,
     float bmax = -INFINITY;
     for (uint j = 0; j < n; ++j) {
       global const float* k = kv0 + (size_t)(p0 + j) * ldkv;
-      global const float* kpe =
+      global const ctype* kpe =
           cache + cache_row_index(lut, p0 + j, page_size) * (LKV + DR) + LKV;
       // Two accumulators halve the FMA dependency chain.
       float8 d0 = (float8)(0.0f), d1 = (float8)(0.0f);
@@ -318,10 +332,10 @@ kernel void mla_prefill_attention(global const float* q, uint q_off, uint ldq,
       if (DN / 8 % 2) d0 = fma(qn[DN / 8 - 1], vload8(DN / 8 - 1, k), d0);
 #pragma unroll
       for (int i = 0; i + 1 < DR / 8; i += 2) {
-        d0 = fma(qr[i], vload8(i, kpe), d0);
-        d1 = fma(qr[i + 1], vload8(i + 1, kpe), d1);
+        d0 = fma(qr[i], LOADC8(i, kpe), d0);
+        d1 = fma(qr[i + 1], LOADC8(i + 1, kpe), d1);
       }
-      if (DR / 8 % 2) d0 = fma(qr[DR / 8 - 1], vload8(DR / 8 - 1, kpe), d0);
+      if (DR / 8 % 2) d0 = fma(qr[DR / 8 - 1], LOADC8(DR / 8 - 1, kpe), d0);
       const float8 d = d0 + d1;
       const float4 d4 = d.lo + d.hi;
       s[j] = d4.x + d4.y + d4.z + d4.w;

@@ -3,14 +3,15 @@
 // position * inv_freq[i] in f32, as the reference implementations compute it.
 //
 // Paged MHA cache of one layer: [num_pages + 1][2 (K, V)][page_size][n_kv_heads][head_dim]; the
-// last page is the null page that pads lookup tables. One work-item per new token.
+// last page is the null page that pads lookup tables; elements are ctype (common.cl: f32, or bf16
+// rounded to nearest even with -DCACHE_TYPE=1). One work-item per new token.
 
 kernel void rope_store_kv(global float* qkv, uint ld, uint n_heads, uint n_kv_heads,
                           uint head_dim, global const float* inv_freq,
                           global const float* inv_freq_long, uint long_from,
                           global const uint* token_row, global const uint* token_pos,
                           global const uint* lookup, uint pages_per_row, uint page_size,
-                          global float* cache) {
+                          global ctype* cache) {
   const uint t = get_global_id(0);
   const uint pos = token_pos[t];
   const uint half_dim = head_dim / 2;
@@ -31,13 +32,13 @@ kernel void rope_store_kv(global float* qkv, uint ld, uint n_heads, uint n_kv_he
   const uint page = lookup[b * pages_per_row + pos / page_size];
   const uint slot = pos % page_size;
   const size_t kv_row = (size_t)n_kv_heads * head_dim;
-  global float* kdst = cache + ((size_t)page * 2 * page_size + slot) * kv_row;
-  global float* vdst = kdst + (size_t)page_size * kv_row;
+  global ctype* kdst = cache + ((size_t)page * 2 * page_size + slot) * kv_row;
+  global ctype* vdst = kdst + (size_t)page_size * kv_row;
   global const float* k = row + (size_t)n_heads * head_dim;
   global const float* v = k + kv_row;
   for (uint i = 0; i < kv_row; ++i) {
-    kdst[i] = k[i];
-    vdst[i] = v[i];
+    STOREC1(k[i], kdst + i);
+    STOREC1(v[i], vdst + i);
   }
 }
 
@@ -52,7 +53,7 @@ void rope_store_kv_wg(global float* qkv, uint ld, uint n_heads, uint n_kv_heads,
                       global const float* inv_freq, global const float* inv_freq_long,
                       uint long_from, global const uint* token_row, global const uint* token_pos,
                       global const uint* lookup, uint pages_per_row, uint page_size,
-                      global float* cache) {
+                      global ctype* cache) {
   const uint t = get_group_id(0), lane = get_local_id(0);
   const uint pos = token_pos[t];
   const uint half_dim = head_dim / 2;
@@ -60,8 +61,8 @@ void rope_store_kv_wg(global float* qkv, uint ld, uint n_heads, uint n_kv_heads,
   global float* row = qkv + (size_t)t * ld;
   const size_t kv_row = (size_t)n_kv_heads * head_dim;
   global const uint* lut = lookup + (size_t)token_row[t] * pages_per_row;
-  global float* kdst = cache + paged_slot(lut, pos, page_size, 2 * page_size * kv_row, kv_row);
-  global float* vdst = kdst + (size_t)page_size * kv_row;
+  global ctype* kdst = cache + paged_slot(lut, pos, page_size, 2 * page_size * kv_row, kv_row);
+  global ctype* vdst = kdst + (size_t)page_size * kv_row;
   const uint n_pairs = (n_heads + n_kv_heads) * half_dim;
   for (uint idx = lane; idx < n_pairs; idx += ROPE_WG) {
     const uint h = idx / half_dim, i = idx % half_dim;
@@ -73,12 +74,12 @@ void rope_store_kv_wg(global float* qkv, uint ld, uint n_heads, uint n_kv_heads,
     x[i] = ra;
     x[i + half_dim] = rb;
     if (h >= n_heads) {
-      global float* k = kdst + (h - n_heads) * head_dim;
-      k[i] = ra;
-      k[i + half_dim] = rb;
+      global ctype* k = kdst + (h - n_heads) * head_dim;
+      STOREC1(ra, k + i);
+      STOREC1(rb, k + i + half_dim);
     }
   }
   global const float* v = row + (size_t)(n_heads + n_kv_heads) * head_dim;
-  for (uint i = lane; i < kv_row; i += ROPE_WG) vdst[i] = v[i];
+  for (uint i = lane; i < kv_row; i += ROPE_WG) STOREC1(v[i], vdst + i);
 }
 #endif

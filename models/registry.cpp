@@ -138,10 +138,21 @@ void make_model(const std::string& preset, const std::filesystem::path& out,
   throw std::runtime_error("make-model: unknown preset '" + preset + "' (known: " + names + ")");
 }
 
-nlohmann::json plan_checkpoint(const std::filesystem::path& dir_or_config_json) {
+nlohmann::json plan_checkpoint(const std::filesystem::path& dir_or_config_json,
+                               DType kv_cache_dtype) {
   const auto path = config_json(dir_or_config_json);
   const auto cfg = read_json_file(path);
   nlohmann::json j = family_of(cfg, path).plan(cfg, path);
+  if (kv_cache_dtype != DType::F32 && j.contains("kv_cache") &&
+      j["kv_cache"].contains("dtype_bytes")) {
+    // The same elements per token in the narrower type.
+    auto& kv = j["kv_cache"];
+    const uint64_t from = kv["dtype_bytes"].get<uint64_t>(), to = dtype_size(kv_cache_dtype);
+    kv["dtype"] = dtype_name(kv_cache_dtype);
+    kv["dtype_bytes"] = to;
+    kv["bytes_per_token"] = kv["bytes_per_token"].get<uint64_t>() / from * to;
+    kv["bytes_per_page"] = kv["bytes_per_page"].get<uint64_t>() / from * to;
+  }
   j["config"] = path.string();
   return j;
 }

@@ -56,7 +56,9 @@ std::vector<std::string> model_presets();
 // and an activation estimate, from config.json alone (no weights needed). `dir_or_config_json`: a
 // checkpoint directory (its config.json is read) or a config.json file. Throws naming the file for
 // unknown architectures or bad fields.
-nlohmann::json plan_checkpoint(const std::filesystem::path& dir_or_config_json);
+// kv_cache_dtype (kv_cache.dtype) sizes the cache figures: the family plans f32 elements.
+nlohmann::json plan_checkpoint(const std::filesystem::path& dir_or_config_json,
+                               DType kv_cache_dtype = DType::F32);
 
 // The draft's figures for `clshard plan` (DraftFamily::plan) for speculative.method `method`.
 nlohmann::json plan_draft(const std::string& method, const std::filesystem::path& target_dir,

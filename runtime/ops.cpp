@@ -257,14 +257,26 @@ void axpy(Device& dev, const cl::Mem& y, const cl::Mem& x, float alpha, uint32_t
   dev.launch(k, {(n + chunk - 1) / chunk, 1, 1}, 1);
 }
 
+std::string cache_type_option(DType dtype) {
+  switch (dtype) {
+    case DType::F32: return "";
+    case DType::BF16: return " -DCACHE_TYPE=1";
+    default:
+      throw std::invalid_argument(std::string("a KV cache holds F32 or BF16 elements, not ") +
+                                  dtype_name(dtype));
+  }
+}
+
 void rope_store_kv(Device& dev, const cl::Mem& qkv, uint32_t ld, uint32_t n_heads,
                    uint32_t n_kv_heads, uint32_t head_dim, const cl::Mem& inv_freq,
                    const cl::Mem& inv_freq_long, uint32_t long_from, const StepTokens& st,
-                   const cl::Mem& cache_layer) {
+                   const cl::Mem& cache_layer, DType cache_dtype) {
   const bool wg_shape = dev.kernel_shape() == KernelShape::WorkGroups;
   const size_t wg = dev.tuning().rope_wg;
-  cl::Kernel k = wg_shape ? dev.kernel("rope.cl", "rope_store_kv_wg", "-DROPE_WG=" + std::to_string(wg))
-                          : dev.kernel("rope.cl", "rope_store_kv");
+  const std::string ct = cache_type_option(cache_dtype);
+  cl::Kernel k = wg_shape ? dev.kernel("rope.cl", "rope_store_kv_wg",
+                                       "-DROPE_WG=" + std::to_string(wg) + ct)
+                          : dev.kernel("rope.cl", "rope_store_kv", ct);
   cl::set_args(k, qkv, ld, n_heads, n_kv_heads, head_dim, inv_freq, inv_freq_long, long_from,
                st.token_row, st.token_pos, st.lookup, st.pages_per_row, st.page_size,
                cache_layer);
@@ -276,7 +288,8 @@ void rope_store_kv(Device& dev, const cl::Mem& qkv, uint32_t ld, uint32_t n_head
 
 void paged_attention(Device& dev, const cl::Mem& q, uint32_t ldq, const cl::Mem& cache_layer,
                      const StepTokens& st, uint32_t n_heads, uint32_t n_kv_heads,
-                     uint32_t head_dim, float scale, const cl::Mem& out, uint32_t ldo) {
+                     uint32_t head_dim, float scale, const cl::Mem& out, uint32_t ldo,
+                     DType cache_dtype) {
   if (head_dim % 8 != 0)
     throw std::runtime_error("paged_attention: head_dim " + std::to_string(head_dim) +
                              " is not a multiple of 8");
@@ -294,12 +307,14 @@ void paged_attention(Device& dev, const cl::Mem& q, uint32_t ldq, const cl::Mem&
     lay.wg = tu.attn_wg;
     lay.tile = tu.attn_tile;
     lay.max_heads = tu.attn_heads;
+    lay.cache_dtype = cache_dtype;
     paged_attention_split_k(dev, q, ldq, head_dim, cache_layer, st, n_heads, lay, scale, out, ldo,
                             head_dim);
     return;
   }
   cl::Kernel k = dev.kernel("attention.cl", "paged_attention",
-                            "-DHEAD_DIM=" + std::to_string(head_dim));
+                            "-DHEAD_DIM=" + std::to_string(head_dim) +
+                                cache_type_option(cache_dtype));
   cl::set_args(k, q, ldq, cache_layer, st.token_row, st.token_pos, st.lookup, st.pages_per_row,
                st.page_size, n_heads, n_kv_heads, scale, out, ldo);
   dev.launch(k, {st.T, n_heads, 1}, 2);
@@ -332,7 +347,7 @@ void paged_attention_split_k(Device& dev, const cl::Mem& q, uint32_t q_ldt, uint
   const std::string opts = "-DATT_WG=" + std::to_string(lay.wg) + " -DDK=" + std::to_string(lay.dk) +
                            " -DDV=" + std::to_string(lay.dv) + " -DG=" + std::to_string(g) +
                            " -DTILE=" + std::to_string(tile) + " -DV_IN_K=" +
-                           std::to_string(int(lay.v_in_k));
+                           std::to_string(int(lay.v_in_k)) + cache_type_option(lay.cache_dtype);
   cl::Kernel k = dev.kernel("attention.cl", "paged_attention_wg", opts);
   Scratch part, part_ml;
   if (n_splits > 1) {

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "runtime/cl.h"
@@ -73,15 +74,22 @@ struct StepTokens {
 
 // RoPE (half-split) on the queries and keys of qkv [T, (nh + 2 nkv) * hd] in place, and the store
 // of keys and values into one layer's paged cache. Positions >= long_from use inv_freq_long.
+// The cache holds cache_dtype elements (kv_cache.dtype: F32, or BF16 rounded to nearest even).
 void rope_store_kv(Device& dev, const cl::Mem& qkv, uint32_t ld, uint32_t n_heads,
                    uint32_t n_kv_heads, uint32_t head_dim, const cl::Mem& inv_freq,
                    const cl::Mem& inv_freq_long, uint32_t long_from, const StepTokens& st,
-                   const cl::Mem& cache_layer);
+                   const cl::Mem& cache_layer, DType cache_dtype = DType::F32);
 
 // Causal GQA attention of the T new tokens over the paged cache: out[t, h*hd:(h+1)*hd].
 void paged_attention(Device& dev, const cl::Mem& q, uint32_t ldq, const cl::Mem& cache_layer,
                      const StepTokens& st, uint32_t n_heads, uint32_t n_kv_heads,
-                     uint32_t head_dim, float scale, const cl::Mem& out, uint32_t ldo);
+                     uint32_t head_dim, float scale, const cl::Mem& out, uint32_t ldo,
+                     DType cache_dtype = DType::F32);
+
+// The build option of kernels that read or write a KV cache of `dtype` elements (common.cl's
+// CACHE_TYPE): empty for F32, so f32 caches build the kernels they always did. Throws for a dtype
+// the caches do not hold.
+std::string cache_type_option(DType dtype);
 
 // Where a position's key and value sit in a paged cache, for the WorkGroups shape's split-K
 // attention (attention.cl's paged_attention_wg), which MHA and MLA's absorbed decode share: the
@@ -94,6 +102,7 @@ struct PagedKvLayout {
   uint32_t k_off = 0, v_off = 0, kv_head_stride = 0, heads_per_kv = 1;
   uint32_t dk = 0, dv = 0;
   bool v_in_k = false;
+  DType cache_dtype = DType::F32;  // the elements (strides and offsets count elements)
   // Launch shape (from the device's KernelTuning): lanes, positions per tile, heads per group.
   uint32_t wg = 64, tile = 32, max_heads = 8;
 };

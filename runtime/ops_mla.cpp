@@ -11,7 +11,8 @@ namespace {
 
 std::string dims_option(const MlaShape& s) {
   return "-DLKV=" + std::to_string(s.kv_lora) + " -DDR=" + std::to_string(s.rope) +
-         " -DDN=" + std::to_string(s.nope) + " -DDV=" + std::to_string(s.v);
+         " -DDN=" + std::to_string(s.nope) + " -DDV=" + std::to_string(s.v) +
+         cache_type_option(s.cache_dtype);
 }
 
 // kv_b_proj as the MLA kernels read it: f32, bf16, or e4m3 with block scales.
@@ -153,6 +154,7 @@ void mla_decode_attention(Device& dev, const cl::Mem& qf, const cl::Mem& cache_l
     lay.wg = tu.mla_wg;
     lay.tile = tu.mla_tile;
     lay.max_heads = tu.mla_heads;
+    lay.cache_dtype = s.cache_dtype;
     paged_attention_split_k(dev, qf, s.n_heads * s.row(), s.row(), cache_layer, st, s.n_heads, lay,
                             scale, o_lat, s.n_heads * s.kv_lora, s.kv_lora);
     return;

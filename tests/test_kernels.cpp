@@ -226,6 +226,7 @@ struct AttentionCase {
   KernelShape shape;
   uint32_t split = 0, tile = 0, wg = 0, heads = 0;  // 0: the device's tuning
   uint64_t scratch = 0;
+  DType cache = DType::F32;  // kv_cache.dtype
 };
 class AttentionKernels : public ::testing::TestWithParam<AttentionCase> {};
 
@@ -240,7 +241,12 @@ KernelTuning tuning_for(Device& dev, const AttentionCase& c) {
 }
 
 // RoPE + KV store + paged attention against a direct C++ computation, two rows with different
-// cached lengths, pages scattered in the pool (not in order).
+// cached lengths, pages scattered in the pool (not in order). With a bf16 cache: every stored key
+// and value is the kernel's f32 value rounded to nearest even (bit-exact against the host's
+// f32_to_bf16), and the attention output matches a double computation over the bf16-rounded keys
+// and values (2e-3: the host's RoPE may round a key to the neighbouring bf16 value where the
+// kernel's f32 rotation differs in the last bit) and the f32 cache's output within bf16's
+// precision (2e-2 here, outputs of magnitude <= 1).
 TEST_P(AttentionKernels, RopeStoreAndPagedAttentionMatchCpp) {
   Device& dev = test::default_device();
   ShapeScope scope(dev, GetParam().shape);
@@ -270,9 +276,15 @@ TEST_P(AttentionKernels, RopeStoreAndPagedAttentionMatchCpp) {
       x[i + hd / 2] = x1 * c + x0 * s;
     }
   };
-  cl::Mem cache = dev.alloc(size_t(npages + 1) * 2 * page * nkv * hd * 4);
-  dev.fill_zero(cache, size_t(npages + 1) * 2 * page * nkv * hd * 4);
+  const DType cdt = GetParam().cache;
+  const bool narrow = cdt != DType::F32;
+  const size_t cache_elems = size_t(npages + 1) * 2 * page * nkv * hd;
+  cl::Mem cache = dev.alloc(cache_elems * dtype_size(cdt));
+  dev.fill_zero(cache, cache_elems * dtype_size(cdt));
+  cl::Mem f32_cache = dev.alloc(cache_elems * 4);  // the f32 path beside a narrow cache
+  dev.fill_zero(f32_cache, cache_elems * 4);
   cl::Mem invm = upload(dev, inv);
+  std::vector<float> f32_att;  // the f32 cache's attention output of the last step
   auto run_step = [&](const std::vector<std::pair<uint32_t, uint32_t>>& spans,
                       std::vector<float>* att_out, std::vector<float>* qkv_rows) {
     // spans[b] = (first position, count) of row b's new tokens in this step.
@@ -292,11 +304,33 @@ TEST_P(AttentionKernels, RopeStoreAndPagedAttentionMatchCpp) {
     dev.write(pm, pos.data(), T * 4);
     dev.write(lm, lut.data(), lut.size() * 4);
     ops::StepTokens st{rm, pm, lm, T, ppr, page};
-    ops::rope_store_kv(dev, qm, ld, nh, nkv, hd, invm, invm, 0xffffffffu, st, cache);
-    ops::paged_attention(dev, qm, ld, cache, st, nh, nkv, hd, 0.25f, om, nh * hd);
+    if (narrow) {  // the same step over an f32 cache, from the same pre-rope rows
+      cl::Mem q32 = upload(dev, qkv), o32 = dev.alloc(size_t(T) * nh * hd * 4);
+      ops::rope_store_kv(dev, q32, ld, nh, nkv, hd, invm, invm, 0xffffffffu, st, f32_cache);
+      ops::paged_attention(dev, q32, ld, f32_cache, st, nh, nkv, hd, 0.25f, o32, nh * hd);
+      f32_att = download(dev, o32, size_t(T) * nh * hd);
+    }
+    ops::rope_store_kv(dev, qm, ld, nh, nkv, hd, invm, invm, 0xffffffffu, st, cache, cdt);
+    ops::paged_attention(dev, qm, ld, cache, st, nh, nkv, hd, 0.25f, om, nh * hd, cdt);
     *att_out = download(dev, om, size_t(T) * nh * hd);
     *qkv_rows = download(dev, qm, qkv.size());
+    if (narrow) {
+      // Each new token's key (roped, in qkv) and value, as stored: rounded to nearest even.
+      std::vector<uint16_t> c(cache_elems);
+      dev.read(cache, c.data(), cache_elems * 2);
+      for (uint32_t t = 0; t < T; ++t) {
+        const uint32_t slot_page = lut[row[t] * ppr + pos[t] / page], slot = pos[t] % page;
+        for (uint32_t i = 0; i < nkv * hd; ++i) {
+          const size_t k_at = (size_t(slot_page) * 2 * page + slot) * nkv * hd + i;
+          const size_t v_at = k_at + size_t(page) * nkv * hd;
+          ASSERT_EQ(c[k_at], f32_to_bf16((*qkv_rows)[t * ld + nh * hd + i])) << "key " << t;
+          ASSERT_EQ(c[v_at], f32_to_bf16((*qkv_rows)[t * ld + (nh + nkv) * hd + i])) << "value";
+        }
+      }
+    }
   };
+  // The cache's rounding of a key or value element.
+  auto cached_value = [&](float x) { return narrow ? bf16_to_f32(f32_to_bf16(x)) : x; };
   std::vector<float> att, roped;
   run_step({{0, cached[0]}, {0, 0}}, &att, &roped);  // fill row 0's history first
   run_step({{cached[0], fresh[0]}, {0, fresh[1]}}, &att, &roped);
@@ -318,7 +352,7 @@ TEST_P(AttentionKernels, RopeStoreAndPagedAttentionMatchCpp) {
           double d = 0;
           for (uint32_t i = 0; i < hd; ++i)
             d += double(h[size_t(p) * ld + head * hd + i]) *
-                 h[size_t(q) * ld + (nh + kvh) * hd + i];
+                 cached_value(h[size_t(q) * ld + (nh + kvh) * hd + i]);
           s[q] = d * 0.25;
           mx = std::max(mx, s[q]);
         }
@@ -327,8 +361,10 @@ TEST_P(AttentionKernels, RopeStoreAndPagedAttentionMatchCpp) {
         for (uint32_t i = 0; i < hd; ++i) {
           double o = 0;
           for (uint32_t q = 0; q <= p; ++q)
-            o += s[q] / sum * h[size_t(q) * ld + (nh + nkv + kvh) * hd + i];
-          ASSERT_NEAR(att[t * nh * hd + head * hd + i], o, 1e-5) << "row " << b << " pos " << p;
+            o += s[q] / sum * cached_value(h[size_t(q) * ld + (nh + nkv + kvh) * hd + i]);
+          const size_t at = t * nh * hd + head * hd + i;
+          ASSERT_NEAR(att[at], o, narrow ? 2e-3 : 1e-5) << "row " << b << " pos " << p;
+          if (narrow) ASSERT_NEAR(att[at], f32_att[at], 2e-2) << "row " << b << " pos " << p;
         }
       }
     }
@@ -341,7 +377,13 @@ INSTANTIATE_TEST_SUITE_P(
                       AttentionCase{"gpu", KernelShape::WorkGroups},
                       AttentionCase{"gpu_split16_tile8", KernelShape::WorkGroups, 16, 8, 32, 1},
                       AttentionCase{"gpu_scratch_capped", KernelShape::WorkGroups, 8, 8, 64, 2,
-                                    13000}),
+                                    13000},
+                      AttentionCase{"cpu_bf16_cache", KernelShape::Chunks, 0, 0, 0, 0, 0,
+                                    DType::BF16},
+                      AttentionCase{"gpu_bf16_cache", KernelShape::WorkGroups, 0, 0, 0, 0, 0,
+                                    DType::BF16},
+                      AttentionCase{"gpu_split16_tile8_bf16_cache", KernelShape::WorkGroups, 16,
+                                    8, 32, 1, 0, DType::BF16}),
     [](const auto& info) { return std::string(info.param.name); });
 
 }  // namespace

@@ -116,6 +116,58 @@ TEST(Llama3Step, WorkGroupShapedKernelsMatchTheReference) {
     EXPECT_LT(max_abs_diff(logits[i], rc.seqs[i].logits), kTolerance) << i;
 }
 
+// kv_cache.dtype: bf16: keys and values rounded to bf16 as they are stored, attention reading
+// bf16, in both kernel shapes; prefill (which attends over the cache it just wrote) and one token
+// per step. Every position within kBf16CacheTolerance of the reference (keys and values carry
+// bf16's 2^-9 relative rounding into the scores and outputs; the f32 cache stays within 1e-3),
+// and the logits do differ from the f32 cache's: the narrow cache is what ran.
+constexpr float kBf16CacheTolerance = 2e-2f;
+
+class Llama3Bf16Cache
+    : public ::testing::TestWithParam<std::tuple<std::string, KernelShape>> {};
+
+TEST_P(Llama3Bf16Cache, MatchesTheReferenceWithinBf16Tolerance) {
+  const RefCase rc = load_case(std::get<0>(GetParam()));
+  Device& dev = test::default_device();
+  struct ShapeScope {
+    Device& d;
+    KernelShape saved;
+    ~ShapeScope() { d.set_kernel_shape(saved); }
+  } scope{dev, dev.kernel_shape()};
+  dev.set_kernel_shape(std::get<1>(GetParam()));
+  std::vector<std::vector<int32_t>> seqs;
+  for (const auto& s : rc.seqs) seqs.push_back(s.tokens);
+  const auto f32_logits = all_position_logits(*load(rc), seqs, 16);
+  LoadOptions opts{{&dev}, std::nullopt};
+  opts.kv_cache_dtype = DType::BF16;
+  auto model = load_model(rc.checkpoint, opts);
+  EXPECT_EQ(model->kv_bytes_per_token() * 2, load(rc)->kv_bytes_per_token());
+  const auto prefill = all_position_logits(*model, seqs, 16);
+  ASSERT_EQ(prefill.size(), rc.seqs.size());
+  float from_f32 = 0;
+  for (size_t i = 0; i < rc.seqs.size(); ++i) {
+    EXPECT_LT(max_abs_diff(prefill[i], rc.seqs[i].logits), kBf16CacheTolerance) << i;
+    from_f32 = std::max(from_f32, max_abs_diff(prefill[i], f32_logits[i]));
+  }
+  EXPECT_GT(from_f32, 0.0f) << "the bf16 cache gave the f32 cache's logits";
+  const auto decode = test::prefill_then_decode(*model, rc);
+  for (size_t i = 0; i < rc.seqs.size(); ++i)
+    EXPECT_LT(max_abs_diff(decode[i], rc.seqs[i].logits), kBf16CacheTolerance) << i;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, Llama3Bf16Cache,
+    ::testing::Combine(::testing::Values("llama3-tiny-f32/short", "llama3-tiny-bf16/ragged8",
+                                         "llama3-tiny-rope64-bf16/long"),
+                       ::testing::Values(KernelShape::Chunks, KernelShape::WorkGroups)),
+    [](const auto& info) {
+      std::string n = std::get<0>(info.param) +
+                      (std::get<1>(info.param) == KernelShape::Chunks ? "_cpu" : "_gpu");
+      for (char& c : n)
+        if (!isalnum(static_cast<unsigned char>(c))) c = '_';
+      return n;
+    });
+
 INSTANTIATE_TEST_SUITE_P(Cases, Llama3Reference,
                          ::testing::Values("llama3-tiny-f32/short", "llama3-tiny-bf16/short",
                                            "llama32-tiny-f32/short", "llama32-tiny-bf16/short",

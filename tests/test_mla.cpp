@@ -123,6 +123,12 @@ class MlaOps : public ::testing::Test {
   cl::Mem inv_mem;
   cl::Mem cache;
   Requests req;
+  DType cache_dtype = DType::F32;  // kv_cache.dtype of `cache`
+  MlaShape shape() const {
+    MlaShape s = kShape;
+    s.cache_dtype = cache_dtype;
+    return s;
+  }
 
   void SetUp() override {
     inv_mem = dev.alloc(inv.size() * 4);
@@ -147,7 +153,7 @@ class MlaOps : public ::testing::Test {
       for (uint32_t p = 0; p < (final_lengths[b] + kPageSize - 1) / kPageSize; ++p)
         req.table[b * req.pages_per_row + p] = ids[next++];
     req.kv.assign(final_lengths.size(), {});
-    const size_t bytes = size_t(total + 1) * kPageSize * kShape.row() * 4;
+    const size_t bytes = size_t(total + 1) * kPageSize * kShape.row() * dtype_size(cache_dtype);
     cache = dev.alloc(bytes);
     dev.fill_zero(cache, bytes);
   }
@@ -178,7 +184,7 @@ class MlaOps : public ::testing::Test {
     dev.write(q_dev, s.q.data(), s.q.size() * 4);
     dev.write(kv_dev, s.kv.data(), s.kv.size() * 4);
     ops::mla_rope_store(dev, q_dev, 0, kShape.n_heads * kShape.qk(), kv_dev, 0, kShape.row(),
-                        gamma_w, kEps, inv_mem, 1.0f, interleaved, kShape, st.tokens, cache);
+                        gamma_w, kEps, inv_mem, 1.0f, interleaved, shape(), st.tokens, cache);
     for (size_t b = 0; b < s.in.num_rows(); ++b)
       for (uint32_t t = s.in.input_row_offsets[b]; t < s.in.input_row_offsets[b + 1]; ++t)
         req.kv[b].insert(req.kv[b].end(), s.kv.begin() + t * kShape.row(),
@@ -208,6 +214,10 @@ class MlaOps : public ::testing::Test {
       for (uint32_t j = 0; j < ctx; ++j) {
         lat[j] = latent(req.kv[b].data() + j * S.row());
         kpe[j] = rope(req.kv[b].data() + j * S.row() + S.kv_lora, j, inv, true);
+        if (cache_dtype == DType::BF16) {  // what a bf16 cache row holds
+          for (auto& x : lat[j]) x = bf16_to_f32(f32_to_bf16(float(x)));
+          for (auto& x : kpe[j]) x = bf16_to_f32(f32_to_bf16(float(x)));
+        }
       }
       for (uint32_t t = s.in.input_row_offsets[b]; t < s.in.input_row_offsets[b + 1]; ++t) {
         const uint32_t pos = s.in.cache_lengths[b] + (t - s.in.input_row_offsets[b]);
@@ -254,11 +264,11 @@ class MlaOps : public ::testing::Test {
     const uint32_t ldq = kShape.n_heads * kShape.qk(), ldo = kShape.n_heads * kShape.v;
     const Weight* sc = k.scale ? &k.scale : nullptr;
     if (path == MlaPath::Decode) {
-      ops::mla_attention_decode(dev, q_dev, 0, ldq, cache, st.tokens, k.w, sc, kShape, scale, out,
+      ops::mla_attention_decode(dev, q_dev, 0, ldq, cache, st.tokens, k.w, sc, shape(), scale, out,
                                 ldo);
     } else {
       ops::MlaPrefillPlan plan = ops::upload_mla_prefill_plan(dev, s.in, kPageSize);
-      ops::mla_attention_prefill(dev, q_dev, 0, ldq, cache, st.tokens, plan, k.w, sc, kShape,
+      ops::mla_attention_prefill(dev, q_dev, 0, ldq, cache, st.tokens, plan, k.w, sc, shape(),
                                  scale, out, ldo);
     }
     std::vector<float> host(T * kShape.n_heads * kShape.v);
@@ -398,6 +408,60 @@ TEST_P(MlaPaths, DecodeAndPrefillPathsMatchTheReference) {
     EXPECT_LT(d_dp, 2e-5) << dtype_name(dtype());
   }
 }
+
+// kv_cache.dtype: bf16. The store writes each row element as its f32 value rounded to nearest
+// even (bit-exact against the f32 cache's row through the host's f32_to_bf16, latent and roped
+// key), and both paths read the narrow rows: they match the host reference computed over the
+// bf16-rounded rows (1e-3, measured up to 3.7e-4: a row element the host rounds to the
+// neighbouring bf16 value from its double latent moves an output) and each other (2e-5, as with
+// f32).
+class MlaBf16Cache : public MlaPaths {};
+
+TEST_P(MlaBf16Cache, StoreRoundsAndBothPathsReadTheNarrowRows) {
+  const KvB k = make_kv_b(dev, dtype(), rng);
+  const float scale = 0.15f;
+  plan_pages({6, 11, 22});
+  // The f32 cache's rows of the same history first, kept aside.
+  Step history = make_step({0, 7, 19});
+  const Requests fresh = req;
+  cl::Mem q_hist;
+  store(history, q_hist);
+  std::vector<float> f32_rows(size_t(req.num_pages + 1) * kPageSize * kShape.row());
+  dev.read(cache, f32_rows.data(), f32_rows.size() * 4);
+  req = fresh;
+  cache_dtype = DType::BF16;
+  const size_t bytes = size_t(req.num_pages + 1) * kPageSize * kShape.row() * 2;
+  cache = dev.alloc(bytes);
+  dev.fill_zero(cache, bytes);
+  store(history, q_hist);
+  std::vector<uint16_t> rows(f32_rows.size());
+  dev.read(cache, rows.data(), rows.size() * 2);
+  for (size_t i = 0; i < rows.size(); ++i)
+    ASSERT_EQ(rows[i], f32_to_bf16(f32_rows[i])) << "cache element " << i;
+  for (const std::vector<uint32_t>& new_tokens : {std::vector<uint32_t>{5, 3, 2},
+                                                 std::vector<uint32_t>{1, 1, 1}}) {
+    Step s = make_step(new_tokens);
+    cl::Mem q_dev;
+    DeviceStep st = store(s, q_dev);
+    const auto want = reference(s, k.values, scale);
+    const auto decode = run_path(MlaPath::Decode, s, st, q_dev, k, scale);
+    const auto prefill = run_path(MlaPath::Prefill, s, st, q_dev, k, scale);
+    double d_dp = 0;
+    for (size_t i = 0; i < decode.size(); ++i)
+      d_dp = std::max(d_dp, double(std::abs(decode[i] - prefill[i])));
+    EXPECT_LT(max_abs(decode, want), 1e-3);
+    EXPECT_LT(max_abs(prefill, want), 1e-3);
+    EXPECT_LT(d_dp, 2e-5);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, MlaBf16Cache,
+                         ::testing::Combine(::testing::Values(DType::BF16),
+                                            ::testing::Values(MlaShapeCase::Cpu, MlaShapeCase::Gpu,
+                                                              MlaShapeCase::GpuSplit8)),
+                         [](const auto& info) {
+                           return std::string(shape_case_name(std::get<1>(info.param)));
+                         });
 
 INSTANTIATE_TEST_SUITE_P(KvBDtypes, MlaPaths,
                          ::testing::Combine(::testing::Values(DType::F32, DType::BF16,

@@ -32,6 +32,10 @@ DecoderStack::DecoderStack(const DeepseekV3Config& cfg, const std::filesystem::p
   mla_.nope = uint32_t(cfg_.qk_nope_head_dim);
   mla_.rope = uint32_t(cfg_.qk_rope_head_dim);
   mla_.v = uint32_t(cfg_.v_head_dim);
+  mla_.cache_dtype = opts.kv_cache_dtype;
+  if (mla_.cache_dtype != DType::F32 && mla_.cache_dtype != DType::BF16)
+    throw std::invalid_argument(std::string(who) + ": kv_cache.dtype " +
+                                dtype_name(mla_.cache_dtype) + " is not supported (f32 or bf16)");
   router_.n_experts = uint32_t(cfg_.n_routed_experts);
   router_.top_k = uint32_t(cfg_.num_experts_per_tok);
   router_.n_group = uint32_t(cfg_.n_group);
@@ -42,6 +46,7 @@ DecoderStack::DecoderStack(const DeepseekV3Config& cfg, const std::filesystem::p
     ops::validate(mla_);
     ops::validate(router_);
     mla_params_ = MlaParams::from(cfg_, opts.quantize_fp8_activations);
+    mla_params_.shape.cache_dtype = opts.kv_cache_dtype;
   } catch (const std::invalid_argument& e) {
     throw std::runtime_error((dir / "config.json").string() + ": not supported: " + e.what());
   }
@@ -117,12 +122,13 @@ std::vector<Device*> DecoderStack::devices() const {
 }
 
 uint64_t DecoderStack::kv_bytes_per_token() const {
-  return uint64_t(num_layers()) * mla_.row() * sizeof(float);
+  return uint64_t(num_layers()) * mla_.row() * dtype_size(mla_.cache_dtype);
 }
 
 void DecoderStack::allocate_cache(uint32_t num_pages, uint32_t page_size) {
   if (page_size == 0) throw std::invalid_argument("kv_cache.page_size must be positive");
-  const size_t layer_bytes = size_t(num_pages + 1) * page_size * mla_.row() * sizeof(float);
+  const size_t layer_bytes =
+      size_t(num_pages + 1) * page_size * mla_.row() * dtype_size(mla_.cache_dtype);
   for (auto& rep : replicas_) {
     if (!rep.dev) continue;
     Device& dev = *rep.dev;

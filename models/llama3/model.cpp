@@ -33,6 +33,10 @@ Llama3Model::Llama3Model(const std::filesystem::path& dir, const LoadOptions& op
   if (devices.empty())
     throw std::invalid_argument("Llama3Model: replica " + std::to_string(replica) +
                                 " has no device in this process");
+  if (opts.kv_cache_dtype != DType::F32 && opts.kv_cache_dtype != DType::BF16)
+    throw std::invalid_argument(std::string("Llama3Model: kv_cache.dtype ") +
+                                dtype_name(opts.kv_cache_dtype) + " is not supported (f32 or bf16)");
+  kv_dtype_ = opts.kv_cache_dtype;
   store_ = std::make_unique<WeightStore>(dir);
   cfg_.finalize(*store_);
   if (cfg_.head_dim % 8 != 0)
@@ -105,7 +109,7 @@ std::vector<Device*> Llama3Model::devices() const {
 
 uint64_t Llama3Model::kv_bytes_per_token() const {
   return uint64_t(cfg_.num_hidden_layers) * 2 * cfg_.num_key_value_heads * cfg_.head_dim *
-         sizeof(float);
+         dtype_size(kv_dtype_);
 }
 
 void Llama3Model::allocate_kv_cache(uint32_t num_pages, uint32_t page_size) {
@@ -115,7 +119,8 @@ void Llama3Model::allocate_kv_cache(uint32_t num_pages, uint32_t page_size) {
   for (auto& s : shards_) {
     s.kv.clear();
     const size_t page_bytes =
-        size_t(2) * page_size * size_t(s.range.kv_heads.count) * cfg_.head_dim * sizeof(float);
+        size_t(2) * page_size * size_t(s.range.kv_heads.count) * cfg_.head_dim *
+        dtype_size(kv_dtype_);
     const size_t layer_bytes = size_t(num_pages + 1) * page_bytes;
     if (layer_bytes > s.dev->info().max_alloc)
       throw std::runtime_error("KV cache: " + std::to_string(num_pages) + " pages of " +
@@ -233,9 +238,10 @@ StepOutputs Llama3Model::forward(const StepInputs& in) {
         }
       }
       ops::rope_store_kv(d, w.qkv.mem(), w.qkv_w, w.nh, w.nkv, hd, shards_[r].inv_freq,
-                         shards_[r].inv_freq_long, long_from_, w.st.tokens, shards_[r].kv[l]);
+                         shards_[r].inv_freq_long, long_from_, w.st.tokens, shards_[r].kv[l],
+                         kv_dtype_);
       ops::paged_attention(d, w.qkv.mem(), w.qkv_w, shards_[r].kv[l], w.st.tokens, w.nh, w.nkv,
-                           hd, cfg_.attention_scale(), w.att.mem(), w.nh * hd);
+                           hd, cfg_.attention_scale(), w.att.mem(), w.nh * hd, kv_dtype_);
       if (!comm_)
         ops::linear(d, w.att.mem(), 0, w.nh * hd, L.o, nullptr, w.h.mem(), 0, H, T, m, true);
       lora(l, kLoraO, w.att.mem(), w.nh * hd, w.h.mem(), 0, H, m);

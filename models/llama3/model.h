@@ -52,7 +52,7 @@ class Llama3Model : public CausalLM {
     ShardRange range;
     Llama3Weights w;
     cl::Mem inv_freq, inv_freq_long;
-    std::vector<cl::Mem> kv;  // paged KV cache of this rank's kv heads, one buffer per layer
+    std::vector<cl::Mem> kv;  // paged KV cache of this rank's kv heads (kv_dtype_), one per layer
   };
 
   Llama3Config cfg_;
@@ -65,6 +65,7 @@ class Llama3Model : public CausalLM {
   ModelInfo info_;
   uint32_t long_from_ = 0xffffffffu;
   uint32_t num_pages_ = 0, page_size_ = 0;
+  DType kv_dtype_ = DType::F32;  // the cache's elements (LoadOptions::kv_cache_dtype)
   cl::Mem logits_;  // on the first device; every rank writes its vocabulary columns
   size_t logits_capacity_ = 0;
   LoraAdapters lora_;  // LoRA adapters (one device only)

@@ -339,7 +339,7 @@ int run(int argc, char** argv) {
       throw std::runtime_error("plan: give a deployment file, --model DIR or --config FILE");
     const std::filesystem::path what =
         pl_config.empty() ? cfg.model.path : std::filesystem::path(pl_config);
-    nlohmann::json ck = plan_checkpoint(what);
+    nlohmann::json ck = plan_checkpoint(what, cfg.kv_cache.dtype);
     // Expert blocks as loading would make them before any speed is measured: even.
     const parallel::ParallelDegrees degrees{size_t(cfg.parallel.data), size_t(cfg.parallel.tensor),
                                             size_t(cfg.parallel.expert), false};

@@ -133,6 +133,7 @@ const std::vector<std::string>& deploy_config_keys() {
       "kv_cache.memory_fraction",
       "kv_cache.pages",
       "kv_cache.prefix_caching",
+      "kv_cache.dtype",
       "batch.max_batch_size",
       "batch.max_batch_input_tokens",
       "sampling.temperature",
@@ -485,6 +486,8 @@ class Parser {
                                       std::numeric_limits<int32_t>::max());
       } else if (k == "prefix_caching") {
         cfg_.kv_cache.prefix_caching = boolean(v, p, line);
+      } else if (k == "dtype") {
+        cfg_.kv_cache.dtype = choice(v, p, line, {"f32", "bf16"}) == "bf16" ? DType::BF16 : DType::F32;
       }
     });
   }

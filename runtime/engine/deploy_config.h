@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "runtime/device_manager.h"
+#include "runtime/dtype.h"
 #include "runtime/engine/sampling.h"
 
 namespace clshard {
@@ -69,6 +70,9 @@ struct KvCacheSection {
   int64_t pages = 0;  // pages per replica; 0: derive from memory_fraction
   // Reuse the KV pages of prompt prefixes already computed (runtime/engine/scheduler.h).
   bool prefix_caching = true;
+  // The caches' element type: F32 (default) or BF16 (half the memory; stores round to nearest
+  // even, attention reads bf16). Llama's paged K/V cache and DeepSeek-V3's MLA latent cache.
+  DType dtype = DType::F32;
   bool operator==(const KvCacheSection&) const = default;
 };
 
