@@ -211,6 +211,18 @@ int main(int argc, char** argv) {
        },
        weight_bytes(L0.down)},
   };
+  // The fused sequence with the MLP's norm as a launch of its own (the norm folded into q/k/v
+  // only): the folded norm multiplies every loaded x vector by the norm weight inside the gate/up
+  // GEMV, which this compares against one small launch.
+  std::vector<Stage> norm_apart = fused;
+  norm_apart[4] = {"gate/up + silu (norm apart)",
+                   [&](size_t l) {
+                     ops::rmsnorm(dev, h, 0, H, nullptr, lw(l).post_attention_norm, xn, 0, H, B,
+                                  H, eps);
+                     ops::linear_swiglu(dev, xn, 0, H, nullptr, eps, lw(l).gate, lw(l).up, gu, 0,
+                                        F, B);
+                   },
+                   weight_bytes(L0.gate) + weight_bytes(L0.up)};
   auto fused_head = [&] {
     ops::linear_fused(dev, h, 0, H, &st.logit_rows, &w.final_norm, eps, {&w.lm_head}, logits, 0,
                       V, B);
@@ -219,6 +231,8 @@ int main(int argc, char** argv) {
   for (int round = 0; round < rounds; ++round) {
     if (!fused_only) time_sequence(dev, "unfused", unfused, L, head, head_bytes, roofline, reps);
     time_sequence(dev, "fused (what Llama3Model runs)", fused, L, fused_head, head_bytes,
+                  roofline, reps);
+    time_sequence(dev, "fused, the MLP's norm apart", norm_apart, L, fused_head, head_bytes,
                   roofline, reps);
   }
   return 0;

@@ -1,8 +1,11 @@
 // End-to-end Llama 3 speed on the first OpenCL device: decode tokens/s at batch 1 and prefill
 // tokens/s for a 512-token prompt, with decode as a fraction of the bandwidth roofline (weight bytes
 // read per token / measured bandwidth).
-// Usage: bench_llama [MODEL_DIR] [--decode-only]
-//   (default model: .cache/models/llama3-1b-bf16, made if missing; --decode-only skips prefill)
+// Usage: bench_llama [MODEL_DIR] [--decode-only] [--kv-dtype f32|bf16] [--context N]
+//   (default model: .cache/models/llama3-1b-bf16, made if missing; --decode-only skips prefill;
+//   --kv-dtype: kv_cache.dtype; --context N: the phase split also decodes after N cached
+//   positions, which it does not compute (their contents are whatever the pages hold: the
+//   attention's time over N positions is what is measured, not its values))
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -24,14 +27,22 @@ using namespace clshard::bench;
 int main(int argc, char** argv) {
   std::filesystem::path dir = ".cache/models/llama3-1b-bf16";
   bool decode_only = false;
+  DType kv_dtype = DType::F32;
+  uint32_t context = 0;
   for (int i = 1; i < argc; ++i) {
-    if (std::string(argv[i]) == "--decode-only") decode_only = true;
+    const std::string a = argv[i];
+    if (a == "--decode-only") decode_only = true;
+    else if (a == "--kv-dtype" && i + 1 < argc) kv_dtype = std::string(argv[++i]) == "bf16" ? DType::BF16 : DType::F32;
+    else if (a == "--context" && i + 1 < argc) context = uint32_t(std::stoul(argv[++i]));
     else dir = argv[i];
   }
   ensure_preset("llama3-1b", "bf16", dir);
   DeviceManager mgr(DeviceSelection{});
   Device& dev = mgr[0];
-  auto model = load_model(dir, LoadOptions{{&dev}, std::nullopt});
+  LoadOptions load_opts{{&dev}, std::nullopt};
+  load_opts.kv_cache_dtype = kv_dtype;
+  auto model = load_model(dir, load_opts);
+  std::printf("kv_cache.dtype %s\n", dtype_name(kv_dtype));
   const auto& info = model->info();
   WeightStore store(dir);
   // Bytes a decode step reads: every weight once; the embedding table only for its lookup row
@@ -63,16 +74,18 @@ int main(int argc, char** argv) {
 
   // Where a decode step's wall time goes on the host side: the step driven by hand at batch 1
   // (the same inputs greedy_generate builds), split into forward() (uploads and kernel enqueues,
-  // the host time), the wait for the queue, and the logits read plus argmax.
-  {
+  // the host time), the wait for the queue, and the logits read plus argmax. After the 16-token
+  // prompt, and with --context N after N cached positions.
+  auto phases = [&](uint32_t cached) {
     const uint32_t page_size = 128, steps = 32;
-    model->allocate_kv_cache(1, page_size);
+    const uint32_t pages = (cached + uint32_t(prompt.size()) + steps + 1 + page_size - 1) / page_size;
+    model->allocate_kv_cache(pages, page_size);
     StepInputs in;
-    in.tokens = prompt;
-    in.input_row_offsets = {0, uint32_t(prompt.size())};
-    in.cache_lengths = {0};
-    in.lookup_table = {0};
-    in.pages_per_row = 1;
+    in.tokens = cached ? std::vector<int32_t>{prompt[0]} : prompt;
+    in.input_row_offsets = {0, uint32_t(in.tokens.size())};
+    in.cache_lengths = {cached};
+    for (uint32_t p = 0; p < pages; ++p) in.lookup_table.push_back(p);
+    in.pages_per_row = pages;
     std::vector<double> t_enqueue, t_wait, t_read;
     for (uint32_t s = 0; s < steps + 1; ++s) {
       auto t1 = Clock::now();
@@ -88,7 +101,7 @@ int main(int argc, char** argv) {
       in.cache_lengths[0] += uint32_t(in.tokens.size());
       in.tokens = {next};
       in.input_row_offsets = {0, 1};
-      if (s == 0) continue;  // the prompt's step
+      if (s == 0) continue;  // the prompt's (or first) step
       t_enqueue.push_back(e);
       t_wait.push_back(w);
       t_read.push_back(r);
@@ -98,11 +111,14 @@ int main(int argc, char** argv) {
       return v[v.size() / 2];
     };
     const double e = median(t_enqueue), w = median(t_wait), r = median(t_read);
-    std::printf("decode step phases (median of %u): forward() host %.2f ms, queue wait %.2f ms, "
-                "logits read + argmax %.2f ms; sum %.1f ms = %.0f%% of roofline\n",
-                steps, e * 1e3, w * 1e3, r * 1e3, (e + w + r) * 1e3,
-                100.0 * roofline_s / (e + w + r));
-  }
+    std::printf("decode step phases at %u cached positions (median of %u): forward() host %.2f "
+                "ms, queue wait %.2f ms, logits read + argmax %.2f ms; sum %.1f ms = %.2f tok/s "
+                "= %.0f%% of roofline\n",
+                cached ? cached : uint32_t(prompt.size()), steps, e * 1e3, w * 1e3, r * 1e3,
+                (e + w + r) * 1e3, 1.0 / (e + w + r), 100.0 * roofline_s / (e + w + r));
+  };
+  phases(0);
+  if (context > 0) phases(context);
 
   if (decode_only) return 0;
   // Prefill of a 512-token prompt (one step, last-token logits).
