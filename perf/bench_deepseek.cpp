@@ -9,11 +9,17 @@
 // requests of C tokens each, one token per request per step (no roofline: the experts B tokens
 // touch depend on the routing).
 //
+// On a shared machine the wall time moves with the neighbours' load; the CPU time the process
+// spends per decode token (every thread, PoCL's workers included) moves much less and is printed
+// beside it.
+//
 // Usage: bench_deepseek [--dir D] [--dtypes bf16,fp8] [--prompt P] [--context C] [--decode N]
 //                       [--batch B]
 //   D: where the checkpoints live (written with make-model's preset writer when missing;
 //      default $TMPDIR/clshard-bench), P: prefill length (512), C: context before decoding (128),
 //   N: decode steps timed (32), B: requests of the batched decode figure (8; 0: none).
+#include <sys/resource.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -66,6 +72,13 @@ StepInputs step_of(const std::vector<uint32_t>& table, uint32_t pages_per_row, u
     in.cache_lengths.push_back(cached);
   }
   return in;
+}
+
+double cpu_seconds() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return double(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
+         1e-6 * double(u.ru_utime.tv_usec + u.ru_stime.tv_usec);
 }
 
 }  // namespace
@@ -121,9 +134,11 @@ int main(int argc, char** argv) {
     model.forward(steps[0]).read_logits();  // warm-up (kernel builds for one-row shapes)
     const Roofline rl = measure_roofline(dev, 5);
     const double bw = rl.best();
+    const double c0 = cpu_seconds();
     const auto t0 = Clock::now();
     for (const auto& s : steps) model.forward(s).read_logits();
     const double t_token = seconds_since(t0) / n_decode;
+    const double cpu_token = (cpu_seconds() - c0) / n_decode;
     const auto decode_path = model.last_mla_path();
 
     // Bytes one decode token streams: active weights + the cache rows it reads (mid-run context).
@@ -134,9 +149,11 @@ int main(int argc, char** argv) {
                 prompt / t_prefill, 1.0 / t_token, t_token * 1e3, bytes / 1e6, bw, roof,
                 100.0 / t_token / roof);
     std::printf("      (prefill %u tokens in %.2f s on the %s path; decode at context %u on the %s "
-                "path; weights %.2f GB on disk, %.1f M parameters active per token)\n",
+                "path, CPU time %.2f ms per token; weights %.2f GB on disk, %.1f M parameters "
+                "active per token)\n",
                 prompt, t_prefill, ops::mla_path_name(prefill_path), context,
-                ops::mla_path_name(decode_path), double(model.info().weight_bytes) / 1e9,
+                ops::mla_path_name(decode_path), cpu_token * 1e3,
+                double(model.info().weight_bytes) / 1e9,
                 double(plan.params.active_per_token - plan.params.embedding) / 1e6);
     std::fflush(stdout);
 

@@ -5,9 +5,12 @@
 // timing is on, a launch waits for the queue before and after, and its wall time goes to its
 // kernel's name. Blocking reads and writes (the host round trips) are timed the same way. The
 // step is timed untouched as well: the per-launch waits add their own cost, so the table's sum
-// exceeds it a little.
+// exceeds it a little. On a shared machine the wall time moves with the neighbours' load; the
+// CPU time the process spends per step (every thread, PoCL's workers included) moves much less,
+// so it is printed beside it.
 // Usage: bench_deepseek_breakdown [--dir D] [--dtypes bf16,fp8] [--context C] [--steps N]
 #include <dlfcn.h>
+#include <sys/resource.h>
 
 #include <algorithm>
 #include <chrono>
@@ -111,6 +114,13 @@ CL_API_ENTRY cl_int CL_API_CALL clEnqueueWriteBuffer(cl_command_queue q, cl_mem 
 
 namespace {
 
+double cpu_seconds() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return double(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
+         1e-6 * double(u.ru_utime.tv_usec + u.ru_stime.tv_usec);
+}
+
 std::vector<std::string> split(const std::string& s) {
   std::vector<std::string> out;
   size_t b = 0;
@@ -167,10 +177,12 @@ int main(int argc, char** argv) {
     model.forward(one_row_step(table, ppr, pos++, 1, V, rng)).read_logits();  // kernel builds
 
     // Untouched steps first, then the same number timed launch by launch.
+    const double c0 = cpu_seconds();
     const auto t0 = Clock::now();
     for (uint32_t i = 0; i < n_steps; ++i)
       model.forward(one_row_step(table, ppr, pos++, 1, V, rng)).read_logits();
     const double t_step = seconds_since(t0) / n_steps;
+    const double cpu_step = (cpu_seconds() - c0) / n_steps;
     g_tally.clear();
     g_timing = true;
     const auto t1 = Clock::now();
@@ -189,8 +201,9 @@ int main(int argc, char** argv) {
       if (name[0] != '(') launches += t.calls;
     }
     std::printf("\ndsv3-mini %s, decode batch 1 at context %u: %.2f ms per step untouched "
-                "(%.1f tok/s); %.1f launches per step\n",
-                dt.c_str(), context, t_step * 1e3, 1.0 / t_step, double(launches) / n_steps);
+                "(%.1f tok/s), CPU time %.2f ms per step; %.1f launches per step\n",
+                dt.c_str(), context, t_step * 1e3, 1.0 / t_step, cpu_step * 1e3,
+                double(launches) / n_steps);
     std::printf("  %-28s %9s %10s %10s %8s\n", "kernel", "calls", "ms/step", "us/call", "share");
     for (const auto& [name, t] : rows)
       std::printf("  %-28s %9.1f %10.3f %10.1f %7.1f%%\n", name.c_str(),
