@@ -331,6 +331,11 @@ class Regex {
 };
 
 // The pattern ByteLevel uses when use_regex is true (GPT-2's).
+// The largest token id a tokenizer.json may use. Ids index dense tables (id -> text, flags), so a
+// hostile id near INT32_MAX would make loading allocate tens of gigabytes; real vocabularies stay
+// far below this (Llama 3: 128,256; DeepSeek-V3: 129,280).
+constexpr int64_t kMaxTokenId = (int64_t{1} << 22) - 1;
+
 constexpr std::string_view kGpt2Pattern =
     R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
 
@@ -714,8 +719,9 @@ class TokenizerJsonReader {
   }
 
   bool vocab_id(int64_t id) {
-    if (id < 0 || id > INT32_MAX)
-      return reject("model.vocab[\"" + vocab_key_ + "\"]", "id is not a non-negative int32");
+    if (id < 0 || id > kMaxTokenId)
+      return reject("model.vocab[\"" + vocab_key_ + "\"]",
+                    "id " + std::to_string(id) + " is not in 0.." + std::to_string(kMaxTokenId));
     model.vocab.emplace_back(std::move(vocab_key_), static_cast<int32_t>(id));
     return true;
   }
@@ -897,8 +903,11 @@ void Tokenizer::Impl::load_added_tokens(const json& added) {
     if (!entry.is_object()) fail(source, path, "expected an object");
     const json* id = member(entry, "id");
     const json* content = member(entry, "content");
-    if (!id || !id->is_number_integer() || id->get<int64_t>() < 0 || id->get<int64_t>() > INT32_MAX)
-      fail(source, path + ".id", "missing or not a non-negative integer");
+    if (!id || !id->is_number_integer())
+      fail(source, path + ".id", "missing or not an integer");
+    if (id->get<int64_t>() < 0 || id->get<int64_t>() > kMaxTokenId)
+      fail(source, path + ".id",
+           std::to_string(id->get<int64_t>()) + " is not in 0.." + std::to_string(kMaxTokenId));
     if (!content || !content->is_string() || content->get_ref<const std::string&>().empty())
       fail(source, path + ".content", "missing or not a non-empty string");
     if (bool_member(entry, "single_word", false, source, path))
