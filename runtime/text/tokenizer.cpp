@@ -331,10 +331,17 @@ class Regex {
 };
 
 // The pattern ByteLevel uses when use_regex is true (GPT-2's).
-// The largest token id a tokenizer.json may use. Ids index dense tables (id -> text, flags), so a
-// hostile id near INT32_MAX would make loading allocate tens of gigabytes; real vocabularies stay
-// far below this (Llama 3: 128,256; DeepSeek-V3: 129,280).
+// Ids index dense tables (id -> text, flags), so one hostile id would make loading allocate as
+// many entries as its value (fuzzing found ids of 3.4M and 13.8M in a file of a few tokens, taking
+// seconds and gigabytes). Real vocabularies are dense and far below both bounds (Llama 3: 128,256
+// ids for 128,256 tokens; DeepSeek-V3: 129,280): an id is at most kMaxTokenId, and at most twice
+// the number of tokens in the file plus kIdSlack.
 constexpr int64_t kMaxTokenId = (int64_t{1} << 22) - 1;
+constexpr int64_t kIdSlack = 1024;
+
+int64_t largest_dense_id(size_t tokens) {
+  return std::min<int64_t>(kMaxTokenId, 2 * int64_t(tokens) + kIdSlack);
+}
 
 constexpr std::string_view kGpt2Pattern =
     R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
@@ -775,6 +782,8 @@ struct Tokenizer::Impl {
   std::string source;
 
   TokenIndex model_vocab;
+  // Entry counts of model.vocab and added_tokens, for the density bound on ids.
+  size_t model_vocab_size = 0, added_token_count = 0;
   StringMap<int32_t> added_by_content;
   MergeTable merges;
   std::array<int32_t, 256> byte_token{};  // id of each single-byte token, -1 if missing
@@ -854,6 +863,15 @@ void Tokenizer::Impl::load_model(const json& model, StreamedModel& streamed) {
     max_id = std::max(max_id, id);
     text_bytes += text.size();
   }
+  if (max_id > largest_dense_id(streamed.vocab.size() + added_token_count))
+    for (const auto& [text, id] : streamed.vocab)
+      if (id == max_id)
+        fail(source, "model.vocab[\"" + text + "\"]",
+             "id " + std::to_string(id) + " is beyond " +
+                 std::to_string(largest_dense_id(streamed.vocab.size() + added_token_count)) +
+                 " (ids must be dense: at most twice the " +
+                 std::to_string(streamed.vocab.size() + added_token_count) +
+                 " tokens of the file plus " + std::to_string(kIdSlack) + ")");
   model_vocab.reserve(streamed.vocab.size(), text_bytes);
   id_to_text.resize(static_cast<size_t>(max_id + 1));
   id_flags.assign(static_cast<size_t>(max_id + 1), 0);
@@ -866,6 +884,7 @@ void Tokenizer::Impl::load_model(const json& model, StreamedModel& streamed) {
     id_to_text[id] = std::move(text);
     id_flags[id] = kPresent;
   }
+  model_vocab_size = streamed.vocab.size();
   streamed.vocab = {};
 
   const ByteAlphabet& alphabet = byte_alphabet();
@@ -913,6 +932,13 @@ void Tokenizer::Impl::load_added_tokens(const json& added) {
     if (bool_member(entry, "single_word", false, source, path))
       fail(source, path + ".single_word", "true is not supported");
 
+    const int64_t dense = largest_dense_id(model_vocab_size + added.size());
+    if (id->get<int64_t>() > dense)
+      fail(source, path + ".id",
+           std::to_string(id->get<int64_t>()) + " is beyond " + std::to_string(dense) +
+               " (ids must be dense: at most twice the " +
+               std::to_string(model_vocab_size + added.size()) + " tokens of the file plus " +
+               std::to_string(kIdSlack) + ")");
     AddedToken token;
     token.id = id->get<int32_t>();
     token.content = content->get<std::string>();
@@ -1237,6 +1263,8 @@ std::shared_ptr<Tokenizer::Impl> Tokenizer::Impl::load(std::string_view tokenize
 
   const json* model = member(root, "model");
   if (!model) fail(source_name, "model", "missing");
+  if (const json* added = member(root, "added_tokens"); added && added->is_array())
+    impl->added_token_count = added->size();
   impl->load_model(*model, reader.model);
   if (const json* added = member(root, "added_tokens")) impl->load_added_tokens(*added);
   if (const json* normalizer = member(root, "normalizer"))
