@@ -45,9 +45,11 @@ struct PositionStats {
 class ComputeBf16Reference : public ::testing::TestWithParam<std::string> {};
 
 // Measured on this machine's bf16 cases (the README's FP8 statistical bound is a median of 0.5):
-// medians of ~0.01-0.03 against the reference, top tokens agreeing at >= 97% of positions; the f32
-// run's median is below 1e-4. The bounds leave ~5x room for another CPU's summation order.
-constexpr float kMedianBound = 0.15f;
+// medians of 0.013-0.034 against the reference, top tokens agreeing at 98-100% of positions; the
+// f32 run's medians are 2-5e-6. The two micro-kernels give the same bits (test_gemm_bf16), so the
+// figures do not depend on the CPU. A GEMM that scales one 32-element partial sum per tile by 1.01
+// moves the medians to 0.05-0.08 on half the cases: the bound sits between.
+constexpr float kMedianBound = 0.05f;
 constexpr double kAgreementBound = 0.9;
 
 TEST_P(ComputeBf16Reference, LogitsTrackTheReferenceStatistically) {

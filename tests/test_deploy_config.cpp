@@ -135,7 +135,7 @@ job:
   EXPECT_EQ(c.key_lines.at("devices.kernel_shape"), 10);
   EXPECT_EQ(c.key_lines.at("parallel.placement"), 11);
   EXPECT_EQ(c.key_lines.at("sampling.stop_token_ids"), 26);
-  EXPECT_EQ(c.where("batch.max_batch_size"), "deploy.yaml:15: batch.max_batch_size");
+  EXPECT_EQ(c.where("batch.max_batch_size"), "deploy.yaml:16: batch.max_batch_size");
   EXPECT_EQ(c.where("model.max_length"), "deploy.yaml:4: model.max_length");
   EXPECT_EQ(c.where("devices.ids"), "deploy.yaml: devices.ids");
 }
