@@ -226,14 +226,17 @@ kernel void gather_rows(global const float* x, uint ldx, global const uint* rows
 
 // out[t] (+)= sum over s < top_k, in slot order, of weights[t, s] * expert_out[slot_row[t, s]].
 // The sum is formed first and then added to out, so accumulating equals out + combine(...).
+// with_shared: slot_row holds top_k + 1 rows per token, the last the shared expert's output, added
+// unweighted after the routed sum: (out + routed) + shared, the order of the unfused path.
 kernel void moe_combine(global const float* expert_out, uint ld, global const uint* slot_row,
                         global const float* weights, uint top_k, uint H, global float* out,
-                        uint ldo, int accumulate) {
+                        uint ldo, int accumulate, int with_shared) {
   const uint t = get_global_id(0);
   const uint c0 = get_global_id(1) * CHUNK;
   const uint c1 = min(c0 + CHUNK, H);
-  global const uint* rows = slot_row + (size_t)t * top_k;
+  global const uint* rows = slot_row + (size_t)t * (top_k + with_shared);
   global const float* wt = weights + (size_t)t * top_k;
+  global const float* shared = expert_out + (size_t)rows[with_shared ? top_k : 0] * ld;
   global float* o = out + (size_t)t * ldo;
   uint c = c0;
   for (; c + 16 <= c1; c += 16) {
@@ -241,12 +244,15 @@ kernel void moe_combine(global const float* expert_out, uint ld, global const ui
     for (uint s = 0; s < top_k; ++s)
       acc = fma((float16)(wt[s]), vload16(0, expert_out + (size_t)rows[s] * ld + c), acc);
     if (accumulate) acc = vload16(0, o + c) + acc;
+    if (with_shared) acc = acc + vload16(0, shared + c);
     vstore16(acc, 0, o + c);
   }
   for (; c < c1; ++c) {
     float acc = 0.0f;
     for (uint s = 0; s < top_k; ++s) acc = fma(wt[s], expert_out[(size_t)rows[s] * ld + c], acc);
-    o[c] = accumulate ? o[c] + acc : acc;
+    if (accumulate) acc = o[c] + acc;
+    if (with_shared) acc = acc + shared[c];
+    o[c] = acc;
   }
 }
 
@@ -268,24 +274,30 @@ inline void make_tiles(global const uint* expert_offsets, uint n_experts, uint r
   *tile_count = t;
 }
 
-// One work-item: ops::group_by_expert on the device (a counting sort over the n = T * top_k
-// (token, slot) pairs, rows of an expert in ascending (token, slot) order), then the tiles.
+// One work-item: ops::group_by_expert on the device (a counting sort over the n (token, slot)
+// pairs, rows of an expert in ascending (token, slot) order, no atomics: the same plan on every
+// device), then the tiles. with_shared: every token has one more slot, top_k, that names the last
+// expert (the shared expert, n_experts - 1), after its routed ones.
 // cursor: scratch of n_experts uints.
-kernel void moe_plan(global const int* topk_ids, uint n, uint top_k, uint n_experts,
-                     uint rows_per_tile, global uint* expert_offsets, global uint* src_token,
-                     global uint* slot_row, global uint* cursor, global uint* tiles,
-                     global uint* tile_count) {
+kernel void moe_plan(global const int* topk_ids, uint T, uint top_k, uint n_experts,
+                     int with_shared, uint rows_per_tile, global uint* expert_offsets,
+                     global uint* src_token, global uint* slot_row, global uint* cursor,
+                     global uint* tiles, global uint* tile_count) {
+  const uint slots = top_k + (with_shared ? 1 : 0), n = T * slots;
+#define PLAN_EXPERT(i) \
+  ((i) % slots < top_k ? (uint)topk_ids[(i) / slots * top_k + (i) % slots] : n_experts - 1)
   for (uint e = 0; e <= n_experts; ++e) expert_offsets[e] = 0;
-  for (uint i = 0; i < n; ++i) ++expert_offsets[topk_ids[i] + 1];
+  for (uint i = 0; i < n; ++i) ++expert_offsets[PLAN_EXPERT(i) + 1];
   for (uint e = 0; e < n_experts; ++e) {
     expert_offsets[e + 1] += expert_offsets[e];
     cursor[e] = expert_offsets[e];
   }
   for (uint i = 0; i < n; ++i) {
-    const uint row = cursor[topk_ids[i]]++;
-    src_token[row] = i / top_k;
+    const uint row = cursor[PLAN_EXPERT(i)]++;
+    src_token[row] = i / slots;
     slot_row[i] = row;
   }
+#undef PLAN_EXPERT
   make_tiles(expert_offsets, n_experts, rows_per_tile, tiles, tile_count);
 }
 
@@ -459,3 +471,51 @@ kernel void moe_grouped_linear(global const float* x, uint ldx, global const uin
   }
 }
 #endif  // WEIGHT_TYPE || GROUPED_FP8
+
+// The GPU shape of moe_grouped_linear for f32 / bf16 / f16 weights: linear_wg.cl's contract per
+// row. A work-group of GROUPED_WG lanes (the WG linear_wg uses on the device) owns one output
+// feature of one matrix for one tile: lane l reads W[n, l], W[n, l + WG], ... (coalesced) and the
+// lanes' partial sums meet in local memory in linear_wg's tree, so every row's value equals
+// linear_wg's for it, bit for bit. Tiles past tile_count return at once (the whole group).
+// Build options: -DWEIGHT_TYPE, -DGROUPED_WG (a power of two), -DRB (rows per pass).
+// Launch: global (n_mats * N * GROUPED_WG, max_tiles), local (GROUPED_WG, 1).
+#if defined(WEIGHT_TYPE) && defined(GROUPED_WG)
+kernel __attribute__((reqd_work_group_size(GROUPED_WG, 1, 1)))
+void moe_grouped_linear_wg(global const float* x, uint ldx, global const uint* x_rows,
+                           int indirect, global const wtype* w, global const ulong* table,
+                           uint slot0, global const uint* tiles, global const uint* tile_count,
+                           global const uint* expert_offsets, uint rows_per_tile,
+                           global float* y, uint ldy, uint N, uint K) {
+  local float partial[RB][GROUPED_WG];
+  const uint tile = get_group_id(1);
+  if (tile >= *tile_count) return;
+  const uint lane = get_local_id(0);
+  const uint e = tiles[2 * tile], r_begin = tiles[2 * tile + 1];
+  const uint r_end = min(r_begin + rows_per_tile, expert_offsets[e + 1]);
+  const uint mat = get_group_id(0) / N, n = get_group_id(0) % N;
+  global const wtype* wr = w + table[6 * e + slot0 + mat] + (size_t)n * K;
+  for (uint m0 = r_begin; m0 < r_end; m0 += RB) {
+    global const float* xr[RB];
+    float acc[RB];
+    for (int r = 0; r < RB; ++r) {
+      const uint m = min(m0 + r, r_end - 1);
+      xr[r] = x + (size_t)(indirect ? x_rows[m] : m) * ldx;
+      acc[r] = 0.0f;
+    }
+    for (uint k = lane; k < K; k += GROUPED_WG) {
+      const float wv = LOADW1(wr + k);
+      for (int r = 0; r < RB; ++r) acc[r] = fma(xr[r][k], wv, acc[r]);
+    }
+    for (int r = 0; r < RB; ++r) partial[r][lane] = acc[r];
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (uint stride = GROUPED_WG / 2; stride > 0; stride >>= 1) {
+      if (lane < stride)
+        for (int r = 0; r < RB; ++r) partial[r][lane] += partial[r][lane + stride];
+      barrier(CLK_LOCAL_MEM_FENCE);
+    }
+    if (lane < RB && m0 + lane < r_end)
+      y[(size_t)(m0 + lane) * ldy + mat * N + n] = partial[lane][0];
+    barrier(CLK_LOCAL_MEM_FENCE);  // partial is reused by the next pass
+  }
+}
+#endif  // WEIGHT_TYPE && GROUPED_WG

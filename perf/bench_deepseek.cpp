@@ -4,10 +4,22 @@
 // shared experts of each MoE layer, the router, lm_head; models/deepseek_v3/plan.h) plus the MLA
 // cache rows it attends to — at the memory bandwidth measured here, in the same program.
 //
+// The roofline takes the higher of the OpenCL read kernel's and a native STREAM loop's bandwidth,
+// both measured right before the decode run. A batched decode figure follows each dtype: B
+// requests of C tokens each, one token per request per step (no roofline: the experts B tokens
+// touch depend on the routing).
+//
+// On a shared machine the wall time moves with the neighbours' load; the CPU time the process
+// spends per decode token (every thread, PoCL's workers included) moves much less and is printed
+// beside it.
+//
 // Usage: bench_deepseek [--dir D] [--dtypes bf16,fp8] [--prompt P] [--context C] [--decode N]
+//                       [--batch B]
 //   D: where the checkpoints live (written with make-model's preset writer when missing;
 //      default $TMPDIR/clshard-bench), P: prefill length (512), C: context before decoding (128),
-//   N: decode steps timed (32).
+//   N: decode steps timed (32), B: requests of the batched decode figure (8; 0: none).
+#include <sys/resource.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -50,7 +62,7 @@ std::vector<std::string> split(const std::string& s) {
 StepInputs step_of(const std::vector<uint32_t>& table, uint32_t pages_per_row, uint32_t rows,
                    uint32_t cached, uint32_t n, uint32_t vocab, std::mt19937& rng) {
   StepInputs in;
-  in.lookup_table = table;
+  in.lookup_table.assign(table.begin(), table.begin() + size_t(rows) * pages_per_row);
   in.pages_per_row = pages_per_row;
   in.input_row_offsets = {0};
   std::uniform_int_distribution<int32_t> tok(0, int32_t(vocab) - 1);
@@ -62,12 +74,19 @@ StepInputs step_of(const std::vector<uint32_t>& table, uint32_t pages_per_row, u
   return in;
 }
 
+double cpu_seconds() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return double(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
+         1e-6 * double(u.ru_utime.tv_usec + u.ru_stime.tv_usec);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::filesystem::path root = std::filesystem::temp_directory_path() / "clshard-bench";
   std::string dtypes = "bf16,fp8";
-  uint32_t prompt = 512, context = 128, n_decode = 32;
+  uint32_t prompt = 512, context = 128, n_decode = 32, batch = 8;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i], v = argv[i + 1];
     if (a == "--dir") root = v;
@@ -75,6 +94,7 @@ int main(int argc, char** argv) {
     else if (a == "--prompt") prompt = uint32_t(std::stoul(v));
     else if (a == "--context") context = uint32_t(std::stoul(v));
     else if (a == "--decode") n_decode = uint32_t(std::stoul(v));
+    else if (a == "--batch") batch = uint32_t(std::stoul(v));
     else {
       std::fprintf(stderr, "unknown option %s\n", a.c_str());
       return 2;
@@ -99,7 +119,9 @@ int main(int argc, char** argv) {
 
     // Prefill: one request of `prompt` tokens, 128-token pages (decompressed MLA path).
     uint32_t ppr = 0;
-    auto table = plan_static_pages(model, {std::max(prompt, context + n_decode + 1)}, 128, &ppr);
+    const uint32_t rows = std::max<uint32_t>(batch, 1);
+    auto table = plan_static_pages(
+        model, std::vector<uint32_t>(rows, std::max(prompt, context + n_decode + 1)), 128, &ppr);
     const StepInputs pre = step_of(table, ppr, 1, 0, prompt, V, rng);
     const double t_prefill = median_time(2, [&] { model.forward(pre).read_logits(); });
     const auto prefill_path = model.last_mla_path();
@@ -110,10 +132,13 @@ int main(int argc, char** argv) {
     for (uint32_t i = 0; i < n_decode; ++i)
       steps.push_back(step_of(table, ppr, 1, context + i, 1, V, rng));
     model.forward(steps[0]).read_logits();  // warm-up (kernel builds for one-row shapes)
-    const double bw = measure_bandwidth(dev);
+    const Roofline rl = measure_roofline(dev, 5);
+    const double bw = rl.best();
+    const double c0 = cpu_seconds();
     const auto t0 = Clock::now();
     for (const auto& s : steps) model.forward(s).read_logits();
     const double t_token = seconds_since(t0) / n_decode;
+    const double cpu_token = (cpu_seconds() - c0) / n_decode;
     const auto decode_path = model.last_mla_path();
 
     // Bytes one decode token streams: active weights + the cache rows it reads (mid-run context).
@@ -124,11 +149,30 @@ int main(int argc, char** argv) {
                 prompt / t_prefill, 1.0 / t_token, t_token * 1e3, bytes / 1e6, bw, roof,
                 100.0 / t_token / roof);
     std::printf("      (prefill %u tokens in %.2f s on the %s path; decode at context %u on the %s "
-                "path; weights %.2f GB on disk, %.1f M parameters active per token)\n",
+                "path, CPU time %.2f ms per token; weights %.2f GB on disk, %.1f M parameters "
+                "active per token)\n",
                 prompt, t_prefill, ops::mla_path_name(prefill_path), context,
-                ops::mla_path_name(decode_path), double(model.info().weight_bytes) / 1e9,
+                ops::mla_path_name(decode_path), cpu_token * 1e3,
+                double(model.info().weight_bytes) / 1e9,
                 double(plan.params.active_per_token - plan.params.embedding) / 1e6);
     std::fflush(stdout);
+
+    if (batch > 0) {
+      // `batch` requests of `context` tokens (one prefill step), then one token per request per
+      // step; the pages are row b's of the same table.
+      StepInputs ctx = step_of(table, ppr, batch, 0, context, V, rng);
+      model.forward(ctx).read_logits();
+      std::vector<StepInputs> bsteps;
+      for (uint32_t i = 0; i < n_decode; ++i)
+        bsteps.push_back(step_of(table, ppr, batch, context + i, 1, V, rng));
+      model.forward(bsteps[0]).read_logits();  // warm-up (kernel builds for this batch's shapes)
+      const auto tb = Clock::now();
+      for (const auto& st : bsteps) model.forward(st).read_logits();
+      const double t_step = seconds_since(tb) / n_decode;
+      std::printf("      decode batch %u: %.2f ms per step = %.1f tok/s (%.2fx batch 1)\n", batch,
+                  t_step * 1e3, batch / t_step, batch / t_step * t_token);
+      std::fflush(stdout);
+    }
   }
   return 0;
 }

@@ -2,6 +2,8 @@
 // the field, what was expected and what was found.
 #pragma once
 
+#include <cmath>
+#include <cstdint>
 #include <filesystem>
 #include <optional>
 #include <stdexcept>
@@ -102,9 +104,15 @@ class JsonFields {
  private:
   int64_t as_int(const std::string& key) const {
     const auto& v = obj_[key];
+    if (v.is_number_unsigned() && v.get<uint64_t>() > uint64_t(INT64_MAX))
+      type_error(key, "an integer in the int64 range", v);
     if (v.is_number_integer()) return v.get<int64_t>();
-    if (v.is_number_float() && v.get<double>() == double(int64_t(v.get<double>())))
-      return int64_t(v.get<double>());
+    // A whole float (2.0, 1e3) counts; the range check comes first because converting a double
+    // outside int64's range is undefined behaviour (found by fuzzing: 5.9e21).
+    if (v.is_number_float()) {
+      const double d = v.get<double>();
+      if (d >= -0x1p63 && d < 0x1p63 && d == std::floor(d)) return int64_t(d);
+    }
     type_error(key, "an integer", v);
   }
   double as_number(const std::string& key) const {

@@ -197,21 +197,26 @@ void gather_rows(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::Mem& row
 
 void moe_combine(Device& dev, const cl::Mem& expert_out, uint32_t ld, const cl::Mem& slot_row,
                  const cl::Mem& topk_weights, uint32_t T, uint32_t top_k, uint32_t H,
-                 const cl::Mem& out, uint32_t ldo, bool accumulate) {
+                 const cl::Mem& out, uint32_t ldo, bool accumulate, bool with_shared) {
   cl::Kernel k = dev.kernel("moe.cl", "moe_combine");
-  cl::set_args(k, expert_out, ld, slot_row, topk_weights, top_k, H, out, ldo, int(accumulate));
+  cl::set_args(k, expert_out, ld, slot_row, topk_weights, top_k, H, out, ldo, int(accumulate),
+               int(with_shared));
   dev.launch(k, {T, ceil_div(H, kRowChunk), 1}, 2);
 }
 
 
 GroupedPlan plan_experts(Device& dev, const cl::Mem& topk_ids, uint32_t T, uint32_t top_k,
-                         uint32_t n_experts) {
-  GroupedPlan p = plan_shape(dev, T * top_k, n_experts);
+                         uint32_t n_experts, bool with_shared) {
+  if (with_shared && n_experts < 2)
+    throw std::invalid_argument("plan_experts: a shared expert needs n_experts >= 2 (the routed "
+                                "ones and the shared one last), got " + std::to_string(n_experts));
+  GroupedPlan p = plan_shape(dev, T * (top_k + uint32_t(with_shared)), n_experts);
   p.src_token = Scratch(dev, size_t(std::max(p.rows, 1u)) * 4);
   p.slot_row = Scratch(dev, size_t(std::max(p.rows, 1u)) * 4);
   p.cursor = Scratch(dev, size_t(n_experts) * 4);
   cl::Kernel k = dev.kernel("moe.cl", "moe_plan");
-  cl::set_args(k, topk_ids, p.rows, top_k, n_experts, p.rows_per_tile, p.expert_offsets.mem(),
+  cl::set_args(k, topk_ids, T, top_k, n_experts, int(with_shared), p.rows_per_tile,
+               p.expert_offsets.mem(),
                p.src_token.mem(), p.slot_row.mem(), p.cursor.mem(), p.tiles.mem(),
                p.tile_count.mem());
   dev.launch(k, {1, 1, 1}, 1);
@@ -251,6 +256,19 @@ void moe_grouped_linear(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::M
     default:
       throw std::invalid_argument(std::string("moe_grouped_linear: expert weights of dtype ") +
                                   dtype_name(g.dtype));
+  }
+  if (dev.kernel_shape() == KernelShape::WorkGroups && g.dtype != DType::F8_E4M3) {
+    // linear_wg's order per row (ops::linear's GPU shape), with its work-group size.
+    const uint32_t wg = dev.tuning().linear_wg, rb = dev.tuning().linear_rows;
+    cl::Kernel k = dev.kernel("moe.cl", "moe_grouped_linear_wg",
+                              opts + " -DGROUPED_WG=" + std::to_string(wg) +
+                                  " -DRB=" + std::to_string(rb));
+    cl::set_args(k, x, ldx, x_rows ? *x_rows : x, int(x_rows != nullptr), g.mem, g.table, slot0,
+                 plan.tiles.mem(), plan.tile_count.mem(), plan.expert_offsets.mem(),
+                 plan.rows_per_tile, y, ldy, N, K);
+    const size_t local[3] = {wg, 1, 1};
+    dev.launch(k, {size_t(n_mats) * N * wg, plan.max_tiles, 1}, 2, local);
+    return;
   }
   cl::Kernel k = dev.kernel("moe.cl", "moe_grouped_linear", opts);
   // As ops::linear: enough column tiles per work-item that a launch is a few hundred work-items

@@ -75,9 +75,12 @@ void gather_rows(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::Mem& row
 // out[t] (+)= sum over s in 0..k-1, IN SLOT ORDER, of weights[t, s] * expert_out[slot_row[t*k + s]]
 // — the combine; the fixed order makes the sum independent of which device computed which expert.
 // slot_row: uint32 [T*k]; topk_weights: f32 [T, k]; expert_out rows have stride ld.
+// with_shared: slot_row is [T*(k+1)] (plan_experts with a shared expert), the last row of each
+// token the shared expert's output, added unweighted after: out = (out + routed) + shared, what
+// the routed combine followed by an accumulating shared expert gives.
 void moe_combine(Device& dev, const cl::Mem& expert_out, uint32_t ld, const cl::Mem& slot_row,
                  const cl::Mem& topk_weights, uint32_t T, uint32_t top_k, uint32_t H,
-                 const cl::Mem& out, uint32_t ldo, bool accumulate);
+                 const cl::Mem& out, uint32_t ldo, bool accumulate, bool with_shared = false);
 
 
 // Every local routed expert of one MoE layer in one buffer, so that one launch reaches them all
@@ -93,19 +96,23 @@ struct GroupedExperts {
 // Where the grouped rows of a step are, on the device: expert_offsets [E + 1], the token of each
 // grouped row (src_token [rows]), the grouped row of each (token, slot) (slot_row [rows]) and the
 // row tiles the grouped kernels walk. Built by plan_experts (from the router's ids, nothing read
-// back) or plan_expert_tiles (from offsets the host planned).
+// back) or plan_expert_tiles (from offsets the host planned). plan_experts is one work-item's
+// counting sort (no atomics), so the plan is group_by_expert's on every device. with_shared: the
+// last of the n_experts is a shared expert every token visits after its top_k routed ones (its
+// slot top_k in slot_row, which then holds T * (top_k + 1) rows).
 struct GroupedPlan {
   Scratch expert_offsets, src_token, slot_row, cursor, tiles, tile_count;
   uint32_t rows = 0, n_experts = 0, tm = 1, rows_per_tile = 0, max_tiles = 0;
 };
 GroupedPlan plan_experts(Device& dev, const cl::Mem& topk_ids, uint32_t T, uint32_t top_k,
-                         uint32_t n_experts);
+                         uint32_t n_experts, bool with_shared = false);
 GroupedPlan plan_expert_tiles(Device& dev, const std::vector<uint32_t>& expert_offsets);
 
 // y[r, mat * N + n] = x[row(r)] . W_{e(r), slot0 + mat}[n] for mat < n_mats over every grouped row
 // r of the plan (slot 0 gate, 1 up, 2 down; N, K the matrix's shape): gate and up together write
 // dense_mlp's [gate | up] rows. row(r) = src_token[r] when x_rows is given (tokens read in place),
-// else r. Each row's sums are those ops::linear / linear_fp8 form for it.
+// else r. Each row's sums are those ops::linear / linear_fp8 form for it in the device's kernel
+// shape (linear_wg's order in the WorkGroups shape for f32 / bf16 / f16).
 void moe_grouped_linear(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::Mem* x_rows,
                         const GroupedExperts& experts, uint32_t slot0, uint32_t n_mats,
                         const GroupedPlan& plan, const cl::Mem& y, uint32_t ldy);

@@ -239,6 +239,26 @@ TEST(ConfigErrors, UnknownArchitectureAndWrongTypes) {
         }
       },
       std::runtime_error);
+  // A float outside int64's range (found by fuzzing: converting it was undefined behaviour) and an
+  // unsigned integer above INT64_MAX are refused, as a whole float in range is accepted.
+  for (const auto& [value, message] : std::vector<std::pair<nlohmann::json, std::string>>{
+           {5.9e21, "field 'hidden_size': expected an integer, got number 5.9e+21"},
+           {uint64_t(1) << 63,
+            "field 'hidden_size': expected an integer in the int64 range, got number "
+            "9223372036854775808"}}) {
+    cfg = read_json_file(tiny_ref() / "config.json");
+    cfg["hidden_size"] = value;
+    try {
+      llama3::Llama3Config::from_json(cfg, "config.json");
+      ADD_FAILURE() << "accepted hidden_size " << value.dump();
+    } catch (const std::runtime_error& e) {
+      EXPECT_HAS(e.what(), message);
+    }
+  }
+  cfg = read_json_file(tiny_ref() / "config.json");
+  const auto hidden = cfg["hidden_size"].get<int64_t>();
+  cfg["hidden_size"] = double(hidden);
+  EXPECT_EQ(llama3::Llama3Config::from_json(cfg, "config.json").hidden_size, uint32_t(hidden));
   cfg = read_json_file(tiny_ref() / "config.json");
   cfg["rope_scaling"]["factor"] = true;
   try {

@@ -529,21 +529,38 @@ void linear_of(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, cons
 struct Case {
   DType dtype;
   uint32_t T, k, E, H, F;
+  bool with_shared = false;  // the last of the E experts is a shared expert every token visits
+  KernelShape shape = KernelShape::Chunks;
 };
 
 class GroupedExperts : public ::testing::TestWithParam<Case> {};
 
-// The plan made on the device equals group_by_expert's, and every grouped row's gate|up and down
-// outputs equal, bit for bit, those of the per-expert ops on that expert's rows (the path they
-// replace), with tokens read through src_token.
+// The plan made on the device equals group_by_expert's (with a shared expert: the ids with the
+// shared expert appended to every token's slots), and every grouped row's gate|up and down outputs
+// equal, bit for bit, those of the per-expert ops on that expert's rows (the path they replace)
+// in the same kernel shape, with tokens read through src_token. Then the combine with the shared
+// row equals the routed combine followed by adding the shared rows, bit for bit.
 TEST_P(GroupedExperts, MatchPerExpertOpsBitForBit) {
   const Case c = GetParam();
   Device& dev = device();
-  const auto ids = random_ids(c.T, c.k, c.E, 11 + c.T);
-  const ops::ExpertBatches host = ops::group_by_expert(ids, c.T, c.k, c.E);
+  struct Restore {
+    Device& d;
+    KernelShape s;
+    ~Restore() { d.set_kernel_shape(s); }
+  } restore{dev, dev.kernel_shape()};
+  dev.set_kernel_shape(c.shape);
+  const uint32_t routed = c.with_shared ? c.E - 1 : c.E, slots = c.k + (c.with_shared ? 1 : 0);
+  const auto ids = random_ids(c.T, c.k, routed, 11 + c.T);
+  std::vector<int32_t> all_ids;  // with the shared expert's slot
+  for (uint32_t t = 0; t < c.T; ++t) {
+    all_ids.insert(all_ids.end(), ids.begin() + size_t(t) * c.k, ids.begin() + size_t(t + 1) * c.k);
+    if (c.with_shared) all_ids.push_back(int32_t(c.E - 1));
+  }
+  const ops::ExpertBatches host = ops::group_by_expert(all_ids, c.T, slots, c.E);
   cl::Mem idb = upload(dev, ids);
-  const ops::GroupedPlan plan = ops::plan_experts(dev, idb, c.T, c.k, c.E);
-  const uint32_t S = c.T * c.k;
+  const ops::GroupedPlan plan = ops::plan_experts(dev, idb, c.T, c.k, c.E, c.with_shared);
+  const uint32_t S = c.T * slots;
+  ASSERT_EQ(plan.rows, S);
   EXPECT_EQ(download<uint32_t>(dev, plan.expert_offsets.mem(), c.E + 1), host.expert_offsets);
   EXPECT_EQ(download<uint32_t>(dev, plan.src_token.mem(), S), host.src_token);
   EXPECT_EQ(download<uint32_t>(dev, plan.slot_row.mem(), S), host.slot_row);
@@ -591,20 +608,56 @@ TEST_P(GroupedExperts, MatchPerExpertOpsBitForBit) {
   // Not vacuous: the outputs are finite and not all zero.
   EXPECT_TRUE(std::all_of(o.begin(), o.end(), [](float v) { return std::isfinite(v); }));
   EXPECT_GT(std::count_if(o.begin(), o.end(), [](float v) { return v != 0.0f; }), 0);
+
+  if (!c.with_shared) return;
+  // The combine with the shared row: (h + routed) + shared, against the routed combine over the
+  // routed slots, then h + shared on the host.
+  std::vector<float> wts(size_t(c.T) * c.k), h(size_t(c.T) * c.H);
+  for (float& v : wts) v = u(rng);
+  for (float& v : h) v = u(rng);
+  cl::Mem wb = upload(dev, wts), hb = upload(dev, h), href = upload(dev, h);
+  ops::moe_combine(dev, out, c.H, plan.slot_row.mem(), wb, c.T, c.k, c.H, hb, c.H, true, true);
+  std::vector<uint32_t> routed_rows;
+  for (uint32_t t = 0; t < c.T; ++t)
+    for (uint32_t s = 0; s < c.k; ++s) routed_rows.push_back(host.slot_row[size_t(t) * slots + s]);
+  cl::Mem rb = upload(dev, routed_rows);
+  ops::moe_combine(dev, out, c.H, rb, wb, c.T, c.k, c.H, href, c.H, true);
+  const auto got = download<float>(dev, hb, h.size());
+  auto want = download<float>(dev, href, h.size());
+  for (uint32_t t = 0; t < c.T; ++t)
+    for (uint32_t i = 0; i < c.H; ++i)
+      want[size_t(t) * c.H + i] += o[size_t(host.slot_row[size_t(t) * slots + c.k]) * c.H + i];
+  size_t bad_combine = 0;
+  for (size_t i = 0; i < got.size(); ++i)
+    if (std::bit_cast<uint32_t>(got[i]) != std::bit_cast<uint32_t>(want[i]) && bad_combine++ < 5)
+      ADD_FAILURE() << "combine token " << i / c.H << " col " << i % c.H << ": " << got[i]
+                    << " vs " << want[i];
+  EXPECT_EQ(bad_combine, 0u);
 }
 
 // Odd shapes: K tails (H % 16, F % 16), partial column tiles (F % 4), partial FP8 blocks, decode
-// (one-row tiles), prefill (four-row tiles) and an expert with more rows than one tile (64).
+// (one-row tiles), prefill (four-row tiles) and an expert with more rows than one tile (64); a
+// shared expert; both kernel shapes (the WorkGroups one runs linear_wg's order for f32 / bf16 /
+// f16; FP8 has one shape).
+constexpr KernelShape kWg = KernelShape::WorkGroups;
 INSTANTIATE_TEST_SUITE_P(
     MoeOps, GroupedExperts,
     ::testing::Values(Case{DType::BF16, 1, 3, 7, 200, 70}, Case{DType::BF16, 13, 3, 5, 200, 70},
                       Case{DType::F32, 5, 2, 6, 72, 34}, Case{DType::F16, 9, 2, 3, 40, 18},
                       Case{DType::BF16, 100, 2, 3, 48, 20},
                       Case{DType::F8_E4M3, 1, 4, 9, 300, 150},
-                      Case{DType::F8_E4M3, 30, 2, 4, 200, 136}),
+                      Case{DType::F8_E4M3, 30, 2, 4, 200, 136},
+                      Case{DType::BF16, 1, 3, 8, 200, 70, true},
+                      Case{DType::F8_E4M3, 3, 2, 6, 300, 150, true},
+                      Case{DType::BF16, 1, 3, 7, 200, 70, false, kWg},
+                      Case{DType::BF16, 13, 3, 5, 200, 70, true, kWg},
+                      Case{DType::F32, 5, 2, 6, 72, 34, false, kWg},
+                      Case{DType::F16, 70, 2, 3, 40, 18, false, kWg},
+                      Case{DType::F8_E4M3, 3, 2, 6, 300, 150, true, kWg}),
     [](const ::testing::TestParamInfo<Case>& i) {
       return std::string(dtype_name(i.param.dtype)) + "_T" + std::to_string(i.param.T) + "_E" +
-             std::to_string(i.param.E);
+             std::to_string(i.param.E) + (i.param.with_shared ? "_shared" : "") +
+             (i.param.shape == KernelShape::WorkGroups ? "_gpu" : "_cpu");
     });
 
 }  // namespace grouped

@@ -617,6 +617,24 @@ TEST(TokenizerErrors, BadModelContentsNameTheEntry) {
             0u);
   EXPECT_EQ(load_error(mini_with("/added_tokens/0/single_word", true)),
             "test/tokenizer.json: added_tokens[0].single_word: true is not supported");
+  // Ids index dense tables: one near INT32_MAX would make loading allocate tens of gigabytes (the
+  // fuzzer's input took 6.5 s and 2 GB); the largest accepted id is 2^22 - 1.
+  EXPECT_EQ(load_error(mini_with("/model/vocab/a", 2000000000)),
+            "test/tokenizer.json: model.vocab[\"a\"]: id 2000000000 is not in 0..4194303");
+  EXPECT_EQ(load_error(mini_with("/model/vocab/a", -1)),
+            "test/tokenizer.json: model.vocab[\"a\"]: id -1 is not in 0..4194303");
+  EXPECT_EQ(load_error(mini_with("/added_tokens/0/id", 4194304)),
+            "test/tokenizer.json: added_tokens[0].id: 4194304 is not in 0..4194303");
+  // ... and ids must be dense: at most twice the file's token count plus 1024 (the mini tokenizer
+  // has 266 tokens, so 1556; fuzzing found an id of 3.4M in a file of a few tokens).
+  EXPECT_EQ(load_error(mini_with("/model/vocab/a", 5000)),
+            "test/tokenizer.json: model.vocab[\"a\"]: id 5000 is beyond 1556 (ids must be dense: at "
+            "most twice the 266 tokens of the file plus 1024)");
+  EXPECT_EQ(load_error(mini_with("/added_tokens/0/id", 5000)),
+            "test/tokenizer.json: added_tokens[0].id: 5000 is beyond 1556 (ids must be dense: at "
+            "most twice the 266 tokens of the file plus 1024)");
+  EXPECT_EQ(load_error(mini_with("/added_tokens/0/id", "7")),
+            "test/tokenizer.json: added_tokens[0].id: missing or not an integer");
 }
 
 }  // namespace

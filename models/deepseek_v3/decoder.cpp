@@ -147,8 +147,62 @@ void DecoderStack::allocate_cache(uint32_t num_pages, uint32_t page_size) {
   page_size_ = page_size;
 }
 
+void DecoderStack::moe_on_device(size_t layer, ReplicaWork& w) {
+  if (w.T == 0) return;
+  Device& dev = *w.dev;
+  const MoeWeights& m = replicas_[first_local_].layers[layer].moe;
+  const ops::GroupedExperts& g = m.grouped;
+  const uint32_t H = uint32_t(cfg_.hidden_size), F = g.inter, E = router_.n_experts;
+  const uint32_t k = router_.top_k, T = w.T;
+  // The shared expert rides in the grouped launches unless a LoRA adapter may target it (the
+  // adapters apply to dense_mlp's projections).
+  const bool fuse_shared = m.grouped_has_shared && !w.lora.active();
+  Scratch logits(dev, size_t(T) * E * 4), ids(dev, size_t(T) * k * 4), weights(dev, size_t(T) * k * 4);
+  ops::linear(dev, w.xn.mem(), 0, H, m.router, nullptr, logits.mem(), 0, E, T);
+  ops::moe_route(dev, logits.mem(), &m.correction_bias, T, router_, ids.mem(), weights.mem());
+  // With the shared expert in the buffer but not fused, its rows are planned for nobody: the plan
+  // covers the routed experts and the shared one's slot is left out.
+  const ops::GroupedPlan plan =
+      ops::plan_experts(dev, ids.mem(), T, k, g.n_experts, fuse_shared);
+  const uint32_t S = plan.rows;
+  // FP8 activation quantization is per row: the tokens are quantized once, which quantizes every
+  // grouped row that reads them through src_token, and the silu output is quantized per row.
+  const bool aq = fp8_act_quant_ && g.dtype == DType::F8_E4M3;
+  const cl::Mem* x = &w.xn.mem();
+  Scratch xq;
+  if (aq) {
+    xq = Scratch(dev, size_t(T) * H * 4);
+    ops::act_quant_fp8(dev, w.xn.mem(), 0, H, T, H, xq.mem());
+    x = &xq.mem();
+  }
+  Scratch gu(dev, size_t(S) * 2 * F * 4), out(dev, size_t(S) * H * 4);
+  ops::moe_grouped_linear(dev, *x, H, &plan.src_token.mem(), g, 0, 2, plan, gu.mem(), 2 * F);
+  ops::silu_mul(dev, gu.mem(), 0, 2 * F, gu.mem(), F, 2 * F, gu.mem(), 2 * F, S, F);
+  const cl::Mem* act = &gu.mem();
+  uint32_t ld_act = 2 * F;
+  Scratch gq;
+  if (aq) {
+    gq = Scratch(dev, size_t(S) * F * 4);
+    ops::act_quant_fp8(dev, gu.mem(), 0, 2 * F, S, F, gq.mem());
+    act = &gq.mem();
+    ld_act = F;
+  }
+  ops::moe_grouped_linear(dev, *act, ld_act, nullptr, g, 2, 1, plan, out.mem(), H);
+  ops::moe_combine(dev, out.mem(), H, plan.slot_row.mem(), weights.mem(), T, k, H, w.h.mem(), H,
+                   true, fuse_shared);
+  if (m.shared && !fuse_shared)
+    dense_mlp(dev, m.shared, w.xn.mem(), 0, H, T, w.gu.mem(), w.h.mem(), 0, H, true,
+              fp8_act_quant_, LayerLora{&w.lora, layer});
+  dev.flush();
+}
+
 void DecoderStack::moe(size_t layer, std::vector<ReplicaWork>& work) {
   const size_t N = replicas_.size();
+  // One device: routing, plan, experts and combine all on the device, nothing read back.
+  if (N == 1 && !comm_ && replicas_[0].layers[layer].moe.grouped) {
+    moe_on_device(layer, work[0]);
+    return;
+  }
   const uint32_t H = uint32_t(cfg_.hidden_size), E = router_.n_experts, k = router_.top_k;
   const uint32_t F = uint32_t(cfg_.moe_intermediate_size);
   auto moe_of = [&](size_t r) -> const MoeWeights& { return replicas_[r].layers[layer].moe; };

@@ -4,7 +4,10 @@
 //              h += sum_k w_k expert_k(norm(h)) + shared(norm(h)) for the MoE layers
 // MLA writes one latent row per token per layer into the paged cache and takes the absorbed
 // (decode) or decompressed (prefill) path per step (runtime/ops_mla.h). Routing, permutation and
-// combine are runtime/ops_moe.h's; each routed expert runs as its own GEMM over its rows.
+// combine are runtime/ops_moe.h's. On one device whose experts are grouped (MoeWeights::grouped)
+// the routing, the plan and the experts stay on the device: one grouped launch per projection
+// over the active experts, the shared expert among them. Otherwise the routing is read back, and
+// each routed expert runs as its own GEMM over its rows; both give the same values.
 //
 // On N devices (max-reference.md §3, data_parallel_degree = expert_parallel_degree = N) device r
 // holds replica r: attention, dense layers, shared experts and norms, its own MLA cache, and the
@@ -142,6 +145,8 @@ class DecoderStack {
   void attention(size_t l, ReplicaWork& w, Replica& rep);
   // Every replica's h += routed experts + shared expert of its xn, for MoE layer `layer`.
   void moe(size_t layer, std::vector<ReplicaWork>& work);
+  // moe() on a single device with grouped experts: no host round trip (ops_moe.h's device plan).
+  void moe_on_device(size_t layer, ReplicaWork& w);
 
   DeepseekV3Config cfg_;
   std::vector<Replica> replicas_;  // replica r = device r = EP rank r (dev null: another process)

@@ -105,6 +105,55 @@ class Loader {
   Device& dev_;
 };
 
+// The layer's routed experts [begin, end), then its shared expert when it has the routed
+// experts' shape, as one buffer over the mapped file: a view, no copy, so that one launch reaches
+// every expert (ops::moe_grouped_linear). Needs a device that reads host memory, one file holding
+// them all, one dtype, and every tensor at an offset its element size divides (safetensors does
+// not promise alignment); otherwise empty, and the experts run one by one.
+ops::GroupedExperts group_experts(const WeightStore& s, Device& dev, const std::string& p,
+                                  uint32_t begin, uint32_t end, int64_t H, int64_t F,
+                                  bool with_shared) {
+  ops::GroupedExperts g;
+  if (begin >= end || !dev.info().host_unified_memory) return g;
+  static const char* kMats[3] = {"gate_proj", "up_proj", "down_proj"};
+  std::vector<const TensorView*> views;  // [e][0..2] weights, [e][3..5] scales (FP8)
+  auto add = [&](const std::string& ep) {
+    for (const char* m : kMats) views.push_back(&s.get(ep + m + ".weight"));
+    for (const char* m : kMats)
+      views.push_back(views[views.size() - 3]->dtype == DType::F8_E4M3
+                          ? &s.get(ep + m + ".weight_scale_inv")
+                          : nullptr);
+  };
+  for (uint32_t e = begin; e < end; ++e) add(p + "mlp.experts." + std::to_string(e) + ".");
+  if (with_shared) add(p + "mlp.shared_experts.");
+  const DType dt = views[0]->dtype;
+  const uint8_t* lo = views[0]->data;
+  const uint8_t* hi = lo;
+  for (size_t i = 0; i < views.size(); ++i) {
+    const TensorView* v = views[i];
+    if (!v) continue;
+    if (v->file != views[0]->file || v->dtype != (i % 6 < 3 ? dt : DType::F32)) return g;
+    lo = std::min(lo, v->data);
+    hi = std::max(hi, v->data + v->bytes);
+  }
+  if (size_t(hi - lo) > dev.info().max_alloc) return g;
+  std::vector<uint64_t> table(views.size());
+  for (size_t i = 0; i < views.size(); ++i) {
+    if (!views[i]) continue;
+    const size_t es = dtype_size(views[i]->dtype), at = size_t(views[i]->data - lo);
+    if (at % es != 0) return g;
+    table[i] = at / es;
+  }
+  g.mem = dev.wrap_host(lo, size_t(hi - lo));
+  g.table = dev.alloc(table.size() * sizeof(uint64_t), CL_MEM_READ_ONLY);
+  dev.write(g.table, table.data(), table.size() * sizeof(uint64_t));
+  g.dtype = dt;
+  g.n_experts = uint32_t(views.size() / 6);
+  g.hidden = uint32_t(H);
+  g.inter = uint32_t(F);
+  return g;
+}
+
 }  // namespace
 
 Linear load_linear(const WeightStore& s, Device& dev, const std::string& prefix, int64_t out,
@@ -169,6 +218,10 @@ LayerWeights load_layer(const DeepseekV3Config& c, const WeightStore& s, Device&
       L.moe.experts.push_back(ld.mlp(p + "mlp.experts." + std::to_string(e) + ".", H, F));
     if (c.n_shared_experts > 0)
       L.moe.shared = ld.mlp(p + "mlp.shared_experts.", H, c.n_shared_experts * F);
+    // The shared expert joins the grouped launches when it is one routed expert wide.
+    L.moe.grouped_has_shared = c.n_shared_experts == 1;
+    L.moe.grouped = group_experts(s, dev, p, expert_begin, expert_end, H, F,
+                                  L.moe.grouped_has_shared);
   } else {
     L.mlp = ld.mlp(p + "mlp.", H, c.intermediate_size);
   }

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "models/deepseek_v3/config.h"
+#include "runtime/ops_moe.h"
 #include "runtime/tensor.h"
 
 namespace clshard {
@@ -51,6 +52,11 @@ struct MoeWeights {
   std::vector<MlpWeights> experts;
   uint32_t first_expert = 0;
   MlpWeights shared;  // n_shared_experts * moe_intermediate_size wide; empty when none
+  // The same experts as one buffer for the grouped kernels (runtime/ops_moe.h), where the device
+  // reads host memory and the tensors lie in one file; empty otherwise (the experts run one by
+  // one). With grouped_has_shared its last expert is `shared` (n_shared_experts == 1).
+  ops::GroupedExperts grouped;
+  bool grouped_has_shared = false;
 };
 
 struct LayerWeights {

@@ -331,6 +331,18 @@ class Regex {
 };
 
 // The pattern ByteLevel uses when use_regex is true (GPT-2's).
+// Ids index dense tables (id -> text, flags), so one hostile id would make loading allocate as
+// many entries as its value (fuzzing found ids of 3.4M and 13.8M in a file of a few tokens, taking
+// seconds and gigabytes). Real vocabularies are dense and far below both bounds (Llama 3: 128,256
+// ids for 128,256 tokens; DeepSeek-V3: 129,280): an id is at most kMaxTokenId, and at most twice
+// the number of tokens in the file plus kIdSlack.
+constexpr int64_t kMaxTokenId = (int64_t{1} << 22) - 1;
+constexpr int64_t kIdSlack = 1024;
+
+int64_t largest_dense_id(size_t tokens) {
+  return std::min<int64_t>(kMaxTokenId, 2 * int64_t(tokens) + kIdSlack);
+}
+
 constexpr std::string_view kGpt2Pattern =
     R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
 
@@ -714,8 +726,9 @@ class TokenizerJsonReader {
   }
 
   bool vocab_id(int64_t id) {
-    if (id < 0 || id > INT32_MAX)
-      return reject("model.vocab[\"" + vocab_key_ + "\"]", "id is not a non-negative int32");
+    if (id < 0 || id > kMaxTokenId)
+      return reject("model.vocab[\"" + vocab_key_ + "\"]",
+                    "id " + std::to_string(id) + " is not in 0.." + std::to_string(kMaxTokenId));
     model.vocab.emplace_back(std::move(vocab_key_), static_cast<int32_t>(id));
     return true;
   }
@@ -769,6 +782,8 @@ struct Tokenizer::Impl {
   std::string source;
 
   TokenIndex model_vocab;
+  // Entry counts of model.vocab and added_tokens, for the density bound on ids.
+  size_t model_vocab_size = 0, added_token_count = 0;
   StringMap<int32_t> added_by_content;
   MergeTable merges;
   std::array<int32_t, 256> byte_token{};  // id of each single-byte token, -1 if missing
@@ -848,6 +863,15 @@ void Tokenizer::Impl::load_model(const json& model, StreamedModel& streamed) {
     max_id = std::max(max_id, id);
     text_bytes += text.size();
   }
+  if (max_id > largest_dense_id(streamed.vocab.size() + added_token_count))
+    for (const auto& [text, id] : streamed.vocab)
+      if (id == max_id)
+        fail(source, "model.vocab[\"" + text + "\"]",
+             "id " + std::to_string(id) + " is beyond " +
+                 std::to_string(largest_dense_id(streamed.vocab.size() + added_token_count)) +
+                 " (ids must be dense: at most twice the " +
+                 std::to_string(streamed.vocab.size() + added_token_count) +
+                 " tokens of the file plus " + std::to_string(kIdSlack) + ")");
   model_vocab.reserve(streamed.vocab.size(), text_bytes);
   id_to_text.resize(static_cast<size_t>(max_id + 1));
   id_flags.assign(static_cast<size_t>(max_id + 1), 0);
@@ -860,6 +884,7 @@ void Tokenizer::Impl::load_model(const json& model, StreamedModel& streamed) {
     id_to_text[id] = std::move(text);
     id_flags[id] = kPresent;
   }
+  model_vocab_size = streamed.vocab.size();
   streamed.vocab = {};
 
   const ByteAlphabet& alphabet = byte_alphabet();
@@ -897,13 +922,23 @@ void Tokenizer::Impl::load_added_tokens(const json& added) {
     if (!entry.is_object()) fail(source, path, "expected an object");
     const json* id = member(entry, "id");
     const json* content = member(entry, "content");
-    if (!id || !id->is_number_integer() || id->get<int64_t>() < 0 || id->get<int64_t>() > INT32_MAX)
-      fail(source, path + ".id", "missing or not a non-negative integer");
+    if (!id || !id->is_number_integer())
+      fail(source, path + ".id", "missing or not an integer");
+    if (id->get<int64_t>() < 0 || id->get<int64_t>() > kMaxTokenId)
+      fail(source, path + ".id",
+           std::to_string(id->get<int64_t>()) + " is not in 0.." + std::to_string(kMaxTokenId));
     if (!content || !content->is_string() || content->get_ref<const std::string&>().empty())
       fail(source, path + ".content", "missing or not a non-empty string");
     if (bool_member(entry, "single_word", false, source, path))
       fail(source, path + ".single_word", "true is not supported");
 
+    const int64_t dense = largest_dense_id(model_vocab_size + added.size());
+    if (id->get<int64_t>() > dense)
+      fail(source, path + ".id",
+           std::to_string(id->get<int64_t>()) + " is beyond " + std::to_string(dense) +
+               " (ids must be dense: at most twice the " +
+               std::to_string(model_vocab_size + added.size()) + " tokens of the file plus " +
+               std::to_string(kIdSlack) + ")");
     AddedToken token;
     token.id = id->get<int32_t>();
     token.content = content->get<std::string>();
@@ -1228,6 +1263,8 @@ std::shared_ptr<Tokenizer::Impl> Tokenizer::Impl::load(std::string_view tokenize
 
   const json* model = member(root, "model");
   if (!model) fail(source_name, "model", "missing");
+  if (const json* added = member(root, "added_tokens"); added && added->is_array())
+    impl->added_token_count = added->size();
   impl->load_model(*model, reader.model);
   if (const json* added = member(root, "added_tokens")) impl->load_added_tokens(*added);
   if (const json* normalizer = member(root, "normalizer"))

@@ -1,0 +1,218 @@
+// Where a DeepSeek-V3 decode step's time goes, kernel by kernel: dsv3-mini (bf16 and fp8) decodes
+// at batch 1 as DeepseekV3Model::forward runs it, with every launch timed on its own. This program
+// defines clEnqueueNDRangeKernel, clEnqueueReadBuffer and clEnqueueWriteBuffer itself (the library
+// is linked in statically, so its calls bind here) and forwards each to the OpenCL loader's; while
+// timing is on, a launch waits for the queue before and after, and its wall time goes to its
+// kernel's name. Blocking reads and writes (the host round trips) are timed the same way. The
+// step is timed untouched as well: the per-launch waits add their own cost, so the table's sum
+// exceeds it a little. On a shared machine the wall time moves with the neighbours' load; the
+// CPU time the process spends per step (every thread, PoCL's workers included) moves much less,
+// so it is printed beside it.
+// Usage: bench_deepseek_breakdown [--dir D] [--dtypes bf16,fp8] [--context C] [--steps N]
+#include <dlfcn.h>
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "models/deepseek_v3/model.h"
+#include "perf/bench_util.h"
+#include "runtime/device.h"
+#include "runtime/device_manager.h"
+#include "runtime/engine/generation.h"
+
+using namespace clshard;
+using namespace clshard::bench;
+
+namespace {
+
+struct Tally {
+  double seconds = 0;
+  uint64_t calls = 0;
+};
+bool g_timing = false;
+std::map<std::string, Tally> g_tally;
+
+template <typename F>
+F real(const char* name) {
+  static_assert(sizeof(F) == sizeof(void*));
+  void* p = dlsym(RTLD_NEXT, name);
+  if (!p) {
+    std::fprintf(stderr, "bench_deepseek_breakdown: no %s in the OpenCL loader\n", name);
+    std::abort();
+  }
+  F f;
+  std::memcpy(&f, &p, sizeof f);
+  return f;
+}
+
+std::string kernel_name(cl_kernel k) {
+  char name[128] = {0};
+  clGetKernelInfo(k, CL_KERNEL_FUNCTION_NAME, sizeof name - 1, name, nullptr);
+  return name;
+}
+
+// Runs `enqueue` between two waits on `q` and adds its wall time to `what`.
+template <typename F>
+cl_int timed(cl_command_queue q, const std::string& what, F enqueue) {
+  if (!g_timing) return enqueue();
+  clFinish(q);
+  const auto t0 = Clock::now();
+  const cl_int err = enqueue();
+  clFinish(q);
+  Tally& t = g_tally[what];
+  t.seconds += seconds_since(t0);
+  ++t.calls;
+  return err;
+}
+
+}  // namespace
+
+extern "C" {
+
+CL_API_ENTRY cl_int CL_API_CALL clEnqueueNDRangeKernel(
+    cl_command_queue q, cl_kernel k, cl_uint dims, const size_t* offset, const size_t* global,
+    const size_t* local, cl_uint n_wait, const cl_event* wait, cl_event* ev) {
+  using Fn = cl_int(CL_API_CALL*)(cl_command_queue, cl_kernel, cl_uint, const size_t*,
+                                  const size_t*, const size_t*, cl_uint, const cl_event*,
+                                  cl_event*);
+  static const Fn fn = real<Fn>("clEnqueueNDRangeKernel");
+  return timed(q, g_timing ? kernel_name(k) : std::string(),
+               [&] { return fn(q, k, dims, offset, global, local, n_wait, wait, ev); });
+}
+
+CL_API_ENTRY cl_int CL_API_CALL clEnqueueReadBuffer(cl_command_queue q, cl_mem m, cl_bool blocking,
+                                                    size_t off, size_t bytes, void* dst,
+                                                    cl_uint n_wait, const cl_event* wait,
+                                                    cl_event* ev) {
+  using Fn = cl_int(CL_API_CALL*)(cl_command_queue, cl_mem, cl_bool, size_t, size_t, void*,
+                                  cl_uint, const cl_event*, cl_event*);
+  static const Fn fn = real<Fn>("clEnqueueReadBuffer");
+  return timed(q, "(host read)",
+               [&] { return fn(q, m, blocking, off, bytes, dst, n_wait, wait, ev); });
+}
+
+CL_API_ENTRY cl_int CL_API_CALL clEnqueueWriteBuffer(cl_command_queue q, cl_mem m,
+                                                     cl_bool blocking, size_t off, size_t bytes,
+                                                     const void* src, cl_uint n_wait,
+                                                     const cl_event* wait, cl_event* ev) {
+  using Fn = cl_int(CL_API_CALL*)(cl_command_queue, cl_mem, cl_bool, size_t, size_t,
+                                  const void*, cl_uint, const cl_event*, cl_event*);
+  static const Fn fn = real<Fn>("clEnqueueWriteBuffer");
+  return timed(q, "(host write)",
+               [&] { return fn(q, m, blocking, off, bytes, src, n_wait, wait, ev); });
+}
+
+}  // extern "C"
+
+namespace {
+
+double cpu_seconds() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return double(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
+         1e-6 * double(u.ru_utime.tv_usec + u.ru_stime.tv_usec);
+}
+
+std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> out;
+  size_t b = 0;
+  while (b <= s.size()) {
+    size_t e = s.find(',', b);
+    if (e == std::string::npos) e = s.size();
+    if (e > b) out.push_back(s.substr(b, e - b));
+    b = e + 1;
+  }
+  return out;
+}
+
+StepInputs one_row_step(const std::vector<uint32_t>& table, uint32_t pages_per_row,
+                        uint32_t cached, uint32_t n, uint32_t vocab, std::mt19937& rng) {
+  StepInputs in;
+  in.lookup_table = table;
+  in.pages_per_row = pages_per_row;
+  std::uniform_int_distribution<int32_t> tok(0, int32_t(vocab) - 1);
+  for (uint32_t i = 0; i < n; ++i) in.tokens.push_back(tok(rng));
+  in.input_row_offsets = {0, n};
+  in.cache_lengths = {cached};
+  return in;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::filesystem::path root = std::filesystem::temp_directory_path() / "clshard-bench";
+  std::string dtypes = "bf16,fp8";
+  uint32_t context = 128, n_steps = 16;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string a = argv[i], v = argv[i + 1];
+    if (a == "--dir") root = v;
+    else if (a == "--dtypes") dtypes = v;
+    else if (a == "--context") context = uint32_t(std::stoul(v));
+    else if (a == "--steps") n_steps = uint32_t(std::stoul(v));
+    else {
+      std::fprintf(stderr, "unknown option %s\n", a.c_str());
+      return 2;
+    }
+  }
+  DeviceManager mgr(DeviceSelection{});
+  Device& dev = mgr[0];
+  print_device(dev);
+  for (const auto& dt : split(dtypes)) {
+    const auto dir = ensure_preset("dsv3-mini", dt, root / ("dsv3-mini-" + dt));
+    deepseek_v3::DeepseekV3Model model(dir, LoadOptions{{&dev}, std::nullopt});
+    const uint32_t V = model.info().vocab_size;
+    std::mt19937 rng(5);
+    uint32_t ppr = 0;
+    const auto table = plan_static_pages(model, {context + 2 * n_steps + 2}, 128, &ppr);
+    model.forward(one_row_step(table, ppr, 0, context, V, rng)).read_logits();
+    uint32_t pos = context;
+    model.forward(one_row_step(table, ppr, pos++, 1, V, rng)).read_logits();  // kernel builds
+
+    // Untouched steps first, then the same number timed launch by launch.
+    const double c0 = cpu_seconds();
+    const auto t0 = Clock::now();
+    for (uint32_t i = 0; i < n_steps; ++i)
+      model.forward(one_row_step(table, ppr, pos++, 1, V, rng)).read_logits();
+    const double t_step = seconds_since(t0) / n_steps;
+    const double cpu_step = (cpu_seconds() - c0) / n_steps;
+    g_tally.clear();
+    g_timing = true;
+    const auto t1 = Clock::now();
+    for (uint32_t i = 0; i < n_steps; ++i)
+      model.forward(one_row_step(table, ppr, pos++, 1, V, rng)).read_logits();
+    const double t_timed = seconds_since(t1) / n_steps;
+    g_timing = false;
+
+    std::vector<std::pair<std::string, Tally>> rows(g_tally.begin(), g_tally.end());
+    std::sort(rows.begin(), rows.end(),
+              [](const auto& a, const auto& b) { return a.second.seconds > b.second.seconds; });
+    double sum = 0;
+    uint64_t launches = 0;
+    for (const auto& [name, t] : rows) {
+      sum += t.seconds;
+      if (name[0] != '(') launches += t.calls;
+    }
+    std::printf("\ndsv3-mini %s, decode batch 1 at context %u: %.2f ms per step untouched "
+                "(%.1f tok/s), CPU time %.2f ms per step; %.1f launches per step\n",
+                dt.c_str(), context, t_step * 1e3, 1.0 / t_step, cpu_step * 1e3,
+                double(launches) / n_steps);
+    std::printf("  %-28s %9s %10s %10s %8s\n", "kernel", "calls", "ms/step", "us/call", "share");
+    for (const auto& [name, t] : rows)
+      std::printf("  %-28s %9.1f %10.3f %10.1f %7.1f%%\n", name.c_str(),
+                  double(t.calls) / n_steps, t.seconds / n_steps * 1e3,
+                  t.seconds / double(t.calls) * 1e6, 100.0 * t.seconds / sum);
+    std::printf("  sum of the timed calls %.2f ms per step; the timed steps took %.2f ms (host "
+                "work between calls %.2f ms)\n",
+                sum / n_steps * 1e3, t_timed * 1e3, (t_timed - sum / n_steps) * 1e3);
+    std::fflush(stdout);
+  }
+  return 0;
+}
