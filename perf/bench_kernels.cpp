@@ -82,7 +82,10 @@ void gemm_bf16_section(Device& dev, int reps, bool tiles) {
         t.gemm_bf16_dot = v == 0 ? 1 : 0;
         dev.set_tuning(t);
         const ComputeDType c = v == 2 ? ComputeDType::F32 : ComputeDType::BF16;
-        if (v == 2 && tm != tile_shapes[0].first) { g[v] = 0; continue; }
+        if (v == 2 && std::make_pair(tm, tn) != tile_shapes[0]) {  // f32: one tile shape
+          g[v] = 0;
+          continue;
+        }
         g[v] = flops / median_time(reps, [&] {
                  ops::linear(dev, x, 0, uint32_t(s.K), w, nullptr, y, 0, uint32_t(s.N), M, 1.0f,
                              false, c);
