@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "parallel/topology.h"
+#include "runtime/dtype.h"
 #include "runtime/ops_lora.h"
 
 namespace clshard {
@@ -26,6 +27,9 @@ struct LoadOptions {
   // kernels; true fake-quantizes activations to fp8 per token per 128 columns before each FP8
   // linear, as MAX and DeepSeek's reference code do (model.fp8_activations: fp8).
   bool quantize_fp8_activations = false;
+  // What the linear layers multiply in (model.compute_dtype): f32, or bf16 activations with f32
+  // sums in the prefill GEMMs of bf16 weights (runtime/ops.h).
+  ComputeDType compute_dtype = ComputeDType::F32;
   // cluster.transport: mpi — the deployment's devices are spread over mpi_ranks processes, each
   // driving devices.size() of them; this process is mpi_rank and drives `devices` (the topology's
   // devices mpi_rank * devices.size() ..). 0: every device is in this process.

@@ -10,6 +10,10 @@
 #include <thread>
 #include <vector>
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
+
 #include "models/registry.h"
 #include "runtime/device.h"
 #include "runtime/engine/bench.h"
@@ -98,6 +102,63 @@ inline double stream_read_gbs(int reps = 7, size_t bytes = size_t(512) << 20) {
   if (total != double(share) * nthreads)  // all ones: a wrong sum means a wrong loop
     std::fprintf(stderr, "stream_read_gbs: sum %.0f, expected %zu\n", total, share * nthreads);
   return double(share * nthreads * sizeof(float)) / t / 1e9;
+}
+
+// Register-only compute peaks of the host CPU (native threads, one per hardware thread): 16
+// independent chains of 512-bit f32 FMAs (32 flops each), and of vdpbf16ps (16 lanes x 2 bf16
+// products + adds = 64 flops each), no memory operand in the loop. 0 where the CPU lacks the
+// instruction. The prefill GEMMs report against these.
+struct ComputePeaks {
+  double f32_fma_gflops = 0, bf16_dot_gflops = 0;
+};
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("avx512f"))) inline float fma_chains(long iters, float seed) {
+  __m512 acc[16];
+  const __m512 a = _mm512_set1_ps(seed), b = _mm512_set1_ps(1.0f - seed);
+  for (int j = 0; j < 16; ++j) acc[j] = _mm512_set1_ps(float(j));
+  for (long i = 0; i < iters; ++i)
+    for (int j = 0; j < 16; ++j) acc[j] = _mm512_fmadd_ps(a, b, acc[j]);
+  __m512 s = acc[0];
+  for (int j = 1; j < 16; ++j) s = _mm512_add_ps(s, acc[j]);
+  return _mm512_reduce_add_ps(s);
+}
+__attribute__((target("avx512f,avx512bf16"))) inline float dpbf16_chains(long iters, float seed) {
+  __m512 acc[16];
+  const __m512bh a = _mm512_cvtne2ps_pbh(_mm512_set1_ps(seed), _mm512_set1_ps(seed));
+  const __m512bh b = _mm512_cvtne2ps_pbh(_mm512_set1_ps(1.0f - seed), _mm512_set1_ps(seed));
+  for (int j = 0; j < 16; ++j) acc[j] = _mm512_set1_ps(float(j));
+  for (long i = 0; i < iters; ++i)
+    for (int j = 0; j < 16; ++j) acc[j] = _mm512_dpbf16_ps(acc[j], a, b);
+  __m512 s = acc[0];
+  for (int j = 1; j < 16; ++j) s = _mm512_add_ps(s, acc[j]);
+  return _mm512_reduce_add_ps(s);
+}
+#endif
+inline ComputePeaks measure_compute_peaks(int reps = 5, long iters = 20000000) {
+  ComputePeaks p;
+#if defined(__x86_64__) && defined(__GNUC__)
+  const unsigned nthreads = std::max(1u, std::thread::hardware_concurrency());
+  volatile float seed = 1e-3f;  // opaque to the compiler: the chains must run
+  std::vector<float> sink(nthreads);
+  auto run = [&](auto chains) {
+    return median_time(reps, [&] {
+      std::vector<std::thread> threads;
+      for (unsigned i = 0; i < nthreads; ++i)
+        threads.emplace_back([&, i] { sink[i] = chains(iters, seed); });
+      for (auto& th : threads) th.join();
+    });
+  };
+  const double ops = double(nthreads) * double(iters) * 16;  // instructions per run
+  if (__builtin_cpu_supports("avx512f"))
+    p.f32_fma_gflops = ops * 32 / run([](long n, float s) { return fma_chains(n, s); }) / 1e9;
+  if (__builtin_cpu_supports("avx512bf16"))
+    p.bf16_dot_gflops = ops * 64 / run([](long n, float s) { return dpbf16_chains(n, s); }) / 1e9;
+  std::printf("compute peak (%u threads, register-only): f32 FMA %.0f GFLOP/s, bf16 dot product "
+              "(vdpbf16ps) %.0f GFLOP/s (%.2fx)\n",
+              nthreads, p.f32_fma_gflops, p.bf16_dot_gflops,
+              p.f32_fma_gflops > 0 ? p.bf16_dot_gflops / p.f32_fma_gflops : 0.0);
+#endif
+  return p;
 }
 
 // Both read rooflines of one run, reported side by side; figures are taken against the higher.
