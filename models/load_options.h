@@ -30,6 +30,9 @@ struct LoadOptions {
   // kv_cache.dtype: the element type of the KV caches (F32, the default, or BF16: stores round to
   // nearest even, attention reads the narrower type). Half the cache memory at bf16.
   DType kv_cache_dtype = DType::F32;
+  // What the linear layers multiply in (model.compute_dtype): f32, or bf16 activations with f32
+  // sums in the prefill GEMMs of bf16 weights (runtime/ops.h).
+  ComputeDType compute_dtype = ComputeDType::F32;
   // cluster.transport: mpi — the deployment's devices are spread over mpi_ranks processes, each
   // driving devices.size() of them; this process is mpi_rank and drives `devices` (the topology's
   // devices mpi_rank * devices.size() ..). 0: every device is in this process.

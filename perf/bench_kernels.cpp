@@ -1,6 +1,10 @@
 // Kernel throughput on the first OpenCL device: memory bandwidth (the decode roofline), GEMV GB/s
-// for f32 and bf16 weights, GEMM GFLOP/s at M = 1, 8, 64, 512, next to OpenBLAS sgemm.
-// Usage: bench_kernels [--quick]
+// for f32 and bf16 weights, GEMM GFLOP/s at M = 1, 8, 64, 512, next to OpenBLAS sgemm, and the
+// bf16-compute GEMM (model.compute_dtype: bf16) on llama3-1b's prefill shapes against the CPU's
+// register-only f32 FMA and vdpbf16ps peaks measured in the same run.
+// Usage: bench_kernels [--quick] [--gemm-bf16 [--tiles]]
+//   --gemm-bf16: only the peaks and the bf16-compute GEMM; --tiles: over several tile shapes
+//   (KernelTuning's gemm_bf16_tm x gemm_bf16_tn) too.
 #include <cblas.h>
 
 #include <algorithm>
@@ -42,14 +46,82 @@ Weight random_weight(Device& dev, int64_t N, int64_t K, DType dt, uint32_t seed)
   return w;
 }
 
+// The bf16-compute GEMM at llama3-1b's prefill shapes (M = 512 tokens): vdpbf16ps where the
+// device selects it and the portable micro-kernel, GFLOP/s and the fraction of the bf16 peak.
+void gemm_bf16_section(Device& dev, int reps, bool tiles) {
+  const ComputePeaks peaks = measure_compute_peaks();
+  struct Shape {
+    const char* name;
+    int64_t N, K;
+  };
+  const Shape shapes[] = {{"q/k/v 3072x2048", 3072, 2048},
+                          {"o 2048x2048", 2048, 2048},
+                          {"gate|up 16384x2048", 16384, 2048},
+                          {"down 2048x8192", 2048, 8192}};
+  const uint32_t M = 512;
+  const KernelTuning own = dev.tuning();
+  std::vector<std::pair<uint32_t, uint32_t>> tile_shapes = {{own.gemm_bf16_tm, own.gemm_bf16_tn}};
+  if (tiles)
+    for (auto t : std::vector<std::pair<uint32_t, uint32_t>>{{4, 4}, {2, 8}, {8, 2}, {4, 6}, {6, 4},
+                                                             {3, 8}, {4, 2}, {2, 4}})
+      if (t != tile_shapes[0]) tile_shapes.push_back(t);
+  std::printf("\nbf16-compute GEMM (compute_dtype bf16), M=%u, GFLOP/s (%% of the bf16 peak):\n", M);
+  std::printf("  %-20s %-6s %12s %12s %12s\n", "N x K", "tile", "dot product", "portable",
+              "f32 compute");
+  for (const Shape& s : shapes) {
+    Weight w = random_weight(dev, s.N, s.K, DType::BF16, 3);
+    cl::Mem x = dev.alloc(size_t(M) * s.K * 4), y = dev.alloc(size_t(M) * s.N * 4);
+    dev.fill_zero(x, size_t(M) * s.K * 4);
+    const double flops = 2.0 * M * s.N * s.K;
+    for (auto [tm, tn] : tile_shapes) {
+      double g[3];
+      for (int v = 0; v < 3; ++v) {
+        KernelTuning t = own;
+        t.gemm_bf16_tm = tm;
+        t.gemm_bf16_tn = tn;
+        t.gemm_bf16_dot = v == 0 ? 1 : 0;
+        dev.set_tuning(t);
+        const ComputeDType c = v == 2 ? ComputeDType::F32 : ComputeDType::BF16;
+        if (v == 2 && std::make_pair(tm, tn) != tile_shapes[0]) {  // f32: one tile shape
+          g[v] = 0;
+          continue;
+        }
+        g[v] = flops / median_time(reps, [&] {
+                 ops::linear(dev, x, 0, uint32_t(s.K), w, nullptr, y, 0, uint32_t(s.N), M, 1.0f,
+                             false, c);
+                 dev.finish();
+               }) / 1e9;
+      }
+      dev.set_tuning(own);
+      auto pct = [&](double v) { return peaks.bf16_dot_gflops > 0 ? 100 * v / peaks.bf16_dot_gflops : 0; };
+      std::printf("  %-20s %ux%-4u %6.1f (%2.0f%%) %6.1f (%2.0f%%) %6.1f (%2.0f%%)\n", s.name, tm, tn,
+                  g[0], pct(g[0]), g[1], pct(g[1]), g[2], pct(g[2]));
+    }
+  }
+  if (!ops::bf16_dot_product(dev)) std::printf("  (no vdpbf16ps on this device: both columns are the portable kernel)\n");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
+  bool quick = false, gemm_bf16_only = false, tiles = false;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--quick") == 0) quick = true;
+    else if (std::strcmp(argv[i], "--gemm-bf16") == 0) gemm_bf16_only = true;
+    else if (std::strcmp(argv[i], "--tiles") == 0) tiles = true;
+    else {
+      std::fprintf(stderr, "usage: bench_kernels [--quick] [--gemm-bf16 [--tiles]]\n");
+      return 2;
+    }
+  }
   const int reps = quick ? 3 : 9;
   DeviceManager mgr(DeviceSelection{});
   Device& dev = mgr[0];
   print_device(dev);
+  if (gemm_bf16_only) {
+    gemm_bf16_section(dev, quick ? 3 : 5, tiles);
+    return 0;
+  }
 
   // 1. Bandwidth, far past the caches: the OpenCL read kernel and the native STREAM loop.
   std::printf("\n");
@@ -116,5 +188,8 @@ int main(int argc, char** argv) {
     std::printf("  %5u %10.1f %10.1f %14.1f %16.1f\n", M, flops / tf / 1e9, flops / tb / 1e9,
                 flops / tblas / 1e9, flops / tother / 1e9);
   }
+
+  // 4. The bf16-compute GEMM and the compute peaks.
+  gemm_bf16_section(dev, quick ? 3 : 5, false);
   return 0;
 }

@@ -1,16 +1,15 @@
 // End-to-end Llama 3 speed on the first OpenCL device: decode tokens/s at batch 1 and prefill
-// tokens/s for a 512-token prompt, with decode as a fraction of the bandwidth roofline (weight bytes
-// read per token / measured bandwidth).
-// Usage: bench_llama [MODEL_DIR] [--decode-only] [--kv-dtype f32|bf16] [--context N]
-//   (default model: .cache/models/llama3-1b-bf16, made if missing; --decode-only skips prefill;
-//   --kv-dtype: kv_cache.dtype; --context N: the phase split also decodes after N cached
-//   positions, which it does not compute (their contents are whatever the pages hold: the
-//   attention's time over N positions is what is measured, not its values))
+// tokens/s for a 512-token prompt (median of 3), with decode as a fraction of the bandwidth
+// roofline (weight bytes read per token / measured bandwidth) and prefill's GFLOP/s in the linear
+// layers as a fraction of the CPU's register-only f32 FMA and bf16 dot-product peaks.
+// Usage: bench_llama [MODEL_DIR] [--compute-dtype f32|bf16] [--prefill-only]
+//   (MODEL_DIR default: .cache/models/llama3-1b-bf16, made if missing; --compute-dtype as the
+//   deployment's model.compute_dtype, default f32)
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
-#include <string>
 
 #include "models/registry.h"
 #include "perf/bench_util.h"
@@ -26,23 +25,36 @@ using namespace clshard::bench;
 
 int main(int argc, char** argv) {
   std::filesystem::path dir = ".cache/models/llama3-1b-bf16";
-  bool decode_only = false;
-  DType kv_dtype = DType::F32;
-  uint32_t context = 0;
+  LoadOptions opts;
+  bool prefill_only = false;
+  uint32_t context = 0;  // --context N: the phase split also decodes after N cached positions
   for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--decode-only") decode_only = true;
-    else if (a == "--kv-dtype" && i + 1 < argc) kv_dtype = std::string(argv[++i]) == "bf16" ? DType::BF16 : DType::F32;
-    else if (a == "--context" && i + 1 < argc) context = uint32_t(std::stoul(argv[++i]));
-    else dir = argv[i];
+    if (std::strcmp(argv[i], "--compute-dtype") == 0 && i + 1 < argc) {
+      const std::string v = argv[++i];
+      if (v != "f32" && v != "bf16") {
+        std::fprintf(stderr, "--compute-dtype: expected f32 or bf16, got '%s'\n", v.c_str());
+        return 2;
+      }
+      opts.compute_dtype = v == "bf16" ? ComputeDType::BF16 : ComputeDType::F32;
+    } else if (std::strcmp(argv[i], "--prefill-only") == 0) {
+      prefill_only = true;
+    } else if (std::strcmp(argv[i], "--kv-dtype") == 0 && i + 1 < argc) {
+      opts.kv_cache_dtype = std::strcmp(argv[++i], "bf16") == 0 ? DType::BF16 : DType::F32;
+    } else if (std::strcmp(argv[i], "--context") == 0 && i + 1 < argc) {
+      context = uint32_t(std::stoul(argv[++i]));
+    } else if (argv[i][0] == '-') {
+      std::fprintf(stderr, "usage: bench_llama [MODEL_DIR] [--compute-dtype f32|bf16] "
+                           "[--prefill-only] [--kv-dtype f32|bf16] [--context N]\n");
+      return 2;
+    } else {
+      dir = argv[i];
+    }
   }
   ensure_preset("llama3-1b", "bf16", dir);
   DeviceManager mgr(DeviceSelection{});
   Device& dev = mgr[0];
-  LoadOptions load_opts{{&dev}, std::nullopt};
-  load_opts.kv_cache_dtype = kv_dtype;
-  auto model = load_model(dir, load_opts);
-  std::printf("kv_cache.dtype %s\n", dtype_name(kv_dtype));
+  opts.devices = {&dev};
+  auto model = load_model(dir, opts);
   const auto& info = model->info();
   WeightStore store(dir);
   // Bytes a decode step reads: every weight once; the embedding table only for its lookup row
@@ -53,83 +65,93 @@ int main(int argc, char** argv) {
   std::printf("model %s: %u layers, hidden %u, vocab %u, %.2f GB of weights\n", dir.c_str(),
               info.num_layers, info.hidden_size, info.vocab_size, store.total_bytes() / 1e9);
   print_device(dev);
-  const double bw = measure_roofline(dev).best();
+  std::printf("compute dtype: %s\n", compute_dtype_name(opts.compute_dtype));
+  const ComputePeaks peaks = measure_compute_peaks();
+  if (!prefill_only) {
+    const double bw = measure_roofline(dev).best();
 
-  // Decode at batch 1: prefill 16 tokens, then time 32 single-token steps.
-  std::vector<int32_t> prompt(16);
-  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = int32_t(100 + i * 7);
-  greedy_generate(*model, {prompt}, 4, 128);  // warm-up: kernel builds
-  auto t0 = Clock::now();
-  greedy_generate(*model, {prompt}, 1, 128);
-  const double prefill16 = seconds_since(t0);
-  t0 = Clock::now();
-  const uint32_t n = 33;
-  greedy_generate(*model, {prompt}, n, 128);
-  const double per_token = (seconds_since(t0) - prefill16) / (n - 1);
-  const double roofline_s = bytes_per_token / (bw * 1e9);
-  std::printf("\ndecode, batch 1: %.1f ms/token, %.2f tokens/s; roofline %.1f ms/token "
-              "(%.2f GB read per token) -> %.0f%% of roofline\n",
-              per_token * 1e3, 1.0 / per_token, roofline_s * 1e3, bytes_per_token / 1e9,
-              100.0 * roofline_s / per_token);
+    // Decode at batch 1: prefill 16 tokens, then time 32 single-token steps.
+    std::vector<int32_t> prompt(16);
+    for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = int32_t(100 + i * 7);
+    greedy_generate(*model, {prompt}, 4, 128);  // warm-up: kernel builds
+    auto t0 = Clock::now();
+    greedy_generate(*model, {prompt}, 1, 128);
+    const double prefill16 = seconds_since(t0);
+    t0 = Clock::now();
+    const uint32_t n = 33;
+    greedy_generate(*model, {prompt}, n, 128);
+    const double per_token = (seconds_since(t0) - prefill16) / (n - 1);
+    const double roofline_s = bytes_per_token / (bw * 1e9);
+    std::printf("\ndecode, batch 1: %.1f ms/token, %.2f tokens/s; roofline %.1f ms/token "
+                "(%.2f GB read per token) -> %.0f%% of roofline\n",
+                per_token * 1e3, 1.0 / per_token, roofline_s * 1e3, bytes_per_token / 1e9,
+                100.0 * roofline_s / per_token);
 
   // Where a decode step's wall time goes on the host side: the step driven by hand at batch 1
-  // (the same inputs greedy_generate builds), split into forward() (uploads and kernel enqueues,
-  // the host time), the wait for the queue, and the logits read plus argmax. After the 16-token
-  // prompt, and with --context N after N cached positions.
-  auto phases = [&](uint32_t cached) {
-    const uint32_t page_size = 128, steps = 32;
-    const uint32_t pages = (cached + uint32_t(prompt.size()) + steps + 1 + page_size - 1) / page_size;
-    model->allocate_kv_cache(pages, page_size);
-    StepInputs in;
-    in.tokens = cached ? std::vector<int32_t>{prompt[0]} : prompt;
-    in.input_row_offsets = {0, uint32_t(in.tokens.size())};
-    in.cache_lengths = {cached};
-    for (uint32_t p = 0; p < pages; ++p) in.lookup_table.push_back(p);
-    in.pages_per_row = pages;
-    std::vector<double> t_enqueue, t_wait, t_read;
-    for (uint32_t s = 0; s < steps + 1; ++s) {
-      auto t1 = Clock::now();
-      StepOutputs out = model->forward(in);
-      const double e = seconds_since(t1);
-      t1 = Clock::now();
-      out.device->finish();
-      const double w = seconds_since(t1);
-      t1 = Clock::now();
-      const std::vector<float> logits = out.read_logits();
-      const int32_t next = argmax(logits.data(), out.vocab);
-      const double r = seconds_since(t1);
-      in.cache_lengths[0] += uint32_t(in.tokens.size());
-      in.tokens = {next};
-      in.input_row_offsets = {0, 1};
-      if (s == 0) continue;  // the prompt's (or first) step
-      t_enqueue.push_back(e);
-      t_wait.push_back(w);
-      t_read.push_back(r);
-    }
-    auto median = [](std::vector<double> v) {
-      std::sort(v.begin(), v.end());
-      return v[v.size() / 2];
+    // (the same inputs greedy_generate builds), split into forward() (uploads and kernel enqueues,
+    // the host time), the wait for the queue, and the logits read plus argmax. After the 16-token
+    // prompt, and with --context N after N cached positions.
+    auto phases = [&](uint32_t cached) {
+      const uint32_t page_size = 128, steps = 32;
+      const uint32_t pages = (cached + uint32_t(prompt.size()) + steps + 1 + page_size - 1) / page_size;
+      model->allocate_kv_cache(pages, page_size);
+      StepInputs in;
+      in.tokens = cached ? std::vector<int32_t>{prompt[0]} : prompt;
+      in.input_row_offsets = {0, uint32_t(in.tokens.size())};
+      in.cache_lengths = {cached};
+      for (uint32_t p = 0; p < pages; ++p) in.lookup_table.push_back(p);
+      in.pages_per_row = pages;
+      std::vector<double> t_enqueue, t_wait, t_read;
+      for (uint32_t s = 0; s < steps + 1; ++s) {
+        auto t1 = Clock::now();
+        StepOutputs out = model->forward(in);
+        const double e = seconds_since(t1);
+        t1 = Clock::now();
+        out.device->finish();
+        const double w = seconds_since(t1);
+        t1 = Clock::now();
+        const std::vector<float> logits = out.read_logits();
+        const int32_t next = argmax(logits.data(), out.vocab);
+        const double r = seconds_since(t1);
+        in.cache_lengths[0] += uint32_t(in.tokens.size());
+        in.tokens = {next};
+        in.input_row_offsets = {0, 1};
+        if (s == 0) continue;  // the prompt's (or first) step
+        t_enqueue.push_back(e);
+        t_wait.push_back(w);
+        t_read.push_back(r);
+      }
+      auto median = [](std::vector<double> v) {
+        std::sort(v.begin(), v.end());
+        return v[v.size() / 2];
+      };
+      const double e = median(t_enqueue), w = median(t_wait), r = median(t_read);
+      std::printf("decode step phases at %u cached positions (median of %u): forward() host %.2f "
+                  "ms, queue wait %.2f ms, logits read + argmax %.2f ms; sum %.1f ms = %.2f tok/s "
+                  "= %.0f%% of roofline\n",
+                  cached ? cached : uint32_t(prompt.size()), steps, e * 1e3, w * 1e3, r * 1e3,
+                  (e + w + r) * 1e3, 1.0 / (e + w + r), 100.0 * roofline_s / (e + w + r));
     };
-    const double e = median(t_enqueue), w = median(t_wait), r = median(t_read);
-    std::printf("decode step phases at %u cached positions (median of %u): forward() host %.2f "
-                "ms, queue wait %.2f ms, logits read + argmax %.2f ms; sum %.1f ms = %.2f tok/s "
-                "= %.0f%% of roofline\n",
-                cached ? cached : uint32_t(prompt.size()), steps, e * 1e3, w * 1e3, r * 1e3,
-                (e + w + r) * 1e3, 1.0 / (e + w + r), 100.0 * roofline_s / (e + w + r));
-  };
-  phases(0);
-  if (context > 0) phases(context);
+    phases(0);
+    if (context > 0) phases(context);
+  
 
-  if (decode_only) return 0;
-  // Prefill of a 512-token prompt (one step, last-token logits).
+  }
+
+  // Prefill of a 512-token prompt (one step, last-token logits), median of 3 after a warm-up.
   std::vector<int32_t> long_prompt(512);
   for (size_t i = 0; i < long_prompt.size(); ++i) long_prompt[i] = int32_t((i * 31) % 120000 + 5);
-  greedy_generate(*model, {long_prompt}, 1, 128);  // warm-up
-  t0 = Clock::now();
-  greedy_generate(*model, {long_prompt}, 1, 128);
-  const double tp = seconds_since(t0);
+  const double tp = median_time(3, [&] { greedy_generate(*model, {long_prompt}, 1, 128); });
+  // The linear layers' multiply-adds: every weight but the embedding table (tied: the lm_head,
+  // run for the last token only, is left out of both).
   const double flops = 2.0 * 512 * (double(store.total_bytes()) / 2 - double(emb.numel()));
-  std::printf("prefill, 512 tokens: %.2f s, %.1f tokens/s, %.1f GFLOP/s in the linear layers\n",
-              tp, 512 / tp, flops / tp / 1e9);
+  const double gflops = flops / tp / 1e9;
+  std::printf("prefill, 512 tokens: %.2f s, %.1f tokens/s, %.1f GFLOP/s in the linear layers",
+              tp, 512 / tp, gflops);
+  if (peaks.f32_fma_gflops > 0)
+    std::printf(" = %.0f%% of the f32 FMA peak", 100 * gflops / peaks.f32_fma_gflops);
+  if (peaks.bf16_dot_gflops > 0)
+    std::printf(", %.0f%% of the bf16 dot-product peak", 100 * gflops / peaks.bf16_dot_gflops);
+  std::printf("\n");
   return 0;
 }

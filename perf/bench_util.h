@@ -10,8 +10,13 @@
 #include <thread>
 #include <vector>
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
+
 #include "models/registry.h"
 #include "runtime/device.h"
+#include "runtime/engine/bench.h"
 #include "runtime/model.h"
 
 namespace clshard::bench {
@@ -61,20 +66,10 @@ double median_time(int reps, F fn) {
   return t[t.size() / 2];
 }
 
-// Read bandwidth in GB/s over 256 MiB with the GEMV kernels' access pattern (bandwidth.cl).
+// Read bandwidth in GB/s over 256 MiB by the device's probe in its own kernel shape
+// (measure_device_read_bandwidth: the chunked GEMV pattern on CPUs, coalesced work-groups on GPUs).
 inline double measure_bandwidth(Device& dev, int reps = 7) {
-  const size_t bytes = size_t(256) << 20;
-  cl::Mem big = dev.alloc(bytes);
-  dev.fill_zero(big, bytes);
-  const uint32_t items = 64, chunk16 = uint32_t(bytes / 4 / 16 / items);
-  cl::Mem sums = dev.alloc(items * 4);
-  cl::Kernel k = dev.kernel("bandwidth.cl", "read_sum");
-  const double t = median_time(reps, [&] {
-    cl::set_args(k, big, chunk16, sums);
-    dev.launch(k, {items, 1, 1});
-    dev.finish();
-  });
-  return double(bytes) / t / 1e9;
+  return measure_device_read_bandwidth(dev, size_t(256) << 20, reps).gb_s;
 }
 
 // Read bandwidth in GB/s of a native STREAM-style loop: one std::thread per hardware thread, each
@@ -109,7 +104,66 @@ inline double stream_read_gbs(int reps = 7, size_t bytes = size_t(512) << 20) {
   return double(share * nthreads * sizeof(float)) / t / 1e9;
 }
 
+// Register-only compute peaks of the host CPU (native threads, one per hardware thread): 16
+// independent chains of 512-bit f32 FMAs (32 flops each), and of vdpbf16ps (16 lanes x 2 bf16
+// products + adds = 64 flops each), no memory operand in the loop. 0 where the CPU lacks the
+// instruction. The prefill GEMMs report against these.
+struct ComputePeaks {
+  double f32_fma_gflops = 0, bf16_dot_gflops = 0;
+};
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("avx512f"))) inline float fma_chains(long iters, float seed) {
+  __m512 acc[16];
+  const __m512 a = _mm512_set1_ps(seed), b = _mm512_set1_ps(1.0f - seed);
+  for (int j = 0; j < 16; ++j) acc[j] = _mm512_set1_ps(float(j));
+  for (long i = 0; i < iters; ++i)
+    for (int j = 0; j < 16; ++j) acc[j] = _mm512_fmadd_ps(a, b, acc[j]);
+  __m512 s = acc[0];
+  for (int j = 1; j < 16; ++j) s = _mm512_add_ps(s, acc[j]);
+  return _mm512_reduce_add_ps(s);
+}
+__attribute__((target("avx512f,avx512bf16"))) inline float dpbf16_chains(long iters, float seed) {
+  __m512 acc[16];
+  const __m512bh a = _mm512_cvtne2ps_pbh(_mm512_set1_ps(seed), _mm512_set1_ps(seed));
+  const __m512bh b = _mm512_cvtne2ps_pbh(_mm512_set1_ps(1.0f - seed), _mm512_set1_ps(seed));
+  for (int j = 0; j < 16; ++j) acc[j] = _mm512_set1_ps(float(j));
+  for (long i = 0; i < iters; ++i)
+    for (int j = 0; j < 16; ++j) acc[j] = _mm512_dpbf16_ps(acc[j], a, b);
+  __m512 s = acc[0];
+  for (int j = 1; j < 16; ++j) s = _mm512_add_ps(s, acc[j]);
+  return _mm512_reduce_add_ps(s);
+}
+#endif
+inline ComputePeaks measure_compute_peaks(int reps = 5, long iters = 20000000) {
+  ComputePeaks p;
+#if defined(__x86_64__) && defined(__GNUC__)
+  const unsigned nthreads = std::max(1u, std::thread::hardware_concurrency());
+  volatile float seed = 1e-3f;  // opaque to the compiler: the chains must run
+  std::vector<float> sink(nthreads);
+  auto run = [&](auto chains) {
+    return median_time(reps, [&] {
+      std::vector<std::thread> threads;
+      for (unsigned i = 0; i < nthreads; ++i)
+        threads.emplace_back([&, i] { sink[i] = chains(iters, seed); });
+      for (auto& th : threads) th.join();
+    });
+  };
+  const double ops = double(nthreads) * double(iters) * 16;  // instructions per run
+  if (__builtin_cpu_supports("avx512f"))
+    p.f32_fma_gflops = ops * 32 / run([](long n, float s) { return fma_chains(n, s); }) / 1e9;
+  if (__builtin_cpu_supports("avx512bf16"))
+    p.bf16_dot_gflops = ops * 64 / run([](long n, float s) { return dpbf16_chains(n, s); }) / 1e9;
+  std::printf("compute peak (%u threads, register-only): f32 FMA %.0f GFLOP/s, bf16 dot product "
+              "(vdpbf16ps) %.0f GFLOP/s (%.2fx)\n",
+              nthreads, p.f32_fma_gflops, p.bf16_dot_gflops,
+              p.f32_fma_gflops > 0 ? p.bf16_dot_gflops / p.f32_fma_gflops : 0.0);
+#endif
+  return p;
+}
+
 // Both read rooflines of one run, reported side by side; figures are taken against the higher.
+// On a device that is not the host's CPU only the device's own probe counts: host memory's
+// STREAM figure says nothing about a GPU's memory.
 struct Roofline {
   double opencl_gbs = 0, stream_gbs = 0;
   double best() const { return std::max(opencl_gbs, stream_gbs); }
@@ -118,6 +172,12 @@ struct Roofline {
 inline Roofline measure_roofline(Device& dev, int reps = 7) {
   Roofline r;
   r.opencl_gbs = measure_bandwidth(dev, reps);
+  if (!dev.is_cpu()) {
+    std::printf("read bandwidth: OpenCL read kernel (%s shape) %.1f GB/s -> roofline OpenCL "
+                "%.1f GB/s (the device's memory; no host STREAM figure)\n",
+                kernel_shape_name(dev.kernel_shape()), r.opencl_gbs, r.best());
+    return r;
+  }
   r.stream_gbs = stream_read_gbs(reps);
   std::printf("read bandwidth: OpenCL read kernel %.1f GB/s, native STREAM loop (%u threads) "
               "%.1f GB/s -> roofline %s %.1f GB/s\n",

@@ -41,6 +41,13 @@ struct KernelTuning {
   uint32_t mla_tile = 8;          // MLA decode: cache rows per tile (576 floats each)
   uint32_t mla_heads = 8;         // MLA decode: query heads per work-group, at most
   uint32_t route_wg = 64;         // MoE router: lanes per token (over the experts)
+  // The bf16-compute GEMM (linear_bf16.cl, model.compute_dtype: bf16; CPU shape): tile rows and
+  // weight rows (even: GLU splits them into gate and up), rows per work-item, and whether PoCL
+  // on a host with AVX-512 BF16 uses vdpbf16ps (1) or the portable FMA micro-kernel (0).
+  uint32_t gemm_bf16_tm = 4;
+  uint32_t gemm_bf16_tn = 4;
+  uint32_t gemm_bf16_rows = 64;
+  uint32_t gemm_bf16_dot = 1;
   uint64_t split_scratch_bytes = 64ull << 20;  // cap on split-K partials per launch
   bool operator==(const KernelTuning&) const = default;
 };

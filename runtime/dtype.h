@@ -17,6 +17,13 @@ size_t dtype_size(DType t);
 const char* dtype_name(DType t);
 std::optional<DType> dtype_from_name(std::string_view name);
 
+// What the linear layers multiply in (model.compute_dtype): f32 activations, or activations rounded
+// to bf16 with f32 sums (runtime/ops.h says where).
+enum class ComputeDType { F32, BF16 };
+inline const char* compute_dtype_name(ComputeDType c) {
+  return c == ComputeDType::BF16 ? "bf16" : "f32";
+}
+
 inline float bf16_to_f32(uint16_t b) {
   uint32_t u = uint32_t(b) << 16;
   float f;

@@ -46,7 +46,84 @@ LinearBlocks linear_blocks(const Device& dev, uint32_t M, uint32_t N, uint32_t t
   return b;
 }
 
+// Whether a GEMM over `ws` runs in bf16 (ComputeDType in ops.h).
+bool bf16_gemm(ComputeDType compute, uint32_t M, const std::vector<const Weight*>& ws) {
+  if (compute != ComputeDType::BF16 || M < kGemmRowsFrom) return false;
+  for (const Weight* w : ws)
+    if (w->dtype != DType::BF16) return false;
+  return true;
+}
+
+// y[M, :N] (+)= alpha * (bf16(x) [ws...]^T (+ bias)) on the CPU shape (linear_bf16.cl): the rows
+// rounded once into a scratch of 32-aligned rows, then the tiled GEMM. With glu, ws = {gate, up}
+// and y gets silu(gate) * up.
+void gemm_bf16(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx,
+               const std::vector<const Weight*>& ws, bool glu, const Weight* bias,
+               const cl::Mem& y, uint32_t y_off, uint32_t ldy, uint32_t M, float alpha,
+               bool accumulate) {
+  const uint32_t K = uint32_t(ws[0]->dim(1));
+  const uint32_t ldxb = (K + 31) / 32 * 32;
+  Scratch xb(dev, size_t(M) * ldxb * 2);
+  round_bf16(dev, x, x_off, ldx, M, K, xb.mem(), ldxb);
+  uint32_t N = 0, ends[3] = {0, 0, 0};
+  for (size_t i = 0; i < ws.size(); ++i) {
+    if (!glu) N += uint32_t(ws[i]->dim(0));
+    ends[i] = N;
+  }
+  if (glu) N = uint32_t(ws[0]->dim(0));
+  const KernelTuning& t = dev.tuning();
+  const uint32_t tm = t.gemm_bf16_tm, tn = glu ? (t.gemm_bf16_tn + 1) / 2 * 2 : t.gemm_bf16_tn;
+  const uint32_t tile_cols = glu ? tn / 2 : tn;
+  // As linear_blocks: enough column tiles per work-item that a launch is a few hundred of them.
+  const uint32_t m_rows = std::min((M + tm - 1) / tm * tm, (t.gemm_bf16_rows + tm - 1) / tm * tm);
+  const uint32_t row_blocks = (M + m_rows - 1) / m_rows;
+  const uint32_t col_tiles = (N + tile_cols - 1) / tile_cols;
+  uint32_t n_tiles = 1;
+  while (n_tiles < 16 && uint64_t(col_tiles) * row_blocks / (n_tiles * 2) >= 256) n_tiles *= 2;
+  const uint32_t col_blocks = (col_tiles + n_tiles - 1) / n_tiles;
+  cl::Kernel k = dev.kernel("linear_bf16.cl", "linear_bf16",
+                            "-DLINEAR_BF16=1 -DTM=" + std::to_string(tm) +
+                                " -DTN=" + std::to_string(tn) + " -DGLU=" + (glu ? "1" : "0") +
+                                " -DBF16_DOT=" + (bf16_dot_product(dev) ? "1" : "0"));
+  const Weight& w0 = *ws[0];
+  const Weight& w1 = *ws[std::min<size_t>(1, ws.size() - 1)];
+  const Weight& w2 = *ws[std::min<size_t>(2, ws.size() - 1)];
+  const uint32_t n1 = ws.size() > 1 ? ends[0] : N, n2 = ws.size() > 2 ? ends[1] : N;
+  const int has_bias = bias != nullptr;
+  cl::set_args(k, xb.mem(), ldxb, w0.mem, uint32_t(w0.offset), uint32_t(w0.row_stride()), n1,
+               w1.mem, uint32_t(w1.offset), uint32_t(w1.row_stride()), n2, w2.mem,
+               uint32_t(w2.offset), uint32_t(w2.row_stride()), has_bias ? bias->mem : w0.mem,
+               uint32_t(has_bias ? bias->offset : 0), has_bias, y, y_off, ldy, M, N, K, alpha,
+               int(accumulate), n_tiles, m_rows);
+  dev.launch(k, {col_blocks, row_blocks, 1}, 2);
+}
+
+bool host_cpu_has_avx512_bf16() {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  static const bool has = __builtin_cpu_supports("avx512bf16");
+  return has;
+#else
+  return false;
+#endif
+}
+
 }  // namespace
+
+bool bf16_dot_product(const Device& dev) {
+  // PoCL's CPU device runs kernels on the host's cores, compiled by its clang: the target
+  // attribute reaches the instruction there, and only a host that has it may run it.
+  return dev.info().kind == DeviceKind::Cpu &&
+         dev.info().platform.find("Portable Computing Language") != std::string::npos &&
+         dev.tuning().gemm_bf16_dot != 0 && host_cpu_has_avx512_bf16();
+}
+
+void round_bf16(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, uint32_t M,
+                uint32_t K, const cl::Mem& xb, uint32_t ldxb, bool as_f32) {
+  if (M == 0 || K == 0) return;
+  cl::Kernel k = dev.kernel("linear_bf16.cl", "round_bf16", as_f32 ? "-DOUT_F32=1" : "");
+  cl::set_args(k, x, x_off, ldx, xb, ldxb, K);
+  dev.launch(k, {(K + 63) / 64, M, 1}, 2);
+}
 
 void copy_rows(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const cl::Mem& y,
                uint32_t y_off, uint32_t ldy, uint32_t R, uint32_t width) {
@@ -61,10 +138,21 @@ void copy_rows(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, cons
 
 void linear(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const Weight& w,
             const Weight* bias, const cl::Mem& y, uint32_t y_off, uint32_t ldy, uint32_t M,
-            float alpha, bool accumulate) {
+            float alpha, bool accumulate, ComputeDType compute) {
   const uint32_t N = uint32_t(w.dim(0)), K = uint32_t(w.dim(1));
   const uint32_t ldw = uint32_t(w.row_stride());
   const int has_bias = bias != nullptr;
+  if (bf16_gemm(compute, M, {&w}) && (!bias || bias->dtype == DType::BF16)) {
+    if (dev.kernel_shape() == KernelShape::Chunks) {
+      gemm_bf16(dev, x, x_off, ldx, {&w}, false, bias, y, y_off, ldy, M, alpha, accumulate);
+      return;
+    }
+    // Work-group devices: the rounded rows through the f32 kernel (bf16 products are exact in f32).
+    Scratch xr(dev, size_t(M) * K * 4);
+    round_bf16(dev, x, x_off, ldx, M, K, xr.mem(), K, true);
+    linear(dev, xr.mem(), 0, K, w, bias, y, y_off, ldy, M, alpha, accumulate);
+    return;
+  }
   if (dev.kernel_shape() == KernelShape::WorkGroups) {
     const uint32_t wg = dev.tuning().linear_wg, rb = dev.tuning().linear_rows;
     cl::Kernel k = dev.kernel("linear_wg.cl", "linear_wg",
@@ -147,12 +235,20 @@ void launch_fused(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, c
 void linear_fused(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx,
                   const cl::Mem* rows, const Weight* norm, float eps,
                   const std::vector<const Weight*>& weights, const cl::Mem& y, uint32_t y_off,
-                  uint32_t ldy, uint32_t M, float alpha, bool accumulate) {
+                  uint32_t ldy, uint32_t M, float alpha, bool accumulate, ComputeDType compute) {
   if (weights.empty() || weights.size() > 3)
     throw std::invalid_argument("linear_fused takes 1 to 3 weights, got " +
                                 std::to_string(weights.size()));
   if (M == 0) return;
   const uint32_t K = common_k(weights, "linear_fused");
+  if (bf16_gemm(compute, M, weights) && dev.kernel_shape() == KernelShape::Chunks &&
+      (norm || !rows)) {
+    Scratch xn(dev, norm ? size_t(M) * K * 4 : 4);
+    if (norm) rmsnorm(dev, x, x_off, ldx, rows, *norm, xn.mem(), 0, K, M, K, eps);
+    gemm_bf16(dev, norm ? xn.mem() : x, norm ? 0 : x_off, norm ? K : ldx, weights, false, nullptr,
+              y, y_off, ldy, M, alpha, accumulate);
+    return;
+  }
   if (dev.kernel_shape() == KernelShape::WorkGroups) {
     // The unfused ops: a normalised copy of the rows, then one GEMV per weight.
     if (rows && !norm)
@@ -163,7 +259,7 @@ void linear_fused(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx,
     uint32_t col = y_off;
     for (const Weight* w : weights) {
       linear(dev, in, norm ? 0 : x_off, norm ? K : ldx, *w, nullptr, y, col, ldy, M, alpha,
-             accumulate);
+             accumulate, compute);
       col += uint32_t(w->dim(0));
     }
     return;
@@ -181,13 +277,20 @@ void linear_fused(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx,
 
 void linear_swiglu(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const Weight* norm,
                    float eps, const Weight& gate, const Weight& up, const cl::Mem& y,
-                   uint32_t y_off, uint32_t ldy, uint32_t M) {
+                   uint32_t y_off, uint32_t ldy, uint32_t M, ComputeDType compute) {
   if (gate.dim(0) != up.dim(0))
     throw std::invalid_argument("linear_swiglu: gate '" + gate.name + "' has " +
                                 std::to_string(gate.dim(0)) + " rows, up '" + up.name + "' " +
                                 std::to_string(up.dim(0)));
   if (M == 0) return;
   const uint32_t K = common_k({&gate, &up}, "linear_swiglu"), F = uint32_t(gate.dim(0));
+  if (bf16_gemm(compute, M, {&gate, &up}) && dev.kernel_shape() == KernelShape::Chunks) {
+    Scratch xn(dev, norm ? size_t(M) * K * 4 : 4);
+    if (norm) rmsnorm(dev, x, x_off, ldx, nullptr, *norm, xn.mem(), 0, K, M, K, eps);
+    gemm_bf16(dev, norm ? xn.mem() : x, norm ? 0 : x_off, norm ? K : ldx, {&gate, &up}, true,
+              nullptr, y, y_off, ldy, M, 1.0f, false);
+    return;
+  }
   if (dev.kernel_shape() == KernelShape::WorkGroups) {
     Scratch xn(dev, size_t(M) * K * 4), gu(dev, size_t(M) * 2 * F * 4);
     const cl::Mem* in = &x;
@@ -198,8 +301,8 @@ void linear_swiglu(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, 
       in_off = 0;
       in_ld = K;
     }
-    linear(dev, *in, in_off, in_ld, gate, nullptr, gu.mem(), 0, 2 * F, M);
-    linear(dev, *in, in_off, in_ld, up, nullptr, gu.mem(), F, 2 * F, M);
+    linear(dev, *in, in_off, in_ld, gate, nullptr, gu.mem(), 0, 2 * F, M, 1.0f, false, compute);
+    linear(dev, *in, in_off, in_ld, up, nullptr, gu.mem(), F, 2 * F, M, 1.0f, false, compute);
     Scratch out(dev, size_t(M) * F * 4);
     silu_mul(dev, gu.mem(), 0, 2 * F, gu.mem(), F, 2 * F, out.mem(), F, M, F);
     copy_rows(dev, out.mem(), 0, F, y, y_off, ldy, M, F);

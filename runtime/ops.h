@@ -15,11 +15,21 @@ class Device;
 
 namespace clshard::ops {
 
+// The linear ops take a ComputeDType (runtime/dtype.h). BF16: in GEMMs of kGemmRowsFrom rows and
+// more (prefill, batched decode) with bf16 weights, the activations are rounded to bf16 (nearest
+// even) and the products of bf16 pairs summed in f32 (linear_bf16.cl: vdpbf16ps where the CPU has
+// it). Smaller batches (GEMVs, bound by reading the weights) and other weight dtypes run as F32.
+constexpr uint32_t kGemmRowsFrom = 4;
+
+// Whether linear_bf16.cl runs vdpbf16ps on this device: PoCL on a host CPU that reports
+// AVX-512 BF16, and the device's tuning allows it (gemm_bf16_dot; 0 forces the portable kernel).
+bool bf16_dot_product(const Device& dev);
+
 // y[M, N] (+)= alpha * (x[M, K] W^T + bias). W is [N, K], f32 or bf16. Offsets and row strides
 // are in elements.
 void linear(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const Weight& w,
             const Weight* bias, const cl::Mem& y, uint32_t y_off, uint32_t ldy, uint32_t M,
-            float alpha = 1.0f, bool accumulate = false);
+            float alpha = 1.0f, bool accumulate = false, ComputeDType compute = ComputeDType::F32);
 
 // One launch for what decode runs around a GEMV: y[m, :N] (+)= alpha * (n(x[m]) [W0; W1; ...]^T)
 // with the weights' rows side by side as one output of N = their total (q, k, v: up to three),
@@ -30,13 +40,20 @@ void linear(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const W
 void linear_fused(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx,
                   const cl::Mem* rows, const Weight* norm, float eps,
                   const std::vector<const Weight*>& weights, const cl::Mem& y, uint32_t y_off,
-                  uint32_t ldy, uint32_t M, float alpha = 1.0f, bool accumulate = false);
+                  uint32_t ldy, uint32_t M, float alpha = 1.0f, bool accumulate = false,
+                  ComputeDType compute = ComputeDType::F32);
 
 // The SwiGLU MLP's first half in one launch: y[m, :F] = silu(n(x[m]) gate^T) * (n(x[m]) up^T),
 // n as in linear_fused. gate and up are [F, K].
 void linear_swiglu(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const Weight* norm,
                    float eps, const Weight& gate, const Weight& up, const cl::Mem& y,
-                   uint32_t y_off, uint32_t ldy, uint32_t M);
+                   uint32_t y_off, uint32_t ldy, uint32_t M,
+                   ComputeDType compute = ComputeDType::F32);
+
+// x[M, K] rounded to bf16 (nearest even): into xb (ushort, row stride ldxb), or with as_f32 into
+// an f32 buffer as the rounded values (row stride ldxb).
+void round_bf16(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, uint32_t M,
+                uint32_t K, const cl::Mem& xb, uint32_t ldxb, bool as_f32 = false);
 
 // y[r] = rmsnorm(x[rows ? rows[r] : r]) * w, for R rows of width H.
 void rmsnorm(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const cl::Mem* rows,

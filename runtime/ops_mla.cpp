@@ -69,7 +69,8 @@ void act_quant_fp8(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, 
 
 void linear_any(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const Weight& w,
                 const Weight* scale_inv, const cl::Mem& y, uint32_t y_off, uint32_t ldy,
-                uint32_t M, float alpha, bool accumulate, bool quantize_fp8_activations) {
+                uint32_t M, float alpha, bool accumulate, bool quantize_fp8_activations,
+                ComputeDType compute) {
   if (w.dtype == DType::F8_E4M3) {
     if (!scale_inv || !*scale_inv)
       throw std::runtime_error("weight '" + w.name + "' is F8_E4M3 but has no block scales");
@@ -82,7 +83,7 @@ void linear_any(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, con
     }
     linear_fp8(dev, x, x_off, ldx, w, *scale_inv, y, y_off, ldy, M, alpha, accumulate);
   } else {
-    linear(dev, x, x_off, ldx, w, nullptr, y, y_off, ldy, M, alpha, accumulate);
+    linear(dev, x, x_off, ldx, w, nullptr, y, y_off, ldy, M, alpha, accumulate, compute);
   }
 }
 

@@ -40,7 +40,8 @@ void validate(const MlaShape& s);
 void linear_any(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const Weight& w,
                 const Weight* scale_inv, const cl::Mem& y, uint32_t y_off, uint32_t ldy,
                 uint32_t M, float alpha = 1.0f, bool accumulate = false,
-                bool quantize_fp8_activations = false);
+                bool quantize_fp8_activations = false,
+                ComputeDType compute = ComputeDType::F32);
 
 // y[M, K] (contiguous) = x rows fake-quantized to fp8 per token per 128 columns (MAX's and
 // DeepSeek's activation quantization for FP8 weights).

@@ -38,7 +38,7 @@ void mla_attention(Device& dev, const MlaWeights& a, const MlaParams& p, const c
   const bool aq = p.fp8_act_quant;
   auto linear = [&](const cl::Mem& in, uint32_t ld, const Linear& l, const cl::Mem& out,
                     uint32_t off, uint32_t ldo, bool acc) {
-    ops::linear_any(dev, in, 0, ld, l.w, &l.scale_inv, out, off, ldo, T, 1.0f, acc, aq);
+    ops::linear_any(dev, in, 0, ld, l.w, &l.scale_inv, out, off, ldo, T, 1.0f, acc, aq, p.compute);
   };
   if (Lq > 0) {
     linear(x, ldx, a.q_a, s.qkv_a.mem(), 0, qkv_a_width, false);
@@ -71,18 +71,18 @@ void mla_attention(Device& dev, const MlaWeights& a, const MlaParams& p, const c
 
 void dense_mlp(Device& dev, const MlpWeights& m, const cl::Mem& x, uint32_t x_off, uint32_t ldx,
                uint32_t M, const cl::Mem& gu, const cl::Mem& y, uint32_t y_off, uint32_t ldy,
-               bool accumulate, bool fp8_act_quant, const LayerLora& lora) {
+               bool accumulate, bool fp8_act_quant, const LayerLora& lora, ComputeDType compute) {
   const uint32_t F = m.gate.out_features();
   ops::linear_any(dev, x, x_off, ldx, m.gate.w, &m.gate.scale_inv, gu, 0, 2 * F, M, 1.0f, false,
-                  fp8_act_quant);
+                  fp8_act_quant, compute);
   lora.apply(kLoraGate, x, x_off, ldx, gu, 0, 2 * F);
   ops::linear_any(dev, x, x_off, ldx, m.up.w, &m.up.scale_inv, gu, F, 2 * F, M, 1.0f, false,
-                  fp8_act_quant);
+                  fp8_act_quant, compute);
   lora.apply(kLoraUp, x, x_off, ldx, gu, F, 2 * F);
   // silu(gate) * up over the gate half, then the down projection.
   ops::silu_mul(dev, gu, 0, 2 * F, gu, F, 2 * F, gu, 2 * F, M, F);
   ops::linear_any(dev, gu, 0, 2 * F, m.down.w, &m.down.scale_inv, y, y_off, ldy, M, 1.0f,
-                  accumulate, fp8_act_quant);
+                  accumulate, fp8_act_quant, compute);
   lora.apply(kLoraDown, gu, 0, 2 * F, y, y_off, ldy);
 }
 

@@ -29,6 +29,7 @@ struct MlaParams {
   bool rope_interleave = true;
   float softmax_scale = 1.0f;
   bool fp8_act_quant = false;  // fake-quantize activations before FP8 linears
+  ComputeDType compute = ComputeDType::F32;  // model.compute_dtype (bf16 weights' GEMMs)
   // Throws std::invalid_argument when the kernels cannot take the shape (ops::validate).
   static MlaParams from(const DeepseekV3Config& c, bool fp8_act_quant);
   // Per token: [q_a (q_lora) | c_kv (kv_lora) | k_pe (rope)], then the heads' q and outputs.
@@ -67,7 +68,8 @@ void mla_attention(Device& dev, const MlaWeights& a, const MlaParams& p, const c
 // step's tokens) adds the adapters' gate, up and down products.
 void dense_mlp(Device& dev, const MlpWeights& m, const cl::Mem& x, uint32_t x_off, uint32_t ldx,
                uint32_t M, const cl::Mem& gu, const cl::Mem& y, uint32_t y_off, uint32_t ldy,
-               bool accumulate, bool fp8_act_quant, const LayerLora& lora = {});
+               bool accumulate, bool fp8_act_quant, const LayerLora& lora = {},
+               ComputeDType compute = ComputeDType::F32);
 
 // The logits of a step whose rows run on data-parallel replicas with a replicated lm_head (MAX's
 // DP mode): replica r writes its rows' logits into buffer(r), and device 0's buffer, which the

@@ -47,6 +47,7 @@ DecoderStack::DecoderStack(const DeepseekV3Config& cfg, const std::filesystem::p
     ops::validate(router_);
     mla_params_ = MlaParams::from(cfg_, opts.quantize_fp8_activations);
     mla_params_.shape.cache_dtype = opts.kv_cache_dtype;
+    mla_params_.compute = opts.compute_dtype;
   } catch (const std::invalid_argument& e) {
     throw std::runtime_error((dir / "config.json").string() + ": not supported: " + e.what());
   }
@@ -101,6 +102,7 @@ DecoderStack::DecoderStack(const DeepseekV3Config& cfg, const std::filesystem::p
     comm_ = std::make_unique<parallel::Communicator>(opts.devices);
   }
   fp8_act_quant_ = opts.quantize_fp8_activations;
+  compute_ = opts.compute_dtype;
 }
 
 DecoderStack::~DecoderStack() = default;
@@ -327,7 +329,7 @@ void DecoderStack::moe(size_t layer, std::vector<ReplicaWork>& work) {
       const uint32_t begin = expert_rows[d][e], n = expert_rows[d][e + 1] - begin;
       if (n > 0)
         dense_mlp(dev, m.experts[e], *x, begin * H, H, n, gu.mem(), *y, begin * H, H, false,
-                  fp8_act_quant_);
+                  fp8_act_quant_, {}, compute_);
     }
     if (regroup[d]) ops::gather_rows(dev, outg.mem(), H, back[d].mem(), M, H, out_recv[d].mem(), H);
     dev.flush();
@@ -349,7 +351,7 @@ void DecoderStack::moe(size_t layer, std::vector<ReplicaWork>& work) {
                      w.h.mem(), H, true);
     if (moe_of(r).shared)
       dense_mlp(*w.dev, moe_of(r).shared, w.xn.mem(), 0, H, w.T, w.gu.mem(), w.h.mem(), 0, H,
-                true, fp8_act_quant_, LayerLora{&w.lora, layer});
+                true, fp8_act_quant_, LayerLora{&w.lora, layer}, compute_);
   }
 }
 
@@ -366,7 +368,7 @@ void DecoderStack::attention(size_t l, ReplicaWork& w, Replica& rep) {
                mla_params_.eps);
   if (!L.is_moe)
     dense_mlp(dev, L.mlp, w.xn.mem(), 0, H, w.T, w.gu.mem(), w.h.mem(), 0, H, true,
-              fp8_act_quant_, lora);
+              fp8_act_quant_, lora, compute_);
 }
 
 std::vector<ReplicaWork> DecoderStack::begin_step(const StepInputs& in, uint32_t vocab,
@@ -446,7 +448,8 @@ StepOutputs DecoderStack::logits(std::vector<ReplicaWork>& work,
     Scratch xs(*w.dev, size_t(rows) * H * 4);
     ops::rmsnorm(*w.dev, w.h.mem(), 0, H, &w.st.logit_rows, *final_norm[r], xs.mem(), 0, H, rows,
                  H, eps());
-    ops::linear(*w.dev, xs.mem(), 0, H, *lm_head[r], nullptr, logits_.buffer(r), 0, V, rows);
+    ops::linear(*w.dev, xs.mem(), 0, H, *lm_head[r], nullptr, logits_.buffer(r), 0, V, rows, 1.0f,
+                false, compute_);
   }
   logits_.gather(comm_.get(), "logits gather");
   for (auto& w : work)

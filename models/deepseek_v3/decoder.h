@@ -162,6 +162,7 @@ class DecoderStack {
   // FP8 weights: activations fake-quantized per token per 128 columns before each FP8 linear
   // (LoadOptions::quantize_fp8_activations, as MAX runs FP8 checkpoints), or kept f32 (default).
   bool fp8_act_quant_ = false;
+  ComputeDType compute_ = ComputeDType::F32;  // model.compute_dtype: the dense and expert GEMMs
   uint32_t num_pages_ = 0, page_size_ = 0;
 };
 

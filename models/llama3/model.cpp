@@ -95,6 +95,7 @@ Llama3Model::Llama3Model(const std::filesystem::path& dir, const LoadOptions& op
   info_.num_layers = uint32_t(cfg_.num_hidden_layers);
   info_.max_seq_len = uint32_t(cfg_.max_position_embeddings);
   info_.cap_max_seq_len(opts.max_length, dir);
+  compute_ = opts.compute_dtype;
   info_.set_special_tokens(cfg_.eos_token_ids, cfg_.bos_token_id);
   info_.weight_bytes = store_->total_bytes();
 }
@@ -221,15 +222,17 @@ StepOutputs Llama3Model::forward(const StepInputs& in) {
         const Weight* kb = L.q_bias ? &L.k_bias : nullptr;
         const Weight* vb = L.q_bias ? &L.v_bias : nullptr;
         ops::rmsnorm(d, w.h.mem(), 0, H, nullptr, L.input_norm, w.xn.mem(), 0, H, T, H, eps);
-        ops::linear(d, w.xn.mem(), 0, H, L.q, qb, w.qkv.mem(), 0, w.qkv_w, T);
+        ops::linear(d, w.xn.mem(), 0, H, L.q, qb, w.qkv.mem(), 0, w.qkv_w, T, 1.0f, false, compute_);
         lora(l, kLoraQ, w.xn.mem(), H, w.qkv.mem(), 0, w.qkv_w, 1.0f);
-        ops::linear(d, w.xn.mem(), 0, H, L.k, kb, w.qkv.mem(), w.nh * hd, w.qkv_w, T);
+        ops::linear(d, w.xn.mem(), 0, H, L.k, kb, w.qkv.mem(), w.nh * hd, w.qkv_w, T, 1.0f, false,
+                    compute_);
         lora(l, kLoraK, w.xn.mem(), H, w.qkv.mem(), w.nh * hd, w.qkv_w, 1.0f);
-        ops::linear(d, w.xn.mem(), 0, H, L.v, vb, w.qkv.mem(), (w.nh + w.nkv) * hd, w.qkv_w, T);
+        ops::linear(d, w.xn.mem(), 0, H, L.v, vb, w.qkv.mem(), (w.nh + w.nkv) * hd, w.qkv_w, T,
+                    1.0f, false, compute_);
         lora(l, kLoraV, w.xn.mem(), H, w.qkv.mem(), (w.nh + w.nkv) * hd, w.qkv_w, 1.0f);
       } else {  // norm, q, k and v in one launch
         ops::linear_fused(d, w.h.mem(), 0, H, nullptr, &L.input_norm, eps, {&L.q, &L.k, &L.v},
-                          w.qkv.mem(), 0, w.qkv_w, T);
+                          w.qkv.mem(), 0, w.qkv_w, T, 1.0f, false, compute_);
         if (lora_slot) {  // LoRA adds to q, k and v from the normed input, which it needs apart
           ops::rmsnorm(d, w.h.mem(), 0, H, nullptr, L.input_norm, w.xn.mem(), 0, H, T, H, eps);
           lora(l, kLoraQ, w.xn.mem(), H, w.qkv.mem(), 0, w.qkv_w, 1.0f);
@@ -243,10 +246,12 @@ StepOutputs Llama3Model::forward(const StepInputs& in) {
       ops::paged_attention(d, w.qkv.mem(), w.qkv_w, shards_[r].kv[l], w.st.tokens, w.nh, w.nkv,
                            hd, cfg_.attention_scale(), w.att.mem(), w.nh * hd, kv_dtype_);
       if (!comm_)
-        ops::linear(d, w.att.mem(), 0, w.nh * hd, L.o, nullptr, w.h.mem(), 0, H, T, m, true);
+        ops::linear(d, w.att.mem(), 0, w.nh * hd, L.o, nullptr, w.h.mem(), 0, H, T, m, true,
+                    compute_);
       lora(l, kLoraO, w.att.mem(), w.nh * hd, w.h.mem(), 0, H, m);
       if (comm_)
-        ops::linear(d, w.att.mem(), 0, w.nh * hd, L.o, nullptr, w.part.mem(), 0, H, T);
+        ops::linear(d, w.att.mem(), 0, w.nh * hd, L.o, nullptr, w.part.mem(), 0, H, T, 1.0f, false,
+                    compute_);
     }
     if (comm_) {
       allreduce(&Work::part, "attention output");
@@ -265,22 +270,25 @@ StepOutputs Llama3Model::forward(const StepInputs& in) {
       if (gu_lora) {
         ops::rmsnorm(d, w.h.mem(), 0, H, nullptr, L.post_attention_norm, w.xn.mem(), 0, H, T, H,
                      eps);
-        ops::linear(d, w.xn.mem(), 0, H, L.gate, nullptr, w.gu.mem(), 0, 2 * w.f, T);
+        ops::linear(d, w.xn.mem(), 0, H, L.gate, nullptr, w.gu.mem(), 0, 2 * w.f, T, 1.0f, false,
+                    compute_);
         lora(l, kLoraGate, w.xn.mem(), H, w.gu.mem(), 0, 2 * w.f, 1.0f);
-        ops::linear(d, w.xn.mem(), 0, H, L.up, nullptr, w.gu.mem(), w.f, 2 * w.f, T);
+        ops::linear(d, w.xn.mem(), 0, H, L.up, nullptr, w.gu.mem(), w.f, 2 * w.f, T, 1.0f, false,
+                    compute_);
         lora(l, kLoraUp, w.xn.mem(), H, w.gu.mem(), w.f, 2 * w.f, 1.0f);
         ops::silu_mul(d, w.gu.mem(), 0, 2 * w.f, w.gu.mem(), w.f, 2 * w.f, w.gu.mem(), 2 * w.f,
                       T, w.f);
       } else {
         // norm, gate, up and silu(gate) * up in one launch, then down-projected into the residual.
         ops::linear_swiglu(d, w.h.mem(), 0, H, &L.post_attention_norm, eps, L.gate, L.up,
-                           w.gu.mem(), 0, w.f, T);
+                           w.gu.mem(), 0, w.f, T, compute_);
       }
       if (!comm_)
-        ops::linear(d, w.gu.mem(), 0, ldg, L.down, nullptr, w.h.mem(), 0, H, T, m, true);
+        ops::linear(d, w.gu.mem(), 0, ldg, L.down, nullptr, w.h.mem(), 0, H, T, m, true, compute_);
       lora(l, kLoraDown, w.gu.mem(), ldg, w.h.mem(), 0, H, m);
       if (comm_)
-        ops::linear(d, w.gu.mem(), 0, ldg, L.down, nullptr, w.part.mem(), 0, H, T);
+        ops::linear(d, w.gu.mem(), 0, ldg, L.down, nullptr, w.part.mem(), 0, H, T, 1.0f, false,
+                    compute_);
     }
     if (comm_) {
       allreduce(&Work::part, "MLP output");
@@ -303,7 +311,7 @@ StepOutputs Llama3Model::forward(const StepInputs& in) {
       cols[r] = Scratch(d, std::max<size_t>(size_t(R) * cols_r, 1) * 4);
       ops::linear_fused(d, work[r].h.mem(), 0, H, &work[r].st.logit_rows,
                         &shards_[r].w.final_norm, eps, {&shards_[r].w.lm_head}, cols[r].mem(), 0,
-                        cols_r, R, float(1.0 / cfg_.logits_scaling));
+                        cols_r, R, float(1.0 / cfg_.logits_scaling), false, compute_);
       send[tensor_ranks_[r]].buf = cols[r].mem();
       if (r > 0) full[r] = Scratch(d, size_t(R) * V * 4);
       recv[tensor_ranks_[r]].buf = r == 0 ? logits_ : full[r].mem();
@@ -317,7 +325,7 @@ StepOutputs Llama3Model::forward(const StepInputs& in) {
       ops::linear_fused(d, work[r].h.mem(), 0, H, &work[r].st.logit_rows,
                         &shards_[r].w.final_norm, eps, {&shards_[r].w.lm_head}, logits_,
                         uint32_t(shards_[r].range.vocab.begin), V, R,
-                        float(1.0 / cfg_.logits_scaling));
+                        float(1.0 / cfg_.logits_scaling), false, compute_);
     }
   }
   // The other ranks' logits columns must be in place before the first device reads them.

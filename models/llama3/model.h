@@ -64,6 +64,7 @@ class Llama3Model : public CausalLM {
   std::unique_ptr<parallel::Communicator> comm_;
   ModelInfo info_;
   uint32_t long_from_ = 0xffffffffu;
+  ComputeDType compute_ = ComputeDType::F32;  // model.compute_dtype, for every linear layer
   uint32_t num_pages_ = 0, page_size_ = 0;
   DType kv_dtype_ = DType::F32;  // the cache's elements (LoadOptions::kv_cache_dtype)
   cl::Mem logits_;  // on the first device; every rank writes its vocabulary columns

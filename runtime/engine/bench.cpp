@@ -468,3 +468,57 @@ double measure_read_bandwidth(unsigned threads, size_t bytes, int repeats) {
 }
 
 }  // namespace clshard
+
+namespace clshard {
+
+DeviceReadBandwidth measure_device_read_bandwidth(Device& dev, size_t bytes, int repeats,
+                                                  float fill) {
+  DeviceReadBandwidth r;
+  r.shape = dev.kernel_shape();
+  const bool wg = r.shape == KernelShape::WorkGroups;
+  constexpr uint32_t kLanes = 256;  // READ_WG
+  // CPU shape: 64 chunks of whole float16s. GPU shape: slabs of kLanes float4s per lane-step,
+  // at least 8 groups per compute unit (1024 at least) so every unit has loads in flight.
+  const size_t items = wg ? std::max<size_t>(1024, size_t(dev.info().compute_units) * 8) : 64;
+  const size_t unit = wg ? items * kLanes * 16 : items * 64;  // bytes per step of every item
+  const size_t steps = bytes / unit;
+  if (steps == 0)
+    throw std::invalid_argument("measure_device_read_bandwidth: " + std::to_string(bytes) +
+                                " bytes is less than one pass of the probe (" +
+                                std::to_string(unit) + " bytes)");
+  r.bytes = steps * unit;
+  cl::Mem big = dev.alloc(r.bytes);
+  {
+    const std::vector<float> ones(r.bytes / 4, fill);
+    dev.write(big, ones.data(), r.bytes);
+  }
+  cl::Mem sums = dev.alloc(items * 4);
+  cl::Kernel k = wg ? dev.kernel("bandwidth.cl", "read_sum_wg",
+                                 "-DREAD_WG=" + std::to_string(kLanes))
+                    : dev.kernel("bandwidth.cl", "read_sum");
+  cl::set_args(k, big, uint32_t(steps), sums);
+  auto pass = [&] {
+    if (wg) {
+      const size_t local[3] = {kLanes, 1, 1};
+      dev.launch(k, {items * kLanes, 1, 1}, 1, local);
+    } else {
+      dev.launch(k, {items, 1, 1}, 1);
+    }
+    dev.finish();
+  };
+  pass();
+  std::vector<double> t;
+  for (int i = 0; i < std::max(1, repeats); ++i) {
+    const auto t0 = Clock::now();
+    pass();
+    t.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  std::sort(t.begin(), t.end());
+  r.gb_s = double(r.bytes) / t[t.size() / 2] / 1e9;
+  std::vector<float> partial(items);
+  dev.read(sums, partial.data(), items * 4);
+  for (float p : partial) r.sum += p;
+  return r;
+}
+
+}  // namespace clshard

@@ -97,4 +97,18 @@ std::string format_bench_table(const std::vector<BenchResult>& results);
 // `bytes` buffer, best of `repeats` passes, in GB/s (1e9 bytes per second).
 double measure_read_bandwidth(unsigned threads, size_t bytes, int repeats = 5);
 
+// Read bandwidth of an OpenCL device over a `bytes` buffer (rounded down to whole slabs) by the
+// probe of its kernel shape (kernels_cl/bandwidth.cl): on the CPU shape 64 work-items with 16-wide
+// loads over contiguous chunks, on the GPU shape work-groups of 256 lanes with coalesced float4
+// loads, 8 groups per compute unit at least. Median of `repeats` timed passes after one untimed.
+struct DeviceReadBandwidth {
+  double gb_s = 0;
+  size_t bytes = 0;     // bytes read per pass
+  double sum = 0;       // the partial sums added up (the buffer's contents summed: a check)
+  KernelShape shape = KernelShape::Chunks;
+};
+// `fill` is written into every float of the buffer first (the sum checks it was all read).
+DeviceReadBandwidth measure_device_read_bandwidth(Device& dev, size_t bytes, int repeats = 7,
+                                                  float fill = 1.0f);
+
 }  // namespace clshard

@@ -118,6 +118,7 @@ const std::vector<std::string>& deploy_config_keys() {
       "model.dtype",
       "model.max_length",
       "model.fp8_activations",
+      "model.compute_dtype",
       "devices.platform",
       "devices.type",
       "devices.ids",
@@ -410,6 +411,9 @@ class Parser {
         cfg_.model.max_length = integer(v, p, line, "a positive integer", 1, std::numeric_limits<int32_t>::max());
       } else if (k == "fp8_activations") {
         cfg_.model.quantize_fp8_activations = choice(v, p, line, {"f32", "fp8"}) == "fp8";
+      } else if (k == "compute_dtype") {
+        cfg_.model.compute_dtype =
+            choice(v, p, line, {"f32", "bf16"}) == "bf16" ? ComputeDType::BF16 : ComputeDType::F32;
       }
     });
   }

@@ -32,6 +32,9 @@ struct ModelSection {
   // fp8_activations: f32 (default: FP8 weights dequantized in the kernels, activations exact) |
   // fp8 (activations fake-quantized per token per 128 columns before each FP8 linear, as MAX).
   bool quantize_fp8_activations = false;
+  // compute_dtype: f32 (default) | bf16 (prefill GEMMs of bf16 weights round activations to bf16
+  // and sum in f32, as llama.cpp's bf16 path: faster where the CPU has bf16 dot products).
+  ComputeDType compute_dtype = ComputeDType::F32;
   bool operator==(const ModelSection&) const = default;
 };
 

@@ -1,0 +1,223 @@
+// bf16 compute (model.compute_dtype: bf16): the prefill GEMM of bf16 weights with activations
+// rounded to bf16 and f32 accumulation, as llama.cpp's bf16 path and AVX-512 BF16's vdpbf16ps do.
+//
+// round_bf16 rounds f32 activation rows to bf16 (round to nearest even) once per GEMM; linear_bf16
+// multiplies them with the bf16 weights: y[m, :N] (+)= alpha * (x[m] [W0; W1; W2]^T (+ bias)),
+// the weights' rows side by side as one output (q/k/v; n1, n2 where W1, W2 start), or with GLU
+// y[m, n] = silu(x[m] . gate[n]) * (x[m] . up[n]) (gate W0, up W1).
+//
+// The tile (TM rows x TN weight rows) is a dot product along K in 16 lanes of f32 partial sums:
+// lane l of step s takes the bf16 pairs (2l, 2l + 1) of the 32 elements at 32 s. The pair is
+// added odd element first, then even, each product exact in f32 and each add rounded once:
+// vdpbf16ps's order, so the two micro-kernels below agree up to bf16 denormals (which the
+// instruction reads as zero). The lanes' sums meet in hsum16's order; K % 32 elements are added
+// last, one at a time.
+//
+// Micro-kernels, chosen by the host per device (runtime/ops.cpp):
+// -DBF16_DOT=1: vdpbf16ps through clang's per-function target attribute, for PoCL on a host CPU
+//   that reports avx512_bf16 (the instruction faults elsewhere). PoCL compiles for a CPU name
+//   without the feature and rejects -m options; the attribute is what reaches it. The function must
+//   stay out of line (inlining into the kernel drops the attribute) and use no OpenCL builtins
+//   (the vload builtins are rejected inside it), so it loads through unaligned vector types.
+// -DBF16_DOT=0: the same sums with f32 FMAs on the bf16 values widened by a shift, any device.
+// Build options: -DTM, -DTN (tile), -DGLU=0|1, -DBF16_DOT=0|1.
+
+#ifndef TM
+#define TM 4
+#endif
+#ifndef TN
+#define TN 4
+#endif
+#ifndef GLU
+#define GLU 0
+#endif
+#ifndef BF16_DOT
+#define BF16_DOT 0
+#endif
+
+// f32 -> bf16, round to nearest even; NaN stays NaN (quiet).
+inline ushort f32_to_bf16_rne(float f) {
+  const uint u = as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (ushort)((u >> 16) | 0x40u);
+  return (ushort)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// xb[m, k] = bf16(x[m, k]) for M rows of K (row strides ldx, ldxb in elements); with -DOUT_F32=1
+// the rounded values are written back as f32 (xf), for devices that multiply them in the f32
+// kernels. Launch: global (ceil(K / 64), M).
+kernel void round_bf16(global const float* x, uint x_off, uint ldx,
+#if OUT_F32
+                       global float* xf,
+#else
+                       global ushort* xb,
+#endif
+                       uint ldxb, uint K) {
+  const uint m = get_global_id(1);
+  const uint k0 = get_global_id(0) * 64;
+  const uint k1 = min(k0 + 64, K);
+  global const float* xr = x + x_off + (size_t)m * ldx;
+  for (uint k = k0; k < k1; ++k) {
+    const ushort b = f32_to_bf16_rne(xr[k]);
+#if OUT_F32
+    xf[(size_t)m * ldxb + k] = bf16_to_f32(b);
+#else
+    xb[(size_t)m * ldxb + k] = b;
+#endif
+  }
+}
+
+#ifdef LINEAR_BF16
+
+typedef short v32s_u __attribute__((__vector_size__(64), __aligned__(2)));
+typedef int v16i __attribute__((__vector_size__(64)));
+typedef float v16f __attribute__((ext_vector_type(16)));
+
+inline float hsum16_v(v16f v) {
+  const float8 a = v.lo + v.hi;
+  const float4 b = a.lo + a.hi;
+  const float2 c = b.lo + b.hi;
+  return c.x + c.y;
+}
+
+// out[i][j] = the sum over the first K32 * 32 elements of xr[i] . wr[j].
+#if BF16_DOT
+__attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl"))) __attribute__((noinline))
+void tile_dots_bf16(global const ushort* const* xr, global const ushort* const* wr, uint K32,
+                    float* out) {
+  v16f acc[TM][TN];
+#pragma unroll
+  for (int i = 0; i < TM; ++i)
+#pragma unroll
+    for (int j = 0; j < TN; ++j) acc[i][j] = (v16f)(0.0f);
+  for (uint k = 0; k < K32; ++k) {
+    v16i wv[TN];
+#pragma unroll
+    for (int j = 0; j < TN; ++j) wv[j] = (v16i)(*(global const v32s_u*)(wr[j] + (size_t)k * 32));
+#pragma unroll
+    for (int i = 0; i < TM; ++i) {
+      const v16i xv = (v16i)(*(global const v32s_u*)(xr[i] + (size_t)k * 32));
+#pragma unroll
+      for (int j = 0; j < TN; ++j) acc[i][j] = __builtin_ia32_dpbf16ps_512(acc[i][j], xv, wv[j]);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < TM; ++i)
+#pragma unroll
+    for (int j = 0; j < TN; ++j) out[i * TN + j] = hsum16_v(acc[i][j]);
+}
+#else
+void tile_dots_bf16(global const ushort* const* xr, global const ushort* const* wr, uint K32,
+                    float* out) {
+  float16 acc[TM][TN];
+#pragma unroll
+  for (int i = 0; i < TM; ++i)
+#pragma unroll
+    for (int j = 0; j < TN; ++j) acc[i][j] = (float16)(0.0f);
+  for (uint k = 0; k < K32; ++k) {
+    float16 w_even[TN], w_odd[TN];
+#pragma unroll
+    for (int j = 0; j < TN; ++j) {
+      const uint16 u = vload16(0, (global const uint*)(wr[j] + (size_t)k * 32));
+      w_even[j] = as_float16(u << 16);
+      w_odd[j] = as_float16(u & 0xffff0000u);
+    }
+#pragma unroll
+    for (int i = 0; i < TM; ++i) {
+      const uint16 u = vload16(0, (global const uint*)(xr[i] + (size_t)k * 32));
+      const float16 x_even = as_float16(u << 16), x_odd = as_float16(u & 0xffff0000u);
+#pragma unroll
+      for (int j = 0; j < TN; ++j) {
+        acc[i][j] = fma(x_odd, w_odd[j], acc[i][j]);
+        acc[i][j] = fma(x_even, w_even[j], acc[i][j]);
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < TM; ++i)
+#pragma unroll
+    for (int j = 0; j < TN; ++j) out[i * TN + j] = hsum16(acc[i][j]);
+}
+#endif
+
+// Output column n's weight row: [0, n1) rows of w0, [n1, n2) of w1, [n2, N) of w2.
+inline global const ushort* bf16_row(uint n, global const ushort* w0, uint ldw0, uint n1,
+                                     global const ushort* w1, uint ldw1, uint n2,
+                                     global const ushort* w2, uint ldw2) {
+  if (n < n1) return w0 + (size_t)n * ldw0;
+  if (n < n2) return w1 + (size_t)(n - n1) * ldw1;
+  return w2 + (size_t)(n - n2) * ldw2;
+}
+
+// xb: [M, K] bf16 rows (row stride ldxb, a multiple of 32 keeps the loads aligned). One
+// work-item owns n_tiles column tiles x m_rows rows, column tile outer (its weight rows stay in
+// cache while the rows stream). Launch: global (column blocks, row blocks), local 1.
+kernel void linear_bf16(global const ushort* xb, uint ldxb,
+                        global const ushort* w0, uint w0_off, uint ldw0, uint n1,
+                        global const ushort* w1, uint w1_off, uint ldw1, uint n2,
+                        global const ushort* w2, uint w2_off, uint ldw2,
+                        global const ushort* bias, uint b_off, int has_bias,
+                        global float* y, uint y_off, uint ldy, uint M, uint N, uint K,
+                        float alpha, int accumulate, uint n_tiles, uint m_rows) {
+#if GLU
+  const uint tile_cols = TN / 2;  // TN / 2 gate rows, then the same TN / 2 columns' up rows
+#else
+  const uint tile_cols = TN;
+#endif
+  const uint n_begin = get_global_id(0) * n_tiles * tile_cols;
+  const uint n_end = min(n_begin + n_tiles * tile_cols, N);
+  const uint m_begin = get_global_id(1) * m_rows;
+  const uint m_end = min(m_begin + m_rows, M);
+  w0 += w0_off;
+  w1 += w1_off;
+  w2 += w2_off;
+  const uint K32 = K / 32;
+  for (uint n0 = n_begin; n0 < n_end; n0 += tile_cols) {
+    global const ushort* wr[TN];
+#pragma unroll
+    for (int j = 0; j < TN; ++j) {
+#if GLU
+      const uint c = min(n0 + j % tile_cols, N - 1);
+      wr[j] = j < tile_cols ? w0 + (size_t)c * ldw0 : w1 + (size_t)c * ldw1;
+#else
+      wr[j] = bf16_row(min(n0 + j, N - 1), w0, ldw0, n1, w1, ldw1, n2, w2, ldw2);
+#endif
+    }
+    for (uint m0 = m_begin; m0 < m_end; m0 += TM) {
+      // Rows and columns past the edge compute on a valid row (clamped) and are not stored.
+      global const ushort* xr[TM];
+#pragma unroll
+      for (int i = 0; i < TM; ++i) xr[i] = xb + (size_t)min(m0 + i, M - 1) * ldxb;
+      float out[TM * TN];
+      tile_dots_bf16(xr, wr, K32, out);
+      for (uint k = K32 * 32; k < K; ++k) {
+#pragma unroll
+        for (int i = 0; i < TM; ++i) {
+          const float xk = bf16_to_f32(xr[i][k]);
+#pragma unroll
+          for (int j = 0; j < TN; ++j) out[i * TN + j] = fma(xk, bf16_to_f32(wr[j][k]), out[i * TN + j]);
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < TM; ++i) {
+        if (m0 + i >= M) break;
+        global float* yr = y + y_off + (size_t)(m0 + i) * ldy;
+#pragma unroll
+        for (int j = 0; j < tile_cols; ++j) {
+          const uint n = n0 + j;
+          if (n >= N) break;
+#if GLU
+          const float a = out[i * TN + j];
+          float v = a / (1.0f + exp(-a)) * out[i * TN + j + tile_cols];
+#else
+          float v = out[i * TN + j];
+          if (has_bias) v += bf16_to_f32(bias[b_off + n]);
+#endif
+          v *= alpha;
+          yr[n] = accumulate ? yr[n] + v : v;
+        }
+      }
+    }
+  }
+}
+
+#endif  // LINEAR_BF16

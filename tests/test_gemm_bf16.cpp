@@ -1,0 +1,307 @@
+// bf16 compute (model.compute_dtype: bf16): the rounding kernel against the nearest bf16 found on
+// the host, and the bf16 GEMM (linear_bf16.cl, both micro-kernels: vdpbf16ps where the device
+// selects it, and the portable one forced through the tuning's gemm_bf16_dot = 0) against a
+// double-precision host reference computed on the bf16-rounded inputs, on sizes that are not
+// multiples of the tiles or of the 32-element steps: linear (bias, alpha, accumulate),
+// linear_fused (norm, q/k/v side by side) and linear_swiglu (norm, GLU epilogue).
+//
+// Tolerance: the kernel's products of bf16 values are exact in f32, so its error is f32 rounding
+// of the sums: K / 16 pair-steps per lane (2 adds each), 4 adds across lanes and up to 31 tail adds.
+// The bound allows (K / 8 + 40) f32 epsilons of the sum of the products' magnitudes. Where the
+// input is normalised on the device first (linear_fused, linear_swiglu), an element of the
+// normalised row can round to the neighbouring bf16 on the device and not on the host (the f32
+// norm differs from the double one in its last bits): those cases add one bf16 step (2^-8) of
+// the largest product per output.
+#include <gtest/gtest.h>
+
+#include <cfloat>
+#include <cmath>
+#include <cstring>
+#include <random>
+
+#include "runtime/device.h"
+#include "runtime/dtype.h"
+#include "runtime/ops.h"
+#include "tests/test_util.h"
+
+namespace clshard {
+namespace {
+
+std::vector<float> random_vec(size_t n, uint32_t seed, float scale = 1.0f) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> d(-scale, scale);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+
+cl::Mem upload(Device& dev, const void* data, size_t bytes) {
+  cl::Mem m = dev.alloc(bytes);
+  dev.write(m, data, bytes);
+  return m;
+}
+
+std::vector<float> download(Device& dev, const cl::Mem& m, size_t n) {
+  std::vector<float> v(n);
+  dev.read(m, v.data(), n * 4);
+  return v;
+}
+
+// A bf16 [rows, K] (or [K]) weight; `values` become what the kernel sees.
+Weight bf16_weight(Device& dev, std::vector<float>& values, std::vector<int64_t> shape,
+                   const std::string& name) {
+  Weight w;
+  w.dtype = DType::BF16;
+  w.shape = shape;
+  w.name = name;
+  std::vector<uint16_t> b(values.size());
+  for (size_t i = 0; i < values.size(); ++i) {
+    b[i] = f32_to_bf16(values[i]);
+    values[i] = bf16_to_f32(b[i]);
+  }
+  w.mem = upload(dev, b.data(), b.size() * 2);
+  return w;
+}
+
+// The bf16 value nearest to f by search over the two neighbours of its truncation (ties: the
+// even code).
+float nearest_bf16(float f) {
+  if (std::isinf(f)) return f;
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint16_t lo = uint16_t(u >> 16), hi = uint16_t(lo + 1);
+  const double dl = std::abs(double(bf16_to_f32(lo)) - f), dh = std::abs(double(bf16_to_f32(hi)) - f);
+  if (dl < dh || (dl == dh && (lo & 1) == 0)) return bf16_to_f32(lo);
+  return bf16_to_f32(hi);
+}
+
+float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
+TEST(RoundBf16, KernelRoundsToNearestEven) {
+  Device& dev = test::default_device();
+  const uint32_t M = 3, K = 150, ld = 160;  // a partial 64-column chunk, padded rows
+  std::vector<float> x = random_vec(size_t(M) * K, 3, 40.0f);
+  // Exact ties between two bf16 values: to the even one.
+  x[0] = bf16_to_f32(0x3f80) + std::ldexp(1.0f, -8);  // 1 + half a step: down to 1.0
+  x[1] = bf16_to_f32(0x3f81) + std::ldexp(1.0f, -8);  // odd lower neighbour: up
+  x[2] = -0.0f;
+  x[3] = 3.0e38f;  // near the top of the range (finite in bf16)
+  x[4] = INFINITY;
+  x[5] = 1e-40f;  // an f32 denormal
+  cl::Mem xm = upload(dev, x.data(), x.size() * 4), yb = dev.alloc(size_t(M) * ld * 2),
+          yf = dev.alloc(size_t(M) * ld * 4);
+  ops::round_bf16(dev, xm, 0, K, M, K, yb, ld);
+  ops::round_bf16(dev, xm, 0, K, M, K, yf, ld, true);
+  std::vector<uint16_t> b(size_t(M) * ld);
+  dev.read(yb, b.data(), b.size() * 2);
+  std::vector<float> f = download(dev, yf, size_t(M) * ld);
+  for (uint32_t m = 0; m < M; ++m)
+    for (uint32_t k = 0; k < K; ++k) {
+      const float want = nearest_bf16(x[m * K + k]);
+      ASSERT_EQ(bf16_to_f32(b[m * ld + k]), want) << m << "," << k << ": " << x[m * K + k];
+      ASSERT_EQ(f[m * ld + k], want) << m << "," << k;
+    }
+  EXPECT_EQ(b[0], 0x3f80);
+  EXPECT_EQ(b[1], 0x3f82);
+  EXPECT_EQ(b[2], 0x8000);
+}
+
+enum class Variant { Selected, Portable };
+
+struct GemmCase {
+  uint32_t M, N, K;
+  Variant variant;
+  KernelShape shape = KernelShape::Chunks;
+};
+
+std::string case_name(const ::testing::TestParamInfo<GemmCase>& p) {
+  const GemmCase& c = p.param;
+  return "M" + std::to_string(c.M) + "_N" + std::to_string(c.N) + "_K" + std::to_string(c.K) +
+         (c.variant == Variant::Selected ? "_selected" : "_portable") +
+         (c.shape == KernelShape::Chunks ? "" : "_workgroups");
+}
+
+// The device with the case's kernel shape and micro-kernel, restored afterwards.
+struct DeviceScope {
+  Device& dev;
+  KernelShape shape;
+  KernelTuning tuning;
+  DeviceScope(Device& d, const GemmCase& c) : dev(d), shape(d.kernel_shape()), tuning(d.tuning()) {
+    d.set_kernel_shape(c.shape);
+    KernelTuning t = tuning;
+    if (c.variant == Variant::Portable) t.gemm_bf16_dot = 0;
+    d.set_tuning(t);
+  }
+  ~DeviceScope() {
+    dev.set_kernel_shape(shape);
+    dev.set_tuning(tuning);
+  }
+};
+
+double tolerance(uint32_t K, double abs_sum) { return (K / 8.0 + 40.0) * FLT_EPSILON * abs_sum; }
+
+class GemmBf16 : public ::testing::TestWithParam<GemmCase> {};
+
+TEST_P(GemmBf16, SelectsTheDotProductWhereTheHostHasIt) {
+  const GemmCase& c = GetParam();
+  Device& dev = test::default_device();
+  DeviceScope scope(dev, c);
+  const bool pocl = dev.info().platform.find("Portable Computing Language") != std::string::npos;
+  const bool host = __builtin_cpu_supports("avx512bf16");
+  EXPECT_EQ(ops::bf16_dot_product(dev),
+            c.variant == Variant::Selected && pocl && host && dev.info().kind == DeviceKind::Cpu);
+}
+
+TEST_P(GemmBf16, LinearMatchesDoubleReferenceOnRoundedInputs) {
+  const GemmCase& c = GetParam();
+  Device& dev = test::default_device();
+  DeviceScope scope(dev, c);
+  const uint32_t M = c.M, N = c.N, K = c.K, ldx = K + 3, ldy = N + 5;
+  std::vector<float> x = random_vec(size_t(M) * ldx, 11);
+  std::vector<float> wv = random_vec(size_t(N) * K, 12), bv = random_vec(N, 13);
+  std::vector<float> y0 = random_vec(size_t(M) * ldy, 14);
+  Weight w = bf16_weight(dev, wv, {N, K}, "w"), b = bf16_weight(dev, bv, {N}, "b");
+  cl::Mem xm = upload(dev, x.data(), x.size() * 4);
+  const float alpha = 0.75f;
+  for (bool acc : {false, true}) {
+    cl::Mem ym = upload(dev, y0.data(), y0.size() * 4);
+    ops::linear(dev, xm, 2, ldx, w, &b, ym, 1, ldy, M, alpha, acc, ComputeDType::BF16);
+    cl::Mem yf = upload(dev, y0.data(), y0.size() * 4);
+    ops::linear(dev, xm, 2, ldx, w, &b, yf, 1, ldy, M, alpha, acc, ComputeDType::F32);
+    std::vector<float> y = download(dev, ym, y0.size()), f32 = download(dev, yf, y0.size());
+    size_t moved = 0;
+    for (uint32_t m = 0; m < M; ++m)
+      for (uint32_t n = 0; n < N; ++n) {
+        double s = 0, a = 0;
+        for (uint32_t k = 0; k < K; ++k) {
+          const double p = double(round_bf16(x[m * ldx + 2 + k])) * wv[size_t(n) * K + k];
+          s += p;
+          a += std::abs(p);
+        }
+        const double want = alpha * (s + bv[n]) + (acc ? y0[m * ldy + 1 + n] : 0.0);
+        const size_t i = size_t(m) * ldy + 1 + n;
+        const double tol = alpha * tolerance(K, a + std::abs(bv[n])) + 2 * FLT_EPSILON * std::abs(want);
+        ASSERT_NEAR(y[i], want, tol) << "m " << m << " n " << n << " accumulate " << acc;
+        moved += std::abs(f32[i] - want) > tol;  // the f32 path does not round x
+      }
+    // Columns outside [1, 1 + N) of each row are untouched.
+    for (uint32_t m = 0; m < M; ++m) {
+      EXPECT_EQ(y[size_t(m) * ldy], y0[size_t(m) * ldy]);
+      for (uint32_t n = N + 1; n < ldy; ++n) EXPECT_EQ(y[size_t(m) * ldy + n], y0[size_t(m) * ldy + n]);
+    }
+    EXPECT_GT(moved, size_t(M) * N / 2) << "the reference must tell bf16 from f32 activations";
+  }
+}
+
+TEST_P(GemmBf16, FusedQkvWithNormMatchesDoubleReference) {
+  const GemmCase& c = GetParam();
+  Device& dev = test::default_device();
+  DeviceScope scope(dev, c);
+  const uint32_t M = c.M, K = c.K;
+  const uint32_t Ns[3] = {c.N, c.N / 2 + 1, 7};
+  const uint32_t N = Ns[0] + Ns[1] + Ns[2], ldy = N + 2;
+  const float eps = 1e-5f, alpha = 1.25f;
+  std::vector<float> x = random_vec(size_t(M) * K, 21, 3.0f), g = random_vec(K, 22, 2.0f);
+  Weight gw = bf16_weight(dev, g, {K}, "norm");
+  std::vector<std::vector<float>> wv;
+  std::vector<Weight> ws;
+  for (int i = 0; i < 3; ++i) {
+    wv.push_back(random_vec(size_t(Ns[i]) * K, 23 + i));
+    ws.push_back(bf16_weight(dev, wv.back(), {Ns[i], K}, "w" + std::to_string(i)));
+  }
+  cl::Mem xm = upload(dev, x.data(), x.size() * 4), ym = dev.alloc(size_t(M) * ldy * 4);
+  dev.fill_zero(ym, size_t(M) * ldy * 4);
+  ops::linear_fused(dev, xm, 0, K, nullptr, &gw, eps, {&ws[0], &ws[1], &ws[2]}, ym, 0, ldy, M,
+                    alpha, false, ComputeDType::BF16);
+  std::vector<float> y = download(dev, ym, size_t(M) * ldy);
+  for (uint32_t m = 0; m < M; ++m) {
+    double ss = 0;
+    for (uint32_t k = 0; k < K; ++k) ss += double(x[m * K + k]) * x[m * K + k];
+    const double inv = 1.0 / std::sqrt(ss / K + eps);
+    std::vector<float> xn(K);
+    for (uint32_t k = 0; k < K; ++k) xn[k] = round_bf16(float(x[m * K + k] * inv * g[k]));
+    uint32_t col = 0;
+    for (int i = 0; i < 3; ++i)
+      for (uint32_t n = 0; n < Ns[i]; ++n, ++col) {
+        double s = 0, a = 0, big = 0;
+        for (uint32_t k = 0; k < K; ++k) {
+          const double p = double(xn[k]) * wv[i][size_t(n) * K + k];
+          s += p;
+          a += std::abs(p);
+          big = std::max(big, std::abs(p));
+        }
+        const double tol = alpha * (tolerance(K, a) + 2 * std::ldexp(big, -8));
+        ASSERT_NEAR(y[size_t(m) * ldy + col], alpha * s, tol) << "m " << m << " column " << col;
+      }
+  }
+}
+
+TEST_P(GemmBf16, SwigluWithNormMatchesDoubleReference) {
+  const GemmCase& c = GetParam();
+  Device& dev = test::default_device();
+  DeviceScope scope(dev, c);
+  const uint32_t M = c.M, F = c.N, K = c.K;
+  const float eps = 1e-6f;
+  std::vector<float> x = random_vec(size_t(M) * K, 31, 2.0f), g = random_vec(K, 32, 1.5f);
+  std::vector<float> gv = random_vec(size_t(F) * K, 33), uv = random_vec(size_t(F) * K, 34);
+  Weight nw = bf16_weight(dev, g, {K}, "norm"), gate = bf16_weight(dev, gv, {F, K}, "gate"),
+         up = bf16_weight(dev, uv, {F, K}, "up");
+  cl::Mem xm = upload(dev, x.data(), x.size() * 4), ym = dev.alloc(size_t(M) * F * 4);
+  ops::linear_swiglu(dev, xm, 0, K, &nw, eps, gate, up, ym, 0, F, M, ComputeDType::BF16);
+  std::vector<float> y = download(dev, ym, size_t(M) * F);
+  for (uint32_t m = 0; m < M; ++m) {
+    double ss = 0;
+    for (uint32_t k = 0; k < K; ++k) ss += double(x[m * K + k]) * x[m * K + k];
+    const double inv = 1.0 / std::sqrt(ss / K + eps);
+    std::vector<float> xn(K);
+    for (uint32_t k = 0; k < K; ++k) xn[k] = round_bf16(float(x[m * K + k] * inv * g[k]));
+    for (uint32_t n = 0; n < F; ++n) {
+      double sg = 0, su = 0, ag = 0, au = 0, bg = 0, bu = 0;
+      for (uint32_t k = 0; k < K; ++k) {
+        const double pg = double(xn[k]) * gv[size_t(n) * K + k];
+        const double pu = double(xn[k]) * uv[size_t(n) * K + k];
+        sg += pg, su += pu, ag += std::abs(pg), au += std::abs(pu);
+        bg = std::max(bg, std::abs(pg)), bu = std::max(bu, std::abs(pu));
+      }
+      const double eg = tolerance(K, ag) + 2 * std::ldexp(bg, -8);
+      const double eu = tolerance(K, au) + 2 * std::ldexp(bu, -8);
+      const double silu = sg / (1 + std::exp(-sg));
+      // d silu / d g <= 1.1 everywhere; plus the epilogue's few f32 roundings.
+      const double tol = 1.1 * eg * (std::abs(su) + eu) + std::abs(silu) * eu +
+                         8 * FLT_EPSILON * std::abs(silu * su);
+      ASSERT_NEAR(y[size_t(m) * F + n], silu * su, tol) << "m " << m << " n " << n;
+    }
+  }
+}
+
+// The two micro-kernels add the same exact products in the same order (vdpbf16ps's: the odd
+// element of each pair, then the even one): on inputs without bf16 denormals they agree to the
+// bit. Where the device has no dot product both runs are the portable kernel.
+TEST(GemmBf16Variants, DotProductAndPortableAgreeToTheBit) {
+  Device& dev = test::default_device();
+  const uint32_t M = 9, N = 23, K = 333;
+  std::vector<float> x = random_vec(size_t(M) * K, 41, 4.0f), wv = random_vec(size_t(N) * K, 42);
+  Weight w = bf16_weight(dev, wv, {N, K}, "w");
+  cl::Mem xm = upload(dev, x.data(), x.size() * 4);
+  std::vector<float> out[2];
+  for (Variant v : {Variant::Selected, Variant::Portable}) {
+    DeviceScope scope(dev, GemmCase{M, N, K, v});
+    cl::Mem ym = dev.alloc(size_t(M) * N * 4);
+    ops::linear(dev, xm, 0, K, w, nullptr, ym, 0, N, M, 1.0f, false, ComputeDType::BF16);
+    out[int(v)] = download(dev, ym, size_t(M) * N);
+  }
+  for (size_t i = 0; i < out[0].size(); ++i) ASSERT_EQ(out[0][i], out[1][i]) << i;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Sizes, GemmBf16,
+    ::testing::Values(GemmCase{4, 9, 32, Variant::Selected}, GemmCase{5, 37, 70, Variant::Selected},
+                      GemmCase{13, 29, 333, Variant::Selected},
+                      GemmCase{67, 19, 97, Variant::Selected}, GemmCase{5, 37, 70, Variant::Portable},
+                      GemmCase{13, 29, 333, Variant::Portable},
+                      GemmCase{67, 19, 97, Variant::Portable},
+                      GemmCase{6, 21, 45, Variant::Selected, KernelShape::WorkGroups}),
+    case_name);
+
+}  // namespace
+}  // namespace clshard
