@@ -312,6 +312,18 @@ TEST(DeployConfig, DuplicateKeysAndInvalidYaml) {
             "deploy.yaml:2: devices.ids[1]: device 1 is listed twice");
   EXPECT_EQ(error_of("model: {path: m}\nsampling: {stop: [a, b\nbatch: {}\n"),
             "deploy.yaml:3: invalid YAML: end of sequence flow not found");
+  // Deep flow nesting is refused before yaml-cpp recurses through it (fuzzing: 100 levels took
+  // over 30 s); brackets inside quotes and comments do not count, and 32 levels still parse.
+  EXPECT_EQ(error_of("model: {path: m}\nsampling:\n  stop: " + std::string(40, '[') + "\n"),
+            "deploy.yaml:3: invalid YAML: flow collections ([ ] or { }) nested deeper than 32 "
+            "levels");
+  const std::string quoted = "'" + std::string(40, '[') + "'";
+  EXPECT_EQ(error_of("model: {path: m}  # " + std::string(40, '{') + "\nsampling: {stop: [" +
+                     quoted + ", \"]" + std::string(40, '[') + "\"]}\n"),
+            "");
+  EXPECT_EQ(error_of("model: {path: m}\nx: " + std::string(32, '[') + std::string(32, ']') + "\n"),
+            "deploy.yaml:2: x: unknown key (expected one of: model, devices, parallel, cluster, "
+            "kv_cache, batch, sampling, speculative, lora, job, serve)");
 }
 
 TEST(DeployConfig, ModelPathIsRequired) {

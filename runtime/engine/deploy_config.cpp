@@ -686,6 +686,42 @@ void check_consistency(const DeployConfig& cfg, const Parser& parser) {
     parser.fail_at("job.output", "is the same file as job.input");
 }
 
+// yaml-cpp parses nested flow collections by recursion, and on a malformed deep nest ("[[[[..."
+// 100 levels, found by fuzzing) it took over 30 s. No deployment nests deeper than a few levels, so
+// the text is checked before yaml-cpp sees it: brackets and braces outside quotes and comments.
+constexpr int kMaxFlowDepth = 32;
+
+void check_flow_depth(const std::string& text, const std::string& file_name_for_errors) {
+  int depth = 0, line = 1;
+  char quote = 0;
+  bool comment = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (c == '\n') {
+      ++line;
+      comment = false;
+      continue;
+    }
+    if (comment) continue;
+    if (quote) {
+      if (quote == '"' && c == '\\') ++i;  // an escaped character, "\"" among them
+      else if (c == quote) quote = 0;
+      continue;
+    }
+    if (c == '#' && (i == 0 || text[i - 1] == ' ' || text[i - 1] == '\t' || text[i - 1] == '\n'))
+      comment = true;
+    else if (c == '"' || c == '\'') quote = c;
+    else if (c == '[' || c == '{') {
+      if (++depth > kMaxFlowDepth)
+        throw std::runtime_error(file_name_for_errors + ":" + std::to_string(line) +
+                                 ": invalid YAML: flow collections ([ ] or { }) nested deeper than " +
+                                 std::to_string(kMaxFlowDepth) + " levels");
+    } else if ((c == ']' || c == '}') && depth > 0) {
+      --depth;
+    }
+  }
+}
+
 }  // namespace
 
 DeployConfig parse_deploy_config(const std::string& yaml_text, const std::string& file_name_for_errors,
@@ -693,6 +729,7 @@ DeployConfig parse_deploy_config(const std::string& yaml_text, const std::string
   DeployConfig cfg;
   cfg.source = file_name_for_errors;
   YAML::Node root;
+  check_flow_depth(yaml_text, file_name_for_errors);
   try {
     root = YAML::Load(yaml_text);
   } catch (const YAML::ParserException& e) {
