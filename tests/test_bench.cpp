@@ -104,6 +104,9 @@ TEST(Bench, TinyPresetWritesTheRecordsAndTheTable) {
   EXPECT_TRUE(env.contains("clshard_commit"));
   EXPECT_EQ(env["model"]["architecture"], "LlamaForCausalLM");
   EXPECT_EQ(env["deployment"]["source"], "--model");
+  // The start-up time (Deployment::open: weights, tokenizer, kernels) is recorded.
+  ASSERT_TRUE(env["startup_s"].is_number());
+  EXPECT_GT(env["startup_s"].get<double>(), 0.0);
   ASSERT_EQ(j["records"].size(), 2u);
   expect_sane_record(j["records"][0], 1, 8, 4);
   expect_sane_record(j["records"][1], 3, 8, 4);

@@ -3,6 +3,7 @@
 #include "runtime/cli/bench_command.h"
 
 #include <algorithm>
+#include <chrono>
 #include <fstream>
 #include <iostream>
 #include <memory>
@@ -57,7 +58,12 @@ void run_bench_command(const BenchFlags& f) {
         *std::max_element(opts.gen_lens.begin(), opts.gen_lens.end());
     cfg.model.max_length = longest;
   }
+  // Start-up: reading the configs and tokenizer, mapping and uploading the weights, building (or
+  // loading from the kernel cache) every program — until the deployment can take a request.
+  const auto open_start = std::chrono::steady_clock::now();
   Deployment d = Deployment::open(cfg);
+  const double open_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - open_start).count();
   // Over MPI rank 0 runs the bench and hands each step to the others (runtime/engine/mpi_steps.h),
   // as `clshard run` does.
   if (d.mpi_ranks > 0 && d.mpi_rank != 0) {
@@ -71,9 +77,10 @@ void run_bench_command(const BenchFlags& f) {
                   {"seed", opts.seed},
                   {"warmup", opts.warmup ? "one run per batch size, not measured" : "none"},
                   {"eos", "ignored: every request generates gen_len tokens"}};
+  env["startup_s"] = open_s;
   std::cerr << "bench: " << env["model"]["architecture"].get<std::string>() << " ("
             << cfg.model.path.string() << ") on " << d.devices->size() << " device(s): "
-            << d.devices->devices().at(0)->label() << "\n";
+            << d.devices->devices().at(0)->label() << ", ready in " << open_s << " s\n";
   Device& first = *d.devices->devices().at(0);
   if (f.roofline && !first.is_cpu()) {
     // A GPU's roofline is its own memory: the device probe in its kernel shape.
