@@ -13,7 +13,8 @@
 //      else a radix select on the order keys above a lower bound taken from the chunk maxima.
 //   3. mass pass: w = exp((l - max) / T) for the kept tokens (allowed, in the top-k, w >= min_p),
 //      0 for the rest, stored in `work` so later passes do not recompute exp.
-//   4. draw: inverse-CDF walk in id order over w. With top_p < 1 the draw is a rejection loop
+//   4. draw: inverse-CDF walk in id order over w, summed in sampling_common.cl's fixed order (the
+//      GPU shape, sampling_wg.cl, sums the same way and draws the same tokens). With top_p < 1 the draw is a rejection loop
 //      (no sort, no threshold search): draw j from the current set S; j is in the nucleus iff the
 //      mass of the tokens ranked above it is < top_p * Z; if not, S shrinks to the tokens ranked
 //      above j (which still hold the whole nucleus) and a fresh uniform is drawn. Conditioned on
@@ -27,100 +28,7 @@
 #define TOPK_HEAP_MAX 256
 #endif
 
-#define CHUNK 16
-
-// Per-row parameters, filled by runtime/engine/sampling.cpp (SamplingRowArgs there; 4-byte fields only
-// so the layout is the same on both sides).
-typedef struct {
-  float inv_temperature;  // 1 / max(T, 1e-6)
-  uint top_k;             // 0: no top-k filter
-  float top_p;            // 1: no nucleus filter
-  float min_p;            // keep w >= min_p (w of the best token is 1)
-  uint seed_lo;
-  uint seed_hi;
-  uint greedy;            // temperature 0 or top_k 1
-  uint pad;
-} SamplingRowArgs;
-
-// Floats of `work` per row: the kept masses, and before them the radix top-k's scratch (candidate
-// keys and chunk maxima). runtime/engine/sampling.cpp allocates rows * work_stride.
-inline size_t work_stride(uint vocab) { return (size_t)vocab + (vocab + CHUNK - 1) / CHUNK; }
-
-constant uint16 kLane = (uint16)(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-
-// Philox4x32-10 (Salmon et al., Random123): a counter-based generator, so a row's draws depend
-// only on its seed and the round number.
-inline uint4 philox4x32_10(uint4 ctr, uint2 key) {
-  for (int i = 0; i < 10; ++i) {
-    const uint lo0 = 0xD2511F53u * ctr.x, hi0 = mul_hi(0xD2511F53u, ctr.x);
-    const uint lo1 = 0xCD9E8D57u * ctr.z, hi1 = mul_hi(0xCD9E8D57u, ctr.z);
-    ctr = (uint4)(hi1 ^ ctr.y ^ key.x, lo1, hi0 ^ ctr.w ^ key.y, lo0);
-    key += (uint2)(0x9E3779B9u, 0xBB67AE85u);
-  }
-  return ctr;
-}
-
-// Uniform in [0, 1) with 24 random bits (every value exact in float).
-inline float uniform_draw(uint2 seed, uint round) {
-  return (float)(philox4x32_10((uint4)(round, 0u, 0u, 0u), seed).x >> 8) * 0x1.0p-24f;
-}
-
-// Monotone float -> uint map: a < b as floats (with -0 < +0) iff key(a) < key(b).
-inline uint16 order_keys(float16 x) {
-  const uint16 u = as_uint16(x);
-  return u ^ (((uint16)0u - (u >> 31)) | 0x80000000u);
-}
-inline uint order_key(float x) {
-  const uint u = as_uint(x);
-  return u ^ ((0u - (u >> 31)) | 0x80000000u);
-}
-
-// The n (1..16) tokens from i; missing lanes read -inf (never allowed).
-inline float16 load_logits(global const float* row, uint i, uint n) {
-  if (n == CHUNK) return vload16(0, row + i);
-  float t[CHUNK];
-  for (uint j = 0; j < CHUNK; ++j) t[j] = j < n ? row[i + j] : -INFINITY;
-  return vload16(0, t);
-}
-
-inline float16 load_work(global const float* w, uint i, uint n) {
-  if (n == CHUNK) return vload16(0, w + i);
-  float t[CHUNK];
-  for (uint j = 0; j < CHUNK; ++j) t[j] = j < n ? w[i + j] : 0.0f;
-  return vload16(0, t);
-}
-
-inline void store_work(global float* w, uint i, uint n, float16 v) {
-  if (n == CHUNK) {
-    vstore16(v, 0, w + i);
-    return;
-  }
-  float t[CHUNK];
-  vstore16(v, 0, t);
-  for (uint j = 0; j < n; ++j) w[i + j] = t[j];
-}
-
-// Lanes (-1) whose token may be sampled: inside the row, allowed by the bitmask (bit set), and
-// with a logit that is neither NaN nor -inf. i is a multiple of 16.
-inline int16 allowed_lanes(float16 l, global const uint* mask_row, uint i, uint n) {
-  uint bits = n == CHUNK ? 0xFFFFu : ((1u << n) - 1u);
-  if (mask_row) bits &= mask_row[i >> 5] >> (i & 31u);
-  const int16 bit_set = as_int16(((uint16)bits >> kLane) & 1u);
-  return (bit_set != 0) & (l > (float16)(-INFINITY));
-}
-
-// Logits are clamped so +inf behaves as the largest float (its tokens share the mass).
-inline float16 clamped(float16 l) { return fmin(l, (float16)FLT_MAX); }
-
-// Lanes ranked at or above the boundary token (bkey, bid): key > bkey, or key == bkey and
-// id <= bid.
-inline int16 at_or_above(uint16 key, uint16 id, uint bkey, uint bid) {
-  return (key > bkey) | ((key == bkey) & (id <= bid));
-}
-// Lanes ranked strictly above token (pkey, pid).
-inline int16 strictly_above(uint16 key, uint16 id, uint pkey, uint pid) {
-  return (key > pkey) | ((key == pkey) & (id < pid));
-}
+#include "sampling_common.cl"
 
 // ---- top-k boundaries: the k-th best allowed token as (key, id) ---------------------------------
 
@@ -151,17 +59,6 @@ inline void heap_sift_down(ulong* h, uint n) {
 }
 
 #define GROUP (4 * CHUNK)
-
-// The lanes set in `lanes` (-1/0 per lane) as bits of a uint, so scalar code visits only those
-// (lowest_lane + clear) instead of testing all 16.
-inline uint lane_bits(int16 lanes) {
-  const uint16 b = as_uint16(lanes) & ((uint16)1u << kLane);
-  const uint8 a = b.lo | b.hi;
-  const uint4 c = a.lo | a.hi;
-  const uint2 d = c.lo | c.hi;
-  return d.x | d.y;
-}
-inline uint lowest_lane(uint bits) { return 31u - clz(bits & (0u - bits)); }
 
 // Whether any allowed token of [g, g + GROUP) has a key in [lo, hi]. Passes that look for a few
 // tokens test a group with this first: one branch per 64 tokens instead of one per 16 made such a
@@ -321,63 +218,12 @@ inline uint2 topk_boundary_radix(global const float* row, global const uint* mas
 
 // ---- drawing ------------------------------------------------------------------------------------
 
-// Inverse CDF in id order: the first token whose running mass exceeds r. Mass is summed a chunk
-// at a time (hsum16), then token by token inside the chunk that crosses r. With `restricted`, only
-// tokens ranked strictly above (pkey, pid) count. Rounding can leave r at or above the total; the
-// last token with mass is taken then.
-inline uint walk_cdf(global const float* work, global const float* row, uint vocab, float r,
-                     int restricted, uint pkey, uint pid) {
-  float cum = 0.0f;
-  uint last_chunk = 0;
-  for (uint i = 0; i < vocab; i += CHUNK) {
-    const uint n = min((uint)CHUNK, vocab - i);
-    float16 w = load_work(work, i, n);
-    if (restricted) {
-      const uint16 key = order_keys(clamped(load_logits(row, i, n)));
-      w = select((float16)0.0f, w, strictly_above(key, (uint16)i + kLane, pkey, pid));
-    }
-    const float s = hsum16(w);
-    if (s > 0.0f) last_chunk = i;
-    if (cum + s > r) {
-      float wt[CHUNK];
-      vstore16(w, 0, wt);
-      uint pick = i;
-      for (uint j = 0; j < n; ++j) {
-        if (wt[j] > 0.0f) {
-          pick = i + j;
-          cum += wt[j];
-          if (cum > r) break;
-        }
-      }
-      return pick;
-    }
-    cum += s;
-  }
-  const uint n = min((uint)CHUNK, vocab - last_chunk);
-  float16 w = load_work(work, last_chunk, n);
-  if (restricted) {
-    const uint16 key = order_keys(clamped(load_logits(row, last_chunk, n)));
-    w = select((float16)0.0f, w, strictly_above(key, (uint16)last_chunk + kLane, pkey, pid));
-  }
-  float wt[CHUNK];
-  vstore16(w, 0, wt);
-  uint pick = last_chunk;
-  for (uint j = 0; j < n; ++j)
-    if (wt[j] > 0.0f) pick = last_chunk + j;
-  return pick;
-}
-
-// Mass of the tokens ranked strictly above (pkey, pid), summed per lane then across lanes.
-inline float mass_above(global const float* work, global const float* row, uint vocab, uint pkey,
-                        uint pid) {
-  float16 acc = 0.0f;
-  for (uint i = 0; i < vocab; i += CHUNK) {
-    const uint n = min((uint)CHUNK, vocab - i);
-    const float16 w = load_work(work, i, n);
-    const uint16 key = order_keys(clamped(load_logits(row, i, n)));
-    acc += select((float16)0.0f, w, strictly_above(key, (uint16)i + kLane, pkey, pid));
-  }
-  return hsum16(acc);
+// The masses of the row's segments (sampling_common.cl), restricted to the tokens ranked strictly
+// above (pkey, pid) when `restricted`, into seg[0, segment_count(vocab)).
+inline void store_segment_masses(global const float* work, global const float* row, uint vocab,
+                                 int restricted, uint pkey, uint pid, global float* seg) {
+  for (uint k = 0; k < segment_count(vocab); ++k)
+    seg[k] = segment_mass(work, row, vocab, k * SEGMENT, restricted, pkey, pid);
 }
 
 // ---- one row ------------------------------------------------------------------------------------
@@ -434,34 +280,44 @@ inline int sample_row(global const float* row, global const uint* mask_row, uint
                    ? topk_boundary_heap(row, mask_row, vocab, p.top_k)
                    : topk_boundary_radix(row, mask_row, vocab, p.top_k, (global uint*)work_row);
 
-  // 3. Kept mass (overwrites the radix select's scratch).
-  float total = 0.0f;
-  for (uint i = 0; i < vocab; i += CHUNK) {
-    const uint n = min((uint)CHUNK, vocab - i);
-    const float16 l = load_logits(row, i, n);
-    const uint16 key = order_keys(clamped(l));
-    float16 w = exp((clamped(l) - max_logit) * p.inv_temperature);
-    const int16 keep = allowed_lanes(l, mask_row, i, n) &
-                       at_or_above(key, (uint16)i + kLane, boundary.x, boundary.y) &
-                       (w >= p.min_p);
-    w = select((float16)0.0f, w, keep);
-    store_work(work_row, i, n, w);
-    total += hsum16(w);
+  // 3. Kept mass (overwrites the radix select's scratch); segment masses into the tail.
+  global float* seg = work_row + vocab;
+  float chunk_sums[SEGMENT_CHUNKS];
+  for (uint s0 = 0; s0 < vocab; s0 += SEGMENT) {
+    for (uint c = 0; c < SEGMENT_CHUNKS; ++c) {
+      const uint i = s0 + c * CHUNK;
+      chunk_sums[c] = 0.0f;
+      if (i >= vocab) continue;
+      const uint n = min((uint)CHUNK, vocab - i);
+      const float16 l = load_logits(row, i, n);
+      const uint16 key = order_keys(clamped(l));
+      float16 w = exp((clamped(l) - max_logit) * p.inv_temperature);
+      const int16 keep = allowed_lanes(l, mask_row, i, n) &
+                         at_or_above(key, (uint16)i + kLane, boundary.x, boundary.y) &
+                         (w >= p.min_p);
+      w = select((float16)0.0f, w, keep);
+      store_work(work_row, i, n, w);
+      chunk_sums[c] = hsum16(w);
+    }
+    seg[s0 / SEGMENT] = segment_tree(chunk_sums);
   }
+  const float total = sum_segments(seg, vocab);
 
-  // 4. Draw.
+  // 4. Draw. In the nucleus loop `seg` always holds the masses of the current set S: after a
+  // rejection, the masses above j just summed are those of the next round's set.
   const uint2 seed = (uint2)(p.seed_lo, p.seed_hi);
   if (p.top_p >= 1.0f)
-    return (int)walk_cdf(work_row, row, vocab, uniform_draw(seed, 0) * total, 0, 0, 0);
+    return (int)walk_segments(work_row, row, vocab, seg, uniform_draw(seed, 0) * total, 0, 0, 0);
   const float target = p.top_p * total;
   float set_mass = total;
   int restricted = 0;
   uint pkey = 0, pid = 0;
   for (uint round = 0;; ++round) {
     const float u = uniform_draw(seed, round);
-    const uint j = walk_cdf(work_row, row, vocab, u * set_mass, restricted, pkey, pid);
+    const uint j = walk_segments(work_row, row, vocab, seg, u * set_mass, restricted, pkey, pid);
     const uint jkey = order_key(fmin(row[j], FLT_MAX));
-    const float above = mass_above(work_row, row, vocab, jkey, j);
+    store_segment_masses(work_row, row, vocab, 1, jkey, j, seg);
+    const float above = sum_segments(seg, vocab);
     // The best token has nothing above it, so the loop ends; every rejection removes j and all
     // tokens ranked below it.
     if (above < target) return (int)j;
@@ -655,16 +511,6 @@ kernel void penalty_counts_prompt(global uint* counts, uint vocab, uint slot,
 
 // ---- log-probabilities --------------------------------------------------------------------------
 
-// Per row that asks, filled by runtime/engine/sampling.cpp (LogprobRowArgs there).
-typedef struct {
-  uint row;              // logits (and bitmask) row
-  int token;             // the sampled token
-  uint top_n;            // 0..MAX_TOP_LOGPROBS
-  float inv_temperature; // 1 for the raw distribution
-  uint use_mask;         // restrict to the bitmask row's allowed tokens
-  uint pad0, pad1, pad2;
-} LogprobRowArgs;
-
 // Row j, at out + j * (2 + 2 * MAX_TOP_LOGPROBS): log p(token), the number of top entries (as
 // uint bits; top_n or fewer when fewer tokens are allowed), then (id bits, log p) pairs, best
 // first (logit descending, ties to the lower id). p = softmax(l * inv_t) over the allowed tokens
@@ -713,20 +559,23 @@ kernel void row_logprobs(global const float* logits, uint vocab, global const Lo
     o[0] = -INFINITY;
     return;
   }
-  // Pass 2: log Z = max + log(sum exp(l - max)), summed per lane with Kahan compensation (a plain
-  // float sum of 8k terms per lane at a 128k vocabulary is off by ~2e-5), then across lanes.
+  // Pass 2: log Z = max + log(sum exp(l - max)) in the fixed order of sampling_common.cl (chunks,
+  // 512-token segment trees), the segments added with Kahan compensation (a plain float sum of
+  // 250 segments at a 128k vocabulary would lose ~1e-5). sampling_wg.cl sums the same way.
   const float m = fmin(row[argmax], FLT_MAX) * a.inv_temperature;
-  float16 z = 0.0f, comp = 0.0f;
-  for (uint i = 0; i < vocab; i += CHUNK) {
-    const uint n = min((uint)CHUNK, vocab - i);
-    const float16 l = load_logits(row, i, n);
-    const float16 y = select((float16)0.0f, exp(clamped(l) * a.inv_temperature - m),
-                             allowed_lanes(l, mask_row, i, n)) - comp;
-    const float16 t = z + y;
+  float z = 0.0f, comp = 0.0f;
+  for (uint s0 = 0; s0 < vocab; s0 += SEGMENT) {
+    float chunk_sums[SEGMENT_CHUNKS];
+    for (uint c = 0; c < SEGMENT_CHUNKS; ++c) {
+      const uint i = s0 + c * CHUNK;
+      chunk_sums[c] = i < vocab ? hsum16(logprob_chunk_mass(row, mask_row, vocab, i, a.inv_temperature, m)) : 0.0f;
+    }
+    const float y = segment_tree(chunk_sums) - comp;
+    const float t = z + y;
     comp = (t - z) - y;
     z = t;
   }
-  const float log_z = m + log(hsum16(z));
+  const float log_z = m + log(z);
   const bool token_ok =
       a.token >= 0 && (uint)a.token < vocab && row[a.token] > -INFINITY &&
       (!mask_row || ((mask_row[(uint)a.token >> 5] >> ((uint)a.token & 31u)) & 1u));

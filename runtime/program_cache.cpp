@@ -56,8 +56,32 @@ std::string kernel_source(const std::string& file) {
   if (it == all.end()) throw std::runtime_error("no embedded kernel file kernels_cl/" + file);
   std::string src;
   if (common != all.end() && file != "common.cl") src.append(common->second);
-  src.append("\n#line 1\n");
-  src.append(it->second);
+  src.append("\n#line 1 \"" + file + "\"\n");
+  // A line `#include "name.cl"` is replaced by that embedded file (one level: the included file's
+  // own #include lines are not followed), so two files can share helpers without either program
+  // compiling the other's kernels.
+  std::string_view text = it->second;
+  size_t line_no = 1;
+  while (!text.empty()) {
+    const size_t eol = text.find('\n');
+    const std::string_view line = text.substr(0, eol == std::string_view::npos ? text.size() : eol + 1);
+    text.remove_prefix(line.size());
+    constexpr std::string_view kInclude = "#include \"";
+    if (line.starts_with(kInclude)) {
+      const size_t close = line.find('"', kInclude.size());
+      const std::string name(line.substr(kInclude.size(), close - kInclude.size()));
+      auto inc = all.find(name);
+      if (close == std::string_view::npos || inc == all.end())
+        throw std::runtime_error("kernels_cl/" + file + ":" + std::to_string(line_no) +
+                                 ": no embedded kernel file kernels_cl/" + name + " to include");
+      src.append("#line 1 \"" + name + "\"\n");
+      src.append(inc->second);
+      src.append("\n#line " + std::to_string(line_no + 1) + " \"" + file + "\"\n");
+    } else {
+      src.append(line);
+    }
+    ++line_no;
+  }
   return src;
 }
 

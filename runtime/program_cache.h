@@ -14,7 +14,8 @@ namespace clshard {
 
 struct DeviceInfo;
 
-// The source of one kernels_cl/ file, with kernels_cl/common.cl prepended.
+// The source of one kernels_cl/ file, with kernels_cl/common.cl prepended and its #include "x.cl"
+// lines replaced by those embedded files.
 std::string kernel_source(const std::string& file);
 
 // Where compiled binaries live: $CLSHARD_KERNEL_CACHE, else $XDG_CACHE_HOME/clshard/kernels,

@@ -11,6 +11,8 @@
 #include <random>
 #include <stdexcept>
 #include <vector>
+#include <cstring>
+#include <string>
 
 #include "runtime/device.h"
 #include "runtime/device_manager.h"
@@ -55,6 +57,91 @@ size_t support_size(const std::vector<float>& d) {
   return size_t(std::count_if(d.begin(), d.end(), [](float p) { return p > 0.0f; }));
 }
 
+// Every DeviceSampling test runs in both kernel shapes: the CPU shape (kernels_cl/sampling.cl, one
+// work-item per row) and the GPU shape (sampling_wg.cl, a work-group per row), forced on PoCL.
+class DeviceSampling : public ::testing::TestWithParam<KernelShape> {
+ protected:
+  void SetUp() override {
+    saved_ = dev().kernel_shape();
+    dev().set_kernel_shape(GetParam());
+  }
+  void TearDown() override { dev().set_kernel_shape(saved_); }
+  KernelShape saved_ = KernelShape::Chunks;
+};
+INSTANTIATE_TEST_SUITE_P(Shapes, DeviceSampling,
+                         ::testing::Values(KernelShape::Chunks, KernelShape::WorkGroups),
+                         [](const auto& info) { return std::string(kernel_shape_name(info.param)); });
+
+// Sets the test device's kernel shape for one scope.
+struct ShapeScope {
+  KernelShape saved;
+  explicit ShapeScope(KernelShape s) : saved(dev().kernel_shape()) { dev().set_kernel_shape(s); }
+  ~ShapeScope() { dev().set_kernel_shape(saved); }
+};
+
+TEST(DeviceSamplingShapes, SameDrawsAndLogprobsInBothShapes) {
+  // Both shapes sum in one fixed order (kernels_cl/sampling_common.cl), so for the same seeds they
+  // draw the same tokens, equal to sample_reference's, and give bit-identical log-probabilities,
+  // over odd vocabulary sizes and batch sizes and every path: greedy, plain, top-k (the CPU
+  // shape's heap and radix select against the GPU shape's work-group radix select), nucleus,
+  // min-p, temperature, a bitmask.
+  struct Size {
+    uint32_t vocab, rows;
+  };
+  for (const Size sz : {Size{1, 5}, Size{17, 33}, Size{1000, 64}, Size{128257, 9}}) {
+    const uint32_t vocab = sz.vocab, rows = sz.rows;
+    SCOPED_TRACE("vocab " + std::to_string(vocab) + " rows " + std::to_string(rows));
+    auto logits = random_logits(rows, vocab, vocab * 7 + rows, 2.0f);
+    if (vocab > 16)  // ties at the top and some -inf tokens in row 0
+      for (uint32_t i = 0; i < vocab; i += 5) logits[i] = i % 10 ? 4.0f : -INFINITY;
+    std::vector<uint32_t> bits(size_t(rows) * bitmask_words(vocab), 0xFFFF'FFFFu);
+    for (uint32_t r = 1; r < rows; r += 4)  // every 4th row: only ids with bit 1 of id/3 clear
+      for (uint32_t i = 0; i < vocab; ++i)
+        if ((i / 3) & 2u) bits[size_t(r) * bitmask_words(vocab) + i / 32] &= ~(1u << (i % 32));
+    const int32_t ks[] = {-1, 0, 3, 40, 256, 257, 1000, int32_t(vocab) - 1, 1};
+    const float ps[] = {1.0f, 0.9f, 0.3f};
+    const float temps[] = {1.0f, 0.6f, 1.7f, 0.0f};
+    std::vector<SamplingParams> params(rows);
+    for (uint32_t r = 0; r < rows; ++r) {
+      params[r].top_k = ks[r % 9];
+      params[r].top_p = ps[(r / 2) % 3];
+      params[r].temperature = temps[(r / 3) % 4];
+      params[r].min_p = r % 5 == 4 ? 0.05f : 0.0f;
+    }
+    const auto seeds = seeds_from(vocab + 11, rows);
+    const cl::Mem buf = upload(logits), mask = upload_bits(bits);
+    std::vector<int32_t> drawn[2];
+    std::vector<TokenLogprobs> lps[2];
+    std::vector<LogprobRow> req;
+    for (uint32_t r = 0; r < rows; ++r)
+      req.push_back({r, int32_t((r * 7919u) % vocab), r % 21, r % 2 ? 1.0f / 0.7f : 1.0f,
+                     r % 4 == 1});
+    for (int shape = 0; shape < 2; ++shape) {
+      ShapeScope scope(shape ? KernelShape::WorkGroups : KernelShape::Chunks);
+      drawn[shape] = sample_tokens(dev(), buf, rows, vocab, params, seeds, &mask);
+      lps[shape] = compute_logprobs(dev(), buf, vocab, req, &mask);
+    }
+    for (uint32_t r = 0; r < rows; ++r) {
+      const uint32_t* b = &bits[size_t(r) * bitmask_words(vocab)];
+      EXPECT_EQ(drawn[1][r], drawn[0][r]) << "row " << r;
+      EXPECT_EQ(drawn[0][r], sample_reference(&logits[size_t(r) * vocab], vocab, params[r],
+                                              seeds[r], b))
+          << "row " << r;
+      const TokenLogprobs &c = lps[0][r], &g = lps[1][r];
+      EXPECT_EQ(std::memcmp(&g.logprob, &c.logprob, 4), 0)
+          << "row " << r << ": " << g.logprob << " vs " << c.logprob;
+      ASSERT_EQ(g.top.size(), c.top.size()) << "row " << r;
+      if (r != 0 && !req[r].use_bitmask)  // every token allowed
+        EXPECT_EQ(c.top.size(), std::min<size_t>(req[r].top_n, vocab)) << "row " << r;
+      for (size_t k = 0; k < c.top.size(); ++k) {
+        EXPECT_EQ(g.top[k].token, c.top[k].token) << "row " << r << " top " << k;
+        EXPECT_EQ(std::memcmp(&g.top[k].logprob, &c.top[k].logprob, 4), 0)
+            << "row " << r << " top " << k;
+      }
+    }
+  }
+}
+
 TEST(DeviceSamplingPhilox, MatchesRandom123KnownAnswers) {
   // Random123 tests/kat_vectors, "philox4x32 10" lines: counter, key -> output.
   EXPECT_EQ(philox4x32_10({0, 0, 0, 0}, {0, 0}),
@@ -67,7 +154,7 @@ TEST(DeviceSamplingPhilox, MatchesRandom123KnownAnswers) {
             (std::array<uint32_t, 4>{0xd16cfe09, 0x94fdcceb, 0x5001e420, 0x24126ea1}));
 }
 
-TEST(DeviceSampling, GreedyIsArgmaxForOddVocabSizes) {
+TEST_P(DeviceSampling, GreedyIsArgmaxForOddVocabSizes) {
   for (uint32_t vocab : {1u, 7u, 1000u, 32001u, 128256u}) {
     SCOPED_TRACE(vocab);
     const uint32_t rows = 5;
@@ -92,7 +179,7 @@ TEST(DeviceSampling, GreedyIsArgmaxForOddVocabSizes) {
   }
 }
 
-TEST(DeviceSampling, TopK1IsGreedy) {
+TEST_P(DeviceSampling, TopK1IsGreedy) {
   const uint32_t rows = 16, vocab = 4099;
   const auto logits = random_logits(rows, vocab, 7);
   SamplingParams top1;
@@ -104,7 +191,7 @@ TEST(DeviceSampling, TopK1IsGreedy) {
     EXPECT_EQ(got[r], host_argmax(&logits[size_t(r) * vocab], vocab)) << "row " << r;
 }
 
-TEST(DeviceSampling, SeededRunsRepeatAndRowsAreIndependentOfTheBatch) {
+TEST_P(DeviceSampling, SeededRunsRepeatAndRowsAreIndependentOfTheBatch) {
   const uint32_t vocab = 3001;
   const auto logits = random_logits(8, vocab, 11, 1.0f);  // flat enough that seeds matter
   std::vector<SamplingParams> params(8);
@@ -146,7 +233,7 @@ TEST(DeviceSampling, SeededRunsRepeatAndRowsAreIndependentOfTheBatch) {
   EXPECT_EQ(sample_tokens(dev(), upload(batch), 6, vocab, mixed, mixed_seeds)[3], first[4]);
 }
 
-TEST(DeviceSampling, AgreesWithTheHostReferenceDrawForDraw) {
+TEST_P(DeviceSampling, AgreesWithTheHostReferenceDrawForDraw) {
   // Every path (plain, heap top-k, radix top-k, nucleus rejection, min-p, tiny temperature) on
   // random rows; the kernel and sample_reference share the generator and the arithmetic order.
   const uint32_t rows = 600, vocab = 1000;
@@ -188,7 +275,7 @@ SamplingParams make(float t, int32_t k, float p, float min_p) {
   return s;
 }
 
-TEST(DeviceSampling, FrequenciesMatchTheReferenceDistribution) {
+TEST_P(DeviceSampling, FrequenciesMatchTheReferenceDistribution) {
   const auto row = fixed_row();
   const FrequencyCase cases[] = {
       {"T=1", make(1.0f, -1, 1.0f, 0.0f)},
@@ -217,7 +304,7 @@ TEST(DeviceSampling, FrequenciesMatchTheReferenceDistribution) {
   EXPECT_EQ(support_size(sampling_distribution(row.data(), 50, make(1.0f, -1, 1.0f, 0.0f))), 50u);
 }
 
-TEST(DeviceSampling, TopKAndTopPCutThroughTiesByLowerId) {
+TEST_P(DeviceSampling, TopKAndTopPCutThroughTiesByLowerId) {
   const std::vector<float> flat(20, 0.5f);
   // top_k=5 of 20 equal tokens: ids 0..4, uniformly.
   std::vector<float> five(20, 0.0f);
@@ -260,7 +347,7 @@ TEST(DeviceSampling, TopKAndTopPCutThroughTiesByLowerId) {
     ASSERT_TRUE(t <= 93 || t % 97 == 0) << t;
 }
 
-TEST(DeviceSampling, BitmaskExcludesTokensAndGreedyTakesTheBestAllowed) {
+TEST_P(DeviceSampling, BitmaskExcludesTokensAndGreedyTakesTheBestAllowed) {
   for (uint32_t vocab : {37u, 1000u, 32001u}) {
     SCOPED_TRACE(vocab);
     const uint32_t rows = 64, words = bitmask_words(vocab);
@@ -305,7 +392,7 @@ TEST(DeviceSampling, BitmaskExcludesTokensAndGreedyTakesTheBestAllowed) {
   }
 }
 
-TEST(DeviceSampling, NonFiniteLogitsAndEmptyRows) {
+TEST_P(DeviceSampling, NonFiniteLogitsAndEmptyRows) {
   const float inf = std::numeric_limits<float>::infinity();
   const float nan = std::numeric_limits<float>::quiet_NaN();
   // -inf and NaN are never drawn; +inf tokens share all the mass.
@@ -330,7 +417,7 @@ TEST(DeviceSampling, NonFiniteLogitsAndEmptyRows) {
   EXPECT_EQ(sample_reference(&two_rows[2], 2, SamplingParams{}, 1), -1);
 }
 
-TEST(DeviceSampling, LargeVocabBatchDrawsInsideTheKeptSet) {
+TEST_P(DeviceSampling, LargeVocabBatchDrawsInsideTheKeptSet) {
   const uint32_t rows = 8, vocab = 128256;
   const auto logits = random_logits(rows, vocab, 2024, 2.0f);
   std::vector<SamplingParams> params = {
@@ -346,7 +433,7 @@ TEST(DeviceSampling, LargeVocabBatchDrawsInsideTheKeptSet) {
   }
 }
 
-TEST(DeviceSampling, RejectsBadParametersAndSizes) {
+TEST_P(DeviceSampling, RejectsBadParametersAndSizes) {
   const uint32_t vocab = 10;
   const cl::Mem buf = upload(random_logits(2, vocab, 1));
   auto call = [&](const SamplingParams& p) {

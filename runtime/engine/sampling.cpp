@@ -22,6 +22,9 @@ using sampling_kernel::is_greedy;
 // heap (2 KiB of ulong per work-item at 256).
 constexpr uint32_t kTopKHeapMax = 256;
 constexpr uint32_t kChunk = 16;  // the kernel's float16 chunk; the reference sums in its order
+constexpr uint32_t kSegment = 512;  // SEGMENT of kernels_cl/sampling_common.cl
+// Lanes per row of the GPU shape (kernels_cl/sampling_wg.cl; a power of two >= 32).
+constexpr size_t kSampleWg = 256;
 // Tokens per work-item of apply_penalties: rows x (vocab / block) work-items spread a batch over
 // the cores even when few rows ask for penalties.
 constexpr uint32_t kPenaltyBlock = 4096;
@@ -49,6 +52,41 @@ float tree_sum16(const float* v) {
   for (int j = 0; j < 4; ++j) b[j] = a[j] + a[j + 4];
   for (int j = 0; j < 2; ++j) c[j] = b[j] + b[j + 2];
   return c[0] + c[1];
+}
+
+// segment_tree() in kernels_cl/sampling_common.cl: a 512-token segment's 32 chunk sums, halves
+// first.
+float segment_tree(const float* chunk_sums) {
+  float a[16];
+  for (int j = 0; j < 16; ++j) a[j] = chunk_sums[j] + chunk_sums[j + 16];
+  return tree_sum16(a);
+}
+
+// The segment masses of w, only tokens ranked above `pivot` counted unless it is 0.
+std::vector<float> segment_masses(const float* logits, const std::vector<float>& w,
+                                  uint64_t pivot) {
+  const uint32_t vocab = uint32_t(w.size());
+  std::vector<float> seg((vocab + kSegment - 1) / kSegment);
+  for (uint32_t k = 0; k < seg.size(); ++k) {
+    float sums[kSegment / kChunk] = {};
+    for (uint32_t c = 0; c < kSegment / kChunk; ++c) {
+      float chunk[kChunk] = {};
+      for (uint32_t j = 0; j < kChunk; ++j) {
+        const uint32_t i = k * kSegment + c * kChunk + j;
+        if (i < vocab && (pivot == 0 || token_rank(logits, i) > pivot)) chunk[j] = w[i];
+      }
+      sums[c] = tree_sum16(chunk);
+    }
+    seg[k] = segment_tree(sums);
+  }
+  return seg;
+}
+
+// A row's mass: the segment masses in id order.
+float sum_segments(const std::vector<float>& seg) {
+  float total = 0.0f;
+  for (float s : seg) total += s;
+  return total;
 }
 
 float uniform_draw(uint64_t seed, uint32_t round) {
@@ -93,53 +131,52 @@ RowMasses kept_masses(const float* logits, uint32_t vocab, const SamplingParams&
     const float w = std::exp((clamped(logits[i]) - max_logit) * inv_t);
     if (w >= p.min_p) out.w[i] = w;
   }
-  for (uint32_t i = 0; i < vocab; i += kChunk) {
-    float chunk[kChunk] = {};
-    for (uint32_t j = 0; j < kChunk && i + j < vocab; ++j) chunk[j] = out.w[i + j];
-    out.total += tree_sum16(chunk);
-  }
+  out.total = sum_segments(segment_masses(logits, out.w, 0));
   return out;
 }
 
-// walk_cdf() in the kernel. `pivot` 0 = unrestricted, else only tokens ranked above it count.
-uint32_t walk_cdf(const float* logits, const std::vector<float>& w, float r, uint64_t pivot) {
+// walk_segments() in kernels_cl/sampling_common.cl: the segment masses in id order, then chunk by
+// chunk and token by token inside the segment that crosses r. `pivot` 0 = unrestricted, else only
+// tokens ranked above it count (their masses are the ones in `seg`).
+uint32_t walk_cdf(const float* logits, const std::vector<float>& w, const std::vector<float>& seg,
+                  float r, uint64_t pivot) {
   const uint32_t vocab = uint32_t(w.size());
   auto mass = [&](uint32_t i) {
     return pivot == 0 || token_rank(logits, i) > pivot ? w[i] : 0.0f;
   };
-  float cum = 0.0f;
-  uint32_t last_chunk = 0;
-  for (uint32_t i = 0; i < vocab; i += kChunk) {
-    const uint32_t n = std::min(kChunk, vocab - i);
-    float chunk[kChunk] = {};
-    for (uint32_t j = 0; j < n; ++j) chunk[j] = mass(i + j);
-    const float s = tree_sum16(chunk);
-    if (s > 0.0f) last_chunk = i;
-    if (cum + s > r) {
-      uint32_t pick = i;
-      for (uint32_t j = 0; j < n; ++j) {
-        if (chunk[j] > 0.0f) {
-          pick = i + j;
-          cum += chunk[j];
-          if (cum > r) break;
+  // walk_segment() in the kernel.
+  auto walk_segment = [&](uint32_t s0, float cum, float r) {
+    uint32_t pick = s0;
+    for (uint32_t i = s0; i < std::min(vocab, s0 + kSegment); i += kChunk) {
+      const uint32_t n = std::min(kChunk, vocab - i);
+      float chunk[kChunk] = {};
+      for (uint32_t j = 0; j < n; ++j) chunk[j] = mass(i + j);
+      const float s = tree_sum16(chunk);
+      if (!(s > 0.0f)) continue;
+      if (cum + s > r) {
+        for (uint32_t j = 0; j < n; ++j) {
+          if (chunk[j] > 0.0f) {
+            pick = i + j;
+            cum += chunk[j];
+            if (cum > r) break;
+          }
         }
+        return pick;
       }
-      return pick;
+      for (uint32_t j = 0; j < n; ++j)
+        if (chunk[j] > 0.0f) pick = i + j;
+      cum += s;
     }
-    cum += s;
+    return pick;
+  };
+  float cum = 0.0f;
+  uint32_t last = 0;
+  for (uint32_t k = 0; k < seg.size(); ++k) {
+    if (seg[k] > 0.0f) last = k;
+    if (cum + seg[k] > r) return walk_segment(k * kSegment, cum, r);
+    cum += seg[k];
   }
-  uint32_t pick = last_chunk;
-  for (uint32_t j = 0; j < kChunk && last_chunk + j < vocab; ++j)
-    if (mass(last_chunk + j) > 0.0f) pick = last_chunk + j;
-  return pick;
-}
-
-// mass_above() in the kernel: per-lane sums, then the tree.
-float mass_above(const float* logits, const std::vector<float>& w, uint64_t pivot) {
-  float acc[kChunk] = {};
-  for (uint32_t i = 0; i < w.size(); ++i)
-    if (token_rank(logits, i) > pivot) acc[i % kChunk] += w[i];
-  return tree_sum16(acc);
+  return walk_segment(last * kSegment, 0.0f, std::numeric_limits<float>::infinity());
 }
 
 std::string row_prefix(size_t r) { return "sample_tokens: row " + std::to_string(r) + ": "; }
@@ -174,6 +211,21 @@ cl::Kernel kernel(Device& dev, const char* name) {
                     "-DTOPK_HEAP_MAX=" + std::to_string(kTopKHeapMax) +
                         " -DPENALTY_BLOCK=" + std::to_string(kPenaltyBlock) +
                         " -DMAX_TOP_LOGPROBS=" + std::to_string(kMaxTopLogprobs));
+}
+
+cl::Kernel wg_kernel(Device& dev, const char* name) {
+  return dev.kernel("sampling_wg.cl", name,
+                    "-DSAMPLE_WG=" + std::to_string(kSampleWg) +
+                        " -DMAX_TOP_LOGPROBS=" + std::to_string(kMaxTopLogprobs));
+}
+
+void launch_rows(Device& dev, const cl::Kernel& k, size_t rows) {
+  if (dev.kernel_shape() == KernelShape::WorkGroups) {
+    const size_t local = kSampleWg;
+    dev.launch(k, {rows * kSampleWg, 1, 1}, 1, &local);
+  } else {
+    dev.launch(k, {rows, 1, 1}, 1);
+  }
 }
 
 void require_buffer(const cl::Mem& m, const std::string& where, const char* name, size_t rows,
@@ -270,11 +322,13 @@ std::vector<int32_t> sample_tokens(Device& dev, const cl::Mem& logits, uint32_t 
   Scratch work(dev, (any_random ? rows * sampling_kernel::work_floats(vocab) : 1) * sizeof(float));
   Scratch out(dev, rows * sizeof(int32_t));
 
-  cl::Kernel k = sampling_kernel::kernel(dev, "sample_rows");
+  const bool wg = dev.kernel_shape() == KernelShape::WorkGroups;
+  cl::Kernel k = wg ? sampling_kernel::wg_kernel(dev, "sample_rows_wg")
+                    : sampling_kernel::kernel(dev, "sample_rows");
   const cl::Mem no_bitmask;
   cl::set_args(k, logits, rows, vocab, args_buf.mem(), bitmask ? *bitmask : no_bitmask, words,
                work.mem(), out.mem());
-  dev.launch(k, {rows, 1, 1}, 1);
+  sampling_kernel::launch_rows(dev, k, rows);
   std::vector<int32_t> tokens(rows);
   dev.read(out.mem(), tokens.data(), rows * sizeof(int32_t));
   for (uint32_t r = 0; r < rows; ++r)
@@ -445,11 +499,13 @@ std::vector<TokenLogprobs> compute_logprobs(Device& dev, const cl::Mem& logits, 
   Scratch args_buf(dev, args.size() * sizeof(args[0]));
   dev.write(args_buf.mem(), args.data(), args.size() * sizeof(args[0]));
   Scratch out(dev, args.size() * kLogprobStride * 4);
-  cl::Kernel k = sampling_kernel::kernel(dev, "row_logprobs");
+  const bool wg = dev.kernel_shape() == KernelShape::WorkGroups;
+  cl::Kernel k = wg ? sampling_kernel::wg_kernel(dev, "row_logprobs_wg")
+                    : sampling_kernel::kernel(dev, "row_logprobs");
   const cl::Mem no_bitmask;
   cl::set_args(k, logits, vocab, args_buf.mem(), any_mask ? *bitmask : no_bitmask, words,
                out.mem());
-  dev.launch(k, {args.size(), 1, 1}, 1);
+  sampling_kernel::launch_rows(dev, k, args.size());
   std::vector<float> host(args.size() * kLogprobStride);
   dev.read(out.mem(), host.data(), host.size() * 4);
   std::vector<TokenLogprobs> result(rows.size());
@@ -505,15 +561,18 @@ int32_t sample_reference(const float* logits, uint32_t vocab, const SamplingPara
   validate_sampling_params(p);
   const RowMasses m = kept_masses(logits, vocab, p, allowed_bits);
   if (m.argmax < 0 || is_greedy(p)) return m.argmax;
+  std::vector<float> seg = segment_masses(logits, m.w, 0);
   if (p.top_p >= 1.0f)
-    return int32_t(walk_cdf(logits, m.w, uniform_draw(step_seed, 0) * m.total, 0));
+    return int32_t(walk_cdf(logits, m.w, seg, uniform_draw(step_seed, 0) * m.total, 0));
   // The kernel's nucleus rejection loop (see kernels_cl/sampling.cl).
   const float target = p.top_p * m.total;
   float set_mass = m.total;
   uint64_t pivot = 0;
   for (uint32_t round = 0;; ++round) {
-    const uint32_t j = walk_cdf(logits, m.w, uniform_draw(step_seed, round) * set_mass, pivot);
-    const float above = mass_above(logits, m.w, token_rank(logits, j));
+    const uint32_t j =
+        walk_cdf(logits, m.w, seg, uniform_draw(step_seed, round) * set_mass, pivot);
+    seg = segment_masses(logits, m.w, token_rank(logits, j));
+    const float above = sum_segments(seg);
     if (above < target) return int32_t(j);
     pivot = token_rank(logits, j);
     set_mass = above;

@@ -1,4 +1,4 @@
-// What the host side of kernels_cl/sampling.cl shares between sampling.cpp (sample_rows) and
+// What the host side of kernels_cl/sampling.cl (and sampling_wg.cl) shares between sampling.cpp (sample_rows) and
 // acceptance.cpp (accept_rows): the per-row argument block, the scratch size and the program's
 // build options. Internal to the runtime; callers use sampling.h and acceptance.h.
 #pragma once
@@ -41,6 +41,11 @@ size_t work_floats(uint32_t vocab);
 
 // A kernel of kernels_cl/sampling.cl, built with the options both callers share (one program).
 cl::Kernel kernel(Device& dev, const char* name);
+
+// A kernel of kernels_cl/sampling_wg.cl (the GPU shape: a work-group per row), and the launch of
+// a per-row kernel of either file in the device's shape (dev.kernel_shape()).
+cl::Kernel wg_kernel(Device& dev, const char* name);
+void launch_rows(Device& dev, const cl::Kernel& k, size_t rows);
 
 // Throws std::invalid_argument "<where>the <name> buffer holds fewer than <rows> x <per_row>
 // <unit>" unless `m` holds at least rows * per_row 4-byte elements.

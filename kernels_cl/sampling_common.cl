@@ -1,0 +1,232 @@
+// What both shapes of the sampler share: kernels_cl/sampling.cl (one work-item per row, the CPU
+// shape) and kernels_cl/sampling_wg.cl (one work-group per row, the GPU shape) pull this file in
+// with #include (runtime/program_cache.cpp), so each program compiles only its own kernels.
+//
+// The summation order, fixed so both shapes draw the same tokens bit for bit: a row is cut into
+// 16-token chunks (summed by hsum16) and 512-token segments; a segment's mass is the pairwise tree
+// over its 32 chunk sums (segment_tree: the halves-first order of a local-memory reduction over 32
+// lanes), and a row's mass is its segment masses added in id order. The inverse-CDF walk goes
+// through the same segment masses, then chunk by chunk and token by token inside the segment that
+// crosses the draw.
+
+#define CHUNK 16
+
+// Per-row parameters, filled by runtime/engine/sampling.cpp (SamplingRowArgs there; 4-byte fields only
+// so the layout is the same on both sides).
+typedef struct {
+  float inv_temperature;  // 1 / max(T, 1e-6)
+  uint top_k;             // 0: no top-k filter
+  float top_p;            // 1: no nucleus filter
+  float min_p;            // keep w >= min_p (w of the best token is 1)
+  uint seed_lo;
+  uint seed_hi;
+  uint greedy;            // temperature 0 or top_k 1
+  uint pad;
+} SamplingRowArgs;
+
+// Floats of `work` per row: the kept masses, and before them the radix top-k's scratch (candidate
+// keys and chunk maxima). runtime/engine/sampling.cpp allocates rows * work_stride.
+inline size_t work_stride(uint vocab) { return (size_t)vocab + (vocab + CHUNK - 1) / CHUNK; }
+
+constant uint16 kLane = (uint16)(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+
+// Philox4x32-10 (Salmon et al., Random123): a counter-based generator, so a row's draws depend
+// only on its seed and the round number.
+inline uint4 philox4x32_10(uint4 ctr, uint2 key) {
+  for (int i = 0; i < 10; ++i) {
+    const uint lo0 = 0xD2511F53u * ctr.x, hi0 = mul_hi(0xD2511F53u, ctr.x);
+    const uint lo1 = 0xCD9E8D57u * ctr.z, hi1 = mul_hi(0xCD9E8D57u, ctr.z);
+    ctr = (uint4)(hi1 ^ ctr.y ^ key.x, lo1, hi0 ^ ctr.w ^ key.y, lo0);
+    key += (uint2)(0x9E3779B9u, 0xBB67AE85u);
+  }
+  return ctr;
+}
+
+// Uniform in [0, 1) with 24 random bits (every value exact in float).
+inline float uniform_draw(uint2 seed, uint round) {
+  return (float)(philox4x32_10((uint4)(round, 0u, 0u, 0u), seed).x >> 8) * 0x1.0p-24f;
+}
+
+// Monotone float -> uint map: a < b as floats (with -0 < +0) iff key(a) < key(b).
+inline uint16 order_keys(float16 x) {
+  const uint16 u = as_uint16(x);
+  return u ^ (((uint16)0u - (u >> 31)) | 0x80000000u);
+}
+inline uint order_key(float x) {
+  const uint u = as_uint(x);
+  return u ^ ((0u - (u >> 31)) | 0x80000000u);
+}
+
+// The n (1..16) tokens from i; missing lanes read -inf (never allowed).
+inline float16 load_logits(global const float* row, uint i, uint n) {
+  if (n == CHUNK) return vload16(0, row + i);
+  float t[CHUNK];
+  for (uint j = 0; j < CHUNK; ++j) t[j] = j < n ? row[i + j] : -INFINITY;
+  return vload16(0, t);
+}
+
+inline float16 load_work(global const float* w, uint i, uint n) {
+  if (n == CHUNK) return vload16(0, w + i);
+  float t[CHUNK];
+  for (uint j = 0; j < CHUNK; ++j) t[j] = j < n ? w[i + j] : 0.0f;
+  return vload16(0, t);
+}
+
+inline void store_work(global float* w, uint i, uint n, float16 v) {
+  if (n == CHUNK) {
+    vstore16(v, 0, w + i);
+    return;
+  }
+  float t[CHUNK];
+  vstore16(v, 0, t);
+  for (uint j = 0; j < n; ++j) w[i + j] = t[j];
+}
+
+// Lanes (-1) whose token may be sampled: inside the row, allowed by the bitmask (bit set), and
+// with a logit that is neither NaN nor -inf. i is a multiple of 16.
+inline int16 allowed_lanes(float16 l, global const uint* mask_row, uint i, uint n) {
+  uint bits = n == CHUNK ? 0xFFFFu : ((1u << n) - 1u);
+  if (mask_row) bits &= mask_row[i >> 5] >> (i & 31u);
+  const int16 bit_set = as_int16(((uint16)bits >> kLane) & 1u);
+  return (bit_set != 0) & (l > (float16)(-INFINITY));
+}
+
+// Logits are clamped so +inf behaves as the largest float (its tokens share the mass).
+inline float16 clamped(float16 l) { return fmin(l, (float16)FLT_MAX); }
+
+// Lanes ranked at or above the boundary token (bkey, bid): key > bkey, or key == bkey and
+// id <= bid.
+inline int16 at_or_above(uint16 key, uint16 id, uint bkey, uint bid) {
+  return (key > bkey) | ((key == bkey) & (id <= bid));
+}
+// Lanes ranked strictly above token (pkey, pid).
+inline int16 strictly_above(uint16 key, uint16 id, uint pkey, uint pid) {
+  return (key > pkey) | ((key == pkey) & (id < pid));
+}
+
+// The lanes set in `lanes` (-1/0 per lane) as bits of a uint, so scalar code visits only those
+// (lowest_lane + clear) instead of testing all 16.
+inline uint lane_bits(int16 lanes) {
+  const uint16 b = as_uint16(lanes) & ((uint16)1u << kLane);
+  const uint8 a = b.lo | b.hi;
+  const uint4 c = a.lo | a.hi;
+  const uint2 d = c.lo | c.hi;
+  return d.x | d.y;
+}
+inline uint lowest_lane(uint bits) { return 31u - clz(bits & (0u - bits)); }
+
+// Per row that asks, filled by runtime/engine/sampling.cpp (LogprobRowArgs there).
+typedef struct {
+  uint row;              // logits (and bitmask) row
+  int token;             // the sampled token
+  uint top_n;            // 0..MAX_TOP_LOGPROBS
+  float inv_temperature; // 1 for the raw distribution
+  uint use_mask;         // restrict to the bitmask row's allowed tokens
+  uint pad0, pad1, pad2;
+} LogprobRowArgs;
+
+// ---- the fixed summation order -------------------------------------------------------------------
+
+#define SEGMENT 512                    // tokens per segment
+#define SEGMENT_CHUNKS (SEGMENT / CHUNK)  // 32
+
+// The tree over a segment's 32 chunk sums: (c[i] + c[i + 16]), then hsum16's halves.
+inline float segment_tree(const float* chunk_sums) {
+  return hsum16(vload16(0, chunk_sums) + vload16(1, chunk_sums));
+}
+
+// The kept masses of the chunk at i (a multiple of 16, < vocab); with `restricted`, only the
+// tokens ranked strictly above (pkey, pid) keep theirs.
+inline float16 chunk_mass(global const float* work, global const float* row, uint vocab, uint i,
+                          int restricted, uint pkey, uint pid) {
+  const uint n = min((uint)CHUNK, vocab - i);
+  float16 w = load_work(work, i, n);
+  if (restricted) {
+    const uint16 key = order_keys(clamped(load_logits(row, i, n)));
+    w = select((float16)0.0f, w, strictly_above(key, (uint16)i + kLane, pkey, pid));
+  }
+  return w;
+}
+
+// The mass of the segment at s0 (a multiple of SEGMENT).
+inline float segment_mass(global const float* work, global const float* row, uint vocab, uint s0,
+                          int restricted, uint pkey, uint pid) {
+  float sums[SEGMENT_CHUNKS];
+  for (uint c = 0; c < SEGMENT_CHUNKS; ++c) {
+    const uint i = s0 + c * CHUNK;
+    sums[c] = i < vocab ? hsum16(chunk_mass(work, row, vocab, i, restricted, pkey, pid)) : 0.0f;
+  }
+  return segment_tree(sums);
+}
+
+// Inside the segment at s0, with `cum` the mass of the segments before it: the first token whose
+// running mass exceeds r, the running mass going chunk by chunk, then token by token in the chunk
+// that crosses r. When none does (rounding: the chunks' running sum need not reach the segment's
+// tree sum), the segment's last token with mass. r = INFINITY asks for that last token.
+inline uint walk_segment(global const float* work, global const float* row, uint vocab, uint s0,
+                         float cum, float r, int restricted, uint pkey, uint pid) {
+  uint pick = s0;
+  int found = 0;
+  const uint end = min(vocab, s0 + SEGMENT);
+  for (uint i = s0; i < end && !found; i += CHUNK) {
+    const uint n = min((uint)CHUNK, vocab - i);
+    const float16 w = chunk_mass(work, row, vocab, i, restricted, pkey, pid);
+    const float s = hsum16(w);
+    if (!(s > 0.0f)) continue;
+    float wt[CHUNK];
+    vstore16(w, 0, wt);
+    if (cum + s > r) {
+      found = 1;
+      for (uint j = 0; j < n; ++j) {
+        if (wt[j] > 0.0f) {
+          pick = i + j;
+          cum += wt[j];
+          if (cum > r) break;
+        }
+      }
+    } else {
+      for (uint j = 0; j < n; ++j)
+        if (wt[j] > 0.0f) pick = i + j;
+      cum += s;
+    }
+  }
+  return pick;
+}
+
+// The inverse-CDF draw given the row's segment masses (seg[k] for the segment at k * SEGMENT):
+// the first segment whose running mass exceeds r is walked; rounding can leave r at or above the
+// total, and the last token with mass is taken then.
+inline uint walk_segments(global const float* work, global const float* row, uint vocab,
+                          const global float* seg, float r, int restricted, uint pkey, uint pid) {
+  const uint n_seg = (vocab + SEGMENT - 1) / SEGMENT;
+  float cum = 0.0f;
+  uint last = 0;
+  for (uint k = 0; k < n_seg; ++k) {
+    const float s = seg[k];
+    if (s > 0.0f) last = k;
+    if (cum + s > r) return walk_segment(work, row, vocab, k * SEGMENT, cum, r, restricted, pkey, pid);
+    cum += s;
+  }
+  return walk_segment(work, row, vocab, last * SEGMENT, 0.0f, INFINITY, restricted, pkey, pid);
+}
+
+// A row's mass: its segment masses in id order.
+inline float sum_segments(const global float* seg, uint vocab) {
+  const uint n_seg = (vocab + SEGMENT - 1) / SEGMENT;
+  float total = 0.0f;
+  for (uint k = 0; k < n_seg; ++k) total += seg[k];
+  return total;
+}
+
+// Segments of a row (the GPU shape keeps their masses in the tail of `work`: work_stride leaves
+// ceil(vocab / 16) floats there).
+inline uint segment_count(uint vocab) { return (vocab + SEGMENT - 1) / SEGMENT; }
+
+// exp(l * inv_t - m) of the allowed tokens of the chunk at i, 0 for the others (log Z of
+// row_logprobs in both shapes).
+inline float16 logprob_chunk_mass(global const float* row, global const uint* mask_row, uint vocab,
+                                  uint i, float inv_t, float m) {
+  const uint n = min((uint)CHUNK, vocab - i);
+  const float16 l = load_logits(row, i, n);
+  return select((float16)0.0f, exp(clamped(l) * inv_t - m), allowed_lanes(l, mask_row, i, n));
+}

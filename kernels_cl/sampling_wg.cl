@@ -1,0 +1,378 @@
+// Batched token sampling (sample_rows_wg) and log-probabilities (row_logprobs_wg) in the GPU
+// shape: one work-group of SAMPLE_WG lanes per row, lane t owning the 16-token chunks t,
+// t + SAMPLE_WG, ... (neighbouring lanes read neighbouring 64-byte chunks). The semantics are
+// those of kernels_cl/sampling.cl (the CPU shape), and both sum in the fixed order of
+// sampling_common.cl, so for the same seeds the two shapes draw the same tokens and give the same
+// log-probabilities bit for bit:
+//   - a pass hands each lane one chunk; its 16-lane sum goes to local memory, and the tree over
+//     each 32 lanes (= one 512-token segment) is segment_tree()'s order;
+//   - the segment masses are added in id order, and the inverse-CDF walk inside the segment that
+//     crosses the draw is sequential, by lane 0 (at most 512 tokens);
+//   - the top-k boundary is a work-group radix select over (key, ~id), 8 bits a level: the k-th
+//     best token, exactly as the CPU shape's heap or radix select finds it;
+//   - the top-n log-probabilities: each lane keeps its own best n, then n rounds of a group max.
+//
+// Every loop that contains a barrier runs the same number of times on every lane and has a single
+// exit (no return or break inside it): a barrier inside a loop that some lanes leave early is
+// undefined, and PoCL's compiler spent minutes on such loops. SAMPLE_WG is a power of two >= 32
+// (runtime/engine/sampling.cpp passes it).
+
+#include "sampling_common.cl"
+
+#ifndef SAMPLE_WG
+#define SAMPLE_WG 256
+#endif
+#define SEGMENT_LANE_MASK (SEGMENT_CHUNKS - 1)
+
+// The argmax of the row's allowed tokens (highest order key, ties to the lowest id) and their
+// count in *n_allowed, on every lane. lk, li, lc: SAMPLE_WG uints of local scratch each.
+inline uint wg_row_argmax(global const float* row, global const uint* mask_row, uint vocab,
+                          local uint* lk, local uint* li, local uint* lc, uint* n_allowed) {
+  const uint lane = get_local_id(0);
+  uint16 best_key = 0u, best_id = 0xFFFFFFFFu;
+  uint count = 0;
+  for (uint i = lane * CHUNK; i < vocab; i += SAMPLE_WG * CHUNK) {
+    const uint n = min((uint)CHUNK, vocab - i);
+    const float16 l = load_logits(row, i, n);
+    const int16 ok = allowed_lanes(l, mask_row, i, n);
+    const uint16 key = order_keys(clamped(l));
+    const int16 better = ok & (key > best_key);
+    best_key = select(best_key, key, better);
+    best_id = select(best_id, (uint16)i + kLane, better);
+    count += popcount(lane_bits(ok));
+  }
+  uint bk[CHUNK], bi[CHUNK];
+  vstore16(best_key, 0, bk);
+  vstore16(best_id, 0, bi);
+  uint max_key = 0, argmax = 0xFFFFFFFFu;
+  for (uint j = 0; j < CHUNK; ++j) {
+    if (bk[j] > max_key || (bk[j] == max_key && bi[j] < argmax)) {
+      max_key = bk[j];
+      argmax = bi[j];
+    }
+  }
+  lk[lane] = max_key;
+  li[lane] = argmax;
+  lc[lane] = count;
+  barrier(CLK_LOCAL_MEM_FENCE);
+  for (uint s = SAMPLE_WG / 2; s > 0; s >>= 1) {
+    if (lane < s) {
+      const uint ok = lk[lane + s], oi = li[lane + s];
+      if (ok > lk[lane] || (ok == lk[lane] && oi < li[lane])) {
+        lk[lane] = ok;
+        li[lane] = oi;
+      }
+      lc[lane] += lc[lane + s];
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+  }
+  *n_allowed = lc[0];
+  const uint result = li[0];
+  barrier(CLK_LOCAL_MEM_FENCE);  // the scratch is free again
+  return result;
+}
+
+// lf[lane] holds the sum of the lane's chunk; afterwards lf[32 s] holds the tree of lanes
+// [32 s, 32 s + 32): segment_tree()'s order (c[i] + c[i + 16], then halves).
+inline void wg_segment_trees(local float* lf) {
+  const uint lane = get_local_id(0);
+  for (uint s = SEGMENT_CHUNKS / 2; s > 0; s >>= 1) {
+    if ((lane & SEGMENT_LANE_MASK) < s) lf[lane] += lf[lane + s];
+    barrier(CLK_LOCAL_MEM_FENCE);
+  }
+}
+
+// After wg_segment_trees for the pass whose first chunk is `base`: the pass's segment masses into
+// seg (the segment of lane 32 s is (base + 32 s) / 32).
+inline void wg_store_pass_segments(local const float* lf, uint base, uint vocab, global float* seg) {
+  const uint lane = get_local_id(0);
+  if ((lane & SEGMENT_LANE_MASK) == 0 && (base + lane) * CHUNK < vocab)
+    seg[(base + lane) / SEGMENT_CHUNKS] = lf[lane];
+}
+
+// The segment masses of `work` (restricted to the tokens ranked strictly above (pkey, pid) when
+// `restricted`) into seg, by all lanes; visible to every lane on return.
+inline void wg_store_segment_masses(global const float* work, global const float* row, uint vocab,
+                                    int restricted, uint pkey, uint pid, global float* seg,
+                                    local float* lf) {
+  const uint lane = get_local_id(0);
+  const uint n_chunks = (vocab + CHUNK - 1) / CHUNK;
+  for (uint base = 0; base < n_chunks; base += SAMPLE_WG) {
+    const uint i = (base + lane) * CHUNK;
+    lf[lane] = i < vocab ? hsum16(chunk_mass(work, row, vocab, i, restricted, pkey, pid)) : 0.0f;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    wg_segment_trees(lf);
+    wg_store_pass_segments(lf, base, vocab, seg);
+    barrier(CLK_LOCAL_MEM_FENCE);
+  }
+  barrier(CLK_GLOBAL_MEM_FENCE);
+}
+
+// The k-th best allowed token as (key, id), for 0 < k < allowed count: a radix select over the
+// 64-bit rank (key, ~id), 8 bits a level from the top, until the k-th token is alone in its
+// bucket; then the one token with that prefix. Every lane picks the bucket from the local
+// histogram itself, so the prefix needs no broadcast. hist: 256 uints, found: 2 uints of local
+// memory.
+inline uint2 wg_topk_boundary(global const float* row, global const uint* mask_row, uint vocab,
+                              uint k, local uint* hist, local uint* found) {
+  const uint lane = get_local_id(0);
+  uint kp = 0, km = 0, ip = 0, im = 0;  // key prefix and mask, ~id prefix and mask
+  uint above = 0;                       // tokens ranked above every token with the prefix
+  uint done = 0;
+  for (uint level = 0; level < 8; ++level) {
+    for (uint b = lane; b < 256; b += SAMPLE_WG) hist[b] = 0;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    const uint shift = 24 - 8 * (level & 3);
+    for (uint i = lane * CHUNK; !done && i < vocab; i += SAMPLE_WG * CHUNK) {
+      const uint n = min((uint)CHUNK, vocab - i);
+      const float16 l = load_logits(row, i, n);
+      const uint16 key = order_keys(clamped(l));
+      const uint16 nid = ~((uint16)i + kLane);
+      uint match = lane_bits(allowed_lanes(l, mask_row, i, n) & ((key & km) == kp) &
+                             ((nid & im) == ip));
+      uint dt[CHUNK];
+      vstore16(level < 4 ? key : nid, 0, dt);
+      for (; match; match &= match - 1)
+        atomic_inc(&hist[(dt[lowest_lane(match)] >> shift) & 255u]);
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    if (!done) {
+      uint b = 256;
+      while (b-- > 1 && above + hist[b] < k) above += hist[b];
+      if (level < 4) {
+        kp |= b << shift;
+        km |= 255u << shift;
+      } else {
+        ip |= b << shift;
+        im |= 255u << shift;
+      }
+      done = hist[b] == 1;  // ranks are unique: at the last level at the latest
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);  // every lane has read hist
+  }
+  for (uint i = lane * CHUNK; i < vocab; i += SAMPLE_WG * CHUNK) {
+    const uint n = min((uint)CHUNK, vocab - i);
+    const float16 l = load_logits(row, i, n);
+    const uint16 key = order_keys(clamped(l));
+    const uint match = lane_bits(allowed_lanes(l, mask_row, i, n) & ((key & km) == kp) &
+                                 ((~((uint16)i + kLane) & im) == ip));
+    if (match) {
+      const uint j = lowest_lane(match);
+      uint kt[CHUNK];
+      vstore16(key, 0, kt);
+      found[0] = kt[j];
+      found[1] = i + j;
+    }
+  }
+  barrier(CLK_LOCAL_MEM_FENCE);
+  const uint2 boundary = (uint2)(found[0], found[1]);
+  barrier(CLK_LOCAL_MEM_FENCE);
+  return boundary;
+}
+
+// One token per row, one work-group per row (global size rows * SAMPLE_WG). out[r] = -1 when the
+// row allows no token at all. `work` as sample_rows: the kept masses, then the segment masses.
+kernel __attribute__((reqd_work_group_size(SAMPLE_WG, 1, 1))) void sample_rows_wg(
+    global const float* logits, uint rows, uint vocab, global const SamplingRowArgs* args,
+    global const uint* bitmask, uint bitmask_words, global float* work, global int* out) {
+  local uint lk[SAMPLE_WG], li[SAMPLE_WG], lc[SAMPLE_WG];
+  local float lf[SAMPLE_WG];
+  local uint hist[256];
+  local uint state[8];  // the nucleus loop's shared values; [0, 2) the top-k boundary
+  local float fstate[2];
+  const uint r = get_group_id(0);
+  const uint lane = get_local_id(0);
+  global const float* row = logits + (size_t)r * vocab;
+  global const uint* mask_row = bitmask ? bitmask + (size_t)r * bitmask_words : 0;
+  const SamplingRowArgs p = args[r];
+  global float* work_row = work + (size_t)r * work_stride(vocab);
+  global float* seg = work_row + vocab;
+
+  // 1. Allowed count and argmax.
+  uint n_allowed;
+  const uint argmax = wg_row_argmax(row, mask_row, vocab, lk, li, lc, &n_allowed);
+  int result = n_allowed == 0 ? -1 : (int)argmax;
+  if (n_allowed > 0 && !p.greedy) {
+    const float max_logit = fmin(row[argmax], FLT_MAX);
+    // 2. Top-k boundary; (0, ~0) keeps every allowed token.
+    uint2 boundary = (uint2)(0u, 0xFFFFFFFFu);
+    if (p.top_k > 0 && p.top_k < n_allowed)
+      boundary = wg_topk_boundary(row, mask_row, vocab, p.top_k, hist, state);
+
+    // 3. Kept masses into work, segment masses into seg.
+    const uint n_chunks = (vocab + CHUNK - 1) / CHUNK;
+    for (uint base = 0; base < n_chunks; base += SAMPLE_WG) {
+      const uint i = (base + lane) * CHUNK;
+      float chunk_sum = 0.0f;
+      if (i < vocab) {
+        const uint n = min((uint)CHUNK, vocab - i);
+        const float16 l = load_logits(row, i, n);
+        const uint16 key = order_keys(clamped(l));
+        float16 w = exp((clamped(l) - max_logit) * p.inv_temperature);
+        const int16 keep = allowed_lanes(l, mask_row, i, n) &
+                           at_or_above(key, (uint16)i + kLane, boundary.x, boundary.y) &
+                           (w >= p.min_p);
+        w = select((float16)0.0f, w, keep);
+        store_work(work_row, i, n, w);
+        chunk_sum = hsum16(w);
+      }
+      lf[lane] = chunk_sum;
+      barrier(CLK_LOCAL_MEM_FENCE);
+      wg_segment_trees(lf);
+      wg_store_pass_segments(lf, base, vocab, seg);
+      barrier(CLK_LOCAL_MEM_FENCE);
+    }
+    barrier(CLK_GLOBAL_MEM_FENCE);
+    if (lane == 0) fstate[0] = sum_segments(seg, vocab);
+    barrier(CLK_LOCAL_MEM_FENCE);
+    const float total = fstate[0];
+
+    // 4. Draw (lane 0 walks; the nucleus loop as sample_row's, seg holding the current set's
+    // segment masses).
+    const uint2 seed = (uint2)(p.seed_lo, p.seed_hi);
+    if (p.top_p >= 1.0f) {
+      if (lane == 0)
+        result = (int)walk_segments(work_row, row, vocab, seg, uniform_draw(seed, 0) * total, 0,
+                                    0, 0);
+    } else {
+      const float target = p.top_p * total;
+      // state: accepted, j, pkey, pid, restricted, jkey; fstate[1]: the current set's mass
+      if (lane == 0) {
+        for (uint q = 0; q < 8; ++q) state[q] = 0;
+        fstate[1] = total;
+      }
+      barrier(CLK_LOCAL_MEM_FENCE);
+      uint accepted = 0;
+      for (uint round = 0; !accepted; ++round) {
+        if (lane == 0) {
+          const float u = uniform_draw(seed, round);
+          const uint j = walk_segments(work_row, row, vocab, seg, u * fstate[1], (int)state[4],
+                                       state[2], state[3]);
+          state[1] = j;
+          state[5] = order_key(fmin(row[j], FLT_MAX));
+        }
+        barrier(CLK_LOCAL_MEM_FENCE | CLK_GLOBAL_MEM_FENCE);
+        const uint j = state[1], jkey = state[5];
+        wg_store_segment_masses(work_row, row, vocab, 1, jkey, j, seg, lf);
+        if (lane == 0) {
+          const float above = sum_segments(seg, vocab);
+          if (above < target) {
+            state[0] = 1;
+          } else {
+            state[4] = 1;
+            state[2] = jkey;
+            state[3] = j;
+            fstate[1] = above;
+          }
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);
+        accepted = state[0];
+        barrier(CLK_LOCAL_MEM_FENCE);
+      }
+      result = (int)state[1];
+    }
+  }
+  if (lane == 0) out[r] = result;
+}
+
+// row_logprobs of sampling.cl, one work-group per requested row (global size rows * SAMPLE_WG);
+// the same output layout and the same values bit for bit.
+kernel __attribute__((reqd_work_group_size(SAMPLE_WG, 1, 1))) void row_logprobs_wg(
+    global const float* logits, uint vocab, global const LogprobRowArgs* args,
+    global const uint* bitmask, uint bitmask_words, global float* out) {
+  local uint lk[SAMPLE_WG], li[SAMPLE_WG], lc[SAMPLE_WG];
+  local float lf[SAMPLE_WG];
+  local ulong lr[SAMPLE_WG];
+  const uint g = get_group_id(0);
+  const uint lane = get_local_id(0);
+  const LogprobRowArgs a = args[g];
+  global const float* row = logits + (size_t)a.row * vocab;
+  global const uint* mask_row = a.use_mask ? bitmask + (size_t)a.row * bitmask_words : 0;
+  global float* o = out + (size_t)g * (2 + 2 * MAX_TOP_LOGPROBS);
+
+  uint n_allowed;
+  const uint argmax = wg_row_argmax(row, mask_row, vocab, lk, li, lc, &n_allowed);
+
+  // The lane's own best top_n ranks (rank = key << 32 | ~id), sorted best first.
+  ulong top[MAX_TOP_LOGPROBS];
+  uint size = 0;
+  uint worst_key = 0;  // 0 while filling
+  for (uint i = lane * CHUNK; a.top_n > 0 && i < vocab; i += SAMPLE_WG * CHUNK) {
+    const uint n = min((uint)CHUNK, vocab - i);
+    const float16 l = load_logits(row, i, n);
+    const uint16 key = order_keys(clamped(l));
+    uint cand = lane_bits(allowed_lanes(l, mask_row, i, n) & (key > worst_key));
+    if (!cand) continue;
+    uint kt[CHUNK];
+    vstore16(key, 0, kt);
+    for (; cand; cand &= cand - 1) {
+      const uint j = lowest_lane(cand);
+      const ulong rank = ((ulong)kt[j] << 32) | (ulong)(~(i + j));
+      if (size == a.top_n && rank <= top[size - 1]) continue;
+      uint pos = size < a.top_n ? size++ : size - 1;
+      while (pos > 0 && top[pos - 1] < rank) {
+        top[pos] = top[pos - 1];
+        --pos;
+      }
+      top[pos] = rank;
+      if (size == a.top_n) worst_key = (uint)(top[size - 1] >> 32);
+    }
+  }
+  // The group's top_n: round t takes the best head among the lanes' lists (ranks are unique).
+  uint picked[MAX_TOP_LOGPROBS];
+  uint n_picked = 0, head = 0;
+  for (uint t = 0; t < a.top_n; ++t) {
+    const ulong mine = head < size ? top[head] : 0ul;
+    lr[lane] = mine;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (uint s = SAMPLE_WG / 2; s > 0; s >>= 1) {
+      if (lane < s) lr[lane] = max(lr[lane], lr[lane + s]);
+      barrier(CLK_LOCAL_MEM_FENCE);
+    }
+    const ulong best = lr[0];
+    if (best != 0ul) {
+      picked[n_picked++] = ~(uint)best;
+      if (mine == best) ++head;
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+  }
+
+  // log Z in sample_common.cl's order: lane chunk sums, 512-token segment trees, the segments in
+  // id order with Kahan compensation (by lane 0).
+  float z = 0.0f, comp = 0.0f;
+  const float m = n_allowed > 0 ? fmin(row[argmax], FLT_MAX) * a.inv_temperature : 0.0f;
+  const uint n_chunks = n_allowed > 0 ? (vocab + CHUNK - 1) / CHUNK : 0;
+  for (uint base = 0; base < n_chunks; base += SAMPLE_WG) {
+    const uint i = (base + lane) * CHUNK;
+    lf[lane] = i < vocab ? hsum16(logprob_chunk_mass(row, mask_row, vocab, i, a.inv_temperature, m))
+                         : 0.0f;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    wg_segment_trees(lf);
+    if (lane == 0) {
+      for (uint q = 0; q < SAMPLE_WG && (base + q) * CHUNK < vocab; q += SEGMENT_CHUNKS) {
+        const float y = lf[q] - comp;
+        const float t = z + y;
+        comp = (t - z) - y;
+        z = t;
+      }
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+  }
+  if (lane == 0) {
+    o[1] = as_float(n_picked);
+    if (n_allowed == 0) {
+      o[0] = -INFINITY;
+    } else {
+      const float log_z = m + log(z);
+      const bool token_ok =
+          a.token >= 0 && (uint)a.token < vocab && row[a.token] > -INFINITY &&
+          (!mask_row || ((mask_row[(uint)a.token >> 5] >> ((uint)a.token & 31u)) & 1u));
+      o[0] = token_ok ? fmin(row[a.token], FLT_MAX) * a.inv_temperature - log_z : -INFINITY;
+      for (uint k = 0; k < n_picked; ++k) {
+        const uint id = picked[k];
+        o[2 + 2 * k] = as_float(id);
+        o[3 + 2 * k] = fmin(row[id], FLT_MAX) * a.inv_temperature - log_z;
+      }
+    }
+  }
+}
