@@ -2,8 +2,12 @@
 // device, at batch 32 on a Llama-3-sized vocabulary (128256) and a small one: sample_tokens alone,
 // apply_penalties in place and out of place (the copy the engine makes when a penalised row also
 // wants raw logprobs), compute_logprobs with 0 and 20 top tokens, and the per-step count update.
+// sample_tokens and compute_logprobs run in both kernel shapes: "cpu" (sampling.cl, a work-item per
+// row) and "gpu" (sampling_wg.cl, a work-group per row; forced here on a CPU device, where it is
+// expected to be slower).
 // The A/B rows are interleaved (each repeat times every variant once) so machine load hits them
 // alike. Usage: bench_sampling [--quick]
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <functional>
@@ -70,9 +74,33 @@ void bench_vocab(Device& dev, uint32_t vocab, int reps) {
     dev.finish();
   };
 
+  SamplingParams filtered = p;
+  filtered.top_k = 50;
+  filtered.top_p = 0.9f;
+  const std::vector<SamplingParams> filtered_params(kRows, filtered);
+  // Runs f with the device in `shape`.
+  auto in_shape = [&dev](KernelShape shape, std::function<void()> f) {
+    return [&dev, shape, f] {
+      const KernelShape saved = dev.kernel_shape();
+      dev.set_kernel_shape(shape);
+      f();
+      dev.set_kernel_shape(saved);
+    };
+  };
+
   std::vector<Variant> v;
-  v.push_back({"sample_tokens (T=0.8)",
-               [&] { sample_tokens(dev, raw, kRows, vocab, params, seeds); }, {}});
+  for (KernelShape shape : {KernelShape::Chunks, KernelShape::WorkGroups}) {
+    const bool gpu = shape == KernelShape::WorkGroups;
+    v.push_back({gpu ? "sample_tokens T=0.8 [gpu]" : "sample_tokens T=0.8 [cpu]",
+                 in_shape(shape, [&] { sample_tokens(dev, raw, kRows, vocab, params, seeds); }),
+                 {}});
+    v.push_back({gpu ? "sample_tokens k50 p0.9 [gpu]" : "sample_tokens k50 p0.9 [cpu]",
+                 in_shape(shape,
+                          [&] { sample_tokens(dev, raw, kRows, vocab, filtered_params, seeds); }),
+                 {}});
+    v.push_back({gpu ? "compute_logprobs top 20 [gpu]" : "compute_logprobs top 20 [cpu]",
+                 in_shape(shape, [&] { compute_logprobs(dev, raw, vocab, lp20); }), {}});
+  }
   v.push_back({"apply_penalties in place", [&] {
                  apply_penalties(counts, work, work, kRows, rows);
                  dev.finish();
@@ -82,12 +110,15 @@ void bench_vocab(Device& dev, uint32_t vocab, int reps) {
                  dev.finish();
                }, {}});
   v.push_back({"compute_logprobs top 0", [&] { compute_logprobs(dev, raw, vocab, lp0); }, {}});
-  v.push_back({"compute_logprobs top 20", [&] { compute_logprobs(dev, raw, vocab, lp20); }, {}});
   v.push_back({"counts add (32 tokens)", [&] {
                  counts.add(step_tokens);
                  dev.finish();
                }, {}});
-  for (auto& x : v) x.run();  // warm-up, kernel builds
+  for (auto& x : v) {  // warm-up, kernel builds (the first call of each kernel)
+    const auto t0 = Clock::now();
+    x.run();
+    if (vocab == 2048u) std::printf("# first call of %-30s %8.3f s\n", x.name, seconds_since(t0));
+  }
   for (int i = 0; i < reps; ++i)
     for (auto& x : v) {
       restore();  // in place keeps penalising the same logits, not its own output
@@ -97,7 +128,7 @@ void bench_vocab(Device& dev, uint32_t vocab, int reps) {
     }
   for (auto& x : v) {
     std::sort(x.times.begin(), x.times.end());
-    std::printf("%-30s %8u %12.3f\n", x.name, vocab, x.times[x.times.size() / 2] * 1e3);
+    std::printf("%-32s %8u %12.3f\n", x.name, vocab, x.times[x.times.size() / 2] * 1e3);
   }
 }
 
@@ -109,7 +140,7 @@ int main(int argc, char** argv) {
   print_device(dev);
   const int reps = argc > 1 && std::strcmp(argv[1], "--quick") == 0 ? 3 : 9;
   std::printf("\nbatch %u rows; median of %d interleaved repeats\n", kRows, reps);
-  std::printf("%-30s %8s %12s\n", "step part", "vocab", "time (ms)");
+  std::printf("%-32s %8s %12s\n", "step part", "vocab", "time (ms)");
   for (uint32_t vocab : {2048u, 128256u}) bench_vocab(dev, vocab, reps);
   return 0;
 }
