@@ -14,6 +14,7 @@
 #include "parallel/deployment_plan.h"
 #include "parallel/mpi_transport.h"
 #include "runtime/cli/bench_command.h"
+#include "runtime/cli/tune_command.h"
 #include "runtime/device.h"
 #include "runtime/device_manager.h"
 #include "runtime/engine/batch_job.h"
@@ -496,6 +497,7 @@ int run(int argc, char** argv) {
   });
 
   add_bench_command(app);
+  add_tune_command(app);
 
   try {
     app.parse(argc, argv);

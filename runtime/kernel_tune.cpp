@@ -1,0 +1,369 @@
+#include "runtime/kernel_tune.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <deque>
+#include <random>
+#include <stdexcept>
+
+#include "runtime/dtype.h"
+#include "runtime/kernel_tuning.h"
+#include "runtime/ops.h"
+#include "runtime/ops_mla.h"
+#include "runtime/ops_moe.h"
+
+namespace clshard {
+
+namespace {
+
+// B decode rows, one new token each at position ctx - 1, every row's pages its own and scattered.
+struct DecodeRows {
+  cl::Mem row, pos, lookup;
+  ops::StepTokens st;
+};
+
+}  // namespace
+
+struct TuneWorkload::Buffers {
+  std::deque<cl::Mem> mems;
+  std::deque<Weight> weights;
+  std::deque<DecodeRows> steps;
+};
+
+namespace {
+
+cl::Mem random_buffer(Device& dev, size_t n, uint32_t seed, float scale = 1.0f) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> d(-scale, scale);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(rng);
+  cl::Mem m = dev.alloc(n * 4);
+  dev.write(m, v.data(), n * 4);
+  return m;
+}
+
+cl::Mem upload_u32(Device& dev, const std::vector<uint32_t>& v) {
+  cl::Mem m = dev.alloc(v.size() * 4);
+  dev.write(m, v.data(), v.size() * 4);
+  return m;
+}
+
+Weight bf16_weight(Device& dev, std::vector<int64_t> shape, uint32_t seed) {
+  size_t n = 1;
+  for (int64_t d : shape) n *= size_t(d);
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> d(-1, 1);
+  std::vector<uint16_t> v(n);
+  for (auto& x : v) x = f32_to_bf16(d(rng));
+  Weight w;
+  w.dtype = DType::BF16;
+  w.shape = shape;
+  w.name = "tune";
+  w.mem = dev.alloc(n * 2);
+  dev.write(w.mem, v.data(), n * 2);
+  return w;
+}
+
+DecodeRows decode_rows(Device& dev, uint32_t B, uint32_t ctx, uint32_t page_size) {
+  const uint32_t ppr = (ctx + page_size - 1) / page_size;
+  std::vector<uint32_t> row(B), pos(B, ctx - 1), lut(size_t(B) * ppr);
+  for (uint32_t b = 0; b < B; ++b) row[b] = b;
+  // Page j of row b is page j * B + b: neighbouring positions of a row are pages apart.
+  for (uint32_t b = 0; b < B; ++b)
+    for (uint32_t j = 0; j < ppr; ++j) lut[size_t(b) * ppr + j] = j * B + b;
+  DecodeRows d;
+  d.row = upload_u32(dev, row);
+  d.pos = upload_u32(dev, pos);
+  d.lookup = upload_u32(dev, lut);
+  d.st = ops::StepTokens{d.row, d.pos, d.lookup, B, ppr, page_size};
+  return d;
+}
+
+// The median of `reps` timed runs after one untimed (kernel builds), each ending in a finish.
+double median_seconds(Device& dev, int reps, const std::function<void()>& fn) {
+  fn();
+  dev.finish();
+  std::vector<double> t;
+  for (int i = 0; i < reps; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    fn();
+    dev.finish();
+    t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+std::string field_list(KernelShape shape) {
+  std::string s;
+  for (const TuneField& f : tunable_fields())
+    if (f.shape == shape) s += (s.empty() ? "" : ", ") + f.field;
+  return s;
+}
+
+}  // namespace
+
+TuneWorkload::~TuneWorkload() = default;
+
+TuneWorkload::TuneWorkload(Device& dev, bool quick) : buffers_(std::make_unique<Buffers>()) {
+  Buffers& b = *buffers_;
+  auto keep = [&b](cl::Mem m) { return b.mems.emplace_back(std::move(m)); };
+
+  // RMSNorm: R rows of H (read x, write y, read the bf16 weight once).
+  for (auto [R, H] : {std::pair<uint32_t, uint32_t>{1, 8192}, {64, 4096}, {512, 4096}}) {
+    if (quick && R > 64) continue;
+    cl::Mem x = keep(random_buffer(dev, size_t(R) * H, 1)), y = keep(dev.alloc(size_t(R) * H * 4));
+    const Weight& w = b.weights.emplace_back(bf16_weight(dev, {H}, 2));
+    ops_.push_back({"rmsnorm", "R=" + std::to_string(R) + " H=" + std::to_string(H),
+                    double(R) * H * 8 + H * 2.0,
+                    [&dev, x, y, &w, R, H] {
+                      ops::rmsnorm(dev, x, 0, H, nullptr, w, y, 0, H, R, H, 1e-5f);
+                    },
+                    {"norm_wg"},
+                    {}});
+  }
+
+  // GEMV, bf16 weight N x K (the weights dominate the bytes).
+  {
+    const uint32_t N = quick ? 4096 : 8192, K = 2048;
+    const Weight& w = b.weights.emplace_back(bf16_weight(dev, {N, K}, 3));
+    cl::Mem x = keep(random_buffer(dev, K, 4)), y = keep(dev.alloc(N * 4));
+    ops_.push_back({"linear M=1 bf16", "N=" + std::to_string(N) + " K=" + std::to_string(K),
+                    double(N) * K * 2,
+                    [&dev, x, y, &w, N, K] { ops::linear(dev, x, 0, K, w, nullptr, y, 0, N, 1); },
+                    {"linear_wg", "linear_rows"},
+                    {}});
+  }
+
+  // Prefill GEMM in the bf16 compute dtype (model.compute_dtype: bf16): M rows, bf16 N x K.
+  {
+    const uint32_t M = quick ? 32 : 128, N = quick ? 1024 : 2048, K = quick ? 1024 : 2048;
+    const Weight& w = b.weights.emplace_back(bf16_weight(dev, {N, K}, 11));
+    cl::Mem x = keep(random_buffer(dev, size_t(M) * K, 12)), y = keep(dev.alloc(size_t(M) * N * 4));
+    ops_.push_back({"linear bf16 compute",
+                    "M=" + std::to_string(M) + " N=" + std::to_string(N) + " K=" +
+                        std::to_string(K),
+                    0.0,
+                    [&dev, x, y, &w, M, N, K] {
+                      ops::linear(dev, x, 0, K, w, nullptr, y, 0, N, M, 1.0f, false,
+                                  ComputeDType::BF16);
+                    },
+                    {"linear_wg", "linear_rows"},
+                    {"gemm_bf16_tm", "gemm_bf16_tn", "gemm_bf16_rows"}});
+  }
+
+  // Llama-8B-like attention layer: 32 query heads, 8 KV heads, head_dim 128, 128-token pages.
+  const uint32_t nh = 32, nkv = 8, hd = 128, page = 128;
+  // RoPE + KV store for T tokens (read and write q, k; read v; write k, v to the cache).
+  for (uint32_t T : {1u, 64u}) {
+    const uint32_t ld = (nh + 2 * nkv) * hd, ctx = 256;
+    const DecodeRows& d = b.steps.emplace_back(decode_rows(dev, T, ctx, page));
+    const size_t pages = size_t(T) * d.st.pages_per_row + 1;
+    cl::Mem qkv = keep(random_buffer(dev, size_t(T) * ld, 5)),
+            cache = keep(dev.alloc(pages * 2 * page * nkv * hd * 4));
+    std::vector<float> inv(hd / 2);
+    for (uint32_t i = 0; i < hd / 2; ++i) inv[i] = std::pow(500000.0f, -float(2 * i) / hd);
+    cl::Mem invm = keep(dev.alloc(inv.size() * 4));
+    dev.write(invm, inv.data(), inv.size() * 4);
+    ops_.push_back({"rope_store_kv", "T=" + std::to_string(T),
+                    double(T) * ((nh + nkv) * hd * 8.0 + nkv * hd * 4.0 + 2 * nkv * hd * 4.0),
+                    [&dev, qkv, cache, invm, &d, ld] {
+                      ops::rope_store_kv(dev, qkv, ld, nh, nkv, hd, invm, invm, 0xffffffffu, d.st,
+                                         cache);
+                    },
+                    {"rope_wg"},
+                    {}});
+  }
+
+  // Decode attention: B rows of one new token at context ctx (reads ctx K and V rows of the KV
+  // head per row).
+  for (auto [B, ctx] : {std::pair<uint32_t, uint32_t>{1, 4096}, {8, 4096}, {32, 1024}}) {
+    if (quick && B * ctx > 8192) continue;
+    const DecodeRows& d = b.steps.emplace_back(decode_rows(dev, B, ctx, page));
+    const size_t pages = size_t(B) * d.st.pages_per_row + 1;
+    cl::Mem q = keep(random_buffer(dev, size_t(B) * nh * hd, 6)),
+            cache = keep(random_buffer(dev, pages * 2 * page * nkv * hd, 7, 0.5f)),
+            out = keep(dev.alloc(size_t(B) * nh * hd * 4));
+    ops_.push_back({"paged_attention decode",
+                    "B=" + std::to_string(B) + " ctx=" + std::to_string(ctx),
+                    double(B) * ctx * 2 * nkv * hd * 4,
+                    [&dev, q, cache, out, &d] {
+                      ops::paged_attention(dev, q, nh * hd, cache, d.st, nh, nkv, hd, 0.088f, out,
+                                           nh * hd);
+                    },
+                    {"attn_wg", "attn_tile", "attn_heads", "attn_split"},
+                    {}});
+  }
+
+  // MLA absorbed decode attention over 576-wide latent rows (DeepSeek-V3: 128 heads; 16 when
+  // quick). Every head reads the same rows: bytes are the rows once per request.
+  {
+    ops::MlaShape s;
+    s.n_heads = quick ? 16 : 128;
+    s.kv_lora = 512;
+    s.rope = 64;
+    s.nope = 128;
+    s.v = 128;
+    for (auto [B, ctx] : {std::pair<uint32_t, uint32_t>{1, 4096}, {16, 2048}}) {
+      if (quick && B > 1) continue;
+      const uint32_t mpage = 64;
+      const DecodeRows& d = b.steps.emplace_back(decode_rows(dev, B, ctx, mpage));
+      const size_t pages = size_t(B) * d.st.pages_per_row + 1;
+      cl::Mem qf = keep(random_buffer(dev, size_t(B) * s.n_heads * s.row(), 8, 0.1f)),
+              cache = keep(random_buffer(dev, pages * mpage * s.row(), 9, 0.5f)),
+              out = keep(dev.alloc(size_t(B) * s.n_heads * s.kv_lora * 4));
+      ops_.push_back({"mla_decode_attention",
+                      "B=" + std::to_string(B) + " ctx=" + std::to_string(ctx) + " heads=" +
+                          std::to_string(s.n_heads),
+                      double(B) * ctx * s.row() * 4,
+                      [&dev, qf, cache, out, &d, s] {
+                        ops::mla_decode_attention(dev, qf, cache, d.st, s, 0.07f, out);
+                      },
+                      {"mla_wg", "mla_tile", "mla_heads", "attn_split"},
+                      {}});
+    }
+  }
+
+  // DeepSeek-V3's router: 256 experts in 8 groups, top 4 groups, top 8 experts, for T tokens.
+  for (uint32_t T : {1u, 256u}) {
+    ops::RouterConfig rc;
+    rc.n_experts = 256;
+    rc.top_k = 8;
+    rc.n_group = 8;
+    rc.topk_group = 4;
+    rc.norm_topk_prob = true;
+    rc.routed_scaling_factor = 2.5f;
+    cl::Mem logits = keep(random_buffer(dev, size_t(T) * rc.n_experts, 10, 3.0f)),
+            ids = keep(dev.alloc(size_t(T) * rc.top_k * 4)),
+            wts = keep(dev.alloc(size_t(T) * rc.top_k * 4));
+    ops_.push_back({"moe_route", "T=" + std::to_string(T) + " E=256 top8", 0.0,
+                    [&dev, logits, ids, wts, rc, T] {
+                      ops::moe_route(dev, logits, nullptr, T, rc, ids, wts);
+                    },
+                    {"route_wg"},
+                    {}});
+  }
+}
+
+const std::vector<TuneField>& tunable_fields() {
+  // gemm_bf16_dot is no timing choice: 1 uses vdpbf16ps where the host has it, and the tuning
+  // file holds positive values only. split_scratch_bytes is a memory cap.
+  using S = KernelShape;
+  static const std::vector<TuneField> f = {
+      {"norm_wg", S::WorkGroups, {32, 64, 128, 256}},
+      {"rope_wg", S::WorkGroups, {32, 64, 128, 256}},
+      {"linear_wg", S::WorkGroups, {32, 64, 128, 256}},
+      {"linear_rows", S::WorkGroups, {1, 2, 4, 8}},
+      {"attn_wg", S::WorkGroups, {32, 64, 128, 256}},
+      {"attn_tile", S::WorkGroups, {8, 16, 32}},
+      {"attn_heads", S::WorkGroups, {1, 2, 4, 8}},
+      {"attn_split", S::WorkGroups, {256, 512, 1024, 2048}},
+      {"mla_wg", S::WorkGroups, {64, 128, 256}},
+      {"mla_tile", S::WorkGroups, {4, 8, 16}},
+      {"mla_heads", S::WorkGroups, {4, 8, 16, 32}},
+      {"route_wg", S::WorkGroups, {32, 64, 128, 256}},
+      {"gemm_bf16_tm", S::Chunks, {2, 4, 6}},
+      {"gemm_bf16_tn", S::Chunks, {2, 4, 6}},
+      {"gemm_bf16_rows", S::Chunks, {32, 64, 128}},
+  };
+  return f;
+}
+
+TuneResult tune_kernel_fields(Device& dev, const TuneOptions& options, std::FILE* log) {
+  const KernelShape shape = dev.kernel_shape();
+  const std::string shape_name = kernel_shape_name(shape);
+  // The fields to run, in tunable_fields() order; names checked first, before any timing.
+  std::vector<const TuneField*> run;
+  for (const std::string& name : options.fields) {
+    const auto& all = kernel_tuning_fields();
+    if (std::find(all.begin(), all.end(), name) == all.end())
+      throw std::invalid_argument("tune: unknown field '" + name + "' (tunable in the " +
+                                  shape_name + " kernel shape: " + field_list(shape) + ")");
+    const auto it = std::find_if(tunable_fields().begin(), tunable_fields().end(),
+                                 [&](const TuneField& f) { return f.field == name; });
+    if (it == tunable_fields().end())
+      throw std::invalid_argument("tune: field '" + name + "' has no candidate values to time "
+                                  "(tunable in the " + shape_name + " kernel shape: " +
+                                  field_list(shape) + ")");
+    if (it->shape != shape)
+      throw std::invalid_argument("tune: field '" + name + "' is read by the " +
+                                  kernel_shape_name(it->shape) + " kernel shape only, and this "
+                                  "run tunes the " + shape_name + " shape (--kernel-shape " +
+                                  kernel_shape_name(it->shape) + ")");
+  }
+  for (const TuneField& f : tunable_fields())
+    if (f.shape == shape &&
+        (options.fields.empty() ||
+         std::find(options.fields.begin(), options.fields.end(), f.field) != options.fields.end()))
+      run.push_back(&f);
+
+  const int reps = options.quick ? 3 : 7;
+  if (log)
+    std::fprintf(log, "tuning %zu field(s) of the %s kernel shape on %s (%s); %d timed runs per "
+                 "op, medians summed over the ops that read the field\n",
+                 run.size(), shape_name.c_str(), dev.info().name.c_str(),
+                 dev.info().vendor.c_str(), reps);
+  TuneWorkload workload(dev, options.quick);
+  TuneResult result;
+  for (const TuneField* f : run) {
+    std::vector<const TuneOp*> users;
+    for (const TuneOp& op : workload.ops()) {
+      const auto& fields = shape == KernelShape::WorkGroups ? op.gpu_fields : op.cpu_fields;
+      if (std::find(fields.begin(), fields.end(), f->field) != fields.end()) users.push_back(&op);
+    }
+    auto total = [&](const KernelTuning& t) {
+      dev.set_tuning(t);
+      double sum = 0;
+      for (const TuneOp* op : users) sum += median_seconds(dev, reps, op->run);
+      return sum;
+    };
+    TunedField tf;
+    tf.field = f->field;
+    KernelTuning best = dev.tuning();
+    tf.start = kernel_tuning_field(best, f->field);
+    if (log) {
+      std::string names;
+      for (const TuneOp* op : users) names += (names.empty() ? "" : ", ") + op->op + " " + op->size;
+      std::fprintf(log, "  %s (%s):", f->field.c_str(), names.c_str());
+      std::fflush(log);
+    }
+    double best_s = total(best);
+    tf.seconds.emplace_back(tf.start, best_s);
+    if (log) std::fprintf(log, " %llu: %.3f ms", (unsigned long long)tf.start, best_s * 1e3);
+    for (uint64_t v : f->candidates) {
+      if (v == tf.start) continue;
+      KernelTuning t = best;
+      set_kernel_tuning_field(t, f->field, v);
+      double s = -1;
+      try {
+        s = total(t);
+      } catch (const std::exception&) {
+        s = -1;  // the device cannot build or launch it (local memory, work-group size)
+      }
+      tf.seconds.emplace_back(v, s);
+      if (log) {
+        if (s < 0)
+          std::fprintf(log, " | %llu: failed", (unsigned long long)v);
+        else
+          std::fprintf(log, " | %llu: %.3f ms", (unsigned long long)v, s * 1e3);
+        std::fflush(log);
+      }
+      if (s >= 0 && s < best_s * 0.98) {
+        best = t;
+        best_s = s;
+      }
+    }
+    dev.set_tuning(best);
+    tf.chosen = kernel_tuning_field(best, f->field);
+    if (log) {
+      std::fprintf(log, " -> %llu\n", (unsigned long long)tf.chosen);
+      std::fflush(log);
+    }
+    result.fields.push_back(std::move(tf));
+  }
+  result.tuning = dev.tuning();
+  return result;
+}
+
+}  // namespace clshard
