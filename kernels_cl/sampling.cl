@@ -14,8 +14,8 @@
 //   3. mass pass: w = exp((l - max) / T) for the kept tokens (allowed, in the top-k, w >= min_p),
 //      0 for the rest, stored in `work` so later passes do not recompute exp.
 //   4. draw: inverse-CDF walk in id order over w, summed in sampling_common.cl's fixed order (the
-//      GPU shape, sampling_wg.cl, sums the same way and draws the same tokens). With top_p < 1 the draw is a rejection loop
-//      (no sort, no threshold search): draw j from the current set S; j is in the nucleus iff the
+//      GPU shape, sampling_wg.cl, sums the same way and draws the same tokens). With top_p < 1
+//      the draw is a rejection loop (no sort, no threshold search): draw j from the current set S; j is in the nucleus iff the
 //      mass of the tokens ranked above it is < top_p * Z; if not, S shrinks to the tokens ranked
 //      above j (which still hold the whole nucleus) and a fresh uniform is drawn. Conditioned on
 //      acceptance every round samples w restricted to the nucleus, so the result has exactly the
@@ -282,12 +282,9 @@ inline int sample_row(global const float* row, global const uint* mask_row, uint
 
   // 3. Kept mass (overwrites the radix select's scratch); segment masses into the tail.
   global float* seg = work_row + vocab;
-  float chunk_sums[SEGMENT_CHUNKS];
   for (uint s0 = 0; s0 < vocab; s0 += SEGMENT) {
-    for (uint c = 0; c < SEGMENT_CHUNKS; ++c) {
-      const uint i = s0 + c * CHUNK;
-      chunk_sums[c] = 0.0f;
-      if (i >= vocab) continue;
+    float16 acc = 0.0f;
+    for (uint i = s0; i < min(vocab, s0 + SEGMENT); i += CHUNK) {
       const uint n = min((uint)CHUNK, vocab - i);
       const float16 l = load_logits(row, i, n);
       const uint16 key = order_keys(clamped(l));
@@ -297,9 +294,9 @@ inline int sample_row(global const float* row, global const uint* mask_row, uint
                          (w >= p.min_p);
       w = select((float16)0.0f, w, keep);
       store_work(work_row, i, n, w);
-      chunk_sums[c] = hsum16(w);
+      acc += w;
     }
-    seg[s0 / SEGMENT] = segment_tree(chunk_sums);
+    seg[s0 / SEGMENT] = hsum16(acc);
   }
   const float total = sum_segments(seg, vocab);
 
@@ -559,18 +556,17 @@ kernel void row_logprobs(global const float* logits, uint vocab, global const Lo
     o[0] = -INFINITY;
     return;
   }
-  // Pass 2: log Z = max + log(sum exp(l - max)) in the fixed order of sampling_common.cl (chunks,
-  // 512-token segment trees), the segments added with Kahan compensation (a plain float sum of
-  // 250 segments at a 128k vocabulary would lose ~1e-5). sampling_wg.cl sums the same way.
+  // Pass 2: log Z = max + log(sum exp(l - max)) in the fixed order of sampling_common.cl (a
+  // 512-token segment summed as float16 vectors, then hsum16), the segments added with Kahan
+  // compensation (a plain float sum of 250 segments at a 128k vocabulary would lose ~1e-5).
+  // sampling_wg.cl sums the same way.
   const float m = fmin(row[argmax], FLT_MAX) * a.inv_temperature;
   float z = 0.0f, comp = 0.0f;
   for (uint s0 = 0; s0 < vocab; s0 += SEGMENT) {
-    float chunk_sums[SEGMENT_CHUNKS];
-    for (uint c = 0; c < SEGMENT_CHUNKS; ++c) {
-      const uint i = s0 + c * CHUNK;
-      chunk_sums[c] = i < vocab ? hsum16(logprob_chunk_mass(row, mask_row, vocab, i, a.inv_temperature, m)) : 0.0f;
-    }
-    const float y = segment_tree(chunk_sums) - comp;
+    float16 acc = 0.0f;
+    for (uint i = s0; i < min(vocab, s0 + SEGMENT); i += CHUNK)
+      acc += logprob_chunk_mass(row, mask_row, vocab, i, a.inv_temperature, m);
+    const float y = hsum16(acc) - comp;
     const float t = z + y;
     comp = (t - z) - y;
     z = t;

@@ -3,16 +3,18 @@
 // with #include (runtime/program_cache.cpp), so each program compiles only its own kernels.
 //
 // The summation order, fixed so both shapes draw the same tokens bit for bit: a row is cut into
-// 16-token chunks (summed by hsum16) and 512-token segments; a segment's mass is the pairwise tree
-// over its 32 chunk sums (segment_tree: the halves-first order of a local-memory reduction over 32
-// lanes), and a row's mass is its segment masses added in id order. The inverse-CDF walk goes
-// through the same segment masses, then chunk by chunk and token by token inside the segment that
-// crosses the draw.
+// 512-token segments of 32 16-token chunks. A segment's mass is its chunks added as float16
+// vectors in id order (token j of every chunk in lane j, from 0), then hsum16 over the 16 lanes
+// (segment_sum); a row's mass is its segment masses added in id order. On the CPU shape that is a
+// vector accumulator per segment; on the GPU shape 16 lanes each sum one column of the segment
+// (neighbouring lanes read neighbouring tokens) and meet in a local-memory tree in hsum16's
+// order. The inverse-CDF walk goes through the same segment masses, then chunk by chunk (hsum16
+// each) and token by token inside the segment that crosses the draw.
 
 #define CHUNK 16
 
-// Per-row parameters, filled by runtime/engine/sampling.cpp (SamplingRowArgs there; 4-byte fields only
-// so the layout is the same on both sides).
+// Per-row parameters, filled by runtime/engine/sampling.cpp (SamplingRowArgs there; 4-byte fields
+// only so the layout is the same on both sides).
 typedef struct {
   float inv_temperature;  // 1 / max(T, 1e-6)
   uint top_k;             // 0: no top-k filter
@@ -125,15 +127,10 @@ typedef struct {
   uint pad0, pad1, pad2;
 } LogprobRowArgs;
 
-// ---- the fixed summation order -------------------------------------------------------------------
+// ---- the fixed summation order ------------------------------------------------------------------
 
 #define SEGMENT 512                    // tokens per segment
 #define SEGMENT_CHUNKS (SEGMENT / CHUNK)  // 32
-
-// The tree over a segment's 32 chunk sums: (c[i] + c[i + 16]), then hsum16's halves.
-inline float segment_tree(const float* chunk_sums) {
-  return hsum16(vload16(0, chunk_sums) + vload16(1, chunk_sums));
-}
 
 // The kept masses of the chunk at i (a multiple of 16, < vocab); with `restricted`, only the
 // tokens ranked strictly above (pkey, pid) keep theirs.
@@ -151,12 +148,10 @@ inline float16 chunk_mass(global const float* work, global const float* row, uin
 // The mass of the segment at s0 (a multiple of SEGMENT).
 inline float segment_mass(global const float* work, global const float* row, uint vocab, uint s0,
                           int restricted, uint pkey, uint pid) {
-  float sums[SEGMENT_CHUNKS];
-  for (uint c = 0; c < SEGMENT_CHUNKS; ++c) {
-    const uint i = s0 + c * CHUNK;
-    sums[c] = i < vocab ? hsum16(chunk_mass(work, row, vocab, i, restricted, pkey, pid)) : 0.0f;
-  }
-  return segment_tree(sums);
+  float16 acc = 0.0f;
+  for (uint i = s0; i < min(vocab, s0 + SEGMENT); i += CHUNK)
+    acc += chunk_mass(work, row, vocab, i, restricted, pkey, pid);
+  return hsum16(acc);
 }
 
 // Inside the segment at s0, with `cum` the mass of the segments before it: the first token whose
@@ -204,7 +199,8 @@ inline uint walk_segments(global const float* work, global const float* row, uin
   for (uint k = 0; k < n_seg; ++k) {
     const float s = seg[k];
     if (s > 0.0f) last = k;
-    if (cum + s > r) return walk_segment(work, row, vocab, k * SEGMENT, cum, r, restricted, pkey, pid);
+    if (cum + s > r)
+      return walk_segment(work, row, vocab, k * SEGMENT, cum, r, restricted, pkey, pid);
     cum += s;
   }
   return walk_segment(work, row, vocab, last * SEGMENT, 0.0f, INFINITY, restricted, pkey, pid);

@@ -4,8 +4,9 @@
 // those of kernels_cl/sampling.cl (the CPU shape), and both sum in the fixed order of
 // sampling_common.cl, so for the same seeds the two shapes draw the same tokens and give the same
 // log-probabilities bit for bit:
-//   - a pass hands each lane one chunk; its 16-lane sum goes to local memory, and the tree over
-//     each 32 lanes (= one 512-token segment) is segment_tree()'s order;
+//   - a pass hands each lane one chunk (16 tokens, as float16, the same exp() as the CPU shape's)
+//     into local memory; then 16 lanes per 512-token segment sum one column each over its 32
+//     chunks in id order and meet in a tree in hsum16's order (wg_segment_sums);
 //   - the segment masses are added in id order, and the inverse-CDF walk inside the segment that
 //     crosses the draw is sequential, by lane 0 (at most 512 tokens);
 //   - the top-k boundary is a work-group radix select over (key, ~id), 8 bits a level: the k-th
@@ -22,7 +23,8 @@
 #ifndef SAMPLE_WG
 #define SAMPLE_WG 256
 #endif
-#define SEGMENT_LANE_MASK (SEGMENT_CHUNKS - 1)
+#define PASS_SEGMENTS (SAMPLE_WG / SEGMENT_CHUNKS)  // segments a pass of one chunk per lane covers
+#define COLUMN_LANES (PASS_SEGMENTS * CHUNK)       // lanes that sum the segments' columns
 
 // The argmax of the row's allowed tokens (highest order key, ties to the lowest id) and their
 // count in *n_allowed, on every lane. lk, li, lc: SAMPLE_WG uints of local scratch each.
@@ -72,36 +74,49 @@ inline uint wg_row_argmax(global const float* row, global const uint* mask_row, 
   return result;
 }
 
-// lf[lane] holds the sum of the lane's chunk; afterwards lf[32 s] holds the tree of lanes
-// [32 s, 32 s + 32): segment_tree()'s order (c[i] + c[i + 16], then halves).
-inline void wg_segment_trees(local float* lf) {
+// lv holds the pass's chunk vectors (lane t's 16 values at lv[16 t]); afterwards lf[16 q] holds
+// the mass of the pass's segment q in sampling_common.cl's order: each of 16 lanes sums one column
+// over the segment's 32 chunks in id order (from 0, as the CPU shape's float16 accumulator), then
+// the tree over the 16 columns in hsum16's order (j + 8, j + 4, j + 2, j + 1).
+inline void wg_segment_sums(local const float* lv, local float* lf) {
   const uint lane = get_local_id(0);
-  for (uint s = SEGMENT_CHUNKS / 2; s > 0; s >>= 1) {
-    if ((lane & SEGMENT_LANE_MASK) < s) lf[lane] += lf[lane + s];
+  if (lane < COLUMN_LANES) {
+    const uint q = lane / CHUNK, col = lane % CHUNK;
+    float acc = 0.0f;
+    for (uint c = 0; c < SEGMENT_CHUNKS; ++c) acc += lv[(q * SEGMENT_CHUNKS + c) * CHUNK + col];
+    lf[lane] = acc;
+  }
+  barrier(CLK_LOCAL_MEM_FENCE);
+  for (uint s = CHUNK / 2; s > 0; s >>= 1) {
+    if (lane < COLUMN_LANES && lane % CHUNK < s) lf[lane] += lf[lane + s];
     barrier(CLK_LOCAL_MEM_FENCE);
   }
 }
 
-// After wg_segment_trees for the pass whose first chunk is `base`: the pass's segment masses into
-// seg (the segment of lane 32 s is (base + 32 s) / 32).
-inline void wg_store_pass_segments(local const float* lf, uint base, uint vocab, global float* seg) {
+// After wg_segment_sums for the pass whose first chunk is `base`: the pass's segment masses into
+// seg (segment base / 32 + q from lf[16 q]).
+inline void wg_store_pass_segments(local const float* lf, uint base, uint vocab,
+                                   global float* seg) {
   const uint lane = get_local_id(0);
-  if ((lane & SEGMENT_LANE_MASK) == 0 && (base + lane) * CHUNK < vocab)
-    seg[(base + lane) / SEGMENT_CHUNKS] = lf[lane];
+  const uint q = lane / CHUNK;
+  if (lane < COLUMN_LANES && lane % CHUNK == 0 && (base + q * SEGMENT_CHUNKS) * CHUNK < vocab)
+    seg[base / SEGMENT_CHUNKS + q] = lf[lane];
 }
 
 // The segment masses of `work` (restricted to the tokens ranked strictly above (pkey, pid) when
 // `restricted`) into seg, by all lanes; visible to every lane on return.
 inline void wg_store_segment_masses(global const float* work, global const float* row, uint vocab,
                                     int restricted, uint pkey, uint pid, global float* seg,
-                                    local float* lf) {
+                                    local float* lv, local float* lf) {
   const uint lane = get_local_id(0);
   const uint n_chunks = (vocab + CHUNK - 1) / CHUNK;
   for (uint base = 0; base < n_chunks; base += SAMPLE_WG) {
     const uint i = (base + lane) * CHUNK;
-    lf[lane] = i < vocab ? hsum16(chunk_mass(work, row, vocab, i, restricted, pkey, pid)) : 0.0f;
+    const float16 w =
+        i < vocab ? chunk_mass(work, row, vocab, i, restricted, pkey, pid) : (float16)0.0f;
+    vstore16(w, lane, lv);
     barrier(CLK_LOCAL_MEM_FENCE);
-    wg_segment_trees(lf);
+    wg_segment_sums(lv, lf);
     wg_store_pass_segments(lf, base, vocab, seg);
     barrier(CLK_LOCAL_MEM_FENCE);
   }
@@ -176,7 +191,7 @@ kernel __attribute__((reqd_work_group_size(SAMPLE_WG, 1, 1))) void sample_rows_w
     global const float* logits, uint rows, uint vocab, global const SamplingRowArgs* args,
     global const uint* bitmask, uint bitmask_words, global float* work, global int* out) {
   local uint lk[SAMPLE_WG], li[SAMPLE_WG], lc[SAMPLE_WG];
-  local float lf[SAMPLE_WG];
+  local float lv[SAMPLE_WG * CHUNK], lf[SAMPLE_WG];
   local uint hist[256];
   local uint state[8];  // the nucleus loop's shared values; [0, 2) the top-k boundary
   local float fstate[2];
@@ -203,22 +218,21 @@ kernel __attribute__((reqd_work_group_size(SAMPLE_WG, 1, 1))) void sample_rows_w
     const uint n_chunks = (vocab + CHUNK - 1) / CHUNK;
     for (uint base = 0; base < n_chunks; base += SAMPLE_WG) {
       const uint i = (base + lane) * CHUNK;
-      float chunk_sum = 0.0f;
+      float16 w = 0.0f;
       if (i < vocab) {
         const uint n = min((uint)CHUNK, vocab - i);
         const float16 l = load_logits(row, i, n);
         const uint16 key = order_keys(clamped(l));
-        float16 w = exp((clamped(l) - max_logit) * p.inv_temperature);
+        w = exp((clamped(l) - max_logit) * p.inv_temperature);
         const int16 keep = allowed_lanes(l, mask_row, i, n) &
                            at_or_above(key, (uint16)i + kLane, boundary.x, boundary.y) &
                            (w >= p.min_p);
         w = select((float16)0.0f, w, keep);
         store_work(work_row, i, n, w);
-        chunk_sum = hsum16(w);
       }
-      lf[lane] = chunk_sum;
+      vstore16(w, lane, lv);
       barrier(CLK_LOCAL_MEM_FENCE);
-      wg_segment_trees(lf);
+      wg_segment_sums(lv, lf);
       wg_store_pass_segments(lf, base, vocab, seg);
       barrier(CLK_LOCAL_MEM_FENCE);
     }
@@ -253,7 +267,7 @@ kernel __attribute__((reqd_work_group_size(SAMPLE_WG, 1, 1))) void sample_rows_w
         }
         barrier(CLK_LOCAL_MEM_FENCE | CLK_GLOBAL_MEM_FENCE);
         const uint j = state[1], jkey = state[5];
-        wg_store_segment_masses(work_row, row, vocab, 1, jkey, j, seg, lf);
+        wg_store_segment_masses(work_row, row, vocab, 1, jkey, j, seg, lv, lf);
         if (lane == 0) {
           const float above = sum_segments(seg, vocab);
           if (above < target) {
@@ -281,7 +295,7 @@ kernel __attribute__((reqd_work_group_size(SAMPLE_WG, 1, 1))) void row_logprobs_
     global const float* logits, uint vocab, global const LogprobRowArgs* args,
     global const uint* bitmask, uint bitmask_words, global float* out) {
   local uint lk[SAMPLE_WG], li[SAMPLE_WG], lc[SAMPLE_WG];
-  local float lf[SAMPLE_WG];
+  local float lv[SAMPLE_WG * CHUNK], lf[SAMPLE_WG];
   local ulong lr[SAMPLE_WG];
   const uint g = get_group_id(0);
   const uint lane = get_local_id(0);
@@ -337,20 +351,21 @@ kernel __attribute__((reqd_work_group_size(SAMPLE_WG, 1, 1))) void row_logprobs_
     barrier(CLK_LOCAL_MEM_FENCE);
   }
 
-  // log Z in sample_common.cl's order: lane chunk sums, 512-token segment trees, the segments in
-  // id order with Kahan compensation (by lane 0).
+  // log Z in sampling_common.cl's order: the segment masses of wg_segment_sums, added in id order
+  // with Kahan compensation (by lane 0).
   float z = 0.0f, comp = 0.0f;
   const float m = n_allowed > 0 ? fmin(row[argmax], FLT_MAX) * a.inv_temperature : 0.0f;
   const uint n_chunks = n_allowed > 0 ? (vocab + CHUNK - 1) / CHUNK : 0;
   for (uint base = 0; base < n_chunks; base += SAMPLE_WG) {
     const uint i = (base + lane) * CHUNK;
-    lf[lane] = i < vocab ? hsum16(logprob_chunk_mass(row, mask_row, vocab, i, a.inv_temperature, m))
-                         : 0.0f;
+    const float16 e = i < vocab ? logprob_chunk_mass(row, mask_row, vocab, i, a.inv_temperature, m)
+                                : (float16)0.0f;
+    vstore16(e, lane, lv);
     barrier(CLK_LOCAL_MEM_FENCE);
-    wg_segment_trees(lf);
+    wg_segment_sums(lv, lf);
     if (lane == 0) {
-      for (uint q = 0; q < SAMPLE_WG && (base + q) * CHUNK < vocab; q += SEGMENT_CHUNKS) {
-        const float y = lf[q] - comp;
+      for (uint q = 0; q < PASS_SEGMENTS && (base + q * SEGMENT_CHUNKS) * CHUNK < vocab; ++q) {
+        const float y = lf[q * CHUNK] - comp;
         const float t = z + y;
         comp = (t - z) - y;
         z = t;

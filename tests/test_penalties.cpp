@@ -254,7 +254,9 @@ class DeviceLogprobs : public ::testing::TestWithParam<KernelShape> {
 };
 INSTANTIATE_TEST_SUITE_P(Shapes, DeviceLogprobs,
                          ::testing::Values(KernelShape::Chunks, KernelShape::WorkGroups),
-                         [](const auto& info) { return std::string(kernel_shape_name(info.param)); });
+                         [](const auto& info) {
+                           return std::string(kernel_shape_name(info.param));
+                         });
 
 TEST_P(DeviceLogprobs, MatchTheDoubleReference) {
   for (uint32_t vocab : {7u, 1000u, 32001u, 128256u}) {

@@ -70,7 +70,9 @@ class DeviceSampling : public ::testing::TestWithParam<KernelShape> {
 };
 INSTANTIATE_TEST_SUITE_P(Shapes, DeviceSampling,
                          ::testing::Values(KernelShape::Chunks, KernelShape::WorkGroups),
-                         [](const auto& info) { return std::string(kernel_shape_name(info.param)); });
+                         [](const auto& info) {
+                           return std::string(kernel_shape_name(info.param));
+                         });
 
 // Sets the test device's kernel shape for one scope.
 struct ShapeScope {

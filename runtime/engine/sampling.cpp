@@ -54,30 +54,18 @@ float tree_sum16(const float* v) {
   return c[0] + c[1];
 }
 
-// segment_tree() in kernels_cl/sampling_common.cl: a 512-token segment's 32 chunk sums, halves
-// first.
-float segment_tree(const float* chunk_sums) {
-  float a[16];
-  for (int j = 0; j < 16; ++j) a[j] = chunk_sums[j] + chunk_sums[j + 16];
-  return tree_sum16(a);
-}
-
-// The segment masses of w, only tokens ranked above `pivot` counted unless it is 0.
+// The segment masses of w in kernels_cl/sampling_common.cl's order (a 512-token segment's chunks
+// added lane by lane in id order, then the 16 lanes by tree_sum16), only tokens ranked above
+// `pivot` counted unless it is 0.
 std::vector<float> segment_masses(const float* logits, const std::vector<float>& w,
                                   uint64_t pivot) {
   const uint32_t vocab = uint32_t(w.size());
   std::vector<float> seg((vocab + kSegment - 1) / kSegment);
   for (uint32_t k = 0; k < seg.size(); ++k) {
-    float sums[kSegment / kChunk] = {};
-    for (uint32_t c = 0; c < kSegment / kChunk; ++c) {
-      float chunk[kChunk] = {};
-      for (uint32_t j = 0; j < kChunk; ++j) {
-        const uint32_t i = k * kSegment + c * kChunk + j;
-        if (i < vocab && (pivot == 0 || token_rank(logits, i) > pivot)) chunk[j] = w[i];
-      }
-      sums[c] = tree_sum16(chunk);
-    }
-    seg[k] = segment_tree(sums);
+    float acc[kChunk] = {};
+    for (uint32_t i = k * kSegment; i < std::min(vocab, (k + 1) * kSegment); ++i)
+      if (pivot == 0 || token_rank(logits, i) > pivot) acc[i % kChunk] += w[i];
+    seg[k] = tree_sum16(acc);
   }
   return seg;
 }
