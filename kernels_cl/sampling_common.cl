@@ -5,7 +5,7 @@
 // The summation order, fixed so both shapes draw the same tokens bit for bit: a row is cut into
 // 512-token segments of 32 16-token chunks. A segment's mass is its chunks added as float16
 // vectors in id order (token j of every chunk in lane j, from 0), then hsum16 over the 16 lanes
-// (segment_sum); a row's mass is its segment masses added in id order. On the CPU shape that is a
+// (segment_mass); a row's mass is its segment masses added in id order. On the CPU shape that is a
 // vector accumulator per segment; on the GPU shape 16 lanes each sum one column of the segment
 // (neighbouring lanes read neighbouring tokens) and meet in a local-memory tree in hsum16's
 // order. The inverse-CDF walk goes through the same segment masses, then chunk by chunk (hsum16
