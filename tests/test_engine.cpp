@@ -101,6 +101,61 @@ TEST(Engine, SeededSamplingDoesNotDependOnTheBatch) {
   EXPECT_NE(other[0].token_ids, solo[0].token_ids) << "a different seed should sample differently";
 }
 
+// The whole model in the GPU kernel shape (forced on PoCL: the sampler and log-probabilities of
+// sampling_wg.cl, every other op in its work-group variant): greedy and seeded requests with
+// log-probabilities give the CPU shape's tokens, and log-probabilities within 1e-4 of the CPU
+// shape's. The two shapes' logits differ by ~1e-6 (the linear layers sum in other orders), so a
+// draw flips only if it falls within ~1e-6 of a CDF boundary; the test is deterministic.
+TEST(Engine, GpuShapeGivesTheCpuShapesTokensAndLogprobs) {
+  auto model = tiny_model();
+  SchedulerLimits lim;
+  lim.page_size = 16;
+  lim.total_pages = 64;
+  std::vector<GenerationRequest> reqs = {greedy(prompts()[1], 8), greedy(prompts()[4], 12),
+                                         greedy(prompts()[6], 12)};
+  reqs[0].sampling.logprobs = true;
+  reqs[0].sampling.top_logprobs = 3;
+  reqs[1].sampling.temperature = 0.9f;
+  reqs[1].sampling.top_p = 0.95f;
+  reqs[1].sampling.seed = 77;
+  reqs[1].sampling.logprobs = true;
+  reqs[1].sampling.top_logprobs = 5;
+  reqs[2].sampling.temperature = 1.2f;
+  reqs[2].sampling.top_k = 20;
+  reqs[2].sampling.min_p = 0.02f;
+  reqs[2].sampling.seed = 5;
+  Device& dev = test::default_device();
+  struct ShapeScope {
+    Device& d;
+    KernelShape saved;
+    ~ShapeScope() { d.set_kernel_shape(saved); }
+  } scope{dev, dev.kernel_shape()};
+  std::vector<GenerationResult> got[2];
+  for (int shape = 0; shape < 2; ++shape) {
+    dev.set_kernel_shape(shape ? KernelShape::WorkGroups : KernelShape::Chunks);
+    got[shape] = run_all(*model, lim, reqs, nullptr);
+  }
+  for (size_t r = 0; r < reqs.size(); ++r) {
+    SCOPED_TRACE(r);
+    const GenerationResult &c = got[0][r], &g = got[1][r];
+    ASSERT_EQ(c.token_ids.size(), reqs[r].max_tokens);
+    EXPECT_EQ(g.token_ids, c.token_ids);
+    ASSERT_EQ(g.logprobs.size(), c.logprobs.size());
+    EXPECT_EQ(c.logprobs.size(), reqs[r].sampling.logprobs ? c.token_ids.size() : 0u);
+    for (size_t i = 0; i < c.logprobs.size(); ++i) {
+      EXPECT_EQ(g.logprobs[i].token, c.logprobs[i].token) << i;
+      EXPECT_NEAR(g.logprobs[i].logprob, c.logprobs[i].logprob, 1e-4) << i;
+      ASSERT_EQ(g.logprobs[i].top.size(), size_t(reqs[r].sampling.top_logprobs)) << i;
+      ASSERT_EQ(c.logprobs[i].top.size(), g.logprobs[i].top.size()) << i;
+      for (size_t k = 0; k < c.logprobs[i].top.size(); ++k) {
+        EXPECT_EQ(g.logprobs[i].top[k].token, c.logprobs[i].top[k].token) << i << " top " << k;
+        EXPECT_NEAR(g.logprobs[i].top[k].logprob, c.logprobs[i].top[k].logprob, 1e-4)
+            << i << " top " << k;
+      }
+    }
+  }
+}
+
 TEST(Engine, StopTokenEndsTheRequestAndIsNotReturned) {
   auto model = tiny_model();
   SchedulerLimits lim;
