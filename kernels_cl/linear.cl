@@ -9,7 +9,8 @@
 // its tiles itself: PoCL pays about a microsecond per work-group, so a work-item per tile would
 // spend more time scheduling than computing. The column tile is the outer loop, so its TN weight
 // rows stay in L1 while the block's x rows stream from L2. Dimension 0 walks column blocks,
-// dimension 1 row blocks. Build options: -DTM=1|4 -DTN=4 -DWEIGHT_TYPE=0|1|2 (f32, bf16, f16; see common.cl).
+// dimension 1 row blocks. Build options: -DTM=1|4 -DTN=2|4 -DWEIGHT_TYPE=0|1|2 (f32, bf16, f16; see common.cl),
+// -DCOLUMNS_IN_TURN=0|1 (one-row tiles: see tile_dots).
 //
 // linear_fused is the same tile with what decode runs around a GEMV folded in, so a layer takes
 // 6 launches instead of 12: up to three weights side by side as one output (q/k/v), RMSNorm of
@@ -28,6 +29,9 @@
 #ifndef GLU
 #define GLU 0
 #endif
+#ifndef COLUMNS_IN_TURN
+#define COLUMNS_IN_TURN 0
+#endif
 
 
 // The dot products of one TM x TN tile: out[i][j] = sum_k x[i][k] (* g[k]) * w[j][k], each
@@ -35,6 +39,24 @@
 // bits as the separate ones. Rows and columns past the edge are clamped by the caller.
 inline void tile_dots(global const float* xr[TM], global const wtype* wr[TN],
                       global const ntype* g, uint K, float out[TM][TN]) {
+#if TM == 1 && COLUMNS_IN_TURN
+  // One row (decode): the columns one after another, so the work-item reads its weight rows as
+  // one sequential run of addresses, which a CPU core streams faster than runs side by side. Each
+  // column's sum is the same as in the tile below. The host picks it while the x row fits in L1
+  // beside the stream (KernelTuning::gemv_stream_k): past that the tile's reuse of x wins.
+#pragma unroll
+  for (int j = 0; j < TN; ++j) {
+    float16 acc = (float16)(0.0f);
+    for (uint k = 0; k < K / 16; ++k) {
+#if NORM
+      acc = fma(vload16(k, xr[0]) * LOADN16(k, g), LOADW16(k, wr[j]), acc);
+#else
+      acc = fma(vload16(k, xr[0]), LOADW16(k, wr[j]), acc);
+#endif
+    }
+    out[0][j] = hsum16(acc);
+  }
+#else
   float16 acc[TM][TN];
 #pragma unroll
   for (int i = 0; i < TM; ++i)
@@ -65,7 +87,8 @@ inline void tile_dots(global const float* xr[TM], global const wtype* wr[TN],
   for (int i = 0; i < TM; ++i)
 #pragma unroll
     for (int j = 0; j < TN; ++j) out[i][j] = hsum16(acc[i][j]);
-  for (uint k = K16 * 16; k < K; ++k) {
+#endif
+  for (uint k = K / 16 * 16; k < K; ++k) {
 #pragma unroll
     for (int i = 0; i < TM; ++i) {
 #if NORM

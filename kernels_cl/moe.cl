@@ -316,13 +316,17 @@ kernel void moe_tiles(global const uint* expert_offsets, uint n_experts, uint ro
 // of its block scales in `scales` (FP8). Each row's sums run in the order linear.cl /
 // linear_fp8.cl use for it, whichever rows share its tile. Dimension 0 walks blocks of
 // col_tiles_per_item column tiles (TN features each, within one matrix).
-// Build options: -DTM -DTN and -DWEIGHT_TYPE=0|1|2 (common.cl), or -DGROUPED_FP8=1 -DFP8_DENORM.
+// Build options: -DTM -DTN and -DWEIGHT_TYPE=0|1|2 (common.cl) with -DCOLUMNS_IN_TURN=0|1 (as
+// linear.cl), or -DGROUPED_FP8=1 -DFP8_DENORM.
 #if defined(WEIGHT_TYPE) || defined(GROUPED_FP8)
 #ifndef TM
 #define TM 1
 #endif
 #ifndef TN
 #define TN 4
+#endif
+#ifndef COLUMNS_IN_TURN
+#define COLUMNS_IN_TURN 0
 #endif
 #if GROUPED_FP8
 typedef uchar gw_t;
@@ -379,6 +383,12 @@ inline void grouped_tile(global const float* x, uint ldx, global const uint* x_r
     }
   }
 #define ACC_OUT FP8_ACC_SCALE
+#elif TM == 1 && COLUMNS_IN_TURN
+  // One row: the columns in turn, one sequential weight stream, as linear.cl's tile_dots.
+#pragma unroll
+  for (int j = 0; j < TN; ++j)
+    for (uint k = 0; k < K16; ++k) acc[0][j] = fma(vload16(k, xr[0]), LOADW16(k, wr[j]), acc[0][j]);
+#define ACC_OUT 1.0f
 #else
   for (uint k = 0; k < K16; ++k) {
     float16 wv[TN];

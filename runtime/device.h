@@ -41,6 +41,9 @@ struct KernelTuning {
   uint32_t mla_tile = 8;          // MLA decode: cache rows per tile (576 floats each)
   uint32_t mla_heads = 8;         // MLA decode: query heads per work-group, at most
   uint32_t route_wg = 64;         // MoE router: lanes per token (over the experts)
+  // Decode GEMVs on the CPU shape (linear.cl, one-row tiles) read the weight rows one after
+  // another, not four side by side, while K is at most this (the x row stays in L1).
+  uint32_t gemv_stream_k = 4096;
   // The bf16-compute GEMM (linear_bf16.cl, model.compute_dtype: bf16; CPU shape): tile rows and
   // weight rows (even: GLU splits them into gate and up), rows per work-item, and whether PoCL
   // on a host with AVX-512 BF16 uses vdpbf16ps (1) or the portable FMA micro-kernel (0).

@@ -83,6 +83,7 @@ const std::vector<std::pair<std::string, U32Field>>& u32_fields() {
       {"attn_heads", &KernelTuning::attn_heads}, {"attn_split", &KernelTuning::attn_split},
       {"mla_wg", &KernelTuning::mla_wg},         {"mla_tile", &KernelTuning::mla_tile},
       {"mla_heads", &KernelTuning::mla_heads},   {"route_wg", &KernelTuning::route_wg},
+      {"gemv_stream_k", &KernelTuning::gemv_stream_k},
       {"gemm_bf16_tm", &KernelTuning::gemm_bf16_tm}, {"gemm_bf16_tn", &KernelTuning::gemm_bf16_tn},
       {"gemm_bf16_rows", &KernelTuning::gemm_bf16_rows},
       {"gemm_bf16_dot", &KernelTuning::gemm_bf16_dot}};

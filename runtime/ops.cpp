@@ -46,6 +46,18 @@ LinearBlocks linear_blocks(const Device& dev, uint32_t M, uint32_t N, uint32_t t
   return b;
 }
 
+// Whether linear.cl's one-row tiles take their columns in turn (a sequential weight stream) over
+// this K: while the x row stays in L1 beside the stream (KernelTuning::gemv_stream_k).
+bool columns_in_turn(const Device& dev, uint32_t M, uint32_t K) {
+  return M < kTileRowsFrom && K <= dev.tuning().gemv_stream_k;
+}
+
+// linear.cl's tile options: TM x TN.
+std::string tile_options(const LinearBlocks& b, uint32_t tn, bool in_turn) {
+  return " -DTM=" + std::to_string(b.tm) + " -DTN=" + std::to_string(tn) +
+         (in_turn ? " -DCOLUMNS_IN_TURN=1" : "");
+}
+
 // Whether a GEMM over `ws` runs in bf16 (ComputeDType in ops.h).
 bool bf16_gemm(ComputeDType compute, uint32_t M, const std::vector<const Weight*>& ws) {
   if (compute != ComputeDType::BF16 || M < kGemmRowsFrom) return false;
@@ -167,7 +179,7 @@ void linear(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const W
   }
   const LinearBlocks b = linear_blocks(dev, M, N, 4);
   cl::Kernel k = dev.kernel("linear.cl", "linear",
-                            weight_option(w) + " -DTM=" + std::to_string(b.tm) + " -DTN=4");
+                            weight_option(w) + tile_options(b, 4, columns_in_turn(dev, M, K)));
   cl::set_args(k, x, x_off, ldx, w.mem, uint32_t(w.offset), ldw, has_bias ? bias->mem : w.mem,
                uint32_t(has_bias ? bias->offset : 0), has_bias, y, y_off, ldy, M, N, K, alpha,
                int(accumulate), b.n_tiles, b.m_rows);
@@ -208,9 +220,12 @@ void launch_fused(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, c
     ends[i] = N;
   }
   if (glu) N = uint32_t(ws[0]->dim(0));
-  const uint32_t tile_cols = glu ? 2 : 4;  // TN = 4 dot products per row: gate/up pairs with glu
+  // TN = 4 dot products per row, with glu gate/up pairs; columns in turn, glu reads one gate row
+  // then its up row (two runs side by side would halve the stream rate, see linear.cl).
+  const bool in_turn = columns_in_turn(dev, M, K);
+  const uint32_t tn = glu && in_turn ? 2 : 4, tile_cols = glu ? tn / 2 : tn;
   const LinearBlocks b = linear_blocks(dev, M, N, tile_cols);
-  std::string opts = weight_option(*ws[0]) + " -DTM=" + std::to_string(b.tm) + " -DTN=4";
+  std::string opts = weight_option(*ws[0]) + tile_options(b, tn, in_turn);
   if (norm) {
     std::string n = weight_option(*norm);  // "-DWEIGHT_TYPE=d"
     opts += " -DNORM=1 -DNORM_TYPE=" + n.substr(n.size() - 1);

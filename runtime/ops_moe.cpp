@@ -257,6 +257,9 @@ void moe_grouped_linear(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::M
       throw std::invalid_argument(std::string("moe_grouped_linear: expert weights of dtype ") +
                                   dtype_name(g.dtype));
   }
+  // One-row tiles read their columns in turn, as ops::linear's (KernelTuning::gemv_stream_k).
+  if (plan.tm == 1 && g.dtype != DType::F8_E4M3 && K <= dev.tuning().gemv_stream_k)
+    opts += " -DCOLUMNS_IN_TURN=1";
   if (dev.kernel_shape() == KernelShape::WorkGroups && g.dtype != DType::F8_E4M3) {
     // linear_wg's order per row (ops::linear's GPU shape), with its work-group size.
     const uint32_t wg = dev.tuning().linear_wg, rb = dev.tuning().linear_rows;
