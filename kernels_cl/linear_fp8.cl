@@ -9,7 +9,7 @@
 //
 // dequantize_fp8: out[N, K] f32 = e4m3(W) * scale, one work-item per row.
 //
-// Build options: -DTM=1|4 -DTN=4 -DFP8_DENORM=1|0.
+// Build options: -DTM=1|4 -DTN=4 -DFP8_DENORM=1|0 -DCOLUMNS_IN_TURN=0|1 (one-row tiles, as linear.cl).
 //
 // At one byte per weight a GEMV is bound by the decode, not by memory, so the decode is a handful
 // of instructions (common.cl's e4m3x16_decode_scaled, FP8_DENORM chosen per device) and the
@@ -24,6 +24,9 @@
 #endif
 #ifndef TN
 #define TN 4
+#endif
+#ifndef COLUMNS_IN_TURN
+#define COLUMNS_IN_TURN 0
 #endif
 // Block edge of the scales. A TN-row tile never straddles two block rows: TN divides 128.
 #define QBLOCK 128
@@ -60,6 +63,22 @@ inline void linear_fp8_tile(global const float* x, uint x_off, uint ldx, global 
   // The block scale is shared by the whole tile within one K block, so it multiplies the TM x
   // vectors (TM multiplies per 16 columns) instead of the TN decoded weight vectors.
   const uint K16 = K / 16;
+#if TM == 1 && COLUMNS_IN_TURN
+  // One row: the columns in turn, one sequential stream of weight bytes, as linear.cl's tile_dots
+  // (the x * scale product is the tile's, so are the sums).
+#pragma unroll
+  for (int j = 0; j < TN; ++j)
+    for (uint kb = 0; kb < KB; ++kb) {
+      const float s = srow[kb] * FP8_X_SCALE;
+      const uint v_end = min((kb + 1) * VECS_PER_BLOCK, K16);
+      for (uint v = kb * VECS_PER_BLOCK; v < v_end; ++v) {
+        const uchar16 b = vload16(v, wr[j]);
+        umax[j] = max(umax[j], b);
+        smax[j] = max(smax[j], as_char16(b));
+        acc[0][j] = fma(vload16(v, xr[0]) * s, e4m3x16_decode_scaled(b), acc[0][j]);
+      }
+    }
+#else
   for (uint kb = 0; kb < KB; ++kb) {
     const float s = srow[kb] * FP8_X_SCALE;
     const uint v_end = min((kb + 1) * VECS_PER_BLOCK, K16);
@@ -80,6 +99,7 @@ inline void linear_fp8_tile(global const float* x, uint x_off, uint ldx, global 
       }
     }
   }
+#endif
 
   float out[TM][TN];
 #pragma unroll

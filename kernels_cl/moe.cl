@@ -316,8 +316,8 @@ kernel void moe_tiles(global const uint* expert_offsets, uint n_experts, uint ro
 // of its block scales in `scales` (FP8). Each row's sums run in the order linear.cl /
 // linear_fp8.cl use for it, whichever rows share its tile. Dimension 0 walks blocks of
 // col_tiles_per_item column tiles (TN features each, within one matrix).
-// Build options: -DTM -DTN and -DWEIGHT_TYPE=0|1|2 (common.cl) with -DCOLUMNS_IN_TURN=0|1 (as
-// linear.cl), or -DGROUPED_FP8=1 -DFP8_DENORM.
+// Build options: -DTM -DTN, -DWEIGHT_TYPE=0|1|2 (common.cl) or -DGROUPED_FP8=1 -DFP8_DENORM, and
+// -DCOLUMNS_IN_TURN=0|1 (one-row tiles, as linear.cl).
 #if defined(WEIGHT_TYPE) || defined(GROUPED_FP8)
 #ifndef TM
 #define TM 1
@@ -362,6 +362,21 @@ inline void grouped_tile(global const float* x, uint ldx, global const uint* x_r
     umax[j] = (uchar16)(0);
     smax[j] = (char16)(-128);
   }
+#if TM == 1 && COLUMNS_IN_TURN
+  // One row: the columns in turn, as linear_fp8.cl's tile.
+#pragma unroll
+  for (int j = 0; j < TN; ++j)
+    for (uint kb = 0; kb < KB; ++kb) {
+      const float s = srow[kb] * FP8_X_SCALE;
+      const uint v_end = min((kb + 1) * VECS_PER_BLOCK, K16);
+      for (uint v = kb * VECS_PER_BLOCK; v < v_end; ++v) {
+        const uchar16 b = vload16(v, wr[j]);
+        umax[j] = max(umax[j], b);
+        smax[j] = max(smax[j], as_char16(b));
+        acc[0][j] = fma(vload16(v, xr[0]) * s, e4m3x16_decode_scaled(b), acc[0][j]);
+      }
+    }
+#else
   for (uint kb = 0; kb < KB; ++kb) {
     const float s = srow[kb] * FP8_X_SCALE;
     const uint v_end = min((kb + 1) * VECS_PER_BLOCK, K16);
@@ -382,6 +397,7 @@ inline void grouped_tile(global const float* x, uint ldx, global const uint* x_r
       }
     }
   }
+#endif
 #define ACC_OUT FP8_ACC_SCALE
 #elif TM == 1 && COLUMNS_IN_TURN
   // One row: the columns in turn, one sequential weight stream, as linear.cl's tile_dots.

@@ -80,10 +80,13 @@ void linear_fp8(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, con
   const auto [N, K] = check_fp8_weight("linear_fp8", w, scale_inv);
   // As ops::linear: a one-row tile for decode-sized batches, 4x4 tiles that reuse every decoded
   // weight vector four times for larger ones.
+  // One-row tiles read their columns in turn (KernelTuning::gemv_stream_k, see linear.cl).
   const uint32_t tm = M < 4 ? 1 : 4, tn = 4;
-  cl::Kernel k = dev.kernel(
-      "linear_fp8.cl", "linear_fp8",
-      fp8_decode_option(dev) + " -DTM=" + std::to_string(tm) + " -DTN=" + std::to_string(tn));
+  const bool in_turn = tm == 1 && K <= dev.tuning().gemv_stream_k;
+  cl::Kernel k = dev.kernel("linear_fp8.cl", "linear_fp8",
+                            fp8_decode_option(dev) + " -DTM=" + std::to_string(tm) +
+                                " -DTN=" + std::to_string(tn) +
+                                (in_turn ? " -DCOLUMNS_IN_TURN=1" : ""));
   // Work per work-item as ops::linear: up to 64 rows, and enough column tiles that a launch is a
   // few hundred work-items rather than thousands.
   const uint32_t m_rows = std::min<uint32_t>(ceil_div(M, tm) * tm, 64);
@@ -258,7 +261,7 @@ void moe_grouped_linear(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::M
                                   dtype_name(g.dtype));
   }
   // One-row tiles read their columns in turn, as ops::linear's (KernelTuning::gemv_stream_k).
-  if (plan.tm == 1 && g.dtype != DType::F8_E4M3 && K <= dev.tuning().gemv_stream_k)
+  if (plan.tm == 1 && K <= dev.tuning().gemv_stream_k)
     opts += " -DCOLUMNS_IN_TURN=1";
   if (dev.kernel_shape() == KernelShape::WorkGroups && g.dtype != DType::F8_E4M3) {
     // linear_wg's order per row (ops::linear's GPU shape), with its work-group size.
