@@ -19,15 +19,23 @@ inline constexpr int kMaxJsonDepth = 128;
 // nlohmann::json::parse with the depth limit. Throws nlohmann::json::parse_error for bad JSON and
 // std::runtime_error "JSON nested deeper than 128 levels" past the limit. (Header-only: the
 // tokenizer's layer links no library of ours.)
-inline nlohmann::json parse_json_bounded(std::string_view text) {
-  using Event = nlohmann::json::parse_event_t;
-  auto limit = [](int depth, Event event, nlohmann::json&) {
+template <typename Json>
+Json parse_json_bounded_as(std::string_view text) {
+  using Event = typename Json::parse_event_t;
+  auto limit = [](int depth, Event event, Json&) {
     if ((event == Event::object_start || event == Event::array_start) && depth >= kMaxJsonDepth)
       throw std::runtime_error("JSON nested deeper than " + std::to_string(kMaxJsonDepth) +
                                " levels");
     return true;
   };
-  return nlohmann::json::parse(text.begin(), text.end(), limit);
+  return Json::parse(text.begin(), text.end(), limit);
+}
+inline nlohmann::json parse_json_bounded(std::string_view text) {
+  return parse_json_bounded_as<nlohmann::json>(text);
+}
+// The same keeping the objects' key order (request bodies whose schemas list properties in order).
+inline nlohmann::ordered_json parse_ordered_json_bounded(std::string_view text) {
+  return parse_json_bounded_as<nlohmann::ordered_json>(text);
 }
 inline nlohmann::json parse_json_bounded(const char* text, size_t size) {
   return parse_json_bounded(std::string_view(text, size));

@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 target="${1:-all}"
 seconds="${2:-120}"
-all=(safetensors model_config tokenizer chat_template deploy_yaml job_lines)
+all=(safetensors model_config tokenizer chat_template deploy_yaml job_lines api_request json_schema)
 if [ "$target" = all ]; then targets=("${all[@]}"); else targets=("$target"); fi
 for t in "${targets[@]}"; do
   [[ " ${all[*]} " == *" $t "* ]] || { echo "fuzz.sh: unknown target '$t' (one of: ${all[*]})" >&2; exit 2; }
@@ -22,7 +22,7 @@ cmake --build build-fuzz -j"$(nproc)" --target fuzz_all
 seeds=build-fuzz/seeds
 rm -rf "$seeds" && bash tests/fuzz/seeds.sh "$seeds"
 declare -A dict=([safetensors]=json [model_config]=json [tokenizer]=json [chat_template]=jinja
-                 [deploy_yaml]=yaml [job_lines]=json)
+                 [deploy_yaml]=yaml [job_lines]=json [api_request]=schema [json_schema]=schema)
 status=0
 for t in "${targets[@]}"; do
   corpus="build-fuzz/corpus/$t" artifacts="build-fuzz/artifacts/$t/"

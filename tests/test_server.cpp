@@ -256,6 +256,12 @@ TEST(OpenAiApi, RequestFeatures) {
        "seed: expected an integer >= 0, got -1"},
       {Endpoint::ChatCompletions, "{" + msgs + R"(, "stop": [""]})", "stop",
        "stop[0]: expected a non-empty string, got \"\""},
+      // A body nested past the JSON depth limit (a schema 20,000 levels deep overflowed the
+      // stack when copied: tests/fuzz/regressions/api_request).
+      {Endpoint::ChatCompletions,
+       "{" + msgs + R"(, "response_format": )" + std::string(200, '[') + std::string(200, ']') +
+           "}",
+       "", "the body is not valid JSON: JSON nested deeper than 128 levels"},
   };
   for (const Case& k : cases) {
     const ApiError e = parse_error(k.endpoint, k.body);

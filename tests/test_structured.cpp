@@ -340,6 +340,64 @@ TEST(StructuredErrors, NameTheFieldAndTheJsonPath) {
             nullptr);
 }
 
+// The limits a hostile format cannot pass (found by tests/fuzz's json_schema target): each is a
+// clear error, found before the work it would cost (deep recursion, an exponential tree, a huge
+// automaton built state by state).
+TEST(StructuredErrors, HostileFormatsHitLimitsWithClearErrors) {
+  // Groups nest at most kMaxGroupDepth (100) deep: the 101st '(' is refused, 100 compile.
+  const std::string deep_groups = std::string(101, '(') + "a" + std::string(101, ')');
+  EXPECT_EQ(compile_error("", &deep_groups),
+            "regex: at offset 101: groups nested deeper than 100 levels");
+  const std::string groups_100 = std::string(100, '(') + "a" + std::string(100, ')');
+  EXPECT_EQ(compile_error("", &groups_100), "(no error)");
+  // Repetitions of repetitions: refused from the tree's size, before any NFA state is made.
+  const std::string nested_repeats = "((a{1000}){1000}){1000}";
+  EXPECT_EQ(compile_error("", &nested_repeats),
+            "regex: the expression is too large: its automaton would exceed 1600000 NFA states");
+
+  // Few states, each holding hundreds of NFA states: an exploding branch beside a run of 500
+  // optional letters took 8 s and 0.8 GB before reaching the 200,000-state limit; the step budget
+  // ends it after 20,000,000 NFA states visited.
+  const std::string heavy_states = "(?:(a|b)*a(a|b){16}|(?:[ab]?){500})";
+  EXPECT_EQ(compile_error("", &heavy_states),
+            "regex: the expression is too large: building its automaton would take more than "
+            "20000000 steps");
+  // Any JSON object (1,725 states) is far inside the budget.
+  EXPECT_EQ(ByteDfa::build(json_object_regex()).num_states(), 1725u);
+  EXPECT_LT(ByteDfa::last_build_steps(), 1'000'000u);
+
+  // Schemas nest at most kMaxSchemaDepth (64) levels: 65 nested "items" are refused at the 65th.
+  std::string items_65, path = "response_format.json_schema.schema";
+  for (int i = 0; i < 65; ++i) items_65 += R"({"type":"array","items":)";
+  items_65 += "{}" + std::string(65, '}');
+  for (int i = 0; i < 64; ++i) path += ".items";
+  EXPECT_EQ(schema_error(items_65),
+            path + ": nested deeper than 64 levels (counting each $ref followed)");
+  // A chain of 100 definitions, each referring to the next: the $refs count as levels.
+  ordered_json chain = {{"$defs", ordered_json::object()}, {"$ref", "#/$defs/d99"}};
+  chain["$defs"]["d0"] = {{"type", "string"}};
+  for (int i = 1; i < 100; ++i)
+    chain["$defs"]["d" + std::to_string(i)] = {{"$ref", "#/$defs/d" + std::to_string(i - 1)}};
+  EXPECT_EQ(schema_error(chain.dump()),
+            "response_format.json_schema.schema.$defs.d36: nested deeper than 64 levels "
+            "(counting each $ref followed)");
+  // Each definition used twice by the next: 2^25 strings if expanded (and 2^25 compiles of d0
+  // before). Compiled once each, the tree stays small, and its automaton's size is refused up
+  // front.
+  ordered_json doubling = {{"$defs", ordered_json::object()}, {"$ref", "#/$defs/d25"}};
+  doubling["$defs"]["d0"] = {{"type", "string"}, {"maxLength", 8}};
+  for (int i = 1; i <= 25; ++i)
+    doubling["$defs"]["d" + std::to_string(i)] = {
+        {"type", "array"}, {"items", {{"$ref", "#/$defs/d" + std::to_string(i - 1)}}},
+        {"minItems", 2}, {"maxItems", 2}};
+  EXPECT_EQ(schema_error(doubling.dump()),
+            "response_format.json_schema.schema: the expression is too large: its automaton "
+            "would exceed 1600000 NFA states");
+  // Shared definitions still compile: d3 = [[[s, s], [s, s]], [[s, s], [s, s]]].
+  doubling["$ref"] = "#/$defs/d3";
+  EXPECT_EQ(schema_error(doubling.dump()), "(no error)");
+}
+
 TEST(StructuredErrors, SchemaOrderIsKeptWithOrderedJson) {
   const auto rf = ordered_json::parse(R"({"type":"json_schema","json_schema":{"schema":
       {"type":"object","properties":{"zeta":{"const":1},"alpha":{"const":2}},

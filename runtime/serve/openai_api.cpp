@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <random>
 
+#include "runtime/bounded_json.h"
 #include "runtime/engine/sampling.h"
 
 namespace clshard::serve {
@@ -144,7 +145,11 @@ ApiRequest parse_api_request(Endpoint endpoint, const std::string& body,
                              const SamplingDefaults& defaults) {
   json obj;
   try {
-    obj = json::parse(body);
+    // Bounded: the body (a schema inside it above all) is copied and walked recursively.
+    obj = parse_json_bounded(body);
+  } catch (const std::runtime_error& e) {
+    throw ApiError(400, "invalid_request_error",
+                   std::string("the body is not valid JSON: ") + e.what());
   } catch (const json::parse_error& e) {
     std::string what = e.what();
     auto at = what.find("column ");
@@ -211,7 +216,7 @@ ApiRequest parse_api_request(Endpoint endpoint, const std::string& body,
     throw bad_field("top_logprobs", "needs logprobs: true");
   if (given("response_format") || given("regex")) {
     // Again with the key order kept: a schema's properties are generated in the order written.
-    const ordered_json ordered = ordered_json::parse(body);
+    const ordered_json ordered = parse_ordered_json_bounded(body);
     if (given("response_format")) {
       if (!ordered["response_format"].is_object())
         throw bad_field("response_format", "expected an object like {\"type\": "

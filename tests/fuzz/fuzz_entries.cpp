@@ -13,7 +13,10 @@
 #include "runtime/bounded_json.h"
 #include "runtime/engine/batch_io.h"
 #include "runtime/engine/deploy_config.h"
+#include "runtime/engine/sampling.h"
+#include "runtime/engine/structured/response_format.h"
 #include "runtime/safetensors.h"
+#include "runtime/serve/openai_api.h"
 #include "runtime/text/chat_template.h"
 #include "runtime/text/tokenizer.h"
 
@@ -47,7 +50,87 @@ std::pair<std::string_view, std::string_view> split_at_nul(const uint8_t* data, 
   return {all.substr(0, nul), all.substr(nul + 1)};
 }
 
+// GPT-2's byte-level alphabet: the printable bytes stand for themselves, the others for U+0100 on.
+std::string byte_char(int b) {
+  const bool printable = (b >= 33 && b <= 126) || (b >= 161 && b <= 172) || b >= 174;
+  uint32_t cp = uint32_t(b);
+  if (!printable) {
+    cp = 256;
+    for (int k = 0; k < b; ++k)
+      if (!((k >= 33 && k <= 126) || (k >= 161 && k <= 172) || k >= 174)) ++cp;
+  }
+  std::string out;
+  if (cp < 0x80) {
+    out += char(cp);
+  } else {
+    out += char(0xC0 | (cp >> 6));
+    out += char(0x80 | (cp & 0x3F));
+  }
+  return out;
+}
+
+// Walks a compiled constraint a few tokens (the first allowed token each time, or the one the
+// input's bytes pick), checking the mask against allows() and advance(): a state that neither
+// ends nor allows any token would leave the model stuck, and this vocabulary has every byte.
+void walk_constraint(const char* surface, const std::shared_ptr<TokenConstraint>& c,
+                     std::string_view choices) {
+  if (!c) return;
+  const uint32_t vocab = uint32_t(fuzz_tokenizer().vocab_size());
+  std::vector<uint32_t> bits(bitmask_words(vocab));
+  for (size_t step = 0; step < 16; ++step) {
+    std::fill(bits.begin(), bits.end(), 0u);
+    c->allowed_tokens(bits.data(), vocab);
+    std::vector<int32_t> allowed;
+    for (uint32_t t = 0; t < vocab; ++t) {
+      const bool bit = (bits[t / 32] >> (t % 32)) & 1u;
+      if (bit != c->allows(int32_t(t)))
+        bug(surface, "the mask and allows() disagree on token " + std::to_string(t));
+      if (bit) allowed.push_back(int32_t(t));
+    }
+    if (allowed.empty()) {
+      if (!c->can_end()) bug(surface, "a state that allows no token and cannot end");
+      return;
+    }
+    const size_t pick = step < choices.size() ? uint8_t(choices[step]) % allowed.size() : 0;
+    if (!c->advance(allowed[pick]))
+      bug(surface, "advance() refused allowed token " + std::to_string(allowed[pick]));
+  }
+}
+
 }  // namespace
+
+const Tokenizer& fuzz_tokenizer() {
+  static const Tokenizer tok = [] {
+    nlohmann::ordered_json vocab = nlohmann::ordered_json::object();
+    for (int b = 0; b < 256; ++b) vocab[byte_char(b)] = b;
+    const std::vector<std::pair<std::string, std::string>> merges = {
+        {"{", "\""}, {"\"", ":"}, {"\"", ","}, {"\"", "}"}, {"Ġ", "\""}, {",", "Ġ"},
+        {"t", "r"},   {"tr", "u"},  {"tru", "e"}, {"n", "u"},   {"nu", "l"},  {"nul", "l"},
+        {"a", "b"},   {"ab", "c"},  {"0", "0"},   {"]", ","},   {"}", "]"},   {"Ã", "©"}};
+    nlohmann::ordered_json merge_list = nlohmann::ordered_json::array();
+    int next_id = 256;
+    for (const auto& [a, b] : merges) {
+      vocab[a + b] = next_id++;
+      merge_list.push_back(a + " " + b);
+    }
+    nlohmann::ordered_json added = nlohmann::ordered_json::array();
+    for (const char* special : {"<|bos|>", "<|eos|>"})
+      added.push_back({{"id", next_id++}, {"content", special}, {"single_word", false},
+                       {"lstrip", false}, {"rstrip", false}, {"normalized", false},
+                       {"special", true}});
+    const nlohmann::ordered_json byte_level = {{"type", "ByteLevel"}, {"add_prefix_space", false},
+                                               {"trim_offsets", true}, {"use_regex", true}};
+    const nlohmann::ordered_json tokenizer = {
+        {"version", "1.0"}, {"added_tokens", added}, {"normalizer", nullptr},
+        {"pre_tokenizer", byte_level}, {"post_processor", nullptr}, {"decoder", byte_level},
+        {"model", {{"type", "BPE"}, {"dropout", nullptr}, {"unk_token", nullptr},
+                   {"fuse_unk", false}, {"byte_fallback", false}, {"ignore_merges", false},
+                   {"vocab", vocab}, {"merges", merge_list}}}};
+    return Tokenizer::from_json(tokenizer.dump(), R"({"bos_token": "<|bos|>", "eos_token": "<|eos|>"})",
+                                "fuzz tokenizer.json");
+  }();
+  return tok;
+}
 
 void safetensors(const uint8_t* data, size_t size) {
   if (size == 0) return;
@@ -122,11 +205,44 @@ void job_lines(const uint8_t* data, size_t size) {
   expect_clear_outcome("job lines", [&] { parse_batch_input(text, SamplingDefaults{}); });
 }
 
+void api_request(const uint8_t* data, size_t size) {
+  if (size == 0) return;
+  const serve::Endpoint endpoint =
+      data[0] & 1 ? serve::Endpoint::ChatCompletions : serve::Endpoint::Completions;
+  const std::string body(reinterpret_cast<const char*>(data + 1), size - 1);
+  expect_clear_outcome("HTTP request", [&] {
+    const serve::ApiRequest req = serve::parse_api_request(endpoint, body, SamplingDefaults{});
+    if (!req.response_format && !req.regex) return;
+    auto c = compile_response_format(req.response_format ? &*req.response_format : nullptr,
+                                     req.regex ? &*req.regex : nullptr, fuzz_tokenizer());
+    walk_constraint("HTTP request", c, body);
+  });
+}
+
+void json_schema(const uint8_t* data, size_t size) {
+  const auto [schema_text_, regex_text_] = split_at_nul(data, size);
+  const std::string_view schema_text = schema_text_, regex_text = regex_text_;
+  expect_clear_outcome("JSON schema", [&] {
+    const nlohmann::ordered_json rf = {
+        {"type", "json_schema"},
+        {"json_schema", {{"name", "f"}, {"schema", parse_ordered_json_bounded(schema_text)}}}};
+    walk_constraint("JSON schema", compile_response_format(&rf, nullptr, fuzz_tokenizer()),
+                    regex_text);
+  });
+  if (regex_text.empty()) return;
+  expect_clear_outcome("regex", [&] {
+    const std::string regex(regex_text);
+    walk_constraint("regex", compile_response_format(nullptr, &regex, fuzz_tokenizer()),
+                    schema_text);
+  });
+}
+
 const std::vector<Target>& targets() {
   static const std::vector<Target> all = {
       {"safetensors", safetensors}, {"model_config", model_config},
       {"tokenizer", tokenizer},     {"chat_template", chat_template},
-      {"deploy_yaml", deploy_yaml}, {"job_lines", job_lines}};
+      {"deploy_yaml", deploy_yaml}, {"job_lines", job_lines},
+      {"api_request", api_request}, {"json_schema", json_schema}};
   return all;
 }
 

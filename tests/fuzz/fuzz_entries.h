@@ -13,6 +13,10 @@
 #include <string>
 #include <vector>
 
+namespace clshard {
+class Tokenizer;
+}
+
 namespace clshard::fuzz {
 
 // Byte 0 picks the surface: even = a whole .safetensors file, odd = model.safetensors.index.json.
@@ -27,6 +31,20 @@ void chat_template(const uint8_t* data, size_t size);
 void deploy_yaml(const uint8_t* data, size_t size);
 // JSONL job lines, both shapes (clshard's own and OpenAI's batch shape).
 void job_lines(const uint8_t* data, size_t size);
+// An HTTP request body: byte 0 picks the endpoint (even = /v1/completions, odd =
+// /v1/chat/completions), the rest is the body read with the default sampling settings; when it is
+// accepted with a response_format and/or a regex, they are compiled (fuzz_tokenizer()) and the
+// constraint is walked a few tokens.
+void api_request(const uint8_t* data, size_t size);
+// The structured-output compilers without the request around them: a JSON schema, compiled as
+// response_format {"type": "json_schema", "json_schema": {"name": "f", "schema": <input>}}, then
+// (after a NUL byte, when there is one) a pattern compiled as the `regex` field alone.
+void json_schema(const uint8_t* data, size_t size);
+
+// The tokenizer the structured-output targets compile against, built in memory once: every byte
+// as a token (byte-level BPE), a few JSON-shaped merges ("{\"", "\":", "true", ...) so tokens span
+// several JSON tokens, and two special tokens the masks must leave out.
+const Tokenizer& fuzz_tokenizer();
 
 struct Target {
   const char* name;  // the folder of its corpus: tests/fuzz/corpus/<name>

@@ -7,7 +7,7 @@
 set -euo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 out="$1"
-targets=(safetensors model_config tokenizer chat_template deploy_yaml job_lines)
+targets=(safetensors model_config tokenizer chat_template deploy_yaml job_lines api_request json_schema)
 for t in "${targets[@]}"; do
   mkdir -p "$out/$t"
   for d in "$root/tests/fuzz/corpus/$t" "$root/tests/fuzz/regressions/$t"; do
@@ -58,5 +58,24 @@ for f in "$root"/configs/*.yaml "$root"/configs/bench/*.yaml; do
 done
 for f in "$root"/configs/prompts/*.jsonl; do
   [ -f "$f" ] && head -c 16384 "$f" > "$out/job_lines/repo_$(basename "$f")"
+done
+# The prompt files' job lines as request bodies (an OpenAI batch line's "body", or clshard's own
+# shape less its "id", with a model): chat completions (byte 1) when they hold messages.
+for f in "$root"/configs/prompts/*.jsonl; do
+  [ -f "$f" ] && command -v python3 > /dev/null || continue
+  python3 - "$f" "$out/api_request/repo_$(basename "$f")" <<'PY'
+import json, sys
+for i, line in enumerate(open(sys.argv[1], encoding="utf-8")):
+    if i == 4: break
+    try: j = json.loads(line)
+    except ValueError: continue
+    body = j.get("body", j) if isinstance(j, dict) else None
+    if isinstance(body, dict):
+        body = dict(body)
+        body.pop("id", None)
+        body.setdefault("model", "m")
+        endpoint = b"\1" if "messages" in body else b"\0"
+        open(sys.argv[2] + "_" + str(i), "wb").write(endpoint + json.dumps(body).encode())
+PY
 done
 exit 0

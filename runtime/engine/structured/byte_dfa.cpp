@@ -133,6 +133,48 @@ struct Nfa {
   }
 };
 
+// The NFA states build() would make for `r` (mirroring it), counted over the tree with a memo per
+// node: a tree that shares subtrees (a $ref used twice, a repeated group) can stand for an
+// automaton far larger than itself, which this finds before any state is made. Never above the
+// count build() reaches (so it refuses nothing build() would accept); saturates at `cap`.
+struct NfaSizer {
+  size_t cap;
+  std::unordered_map<const RegexNode*, size_t> memo;
+
+  size_t add(size_t a, size_t b) const { return std::min(cap, a + b); }
+  size_t mul(size_t a, size_t n) const { return n != 0 && a > cap / n ? cap : std::min(cap, a * n); }
+
+  size_t size(const Regex& r) {
+    auto it = memo.find(r.get());
+    if (it != memo.end()) return it->second;
+    size_t n = 0;
+    switch (r->kind) {
+      case RegexNode::Kind::Empty: n = 1; break;
+      case RegexNode::Kind::Bytes: n = 2; break;
+      case RegexNode::Kind::Concat:
+        for (const Regex& c : r->children) n = add(n, size(c));
+        break;
+      case RegexNode::Kind::Alt:
+        n = 2;
+        for (const Regex& c : r->children) n = add(n, size(c));
+        break;
+      case RegexNode::Kind::Repeat: {
+        const size_t item = size(r->children[0]);
+        const size_t sep = r->children.size() > 1 ? size(r->children[1]) : 0;
+        if (r->max == kUnbounded) {  // the fixed copies, then one looping copy and its separator
+          const size_t fixed = r->min > 0 ? r->min - 1 : 0;
+          n = add(add(mul(item, fixed + 1), mul(sep, fixed > 0 ? fixed : 1)), 3);
+        } else {
+          n = add(add(mul(item, r->max), mul(sep, r->max > 0 ? r->max - 1 : 0)), 2);
+        }
+        break;
+      }
+    }
+    memo.emplace(r.get(), n);
+    return n;
+  }
+};
+
 struct VecHash {
   size_t operator()(const std::vector<int32_t>& v) const {
     uint64_t h = 0xcbf29ce484222325ull;
@@ -143,9 +185,18 @@ struct VecHash {
 
 }  // namespace
 
-ByteDfa ByteDfa::build(const Regex& re, uint32_t max_states) {
+namespace {
+thread_local uint64_t build_steps = 0;
+}  // namespace
+
+uint64_t ByteDfa::last_build_steps() { return build_steps; }
+
+ByteDfa ByteDfa::build(const Regex& re, uint32_t max_states, uint64_t max_steps) {
   Nfa nfa;
   nfa.limit = size_t(max_states) * 8;
+  if (NfaSizer{nfa.limit + 1, {}}.size(re) > nfa.limit)
+    throw std::invalid_argument("the expression is too large: its automaton would exceed " +
+                                std::to_string(nfa.limit) + " NFA states");
   const Nfa::Frag top = nfa.build(re);
   const int32_t accept = top.out;
   const size_t N = nfa.states.size();
@@ -177,14 +228,25 @@ ByteDfa ByteDfa::build(const Regex& re, uint32_t max_states) {
   std::vector<uint32_t> mark(N, 0);
   uint32_t epoch = 0;
   std::vector<int32_t> stack;
+  uint64_t steps = 0;
+  build_steps = 0;
+  auto spend = [&](uint64_t n) {
+    steps += n;
+    build_steps = steps;
+    if (steps > max_steps)
+      throw std::invalid_argument("the expression is too large: building its automaton would "
+                                  "take more than " + std::to_string(max_steps) + " steps");
+  };
   auto closure = [&](std::vector<int32_t>& seeds) {
     ++epoch;
     std::vector<int32_t> out;
+    uint64_t visited = 0;
     stack = seeds;
     for (int32_t s : seeds) mark[size_t(s)] = epoch;
     while (!stack.empty()) {
       const int32_t s = stack.back();
       stack.pop_back();
+      ++visited;
       const auto& st = nfa.states[size_t(s)];
       if (st.set >= 0 || s == accept) out.push_back(s);
       for (int32_t t : st.eps)
@@ -193,6 +255,7 @@ ByteDfa ByteDfa::build(const Regex& re, uint32_t max_states) {
           stack.push_back(t);
         }
     }
+    spend(visited);
     std::sort(out.begin(), out.end());
     return out;
   };
@@ -208,6 +271,7 @@ ByteDfa ByteDfa::build(const Regex& re, uint32_t max_states) {
     accepting.push_back(std::binary_search(sets[d].begin(), sets[d].end(), accept));
     for (uint32_t c = 0; c < C; ++c) {
       const uint8_t b = class_rep[c];
+      spend(sets[d].size());
       seeds.clear();
       for (int32_t s : sets[d]) {
         const auto& st = nfa.states[size_t(s)];

@@ -1,6 +1,7 @@
 #include "runtime/engine/structured/json_schema.h"
 
 #include <algorithm>
+#include <map>
 #include <set>
 #include <stdexcept>
 
@@ -118,6 +119,25 @@ class SchemaCompiler {
       : root_(root), root_path_(root_path) {}
 
   Regex compile(const ordered_json& s, const std::string& path) {
+    if (depth_ >= kMaxSchemaDepth)
+      fail(path, "nested deeper than " + std::to_string(kMaxSchemaDepth) +
+                     " levels (counting each $ref followed)");
+    ++depth_;
+    Regex out = compile_here(s, path);
+    --depth_;
+    return out;
+  }
+
+ private:
+  const ordered_json& root_;
+  std::string root_path_;
+  std::vector<std::string> ref_stack_;
+  // Each definition's expression, made once: the tree shares it wherever it is referenced (a
+  // definition used twice by each of the next makes the schema's tree exponential otherwise).
+  std::map<std::string, Regex> compiled_refs_;
+  uint32_t depth_ = 0;
+
+  Regex compile_here(const ordered_json& s, const std::string& path) {
     if (s.is_boolean()) {
       if (s.get<bool>()) return generic_value(kMaxJsonDepth);
       fail(path, "the schema false matches no value");
@@ -167,11 +187,6 @@ class SchemaCompiler {
     for (const std::string& t : types) options.push_back(of_type(s, t, path));
     return alt(std::move(options));
   }
-
- private:
-  const ordered_json& root_;
-  std::string root_path_;
-  std::vector<std::string> ref_stack_;
 
   [[noreturn]] static void fail(const std::string& path, const std::string& what) {
     throw std::invalid_argument(path + ": " + what);
@@ -235,9 +250,11 @@ class SchemaCompiler {
       fail(path + ".$ref", "'" + ref + "' is not defined");
     if (std::find(ref_stack_.begin(), ref_stack_.end(), ref) != ref_stack_.end())
       fail(path + ".$ref", "recursive reference '" + ref + "' is not supported");
+    if (auto it = compiled_refs_.find(ref); it != compiled_refs_.end()) return it->second;
     ref_stack_.push_back(ref);
     Regex out = compile(root_[section][name], root_path_ + "." + section + "." + name);
     ref_stack_.pop_back();
+    compiled_refs_.emplace(ref, out);
     return out;
   }
 

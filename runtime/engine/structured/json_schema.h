@@ -11,7 +11,7 @@
 // Supported keywords: type (a name or a list), properties, required, additionalProperties (false
 // or true: extra properties are never generated either way), items, minItems, maxItems, enum,
 // const, minLength, maxLength, anyOf, $ref to #/$defs/NAME or #/definitions/NAME (not recursive),
-// $defs/definitions, and the annotations title, description, default, examples, $schema, $id,
+// $defs/definitions (each definition compiled once however often it is referenced), and the annotations title, description, default, examples, $schema, $id,
 // $comment, strict. Anything else throws std::invalid_argument naming the JSON path, e.g.
 // "response_format.json_schema.schema.properties.age: unsupported keyword 'multipleOf'".
 #pragma once
@@ -30,6 +30,9 @@ inline constexpr uint32_t kMaxJsonDepth = 4;
 inline constexpr uint32_t kMaxExponentDigits = 2;
 // minItems/maxItems/minLength/maxLength above this are unrolled too far to be useful.
 inline constexpr uint32_t kMaxBoundedCount = 256;
+// Schemas nest at most this deep, counting each $ref followed as a level (the compiler recurses
+// per level, and a chain of $defs is as deep as it is long).
+inline constexpr uint32_t kMaxSchemaDepth = 64;
 
 // The language of JSON texts valid under `schema`; `path` names the schema in error messages.
 Regex json_schema_regex(const nlohmann::ordered_json& schema, const std::string& path);

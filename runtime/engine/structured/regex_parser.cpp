@@ -196,6 +196,8 @@ class Parser {
           fail("unsupported group syntax '(?' (only (?:...) is supported)");
         }
       }
+      if (depth_ >= kMaxGroupDepth)
+        fail("groups nested deeper than " + std::to_string(kMaxGroupDepth) + " levels");
       ++depth_;
       Regex r = alternation();
       --depth_;

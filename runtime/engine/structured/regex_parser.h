@@ -17,6 +17,8 @@ namespace clshard::structured {
 
 // Bounded repetitions are unrolled into copies of their item; counts above this are rejected.
 inline constexpr uint32_t kMaxRepeatCount = 1000;
+// Groups nest at most this deep (the parser recurses per group; real patterns nest a few levels).
+inline constexpr int kMaxGroupDepth = 100;
 
 Regex parse_regex(std::string_view pattern);
 
