@@ -124,16 +124,17 @@ TuneWorkload::TuneWorkload(Device& dev, bool quick) : buffers_(std::make_unique<
                     {}});
   }
 
-  // GEMV, bf16 weight N x K (the weights dominate the bytes).
-  {
-    const uint32_t N = quick ? 4096 : 8192, K = 2048;
-    const Weight& w = b.weights.emplace_back(bf16_weight(dev, {N, K}, 3));
+  // GEMVs, bf16 weight N x K (the weights dominate the bytes). The CPU shape streams the weight
+  // rows of a GEMV while K <= gemv_stream_k: K on both sides of its candidates.
+  for (uint32_t K : {2048u, 4096u, 8192u}) {
+    const uint32_t N = K == 2048 ? (quick ? 4096 : 8192) : (quick ? 1024 : 2048);
+    const Weight& w = b.weights.emplace_back(bf16_weight(dev, {N, K}, 3 + K));
     cl::Mem x = keep(random_buffer(dev, K, 4)), y = keep(dev.alloc(N * 4));
     ops_.push_back({"linear M=1 bf16", "N=" + std::to_string(N) + " K=" + std::to_string(K),
                     double(N) * K * 2,
                     [&dev, x, y, &w, N, K] { ops::linear(dev, x, 0, K, w, nullptr, y, 0, N, 1); },
                     {"linear_wg", "linear_rows"},
-                    {}});
+                    {"gemv_stream_k"}});
   }
 
   // Prefill GEMM in the bf16 compute dtype (model.compute_dtype: bf16): M rows, bf16 N x K.
@@ -263,6 +264,7 @@ const std::vector<TuneField>& tunable_fields() {
       {"mla_tile", S::WorkGroups, {4, 8, 16}},
       {"mla_heads", S::WorkGroups, {4, 8, 16, 32}},
       {"route_wg", S::WorkGroups, {32, 64, 128, 256}},
+      {"gemv_stream_k", S::Chunks, {1024, 2048, 4096, 8192, 16384}},
       {"gemm_bf16_tm", S::Chunks, {2, 4, 6}},
       {"gemm_bf16_tn", S::Chunks, {2, 4, 6}},
       {"gemm_bf16_rows", S::Chunks, {32, 64, 128}},

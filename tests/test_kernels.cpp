@@ -1,6 +1,8 @@
 // Each kernel against plain C++ on random inputs, odd sizes included.
 #include <gtest/gtest.h>
 
+#include <array>
+#include <bit>
 #include <cmath>
 #include <random>
 
@@ -110,6 +112,69 @@ INSTANTIATE_TEST_SUITE_P(
                       LinearCase{1, 37, 100, DType::F32, KernelShape::WorkGroups},
                       LinearCase{5, 67, 257, DType::BF16, KernelShape::WorkGroups},
                       LinearCase{9, 20, 300, DType::F16, KernelShape::WorkGroups}));
+
+// One row's outputs do not depend on the rows launched beside it: a decode launch (one-row tiles,
+// the columns in turn while K <= gemv_stream_k, else side by side) gives the bits of the same row
+// inside a 2-row and a 6-row launch (4-row tiles). Plain linear, q/k/v side by side and gate/up +
+// SiLU, f32 and bf16, K on both sides of gemv_stream_k (4096) and off the 16-wide loads.
+struct RowsCase {
+  uint32_t K;
+  DType dt;
+};
+class LinearRowsAgree : public ::testing::TestWithParam<RowsCase> {};
+
+TEST_P(LinearRowsAgree, OneRowLaunchGivesTheBitsOfTheBatchedLaunch) {
+  const auto [K, dt] = GetParam();
+  Device& dev = test::default_device();
+  ShapeScope scope(dev, KernelShape::Chunks);
+  const uint32_t N = 21, Nk = 6, Nv = 7, F = 9, M = 6;
+  auto x = random_vec(size_t(M) * K, 11);
+  auto wv = random_vec(size_t(N) * K, 12), kv = random_vec(size_t(Nk) * K, 13),
+       vv = random_vec(size_t(Nv) * K, 14), gv = random_vec(size_t(F) * K, 15),
+       uv = random_vec(size_t(F) * K, 16);
+  Weight w = make_weight(dev, wv, {N, K}, dt), wk = make_weight(dev, kv, {Nk, K}, dt),
+         wvv = make_weight(dev, vv, {Nv, K}, dt), gate = make_weight(dev, gv, {F, K}, dt),
+         up = make_weight(dev, uv, {F, K}, dt);
+  cl::Mem xm = upload(dev, x);
+  const uint32_t Q = N + Nk + Nv;
+  // Each op writes rows [0, rows) of its output for the x rows starting at row `first`.
+  auto run = [&](uint32_t first, uint32_t rows) {
+    cl::Mem y = dev.alloc(size_t(rows) * N * 4), q = dev.alloc(size_t(rows) * Q * 4),
+            g = dev.alloc(size_t(rows) * F * 4);
+    ops::linear(dev, xm, first * K, K, w, nullptr, y, 0, N, rows);
+    ops::linear_fused(dev, xm, first * K, K, nullptr, nullptr, 0.0f, {&w, &wk, &wvv}, q, 0, Q,
+                      rows);
+    ops::linear_swiglu(dev, xm, first * K, K, nullptr, 0.0f, gate, up, g, 0, F, rows);
+    return std::array<std::vector<float>, 3>{download(dev, y, size_t(rows) * N),
+                                             download(dev, q, size_t(rows) * Q),
+                                             download(dev, g, size_t(rows) * F)};
+  };
+  const auto all = run(0, M), two = run(3, 2);
+  const uint32_t widths[3] = {N, Q, F};
+  const char* names[3] = {"linear", "q/k/v", "gate/up"};
+  for (uint32_t m = 0; m < M; ++m) {
+    const auto one = run(m, 1);
+    for (int op = 0; op < 3; ++op)
+      for (uint32_t n = 0; n < widths[op]; ++n) {
+        const float batched = all[op][size_t(m) * widths[op] + n];
+        ASSERT_EQ(std::bit_cast<uint32_t>(one[op][n]), std::bit_cast<uint32_t>(batched))
+            << names[op] << " row " << m << " column " << n << ": " << one[op][n] << " vs "
+            << batched;
+        if (m == 3 || m == 4)
+          ASSERT_EQ(std::bit_cast<uint32_t>(two[op][size_t(m - 3) * widths[op] + n]),
+                    std::bit_cast<uint32_t>(batched))
+              << names[op] << " (2-row launch) row " << m << " column " << n;
+      }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Widths, LinearRowsAgree,
+                         ::testing::Values(RowsCase{37, DType::F32}, RowsCase{300, DType::BF16},
+                                           RowsCase{2048, DType::BF16},
+                                           RowsCase{4103, DType::BF16}),
+                         [](const ::testing::TestParamInfo<RowsCase>& i) {
+                           return "K" + std::to_string(i.param.K) + "_" + dtype_name(i.param.dt);
+                         });
 
 // A strided view: x rows inside a wider buffer at an offset, y written into a column block — in
 // both kernel shapes.
