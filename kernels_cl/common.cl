@@ -54,31 +54,6 @@ typedef wtype ntype;
 #define LOADN1(p) LOADW1(p)
 #endif
 
-// The KV caches' element type, -DCACHE_TYPE=0|1 (f32 | bf16; kv_cache.dtype): ctype, a loader
-// that widens to f32 and a store that narrows. bf16 stores round to nearest, ties to even, as
-// torch's cast does (NaN stays a quiet NaN); loads are exact.
-#ifndef CACHE_TYPE
-#define CACHE_TYPE 0
-#endif
-#if CACHE_TYPE == 1
-typedef ushort ctype;
-inline ushort f32_to_bf16_rne(float f) {
-  const uint u = as_uint(f);
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (ushort)((u >> 16) | 0x40u);
-  return (ushort)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-#define LOADC1(p) bf16_to_f32(*(p))
-#define LOADC8(i, p) bf16x8_to_f32(vload8((i), (p)))
-#define LOADC16(i, p) bf16x16_to_f32(vload16((i), (p)))
-#define STOREC1(v, p) (*(p) = f32_to_bf16_rne(v))
-#else
-typedef float ctype;
-#define LOADC1(p) (*(p))
-#define LOADC8(i, p) vload8((i), (p))
-#define LOADC16(i, p) vload16((i), (p))
-#define STOREC1(v, p) (*(p) = (v))
-#endif
-
 // e4m3fn (FP8: 1 sign, 4 exponent bits bias 7, 3 mantissa bits, subnormals, no infinities,
 // 0x7F / 0xFF NaN) -> f32, written once for every kernel that reads FP8 weights.
 // Exact: normal codes move the 7 magnitude bits under f32's exponent (<< 20) and add the bias
@@ -102,6 +77,51 @@ inline float16 e4m3x16_to_f32(uchar16 b) {
   const float16 v = as_float16(as_uint16(select(normal, sub, mag < (uint16)8u)) | ((u & 0x80u) << 24));
   return select(v, (float16)NAN, e4m3x16_is_nan(b));
 }
+
+// The KV caches' element type, -DCACHE_TYPE=0|1|2 (f32 | bf16 | fp8; kv_cache.dtype): ctype, a
+// loader that widens to f32 and a store that narrows. bf16 stores round to nearest, ties to even,
+// as torch's cast does (NaN stays a quiet NaN). fp8 is e4m3fn with no scale (vLLM's fp8 cache
+// without calibrated scales): nearest even, saturating at +-448 as torch's saturating cast does,
+// NaN kept. Loads are exact.
+#ifndef CACHE_TYPE
+#define CACHE_TYPE 0
+#endif
+#if CACHE_TYPE == 1
+typedef ushort ctype;
+inline ushort f32_to_bf16_rne(float f) {
+  const uint u = as_uint(f);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (ushort)((u >> 16) | 0x40u);
+  return (ushort)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+#define LOADC1(p) bf16_to_f32(*(p))
+#define LOADC8(i, p) bf16x8_to_f32(vload8((i), (p)))
+#define LOADC16(i, p) bf16x16_to_f32(vload16((i), (p)))
+#define STOREC1(v, p) (*(p) = f32_to_bf16_rne(v))
+#elif CACHE_TYPE == 2
+typedef uchar ctype;
+inline uchar f32_to_e4m3_sat(float f) {
+  const uint u = as_uint(f), a = u & 0x7FFFFFFFu;
+  const uchar sign = (uchar)((u >> 24) & 0x80u);
+  if (a > 0x7F800000u) return sign | (uchar)0x7F;  // NaN
+  if (a >= 0x43E00000u) return sign | (uchar)0x7E;  // 448 and beyond (infinity too): saturate
+  // Below 2^-6 the codes are multiples of 2^-9 (8 of them is code 8 = 2^-6, the smallest normal).
+  if (a < 0x3C800000u) return sign | (uchar)convert_int_rte(as_float(a) * 512.0f);
+  // The f32 exponent and the top 3 mantissa bits, rounded to nearest even at bit 20 (a carry
+  // moves into the exponent), rebased from bias 127 to 7.
+  return sign | (uchar)(((a + 0x7FFFFu + ((a >> 20) & 1u)) >> 20) - (120u << 3));
+}
+#define LOADC1(p) e4m3_to_f32(*(p))
+#define LOADC8(i, p) e4m3x16_to_f32((uchar16)(vload8((i), (p)), (uchar8)(0))).lo
+#define LOADC16(i, p) e4m3x16_to_f32(vload16((i), (p)))
+#define STOREC1(v, p) (*(p) = f32_to_e4m3_sat(v))
+#else
+typedef float ctype;
+#define LOADC1(p) (*(p))
+#define LOADC8(i, p) vload8((i), (p))
+#define LOADC16(i, p) vload16((i), (p))
+#define STOREC1(v, p) (*(p) = (v))
+#endif
+
 
 // The GEMV decode: a handful of instructions per 16 codes that leave a power-of-two factor for the
 // caller to fold into the block scale (x * scale * FP8_X_SCALE feeds the FMA, the sums are

@@ -379,8 +379,9 @@ std::string cache_type_option(DType dtype) {
   switch (dtype) {
     case DType::F32: return "";
     case DType::BF16: return " -DCACHE_TYPE=1";
+    case DType::F8_E4M3: return " -DCACHE_TYPE=2";
     default:
-      throw std::invalid_argument(std::string("a KV cache holds F32 or BF16 elements, not ") +
+      throw std::invalid_argument(std::string("a KV cache holds F32, BF16 or F8_E4M3 elements, not ") +
                                   dtype_name(dtype));
   }
 }

@@ -26,7 +26,7 @@ namespace clshard::ops {
 
 struct MlaShape {
   uint32_t n_heads = 0, kv_lora = 0, nope = 0, rope = 0, v = 0;
-  DType cache_dtype = DType::F32;  // the latent cache's elements (kv_cache.dtype: F32 or BF16)
+  DType cache_dtype = DType::F32;  // the latent cache's elements (kv_cache.dtype: F32, BF16 or F8_E4M3)
   uint32_t qk() const { return nope + rope; }
   uint32_t row() const { return kv_lora + rope; }  // cache row width (576 for V3)
 };

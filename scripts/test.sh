@@ -11,10 +11,14 @@ if [ "${1:-}" = --sanitize ]; then
   supp="$PWD/tests/sanitizers"
   cmake --preset sanitize "${launcher[@]}" > /dev/null
   cmake --build build-asan -j"$(nproc)"
+  export LSAN_OPTIONS="suppressions=$supp/lsan.supp:print_suppressions=0"
+  export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:detect_stack_use_after_return=0 \
-  LSAN_OPTIONS="suppressions=$supp/lsan.supp:print_suppressions=0" \
-  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-    ctest --test-dir build-asan --output-on-failure -j1 -E '^mpi_'
+    ctest --test-dir build-asan --output-on-failure -j1 -E '^(mpi_|Mpi)'
+  # The processes under mpirun: OpenMPI keeps allocations until exit in plugins it has unloaded by
+  # then, so no suppression can name them; leaks are not checked there, memory errors still are.
+  ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:detect_stack_use_after_return=0 \
+    ctest --test-dir build-asan --output-on-failure -j1 -R '^(mpi_|Mpi)'
   # The threaded parts: collectives and signals between devices, the engine, the batch job.
   cmake --preset tsan "${launcher[@]}" > /dev/null
   cmake --build build-tsan -j"$(nproc)" --target clshard_tests clshard

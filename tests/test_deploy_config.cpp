@@ -442,13 +442,15 @@ TEST(DeployConfig, Cluster) {
             "deploy.yaml:4: cluster.nodes: unknown key (expected one of: transport)");
 }
 
-// kv_cache.dtype: f32 by default, bf16 when asked; anything else names the line and the choices.
+// kv_cache.dtype: f32 by default, bf16 or fp8 when asked; anything else names the line and the
+// choices.
 TEST(DeployConfig, KvCacheDtype) {
   EXPECT_EQ(parse("model: {path: m}\n").kv_cache.dtype, DType::F32);
   EXPECT_EQ(parse("model: {path: m}\nkv_cache: {dtype: bf16}\n").kv_cache.dtype, DType::BF16);
+  EXPECT_EQ(parse("model: {path: m}\nkv_cache: {dtype: fp8}\n").kv_cache.dtype, DType::F8_E4M3);
   EXPECT_EQ(parse("model: {path: m}\nkv_cache: {dtype: f32}\n").kv_cache.dtype, DType::F32);
   EXPECT_EQ(error_of("model: {path: m}\nkv_cache:\n  page_size: 16\n  dtype: fp16\n"),
-            "deploy.yaml:4: kv_cache.dtype: expected one of f32 | bf16, got \"fp16\"");
+            "deploy.yaml:4: kv_cache.dtype: expected one of f32 | bf16 | fp8, got \"fp16\"");
 }
 
 TEST(DeployConfig, ExampleShowsEveryKeyAtItsDefault) {

@@ -4,10 +4,12 @@
 #include <array>
 #include <bit>
 #include <cmath>
+#include <cstring>
 #include <random>
 
 #include "runtime/device.h"
 #include "runtime/ops.h"
+#include "tests/kv_cache_codes.h"
 #include "tests/test_util.h"
 
 namespace clshard {
@@ -306,12 +308,12 @@ KernelTuning tuning_for(Device& dev, const AttentionCase& c) {
 }
 
 // RoPE + KV store + paged attention against a direct C++ computation, two rows with different
-// cached lengths, pages scattered in the pool (not in order). With a bf16 cache: every stored key
-// and value is the kernel's f32 value rounded to nearest even (bit-exact against the host's
-// f32_to_bf16), and the attention output matches a double computation over the bf16-rounded keys
-// and values (2e-3: the host's RoPE may round a key to the neighbouring bf16 value where the
-// kernel's f32 rotation differs in the last bit) and the f32 cache's output within bf16's
-// precision (2e-2 here, outputs of magnitude <= 1).
+// cached lengths, pages scattered in the pool (not in order). With a bf16 or fp8 cache: every
+// stored key and value is the host's rounding of the kernel's f32 value (bit-exact), and the
+// attention output matches a double computation over the rounded keys and values (2e-3: the host's
+// RoPE may round a key to the neighbouring code where the kernel's f32 rotation differs in the last
+// bit) and the f32 cache's output within the narrow type's precision (bf16 2e-2, fp8 6e-2 here,
+// outputs of magnitude <= 1).
 TEST_P(AttentionKernels, RopeStoreAndPagedAttentionMatchCpp) {
   Device& dev = test::default_device();
   ShapeScope scope(dev, GetParam().shape);
@@ -380,22 +382,27 @@ TEST_P(AttentionKernels, RopeStoreAndPagedAttentionMatchCpp) {
     *att_out = download(dev, om, size_t(T) * nh * hd);
     *qkv_rows = download(dev, qm, qkv.size());
     if (narrow) {
-      // Each new token's key (roped, in qkv) and value, as stored: rounded to nearest even.
-      std::vector<uint16_t> c(cache_elems);
-      dev.read(cache, c.data(), cache_elems * 2);
+      // Each new token's key (roped, in qkv) and value, as stored: the host's rounding of the
+      // kernel's f32 value (nearest even; fp8 saturating), bit for bit.
+      std::vector<uint8_t> c(cache_elems * dtype_size(cdt));
+      dev.read(cache, c.data(), c.size());
       for (uint32_t t = 0; t < T; ++t) {
         const uint32_t slot_page = lut[row[t] * ppr + pos[t] / page], slot = pos[t] % page;
         for (uint32_t i = 0; i < nkv * hd; ++i) {
           const size_t k_at = (size_t(slot_page) * 2 * page + slot) * nkv * hd + i;
           const size_t v_at = k_at + size_t(page) * nkv * hd;
-          ASSERT_EQ(c[k_at], f32_to_bf16((*qkv_rows)[t * ld + nh * hd + i])) << "key " << t;
-          ASSERT_EQ(c[v_at], f32_to_bf16((*qkv_rows)[t * ld + (nh + nkv) * hd + i])) << "value";
+          ASSERT_EQ(test::stored_code(cdt, c, k_at),
+                    test::cache_code(cdt, (*qkv_rows)[t * ld + nh * hd + i]))
+              << "key " << t;
+          ASSERT_EQ(test::stored_code(cdt, c, v_at),
+                    test::cache_code(cdt, (*qkv_rows)[t * ld + (nh + nkv) * hd + i]))
+              << "value";
         }
       }
     }
   };
   // The cache's rounding of a key or value element.
-  auto cached_value = [&](float x) { return narrow ? bf16_to_f32(f32_to_bf16(x)) : x; };
+  auto cached_value = [&](float x) { return narrow ? test::cached(cdt, x) : x; };
   std::vector<float> att, roped;
   run_step({{0, cached[0]}, {0, 0}}, &att, &roped);  // fill row 0's history first
   run_step({{cached[0], fresh[0]}, {0, fresh[1]}}, &att, &roped);
@@ -429,7 +436,9 @@ TEST_P(AttentionKernels, RopeStoreAndPagedAttentionMatchCpp) {
             o += s[q] / sum * cached_value(h[size_t(q) * ld + (nh + nkv + kvh) * hd + i]);
           const size_t at = t * nh * hd + head * hd + i;
           ASSERT_NEAR(att[at], o, narrow ? 2e-3 : 1e-5) << "row " << b << " pos " << p;
-          if (narrow) ASSERT_NEAR(att[at], f32_att[at], 2e-2) << "row " << b << " pos " << p;
+          if (narrow)
+            ASSERT_NEAR(att[at], f32_att[at], cdt == DType::F8_E4M3 ? 6e-2 : 2e-2)
+                << "row " << b << " pos " << p;
         }
       }
     }
@@ -448,7 +457,11 @@ INSTANTIATE_TEST_SUITE_P(
                       AttentionCase{"gpu_bf16_cache", KernelShape::WorkGroups, 0, 0, 0, 0, 0,
                                     DType::BF16},
                       AttentionCase{"gpu_split16_tile8_bf16_cache", KernelShape::WorkGroups, 16,
-                                    8, 32, 1, 0, DType::BF16}),
+                                    8, 32, 1, 0, DType::BF16},
+                      AttentionCase{"cpu_fp8_cache", KernelShape::Chunks, 0, 0, 0, 0, 0,
+                                    DType::F8_E4M3},
+                      AttentionCase{"gpu_split16_tile8_fp8_cache", KernelShape::WorkGroups, 16, 8,
+                                    32, 1, 0, DType::F8_E4M3}),
     [](const auto& info) { return std::string(info.param.name); });
 
 }  // namespace

@@ -33,9 +33,10 @@ DecoderStack::DecoderStack(const DeepseekV3Config& cfg, const std::filesystem::p
   mla_.rope = uint32_t(cfg_.qk_rope_head_dim);
   mla_.v = uint32_t(cfg_.v_head_dim);
   mla_.cache_dtype = opts.kv_cache_dtype;
-  if (mla_.cache_dtype != DType::F32 && mla_.cache_dtype != DType::BF16)
+  if (mla_.cache_dtype != DType::F32 && mla_.cache_dtype != DType::BF16 &&
+      mla_.cache_dtype != DType::F8_E4M3)
     throw std::invalid_argument(std::string(who) + ": kv_cache.dtype " +
-                                dtype_name(mla_.cache_dtype) + " is not supported (f32 or bf16)");
+                                dtype_name(mla_.cache_dtype) + " is not supported (f32, bf16 or fp8)");
   router_.n_experts = uint32_t(cfg_.n_routed_experts);
   router_.top_k = uint32_t(cfg_.num_experts_per_tok);
   router_.n_group = uint32_t(cfg_.n_group);

@@ -33,9 +33,10 @@ Llama3Model::Llama3Model(const std::filesystem::path& dir, const LoadOptions& op
   if (devices.empty())
     throw std::invalid_argument("Llama3Model: replica " + std::to_string(replica) +
                                 " has no device in this process");
-  if (opts.kv_cache_dtype != DType::F32 && opts.kv_cache_dtype != DType::BF16)
+  if (opts.kv_cache_dtype != DType::F32 && opts.kv_cache_dtype != DType::BF16 &&
+      opts.kv_cache_dtype != DType::F8_E4M3)
     throw std::invalid_argument(std::string("Llama3Model: kv_cache.dtype ") +
-                                dtype_name(opts.kv_cache_dtype) + " is not supported (f32 or bf16)");
+                                dtype_name(opts.kv_cache_dtype) + " is not supported (f32, bf16 or fp8)");
   kv_dtype_ = opts.kv_cache_dtype;
   store_ = std::make_unique<WeightStore>(dir);
   cfg_.finalize(*store_);

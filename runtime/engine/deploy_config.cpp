@@ -491,7 +491,8 @@ class Parser {
       } else if (k == "prefix_caching") {
         cfg_.kv_cache.prefix_caching = boolean(v, p, line);
       } else if (k == "dtype") {
-        cfg_.kv_cache.dtype = choice(v, p, line, {"f32", "bf16"}) == "bf16" ? DType::BF16 : DType::F32;
+        const std::string d = choice(v, p, line, {"f32", "bf16", "fp8"});
+        cfg_.kv_cache.dtype = d == "bf16" ? DType::BF16 : d == "fp8" ? DType::F8_E4M3 : DType::F32;
       }
     });
   }
