@@ -15,3 +15,16 @@ kernel void silu_mul(global const float* gate, uint gate_off, uint ldg, global c
     yr[i] = a / (1.0f + exp(-a)) * u[i];
   }
 }
+
+#ifdef ROW_WG
+// The GPU shape (-DROW_WG lanes): a lane per column, work-groups of ROW_WG neighbouring columns of
+// one row. Launch: global (ceil(F / ROW_WG) * ROW_WG, T), local (ROW_WG, 1).
+kernel __attribute__((reqd_work_group_size(ROW_WG, 1, 1)))
+void silu_mul_wg(global const float* gate, uint gate_off, uint ldg, global const float* up,
+                 uint up_off, uint ldu, global float* y, uint ldy, uint F) {
+  const uint i = get_global_id(0), t = get_global_id(1);
+  if (i >= F) return;
+  const float a = gate[gate_off + (size_t)t * ldg + i];
+  y[(size_t)t * ldy + i] = a / (1.0f + exp(-a)) * up[up_off + (size_t)t * ldu + i];
+}
+#endif

@@ -245,3 +245,168 @@ void attention_merge_splits(global const float* part, global const float* part_m
   }
 }
 #endif  // ATT_WG
+
+#ifdef PF_WG
+// ---- The GPU shape for prefill: a work-group per (tile of query tokens, group of query heads) --
+// Flash-attention style: the group stages its queries once in local memory, then walks the KV
+// positions of their row in tiles, each key and value tile loaded once into local memory (lanes on
+// neighbouring floats of a row) and used by every query of the group, with the online softmax of
+// common.cl. Nothing of size context is stored and no split-K pass follows, so it suits steps
+// whose rows bring many new tokens (the ops route by the step's longest row).
+// The tokens of one row are consecutive in a step; a tile that straddles rows runs once per run
+// of equal rows (each run with its own page table), so any token order stays correct.
+// Two layouts: MHA's cache (rope.cl: key and value of position p for query head h at
+// paged_slot(p) + k_off (+ v_off) + (h / heads_per_kv) * kv_head_stride), and MLA's decompressed
+// prefill (-DPF_NOPE=DN): key = [K-nope (DN floats) | the shared roped key (from the cache row at
+// k_off)], value = the DV floats after K-nope, K-nope and value from kv[ctx_start[row] + p] at
+// h * kv_head_ld (mla.cl's prefill buffer; one head per group). Build options:
+//   -DPF_WG  lanes per work-group           -DPF_DK, -DPF_DV  key and value widths (even)
+//   -DPF_QT  query tokens per tile          -DPF_GH  query heads per group (sharing a KV head)
+//   -DPF_KT  KV positions per tile          -DPF_NOPE  0 (MHA) or MLA's DN
+//   -DCACHE_TYPE the cache's element type (common.cl), widened to f32 as the tiles load
+// Launch: global (ceil(T / PF_QT) * PF_WG, n_heads / PF_GH, 1), local (PF_WG, 1, 1).
+#ifndef PF_NOPE
+#define PF_NOPE 0
+#endif
+#if PF_NOPE && PF_GH != 1
+#error "MLA's prefill layout has a key per head: one head per work-group"
+#endif
+#define PF_R (PF_QT * PF_GH)                               // query rows: (token, head) pairs
+#define PF_EPL ((PF_R * PF_DV + PF_WG - 1) / PF_WG)        // output elements per lane
+#define PF_KS (PF_DK + 1)  // a padded local row: lanes reading one column of many rows spread banks
+kernel __attribute__((reqd_work_group_size(PF_WG, 1, 1)))
+void paged_attention_prefill_wg(global const float* q, uint q_off, uint q_ldt, uint q_ldh,
+                                global const ctype* cache, ulong page_stride, uint slot_stride,
+                                uint k_off, uint v_off, uint kv_head_stride, uint heads_per_kv,
+                                global const float* kv, uint ldkv, uint kv_head_ld,
+                                global const uint* ctx_start, global const uint* token_row,
+                                global const uint* token_pos, global const uint* lookup,
+                                uint pages_per_row, uint page_size, uint n_tokens, float scale,
+                                global float* out, uint o_ldt, uint o_ldh) {
+  local float qs[PF_R * PF_KS];   // the queries, row r = token (r / PF_GH), head h0 + r % PF_GH
+  local float kt[PF_KT * PF_KS];
+  local float vt[PF_KT * PF_DV];
+  local float pr[PF_R * PF_KT];   // scores, then their exp(s - m)
+  local float m_run[PF_R], l_run[PF_R], corr[PF_R];
+  local int qpos[PF_QT];          // each token's position while its run is processed, else -1
+  const uint lane = get_local_id(0);
+  const uint t0 = get_group_id(0) * PF_QT, h0 = get_group_id(1) * PF_GH;
+  const uint nq = min((uint)PF_QT, n_tokens - t0);
+  const uint head_off = (h0 / heads_per_kv) * kv_head_stride;
+  for (uint run = 0; run < nq;) {
+    // The run [run, run_end) of tokens of one row; every lane reads the same values.
+    const uint row = token_row[t0 + run];
+    uint run_end = run + 1, last = token_pos[t0 + run];
+    while (run_end < nq && token_row[t0 + run_end] == row) last = max(last, token_pos[t0 + run_end++]);
+    global const uint* lut = lookup + (size_t)row * pages_per_row;
+#if PF_NOPE
+    global const float* kv_rows = kv + (size_t)ctx_start[row] * ldkv + (size_t)h0 * kv_head_ld;
+#endif
+    for (uint i = lane; i < PF_QT; i += PF_WG)
+      qpos[i] = i >= run && i < run_end ? (int)token_pos[t0 + i] : -1;
+    for (uint idx = lane; idx < PF_R * PF_DK; idx += PF_WG) {
+      const uint r = idx / PF_DK, d = idx % PF_DK, tok = r / PF_GH;
+      qs[r * PF_KS + d] = tok >= run && tok < run_end
+                              ? q[q_off + (size_t)(t0 + tok) * q_ldt + (size_t)(h0 + r % PF_GH) * q_ldh + d]
+                              : 0.0f;
+    }
+    for (uint r = lane; r < PF_R; r += PF_WG) {
+      m_run[r] = -INFINITY;
+      l_run[r] = 0.0f;
+    }
+    float acc[PF_EPL];
+#pragma unroll
+    for (int i = 0; i < PF_EPL; ++i) acc[i] = 0.0f;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (uint p0 = 0; p0 <= last; p0 += PF_KT) {
+      const uint n = min((uint)PF_KT, last + 1 - p0);
+      for (uint idx = lane; idx < PF_KT * PF_DK; idx += PF_WG) {
+        const uint j = idx / PF_DK, d = idx % PF_DK;
+        float x = 0.0f;
+        if (j < n) {
+#if PF_NOPE
+          x = d < PF_NOPE ? kv_rows[(size_t)(p0 + j) * ldkv + d]
+                          : LOADC1(cache + paged_slot(lut, p0 + j, page_size, page_stride,
+                                                      slot_stride) + k_off + (d - PF_NOPE));
+#else
+          x = LOADC1(cache + paged_slot(lut, p0 + j, page_size, page_stride, slot_stride) + k_off +
+                     head_off + d);
+#endif
+        }
+        kt[j * PF_KS + d] = x;
+      }
+      for (uint idx = lane; idx < PF_KT * PF_DV; idx += PF_WG) {
+        const uint j = idx / PF_DV, d = idx % PF_DV;
+        float x = 0.0f;
+        if (j < n) {
+#if PF_NOPE
+          x = kv_rows[(size_t)(p0 + j) * ldkv + PF_NOPE + d];
+#else
+          x = LOADC1(cache + paged_slot(lut, p0 + j, page_size, page_stride, slot_stride) + v_off +
+                     head_off + d);
+#endif
+        }
+        vt[idx] = x;
+      }
+      barrier(CLK_LOCAL_MEM_FENCE);
+      for (uint idx = lane; idx < PF_R * PF_KT; idx += PF_WG) {
+        const uint r = idx / PF_KT, j = idx % PF_KT;
+        float s = -INFINITY;
+        if ((int)(p0 + j) <= qpos[r / PF_GH]) {  // causal; positions past the run's last too
+          local const float* qr = qs + r * PF_KS;
+          local const float* kr = kt + j * PF_KS;
+          float d0 = 0.0f, d1 = 0.0f;  // two chains: half the FMA latency per score
+          for (uint d = 0; d < PF_DK; d += 2) {
+            d0 = fma(qr[d], kr[d], d0);
+            d1 = fma(qr[d + 1], kr[d + 1], d1);
+          }
+          s = (d0 + d1) * scale;
+        }
+        pr[idx] = s;
+      }
+      barrier(CLK_LOCAL_MEM_FENCE);
+      for (uint r = lane; r < PF_R; r += PF_WG) {
+        float bmax = -INFINITY;
+        for (uint j = 0; j < n; ++j) bmax = fmax(bmax, pr[r * PF_KT + j]);
+        const float m_new = fmax(m_run[r], bmax);
+        corr[r] = softmax_rescale(m_run[r], m_new);
+        m_run[r] = m_new;
+      }
+      barrier(CLK_LOCAL_MEM_FENCE);
+      for (uint idx = lane; idx < PF_R * PF_KT; idx += PF_WG)
+        pr[idx] = pr[idx] == -INFINITY ? 0.0f : exp(pr[idx] - m_run[idx / PF_KT]);
+      barrier(CLK_LOCAL_MEM_FENCE);
+      for (uint r = lane; r < PF_R; r += PF_WG) {
+        float sum = 0.0f;
+        for (uint j = 0; j < n; ++j) sum += pr[r * PF_KT + j];
+        l_run[r] = l_run[r] * corr[r] + sum;
+      }
+      // Not needed by the memory model (the value loop below reads none of l_run), but PoCL's
+      // work-group loops lost this update without it (the sums came out zero).
+      barrier(CLK_LOCAL_MEM_FENCE);
+#pragma unroll
+      for (int i = 0; i < PF_EPL; ++i) {
+        const uint e = lane + i * PF_WG;
+        if (e < PF_R * PF_DV) {
+          const uint r = e / PF_DV, d = e % PF_DV;
+          float a = acc[i] * corr[r];
+          for (uint j = 0; j < n; ++j) a = fma(pr[r * PF_KT + j], vt[j * PF_DV + d], a);
+          acc[i] = a;
+        }
+      }
+      barrier(CLK_LOCAL_MEM_FENCE);  // the tiles (and l_run) are rewritten next
+    }
+#pragma unroll
+    for (int i = 0; i < PF_EPL; ++i) {
+      const uint e = lane + i * PF_WG;
+      if (e < PF_R * PF_DV) {
+        const uint r = e / PF_DV, d = e % PF_DV, tok = r / PF_GH;
+        if (tok >= run && tok < run_end)
+          out[(size_t)(t0 + tok) * o_ldt + (size_t)(h0 + r % PF_GH) * o_ldh + d] = acc[i] / l_run[r];
+      }
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);  // qpos, qs and the softmax state are rewritten by the next run
+    run = run_end;
+  }
+}
+#endif  // PF_WG

@@ -360,3 +360,134 @@ kernel void mla_prefill_attention(global const float* q, uint q_off, uint ldq,
 #pragma unroll
   for (int i = 0; i < DV / 8; ++i) vstore8(acc[i] * inv_l, i, o);
 }
+
+#ifdef MLA_WG
+// ---- The GPU shape (-DMLA_WG lanes, a power of two): work-groups whose neighbouring lanes touch
+// neighbouring floats. The same arithmetic per element as the kernels above, except that sums
+// over a row meet in a tree (common.cl's wg_sum) rather than in one chain. -DMLA_TM: tokens per
+// work-group of the two per-head GEMMs.
+#ifndef MLA_TM
+#define MLA_TM 1
+#endif
+
+// mla_gather_latent: a work-group per buffer row. Launch: global (L * MLA_WG), local (MLA_WG).
+kernel __attribute__((reqd_work_group_size(MLA_WG, 1, 1)))
+void mla_gather_latent_wg(global const ctype* cache, global const uint* src_rows,
+                          global float* out) {
+  const uint i = get_group_id(0), lane = get_local_id(0);
+  global const ctype* src = cache + (size_t)src_rows[i] * (LKV + DR);
+  global float* dst = out + (size_t)i * LKV;
+  for (uint k = lane; k < LKV; k += MLA_WG) dst[k] = LOADC1(src + k);
+}
+
+// mla_rope_store: a work-group per new token. The lanes rotate the (head, pair)s of q_pe, reduce
+// the latent's sum of squares, then store the normalised latent and the roped key (a lane rotates
+// a pair in registers and stores it, rounded once for a narrow cache).
+// Launch: global (T * MLA_WG), local (MLA_WG).
+kernel __attribute__((reqd_work_group_size(MLA_WG, 1, 1)))
+void mla_rope_store_wg(global float* q, uint q_off, uint ldq, uint n_heads, uint qk_dim,
+                       global const float* kv, uint kv_off, uint ldkv,
+                       global const ntype* norm_w, float eps, global const float* inv_freq,
+                       float rope_factor, global const uint* token_row,
+                       global const uint* token_pos, global const uint* lookup,
+                       uint pages_per_row, uint page_size, global ctype* cache) {
+  local float scratch[MLA_WG];
+  const uint t = get_group_id(0), lane = get_local_id(0);
+  const uint pos = token_pos[t];
+  global float* qt = q + q_off + (size_t)t * ldq;
+  const uint n_pairs = DR / 2;
+  for (uint idx = lane; idx < n_heads * n_pairs; idx += MLA_WG) {
+    const uint h = idx / n_pairs, i = idx % n_pairs;
+    const float angle = (float)pos * inv_freq[i];
+    const float c = cos(angle) * rope_factor, s = sin(angle) * rope_factor;
+    ROPE_PAIR_INDEX(i, n_pairs);
+    global float* x = qt + h * qk_dim + (qk_dim - DR);
+    const float a = x[i0], b = x[i1];
+    x[i0] = a * c - b * s;
+    x[i1] = a * s + b * c;
+  }
+  global const float* src = kv + kv_off + (size_t)t * ldkv;
+  global const uint* lut = lookup + (size_t)token_row[t] * pages_per_row;
+  global ctype* row = cache + cache_row_index(lut, pos, page_size) * (LKV + DR);
+  float ss = 0.0f;
+  for (uint i = lane; i < LKV; i += MLA_WG) ss = fma(src[i], src[i], ss);
+  ss = wg_sum(ss, scratch);
+  const float inv = 1.0f / sqrt(ss / (float)LKV + eps);
+  for (uint i = lane; i < LKV; i += MLA_WG) STOREC1((src[i] * inv) * LOADN(norm_w + i), row + i);
+  for (uint i = lane; i < n_pairs; i += MLA_WG) {
+    const float angle = (float)pos * inv_freq[i];
+    const float c = cos(angle) * rope_factor, s = sin(angle) * rope_factor;
+    ROPE_PAIR_INDEX(i, n_pairs);
+    const float a = src[LKV + i0], b = src[LKV + i1];
+    STOREC1(a * c - b * s, row + LKV + i0);
+    STOREC1(a * s + b * c, row + LKV + i1);
+  }
+}
+
+// mla_absorb_q: a work-group per (head, MLA_WG latent columns, MLA_TM tokens); lane l owns column
+// c0 + l, so each weight row d is read by neighbouring lanes, and the tokens' q_nope values sit
+// in local memory for all lanes. Launch: global (n_heads * ceil(LKV / MLA_WG) * MLA_WG,
+// ceil(T / MLA_TM)), local (MLA_WG, 1).
+kernel __attribute__((reqd_work_group_size(MLA_WG, 1, 1)))
+void mla_absorb_q_wg(global const float* q, uint q_off, uint ldq, global const wtype* w,
+                     global const float* wscale, uint ld_scale, uint T, uint n_heads,
+                     global float* qf) {
+  local float qn[MLA_TM * DN];
+  const uint n_chunks = (LKV + MLA_WG - 1) / MLA_WG;
+  const uint h = get_group_id(0) / n_chunks, lane = get_local_id(0);
+  const uint c = (get_group_id(0) % n_chunks) * MLA_WG + lane;
+  const uint t0 = get_group_id(1) * MLA_TM;
+  const uint nt = min((uint)MLA_TM, T - t0);
+  const uint qk = DN + DR;
+  for (uint idx = lane; idx < MLA_TM * DN; idx += MLA_WG) {
+    const uint i = idx / DN, d = idx % DN;
+    qn[idx] = i < nt ? q[q_off + (size_t)(t0 + i) * ldq + h * qk + d] : 0.0f;
+  }
+  barrier(CLK_LOCAL_MEM_FENCE);
+  float acc[MLA_TM];
+#pragma unroll
+  for (int i = 0; i < MLA_TM; ++i) acc[i] = 0.0f;
+  if (c < LKV) {
+    for (uint d = 0; d < DN; ++d) {
+      const uint r = h * (DN + DV) + d;
+      const float wv = LOADW1(w + (size_t)r * LKV + c) * WSCALE(wscale, ld_scale, r, c);
+#pragma unroll
+      for (int i = 0; i < MLA_TM; ++i) acc[i] = fma(qn[i * DN + d], wv, acc[i]);
+    }
+  }
+  for (uint i = 0; i < nt; ++i) {
+    global float* o = qf + ((size_t)(t0 + i) * n_heads + h) * (LKV + DR);
+    if (c < LKV) o[c] = acc[i];
+    if (get_group_id(0) % n_chunks == 0)
+      for (uint j = lane; j < DR; j += MLA_WG) o[LKV + j] = q[q_off + (size_t)(t0 + i) * ldq + h * qk + DN + j];
+  }
+}
+
+// mla_head_linear: a work-group per (head, output row n, MLA_TM tokens); the lanes split k (a
+// weight row read by neighbouring lanes) and the partial sums meet in a tree.
+// Launch: global (n_heads * N * MLA_WG, ceil(M / MLA_TM)), local (MLA_WG, 1).
+kernel __attribute__((reqd_work_group_size(MLA_WG, 1, 1)))
+void mla_head_linear_wg(global const float* x, global const wtype* w,
+                        global const float* wscale, uint ld_scale, uint row0, uint N,
+                        uint n_heads, uint M, global float* y, uint y_off, uint ldy) {
+  local float scratch[MLA_WG];
+  const uint h = get_group_id(0) / N, n = get_group_id(0) % N, lane = get_local_id(0);
+  const uint m0 = get_group_id(1) * MLA_TM;
+  const uint r = h * (DN + DV) + row0 + n;
+  global const wtype* wr = w + (size_t)r * LKV;
+  float acc[MLA_TM];
+#pragma unroll
+  for (int i = 0; i < MLA_TM; ++i) acc[i] = 0.0f;
+  for (uint k = lane; k < LKV; k += MLA_WG) {
+    const float wv = LOADW1(wr + k) * WSCALE(wscale, ld_scale, r, k);
+#pragma unroll
+    for (int i = 0; i < MLA_TM; ++i)
+      if (m0 + i < M) acc[i] = fma(x[((size_t)(m0 + i) * n_heads + h) * LKV + k], wv, acc[i]);
+  }
+#pragma unroll
+  for (int i = 0; i < MLA_TM; ++i) {
+    const float s = wg_sum(acc[i], scratch);
+    if (lane == 0 && m0 + i < M) y[y_off + (size_t)(m0 + i) * ldy + h * N + n] = s;
+  }
+}
+#endif  // MLA_WG

@@ -256,6 +256,27 @@ kernel void moe_combine(global const float* expert_out, uint ld, global const ui
   }
 }
 
+#ifdef ROW_WG
+// moe_combine's GPU shape (-DROW_WG lanes): a lane per column, work-groups of ROW_WG neighbouring
+// columns of one token; the same sum in the same order per element.
+// Launch: global (ceil(H / ROW_WG) * ROW_WG, T), local (ROW_WG, 1).
+kernel __attribute__((reqd_work_group_size(ROW_WG, 1, 1)))
+void moe_combine_wg(global const float* expert_out, uint ld, global const uint* slot_row,
+                    global const float* weights, uint top_k, uint H, global float* out, uint ldo,
+                    int accumulate, int with_shared) {
+  const uint c = get_global_id(0), t = get_global_id(1);
+  if (c >= H) return;
+  global const uint* rows = slot_row + (size_t)t * (top_k + with_shared);
+  global const float* wt = weights + (size_t)t * top_k;
+  float acc = 0.0f;
+  for (uint s = 0; s < top_k; ++s) acc = fma(wt[s], expert_out[(size_t)rows[s] * ld + c], acc);
+  global float* o = out + (size_t)t * ldo + c;
+  if (accumulate) acc = *o + acc;
+  if (with_shared) acc = acc + expert_out[(size_t)rows[top_k] * ld + c];
+  *o = acc;
+}
+#endif
+
 // ---------------------------------------------------------------------------------------------
 // The routed experts of a step without the host: the plan (counts, offsets, the token
 // permutation and the row tiles of each expert) is made on the device from the router's ids, and

@@ -37,10 +37,23 @@ struct KernelTuning {
   uint32_t attn_tile = 32;        // positions per local-memory tile (MHA)
   uint32_t attn_heads = 8;        // query heads sharing one KV head per work-group, at most
   uint32_t attn_split = 512;      // positions per split-K work-group (rounded to the tile)
+  // Prefill attention (attention.cl's paged_attention_prefill_wg, steps whose longest row brings
+  // more than kPrefillAttentionFrom tokens): lanes, query tokens per tile, KV positions per
+  // local-memory tile, query heads per work-group at most (the tiles shrink to the device's
+  // local memory).
+  uint32_t prefill_wg = 64;
+  uint32_t prefill_q = 8;
+  uint32_t prefill_tile = 16;
+  uint32_t prefill_heads = 4;
   uint32_t mla_wg = 128;          // MLA decode: lanes per work-group
   uint32_t mla_tile = 8;          // MLA decode: cache rows per tile (576 floats each)
   uint32_t mla_heads = 8;         // MLA decode: query heads per work-group, at most
   uint32_t route_wg = 64;         // MoE router: lanes per token (over the experts)
+  // The per-row kernels (embedding, silu_mul, moe_combine, and mla.cl's *_wg: gather, RoPE +
+  // cache store, query absorption, the per-head up-projection): lanes per work-group (a power of
+  // two); and tokens per work-group of MLA's two per-head GEMMs from 4 tokens on.
+  uint32_t row_wg = 64;
+  uint32_t mla_row_tokens = 4;
   // Decode GEMVs on the CPU shape (linear.cl, one-row tiles) read the weight rows one after
   // another, not four side by side, while K is at most this (the x row stays in L1).
   uint32_t gemv_stream_k = 4096;

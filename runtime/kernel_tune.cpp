@@ -80,6 +80,22 @@ DecodeRows decode_rows(Device& dev, uint32_t B, uint32_t ctx, uint32_t page_size
   return d;
 }
 
+// One row of `prefix` cached tokens and T new ones (positions prefix .. prefix + T - 1): a prefill
+// step, its pages scattered (page j is page 2j + 1 of the pool).
+DecodeRows prefill_row(Device& dev, uint32_t T, uint32_t prefix, uint32_t page_size) {
+  const uint32_t ppr = (prefix + T + page_size - 1) / page_size;
+  std::vector<uint32_t> row(T, 0), pos(T), lut(ppr);
+  for (uint32_t t = 0; t < T; ++t) pos[t] = prefix + t;
+  for (uint32_t j = 0; j < ppr; ++j) lut[j] = 2 * j + 1;
+  DecodeRows d;
+  d.row = upload_u32(dev, row);
+  d.pos = upload_u32(dev, pos);
+  d.lookup = upload_u32(dev, lut);
+  d.st = ops::StepTokens{d.row, d.pos, d.lookup, T, ppr, page_size};
+  d.st.max_query_len = T;
+  return d;
+}
+
 // The median of `reps` timed runs after one untimed (kernel builds), each ending in a finish.
 double median_seconds(Device& dev, int reps, const std::function<void()>& fn) {
   fn();
@@ -197,6 +213,26 @@ TuneWorkload::TuneWorkload(Device& dev, bool quick) : buffers_(std::make_unique<
                     {}});
   }
 
+  // Prefill attention: T new tokens of one row after a cached prefix (reads the row's K and V
+  // once per query tile in the GPU shape; no bytes figure, it is compute-bound).
+  for (auto [T, prefix] : {std::pair<uint32_t, uint32_t>{64, 0}, {512, 512}}) {
+    if (quick && T > 64) continue;
+    const DecodeRows& d = b.steps.emplace_back(prefill_row(dev, T, prefix, page));
+    const size_t pages = 2 * size_t(d.st.pages_per_row) + 1;
+    cl::Mem q = keep(random_buffer(dev, size_t(T) * nh * hd, 13)),
+            cache = keep(random_buffer(dev, pages * 2 * page * nkv * hd, 14, 0.5f)),
+            out = keep(dev.alloc(size_t(T) * nh * hd * 4));
+    ops_.push_back({"paged_attention prefill",
+                    "T=" + std::to_string(T) + " prefix=" + std::to_string(prefix),
+                    0.0,
+                    [&dev, q, cache, out, &d] {
+                      ops::paged_attention(dev, q, nh * hd, cache, d.st, nh, nkv, hd, 0.088f, out,
+                                           nh * hd);
+                    },
+                    {"prefill_wg", "prefill_q", "prefill_tile", "prefill_heads"},
+                    {}});
+  }
+
   // MLA absorbed decode attention over 576-wide latent rows (DeepSeek-V3: 128 heads; 16 when
   // quick). Every head reads the same rows: bytes are the rows once per request.
   {
@@ -260,6 +296,10 @@ const std::vector<TuneField>& tunable_fields() {
       {"attn_tile", S::WorkGroups, {8, 16, 32}},
       {"attn_heads", S::WorkGroups, {1, 2, 4, 8}},
       {"attn_split", S::WorkGroups, {256, 512, 1024, 2048}},
+      {"prefill_wg", S::WorkGroups, {32, 64, 128, 256}},
+      {"prefill_q", S::WorkGroups, {4, 8, 16}},
+      {"prefill_tile", S::WorkGroups, {8, 16, 32}},
+      {"prefill_heads", S::WorkGroups, {1, 2, 4}},
       {"mla_wg", S::WorkGroups, {64, 128, 256}},
       {"mla_tile", S::WorkGroups, {4, 8, 16}},
       {"mla_heads", S::WorkGroups, {4, 8, 16, 32}},

@@ -26,7 +26,8 @@ struct TuneOp {
 };
 
 // The ops with their buffers (random data) on `dev`: RMSNorm, a bf16 GEMV, a bf16 GEMM in the
-// bf16 compute dtype, RoPE + KV store, paged decode attention, MLA decode, the MoE router.
+// bf16 compute dtype, RoPE + KV store, paged decode and prefill attention, MLA decode, the MoE
+// router.
 // `quick`: fewer and smaller shapes.
 class TuneWorkload {
  public:

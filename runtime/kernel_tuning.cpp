@@ -40,6 +40,7 @@ KernelTuning nvidia() {
   t.attn_wg = 128;
   t.mla_wg = 256;
   t.mla_heads = 16;
+  t.prefill_wg = 128;
   return t;
 }
 
@@ -81,8 +82,12 @@ const std::vector<std::pair<std::string, U32Field>>& u32_fields() {
       {"linear_wg", &KernelTuning::linear_wg},   {"linear_rows", &KernelTuning::linear_rows},
       {"attn_wg", &KernelTuning::attn_wg},       {"attn_tile", &KernelTuning::attn_tile},
       {"attn_heads", &KernelTuning::attn_heads}, {"attn_split", &KernelTuning::attn_split},
+      {"prefill_wg", &KernelTuning::prefill_wg}, {"prefill_q", &KernelTuning::prefill_q},
+      {"prefill_tile", &KernelTuning::prefill_tile},
+      {"prefill_heads", &KernelTuning::prefill_heads},
       {"mla_wg", &KernelTuning::mla_wg},         {"mla_tile", &KernelTuning::mla_tile},
       {"mla_heads", &KernelTuning::mla_heads},   {"route_wg", &KernelTuning::route_wg},
+      {"row_wg", &KernelTuning::row_wg}, {"mla_row_tokens", &KernelTuning::mla_row_tokens},
       {"gemv_stream_k", &KernelTuning::gemv_stream_k},
       {"gemm_bf16_tm", &KernelTuning::gemm_bf16_tm}, {"gemm_bf16_tn", &KernelTuning::gemm_bf16_tn},
       {"gemm_bf16_rows", &KernelTuning::gemm_bf16_rows},

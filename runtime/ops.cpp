@@ -353,6 +353,15 @@ void rmsnorm(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const 
 
 void embedding(Device& dev, const cl::Mem& tokens, uint32_t T, const Weight& table,
                const cl::Mem& y, float multiplier, uint32_t vocab_begin) {
+  if (dev.kernel_shape() == KernelShape::WorkGroups) {
+    const size_t wg = dev.tuning().row_wg;
+    cl::Kernel k = dev.kernel("embedding.cl", "embedding_wg",
+                              weight_option(table) + " -DROW_WG=" + std::to_string(wg));
+    cl::set_args(k, tokens, table.mem, y, uint32_t(table.dim(1)), vocab_begin,
+                 uint32_t(table.dim(0)), multiplier);
+    dev.launch(k, {T * wg, 1, 1}, 1, &wg);
+    return;
+  }
   cl::Kernel k = dev.kernel("embedding.cl", "embedding", weight_option(table));
   cl::set_args(k, tokens, table.mem, y, uint32_t(table.dim(1)), vocab_begin,
                uint32_t(table.dim(0)), multiplier);
@@ -362,6 +371,14 @@ void embedding(Device& dev, const cl::Mem& tokens, uint32_t T, const Weight& tab
 void silu_mul(Device& dev, const cl::Mem& gate, uint32_t gate_off, uint32_t ldg, const cl::Mem& up,
               uint32_t up_off, uint32_t ldu, const cl::Mem& y, uint32_t ldy, uint32_t T,
               uint32_t F) {
+  if (dev.kernel_shape() == KernelShape::WorkGroups) {
+    const size_t wg = dev.tuning().row_wg;
+    cl::Kernel k = dev.kernel("activation.cl", "silu_mul_wg", "-DROW_WG=" + std::to_string(wg));
+    cl::set_args(k, gate, gate_off, ldg, up, up_off, ldu, y, ldy, F);
+    const size_t local[3] = {wg, 1, 1};
+    dev.launch(k, {(F + wg - 1) / wg * wg, T, 1}, 2, local);
+    return;
+  }
   constexpr uint32_t chunk = 256;  // CHUNK in activation.cl
   cl::Kernel k = dev.kernel("activation.cl", "silu_mul");
   cl::set_args(k, gate, gate_off, ldg, up, up_off, ldu, y, ldy, F);
@@ -405,6 +422,17 @@ void rope_store_kv(Device& dev, const cl::Mem& qkv, uint32_t ld, uint32_t n_head
     dev.launch(k, {st.T, 1, 1}, 1);
 }
 
+namespace {
+
+uint64_t local_mem_bytes(const Device& dev) {
+  cl_ulong bytes = 0;
+  cl::check(clGetDeviceInfo(dev.id(), CL_DEVICE_LOCAL_MEM_SIZE, sizeof(bytes), &bytes, nullptr),
+            "clGetDeviceInfo(CL_DEVICE_LOCAL_MEM_SIZE)");
+  return bytes;
+}
+
+}  // namespace
+
 void paged_attention(Device& dev, const cl::Mem& q, uint32_t ldq, const cl::Mem& cache_layer,
                      const StepTokens& st, uint32_t n_heads, uint32_t n_kv_heads,
                      uint32_t head_dim, float scale, const cl::Mem& out, uint32_t ldo,
@@ -412,6 +440,20 @@ void paged_attention(Device& dev, const cl::Mem& q, uint32_t ldq, const cl::Mem&
   if (head_dim % 8 != 0)
     throw std::runtime_error("paged_attention: head_dim " + std::to_string(head_dim) +
                              " is not a multiple of 8");
+  if (dev.kernel_shape() == KernelShape::WorkGroups && st.max_query_len > kPrefillAttentionFrom) {
+    const uint32_t kv_row = n_kv_heads * head_dim;
+    PagedKvLayout lay;
+    lay.page_stride = uint64_t(2) * st.page_size * kv_row;
+    lay.slot_stride = kv_row;
+    lay.v_off = st.page_size * kv_row;
+    lay.kv_head_stride = head_dim;
+    lay.heads_per_kv = n_heads / n_kv_heads;
+    lay.dk = lay.dv = head_dim;
+    lay.cache_dtype = cache_dtype;
+    paged_attention_prefill(dev, q, 0, ldq, head_dim, cache_layer, st, n_heads, lay, nullptr, scale,
+                            out, ldo, head_dim);
+    return;
+  }
   if (dev.kernel_shape() == KernelShape::WorkGroups) {
     const KernelTuning& tu = dev.tuning();
     PagedKvLayout lay;
@@ -437,6 +479,54 @@ void paged_attention(Device& dev, const cl::Mem& q, uint32_t ldq, const cl::Mem&
   cl::set_args(k, q, ldq, cache_layer, st.token_row, st.token_pos, st.lookup, st.pages_per_row,
                st.page_size, n_heads, n_kv_heads, scale, out, ldo);
   dev.launch(k, {st.T, n_heads, 1}, 2);
+}
+
+void paged_attention_prefill(Device& dev, const cl::Mem& q, uint32_t q_off, uint32_t q_ldt,
+                             uint32_t q_ldh,
+                             const cl::Mem& cache_layer, const StepTokens& st, uint32_t n_heads,
+                             const PagedKvLayout& lay, const DecompressedKv* dense, float scale,
+                             const cl::Mem& out, uint32_t o_ldt, uint32_t o_ldh) {
+  if (st.T == 0 || n_heads == 0) return;
+  if (lay.dk % 2 != 0 || lay.dv % 2 != 0)
+    throw std::invalid_argument("paged_attention_prefill: key width " + std::to_string(lay.dk) +
+                                " and value width " + std::to_string(lay.dv) + " must be even");
+  const KernelTuning& tu = dev.tuning();
+  // Heads per group: the largest count up to prefill_heads dividing the heads of one KV head
+  // (one with MLA's decompressed keys, which differ per head).
+  uint32_t gh = dense ? 1 : std::max<uint32_t>(1, std::min(tu.prefill_heads, lay.heads_per_kv));
+  while (lay.heads_per_kv % gh != 0) --gh;
+  uint32_t qt = std::max<uint32_t>(1, tu.prefill_q), kt = std::max<uint32_t>(1, tu.prefill_tile);
+  // The kernel's local arrays (floats; see attention.cl), halving the query tile, then the KV
+  // tile, then the head group until they fit the device's local memory.
+  auto local_bytes = [&](uint64_t qt_, uint64_t kt_, uint64_t gh_) {
+    const uint64_t r = qt_ * gh_;
+    return 4 * (r * (lay.dk + 1) + kt_ * (lay.dk + 1) + kt_ * lay.dv + r * kt_ + 3 * r + qt_);
+  };
+  const uint64_t avail = local_mem_bytes(dev);
+  while (local_bytes(qt, kt, gh) > avail && qt > 1) qt /= 2;
+  while (local_bytes(qt, kt, gh) > avail && kt > 1) kt /= 2;
+  while (local_bytes(qt, kt, gh) > avail && gh > 1)
+    for (--gh; lay.heads_per_kv % gh != 0;) --gh;
+  if (local_bytes(qt, kt, gh) > avail)
+    throw std::runtime_error("paged_attention_prefill: keys of " + std::to_string(lay.dk) +
+                             " and values of " + std::to_string(lay.dv) + " floats need " +
+                             std::to_string(local_bytes(qt, kt, gh)) + " bytes of local memory, " +
+                             dev.label() + " has " + std::to_string(avail));
+  const uint32_t wg = tu.prefill_wg;
+  cl::Kernel k = dev.kernel(
+      "attention.cl", "paged_attention_prefill_wg",
+      "-DPF_WG=" + std::to_string(wg) + " -DPF_DK=" + std::to_string(lay.dk) +
+          " -DPF_DV=" + std::to_string(lay.dv) + " -DPF_QT=" + std::to_string(qt) +
+          " -DPF_GH=" + std::to_string(gh) + " -DPF_KT=" + std::to_string(kt) +
+          " -DPF_NOPE=" + std::to_string(dense ? dense->nope : 0) +
+          cache_type_option(lay.cache_dtype));
+  cl::set_args(k, q, q_off, q_ldt, q_ldh, cache_layer, lay.page_stride, lay.slot_stride,
+               lay.k_off, lay.v_off, lay.kv_head_stride, lay.heads_per_kv, dense ? *dense->kv : out,
+               dense ? dense->ldkv : 0u, dense ? dense->head_ld : 0u,
+               dense ? *dense->ctx_start : st.token_row, st.token_row, st.token_pos, st.lookup,
+               st.pages_per_row, st.page_size, st.T, scale, out, o_ldt, o_ldh);
+  const size_t local[3] = {wg, 1, 1};
+  dev.launch(k, {size_t((st.T + qt - 1) / qt) * wg, n_heads / gh, 1}, 2, local);
 }
 
 void paged_attention_split_k(Device& dev, const cl::Mem& q, uint32_t q_ldt, uint32_t q_ldh,

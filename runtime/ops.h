@@ -87,6 +87,8 @@ struct StepTokens {
   uint32_t T = 0;
   uint32_t pages_per_row = 0;
   uint32_t page_size = 0;
+  // The most new tokens of one row in this step (0: not known, taken as decode-sized).
+  uint32_t max_query_len = 0;
 };
 
 // RoPE (half-split) on the queries and keys of qkv [T, (nh + 2 nkv) * hd] in place, and the store
@@ -98,6 +100,9 @@ void rope_store_kv(Device& dev, const cl::Mem& qkv, uint32_t ld, uint32_t n_head
                    const cl::Mem& cache_layer, DType cache_dtype = DType::F32);
 
 // Causal GQA attention of the T new tokens over the paged cache: out[t, h*hd:(h+1)*hd].
+// On the WorkGroups shape, steps whose longest row brings more than kPrefillAttentionFrom new
+// tokens take the tiled prefill kernel (query tiles share each K/V tile), others split-K.
+constexpr uint32_t kPrefillAttentionFrom = 8;
 void paged_attention(Device& dev, const cl::Mem& q, uint32_t ldq, const cl::Mem& cache_layer,
                      const StepTokens& st, uint32_t n_heads, uint32_t n_kv_heads,
                      uint32_t head_dim, float scale, const cl::Mem& out, uint32_t ldo,
@@ -132,5 +137,24 @@ void paged_attention_split_k(Device& dev, const cl::Mem& q, uint32_t q_ldt, uint
                              const cl::Mem& cache_layer, const StepTokens& st, uint32_t n_heads,
                              const PagedKvLayout& layout, float scale, const cl::Mem& out,
                              uint32_t o_ldt, uint32_t o_ldh);
+
+// MLA's decompressed prefill keys and values (mla.cl's prefill buffer): row ctx_start[b] + p of
+// kv holds position p of row b, per head h at h * head_ld: [K-nope (nope floats) | V (dv floats)];
+// the rest of the key (the shared roped part) is read from the cache at layout.k_off.
+struct DecompressedKv {
+  const cl::Mem* kv = nullptr;
+  const cl::Mem* ctx_start = nullptr;  // uint[B]
+  uint32_t ldkv = 0, head_ld = 0, nope = 0;
+};
+
+// The same causal attention as paged_attention_split_k (q at q + q_off), tiled for prefill (attention.cl's
+// paged_attention_prefill_wg, the GPU shape): a work-group per (prefill_q query tokens, up to
+// prefill_heads query heads of one KV head; one head with `dense`), each K/V tile of
+// prefill_tile positions loaded once into local memory for all of them. No split over positions.
+void paged_attention_prefill(Device& dev, const cl::Mem& q, uint32_t q_off, uint32_t q_ldt,
+                             uint32_t q_ldh,
+                             const cl::Mem& cache_layer, const StepTokens& st, uint32_t n_heads,
+                             const PagedKvLayout& layout, const DecompressedKv* dense, float scale,
+                             const cl::Mem& out, uint32_t o_ldt, uint32_t o_ldh);
 
 }  // namespace clshard::ops

@@ -1,5 +1,6 @@
 #include "runtime/ops_mla.h"
 
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 
@@ -37,6 +38,18 @@ const cl::Mem& scale_mem(const Weight& w, const Weight* scale) {
 }
 uint32_t scale_ld(const Weight* scale) {
   return scale && *scale ? uint32_t(scale->dim(1)) : 0u;
+}
+
+bool wg_shape(const Device& dev) { return dev.kernel_shape() == KernelShape::WorkGroups; }
+
+// The build option of mla.cl's GPU-shaped kernels: lanes per work-group.
+std::string mla_wg_option(const Device& dev) {
+  return " -DMLA_WG=" + std::to_string(dev.tuning().row_wg);
+}
+
+// Tokens per work-group of the GPU-shaped per-head GEMMs: one for decode-sized steps.
+uint32_t mla_row_tokens(const Device& dev, uint32_t T) {
+  return T < 4 ? 1 : std::max<uint32_t>(1, dev.tuning().mla_row_tokens);
 }
 
 void check_kv_b(const Weight& kv_b, const MlaShape& s) {
@@ -112,11 +125,18 @@ void mla_rope_store(Device& dev, const cl::Mem& q, uint32_t q_off, uint32_t ldq,
   const std::string opts = dims_option(s) +
                            " -DNORM_BF16=" + (kv_norm.dtype == DType::BF16 ? "1" : "0") +
                            " -DINTERLEAVED=" + (interleaved ? "1" : "0");
-  cl::Kernel k = dev.kernel("mla.cl", "mla_rope_store", opts);
+  const bool wg = wg_shape(dev);
+  cl::Kernel k = wg ? dev.kernel("mla.cl", "mla_rope_store_wg", opts + mla_wg_option(dev))
+                    : dev.kernel("mla.cl", "mla_rope_store", opts);
   cl::set_args(k, q, q_off, ldq, s.n_heads, s.qk(), kv, kv_off, ldkv, kv_norm.mem, eps, inv_freq,
                rope_factor, st.token_row, st.token_pos, st.lookup, st.pages_per_row, st.page_size,
                cache_layer);
-  dev.launch(k, {st.T, 1, 1}, 1);
+  if (wg) {
+    const size_t local = dev.tuning().row_wg;
+    dev.launch(k, {st.T * local, 1, 1}, 1, &local);
+  } else {
+    dev.launch(k, {st.T, 1, 1}, 1);
+  }
 }
 
 void mla_absorb_q(Device& dev, const cl::Mem& q, uint32_t q_off, uint32_t ldq,
@@ -124,6 +144,18 @@ void mla_absorb_q(Device& dev, const cl::Mem& q, uint32_t q_off, uint32_t ldq,
                   const cl::Mem& qf) {
   validate(s);
   check_kv_b(kv_b, s);
+  if (wg_shape(dev)) {
+    const uint32_t wg = dev.tuning().row_wg, tm = mla_row_tokens(dev, T);
+    cl::Kernel k = dev.kernel("mla.cl", "mla_absorb_q_wg",
+                              dims_option(s) + kv_b_option(kv_b, kv_b_scale) + mla_wg_option(dev) +
+                                  " -DMLA_TM=" + std::to_string(tm));
+    cl::set_args(k, q, q_off, ldq, kv_b.mem, scale_mem(kv_b, kv_b_scale), scale_ld(kv_b_scale), T,
+                 s.n_heads, qf);
+    const size_t local[3] = {wg, 1, 1};
+    dev.launch(k, {size_t(s.n_heads) * ((s.kv_lora + wg - 1) / wg) * wg, (T + tm - 1) / tm, 1}, 2,
+               local);
+    return;
+  }
   constexpr uint32_t chunk = 64;  // ABS_CHUNK in mla.cl
   // As ops::linear: one token per work-item for decode-sized steps, four when the weight loads
   // can be reused.
@@ -171,6 +203,18 @@ void mla_up_project(Device& dev, const cl::Mem& o_lat, const Weight& kv_b,
                     uint32_t out_off, uint32_t ldo) {
   validate(s);
   check_kv_b(kv_b, s);
+  if (wg_shape(dev)) {
+    const uint32_t wg = dev.tuning().row_wg, tm = mla_row_tokens(dev, T);
+    cl::Kernel k = dev.kernel("mla.cl", "mla_head_linear_wg",
+                              dims_option(s) + kv_b_option(kv_b, kv_b_scale) + mla_wg_option(dev) +
+                                  " -DMLA_TM=" + std::to_string(tm));
+    cl::set_args(k, o_lat, kv_b.mem, scale_mem(kv_b, kv_b_scale), scale_ld(kv_b_scale),
+                 s.nope /*row0: V rows follow the K-nope rows*/, s.v, s.n_heads, T, out, out_off,
+                 ldo);
+    const size_t local[3] = {wg, 1, 1};
+    dev.launch(k, {size_t(s.n_heads) * s.v * wg, (T + tm - 1) / tm, 1}, 2, local);
+    return;
+  }
   constexpr uint32_t tn = 4;  // HL_TN in mla.cl
   // As ops::linear: one token per work-item for decode-sized batches, four when the weight loads
   // can be reused.
@@ -234,10 +278,38 @@ void mla_attention_prefill(Device& dev, const cl::Mem& q, uint32_t q_off, uint32
   const uint32_t L = plan.total_rows, ldkv = s.n_heads * (s.nope + s.v);
   Scratch latent(dev, size_t(L) * s.kv_lora * 4), kv(dev, size_t(L) * ldkv * 4);
   const std::string opts = dims_option(s);
-  cl::Kernel g = dev.kernel("mla.cl", "mla_gather_latent", opts);
+  const bool wg = wg_shape(dev);
+  cl::Kernel g = wg ? dev.kernel("mla.cl", "mla_gather_latent_wg", opts + mla_wg_option(dev))
+                    : dev.kernel("mla.cl", "mla_gather_latent", opts);
   cl::set_args(g, cache_layer, plan.src_rows.mem(), latent.mem());
-  dev.launch(g, {L, 1, 1}, 1);
+  if (wg) {
+    const size_t local = dev.tuning().row_wg;
+    dev.launch(g, {L * local, 1, 1}, 1, &local);
+  } else {
+    dev.launch(g, {L, 1, 1}, 1);
+  }
   linear_any(dev, latent.mem(), 0, s.kv_lora, kv_b, kv_b_scale, kv.mem(), 0, ldkv, L);
+  if (wg) {
+    // attention.cl's tiled prefill kernel over the decompressed keys and values: K-nope and V
+    // from kv, the roped key from the cache rows, one head per work-group.
+    PagedKvLayout lay;
+    lay.page_stride = uint64_t(st.page_size) * s.row();
+    lay.slot_stride = s.row();
+    lay.k_off = s.kv_lora;
+    lay.heads_per_kv = 1;
+    lay.dk = s.qk();
+    lay.dv = s.v;
+    lay.cache_dtype = s.cache_dtype;
+    DecompressedKv dense;
+    dense.kv = &kv.mem();
+    dense.ctx_start = &plan.ctx_start.mem();
+    dense.ldkv = ldkv;
+    dense.head_ld = s.nope + s.v;
+    dense.nope = s.nope;
+    paged_attention_prefill(dev, q, q_off, ldq, s.qk(), cache_layer, st, s.n_heads, lay, &dense,
+                            scale, out, ldo, s.v);
+    return;
+  }
   cl::Kernel a = dev.kernel("mla.cl", "mla_prefill_attention", opts);
   cl::set_args(a, q, q_off, ldq, kv.mem(), ldkv, plan.ctx_start.mem(), cache_layer, st.token_row,
                st.token_pos, st.lookup, st.pages_per_row, st.page_size, s.n_heads, scale, out,

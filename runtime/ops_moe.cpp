@@ -201,6 +201,15 @@ void gather_rows(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::Mem& row
 void moe_combine(Device& dev, const cl::Mem& expert_out, uint32_t ld, const cl::Mem& slot_row,
                  const cl::Mem& topk_weights, uint32_t T, uint32_t top_k, uint32_t H,
                  const cl::Mem& out, uint32_t ldo, bool accumulate, bool with_shared) {
+  if (dev.kernel_shape() == KernelShape::WorkGroups) {
+    const size_t wg = dev.tuning().row_wg;
+    cl::Kernel k = dev.kernel("moe.cl", "moe_combine_wg", "-DROW_WG=" + std::to_string(wg));
+    cl::set_args(k, expert_out, ld, slot_row, topk_weights, top_k, H, out, ldo, int(accumulate),
+                 int(with_shared));
+    const size_t local[3] = {wg, 1, 1};
+    dev.launch(k, {ceil_div(H, uint32_t(wg)) * wg, T, 1}, 2, local);
+    return;
+  }
   cl::Kernel k = dev.kernel("moe.cl", "moe_combine");
   cl::set_args(k, expert_out, ld, slot_row, topk_weights, top_k, H, out, ldo, int(accumulate),
                int(with_shared));

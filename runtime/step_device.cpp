@@ -1,5 +1,6 @@
 #include "runtime/step_device.h"
 
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 
@@ -55,6 +56,8 @@ DeviceStep upload_step(Device& dev, const StepInputs& in, uint32_t page_size, ui
   s.tokens.T = uint32_t(T);
   s.tokens.pages_per_row = in.pages_per_row;
   s.tokens.page_size = page_size;
+  for (size_t b = 0; b < B; ++b)
+    s.tokens.max_query_len = std::max(s.tokens.max_query_len, in.row_length(b));
   return s;
 }
 

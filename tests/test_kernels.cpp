@@ -256,23 +256,35 @@ INSTANTIATE_TEST_SUITE_P(Shapes, NormKernel,
                                   std::to_string(info.param.H);
                          });
 
-TEST(EmbeddingKernel, LooksUpAndScales) {
+class RowKernels : public ::testing::TestWithParam<KernelShape> {};
+
+// In both kernel shapes; H = 9 and 77 (more columns than the GPU shape's lanes, not a multiple);
+// ids of another vocabulary shard give zero rows.
+TEST_P(RowKernels, EmbeddingLooksUpAndScales) {
   Device& dev = test::default_device();
-  const uint32_t V = 13, H = 9;
-  auto table = random_vec(size_t(V) * H, 21);
-  Weight w = make_weight(dev, table, {V, H}, DType::BF16);
-  std::vector<int32_t> toks = {12, 0, 5, 5};
-  cl::Mem tm = dev.alloc(toks.size() * 4), ym = dev.alloc(toks.size() * H * 4);
-  dev.write(tm, toks.data(), toks.size() * 4);
-  ops::embedding(dev, tm, uint32_t(toks.size()), w, ym, 2.5f);
-  auto y = download(dev, ym, toks.size() * H);
-  for (size_t t = 0; t < toks.size(); ++t)
-    for (uint32_t i = 0; i < H; ++i) EXPECT_FLOAT_EQ(y[t * H + i], 2.5f * table[toks[t] * H + i]);
+  ShapeScope scope(dev, GetParam());
+  for (const uint32_t H : {9u, 77u}) {
+    const uint32_t V = 13, begin = 4;
+    auto table = random_vec(size_t(V) * H, 21);
+    Weight w = make_weight(dev, table, {V, H}, DType::BF16);
+    std::vector<int32_t> toks = {16, 4, 9, 9, 2, 17};  // 2 and 17: outside [4, 17)
+    cl::Mem tm = dev.alloc(toks.size() * 4), ym = dev.alloc(toks.size() * H * 4);
+    dev.write(tm, toks.data(), toks.size() * 4);
+    ops::embedding(dev, tm, uint32_t(toks.size()), w, ym, 2.5f, begin);
+    auto y = download(dev, ym, toks.size() * H);
+    for (size_t t = 0; t < toks.size(); ++t) {
+      const int id = toks[t] - int(begin);
+      for (uint32_t i = 0; i < H; ++i)
+        ASSERT_EQ(y[t * H + i], id >= 0 && id < int(V) ? 2.5f * table[id * H + i] : 0.0f)
+            << "token " << t << " column " << i;
+    }
+  }
 }
 
-TEST(ActivationKernel, SiluMulOverStackedGateUp) {
+TEST_P(RowKernels, SiluMulOverStackedGateUp) {
   Device& dev = test::default_device();
-  const uint32_t T = 3, F = 300;  // F over one 256-column chunk
+  ShapeScope scope(dev, GetParam());
+  const uint32_t T = 3, F = 300;  // F over one 256-column chunk, not a multiple of the lanes
   auto gu = random_vec(size_t(T) * 2 * F, 31, 4.0f);
   cl::Mem m = upload(dev, gu);
   ops::silu_mul(dev, m, 0, 2 * F, m, F, 2 * F, m, 2 * F, T, F);
@@ -281,8 +293,13 @@ TEST(ActivationKernel, SiluMulOverStackedGateUp) {
     for (uint32_t i = 0; i < F; ++i) {
       const double g = gu[t * 2 * F + i], u = gu[t * 2 * F + F + i];
       EXPECT_NEAR(y[t * 2 * F + i], g / (1 + std::exp(-g)) * u, 1e-5);
+      EXPECT_EQ(y[t * 2 * F + F + i], gu[t * 2 * F + F + i]);  // up is left as it was
     }
 }
+
+INSTANTIATE_TEST_SUITE_P(Shapes, RowKernels,
+                         ::testing::Values(KernelShape::Chunks, KernelShape::WorkGroups),
+                         [](const auto& info) { return std::string(kernel_shape_name(info.param)); });
 
 // The shapes and tunings the attention kernels run under: the CPU shape, and the GPU shape with
 // the device's own tuning (one split for these short rows), with splits of 16 positions over
@@ -462,6 +479,136 @@ INSTANTIATE_TEST_SUITE_P(
                                     DType::F8_E4M3},
                       AttentionCase{"gpu_split16_tile8_fp8_cache", KernelShape::WorkGroups, 16, 8,
                                     32, 1, 0, DType::F8_E4M3}),
+    [](const auto& info) { return std::string(info.param.name); });
+
+// Prefill attention on odd sizes: GQA groups of 3 and 5 query heads, head_dim 24, three rows in
+// one step (a prefix of 21 cached tokens + 19 new ones ending in a partial page, 13 new tokens
+// from position 0, one decode token after 30 cached), pages scattered, strided q and out. The
+// keys and values are written into the cache from the host (as codes for narrow caches), and every
+// output matches a double-precision computation over the values the cache holds (1e-5; outputs
+// of magnitude <= 1). max_query_len 19 routes the GPU shape to the tiled prefill kernel
+// (paged_attention_prefill_wg; query tiles straddle rows); "split_k" leaves it unknown (0), so
+// the same step takes the split-K kernel.
+struct PrefillCase {
+  const char* name;
+  KernelShape shape;
+  uint32_t nh, nkv;
+  uint32_t q_tile = 0, kv_tile = 0, wg = 0, heads = 0;  // 0: the device's tuning
+  DType cache = DType::F32;
+  bool split_k = false;
+};
+class PrefillAttention : public ::testing::TestWithParam<PrefillCase> {};
+
+TEST_P(PrefillAttention, MatchesDoubleReferenceWithCachedPrefix) {
+  const PrefillCase& c = GetParam();
+  Device& dev = test::default_device();
+  ShapeScope scope(dev, c.shape);
+  const KernelTuning saved = dev.tuning();
+  KernelTuning tu = saved;
+  if (c.q_tile) tu.prefill_q = c.q_tile;
+  if (c.kv_tile) tu.prefill_tile = c.kv_tile;
+  if (c.wg) tu.prefill_wg = c.wg;
+  if (c.heads) tu.prefill_heads = c.heads;
+  dev.set_tuning(tu);
+  struct Restore {
+    Device& d;
+    KernelTuning t;
+    ~Restore() { d.set_tuning(t); }
+  } restore{dev, saved};
+  const uint32_t nh = c.nh, nkv = c.nkv, hd = 24, page = 16, npages = 12, ppr = 3;
+  const std::vector<uint32_t> cached = {21, 0, 30}, fresh = {19, 13, 1};
+  const std::vector<uint32_t> lut = {7, 2, 10, 4, 0, 12, 9, 1, 5};  // 12: the null page
+  const DType cdt = c.cache;
+  const size_t esz = dtype_size(cdt), kv_row = size_t(nkv) * hd;
+  const size_t cache_elems = size_t(npages + 1) * 2 * page * kv_row;
+  std::vector<uint8_t> bytes(cache_elems * esz, 0);
+  // hist[b][p]: the key and value rows of position p as the cache holds them (f32 values).
+  std::vector<std::vector<float>> keys(3), vals(3);
+  for (uint32_t b = 0; b < 3; ++b) {
+    const uint32_t ctx = cached[b] + fresh[b];
+    keys[b] = random_vec(ctx * kv_row, 60 + b);
+    vals[b] = random_vec(ctx * kv_row, 70 + b);
+    for (uint32_t p = 0; p < ctx; ++p)
+      for (size_t i = 0; i < kv_row; ++i) {
+        const size_t k_at = (size_t(lut[b * ppr + p / page]) * 2 * page + p % page) * kv_row + i;
+        const size_t v_at = k_at + size_t(page) * kv_row;
+        for (auto [at, x] : {std::pair{k_at, &keys[b][p * kv_row + i]},
+                             std::pair{v_at, &vals[b][p * kv_row + i]}}) {
+          if (cdt == DType::F32) {
+            std::memcpy(bytes.data() + at * 4, x, 4);
+            continue;
+          }
+          const uint32_t code = test::cache_code(cdt, *x);
+          *x = test::cache_value(cdt, code);
+          if (cdt == DType::BF16) {
+            const uint16_t h = uint16_t(code);
+            std::memcpy(bytes.data() + at * 2, &h, 2);
+          } else {
+            bytes[at] = uint8_t(code);
+          }
+        }
+      }
+  }
+  std::vector<uint32_t> row, pos;
+  for (uint32_t b = 0; b < 3; ++b)
+    for (uint32_t j = 0; j < fresh[b]; ++j) {
+      row.push_back(b);
+      pos.push_back(cached[b] + j);
+    }
+  const uint32_t T = uint32_t(row.size()), ldq = nh * hd + 8, ldo = nh * hd + 5;
+  const float scale = 0.3f;
+  const auto q = random_vec(size_t(T) * ldq, 80, 2.0f);
+  cl::Mem cm = dev.alloc(bytes.size()), qm = upload(dev, q), rm = dev.alloc(T * 4),
+          pm = dev.alloc(T * 4), lm = dev.alloc(lut.size() * 4);
+  dev.write(cm, bytes.data(), bytes.size());
+  dev.write(rm, row.data(), T * 4);
+  dev.write(pm, pos.data(), T * 4);
+  dev.write(lm, lut.data(), lut.size() * 4);
+  std::vector<float> init(size_t(T) * ldo, 7.0f);  // untouched columns keep their value
+  cl::Mem om = upload(dev, init);
+  ops::StepTokens st{rm, pm, lm, T, ppr, page};
+  st.max_query_len = c.split_k ? 0 : 19;
+  ops::paged_attention(dev, qm, ldq, cm, st, nh, nkv, hd, scale, om, ldo, cdt);
+  const auto out = download(dev, om, init.size());
+  double worst = 0;
+  for (uint32_t t = 0; t < T; ++t) {
+    const uint32_t b = row[t], p = pos[t];
+    for (uint32_t h = 0; h < nh; ++h) {
+      const uint32_t kvh = h / (nh / nkv);
+      std::vector<double> s(p + 1);
+      double mx = -1e300, sum = 0;
+      for (uint32_t j = 0; j <= p; ++j) {
+        double d = 0;
+        for (uint32_t i = 0; i < hd; ++i)
+          d += double(q[size_t(t) * ldq + h * hd + i]) * keys[b][j * kv_row + kvh * hd + i];
+        mx = std::max(mx, s[j] = d * scale);
+      }
+      for (auto& v : s) sum += (v = std::exp(v - mx));
+      for (uint32_t i = 0; i < hd; ++i) {
+        double o = 0;
+        for (uint32_t j = 0; j <= p; ++j) o += s[j] / sum * vals[b][j * kv_row + kvh * hd + i];
+        const double err = std::abs(out[size_t(t) * ldo + h * hd + i] - o);
+        worst = std::max(worst, err);
+        ASSERT_LT(err, 1e-5) << "token " << t << " (row " << b << " pos " << p << ") head " << h;
+      }
+    }
+    for (uint32_t i = nh * hd; i < ldo; ++i) ASSERT_EQ(out[size_t(t) * ldo + i], 7.0f);
+  }
+  std::printf("[ measured ] %s: max abs error %.3g\n", c.name, worst);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, PrefillAttention,
+    ::testing::Values(PrefillCase{"cpu_gqa3", KernelShape::Chunks, 6, 2},
+                      PrefillCase{"gpu_gqa3", KernelShape::WorkGroups, 6, 2},
+                      PrefillCase{"gpu_gqa5_q5_kv7_wg32", KernelShape::WorkGroups, 5, 1, 5, 7, 32, 5},
+                      PrefillCase{"gpu_gqa3_q3_kv16_heads1", KernelShape::WorkGroups, 6, 2, 3, 16, 64, 1},
+                      PrefillCase{"gpu_gqa5_bf16_cache", KernelShape::WorkGroups, 5, 1, 4, 8, 64, 0,
+                                  DType::BF16},
+                      PrefillCase{"gpu_gqa3_fp8_cache", KernelShape::WorkGroups, 6, 2, 0, 0, 0, 0,
+                                  DType::F8_E4M3},
+                      PrefillCase{"gpu_gqa5_split_k", KernelShape::WorkGroups, 5, 1, 0, 0, 0, 0,
+                                  DType::F32, true}),
     [](const auto& info) { return std::string(info.param.name); });
 
 }  // namespace

@@ -313,41 +313,52 @@ TEST(MlaShapes, PrefillRowsFollowThePageTable) {
 }
 
 // The cache row is [RMSNorm(c_kv) * gamma | RoPE(k_pe)], q_pe is roped in place, q_nope untouched;
-// interleaved pairs (DeepSeek) and half-split pairs (rope_interleave false).
+// interleaved pairs (DeepSeek) and half-split pairs (rope_interleave false); in both kernel shapes.
 TEST_F(MlaOps, RopeStoreWritesNormalisedLatentAndRopedKey) {
-  for (bool interleaved : {true, false}) {
-    plan_pages({6, 3});
-    Step s = make_step({6, 3});
-    cl::Mem q_dev;
-    store(s, q_dev, interleaved);
-    std::vector<float> q(s.q.size());
-    dev.read(q_dev, q.data(), q.size() * 4);
-    std::vector<float> rows(size_t(req.num_pages + 1) * kPageSize * kShape.row());
-    dev.read(cache, rows.data(), rows.size() * 4);
-    for (size_t b = 0; b < 2; ++b)
-      for (uint32_t t = s.in.input_row_offsets[b]; t < s.in.input_row_offsets[b + 1]; ++t) {
-        const uint32_t pos = t - s.in.input_row_offsets[b];
-        const uint32_t page = req.table[b * req.pages_per_row + pos / kPageSize];
-        const float* row = rows.data() + (size_t(page) * kPageSize + pos % kPageSize) * kShape.row();
-        const auto lat = latent(s.kv.data() + t * kShape.row());
-        for (uint32_t i = 0; i < kShape.kv_lora; ++i) ASSERT_NEAR(row[i], lat[i], 1e-5) << i;
-        const auto kpe = rope(s.kv.data() + t * kShape.row() + kShape.kv_lora, pos, inv, interleaved);
-        for (uint32_t i = 0; i < kShape.rope; ++i)
-          ASSERT_NEAR(row[kShape.kv_lora + i], kpe[i], 1e-5) << i;
-        for (uint32_t h = 0; h < kShape.n_heads; ++h) {
-          const size_t o = (t * kShape.n_heads + h) * kShape.qk();
-          for (uint32_t d = 0; d < kShape.nope; ++d) ASSERT_EQ(q[o + d], s.q[o + d]);
-          const auto qpe = rope(s.q.data() + o + kShape.nope, pos, inv, interleaved);
+  const KernelShape saved = dev.kernel_shape();
+  struct Restore {
+    Device& d;
+    KernelShape s;
+    ~Restore() { d.set_kernel_shape(s); }
+  } restore{dev, saved};
+  for (const KernelShape ks : {KernelShape::Chunks, KernelShape::WorkGroups}) {
+    for (bool interleaved : {true, false}) {
+      dev.set_kernel_shape(ks);
+      SCOPED_TRACE(kernel_shape_name(ks));
+      plan_pages({6, 3});
+      Step s = make_step({6, 3});
+      cl::Mem q_dev;
+      store(s, q_dev, interleaved);
+      std::vector<float> q(s.q.size());
+      dev.read(q_dev, q.data(), q.size() * 4);
+      std::vector<float> rows(size_t(req.num_pages + 1) * kPageSize * kShape.row());
+      dev.read(cache, rows.data(), rows.size() * 4);
+      for (size_t b = 0; b < 2; ++b)
+        for (uint32_t t = s.in.input_row_offsets[b]; t < s.in.input_row_offsets[b + 1]; ++t) {
+          const uint32_t pos = t - s.in.input_row_offsets[b];
+          const uint32_t page = req.table[b * req.pages_per_row + pos / kPageSize];
+          const float* row = rows.data() + (size_t(page) * kPageSize + pos % kPageSize) * kShape.row();
+          const auto lat = latent(s.kv.data() + t * kShape.row());
+          for (uint32_t i = 0; i < kShape.kv_lora; ++i) ASSERT_NEAR(row[i], lat[i], 1e-5) << i;
+          const auto kpe = rope(s.kv.data() + t * kShape.row() + kShape.kv_lora, pos, inv, interleaved);
           for (uint32_t i = 0; i < kShape.rope; ++i)
-            ASSERT_NEAR(q[o + kShape.nope + i], qpe[i], 1e-5) << interleaved;
+            ASSERT_NEAR(row[kShape.kv_lora + i], kpe[i], 1e-5) << i;
+          for (uint32_t h = 0; h < kShape.n_heads; ++h) {
+            const size_t o = (t * kShape.n_heads + h) * kShape.qk();
+            for (uint32_t d = 0; d < kShape.nope; ++d) ASSERT_EQ(q[o + d], s.q[o + d]);
+            const auto qpe = rope(s.q.data() + o + kShape.nope, pos, inv, interleaved);
+            for (uint32_t i = 0; i < kShape.rope; ++i)
+              ASSERT_NEAR(q[o + kShape.nope + i], qpe[i], 1e-5) << interleaved;
+          }
         }
-      }
+    }
   }
 }
 
 // The kernel shapes the paths run under: the CPU shape; the GPU shape with the device's tuning;
 // and the GPU shape with 8-position splits over 4-row tiles, 2 heads per work-group and 32 lanes
-// (several splits per row, partial tiles).
+// (several splits per row, partial tiles), prefill tiles of 3 query tokens over 5 positions
+// (tiles straddling rows and pages), and the per-token kernels at 32 lanes, 3 tokens per group.
 enum class MlaShapeCase { Cpu, Gpu, GpuSplit8 };
 const char* shape_case_name(MlaShapeCase c) {
   return c == MlaShapeCase::Cpu ? "cpu" : c == MlaShapeCase::Gpu ? "gpu" : "gpu_split8";
@@ -368,6 +379,10 @@ class MlaPaths : public MlaOps,
       t.mla_tile = 4;
       t.mla_heads = 2;
       t.mla_wg = 32;
+      t.prefill_q = 3;
+      t.prefill_tile = 5;
+      t.row_wg = 32;
+      t.mla_row_tokens = 3;
       dev.set_tuning(t);
     }
   }

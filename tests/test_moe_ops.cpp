@@ -373,6 +373,7 @@ std::vector<float> combine_on_host(const std::vector<float>& expert_out, uint32_
   return out;
 }
 
+// In both kernel shapes (the GPU shape: a lane per column).
 TEST(MoeCombine, MatchesSlotOrderedLoopBitForBit) {
   Device& dev = device();
   const uint32_t T = 5, k = 3, E = 6, H = 300, ld = 310, ldo = 307;
@@ -385,8 +386,15 @@ TEST(MoeCombine, MatchesSlotOrderedLoopBitForBit) {
   for (auto& v : w) v = std::abs(normal(rng));
   for (auto& v : out0) v = normal(rng);
   cl::Mem eb = upload(dev, expert_out), sb = upload(dev, b.slot_row), wb = upload(dev, w);
+  struct Restore {
+    Device& d;
+    KernelShape s;
+    ~Restore() { d.set_kernel_shape(s); }
+  } restore{dev, dev.kernel_shape()};
+  for (const KernelShape shape : {KernelShape::Chunks, KernelShape::WorkGroups})
   for (bool accumulate : {false, true}) {
-    SCOPED_TRACE(accumulate ? "accumulate" : "overwrite");
+    dev.set_kernel_shape(shape);
+    SCOPED_TRACE(std::string(kernel_shape_name(shape)) + (accumulate ? " accumulate" : " overwrite"));
     cl::Mem ob = upload(dev, out0);
     ops::moe_combine(dev, eb, ld, sb, wb, T, k, H, ob, ldo, accumulate);
     const std::vector<float> got = download<float>(dev, ob, out0.size());
