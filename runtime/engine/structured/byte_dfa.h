@@ -52,6 +52,11 @@ class ByteDfa {
   uint32_t num_states() const { return uint32_t(accepting_.size()); }
   uint32_t num_classes() const { return num_classes_; }
   uint32_t nfa_states() const { return nfa_states_; }
+  // The memory its tables hold: the transitions, the per-state flags and the byte classes.
+  size_t table_bytes() const {
+    return sizeof(class_of_) + trans_.capacity() * sizeof(int32_t) + accepting_.capacity() +
+           has_next_.capacity();
+  }
 
  private:
   std::array<uint16_t, 256> class_of_{};
