@@ -333,6 +333,7 @@ typedef uchar gw_t;
 #include "fp8_tile.cl"
 #else
 typedef wtype gw_t;
+#include "linear_tile.cl"
 #endif
 
 inline void grouped_tile(global const float* x, uint ldx, global const uint* x_rows, int indirect,
@@ -352,40 +353,7 @@ inline void grouped_tile(global const float* x, uint ldx, global const uint* x_r
   bool row_has_nan[TN];
   fp8_tile_dots(xr, wr, srow, KB, K, out, row_has_nan);
 #else
-  float16 acc[TM][TN];
-#pragma unroll
-  for (int i = 0; i < TM; ++i)
-#pragma unroll
-    for (int j = 0; j < TN; ++j) acc[i][j] = (float16)(0.0f);
-  const uint K16 = K / 16;
-#if TM == 1 && COLUMNS_IN_TURN
-  // One row: the columns in turn, one sequential weight stream, as linear.cl's tile_dots.
-#pragma unroll
-  for (int j = 0; j < TN; ++j)
-    for (uint k = 0; k < K16; ++k) acc[0][j] = fma(vload16(k, xr[0]), LOADW16(k, wr[j]), acc[0][j]);
-#else
-  for (uint k = 0; k < K16; ++k) {
-    float16 wv[TN];
-#pragma unroll
-    for (int j = 0; j < TN; ++j) wv[j] = LOADW16(k, wr[j]);
-#pragma unroll
-    for (int i = 0; i < TM; ++i) {
-      const float16 xv = vload16(k, xr[i]);
-#pragma unroll
-      for (int j = 0; j < TN; ++j) acc[i][j] = fma(xv, wv[j], acc[i][j]);
-    }
-  }
-#endif
-#pragma unroll
-  for (int i = 0; i < TM; ++i)
-#pragma unroll
-    for (int j = 0; j < TN; ++j) out[i][j] = hsum16(acc[i][j]);
-  for (uint k = K16 * 16; k < K; ++k) {
-#pragma unroll
-    for (int i = 0; i < TM; ++i)
-#pragma unroll
-      for (int j = 0; j < TN; ++j) out[i][j] = fma(xr[i][k], LOADW1(wr[j] + k), out[i][j]);
-  }
+  tile_dots(xr, wr, 0, K, out);
 #endif
 #pragma unroll
   for (int i = 0; i < TM; ++i) {
