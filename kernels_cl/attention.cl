@@ -2,15 +2,20 @@
 // step's, which rope_store_kv wrote first). Prefill and decode rows mix freely: a token at
 // position p attends to positions 0..p of its row.
 //
-// One work-item per (token, query head); it streams its KV head's keys and values through the
-// page table in blocks of 16 positions with an online softmax (running max and sum, rescaled once
-// per block), so nothing of size context is stored. Build options: -DHEAD_DIM=d (a multiple of 8),
-// -DCACHE_TYPE (common.cl: the cache's element type, widened to f32 as it is read). The cache
-// layout is rope.cl's.
+// One work-item per (token, QH query heads of one KV head); it streams the KV head's keys and
+// values through the page table in blocks of 16 positions with an online softmax (running max and
+// sum, rescaled once per block), so nothing of size context is stored. Its QH heads share each
+// key and value it loads (GQA): a prefill reads the cache QH times less, and each head's sums are
+// the same operations in the same order as alone. Build options: -DHEAD_DIM=d (a multiple of 8),
+// -DQH (query heads per work-item, dividing the GQA group), -DCACHE_TYPE (common.cl: the cache's
+// element type, widened to f32 as it is read). The cache layout is rope.cl's.
 
 #ifdef HEAD_DIM
 #define BLOCK 16
 #define VECS (HEAD_DIM / 8)
+#ifndef QH
+#define QH 1
+#endif
 
 kernel void paged_attention(global const float* q, uint ldq, global const ctype* cache,
                             global const uint* token_row, global const uint* token_pos,
@@ -18,59 +23,86 @@ kernel void paged_attention(global const float* q, uint ldq, global const ctype*
                             uint n_heads, uint n_kv_heads, float scale, global float* out,
                             uint ldo) {
   const uint t = get_global_id(0);
-  const uint h = get_global_id(1);
-  const uint kvh = h / (n_heads / n_kv_heads);
+  const uint h0 = get_global_id(1) * QH;
+  const uint kvh = h0 / (n_heads / n_kv_heads);
   const uint b = token_row[t];
   const uint last = token_pos[t];
   global const uint* lut = lookup + (size_t)b * pages_per_row;
   const size_t kv_row = (size_t)n_kv_heads * HEAD_DIM;
 
-  float8 qv[VECS], acc[VECS];
-  global const float* qp = q + (size_t)t * ldq + h * HEAD_DIM;
+  float8 qv[QH][VECS], acc[QH][VECS];
+  float m[QH], l[QH];
 #pragma unroll
-  for (int i = 0; i < VECS; ++i) {
-    qv[i] = vload8(i, qp) * scale;
-    acc[i] = (float8)(0.0f);
+  for (int g = 0; g < QH; ++g) {
+    global const float* qp = q + (size_t)t * ldq + (h0 + g) * HEAD_DIM;
+#pragma unroll
+    for (int i = 0; i < VECS; ++i) {
+      qv[g][i] = vload8(i, qp) * scale;
+      acc[g][i] = (float8)(0.0f);
+    }
+    m[g] = -INFINITY;
+    l[g] = 0.0f;
   }
-  float m = -INFINITY, l = 0.0f;
 
   for (uint p0 = 0; p0 <= last; p0 += BLOCK) {
     const uint n = min((uint)BLOCK, last + 1 - p0);
-    float s[BLOCK];
-    float bmax = -INFINITY;
+    float s[QH][BLOCK];
+    float bmax[QH];
+#pragma unroll
+    for (int g = 0; g < QH; ++g) bmax[g] = -INFINITY;
     for (uint j = 0; j < n; ++j) {
       const uint p = p0 + j;
       global const ctype* k =
           cache + ((size_t)lut[p / page_size] * 2 * page_size + p % page_size) * kv_row +
           kvh * HEAD_DIM;
-      float8 d = (float8)(0.0f);
+      float8 kv[VECS];
 #pragma unroll
-      for (int i = 0; i < VECS; ++i) d = fma(qv[i], LOADC8(i, k), d);
-      const float4 d4 = d.lo + d.hi;
-      s[j] = d4.x + d4.y + d4.z + d4.w;
-      bmax = fmax(bmax, s[j]);
+      for (int i = 0; i < VECS; ++i) kv[i] = LOADC8(i, k);
+#pragma unroll
+      for (int g = 0; g < QH; ++g) {
+        float8 d = (float8)(0.0f);
+#pragma unroll
+        for (int i = 0; i < VECS; ++i) d = fma(qv[g][i], kv[i], d);
+        const float4 d4 = d.lo + d.hi;
+        s[g][j] = d4.x + d4.y + d4.z + d4.w;
+        bmax[g] = fmax(bmax[g], s[g][j]);
+      }
     }
-    const float m_new = fmax(m, bmax);
-    const float corr = exp(m - m_new);
-    l *= corr;
+    float m_new[QH];
 #pragma unroll
-    for (int i = 0; i < VECS; ++i) acc[i] *= corr;
+    for (int g = 0; g < QH; ++g) {
+      m_new[g] = fmax(m[g], bmax[g]);
+      const float corr = exp(m[g] - m_new[g]);
+      l[g] *= corr;
+#pragma unroll
+      for (int i = 0; i < VECS; ++i) acc[g][i] *= corr;
+    }
     for (uint j = 0; j < n; ++j) {
       const uint p = p0 + j;
       global const ctype* v =
           cache + (((size_t)lut[p / page_size] * 2 + 1) * page_size + p % page_size) * kv_row +
           kvh * HEAD_DIM;
-      const float w = exp(s[j] - m_new);
-      l += w;
+      float8 vv[VECS];
 #pragma unroll
-      for (int i = 0; i < VECS; ++i) acc[i] = fma((float8)(w), LOADC8(i, v), acc[i]);
+      for (int i = 0; i < VECS; ++i) vv[i] = LOADC8(i, v);
+#pragma unroll
+      for (int g = 0; g < QH; ++g) {
+        const float w = exp(s[g][j] - m_new[g]);
+        l[g] += w;
+#pragma unroll
+        for (int i = 0; i < VECS; ++i) acc[g][i] = fma((float8)(w), vv[i], acc[g][i]);
+      }
     }
-    m = m_new;
-  }
-  global float* o = out + (size_t)t * ldo + h * HEAD_DIM;
-  const float inv_l = 1.0f / l;
 #pragma unroll
-  for (int i = 0; i < VECS; ++i) vstore8(acc[i] * inv_l, i, o);
+    for (int g = 0; g < QH; ++g) m[g] = m_new[g];
+  }
+#pragma unroll
+  for (int g = 0; g < QH; ++g) {
+    global float* o = out + (size_t)t * ldo + (h0 + g) * HEAD_DIM;
+    const float inv_l = 1.0f / l[g];
+#pragma unroll
+    for (int i = 0; i < VECS; ++i) vstore8(acc[g][i] * inv_l, i, o);
+  }
 }
 #endif  // HEAD_DIM
 

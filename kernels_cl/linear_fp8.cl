@@ -12,12 +12,8 @@
 // Build options: -DTM=1|4 -DTN=4 -DFP8_DENORM=1|0 -DCOLUMNS_IN_TURN=0|1 (one-row tiles, as linear.cl).
 //
 // At one byte per weight a GEMV is bound by the decode, not by memory, so the decode is a handful
-// of instructions (common.cl's e4m3x16_decode_scaled, FP8_DENORM chosen per device) and the
-// power-of-two factor it leaves goes into the block scale instead.
-//
-// NaN (0x7F / 0xFF, the "fn" variant has no infinities) is not produced by either decode: each
-// work-item keeps the running unsigned and signed byte maxima of every weight row it reads (0xFF
-// is the unsigned maximum, 0x7F the signed one) and writes NaN for a row that holds either.
+// of instructions (common.cl's e4m3x16_decode_scaled, FP8_DENORM chosen per device). The tile's
+// sums and its NaN watch are fp8_tile.cl's, shared with moe.cl's grouped FP8 tile.
 
 #ifndef TM
 #define TM 1
@@ -28,9 +24,7 @@
 #ifndef COLUMNS_IN_TURN
 #define COLUMNS_IN_TURN 0
 #endif
-// Block edge of the scales. A TN-row tile never straddles two block rows: TN divides 128.
-#define QBLOCK 128
-#define VECS_PER_BLOCK (QBLOCK / 16)
+#include "fp8_tile.cl"
 
 // One TM x TN tile at (m0, n0).
 inline void linear_fp8_tile(global const float* x, uint x_off, uint ldx, global const uchar* w,
@@ -46,84 +40,9 @@ inline void linear_fp8_tile(global const float* x, uint x_off, uint ldx, global 
 #pragma unroll
   for (int j = 0; j < TN; ++j) wr[j] = w + (size_t)min(n0 + j, N - 1) * K;
   global const float* srow = scale + (size_t)(n0 / QBLOCK) * KB;
-
-  float16 acc[TM][TN];
-#pragma unroll
-  for (int i = 0; i < TM; ++i)
-#pragma unroll
-    for (int j = 0; j < TN; ++j) acc[i][j] = (float16)(0.0f);
-  uchar16 umax[TN];  // NaN watch, see the top
-  char16 smax[TN];
-#pragma unroll
-  for (int j = 0; j < TN; ++j) {
-    umax[j] = (uchar16)(0);
-    smax[j] = (char16)(-128);
-  }
-
-  // The block scale is shared by the whole tile within one K block, so it multiplies the TM x
-  // vectors (TM multiplies per 16 columns) instead of the TN decoded weight vectors.
-  const uint K16 = K / 16;
-#if TM == 1 && COLUMNS_IN_TURN
-  // One row: the columns in turn, one sequential stream of weight bytes, as linear.cl's tile_dots
-  // (the x * scale product is the tile's, so are the sums).
-#pragma unroll
-  for (int j = 0; j < TN; ++j)
-    for (uint kb = 0; kb < KB; ++kb) {
-      const float s = srow[kb] * FP8_X_SCALE;
-      const uint v_end = min((kb + 1) * VECS_PER_BLOCK, K16);
-      for (uint v = kb * VECS_PER_BLOCK; v < v_end; ++v) {
-        const uchar16 b = vload16(v, wr[j]);
-        umax[j] = max(umax[j], b);
-        smax[j] = max(smax[j], as_char16(b));
-        acc[0][j] = fma(vload16(v, xr[0]) * s, e4m3x16_decode_scaled(b), acc[0][j]);
-      }
-    }
-#else
-  for (uint kb = 0; kb < KB; ++kb) {
-    const float s = srow[kb] * FP8_X_SCALE;
-    const uint v_end = min((kb + 1) * VECS_PER_BLOCK, K16);
-    for (uint v = kb * VECS_PER_BLOCK; v < v_end; ++v) {
-      float16 wv[TN];
-#pragma unroll
-      for (int j = 0; j < TN; ++j) {
-        const uchar16 b = vload16(v, wr[j]);
-        umax[j] = max(umax[j], b);
-        smax[j] = max(smax[j], as_char16(b));
-        wv[j] = e4m3x16_decode_scaled(b);
-      }
-#pragma unroll
-      for (int i = 0; i < TM; ++i) {
-        const float16 xv = vload16(v, xr[i]) * s;
-#pragma unroll
-        for (int j = 0; j < TN; ++j) acc[i][j] = fma(xv, wv[j], acc[i][j]);
-      }
-    }
-  }
-#endif
-
   float out[TM][TN];
-#pragma unroll
-  for (int i = 0; i < TM; ++i)
-#pragma unroll
-    for (int j = 0; j < TN; ++j) out[i][j] = hsum16(acc[i][j]) * FP8_ACC_SCALE;
-  // The K % 16 tail lies inside the last K block (128 is a multiple of 16); its decode is exact and
-  // NaN-aware on its own.
-  if (K16 * 16 < K) {
-    const float s_last = srow[KB - 1];
-    for (uint k = K16 * 16; k < K; ++k) {
-#pragma unroll
-      for (int i = 0; i < TM; ++i) {
-        const float xs = xr[i][k] * s_last;
-#pragma unroll
-        for (int j = 0; j < TN; ++j) out[i][j] = fma(xs, e4m3_to_f32(wr[j][k]), out[i][j]);
-      }
-    }
-  }
-
   bool row_has_nan[TN];
-#pragma unroll
-  for (int j = 0; j < TN; ++j)
-    row_has_nan[j] = any(umax[j] == (uchar16)(0xFF)) || any(smax[j] == (char16)(0x7F));
+  fp8_tile_dots(xr, wr, srow, KB, K, out, row_has_nan);
 
 #pragma unroll
   for (int i = 0; i < TM; ++i) {

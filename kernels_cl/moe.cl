@@ -351,10 +351,10 @@ kernel void moe_tiles(global const uint* expert_offsets, uint n_experts, uint ro
 #endif
 #if GROUPED_FP8
 typedef uchar gw_t;
-#define QBLOCK 128
-#define VECS_PER_BLOCK (QBLOCK / 16)
+#include "fp8_tile.cl"
 #else
 typedef wtype gw_t;
+#include "linear_tile.cl"
 #endif
 
 inline void grouped_tile(global const float* x, uint ldx, global const uint* x_rows, int indirect,
@@ -369,105 +369,12 @@ inline void grouped_tile(global const float* x, uint ldx, global const uint* x_r
   }
 #pragma unroll
   for (int j = 0; j < TN; ++j) wr[j] = w + (size_t)min(n0 + j, N - 1) * K;
-  float16 acc[TM][TN];
-#pragma unroll
-  for (int i = 0; i < TM; ++i)
-#pragma unroll
-    for (int j = 0; j < TN; ++j) acc[i][j] = (float16)(0.0f);
-  const uint K16 = K / 16;
-#if GROUPED_FP8
-  uchar16 umax[TN];
-  char16 smax[TN];
-#pragma unroll
-  for (int j = 0; j < TN; ++j) {
-    umax[j] = (uchar16)(0);
-    smax[j] = (char16)(-128);
-  }
-#if TM == 1 && COLUMNS_IN_TURN
-  // One row: the columns in turn, as linear_fp8.cl's tile.
-#pragma unroll
-  for (int j = 0; j < TN; ++j)
-    for (uint kb = 0; kb < KB; ++kb) {
-      const float s = srow[kb] * FP8_X_SCALE;
-      const uint v_end = min((kb + 1) * VECS_PER_BLOCK, K16);
-      for (uint v = kb * VECS_PER_BLOCK; v < v_end; ++v) {
-        const uchar16 b = vload16(v, wr[j]);
-        umax[j] = max(umax[j], b);
-        smax[j] = max(smax[j], as_char16(b));
-        acc[0][j] = fma(vload16(v, xr[0]) * s, e4m3x16_decode_scaled(b), acc[0][j]);
-      }
-    }
-#else
-  for (uint kb = 0; kb < KB; ++kb) {
-    const float s = srow[kb] * FP8_X_SCALE;
-    const uint v_end = min((kb + 1) * VECS_PER_BLOCK, K16);
-    for (uint v = kb * VECS_PER_BLOCK; v < v_end; ++v) {
-      float16 wv[TN];
-#pragma unroll
-      for (int j = 0; j < TN; ++j) {
-        const uchar16 b = vload16(v, wr[j]);
-        umax[j] = max(umax[j], b);
-        smax[j] = max(smax[j], as_char16(b));
-        wv[j] = e4m3x16_decode_scaled(b);
-      }
-#pragma unroll
-      for (int i = 0; i < TM; ++i) {
-        const float16 xv = vload16(v, xr[i]) * s;
-#pragma unroll
-        for (int j = 0; j < TN; ++j) acc[i][j] = fma(xv, wv[j], acc[i][j]);
-      }
-    }
-  }
-#endif
-#define ACC_OUT FP8_ACC_SCALE
-#elif TM == 1 && COLUMNS_IN_TURN
-  // One row: the columns in turn, one sequential weight stream, as linear.cl's tile_dots.
-#pragma unroll
-  for (int j = 0; j < TN; ++j)
-    for (uint k = 0; k < K16; ++k) acc[0][j] = fma(vload16(k, xr[0]), LOADW16(k, wr[j]), acc[0][j]);
-#define ACC_OUT 1.0f
-#else
-  for (uint k = 0; k < K16; ++k) {
-    float16 wv[TN];
-#pragma unroll
-    for (int j = 0; j < TN; ++j) wv[j] = LOADW16(k, wr[j]);
-#pragma unroll
-    for (int i = 0; i < TM; ++i) {
-      const float16 xv = vload16(k, xr[i]);
-#pragma unroll
-      for (int j = 0; j < TN; ++j) acc[i][j] = fma(xv, wv[j], acc[i][j]);
-    }
-  }
-#define ACC_OUT 1.0f
-#endif
   float out[TM][TN];
-#pragma unroll
-  for (int i = 0; i < TM; ++i)
-#pragma unroll
-    for (int j = 0; j < TN; ++j) out[i][j] = hsum16(acc[i][j]) * ACC_OUT;
 #if GROUPED_FP8
-  if (K16 * 16 < K) {
-    const float s_last = srow[KB - 1];
-    for (uint k = K16 * 16; k < K; ++k) {
-#pragma unroll
-      for (int i = 0; i < TM; ++i) {
-        const float xs = xr[i][k] * s_last;
-#pragma unroll
-        for (int j = 0; j < TN; ++j) out[i][j] = fma(xs, e4m3_to_f32(wr[j][k]), out[i][j]);
-      }
-    }
-  }
   bool row_has_nan[TN];
-#pragma unroll
-  for (int j = 0; j < TN; ++j)
-    row_has_nan[j] = any(umax[j] == (uchar16)(0xFF)) || any(smax[j] == (char16)(0x7F));
+  fp8_tile_dots(xr, wr, srow, KB, K, out, row_has_nan);
 #else
-  for (uint k = K16 * 16; k < K; ++k) {
-#pragma unroll
-    for (int i = 0; i < TM; ++i)
-#pragma unroll
-      for (int j = 0; j < TN; ++j) out[i][j] = fma(xr[i][k], LOADW1(wr[j] + k), out[i][j]);
-  }
+  tile_dots(xr, wr, 0, K, out);
 #endif
 #pragma unroll
   for (int i = 0; i < TM; ++i) {

@@ -2,15 +2,14 @@
 // for f32 and bf16 weights, GEMM GFLOP/s at M = 1, 8, 64, 512, next to OpenBLAS sgemm, and the
 // bf16-compute GEMM (model.compute_dtype: bf16) on llama3-1b's prefill shapes against the CPU's
 // register-only f32 FMA and vdpbf16ps peaks measured in the same run.
-// Usage: bench_kernels [--quick] [--gemm-bf16 [--tiles]]
-//   --gemm-bf16: only the peaks and the bf16-compute GEMM; --tiles: over several tile shapes
+// Usage: bench_kernels [--quick] [--gemm-bf16 [--tiles] [--rows M]]
+//   --gemm-bf16: only the peaks and the bf16-compute GEMM; --tiles: over several tile shapes; --rows: the GEMM's M (512)
 //   (KernelTuning's gemm_bf16_tm x gemm_bf16_tn) too.
 #include <cblas.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <cstring>
 #include <random>
 #include <vector>
 
@@ -48,7 +47,7 @@ Weight random_weight(Device& dev, int64_t N, int64_t K, DType dt, uint32_t seed)
 
 // The bf16-compute GEMM at llama3-1b's prefill shapes (M = 512 tokens): vdpbf16ps where the
 // device selects it and the portable micro-kernel, GFLOP/s and the fraction of the bf16 peak.
-void gemm_bf16_section(Device& dev, int reps, bool tiles) {
+void gemm_bf16_section(Device& dev, int reps, bool tiles, uint32_t M) {
   const ComputePeaks peaks = measure_compute_peaks();
   struct Shape {
     const char* name;
@@ -58,12 +57,11 @@ void gemm_bf16_section(Device& dev, int reps, bool tiles) {
                           {"o 2048x2048", 2048, 2048},
                           {"gate|up 16384x2048", 16384, 2048},
                           {"down 2048x8192", 2048, 8192}};
-  const uint32_t M = 512;
   const KernelTuning own = dev.tuning();
   std::vector<std::pair<uint32_t, uint32_t>> tile_shapes = {{own.gemm_bf16_tm, own.gemm_bf16_tn}};
   if (tiles)
     for (auto t : std::vector<std::pair<uint32_t, uint32_t>>{{4, 4}, {2, 8}, {8, 2}, {4, 6}, {6, 4},
-                                                             {3, 8}, {4, 2}, {2, 4}})
+                                                             {3, 8}, {4, 2}, {2, 4}, {8, 3}, {8, 2}, {8, 1}, {4, 1}})
       if (t != tile_shapes[0]) tile_shapes.push_back(t);
   std::printf("\nbf16-compute GEMM (compute_dtype bf16), M=%u, GFLOP/s (%% of the bf16 peak):\n", M);
   std::printf("  %-20s %-6s %12s %12s %12s\n", "N x K", "tile", "dot product", "portable",
@@ -104,22 +102,23 @@ void gemm_bf16_section(Device& dev, int reps, bool tiles) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  CLI::App app{"Kernel throughput on the first OpenCL device: read bandwidth, GEMV GB/s, GEMM "
+               "GFLOP/s next to OpenBLAS sgemm, and the bf16-compute GEMM against the CPU's peaks",
+               "bench_kernels"};
   bool quick = false, gemm_bf16_only = false, tiles = false;
-  for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--quick") == 0) quick = true;
-    else if (std::strcmp(argv[i], "--gemm-bf16") == 0) gemm_bf16_only = true;
-    else if (std::strcmp(argv[i], "--tiles") == 0) tiles = true;
-    else {
-      std::fprintf(stderr, "usage: bench_kernels [--quick] [--gemm-bf16 [--tiles]]\n");
-      return 2;
-    }
-  }
+  uint32_t gemm_rows = 512;
+  app.add_flag("--quick", quick, "fewer repeats");
+  app.add_flag("--gemm-bf16", gemm_bf16_only, "only the peaks and the bf16-compute GEMM");
+  app.add_flag("--tiles", tiles, "with --gemm-bf16: over several tile shapes (KernelTuning's "
+                                 "gemm_bf16_tm x gemm_bf16_tn) too");
+  app.add_option("--rows", gemm_rows, "the bf16-compute GEMM's M")->capture_default_str();
+  parse_args(app, argc, argv);
   const int reps = quick ? 3 : 9;
   DeviceManager mgr(DeviceSelection{});
   Device& dev = mgr[0];
   print_device(dev);
   if (gemm_bf16_only) {
-    gemm_bf16_section(dev, quick ? 3 : 5, tiles);
+    gemm_bf16_section(dev, quick ? 3 : 5, tiles, gemm_rows);
     return 0;
   }
 
@@ -190,6 +189,6 @@ int main(int argc, char** argv) {
   }
 
   // 4. The bf16-compute GEMM and the compute peaks.
-  gemm_bf16_section(dev, quick ? 3 : 5, false);
+  gemm_bf16_section(dev, quick ? 3 : 5, false, gemm_rows);
   return 0;
 }

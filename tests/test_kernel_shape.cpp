@@ -191,5 +191,22 @@ TEST(KernelTuningTable, TheH200RowWinsOverNvidiasDefault) {
   EXPECT_NE(builtin_kernel_tuning(cpu), a);
 }
 
+// The CPU rows: PoCL on an AVX-512 EPYC that its LLVM calls skylake-avx512 takes 4x6 bf16 GEMM
+// tiles on top of the CPU default; another EPYC (no AVX-512 BF16: the portable micro-kernel,
+// which 4x6 slows) keeps 4x4.
+TEST(KernelTuningTable, TheAvx512EpycRowWidensTheBf16GemmTile) {
+  DeviceInfo zen5;
+  zen5.kind = DeviceKind::Cpu;
+  zen5.vendor = "AuthenticAMD";
+  zen5.name = "pthread-skylake-avx512-AMD EPYC 9B45";
+  DeviceInfo zen3 = zen5;
+  zen3.name = "pthread-znver3-AMD EPYC 7B13";
+  const KernelTuning a = builtin_kernel_tuning(zen5), b = builtin_kernel_tuning(zen3);
+  EXPECT_EQ(a.gemm_bf16_tn, 6u);
+  EXPECT_EQ(a.norm_wg, b.norm_wg);  // the CPU default's forced-GPU-shape fields stay
+  EXPECT_EQ(b.gemm_bf16_tn, KernelTuning{}.gemm_bf16_tn);
+  EXPECT_EQ(b.gemm_bf16_tn, 4u);
+}
+
 }  // namespace
 }  // namespace clshard

@@ -341,121 +341,126 @@ TEST_P(AttentionKernels, RopeStoreAndPagedAttentionMatchCpp) {
     KernelTuning t;
     ~Restore() { d.set_tuning(t); }
   } restore{dev, saved};
-  const uint32_t nh = 4, nkv = 2, hd = 16, page = 16, npages = 8;
-  const uint32_t ld = (nh + 2 * nkv) * hd;
-  // Row 0: 37 cached tokens + 3 new; row 1: 0 cached + 18 new.
-  const std::vector<uint32_t> cached = {37, 0}, fresh = {3, 18};
-  const uint32_t ppr = 3;
-  const std::vector<uint32_t> lut = {5, 2, 7, 0, 3, 8};
-  std::vector<float> inv(hd / 2);
-  for (uint32_t i = 0; i < hd / 2; ++i) inv[i] = std::pow(10000.0f, -float(2 * i) / hd);
-  // Full K/V history per row (pre-rope q/k/v for every position).
-  std::vector<std::vector<float>> hist(2);
-  for (int b = 0; b < 2; ++b) hist[b] = random_vec(size_t(cached[b] + fresh[b]) * ld, 40 + b);
-  auto rope = [&](float* x, uint32_t pos) {
-    for (uint32_t i = 0; i < hd / 2; ++i) {
-      const float a = float(pos) * inv[i];
-      const float c = std::cos(a), s = std::sin(a), x0 = x[i], x1 = x[i + hd / 2];
-      x[i] = x0 * c - x1 * s;
-      x[i + hd / 2] = x1 * c + x0 * s;
-    }
-  };
-  const DType cdt = GetParam().cache;
-  const bool narrow = cdt != DType::F32;
-  const size_t cache_elems = size_t(npages + 1) * 2 * page * nkv * hd;
-  cl::Mem cache = dev.alloc(cache_elems * dtype_size(cdt));
-  dev.fill_zero(cache, cache_elems * dtype_size(cdt));
-  cl::Mem f32_cache = dev.alloc(cache_elems * 4);  // the f32 path beside a narrow cache
-  dev.fill_zero(f32_cache, cache_elems * 4);
-  cl::Mem invm = upload(dev, inv);
-  std::vector<float> f32_att;  // the f32 cache's attention output of the last step
-  auto run_step = [&](const std::vector<std::pair<uint32_t, uint32_t>>& spans,
-                      std::vector<float>* att_out, std::vector<float>* qkv_rows) {
-    // spans[b] = (first position, count) of row b's new tokens in this step.
-    std::vector<float> qkv;
-    std::vector<uint32_t> row, pos;
-    for (uint32_t b = 0; b < spans.size(); ++b)
-      for (uint32_t j = 0; j < spans[b].second; ++j) {
-        const uint32_t p = spans[b].first + j;
-        qkv.insert(qkv.end(), hist[b].begin() + size_t(p) * ld, hist[b].begin() + size_t(p + 1) * ld);
-        row.push_back(b);
-        pos.push_back(p);
+  // GQA groups of 2, 4 and 3 query heads per KV head: the CPU shape's work-items take 2, 4 and
+  // 1 heads each (they share a key and value load).
+  for (const auto [nh, nkv] : {std::pair<uint32_t, uint32_t>{4, 2}, {8, 2}, {6, 2}}) {
+    SCOPED_TRACE("heads " + std::to_string(nh) + "/" + std::to_string(nkv));
+    const uint32_t hd = 16, page = 16, npages = 8;
+    const uint32_t ld = (nh + 2 * nkv) * hd;
+    // Row 0: 37 cached tokens + 3 new; row 1: 0 cached + 18 new.
+    const std::vector<uint32_t> cached = {37, 0}, fresh = {3, 18};
+    const uint32_t ppr = 3;
+    const std::vector<uint32_t> lut = {5, 2, 7, 0, 3, 8};
+    std::vector<float> inv(hd / 2);
+    for (uint32_t i = 0; i < hd / 2; ++i) inv[i] = std::pow(10000.0f, -float(2 * i) / hd);
+    // Full K/V history per row (pre-rope q/k/v for every position).
+    std::vector<std::vector<float>> hist(2);
+    for (int b = 0; b < 2; ++b) hist[b] = random_vec(size_t(cached[b] + fresh[b]) * ld, 40 + b);
+    auto rope = [&](float* x, uint32_t pos) {
+      for (uint32_t i = 0; i < hd / 2; ++i) {
+        const float a = float(pos) * inv[i];
+        const float c = std::cos(a), s = std::sin(a), x0 = x[i], x1 = x[i + hd / 2];
+        x[i] = x0 * c - x1 * s;
+        x[i + hd / 2] = x1 * c + x0 * s;
       }
-    const uint32_t T = uint32_t(row.size());
-    cl::Mem qm = upload(dev, qkv), rm = dev.alloc(T * 4), pm = dev.alloc(T * 4),
-            lm = dev.alloc(lut.size() * 4), om = dev.alloc(size_t(T) * nh * hd * 4);
-    dev.write(rm, row.data(), T * 4);
-    dev.write(pm, pos.data(), T * 4);
-    dev.write(lm, lut.data(), lut.size() * 4);
-    ops::StepTokens st{rm, pm, lm, T, ppr, page};
-    if (narrow) {  // the same step over an f32 cache, from the same pre-rope rows
-      cl::Mem q32 = upload(dev, qkv), o32 = dev.alloc(size_t(T) * nh * hd * 4);
-      ops::rope_store_kv(dev, q32, ld, nh, nkv, hd, invm, invm, 0xffffffffu, st, f32_cache);
-      ops::paged_attention(dev, q32, ld, f32_cache, st, nh, nkv, hd, 0.25f, o32, nh * hd);
-      f32_att = download(dev, o32, size_t(T) * nh * hd);
-    }
-    ops::rope_store_kv(dev, qm, ld, nh, nkv, hd, invm, invm, 0xffffffffu, st, cache, cdt);
-    ops::paged_attention(dev, qm, ld, cache, st, nh, nkv, hd, 0.25f, om, nh * hd, cdt);
-    *att_out = download(dev, om, size_t(T) * nh * hd);
-    *qkv_rows = download(dev, qm, qkv.size());
-    if (narrow) {
-      // Each new token's key (roped, in qkv) and value, as stored: the host's rounding of the
-      // kernel's f32 value (nearest even; fp8 saturating), bit for bit.
-      std::vector<uint8_t> c(cache_elems * dtype_size(cdt));
-      dev.read(cache, c.data(), c.size());
-      for (uint32_t t = 0; t < T; ++t) {
-        const uint32_t slot_page = lut[row[t] * ppr + pos[t] / page], slot = pos[t] % page;
-        for (uint32_t i = 0; i < nkv * hd; ++i) {
-          const size_t k_at = (size_t(slot_page) * 2 * page + slot) * nkv * hd + i;
-          const size_t v_at = k_at + size_t(page) * nkv * hd;
-          ASSERT_EQ(test::stored_code(cdt, c, k_at),
-                    test::cache_code(cdt, (*qkv_rows)[t * ld + nh * hd + i]))
-              << "key " << t;
-          ASSERT_EQ(test::stored_code(cdt, c, v_at),
-                    test::cache_code(cdt, (*qkv_rows)[t * ld + (nh + nkv) * hd + i]))
-              << "value";
+    };
+    const DType cdt = GetParam().cache;
+    const bool narrow = cdt != DType::F32;
+    const size_t cache_elems = size_t(npages + 1) * 2 * page * nkv * hd;
+    cl::Mem cache = dev.alloc(cache_elems * dtype_size(cdt));
+    dev.fill_zero(cache, cache_elems * dtype_size(cdt));
+    cl::Mem f32_cache = dev.alloc(cache_elems * 4);  // the f32 path beside a narrow cache
+    dev.fill_zero(f32_cache, cache_elems * 4);
+    cl::Mem invm = upload(dev, inv);
+    std::vector<float> f32_att;  // the f32 cache's attention output of the last step
+    auto run_step = [&](const std::vector<std::pair<uint32_t, uint32_t>>& spans,
+                        std::vector<float>* att_out, std::vector<float>* qkv_rows) {
+      // spans[b] = (first position, count) of row b's new tokens in this step.
+      std::vector<float> qkv;
+      std::vector<uint32_t> row, pos;
+      for (uint32_t b = 0; b < spans.size(); ++b)
+        for (uint32_t j = 0; j < spans[b].second; ++j) {
+          const uint32_t p = spans[b].first + j;
+          qkv.insert(qkv.end(), hist[b].begin() + size_t(p) * ld, hist[b].begin() + size_t(p + 1) * ld);
+          row.push_back(b);
+          pos.push_back(p);
+        }
+      const uint32_t T = uint32_t(row.size());
+      cl::Mem qm = upload(dev, qkv), rm = dev.alloc(T * 4), pm = dev.alloc(T * 4),
+              lm = dev.alloc(lut.size() * 4), om = dev.alloc(size_t(T) * nh * hd * 4);
+      dev.write(rm, row.data(), T * 4);
+      dev.write(pm, pos.data(), T * 4);
+      dev.write(lm, lut.data(), lut.size() * 4);
+      ops::StepTokens st{rm, pm, lm, T, ppr, page};
+      if (narrow) {  // the same step over an f32 cache, from the same pre-rope rows
+        cl::Mem q32 = upload(dev, qkv), o32 = dev.alloc(size_t(T) * nh * hd * 4);
+        ops::rope_store_kv(dev, q32, ld, nh, nkv, hd, invm, invm, 0xffffffffu, st, f32_cache);
+        ops::paged_attention(dev, q32, ld, f32_cache, st, nh, nkv, hd, 0.25f, o32, nh * hd);
+        f32_att = download(dev, o32, size_t(T) * nh * hd);
+      }
+      ops::rope_store_kv(dev, qm, ld, nh, nkv, hd, invm, invm, 0xffffffffu, st, cache, cdt);
+      ops::paged_attention(dev, qm, ld, cache, st, nh, nkv, hd, 0.25f, om, nh * hd, cdt);
+      *att_out = download(dev, om, size_t(T) * nh * hd);
+      *qkv_rows = download(dev, qm, qkv.size());
+      if (narrow) {
+        // Each new token's key (roped, in qkv) and value, as stored: the host's rounding of the
+        // kernel's f32 value (nearest even; fp8 saturating), bit for bit.
+        std::vector<uint8_t> c(cache_elems * dtype_size(cdt));
+        dev.read(cache, c.data(), c.size());
+        for (uint32_t t = 0; t < T; ++t) {
+          const uint32_t slot_page = lut[row[t] * ppr + pos[t] / page], slot = pos[t] % page;
+          for (uint32_t i = 0; i < nkv * hd; ++i) {
+            const size_t k_at = (size_t(slot_page) * 2 * page + slot) * nkv * hd + i;
+            const size_t v_at = k_at + size_t(page) * nkv * hd;
+            ASSERT_EQ(test::stored_code(cdt, c, k_at),
+                      test::cache_code(cdt, (*qkv_rows)[t * ld + nh * hd + i]))
+                << "key " << t;
+            ASSERT_EQ(test::stored_code(cdt, c, v_at),
+                      test::cache_code(cdt, (*qkv_rows)[t * ld + (nh + nkv) * hd + i]))
+                << "value";
+          }
         }
       }
-    }
-  };
-  // The cache's rounding of a key or value element.
-  auto cached_value = [&](float x) { return narrow ? test::cached(cdt, x) : x; };
-  std::vector<float> att, roped;
-  run_step({{0, cached[0]}, {0, 0}}, &att, &roped);  // fill row 0's history first
-  run_step({{cached[0], fresh[0]}, {0, fresh[1]}}, &att, &roped);
-  // C++ reference for the second step's tokens.
-  size_t t = 0;
-  for (uint32_t b = 0; b < 2; ++b) {
-    std::vector<float> h = hist[b];
-    for (uint32_t p = 0; p < cached[b] + fresh[b]; ++p)
-      for (uint32_t head = 0; head < nh + nkv; ++head) rope(&h[size_t(p) * ld + head * hd], p);
-    for (uint32_t j = 0; j < fresh[b]; ++j, ++t) {
-      const uint32_t p = cached[b] + j;
-      for (uint32_t i = 0; i < ld - nkv * hd; ++i)
-        ASSERT_NEAR(roped[t * ld + i], h[size_t(p) * ld + i], 1e-5) << "roped q/k";
-      for (uint32_t head = 0; head < nh; ++head) {
-        const uint32_t kvh = head / (nh / nkv);
-        std::vector<double> s(p + 1);
-        double mx = -1e30;
-        for (uint32_t q = 0; q <= p; ++q) {
-          double d = 0;
-          for (uint32_t i = 0; i < hd; ++i)
-            d += double(h[size_t(p) * ld + head * hd + i]) *
-                 cached_value(h[size_t(q) * ld + (nh + kvh) * hd + i]);
-          s[q] = d * 0.25;
-          mx = std::max(mx, s[q]);
-        }
-        double sum = 0;
-        for (auto& v : s) sum += (v = std::exp(v - mx));
-        for (uint32_t i = 0; i < hd; ++i) {
-          double o = 0;
-          for (uint32_t q = 0; q <= p; ++q)
-            o += s[q] / sum * cached_value(h[size_t(q) * ld + (nh + nkv + kvh) * hd + i]);
-          const size_t at = t * nh * hd + head * hd + i;
-          ASSERT_NEAR(att[at], o, narrow ? 2e-3 : 1e-5) << "row " << b << " pos " << p;
-          if (narrow)
-            ASSERT_NEAR(att[at], f32_att[at], cdt == DType::F8_E4M3 ? 6e-2 : 2e-2)
-                << "row " << b << " pos " << p;
+    };
+    // The cache's rounding of a key or value element.
+    auto cached_value = [&](float x) { return narrow ? test::cached(cdt, x) : x; };
+    std::vector<float> att, roped;
+    run_step({{0, cached[0]}, {0, 0}}, &att, &roped);  // fill row 0's history first
+    run_step({{cached[0], fresh[0]}, {0, fresh[1]}}, &att, &roped);
+    // C++ reference for the second step's tokens.
+    size_t t = 0;
+    for (uint32_t b = 0; b < 2; ++b) {
+      std::vector<float> h = hist[b];
+      for (uint32_t p = 0; p < cached[b] + fresh[b]; ++p)
+        for (uint32_t head = 0; head < nh + nkv; ++head) rope(&h[size_t(p) * ld + head * hd], p);
+      for (uint32_t j = 0; j < fresh[b]; ++j, ++t) {
+        const uint32_t p = cached[b] + j;
+        for (uint32_t i = 0; i < ld - nkv * hd; ++i)
+          ASSERT_NEAR(roped[t * ld + i], h[size_t(p) * ld + i], 1e-5) << "roped q/k";
+        for (uint32_t head = 0; head < nh; ++head) {
+          const uint32_t kvh = head / (nh / nkv);
+          std::vector<double> s(p + 1);
+          double mx = -1e30;
+          for (uint32_t q = 0; q <= p; ++q) {
+            double d = 0;
+            for (uint32_t i = 0; i < hd; ++i)
+              d += double(h[size_t(p) * ld + head * hd + i]) *
+                   cached_value(h[size_t(q) * ld + (nh + kvh) * hd + i]);
+            s[q] = d * 0.25;
+            mx = std::max(mx, s[q]);
+          }
+          double sum = 0;
+          for (auto& v : s) sum += (v = std::exp(v - mx));
+          for (uint32_t i = 0; i < hd; ++i) {
+            double o = 0;
+            for (uint32_t q = 0; q <= p; ++q)
+              o += s[q] / sum * cached_value(h[size_t(q) * ld + (nh + nkv + kvh) * hd + i]);
+            const size_t at = t * nh * hd + head * hd + i;
+            ASSERT_NEAR(att[at], o, narrow ? 2e-3 : 1e-5) << "row " << b << " pos " << p;
+            if (narrow)
+              ASSERT_NEAR(att[at], f32_att[at], cdt == DType::F8_E4M3 ? 6e-2 : 2e-2)
+                  << "row " << b << " pos " << p;
+          }
         }
       }
     }

@@ -15,6 +15,7 @@
 
 #include "models/registry.h"
 #include "runtime/engine/sampling.h"
+#include "runtime/engine/structured/format_cache.h"
 #include "runtime/engine/structured/json_schema.h"
 #include "runtime/engine/structured/regex_parser.h"
 #include "runtime/engine/structured/response_format.h"
@@ -362,9 +363,18 @@ TEST(StructuredErrors, HostileFormatsHitLimitsWithClearErrors) {
   EXPECT_EQ(compile_error("", &heavy_states),
             "regex: the expression is too large: building its automaton would take more than "
             "20000000 steps");
-  // Any JSON object (1,725 states) is far inside the budget.
+  // Many states of few NFA states each: ".{1000}" ten times (190,000 states, 13 byte classes)
+  // took 2.3 s when only the NFA states visited were counted; each transition counts too now.
+  std::string wildcards;
+  for (int i = 0; i < 10; ++i) wildcards += ".{1000}";
+  EXPECT_EQ(compile_error("", &wildcards),
+            "regex: the expression is too large: building its automaton would take more than "
+            "20000000 steps");
+  // Any JSON object (1,725 states, 44 byte classes): 349,984 NFA states visited and 75,900
+  // transitions, inside the budget and inside the fuzz build's 1,500,000.
   EXPECT_EQ(ByteDfa::build(json_object_regex()).num_states(), 1725u);
-  EXPECT_LT(ByteDfa::last_build_steps(), 1'000'000u);
+  EXPECT_EQ(ByteDfa::last_build_steps(), 349'984u + 75'900u * ByteDfa::kStepsPerTransition);
+  EXPECT_LT(ByteDfa::last_build_steps(), 1'500'000u);
 
   // Schemas nest at most kMaxSchemaDepth (64) levels: 65 nested "items" are refused at the 65th.
   std::string items_65, path = "response_format.json_schema.schema";
@@ -411,6 +421,82 @@ TEST(StructuredErrors, SchemaOrderIsKeptWithOrderedJson) {
   bool ok = true;
   for (int32_t t : tok.encode(R"({"alpha":2,"zeta":1})")) ok = ok && other->advance(t);
   EXPECT_FALSE(ok) << "properties must come in schema order";
+}
+
+// The cache of compiled formats keeps within a byte budget: least recently used entries go first,
+// and an automaton bigger than the whole budget serves its request without being kept.
+TEST(StructuredCache, ByteBudgetEvictsLeastRecentlyUsed) {
+  // What an automaton counts: its DFA's tables and one pointer per state, plus at most one mask
+  // per state within max_cache_bytes (here 50 tokens: 2 words = 8 bytes a mask).
+  const auto vocab = std::make_shared<TokenVocabulary>(hand_vocab());
+  const ByteDfa abc = ByteDfa::build(parse_regex("abc"));
+  EXPECT_EQ(TokenAutomaton(abc, vocab, 0).max_bytes(),
+            abc.table_bytes() + abc.num_states() * sizeof(void*));
+  EXPECT_GT(TokenAutomaton(abc, vocab).max_bytes(),
+            abc.table_bytes() + abc.num_states() * (sizeof(void*) + 8));
+  // A mask cache of 16 bytes holds two masks: only those two count.
+  EXPECT_LT(TokenAutomaton(abc, vocab, 16).max_bytes(), TokenAutomaton(abc, vocab).max_bytes());
+
+  auto make = [&](const std::string& re) {
+    return std::make_shared<const TokenAutomaton>(ByteDfa::build(parse_regex(re)), vocab);
+  };
+  const auto a = make("a"), b = make("b|bb"), c = make("c{1,3}"), big = make("[a-z]{1,200}");
+  const size_t ea = FormatCache::entry_bytes("A", *a), eb = FormatCache::entry_bytes("B", *b),
+               ec = FormatCache::entry_bytes("C", *c);
+  ASSERT_LT(ea, eb);
+  ASSERT_LT(eb, ec);
+  // Room for any two of the three, not for all three.
+  const size_t budget = eb + ec;
+  ASSERT_GT(FormatCache::entry_bytes("BIG", *big), budget);
+  FormatCache cache(budget);
+  EXPECT_TRUE(cache.put("A", a));
+  EXPECT_TRUE(cache.put("B", b));
+  EXPECT_EQ(cache.keys(), (std::vector<std::string>{"B", "A"}));
+  EXPECT_EQ(cache.bytes(), ea + eb);
+  EXPECT_EQ(cache.find("A"), a);  // A becomes the most recently used: B goes next
+  EXPECT_TRUE(cache.put("C", c));
+  EXPECT_EQ(cache.keys(), (std::vector<std::string>{"C", "A"}));
+  EXPECT_EQ(cache.bytes(), ec + ea);
+  EXPECT_EQ(cache.find("B"), nullptr);
+  // B again: A is now the least recently used; B and C fill the budget exactly.
+  EXPECT_TRUE(cache.put("B", b));
+  EXPECT_EQ(cache.keys(), (std::vector<std::string>{"B", "C"}));
+  EXPECT_EQ(cache.bytes(), budget);
+  // Bigger than the whole budget: not kept, and nothing is evicted for it.
+  EXPECT_FALSE(cache.put("BIG", big));
+  EXPECT_EQ(cache.keys(), (std::vector<std::string>{"B", "C"}));
+  EXPECT_EQ(cache.find("BIG"), nullptr);
+  EXPECT_EQ(cache.bytes(), budget);
+  // A smaller budget evicts down to it, least recently used (C) first.
+  cache.set_budget(ec);
+  EXPECT_EQ(cache.keys(), (std::vector<std::string>{"B"}));
+  EXPECT_EQ(cache.bytes(), eb);
+
+  // Through compile_response_format: with the process-wide cache's budget below the automaton's
+  // size, the request is constrained all the same and nothing is kept; with the default budget
+  // it is kept.
+  struct RestoreBudget {
+    ~RestoreBudget() { format_cache().set_budget(kFormatCacheBytes); }
+  } restore;
+  format_cache().clear();
+  format_cache().set_budget(4096);
+  const ordered_json rf = {{"type", "json_object"}};
+  const Tokenizer& tok = tiny_tokenizer();
+  for (int round = 0; round < 2; ++round) {
+    auto constraint = compile_response_format(&rf, nullptr, tok);
+    ASSERT_NE(constraint, nullptr);
+    for (int32_t t : tok.encode(R"({"a": [1, "x"]})")) ASSERT_TRUE(constraint->advance(t)) << t;
+    EXPECT_TRUE(constraint->can_end());
+    auto rejecting = compile_response_format(&rf, nullptr, tok);
+    EXPECT_FALSE(rejecting->advance(tok.encode("[")[0]));
+    EXPECT_EQ(format_cache().keys().size(), 0u) << "round " << round;
+    EXPECT_EQ(format_cache().bytes(), 0u);
+  }
+  format_cache().set_budget(kFormatCacheBytes);
+  compile_response_format(&rf, nullptr, tok);
+  ASSERT_EQ(format_cache().keys().size(), 1u);
+  EXPECT_GT(format_cache().bytes(), size_t(4096));
+  EXPECT_LE(format_cache().bytes(), kFormatCacheBytes);
 }
 
 }  // namespace

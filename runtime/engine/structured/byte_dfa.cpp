@@ -19,7 +19,7 @@ struct Nfa {
   };
   std::vector<State> states;
   std::vector<std::bitset<256>> sets;
-  std::map<std::string, int32_t> set_index;  // dedup of byte sets (by their bit string)
+  std::unordered_map<std::bitset<256>, int32_t> set_index;  // dedup of byte sets
   size_t limit = 0;
 
   int32_t add() {
@@ -30,7 +30,7 @@ struct Nfa {
     return int32_t(states.size() - 1);
   }
   int32_t set_id(const std::bitset<256>& b) {
-    auto [it, fresh] = set_index.emplace(b.to_string(), int32_t(sets.size()));
+    auto [it, fresh] = set_index.emplace(b, int32_t(sets.size()));
     if (fresh) sets.push_back(b);
     return it->second;
   }
@@ -237,11 +237,12 @@ ByteDfa ByteDfa::build(const Regex& re, uint32_t max_states, uint64_t max_steps)
       throw std::invalid_argument("the expression is too large: building its automaton would "
                                   "take more than " + std::to_string(max_steps) + " steps");
   };
-  auto closure = [&](std::vector<int32_t>& seeds) {
+  // Into `out` (reused: no allocation per transition once the buffers have grown).
+  auto closure = [&](const std::vector<int32_t>& seeds, std::vector<int32_t>& out) {
     ++epoch;
-    std::vector<int32_t> out;
+    out.clear();
     uint64_t visited = 0;
-    stack = seeds;
+    stack.assign(seeds.begin(), seeds.end());
     for (int32_t s : seeds) mark[size_t(s)] = epoch;
     while (!stack.empty()) {
       const int32_t s = stack.back();
@@ -257,13 +258,13 @@ ByteDfa ByteDfa::build(const Regex& re, uint32_t max_states, uint64_t max_steps)
     }
     spend(visited);
     std::sort(out.begin(), out.end());
-    return out;
   };
 
   std::unordered_map<std::vector<int32_t>, int32_t, VecHash> ids;
   std::vector<std::vector<int32_t>> sets;
-  std::vector<int32_t> seeds = {top.in};
-  sets.push_back(closure(seeds));
+  std::vector<int32_t> seeds = {top.in}, target;
+  closure(seeds, target);
+  sets.push_back(target);
   ids.emplace(sets[0], 0);
   std::vector<int32_t> trans;
   std::vector<uint8_t> accepting;
@@ -271,7 +272,8 @@ ByteDfa ByteDfa::build(const Regex& re, uint32_t max_states, uint64_t max_steps)
     accepting.push_back(std::binary_search(sets[d].begin(), sets[d].end(), accept));
     for (uint32_t c = 0; c < C; ++c) {
       const uint8_t b = class_rep[c];
-      spend(sets[d].size());
+      // A transition costs more than the NFA states it reads: counted (byte_dfa.h).
+      spend(sets[d].size() + kStepsPerTransition);
       seeds.clear();
       for (int32_t s : sets[d]) {
         const auto& st = nfa.states[size_t(s)];
@@ -281,14 +283,14 @@ ByteDfa ByteDfa::build(const Regex& re, uint32_t max_states, uint64_t max_steps)
         trans.push_back(kDead);
         continue;
       }
-      std::vector<int32_t> target = closure(seeds);
+      closure(seeds, target);
       auto it = ids.find(target);
       if (it == ids.end()) {
         if (sets.size() >= max_states)
           throw std::invalid_argument("the expression is too large: its automaton would exceed " +
                                       std::to_string(max_states) + " states");
         it = ids.emplace(target, int32_t(sets.size())).first;
-        sets.push_back(std::move(target));
+        sets.push_back(target);
       }
       trans.push_back(it->second);
     }

@@ -1,10 +1,8 @@
 #include "runtime/engine/structured/response_format.h"
 
-#include <list>
-#include <map>
-#include <mutex>
 #include <stdexcept>
 
+#include "runtime/engine/structured/format_cache.h"
 #include "runtime/engine/structured/json_schema.h"
 #include "runtime/engine/structured/regex_parser.h"
 #include "runtime/engine/structured/token_automaton.h"
@@ -18,36 +16,6 @@ namespace {
 
 [[noreturn]] void fail(const std::string& where, const std::string& what) {
   throw std::invalid_argument(where + ": " + what);
-}
-
-// Compiled formats by (vocabulary, canonical format text); the oldest goes past kCapacity.
-class FormatCache {
- public:
-  static constexpr size_t kCapacity = 64;
-  std::shared_ptr<const TokenAutomaton> find(const std::string& key) {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = map_.find(key);
-    return it == map_.end() ? nullptr : it->second;
-  }
-  void put(const std::string& key, std::shared_ptr<const TokenAutomaton> a) {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!map_.emplace(key, std::move(a)).second) return;
-    order_.push_back(key);
-    if (order_.size() > kCapacity) {
-      map_.erase(order_.front());
-      order_.pop_front();
-    }
-  }
-
- private:
-  std::mutex mu_;
-  std::map<std::string, std::shared_ptr<const TokenAutomaton>> map_;
-  std::list<std::string> order_;
-};
-
-FormatCache& format_cache() {
-  static FormatCache c;
-  return c;
 }
 
 }  // namespace
@@ -127,6 +95,7 @@ std::shared_ptr<TokenConstraint> compile_response_format(const ordered_json* res
       fail(kind == "regex" ? regex_field : schema ? schema_path : field, e.what());
     }
     automaton = std::make_shared<const TokenAutomaton>(std::move(dfa), std::move(vocab));
+    // Not kept when bigger than the cache's whole budget: this request uses it all the same.
     format_cache().put(key, automaton);
   }
   auto c = std::make_shared<DfaConstraint>(automaton);

@@ -11,7 +11,7 @@
 // schema's order: parse request bodies with nlohmann::ordered_json to keep it (the nlohmann::json
 // overload sees its keys sorted). A compiled format is cached per vocabulary and format text, so
 // a server that sees the same schema again pays only a lookup, and the token masks computed for
-// one request serve the next.
+// one request serve the next; the cache keeps within a byte budget (format_cache.h).
 #pragma once
 
 #include <cstddef>

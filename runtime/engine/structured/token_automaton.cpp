@@ -50,6 +50,14 @@ bool TokenAutomaton::mask(int32_t state, uint32_t* out) const {
   return any;
 }
 
+size_t TokenAutomaton::max_bytes() const {
+  const size_t mask_bytes = size_t(words_) * 4;
+  const size_t masks =
+      mask_bytes == 0 ? 0 : std::min<size_t>(dfa_.num_states(), max_cached_ / mask_bytes);
+  return dfa_.table_bytes() + cache_.capacity() * sizeof(cache_[0]) +
+         masks * (mask_bytes + sizeof(Entry));
+}
+
 uint64_t TokenAutomaton::walks() const {
   std::lock_guard<std::mutex> lock(mu_);
   return walks_;

@@ -29,6 +29,11 @@ class TokenAutomaton {
   bool mask(int32_t state, uint32_t* out) const;
   // The DFA state after the token's bytes, or ByteDfa::kDead.
   int32_t after(int32_t state, int32_t token) const;
+  // The most memory it can come to hold, in bytes: the DFA's tables, the per-state mask slots,
+  // and every mask it may cache (one per state, within max_cache_bytes). The vocabulary is shared
+  // between automata and not counted. Fixed at construction, so a cache that admits automata by
+  // this size stays within its budget however far the masks fill in later.
+  size_t max_bytes() const;
   // Masks computed by walking the trie (cache misses), for the benchmarks and tests.
   uint64_t walks() const;
 

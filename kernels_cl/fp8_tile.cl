@@ -1,0 +1,93 @@
+// The dot products of one TM x TN tile of FP8 weights (e4m3fn, 128 x 128 block scales), shared by
+// linear_fp8.cl's tile and moe.cl's grouped FP8 tile through #include, so a row's sums are the
+// same operations whichever launch computes them. The including file defines TM, TN and
+// COLUMNS_IN_TURN first (and FP8_DENORM for common.cl's decode).
+//
+// out[i][j] = x[i] . (W[j] * scale) over K, with K's blocks of 128 each under their scale
+// (srow: the scale row of the tile's weight rows; a TN-row tile never straddles two block rows,
+// TN divides 128). The block scale multiplies the TM x vectors (TM multiplies per 16 columns)
+// rather than the TN decoded weight vectors; e4m3x16_decode_scaled leaves a power-of-two factor
+// that FP8_X_SCALE / FP8_ACC_SCALE take back. One-row tiles with COLUMNS_IN_TURN read the columns
+// one after another (one sequential stream of weight bytes, as linear.cl's tile_dots); each
+// output's sum is the same either way.
+//
+// NaN (0x7F / 0xFF: the "fn" variant has no infinities) is not produced by the decode:
+// row_has_nan[j] says whether weight row j holds either byte (the running unsigned and signed byte
+// maxima of the row: 0xFF is the unsigned maximum, 0x7F the signed one), for the caller to write
+// NaN.
+
+#define QBLOCK 128
+#define VECS_PER_BLOCK (QBLOCK / 16)
+
+inline void fp8_tile_dots(global const float* xr[TM], global const uchar* wr[TN],
+                          global const float* srow, uint KB, uint K, float out[TM][TN],
+                          bool row_has_nan[TN]) {
+  float16 acc[TM][TN];
+#pragma unroll
+  for (int i = 0; i < TM; ++i)
+#pragma unroll
+    for (int j = 0; j < TN; ++j) acc[i][j] = (float16)(0.0f);
+  uchar16 umax[TN];
+  char16 smax[TN];
+#pragma unroll
+  for (int j = 0; j < TN; ++j) {
+    umax[j] = (uchar16)(0);
+    smax[j] = (char16)(-128);
+  }
+  const uint K16 = K / 16;
+#if TM == 1 && COLUMNS_IN_TURN
+#pragma unroll
+  for (int j = 0; j < TN; ++j)
+    for (uint kb = 0; kb < KB; ++kb) {
+      const float s = srow[kb] * FP8_X_SCALE;
+      const uint v_end = min((kb + 1) * VECS_PER_BLOCK, K16);
+      for (uint v = kb * VECS_PER_BLOCK; v < v_end; ++v) {
+        const uchar16 b = vload16(v, wr[j]);
+        umax[j] = max(umax[j], b);
+        smax[j] = max(smax[j], as_char16(b));
+        acc[0][j] = fma(vload16(v, xr[0]) * s, e4m3x16_decode_scaled(b), acc[0][j]);
+      }
+    }
+#else
+  for (uint kb = 0; kb < KB; ++kb) {
+    const float s = srow[kb] * FP8_X_SCALE;
+    const uint v_end = min((kb + 1) * VECS_PER_BLOCK, K16);
+    for (uint v = kb * VECS_PER_BLOCK; v < v_end; ++v) {
+      float16 wv[TN];
+#pragma unroll
+      for (int j = 0; j < TN; ++j) {
+        const uchar16 b = vload16(v, wr[j]);
+        umax[j] = max(umax[j], b);
+        smax[j] = max(smax[j], as_char16(b));
+        wv[j] = e4m3x16_decode_scaled(b);
+      }
+#pragma unroll
+      for (int i = 0; i < TM; ++i) {
+        const float16 xv = vload16(v, xr[i]) * s;
+#pragma unroll
+        for (int j = 0; j < TN; ++j) acc[i][j] = fma(xv, wv[j], acc[i][j]);
+      }
+    }
+  }
+#endif
+#pragma unroll
+  for (int i = 0; i < TM; ++i)
+#pragma unroll
+    for (int j = 0; j < TN; ++j) out[i][j] = hsum16(acc[i][j]) * FP8_ACC_SCALE;
+  // The K % 16 tail lies inside the last K block (128 is a multiple of 16); its decode is exact
+  // and NaN-aware on its own.
+  if (K16 * 16 < K) {
+    const float s_last = srow[KB - 1];
+    for (uint k = K16 * 16; k < K; ++k) {
+#pragma unroll
+      for (int i = 0; i < TM; ++i) {
+        const float xs = xr[i][k] * s_last;
+#pragma unroll
+        for (int j = 0; j < TN; ++j) out[i][j] = fma(xs, e4m3_to_f32(wr[j][k]), out[i][j]);
+      }
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < TN; ++j)
+    row_has_nan[j] = any(umax[j] == (uchar16)(0xFF)) || any(smax[j] == (char16)(0x7F));
+}
