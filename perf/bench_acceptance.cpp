@@ -4,7 +4,6 @@
 // sample_tokens over the same 80 rows (one work-item per row, so 5x the parallelism).
 // Usage: bench_acceptance [--quick]
 #include <cstdio>
-#include <cstring>
 #include <random>
 #include <vector>
 
@@ -79,10 +78,16 @@ void bench_vocab(Device& dev, uint32_t vocab, int reps) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  CLI::App app{"Speculative-decoding acceptance on the first OpenCL device: 16 requests x 5 "
+               "verification rows at vocab 2048 and 128256, next to sampling the same rows",
+               "bench_acceptance"};
+  bool quick = false;
+  app.add_flag("--quick", quick, "3 repeats instead of 9");
+  parse_args(app, argc, argv);
   DeviceManager mgr(DeviceSelection{});
   Device& dev = mgr[0];
   print_device(dev);
-  const int reps = argc > 1 && std::strcmp(argv[1], "--quick") == 0 ? 3 : 9;
+  const int reps = quick ? 3 : 9;
   std::printf("\n%u requests x %u verification rows, all drafts accepted; median of %d\n",
               kRequests, kDrafts + 1, reps);
   std::printf("%-34s %8s %14s %14s\n", "mode", "vocab", "accept (ms)", "sample (ms)");

@@ -18,7 +18,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
 #include <functional>
 #include <string>
 #include <vector>
@@ -160,16 +159,15 @@ double time_all_to_all(Communicator& c, size_t rows_per_rank, size_t width) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  CLI::App app{"Collectives on CPU sub-devices: allgather, allreduce and all-to-all latency and "
+               "bandwidth, and their share of a decode step's roofline",
+               "bench_collectives"};
   std::string split = "2";
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string a = argv[i];
-    if (a == "--reps") g_reps = std::max(1, std::atoi(argv[i + 1]));
-    else if (a == "--split") split = argv[i + 1];
-    else {
-      std::fprintf(stderr, "unknown option %s\n", a.c_str());
-      return 2;
-    }
-  }
+  app.add_option("--reps", g_reps, "timed runs per figure (the median is printed; at least 1)")
+      ->capture_default_str();
+  app.add_option("--split", split, "devices.split of the CPU device")->capture_default_str();
+  bench::parse_args(app, argc, argv);
+  g_reps = std::max(1, g_reps);
   DeviceManager m(cpu_devices(split));
   auto devs = m.devices();
   Communicator comm(devs);

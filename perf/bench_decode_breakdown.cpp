@@ -8,7 +8,6 @@
 // Both sequences are timed: the unfused launches (12 per layer) and the fused ones the model runs.
 // Usage: bench_decode_breakdown [MODEL_DIR] [--batch B] [--reps N] [--fused-only] [--rounds R]
 #include <cstdio>
-#include <cstring>
 #include <filesystem>
 #include <functional>
 #include <string>
@@ -82,17 +81,21 @@ void time_sequence(Device& dev, const char* title, const std::vector<Stage>& sta
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::filesystem::path dir = ".cache/models/llama3-1b-bf16";
+  CLI::App app{"Where a Llama 3 decode step's time goes, kernel by kernel, unfused and fused",
+               "bench_decode_breakdown"};
+  std::string dir_arg = ".cache/models/llama3-1b-bf16";
   uint32_t B = 1;
   int reps = 7, rounds = 2;
   bool fused_only = false;
-  for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--batch") == 0 && i + 1 < argc) B = uint32_t(std::stoul(argv[++i]));
-    else if (std::strcmp(argv[i], "--reps") == 0 && i + 1 < argc) reps = std::stoi(argv[++i]);
-    else if (std::strcmp(argv[i], "--rounds") == 0 && i + 1 < argc) rounds = std::stoi(argv[++i]);
-    else if (std::strcmp(argv[i], "--fused-only") == 0) fused_only = true;
-    else dir = argv[i];
-  }
+  app.add_option("MODEL_DIR", dir_arg, "checkpoint directory (the llama3-1b bf16 preset is written "
+                                       "there when missing)")
+      ->capture_default_str();
+  app.add_option("--batch", B, "decode rows B")->capture_default_str();
+  app.add_option("--reps", reps, "timed repeats per figure")->capture_default_str();
+  app.add_option("--rounds", rounds, "interleaved rounds of the tables (the machine's load moves)")->capture_default_str();
+  app.add_flag("--fused-only", fused_only, "time only the fused launches the model runs");
+  parse_args(app, argc, argv);
+  const std::filesystem::path dir = dir_arg;
   ensure_preset("llama3-1b", "bf16", dir);
   DeviceManager mgr(DeviceSelection{});
   Device& dev = mgr[0];

@@ -12,7 +12,6 @@
 // the device reads.
 #include <algorithm>
 #include <cstdio>
-#include <cstring>
 #include <functional>
 #include <string>
 #include <vector>
@@ -27,25 +26,24 @@ using namespace clshard;
 using namespace clshard::bench;
 
 int main(int argc, char** argv) {
+  CLI::App app{"Each op with a GPU-shaped variant, timed in both kernel shapes (CPU and GPU) on "
+               "the first OpenCL device or the one --platform/--type picks",
+               "bench_kernel_shapes"};
   bool quick = false;
   DeviceSelection sel;
   std::vector<std::string> sets;
   bool tune = false, save = false;
-  for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--quick") == 0) quick = true;
-    else if (std::strcmp(argv[i], "--platform") == 0 && i + 1 < argc) sel.platform = argv[++i];
-    else if (std::strcmp(argv[i], "--type") == 0 && i + 1 < argc) sel.type = argv[++i];
-    else if (std::strcmp(argv[i], "--set") == 0 && i + 1 < argc) sets.push_back(argv[++i]);
-    else if (std::strcmp(argv[i], "--tune") == 0) tune = true;
-    else if (std::strcmp(argv[i], "--save") == 0) save = true;
-    else {
-      std::fprintf(stderr,
-                   "usage: %s [--quick] [--platform SUBSTRING] [--type cpu|gpu|any] "
-                   "[--set FIELD=VALUE ...] [--tune] [--save]\n",
-                   argv[0]);
-      return 2;
-    }
-  }
+  app.add_flag("--quick", quick, "3 repeats instead of 9");
+  app.add_option("--platform", sel.platform, "pick the device whose platform name contains this");
+  app.add_option("--type", sel.type, "device type: cpu, gpu, accelerator or any")
+      ->capture_default_str();
+  app.add_option("--set", sets, "override one KernelTuning field for this run (FIELD=VALUE, e.g. "
+                                "attn_wg=128); repeatable");
+  app.add_flag("--tune", tune, "run the runtime's tuner over the GPU shape's fields, keep the "
+                               "fastest");
+  app.add_flag("--save", save, "write the resulting row as this device's entry of the tuning "
+                               "file");
+  parse_args(app, argc, argv);
   const int reps = quick ? 3 : 9;
   DeviceManager mgr(sel);
   Device& dev = mgr[0];

@@ -10,7 +10,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <cstring>
 #include <random>
 #include <vector>
 
@@ -103,18 +102,17 @@ void gemm_bf16_section(Device& dev, int reps, bool tiles, uint32_t M) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  CLI::App app{"Kernel throughput on the first OpenCL device: read bandwidth, GEMV GB/s, GEMM "
+               "GFLOP/s next to OpenBLAS sgemm, and the bf16-compute GEMM against the CPU's peaks",
+               "bench_kernels"};
   bool quick = false, gemm_bf16_only = false, tiles = false;
   uint32_t gemm_rows = 512;
-  for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--quick") == 0) quick = true;
-    else if (std::strcmp(argv[i], "--gemm-bf16") == 0) gemm_bf16_only = true;
-    else if (std::strcmp(argv[i], "--tiles") == 0) tiles = true;
-    else if (std::strcmp(argv[i], "--rows") == 0 && i + 1 < argc) gemm_rows = uint32_t(std::stoul(argv[++i]));
-    else {
-      std::fprintf(stderr, "usage: bench_kernels [--quick] [--gemm-bf16 [--tiles] [--rows M]]\n");
-      return 2;
-    }
-  }
+  app.add_flag("--quick", quick, "fewer repeats");
+  app.add_flag("--gemm-bf16", gemm_bf16_only, "only the peaks and the bf16-compute GEMM");
+  app.add_flag("--tiles", tiles, "with --gemm-bf16: over several tile shapes (KernelTuning's "
+                                 "gemm_bf16_tm x gemm_bf16_tn) too");
+  app.add_option("--rows", gemm_rows, "the bf16-compute GEMM's M")->capture_default_str();
+  parse_args(app, argc, argv);
   const int reps = quick ? 3 : 9;
   DeviceManager mgr(DeviceSelection{});
   Device& dev = mgr[0];

@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <cstdlib>
 #include <functional>
 #include <string>
 #include <vector>
@@ -52,9 +51,15 @@ std::vector<DeviceSpan> spans(size_t me, size_t n, const cl::Mem& mine, size_t c
 
 int main(int argc, char** argv) {
   mpi_init(&argc, &argv);
-  for (int i = 1; i + 1 < argc; i += 2)
-    if (std::string(argv[i]) == "--reps") g_reps = std::max(1, std::atoi(argv[i + 1]));
   const size_t me = size_t(mpi_world_rank()), n = size_t(mpi_world_size());
+  CLI::App app{"Collectives between processes over MPI, one one-core CPU sub-device each: latency "
+               "and bus bandwidth by message size (run under mpirun)",
+               "bench_mpi_collectives"};
+  app.add_option("--reps", g_reps, "timed runs per figure (the median is printed; at least 1)")
+      ->capture_default_str();
+  // Every rank parses the same arguments and ends alike on an error; rank 0 prints.
+  bench::parse_args(app, argc, argv, me == 0);
+  g_reps = std::max(1, g_reps);
   DeviceSelection sel;
   sel.type = "cpu";
   sel.split = std::to_string(n);

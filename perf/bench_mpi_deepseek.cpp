@@ -112,25 +112,28 @@ double median(std::vector<double> v) {
 int main(int argc, char** argv) {
   parallel::mpi_init(&argc, &argv);
   const size_t me = size_t(parallel::mpi_world_rank());
+  CLI::App app{"DeepSeek-V3 DP + EP decode of dsv3-mini over 2 MPI processes next to the same "
+               "2-device model in one process (run under mpirun -np 2)",
+               "bench_mpi_deepseek"};
+  std::string root_arg = ".cache/models";
+  std::string dtype = "bf16", batches = "16,64";
+  uint32_t context = 64, steps = 4, rounds = 3;
+  app.add_option("--dir", root_arg, "where dsv3-mini-<dtype> lives (written when missing)")
+      ->capture_default_str();
+  app.add_option("--dtype", dtype, "checkpoint dtype")->capture_default_str();
+  app.add_option("--batches", batches, "comma-separated batch sizes")->capture_default_str();
+  app.add_option("--context", context, "cached tokens per request")->capture_default_str();
+  app.add_option("--steps", steps, "timed decode steps (at least 1)")->capture_default_str();
+  app.add_option("--rounds", rounds, "alternating rounds (at least 1)")->capture_default_str();
+  // Every rank parses the same arguments and ends alike on an error; rank 0 prints. Before the
+  // world-size check, so --help answers outside mpirun too.
+  parse_args(app, argc, argv, me == 0);
+  steps = std::max(1u, steps);
+  rounds = std::max(1u, rounds);
+  const std::filesystem::path root = root_arg;
   if (parallel::mpi_world_size() != 2) {
     if (me == 0) std::fprintf(stderr, "run under mpirun -np 2\n");
     return 2;
-  }
-  std::filesystem::path root = ".cache/models";
-  std::string dtype = "bf16", batches = "16,64";
-  uint32_t context = 64, steps = 4, rounds = 3;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string a = argv[i], v = argv[i + 1];
-    if (a == "--dir") root = v;
-    else if (a == "--dtype") dtype = v;
-    else if (a == "--batches") batches = v;
-    else if (a == "--context") context = uint32_t(std::stoul(v));
-    else if (a == "--steps") steps = std::max(1u, uint32_t(std::stoul(v)));
-    else if (a == "--rounds") rounds = std::max(1u, uint32_t(std::stoul(v)));
-    else {
-      if (me == 0) std::fprintf(stderr, "unknown option %s\n", a.c_str());
-      return 2;
-    }
   }
   const auto dir = root / ("dsv3-mini-" + dtype);
   if (me == 0) ensure_preset("dsv3-mini", dtype, dir);

@@ -94,20 +94,27 @@ double median(std::vector<double> v) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  fs::path dir;
+  CLI::App app{"Prefix caching and LoRA through the engine: N requests sharing a P-token prefix "
+               "with caching off and on, and decode throughput with 0, 1 and 4 rank-16 adapters",
+               "bench_prefix_lora"};
+  std::string dir_arg;
   std::string preset = "llama3-1b";
   uint32_t n_requests = 64, prefix_len = 512, repeat = 3;
-  bool do_prefix = true, do_lora = true, attention_only = false;
-  for (int i = 1; i < argc; ++i) {
-    if (!std::strcmp(argv[i], "--preset") && i + 1 < argc) preset = argv[++i];
-    else if (!std::strcmp(argv[i], "--requests") && i + 1 < argc) n_requests = std::stoul(argv[++i]);
-    else if (!std::strcmp(argv[i], "--prefix") && i + 1 < argc) prefix_len = std::stoul(argv[++i]);
-    else if (!std::strcmp(argv[i], "--repeat") && i + 1 < argc) repeat = std::stoul(argv[++i]);
-    else if (!std::strcmp(argv[i], "--skip-prefix")) do_prefix = false;
-    else if (!std::strcmp(argv[i], "--skip-lora")) do_lora = false;
-    else if (!std::strcmp(argv[i], "--attention-only")) attention_only = true;
-    else dir = argv[i];
-  }
+  bool skip_prefix = false, skip_lora = false, attention_only = false;
+  app.add_option("MODEL_DIR", dir_arg, "checkpoint directory (default: the --preset in bf16 under "
+                                       ".cache/models, written when missing)");
+  app.add_option("--preset", preset, "make-model preset when no MODEL_DIR is given")
+      ->capture_default_str();
+  app.add_option("--requests", n_requests, "requests N")->capture_default_str();
+  app.add_option("--prefix", prefix_len, "shared prefix length P in tokens")->capture_default_str();
+  app.add_option("--repeat", repeat, "runs per figure (the median is printed)")
+      ->capture_default_str();
+  app.add_flag("--skip-prefix", skip_prefix, "skip the prefix-caching part");
+  app.add_flag("--skip-lora", skip_lora, "skip the LoRA part");
+  app.add_flag("--attention-only", attention_only, "adapters on q/k/v/o only");
+  parse_args(app, argc, argv);
+  fs::path dir = dir_arg;
+  const bool do_prefix = !skip_prefix, do_lora = !skip_lora;
   if (dir.empty()) dir = ensure_preset(preset, "bf16", ".cache/models/" + preset + "-bf16");
   DeviceManager mgr(DeviceSelection{});
   Device& dev = mgr[0];

@@ -15,7 +15,6 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -28,6 +27,7 @@
 #include <nlohmann/json.hpp>
 
 #include "models/registry.h"
+#include "perf/bench_util.h"
 #include "runtime/engine/batch_job.h"
 #include "runtime/engine/deployment.h"
 #include "runtime/serve/http_server.h"
@@ -155,28 +155,25 @@ Figures run_server(const fs::path& model, uint32_t clients, size_t n, int max_to
 }  // namespace
 
 int main(int argc, char** argv) {
+  CLI::App app{"The server's throughput next to the batch job's for the same requests at 1, 8, 32 "
+               "and 64 concurrent streaming clients on a make-model preset (random weights)",
+               "bench_server"};
   size_t per_client = 2;
   int max_tokens = 32;
   int repeat = 3;
-  fs::path out = fs::temp_directory_path() / "clshard-bench-server";
-  for (int i = 1; i < argc; ++i) {
-    if (!std::strcmp(argv[i], "--requests-per-client") && i + 1 < argc) {
-      per_client = std::stoul(argv[++i]);
-    } else if (!std::strcmp(argv[i], "--max-tokens") && i + 1 < argc) {
-      max_tokens = std::stoi(argv[++i]);
-    } else if (!std::strcmp(argv[i], "--repeat") && i + 1 < argc) {
-      repeat = std::max(1, std::stoi(argv[++i]));
-    } else if (!std::strcmp(argv[i], "--out") && i + 1 < argc) {
-      out = argv[++i];
-    } else if (!std::strcmp(argv[i], "--preset") && i + 1 < argc) {
-      g_preset = argv[++i];
-    } else {
-      std::fprintf(stderr,
-                   "usage: bench_server [--requests-per-client N] [--max-tokens N] [--repeat N] "
-                   "[--out DIR] [--preset llama3-tiny|llama-100m]\n");
-      return 2;
-    }
-  }
+  std::string out_arg = (fs::temp_directory_path() / "clshard-bench-server").string();
+  app.add_option("--requests-per-client", per_client, "requests each client streams")
+      ->capture_default_str();
+  app.add_option("--max-tokens", max_tokens, "output tokens per request")->capture_default_str();
+  app.add_option("--repeat", repeat, "runs per figure (the median is printed; at least 1)")
+      ->capture_default_str();
+  app.add_option("--out", out_arg, "working directory (checkpoint, batch files)")
+      ->capture_default_str();
+  app.add_option("--preset", g_preset, "make-model preset (llama3-tiny|llama-100m)")
+      ->capture_default_str();
+  bench::parse_args(app, argc, argv);
+  repeat = std::max(1, repeat);
+  const fs::path out = out_arg;
   fs::create_directories(out);
   const fs::path model = out / g_preset;
   if (!fs::exists(model / "config.json")) make_model(g_preset, model, MakeModelOptions{});

@@ -8,7 +8,6 @@
 //      (1 + E[accepted]) * t_plain / (t_verify + t_draft).
 // Usage: bench_speculative [--quick]
 #include <cstdio>
-#include <cstring>
 #include <filesystem>
 #include <map>
 #include <string>
@@ -146,9 +145,13 @@ void step_costs(const std::filesystem::path& dir, const LoadOptions& opts, Devic
 }  // namespace
 
 int main(int argc, char** argv) {
+  CLI::App app{"Speculative decoding with the MTP draft: acceptance and tokens/s on the trained "
+               "checkpoint (configs/models/dsv3-mtp-trained), verify and draft step costs on "
+               "dsv3-mini-mtp",
+               "bench_speculative"};
   bool quick = false;
-  for (int i = 1; i < argc; ++i)
-    if (std::strcmp(argv[i], "--quick") == 0) quick = true;
+  app.add_flag("--quick", quick, "24 output tokens per request instead of 64");
+  parse_args(app, argc, argv);
   DeviceManager mgr(DeviceSelection{});
   Device& dev = mgr[0];
   LoadOptions opts{{&dev}, std::nullopt};

@@ -14,6 +14,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "perf/bench_util.h"
 #include "runtime/text/tokenizer.h"
 
 namespace {
@@ -48,9 +49,16 @@ std::string read_expected_texts(const std::filesystem::path& tokenizers_dir) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const std::filesystem::path dir =
-      argc > 1 ? std::filesystem::path(argv[1]) : default_shared_dir() / "tokenizers" / "llama3";
-  const double corpus_mb = argc > 2 ? std::atof(argv[2]) : 8.0;
+  CLI::App app{"Tokenizer speed: the Llama 3 tokenizer.json's load time, encode and decode "
+               "throughput over the shared expected texts repeated into a larger corpus",
+               "bench_tokenizer"};
+  std::string dir_arg = (default_shared_dir() / "tokenizers" / "llama3").string();
+  double corpus_mb = 8.0;
+  app.add_option("TOKENIZER_DIR", dir_arg, "directory with tokenizer.json")->capture_default_str();
+  app.add_option("CORPUS_MEGABYTES", corpus_mb, "size of the encoded corpus")
+      ->capture_default_str();
+  clshard::bench::parse_args(app, argc, argv);
+  const std::filesystem::path dir = dir_arg;
 
   try {
     // Load: the first load reads the file from disk (or page cache); report it and the median.

@@ -5,7 +5,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -13,6 +15,8 @@
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #endif
+
+#include <CLI/CLI.hpp>
 
 #include "models/registry.h"
 #include "runtime/device.h"
@@ -22,6 +26,22 @@
 namespace clshard::bench {
 
 using Clock = std::chrono::steady_clock;
+
+// Parses a benchmark's command line into `app`'s options, before anything is measured or written.
+// --help prints the usage and ends the program with status 0; an unknown option or a bad value
+// prints CLI11's message and ends it with status 2, a usage error. With `print` false (the MPI
+// ranks other than 0, which parse the same arguments) it ends the same way without printing, so
+// a job shows its usage once. std::exit runs the atexit handlers, parallel::mpi_init's
+// MPI_Finalize among them.
+inline void parse_args(CLI::App& app, int argc, char** argv, bool print = true) {
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    std::ostringstream discard;
+    const int code = print ? app.exit(e) : app.exit(e, discard, discard);
+    std::exit(code == 0 ? 0 : 2);
+  }
+}
 
 inline double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
