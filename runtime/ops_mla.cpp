@@ -94,6 +94,22 @@ void linear_any(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, con
       linear_fp8(dev, q.mem(), 0, K, w, *scale_inv, y, y_off, ldy, M, alpha, accumulate);
       return;
     }
+    if (compute == ComputeDType::BF16 && M >= kGemmRowsFrom &&
+        dev.kernel_shape() == KernelShape::Chunks) {
+      // bf16 compute: the weight dequantized to bf16 (w * scale, nearest even) once per GEMM, then
+      // the bf16 GEMM (vdpbf16ps where the host has it). Reading N x K bytes and writing twice
+      // that costs little next to 2 M N K flops from kGemmRowsFrom rows on.
+      const uint32_t N = uint32_t(w.dim(0)), K = uint32_t(w.dim(1));
+      Scratch wb(dev, size_t(N) * K * 2);
+      dequantize_fp8_bf16(dev, w, *scale_inv, wb.mem());
+      Weight b;
+      b.mem = wb.mem();
+      b.dtype = DType::BF16;
+      b.shape = {N, K};
+      b.name = w.name;
+      linear(dev, x, x_off, ldx, b, nullptr, y, y_off, ldy, M, alpha, accumulate, compute);
+      return;
+    }
     linear_fp8(dev, x, x_off, ldx, w, *scale_inv, y, y_off, ldy, M, alpha, accumulate);
   } else {
     linear(dev, x, x_off, ldx, w, nullptr, y, y_off, ldy, M, alpha, accumulate, compute);
