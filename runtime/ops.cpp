@@ -527,7 +527,8 @@ void paged_attention_prefill(Device& dev, const cl::Mem& q, uint32_t q_off, uint
           " -DPF_NOPE=" + std::to_string(dense ? dense->nope : 0) +
           cache_type_option(lay.cache_dtype));
   cl::set_args(k, q, q_off, q_ldt, q_ldh, cache_layer, lay.page_stride, lay.slot_stride,
-               lay.k_off, lay.v_off, lay.kv_head_stride, lay.heads_per_kv, dense ? *dense->kv : out,
+               lay.k_off, lay.v_off, lay.kv_head_stride, lay.heads_per_kv,
+               dense ? *dense->kv : out,
                dense ? dense->ldkv : 0u, dense ? dense->head_ld : 0u,
                dense ? *dense->ctx_start : st.token_row, st.token_row, st.token_pos, st.lookup,
                st.pages_per_row, st.page_size, st.T, scale, out, o_ldt, o_ldh);

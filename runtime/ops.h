@@ -147,13 +147,14 @@ struct DecompressedKv {
   uint32_t ldkv = 0, head_ld = 0, nope = 0;
 };
 
-// The same causal attention as paged_attention_split_k (q at q + q_off), tiled for prefill (attention.cl's
-// paged_attention_prefill_wg, the GPU shape): a work-group per (prefill_q query tokens, up to
-// prefill_heads query heads of one KV head; one head with `dense`), each K/V tile of
-// prefill_tile positions loaded once into local memory for all of them. No split over positions.
+// The same causal attention as paged_attention_split_k (q at q + q_off), tiled for prefill
+// (attention.cl's paged_attention_prefill_wg, the GPU shape): a work-group per (prefill_q query
+// tokens, up to prefill_heads query heads of one KV head; one head with `dense`), each K/V tile
+// of prefill_tile positions loaded once into local memory for all of them. No split over
+// positions.
 void paged_attention_prefill(Device& dev, const cl::Mem& q, uint32_t q_off, uint32_t q_ldt,
-                             uint32_t q_ldh,
-                             const cl::Mem& cache_layer, const StepTokens& st, uint32_t n_heads,
+                             uint32_t q_ldh, const cl::Mem& cache_layer, const StepTokens& st,
+                             uint32_t n_heads,
                              const PagedKvLayout& layout, const DecompressedKv* dense, float scale,
                              const cl::Mem& out, uint32_t o_ldt, uint32_t o_ldh);
 
