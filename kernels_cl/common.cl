@@ -4,6 +4,18 @@
 inline float bf16_to_f32(ushort b) { return as_float(((uint)b) << 16); }
 inline float8 bf16x8_to_f32(ushort8 b) { return as_float8(convert_uint8(b) << 16); }
 inline float16 bf16x16_to_f32(ushort16 b) { return as_float16(convert_uint16(b) << 16); }
+// f32 -> bf16, round to nearest, ties to even, as torch's cast does; NaN stays a quiet NaN.
+inline ushort f32_to_bf16_rne(float f) {
+  const uint u = as_uint(f);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (ushort)((u >> 16) | 0x40u);
+  return (ushort)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+inline ushort16 f32x16_to_bf16_rne(float16 f) {
+  const uint16 u = as_uint16(f);
+  const uint16 rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  const uint16 nan = (u >> 16) | 0x40u;
+  return convert_ushort16(select(rounded, nan, (u & 0x7FFFFFFFu) > 0x7F800000u));
+}
 
 // The sum of 16 lanes, pairwise (halves, then quarters ...): every kernel that reduces a vector
 // accumulator uses this one order, so their results agree bit for bit.
@@ -88,11 +100,6 @@ inline float16 e4m3x16_to_f32(uchar16 b) {
 #endif
 #if CACHE_TYPE == 1
 typedef ushort ctype;
-inline ushort f32_to_bf16_rne(float f) {
-  const uint u = as_uint(f);
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (ushort)((u >> 16) | 0x40u);
-  return (ushort)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
 #define LOADC1(p) bf16_to_f32(*(p))
 #define LOADC8(i, p) bf16x8_to_f32(vload8((i), (p)))
 #define LOADC16(i, p) bf16x16_to_f32(vload16((i), (p)))

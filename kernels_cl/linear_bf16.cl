@@ -35,13 +35,6 @@
 #define BF16_DOT 0
 #endif
 
-// f32 -> bf16, round to nearest even; NaN stays NaN (quiet).
-inline ushort f32_to_bf16_rne(float f) {
-  const uint u = as_uint(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (ushort)((u >> 16) | 0x40u);
-  return (ushort)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
 // xb[m, k] = bf16(x[m, k]) for M rows of K (row strides ldx, ldxb in elements); with -DOUT_F32=1
 // the rounded values are written back as f32 (xf), for devices that multiply them in the f32
 // kernels. Launch: global (ceil(K / 64), M).

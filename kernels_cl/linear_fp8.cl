@@ -7,7 +7,8 @@
 // Tiling as linear.cl: TM x TN tiles of y walking K with 16-wide loads; a work-item (local size 1
 // on CPU) owns a block of them; dimension 0 walks column blocks, dimension 1 row blocks.
 //
-// dequantize_fp8: out[N, K] f32 = e4m3(W) * scale, one work-item per row.
+// dequantize_fp8: out[N, K] f32 = e4m3(W) * scale, one work-item per row; dequantize_fp8_bf16 the
+// same rounded to bf16 (nearest even), for the bf16-compute GEMM (model.compute_dtype: bf16).
 //
 // Build options: -DTM=1|4 -DTN=4 -DFP8_DENORM=1|0 -DCOLUMNS_IN_TURN=0|1 (one-row tiles, as linear.cl).
 //
@@ -86,4 +87,16 @@ kernel void dequantize_fp8(global const uchar* w, global const float* scale, uin
   for (uint v = 0; v < K16; ++v)
     vstore16(e4m3x16_to_f32(vload16(v, wr)) * srow[v / VECS_PER_BLOCK], v, o);
   for (uint k = K16 * 16; k < K; ++k) o[k] = e4m3_to_f32(wr[k]) * srow[k / QBLOCK];
+}
+
+kernel void dequantize_fp8_bf16(global const uchar* w, global const float* scale, uint KB,
+                                global ushort* out, uint N, uint K) {
+  const uint n = get_global_id(0);
+  global const uchar* wr = w + (size_t)n * K;
+  global const float* srow = scale + (size_t)(n / QBLOCK) * KB;
+  global ushort* o = out + (size_t)n * K;
+  const uint K16 = K / 16;
+  for (uint v = 0; v < K16; ++v)
+    vstore16(f32x16_to_bf16_rne(e4m3x16_to_f32(vload16(v, wr)) * srow[v / VECS_PER_BLOCK]), v, o);
+  for (uint k = K16 * 16; k < K; ++k) o[k] = f32_to_bf16_rne(e4m3_to_f32(wr[k]) * srow[k / QBLOCK]);
 }

@@ -34,6 +34,9 @@ void linear_fp8(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, con
 // need it materialised (MLA's absorbed kv_b_proj slices, checks against a reference). Uses the
 // same in-kernel decode as linear_fp8.
 void dequantize_fp8(Device& dev, const Weight& w, const Weight& scale_inv, const cl::Mem& out);
+// out[N, K] bf16 = the same values rounded to bf16 (nearest even): FP8 weights in a bf16-compute
+// GEMM (linear_any with ComputeDType::BF16).
+void dequantize_fp8_bf16(Device& dev, const Weight& w, const Weight& scale_inv, const cl::Mem& out);
 
 struct RouterConfig {
   uint32_t n_experts = 0, top_k = 0, n_group = 1, topk_group = 1;

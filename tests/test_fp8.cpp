@@ -11,11 +11,13 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <tuple>
 
 #include <nlohmann/json.hpp>
 
 #include "runtime/device.h"
 #include "runtime/device_manager.h"
+#include "runtime/ops_mla.h"
 #include "runtime/ops_moe.h"
 #include "runtime/safetensors.h"
 #include "runtime/tensor.h"
@@ -25,22 +27,14 @@
 namespace clshard {
 namespace {
 
+using test::download;
+using test::random_vec;
+using test::upload;
+
 Device& device() { return test::default_device(); }
 
 std::filesystem::path shared_dir() { return test::shared_dir(); }
 
-
-cl::Mem upload(Device& dev, const std::vector<float>& v) {
-  cl::Mem m = dev.alloc(v.size() * sizeof(float));
-  dev.write(m, v.data(), v.size() * sizeof(float));
-  return m;
-}
-
-std::vector<float> download(Device& dev, const cl::Mem& m, size_t n) {
-  std::vector<float> v(n);
-  dev.read(m, v.data(), n * sizeof(float));
-  return v;
-}
 
 // A device weight holding host bytes (copied, so the host vector may go away).
 Weight fp8_weight(Device& dev, const std::vector<uint8_t>& bytes, int64_t N, int64_t K) {
@@ -127,6 +121,40 @@ TEST_P(Fp8Decodes, KernelDecodesAll256CodesExactly) {
           << "row " << n << " col " << k << " code 0x" << std::hex << int(code) << ": got "
           << got[n * K + k] << " want " << want;
     }
+}
+
+// The bf16 dequantization (bf16 compute): every code under scales of three magnitudes is the
+// host's nearest-even bf16 of the f32 product, bit for bit; NaN codes stay NaN.
+TEST_P(Fp8Decodes, KernelDequantizesAll256CodesToBf16) {
+  Device& dev = device();
+  const uint32_t N = 2, K = 263;
+  std::vector<uint8_t> w(N * K);
+  for (uint32_t k = 0; k < K; ++k) {
+    w[k] = uint8_t(k);
+    w[K + k] = uint8_t(255 - k % 256);
+  }
+  const std::vector<float> scales = {1.0f, 0.3f, 1.7e-3f};  // [1, 3]: products that round
+  Weight wq = fp8_weight(dev, w, N, K);
+  Weight sc = to_device_f32(dev, scales, {1, 3}, "test.fp8.scale_inv");
+  cl::Mem out = dev.alloc(N * K * 2);
+  ops::dequantize_fp8_bf16(dev, wq, sc, out);
+  std::vector<uint16_t> got(N * K);
+  dev.read(out, got.data(), got.size() * 2);
+  size_t rounded = 0;
+  for (uint32_t n = 0; n < N; ++n)
+    for (uint32_t k = 0; k < K; ++k) {
+      const uint8_t code = w[n * K + k];
+      const float product = reference::e4m3_to_f32(code) * scales[k / 128];
+      const uint16_t want = f32_to_bf16(product);
+      if (std::isnan(product)) {
+        EXPECT_TRUE(std::isnan(bf16_to_f32(got[n * K + k]))) << "code 0x" << std::hex << int(code);
+        continue;
+      }
+      rounded += bf16_to_f32(want) != product;
+      EXPECT_EQ(got[n * K + k], want) << "row " << n << " col " << k << " code 0x" << std::hex
+                                      << int(code);
+    }
+  EXPECT_GT(rounded, 100u);  // the scales make most products inexact in bf16: rounding is tested
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -306,6 +334,49 @@ TEST(LinearFp8, RejectsWrongDtypeAndScaleShape) {
     FAIL() << "an F32 weight was accepted";
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("F8_E4M3"), std::string::npos) << e.what();
+  }
+}
+
+// linear_any with ComputeDType::BF16 on an FP8 weight (GEMMs of 64 rows and more): the bits of
+// the bf16 GEMM over the host's bf16 dequantization (the same kernel, so bit for bit), at odd
+// sizes with partial blocks, alpha and accumulate; fewer rows keep linear_fp8's bits.
+TEST_P(Fp8Decodes, LinearAnyBf16ComputeIsTheBf16GemmOfTheDequantizedWeight) {
+  Device& dev = device();
+  for (const auto& [M, N, K] : {std::tuple<uint32_t, uint32_t, uint32_t>{64, 200, 300},
+                               {97, 131, 259}, {17, 131, 259}, {1, 200, 300}}) {
+    SCOPED_TRACE("M=" + std::to_string(M) + " N=" + std::to_string(N) + " K=" + std::to_string(K));
+    const Fp8Problem p = random_problem(N, K, 21 + M);
+    std::vector<uint16_t> wb(size_t(N) * K);
+    for (uint32_t n = 0; n < N; ++n)
+      for (uint32_t k = 0; k < K; ++k)
+        wb[size_t(n) * K + k] = f32_to_bf16(reference::e4m3_to_f32(p.w[size_t(n) * K + k]) *
+                                            p.scales[(n / 128) * ceil128(K) + k / 128]);
+    Weight wq = fp8_weight(dev, p.w, N, K);
+    Weight sc = to_device_f32(dev, p.scales, {ceil128(N), ceil128(K)}, "test.scale_inv");
+    Weight wbf;
+    wbf.mem = test::upload(dev, wb);
+    wbf.dtype = DType::BF16;
+    wbf.shape = {N, K};
+    wbf.name = "test.bf16";
+    const std::vector<float> x = random_vec(size_t(M) * K, 3), y0 = random_vec(size_t(M) * N, 4);
+    auto run = [&](const Weight& w, const Weight* s, ComputeDType c) {
+      cl::Mem xb = upload(dev, x), yb = upload(dev, y0);
+      ops::linear_any(dev, xb, 0, K, w, s, yb, 0, N, M, 0.5f, true, false, c);
+      return download(dev, yb, y0.size());
+    };
+    const auto got = run(wq, &sc, ComputeDType::BF16);
+    const auto want =
+        M >= 64 ? run(wbf, nullptr, ComputeDType::BF16) : run(wq, &sc, ComputeDType::F32);
+    const auto f32 = run(wq, &sc, ComputeDType::F32);
+    size_t differs_from_f32 = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      ASSERT_EQ(std::bit_cast<uint32_t>(got[i]), std::bit_cast<uint32_t>(want[i]))
+          << "output " << i;
+      differs_from_f32 += got[i] != f32[i];
+    }
+    if (M >= 64) {
+      EXPECT_GT(differs_from_f32, got.size() / 2);  // the bf16 path really ran
+    }
   }
 }
 

@@ -24,25 +24,8 @@
 namespace clshard {
 namespace {
 
-std::vector<float> random_vec(size_t n, uint32_t seed, float scale = 1.0f) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> d(-scale, scale);
-  std::vector<float> v(n);
-  for (auto& x : v) x = d(rng);
-  return v;
-}
-
-cl::Mem upload(Device& dev, const void* data, size_t bytes) {
-  cl::Mem m = dev.alloc(bytes);
-  dev.write(m, data, bytes);
-  return m;
-}
-
-std::vector<float> download(Device& dev, const cl::Mem& m, size_t n) {
-  std::vector<float> v(n);
-  dev.read(m, v.data(), n * 4);
-  return v;
-}
+using test::download;
+using test::random_vec;
 
 // A [rows, K] (or [K]) weight in dtype dt; `values` become what the kernel sees.
 Weight make_weight(Device& dev, std::vector<float>& values, std::vector<int64_t> shape, DType dt,
@@ -57,9 +40,9 @@ Weight make_weight(Device& dev, std::vector<float>& values, std::vector<int64_t>
       b[i] = f32_to_bf16(values[i]);
       values[i] = bf16_to_f32(b[i]);
     }
-    w.mem = upload(dev, b.data(), b.size() * 2);
+    w.mem = test::upload_bytes(dev, b.data(), b.size() * 2);
   } else {
-    w.mem = upload(dev, values.data(), values.size() * 4);
+    w.mem = test::upload_bytes(dev, values.data(), values.size() * 4);
   }
   return w;
 }
@@ -89,7 +72,7 @@ class FusedKernels : public ::testing::TestWithParam<FusedCase> {
   void SetUp() override {
     const auto& c = GetParam();
     x = random_vec(size_t(c.M) * c.K, 1, 2.0f);
-    xm = upload(dev, x.data(), x.size() * 4);
+    xm = test::upload_bytes(dev, x.data(), x.size() * 4);
     auto g = random_vec(c.K, 2);
     norm = make_weight(dev, g, {c.K}, c.norm_dtype, "norm");
     norm_values = g;
@@ -143,13 +126,13 @@ TEST_P(FusedKernels, ThreeWeightsAsOneGemvEqualSeparateLaunches) {
     SCOPED_TRACE(norm_first ? "normalised input" : "raw input");
     // Unfused: separate launches on the same input, which with norm_first is the normalised copy.
     cl::Mem in = norm_first ? normed(nullptr, c.M) : xm;
-    cl::Mem want_m = upload(dev, y0.data(), y0.size() * 4);
+    cl::Mem want_m = test::upload_bytes(dev, y0.data(), y0.size() * 4);
     uint32_t col = off;
     for (const Weight* w : {&q, &k, &v}) {
       ops::linear(dev, in, 0, c.K, *w, nullptr, want_m, col, ld, c.M, 0.5f, true);
       col += uint32_t(w->dim(0));
     }
-    cl::Mem got_m = upload(dev, y0.data(), y0.size() * 4);
+    cl::Mem got_m = test::upload_bytes(dev, y0.data(), y0.size() * 4);
     if (norm_first) {  // the norm folded into the GEMV
       ops::linear_fused(dev, xm, 0, c.K, nullptr, &norm, eps, {&q, &k, &v}, got_m, off, ld, c.M,
                         0.5f, true);
@@ -197,11 +180,11 @@ TEST_P(FusedKernels, SwigluGemvEqualsGateUpThenSiluMul) {
     cl::Mem gu = dev.alloc(size_t(c.M) * 2 * F * 4);
     ops::linear(dev, in, 0, c.K, gate, nullptr, gu, 0, 2 * F, c.M);
     ops::linear(dev, in, 0, c.K, up, nullptr, gu, F, 2 * F, c.M);
-    cl::Mem want_m = upload(dev, y0.data(), y0.size() * 4);
+    cl::Mem want_m = test::upload_bytes(dev, y0.data(), y0.size() * 4);
     cl::Mem act = dev.alloc(size_t(c.M) * F * 4);
     ops::silu_mul(dev, gu, 0, 2 * F, gu, F, 2 * F, act, F, c.M, F);
     ops::copy_rows(dev, act, 0, F, want_m, off, ld, c.M, F);
-    cl::Mem got_m = upload(dev, y0.data(), y0.size() * 4);
+    cl::Mem got_m = test::upload_bytes(dev, y0.data(), y0.size() * 4);
     ops::linear_swiglu(dev, xm, 0, c.K, norm_first ? &norm : nullptr, eps, gate, up, got_m, off,
                        ld, c.M);
     const auto got = download(dev, got_m, y0.size()), want = download(dev, want_m, y0.size());
@@ -242,7 +225,7 @@ TEST_P(FusedKernels, GatheredRowsNormThenGemvEqualsUnfused) {
   Weight head = weight(V, 30, "lm_head");
   // x has c.M rows; gather rows (last, first, last) so a repeated row is covered.
   std::vector<uint32_t> rows = {c.M - 1, 0, c.M - 1};
-  cl::Mem rm = upload(dev, rows.data(), rows.size() * 4);
+  cl::Mem rm = test::upload_bytes(dev, rows.data(), rows.size() * 4);
   const uint32_t R = uint32_t(rows.size());
   cl::Mem in = normed(&rm, R);
   cl::Mem want_m = dev.alloc(size_t(R) * V * 4), got_m = dev.alloc(size_t(R) * V * 4);

@@ -27,25 +27,8 @@
 namespace clshard {
 namespace {
 
-std::vector<float> random_vec(size_t n, uint32_t seed, float scale = 1.0f) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> d(-scale, scale);
-  std::vector<float> v(n);
-  for (auto& x : v) x = d(rng);
-  return v;
-}
-
-cl::Mem upload(Device& dev, const void* data, size_t bytes) {
-  cl::Mem m = dev.alloc(bytes);
-  dev.write(m, data, bytes);
-  return m;
-}
-
-std::vector<float> download(Device& dev, const cl::Mem& m, size_t n) {
-  std::vector<float> v(n);
-  dev.read(m, v.data(), n * 4);
-  return v;
-}
+using test::download;
+using test::random_vec;
 
 // A bf16 [rows, K] (or [K]) weight; `values` become what the kernel sees.
 Weight bf16_weight(Device& dev, std::vector<float>& values, std::vector<int64_t> shape,
@@ -59,7 +42,7 @@ Weight bf16_weight(Device& dev, std::vector<float>& values, std::vector<int64_t>
     b[i] = f32_to_bf16(values[i]);
     values[i] = bf16_to_f32(b[i]);
   }
-  w.mem = upload(dev, b.data(), b.size() * 2);
+  w.mem = test::upload_bytes(dev, b.data(), b.size() * 2);
   return w;
 }
 
@@ -88,7 +71,7 @@ TEST(RoundBf16, KernelRoundsToNearestEven) {
   x[3] = 3.0e38f;  // near the top of the range (finite in bf16)
   x[4] = INFINITY;
   x[5] = 1e-40f;  // an f32 denormal
-  cl::Mem xm = upload(dev, x.data(), x.size() * 4), yb = dev.alloc(size_t(M) * ld * 2),
+  cl::Mem xm = test::upload_bytes(dev, x.data(), x.size() * 4), yb = dev.alloc(size_t(M) * ld * 2),
           yf = dev.alloc(size_t(M) * ld * 4);
   ops::round_bf16(dev, xm, 0, K, M, K, yb, ld);
   ops::round_bf16(dev, xm, 0, K, M, K, yf, ld, true);
@@ -161,12 +144,12 @@ TEST_P(GemmBf16, LinearMatchesDoubleReferenceOnRoundedInputs) {
   std::vector<float> wv = random_vec(size_t(N) * K, 12), bv = random_vec(N, 13);
   std::vector<float> y0 = random_vec(size_t(M) * ldy, 14);
   Weight w = bf16_weight(dev, wv, {N, K}, "w"), b = bf16_weight(dev, bv, {N}, "b");
-  cl::Mem xm = upload(dev, x.data(), x.size() * 4);
+  cl::Mem xm = test::upload_bytes(dev, x.data(), x.size() * 4);
   const float alpha = 0.75f;
   for (bool acc : {false, true}) {
-    cl::Mem ym = upload(dev, y0.data(), y0.size() * 4);
+    cl::Mem ym = test::upload_bytes(dev, y0.data(), y0.size() * 4);
     ops::linear(dev, xm, 2, ldx, w, &b, ym, 1, ldy, M, alpha, acc, ComputeDType::BF16);
-    cl::Mem yf = upload(dev, y0.data(), y0.size() * 4);
+    cl::Mem yf = test::upload_bytes(dev, y0.data(), y0.size() * 4);
     ops::linear(dev, xm, 2, ldx, w, &b, yf, 1, ldy, M, alpha, acc, ComputeDType::F32);
     std::vector<float> y = download(dev, ym, y0.size()), f32 = download(dev, yf, y0.size());
     size_t moved = 0;
@@ -209,7 +192,7 @@ TEST_P(GemmBf16, FusedQkvWithNormMatchesDoubleReference) {
     wv.push_back(random_vec(size_t(Ns[i]) * K, 23 + i));
     ws.push_back(bf16_weight(dev, wv.back(), {Ns[i], K}, "w" + std::to_string(i)));
   }
-  cl::Mem xm = upload(dev, x.data(), x.size() * 4), ym = dev.alloc(size_t(M) * ldy * 4);
+  cl::Mem xm = test::upload_bytes(dev, x.data(), x.size() * 4), ym = dev.alloc(size_t(M) * ldy * 4);
   dev.fill_zero(ym, size_t(M) * ldy * 4);
   ops::linear_fused(dev, xm, 0, K, nullptr, &gw, eps, {&ws[0], &ws[1], &ws[2]}, ym, 0, ldy, M,
                     alpha, false, ComputeDType::BF16);
@@ -246,7 +229,7 @@ TEST_P(GemmBf16, SwigluWithNormMatchesDoubleReference) {
   std::vector<float> gv = random_vec(size_t(F) * K, 33), uv = random_vec(size_t(F) * K, 34);
   Weight nw = bf16_weight(dev, g, {K}, "norm"), gate = bf16_weight(dev, gv, {F, K}, "gate"),
          up = bf16_weight(dev, uv, {F, K}, "up");
-  cl::Mem xm = upload(dev, x.data(), x.size() * 4), ym = dev.alloc(size_t(M) * F * 4);
+  cl::Mem xm = test::upload_bytes(dev, x.data(), x.size() * 4), ym = dev.alloc(size_t(M) * F * 4);
   ops::linear_swiglu(dev, xm, 0, K, &nw, eps, gate, up, ym, 0, F, M, ComputeDType::BF16);
   std::vector<float> y = download(dev, ym, size_t(M) * F);
   for (uint32_t m = 0; m < M; ++m) {
@@ -282,7 +265,7 @@ TEST(GemmBf16Variants, DotProductAndPortableAgreeToTheBit) {
   const uint32_t M = 9, N = 23, K = 333;
   std::vector<float> x = random_vec(size_t(M) * K, 41, 4.0f), wv = random_vec(size_t(N) * K, 42);
   Weight w = bf16_weight(dev, wv, {N, K}, "w");
-  cl::Mem xm = upload(dev, x.data(), x.size() * 4);
+  cl::Mem xm = test::upload_bytes(dev, x.data(), x.size() * 4);
   std::vector<float> out[2];
   for (Variant v : {Variant::Selected, Variant::Portable}) {
     DeviceScope scope(dev, GemmCase{M, N, K, v});

@@ -15,25 +15,9 @@
 namespace clshard {
 namespace {
 
-std::vector<float> random_vec(size_t n, uint32_t seed, float scale = 1.0f) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> d(-scale, scale);
-  std::vector<float> v(n);
-  for (auto& x : v) x = d(rng);
-  return v;
-}
-
-cl::Mem upload(Device& dev, const std::vector<float>& v) {
-  cl::Mem m = dev.alloc(v.size() * 4);
-  dev.write(m, v.data(), v.size() * 4);
-  return m;
-}
-
-std::vector<float> download(Device& dev, const cl::Mem& m, size_t n) {
-  std::vector<float> v(n);
-  dev.read(m, v.data(), n * 4);
-  return v;
-}
+using test::download;
+using test::random_vec;
+using test::upload;
 
 // A weight in the given dtype, and the f32 values the kernel must see (bf16-rounded).
 Weight make_weight(Device& dev, std::vector<float>& values, std::vector<int64_t> shape, DType dt) {

@@ -138,6 +138,20 @@ cl::Mem upload_bytes(Device& dev, const void* data, size_t bytes) {
   return m;
 }
 
+std::vector<float> download(Device& dev, const cl::Mem& m, size_t n) {
+  std::vector<float> v(n);
+  if (n) dev.read(m, v.data(), n * sizeof(float));
+  return v;
+}
+
+std::vector<float> random_vec(size_t n, uint32_t seed, float scale) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> d(-scale, scale);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+
 std::vector<float> random_logits(uint32_t rows, uint32_t vocab, uint32_t seed, float scale) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> normal(0.0f, scale);

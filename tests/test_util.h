@@ -57,6 +57,12 @@ cl::Mem upload(Device& dev, const std::vector<T>& v) {
 }
 
 // rows x vocab logits from N(0, scale), reproducible from `seed`.
+// n floats read back from `m`.
+std::vector<float> download(Device& dev, const cl::Mem& m, size_t n);
+
+// n values uniform in [-scale, scale) from std::mt19937(seed): the kernel tests' random inputs.
+std::vector<float> random_vec(size_t n, uint32_t seed, float scale = 1.0f);
+
 std::vector<float> random_logits(uint32_t rows, uint32_t vocab, uint32_t seed, float scale = 3.0f);
 
 // `rows` well-spread step seeds starting at `first`.
