@@ -10,6 +10,12 @@ inline ushort f32_to_bf16_rne(float f) {
   if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (ushort)((u >> 16) | 0x40u);
   return (ushort)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
+inline ushort16 f32x16_to_bf16_rne(float16 f) {
+  const uint16 u = as_uint16(f);
+  const uint16 rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  const uint16 nan = (u >> 16) | 0x40u;
+  return convert_ushort16(select(rounded, nan, (u & 0x7FFFFFFFu) > 0x7F800000u));
+}
 
 // The sum of 16 lanes, pairwise (halves, then quarters ...): every kernel that reduces a vector
 // accumulator uses this one order, so their results agree bit for bit.

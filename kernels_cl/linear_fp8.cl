@@ -95,5 +95,8 @@ kernel void dequantize_fp8_bf16(global const uchar* w, global const float* scale
   global const uchar* wr = w + (size_t)n * K;
   global const float* srow = scale + (size_t)(n / QBLOCK) * KB;
   global ushort* o = out + (size_t)n * K;
-  for (uint k = 0; k < K; ++k) o[k] = f32_to_bf16_rne(e4m3_to_f32(wr[k]) * srow[k / QBLOCK]);
+  const uint K16 = K / 16;
+  for (uint v = 0; v < K16; ++v)
+    vstore16(f32x16_to_bf16_rne(e4m3x16_to_f32(vload16(v, wr)) * srow[v / VECS_PER_BLOCK]), v, o);
+  for (uint k = K16 * 16; k < K; ++k) o[k] = f32_to_bf16_rne(e4m3_to_f32(wr[k]) * srow[k / QBLOCK]);
 }

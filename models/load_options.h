@@ -27,11 +27,12 @@ struct LoadOptions {
   // kernels; true fake-quantizes activations to fp8 per token per 128 columns before each FP8
   // linear, as MAX and DeepSeek's reference code do (model.fp8_activations: fp8).
   bool quantize_fp8_activations = false;
-  // kv_cache.dtype: the element type of the KV caches (F32, the default, or BF16: stores round to
-  // nearest even, attention reads the narrower type). Half the cache memory at bf16.
+  // kv_cache.dtype: the element type of the KV caches (F32, the default, BF16 or F8_E4M3: stores
+  // round to nearest even, attention reads the narrower type). Half the cache memory at bf16, a
+  // quarter at fp8.
   DType kv_cache_dtype = DType::F32;
   // What the linear layers multiply in (model.compute_dtype): f32, or bf16 activations with f32
-  // sums in the prefill GEMMs of bf16 weights (runtime/ops.h).
+  // sums in the GEMMs (4+ rows) of bf16 and FP8 weights (runtime/ops.h, ops_mla.h).
   ComputeDType compute_dtype = ComputeDType::F32;
   // cluster.transport: mpi — the deployment's devices are spread over mpi_ranks processes, each
   // driving devices.size() of them; this process is mpi_rank and drives `devices` (the topology's

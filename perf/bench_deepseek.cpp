@@ -98,12 +98,18 @@ int main(int argc, char** argv) {
   app.add_option("--decode", n_decode, "decode steps timed")->capture_default_str();
   app.add_option("--batch", batch, "requests of the batched decode figure (0: none)")
       ->capture_default_str();
+  std::string compute_dtype = "f32";
+  app.add_option("--compute-dtype", compute_dtype, "the deployment's model.compute_dtype")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"f32", "bf16"}));
   parse_args(app, argc, argv);
+  LoadOptions opts{{nullptr}, std::nullopt};
+  opts.compute_dtype = compute_dtype == "bf16" ? ComputeDType::BF16 : ComputeDType::F32;
   const std::filesystem::path root = root_arg;
   DeviceManager mgr(DeviceSelection{});
   Device& dev = mgr[0];
-  std::printf("device: %s (%s), %u compute units\n", dev.info().name.c_str(),
-              dev.info().platform.c_str(), dev.info().compute_units);
+  std::printf("device: %s (%s), %u compute units; compute dtype %s\n", dev.info().name.c_str(),
+              dev.info().platform.c_str(), dev.info().compute_units, compute_dtype.c_str());
   // On a shared machine the bandwidth moves with the neighbours' load: it is measured right
   // before each decode run, so the fraction of the roofline compares like with like.
   std::printf("%-5s %10s %12s %12s %14s %10s %12s %9s\n", "dtype", "prefill", "decode",
@@ -112,7 +118,8 @@ int main(int argc, char** argv) {
               "(active)", "GB/s", "tok/s", "");
   for (const auto& dt : split(dtypes)) {
     const auto dir = ensure_preset("dsv3-mini", dt, root / ("dsv3-mini-" + dt));
-    deepseek_v3::DeepseekV3Model model(dir, LoadOptions{{&dev}, std::nullopt});
+    opts.devices = {&dev};
+    deepseek_v3::DeepseekV3Model model(dir, opts);
     const auto plan = deepseek_v3::plan_memory(model.config());
     const uint32_t V = model.info().vocab_size;
     std::mt19937 rng(5);

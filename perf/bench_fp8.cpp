@@ -1,5 +1,5 @@
 // FP8 block-scaled GEMV/GEMM (ops::linear_fp8) on the dsv3-mini shapes (hidden 2048, MoE FFN 512),
-// next to the bf16 ops::linear on the same shape. bytes_per_second counts weight bytes (1 per
+// next to the bf16 ops::linear on the same shape, and the GEMMs at compute_dtype bf16. bytes_per_second counts weight bytes (1 per
 // element for fp8, 2 for bf16), the decode roofline's currency.
 //
 // Each iteration walks a ring of weight copies larger than the last-level cache (32 MiB here) and
@@ -13,6 +13,7 @@
 #include "runtime/device.h"
 #include "runtime/device_manager.h"
 #include "runtime/ops.h"
+#include "runtime/ops_mla.h"
 #include "runtime/ops_moe.h"
 #include "runtime/tensor.h"
 
@@ -66,7 +67,7 @@ Ring make_ring(Device& dev, uint32_t N, uint32_t K, bool fp8) {
   return ring;
 }
 
-void run(benchmark::State& state, bool fp8) {
+void run(benchmark::State& state, bool fp8, ComputeDType compute = ComputeDType::F32) {
   const uint32_t M = uint32_t(state.range(0)), N = uint32_t(state.range(1)),
                  K = uint32_t(state.range(2));
   Device& dev = device();
@@ -77,7 +78,8 @@ void run(benchmark::State& state, bool fp8) {
   auto step = [&] {
     for (size_t c = 0; c < ring.weights.size(); ++c) {
       if (fp8)
-        ops::linear_fp8(dev, x, 0, K, ring.weights[c], ring.scales[c], y, 0, N, M);
+        ops::linear_any(dev, x, 0, K, ring.weights[c], &ring.scales[c], y, 0, N, M, 1.0f, false,
+                        false, compute);
       else
         ops::linear(dev, x, 0, K, ring.weights[c], nullptr, y, 0, N, M);
     }
@@ -96,6 +98,9 @@ void run(benchmark::State& state, bool fp8) {
 
 void BM_LinearFp8(benchmark::State& state) { run(state, true); }
 void BM_LinearBf16(benchmark::State& state) { run(state, false); }
+// model.compute_dtype: bf16 — FP8 GEMMs of 4+ rows dequantize to bf16, then the bf16 GEMM.
+void BM_LinearFp8ComputeBf16(benchmark::State& state) { run(state, true, ComputeDType::BF16); }
+void BM_LinearBf16ComputeBf16(benchmark::State& state) { run(state, false, ComputeDType::BF16); }
 
 // {M, N, K}: decode GEMVs on a 2048x2048 projection, the expert gate/up (512x2048) and down
 // (2048x512) projections and a 7168-row projection; one prefill-sized GEMM.
@@ -111,6 +116,19 @@ void BM_LinearBf16(benchmark::State& state) { run(state, false); }
       ->MinTime(0.5)
 BENCHMARK(BM_LinearFp8)->SHAPES;
 BENCHMARK(BM_LinearBf16)->SHAPES;
+
+// GEMMs of decode batches, an expert's prefill rows and a prefill, in f32 and bf16 compute.
+#define GEMM_SHAPES                   \
+  Args({8, 2048, 2048})               \
+      ->Args({64, 2048, 2048})        \
+      ->Args({512, 2048, 2048})       \
+      ->ArgNames({"M", "N", "K"})     \
+      ->Unit(benchmark::kMicrosecond) \
+      ->UseRealTime()                 \
+      ->MinTime(0.5)
+BENCHMARK(BM_LinearFp8)->GEMM_SHAPES;
+BENCHMARK(BM_LinearFp8ComputeBf16)->GEMM_SHAPES;
+BENCHMARK(BM_LinearBf16ComputeBf16)->GEMM_SHAPES;
 
 }  // namespace
 }  // namespace clshard

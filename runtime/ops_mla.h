@@ -37,8 +37,9 @@ void validate(const MlaShape& s);
 // y = alpha * x W^T (+ y) for a linear weight of any dtype the kernels read: F32/BF16 through
 // ops::linear, F8_E4M3 with its block scales through ops::linear_fp8 — with the activations
 // fake-quantized to fp8 first (act_quant_fp8) when quantize_fp8_activations. With ComputeDType::BF16
-// (and no activation quantization) an F8_E4M3 GEMM of kGemmRowsFrom rows or more on the CPU shape
-// dequantizes the weight to bf16 and runs the bf16 GEMM, as ops::linear does for bf16 weights.
+// (and no activation quantization) an F8_E4M3 GEMM of 64 rows or more on the CPU shape dequantizes
+// the weight to bf16 and runs the bf16 GEMM, as ops::linear does for bf16 weights (fewer rows keep
+// linear_fp8: the dequantization would cost more than it saves).
 void linear_any(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const Weight& w,
                 const Weight* scale_inv, const cl::Mem& y, uint32_t y_off, uint32_t ldy,
                 uint32_t M, float alpha = 1.0f, bool accumulate = false,
