@@ -392,8 +392,8 @@ TEST(StructuredErrors, HostileFormatsHitLimitsWithClearErrors) {
             "response_format.json_schema.schema.$defs.d36: nested deeper than 64 levels "
             "(counting each $ref followed)");
   // Each definition used twice by the next: 2^25 strings if expanded (and 2^25 compiles of d0
-  // before). Compiled once each, the tree stays small, and its automaton's size is refused up
-  // front.
+  // before). Compiled once each, the tree stays small, and its expanded size is refused where it
+  // passes the automaton's 1,600,000 NFA states (d11: 2 x d10 plus the brackets and separator).
   ordered_json doubling = {{"$defs", ordered_json::object()}, {"$ref", "#/$defs/d25"}};
   doubling["$defs"]["d0"] = {{"type", "string"}, {"maxLength", 8}};
   for (int i = 1; i <= 25; ++i)
@@ -401,11 +401,50 @@ TEST(StructuredErrors, HostileFormatsHitLimitsWithClearErrors) {
         {"type", "array"}, {"items", {{"$ref", "#/$defs/d" + std::to_string(i - 1)}}},
         {"minItems", 2}, {"maxItems", 2}};
   EXPECT_EQ(schema_error(doubling.dump()),
-            "response_format.json_schema.schema: the expression is too large: its automaton "
-            "would exceed 1600000 NFA states");
+            "response_format.json_schema.schema.$defs.d11: the schema is too large: expanded "
+            "(each $ref wherever it is used), its automaton would exceed 1600000 NFA states");
   // Shared definitions still compile: d3 = [[[s, s], [s, s]], [[s, s], [s, s]]].
   doubling["$ref"] = "#/$defs/d3";
   EXPECT_EQ(schema_error(doubling.dump()), "(no error)");
+}
+
+// Nested anyOf of distinct definitions (tests/fuzz/regressions/json_schema/
+// anyof_refs_doubling_distinct, 25 s and 0.9 GB in the fuzz build before): a_k = anyOf[a_(k-1),
+// b_(k-1)] and b_k = anyOf[b_(k-1), a_(k-1)], a_0 = "a", b_0 = "b". Each is compiled once, but
+// alt() copies its options' alternatives into one list, so a_k holds 2^k alternatives: a_30
+// would be 2^30 (16 GiB of pointers). The options' expanded sizes are summed before that copy
+// and refused past ByteDfa::kMaxNfaStates (1,600,000), the automaton's own limit.
+TEST(StructuredErrors, NestedAnyOfOfDistinctRefsIsRefusedByItsExpandedSize) {
+  auto schema = [](int top) {
+    ordered_json s = {{"$defs", ordered_json::object()}, {"$ref", "#/$defs/a" + std::to_string(top)}};
+    s["$defs"]["a0"] = {{"const", "a"}};
+    s["$defs"]["b0"] = {{"const", "b"}};
+    for (int k = 1; k <= 30; ++k) {
+      const std::string a = "#/$defs/a" + std::to_string(k - 1),
+                        b = "#/$defs/b" + std::to_string(k - 1);
+      s["$defs"]["a" + std::to_string(k)] = {{"anyOf", {{{"$ref", a}}, {{"$ref", b}}}}};
+      s["$defs"]["b" + std::to_string(k)] = {{"anyOf", {{{"$ref", b}}, {{"$ref", a}}}}};
+    }
+    return s;
+  };
+  // a_k: 2^k literals of 3 bytes (6 NFA states each) in one alternation (2 more). a_19's options
+  // together count 2 x (2 + 6 x 2^18) = 3,145,732: refused there, a_18's 1,572,868 pass.
+  EXPECT_EQ(schema_error(schema(30).dump()),
+            "response_format.json_schema.schema.$defs.a19: the schema is too large: expanded "
+            "(each $ref wherever it is used), its automaton would exceed 1600000 NFA states");
+  EXPECT_EQ(schema_error(schema(19).dump()), schema_error(schema(30).dump()));
+  // Below the limit the language is unchanged: a_10 is 1,024 alternatives of "a" and "b", with
+  // as many NFA states as its tree counts (RegexNode::nfa_states mirrors the construction).
+  const Regex a10 = json_schema_regex(schema(10), "s");
+  ASSERT_EQ(a10->kind, RegexNode::Kind::Alt);
+  EXPECT_EQ(a10->children.size(), 1024u);
+  EXPECT_EQ(a10->nfa_states, 2u + 6u * 1024u);
+  const ByteDfa dfa = ByteDfa::build(a10);
+  EXPECT_EQ(dfa.nfa_states(), a10->nfa_states);
+  EXPECT_TRUE(dfa.matches(R"("a")"));
+  EXPECT_TRUE(dfa.matches(R"("b")"));
+  EXPECT_FALSE(dfa.matches(R"("c")"));
+  EXPECT_FALSE(dfa.matches(R"("ab")"));
 }
 
 TEST(StructuredErrors, SchemaOrderIsKeptWithOrderedJson) {

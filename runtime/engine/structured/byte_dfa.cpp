@@ -40,6 +40,7 @@ struct Nfa {
     int32_t in, out;  // `out` has no edges yet
   };
 
+  // Makes exactly r->nfa_states states (regex_ast.cpp counts them the same way).
   Frag build(const Regex& r) {
     switch (r->kind) {
       case RegexNode::Kind::Empty: {
@@ -133,48 +134,6 @@ struct Nfa {
   }
 };
 
-// The NFA states build() would make for `r` (mirroring it), counted over the tree with a memo per
-// node: a tree that shares subtrees (a $ref used twice, a repeated group) can stand for an
-// automaton far larger than itself, which this finds before any state is made. Never above the
-// count build() reaches (so it refuses nothing build() would accept); saturates at `cap`.
-struct NfaSizer {
-  size_t cap;
-  std::unordered_map<const RegexNode*, size_t> memo;
-
-  size_t add(size_t a, size_t b) const { return std::min(cap, a + b); }
-  size_t mul(size_t a, size_t n) const { return n != 0 && a > cap / n ? cap : std::min(cap, a * n); }
-
-  size_t size(const Regex& r) {
-    auto it = memo.find(r.get());
-    if (it != memo.end()) return it->second;
-    size_t n = 0;
-    switch (r->kind) {
-      case RegexNode::Kind::Empty: n = 1; break;
-      case RegexNode::Kind::Bytes: n = 2; break;
-      case RegexNode::Kind::Concat:
-        for (const Regex& c : r->children) n = add(n, size(c));
-        break;
-      case RegexNode::Kind::Alt:
-        n = 2;
-        for (const Regex& c : r->children) n = add(n, size(c));
-        break;
-      case RegexNode::Kind::Repeat: {
-        const size_t item = size(r->children[0]);
-        const size_t sep = r->children.size() > 1 ? size(r->children[1]) : 0;
-        if (r->max == kUnbounded) {  // the fixed copies, then one looping copy and its separator
-          const size_t fixed = r->min > 0 ? r->min - 1 : 0;
-          n = add(add(mul(item, fixed + 1), mul(sep, fixed > 0 ? fixed : 1)), 3);
-        } else {
-          n = add(add(mul(item, r->max), mul(sep, r->max > 0 ? r->max - 1 : 0)), 2);
-        }
-        break;
-      }
-    }
-    memo.emplace(r.get(), n);
-    return n;
-  }
-};
-
 struct VecHash {
   size_t operator()(const std::vector<int32_t>& v) const {
     uint64_t h = 0xcbf29ce484222325ull;
@@ -193,8 +152,10 @@ uint64_t ByteDfa::last_build_steps() { return build_steps; }
 
 ByteDfa ByteDfa::build(const Regex& re, uint32_t max_states, uint64_t max_steps) {
   Nfa nfa;
-  nfa.limit = size_t(max_states) * 8;
-  if (NfaSizer{nfa.limit + 1, {}}.size(re) > nfa.limit)
+  nfa.limit = size_t(max_states) * kNfaStatesPerState;
+  // The tree knows its expanded size (RegexNode::nfa_states): one that shares subtrees can stand
+  // for an automaton far larger than itself, refused here before any state is made.
+  if (re->nfa_states > nfa.limit)
     throw std::invalid_argument("the expression is too large: its automaton would exceed " +
                                 std::to_string(nfa.limit) + " NFA states");
   const Nfa::Frag top = nfa.build(re);

@@ -36,9 +36,17 @@ class ByteDfa {
   // up the target state, often a cache miss), in steps' time: measured 100-150 ns in Release.
   static constexpr uint64_t kStepsPerTransition = 12;
 
+  // The most DFA states build() makes by default, and the NFA states it allows per DFA state;
+  // kMaxNfaStates is the largest tree (RegexNode::nfa_states) build() takes by default, and the
+  // JSON schema compiler's budget too (json_schema.h).
+  static constexpr uint32_t kMaxStates = 200'000;
+  static constexpr uint64_t kNfaStatesPerState = 8;
+  static constexpr uint64_t kMaxNfaStates = uint64_t(kMaxStates) * kNfaStatesPerState;
+
   // Throws std::invalid_argument when the expression matches no string at all, or when the
-  // automaton would exceed max_states states or max_steps steps (the message gives the limit).
-  static ByteDfa build(const Regex& re, uint32_t max_states = 200000,
+  // automaton would exceed max_states states (max_states * kNfaStatesPerState NFA states) or
+  // max_steps steps (the message gives the limit).
+  static ByteDfa build(const Regex& re, uint32_t max_states = kMaxStates,
                        uint64_t max_steps = kMaxBuildSteps);
   // Steps the last build() on this thread took (for the tests and benchmarks).
   static uint64_t last_build_steps();

@@ -5,6 +5,8 @@
 #include <set>
 #include <stdexcept>
 
+#include "runtime/engine/structured/byte_dfa.h"
+
 namespace clshard::structured {
 
 using ordered_json = nlohmann::ordered_json;
@@ -157,7 +159,7 @@ class SchemaCompiler {
       std::vector<Regex> options;
       for (size_t i = 0; i < any.size(); ++i)
         options.push_back(compile(any[i], path + ".anyOf[" + std::to_string(i) + "]"));
-      return alt(std::move(options));
+      return alt_of(std::move(options), path);
     }
     std::vector<std::string> types = type_list(s, path);
     if (s.contains("const")) {
@@ -172,7 +174,7 @@ class SchemaCompiler {
         check_type(e[i], types, path + ".enum[" + std::to_string(i) + "]");
         options.push_back(literal(e[i].dump()));
       }
-      return alt(std::move(options));
+      return alt_of(std::move(options), path);
     }
     if (types.empty()) {
       if (s.contains("properties")) {
@@ -185,7 +187,34 @@ class SchemaCompiler {
     }
     std::vector<Regex> options;
     for (const std::string& t : types) options.push_back(of_type(s, t, path));
-    return alt(std::move(options));
+    return alt_of(std::move(options), path);
+  }
+
+  // alt() and concat() of compiled parts, sized before they are built: both copy the children
+  // of a nested alternation or sequence into the new node, so a definition used twice by each
+  // of the next (anyOf options, properties) doubles the copying per level however much the tree
+  // shares (tests/fuzz/regressions/json_schema/anyof_refs_doubling_distinct: 25 s and 0.9 GB in
+  // the fuzz build, over 24 GB in Release). The parts' expanded sizes together
+  // (RegexNode::nfa_states, each $ref counted wherever it is used) must stay within
+  // ByteDfa::kMaxNfaStates, the limit build() puts on the whole tree: what is refused here is
+  // what build() would refuse, but for the few states alt() and concat() save (2 per nested
+  // alternation, 1 per empty part, the single bytes merged into one set).
+  static Regex alt_of(std::vector<Regex> parts, const std::string& path) {
+    within_budget(parts, path);
+    return alt(std::move(parts));
+  }
+  static Regex concat_of(std::vector<Regex> parts, const std::string& path) {
+    within_budget(parts, path);
+    return concat(std::move(parts));
+  }
+  static void within_budget(const std::vector<Regex>& parts, const std::string& path) {
+    uint64_t states = 0;
+    for (const Regex& p : parts)
+      states = states > UINT64_MAX - p->nfa_states ? UINT64_MAX : states + p->nfa_states;
+    if (states > ByteDfa::kMaxNfaStates)
+      fail(path, "the schema is too large: expanded (each $ref wherever it is used), its "
+                 "automaton would exceed " + std::to_string(ByteDfa::kMaxNfaStates) +
+                 " NFA states");
   }
 
   [[noreturn]] static void fail(const std::string& path, const std::string& what) {
@@ -280,8 +309,9 @@ class SchemaCompiler {
     if (hi < lo) fail(path, "maxItems is below minItems");
     Regex item = s.contains("items") ? compile(s["items"], path + ".items")
                                      : generic_value(kMaxJsonDepth - 1);
-    return concat({literal("["), ws(), repeat(item, lo, hi, list_separator()), ws(),
-                   literal("]")});
+    return concat_of({literal("["), ws(), repeat(item, lo, hi, list_separator()), ws(),
+                      literal("]")},
+                     path);
   }
 
   Regex object(const ordered_json& s, const std::string& path) {
@@ -297,11 +327,13 @@ class SchemaCompiler {
         return concat({literal("{"), ws(), literal("}")});
       if (s.contains("additionalProperties") && s["additionalProperties"].is_object()) {
         // A map: string keys, values of one schema.
-        Regex member = concat({string_value(0, kUnbounded), ws(), literal(":"), ws(),
-                               compile(s["additionalProperties"],
-                                       path + ".additionalProperties")});
-        return concat({literal("{"), ws(), repeat(member, 0, kUnbounded, list_separator()), ws(),
-                       literal("}")});
+        Regex member = concat_of({string_value(0, kUnbounded), ws(), literal(":"), ws(),
+                                  compile(s["additionalProperties"],
+                                          path + ".additionalProperties")},
+                                 path);
+        return concat_of({literal("{"), ws(), repeat(member, 0, kUnbounded, list_separator()),
+                          ws(), literal("}")},
+                         path);
       }
       return generic_object(kMaxJsonDepth);
     }
@@ -322,8 +354,9 @@ class SchemaCompiler {
     std::vector<Regex> members;
     std::vector<bool> is_required;
     for (const auto& [name, sub] : props.items()) {
-      members.push_back(concat({literal(ordered_json(name).dump()), ws(), literal(":"), ws(),
-                                compile(sub, path + ".properties." + name)}));
+      members.push_back(concat_of({literal(ordered_json(name).dump()), ws(), literal(":"), ws(),
+                                   compile(sub, path + ".properties." + name)},
+                                  path));
       is_required.push_back(required.count(name) > 0);
     }
     // after[k]: the members from k on when one was already written (each needs a comma);
@@ -333,12 +366,13 @@ class SchemaCompiler {
     after[n] = empty();
     first[n] = empty();
     for (size_t k = n; k-- > 0;) {
-      Regex with_comma = concat({list_separator(), members[k]});
-      after[k] = concat({is_required[k] ? with_comma : optional(with_comma), after[k + 1]});
-      Regex here = concat({members[k], after[k + 1]});
-      first[k] = is_required[k] ? here : alt({here, first[k + 1]});
+      Regex with_comma = concat_of({list_separator(), members[k]}, path);
+      after[k] = concat_of({is_required[k] ? with_comma : optional(with_comma), after[k + 1]},
+                           path);
+      Regex here = concat_of({members[k], after[k + 1]}, path);
+      first[k] = is_required[k] ? here : alt_of({here, first[k + 1]}, path);
     }
-    return concat({literal("{"), ws(), first[0], ws(), literal("}")});
+    return concat_of({literal("{"), ws(), first[0], ws(), literal("}")}, path);
   }
 };
 

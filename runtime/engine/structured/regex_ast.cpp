@@ -6,7 +6,45 @@
 namespace clshard::structured {
 
 namespace {
-Regex make(RegexNode n) { return std::make_shared<const RegexNode>(std::move(n)); }
+
+uint64_t add_states(uint64_t a, uint64_t b) { return a > UINT64_MAX - b ? UINT64_MAX : a + b; }
+uint64_t mul_states(uint64_t a, uint64_t n) {
+  return n != 0 && a > UINT64_MAX / n ? UINT64_MAX : a * n;
+}
+
+// Mirrors Nfa::build and Nfa::build_repeat (byte_dfa.cpp) state for state.
+uint64_t count_nfa_states(const RegexNode& n) {
+  uint64_t total = 0;
+  switch (n.kind) {
+    case RegexNode::Kind::Empty: return 1;
+    case RegexNode::Kind::Bytes: return 2;
+    case RegexNode::Kind::Concat:
+      for (const Regex& c : n.children) total = add_states(total, c->nfa_states);
+      return total;
+    case RegexNode::Kind::Alt:
+      total = 2;
+      for (const Regex& c : n.children) total = add_states(total, c->nfa_states);
+      return total;
+    case RegexNode::Kind::Repeat: {
+      const uint64_t item = n.children[0]->nfa_states;
+      const uint64_t sep = n.children.size() > 1 ? n.children[1]->nfa_states : 0;
+      if (n.max == kUnbounded) {  // the fixed copies, then one looping copy and its separator
+        const uint64_t fixed = n.min > 0 ? n.min - 1 : 0;
+        return add_states(add_states(mul_states(item, fixed + 1),
+                                     mul_states(sep, fixed > 0 ? fixed : 1)),
+                          3);
+      }
+      return add_states(add_states(mul_states(item, n.max), mul_states(sep, n.max - 1)), 2);
+    }
+  }
+  throw std::logic_error("unknown regex node");
+}
+
+Regex make(RegexNode n) {
+  n.nfa_states = count_nfa_states(n);
+  return std::make_shared<const RegexNode>(std::move(n));
+}
+
 }  // namespace
 
 Regex empty() { return make(RegexNode{}); }

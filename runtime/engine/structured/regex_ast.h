@@ -27,6 +27,12 @@ struct RegexNode {
   // unbounded repeat keeps one copy of the item in the automaton (a loop), so a list of values
   // costs one value, not two.
   uint32_t min = 0, max = 0;
+  // The NFA states ByteDfa::build makes of this tree (byte_dfa.cpp builds exactly this many),
+  // with a subtree shared by several parents counted wherever it is used, saturating at
+  // UINT64_MAX. Set once by the constructors below from the children's counts, so the expanded
+  // size of any tree is known without walking it: a tree that shares subtrees (a $ref used
+  // twice, a repeated group) can stand for an automaton exponentially larger than itself.
+  uint64_t nfa_states = 1;
 };
 
 Regex empty();
