@@ -1,6 +1,7 @@
 #include "runtime/engine/structured/json_schema.h"
 
 #include <algorithm>
+#include <cstddef>
 #include <map>
 #include <set>
 #include <stdexcept>
@@ -359,20 +360,29 @@ class SchemaCompiler {
                                   path));
       is_required.push_back(required.count(name) > 0);
     }
-    // after[k]: the members from k on when one was already written (each needs a comma);
-    // first[k]: the same when none was written yet.
+    // One item per member as written after another one: a comma and the member, optional unless
+    // required. The members from k on, when one was already written, are the items from k on;
+    // when none was, member k and the items after it, or (k optional) the members from k + 1 on.
+    // Only the sequences an alternative needs are built: from the first required member on the
+    // rest is one sequence (building each of its suffixes copied n^2/2 items: 3,000 required
+    // properties took 9.8 s and 2.4 GB in Release, 1,000 took 4.9 s in the fuzz build).
     const size_t n = members.size();
-    std::vector<Regex> after(n + 1), first(n + 1);
-    after[n] = empty();
-    first[n] = empty();
-    for (size_t k = n; k-- > 0;) {
+    std::vector<Regex> items;
+    for (size_t k = 0; k < n; ++k) {
       Regex with_comma = concat_of({list_separator(), members[k]}, path);
-      after[k] = concat_of({is_required[k] ? with_comma : optional(with_comma), after[k + 1]},
-                           path);
-      Regex here = concat_of({members[k], after[k + 1]}, path);
-      first[k] = is_required[k] ? here : alt_of({here, first[k + 1]}, path);
+      items.push_back(is_required[k] ? with_comma : optional(with_comma));
     }
-    return concat_of({literal("{"), ws(), first[0], ws(), literal("}")}, path);
+    auto items_from = [&](size_t k) {
+      return concat_of(std::vector<Regex>(items.begin() + std::ptrdiff_t(k), items.end()), path);
+    };
+    size_t first_required = 0;
+    while (first_required < n && !is_required[first_required]) ++first_required;
+    Regex first = first_required < n
+                      ? concat_of({members[first_required], items_from(first_required + 1)}, path)
+                      : empty();
+    for (size_t k = first_required; k-- > 0;)
+      first = alt_of({concat_of({members[k], items_from(k + 1)}, path), first}, path);
+    return concat_of({literal("{"), ws(), first, ws(), literal("}")}, path);
   }
 };
 
