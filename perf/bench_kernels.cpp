@@ -1,11 +1,14 @@
 // Kernel throughput on the first OpenCL device: memory bandwidth (the decode roofline), GEMV GB/s
 // for f32 and bf16 weights, GEMM GFLOP/s at M = 1, 8, 64, 512, next to OpenBLAS sgemm, and the
 // bf16-compute GEMM (model.compute_dtype: bf16) on llama3-1b's prefill shapes against the CPU's
-// register-only f32 FMA and vdpbf16ps peaks measured in the same run.
-// Usage: bench_kernels [--quick] [--gemm-bf16 [--tiles] [--rows M]]
+// register-only f32 FMA and vdpbf16ps peaks measured in the same run, and the prefill GEMMs next to
+// CLBlast's SGEMM and HGEMM on the same device (--clblast: only that).
+// Usage: bench_kernels [--quick] [--gemm-bf16 [--tiles] [--rows M]] [--clblast [--rows M]]
 //   --gemm-bf16: only the peaks and the bf16-compute GEMM; --tiles: over several tile shapes; --rows: the GEMM's M (512)
 //   (KernelTuning's gemm_bf16_tm x gemm_bf16_tn) too.
 #include <cblas.h>
+#include <clblast.h>
+#include <clblast_half.h>
 
 #include <algorithm>
 #include <chrono>
@@ -99,6 +102,73 @@ void gemm_bf16_section(Device& dev, int reps, bool tiles, uint32_t M) {
   if (!ops::bf16_dot_product(dev)) std::printf("  (no vdpbf16ps on this device: both columns are the portable kernel)\n");
 }
 
+// llama3-1b's prefill GEMMs (M tokens) in our kernels (f32 and bf16 weights) next to CLBlast's
+// tuned SGEMM (f32 weights) and HGEMM (fp16 weights and activations, where the device has
+// cl_khr_fp16) on the same queue: the figures that decide where the prefill GEMMs should go to
+// CLBlast (issue 9). CLBlast's first call per shape compiles its kernels; median_time's warm-up
+// call keeps that out of the figures.
+void clblast_section(Device& dev, int reps, uint32_t M) {
+  struct Shape {
+    const char* name;
+    int64_t N, K;
+  };
+  const Shape shapes[] = {{"q/k/v 3072x2048", 3072, 2048},
+                          {"o 2048x2048", 2048, 2048},
+                          {"gate|up 16384x2048", 16384, 2048},
+                          {"down 2048x8192", 2048, 8192}};
+  std::printf("\nPrefill GEMM y[M,N] = x[M,K] W^T, M=%u, GFLOP/s:\n", M);
+  std::printf("  %-20s %10s %10s %14s %14s\n", "N x K", "f32 (ours)", "bf16 (ours)",
+              "CLBlast SGEMM", "CLBlast HGEMM");
+  cl_command_queue queue = dev.queue();
+  auto status_text = [](clblast::StatusCode c) { return "status " + std::to_string(int(c)); };
+  for (const Shape& s : shapes) {
+    const double flops = 2.0 * M * s.N * s.K;
+    Weight wf = random_weight(dev, s.N, s.K, DType::F32, 4);
+    Weight wb = random_weight(dev, s.N, s.K, DType::BF16, 5);
+    cl::Mem x = dev.alloc(size_t(M) * s.K * 4), y = dev.alloc(size_t(M) * s.N * 4);
+    dev.fill_zero(x, size_t(M) * s.K * 4);
+    auto ours = [&](const Weight& w) {
+      return flops / median_time(reps, [&] {
+               ops::linear(dev, x, 0, uint32_t(s.K), w, nullptr, y, 0, uint32_t(s.N), M);
+               dev.finish();
+             }) / 1e9;
+    };
+    const double g_f32 = ours(wf), g_bf16 = ours(wb);
+    std::string sgemm = "-", hgemm = "-";
+    clblast::StatusCode status = clblast::StatusCode::kSuccess;
+    const double t_s = median_time(reps, [&] {
+      status = clblast::Gemm<float>(clblast::Layout::kRowMajor, clblast::Transpose::kNo,
+                                    clblast::Transpose::kYes, M, size_t(s.N), size_t(s.K), 1.0f,
+                                    x.get(), 0, size_t(s.K), wf.mem.get(), 0, size_t(s.K), 0.0f,
+                                    y.get(), 0, size_t(s.N), &queue);
+      dev.finish();
+    });
+    sgemm = status == clblast::StatusCode::kSuccess ? std::to_string(int(flops / t_s / 1e9))
+                                                    : status_text(status);
+    if (dev.info().fp16) {
+      const half one = FloatToHalf(0.5f);
+      std::vector<half> wh(size_t(s.N) * s.K, one), xh(size_t(M) * s.K, one);
+      cl::Mem wm = dev.alloc(wh.size() * 2), xm = dev.alloc(xh.size() * 2),
+              ym = dev.alloc(size_t(M) * s.N * 2);
+      dev.write(wm, wh.data(), wh.size() * 2);
+      dev.write(xm, xh.data(), xh.size() * 2);
+      const half zero = FloatToHalf(0.0f);
+      const double t_h = median_time(reps, [&] {
+        status = clblast::Gemm<half>(clblast::Layout::kRowMajor, clblast::Transpose::kNo,
+                                     clblast::Transpose::kYes, M, size_t(s.N), size_t(s.K), one,
+                                     xm.get(), 0, size_t(s.K), wm.get(), 0, size_t(s.K), zero,
+                                     ym.get(), 0, size_t(s.N), &queue);
+        dev.finish();
+      });
+      hgemm = status == clblast::StatusCode::kSuccess ? std::to_string(int(flops / t_h / 1e9))
+                                                      : status_text(status);
+    }
+    std::printf("  %-20s %10.1f %10.1f %14s %14s\n", s.name, g_f32, g_bf16, sgemm.c_str(),
+                hgemm.c_str());
+  }
+  if (!dev.info().fp16) std::printf("  (no cl_khr_fp16 on this device: no HGEMM)\n");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -111,12 +181,19 @@ int main(int argc, char** argv) {
   app.add_flag("--gemm-bf16", gemm_bf16_only, "only the peaks and the bf16-compute GEMM");
   app.add_flag("--tiles", tiles, "with --gemm-bf16: over several tile shapes (KernelTuning's "
                                  "gemm_bf16_tm x gemm_bf16_tn) too");
-  app.add_option("--rows", gemm_rows, "the bf16-compute GEMM's M")->capture_default_str();
+  bool clblast_only = false;
+  app.add_flag("--clblast", clblast_only, "only the prefill GEMMs next to CLBlast's SGEMM/HGEMM");
+  app.add_option("--rows", gemm_rows, "the M of the bf16-compute GEMM and of --clblast")
+      ->capture_default_str();
   parse_args(app, argc, argv);
   const int reps = quick ? 3 : 9;
   DeviceManager mgr(DeviceSelection{});
   Device& dev = mgr[0];
   print_device(dev);
+  if (clblast_only) {
+    clblast_section(dev, quick ? 3 : 5, gemm_rows);
+    return 0;
+  }
   if (gemm_bf16_only) {
     gemm_bf16_section(dev, quick ? 3 : 5, tiles, gemm_rows);
     return 0;
@@ -190,5 +267,8 @@ int main(int argc, char** argv) {
 
   // 4. The bf16-compute GEMM and the compute peaks.
   gemm_bf16_section(dev, quick ? 3 : 5, false, gemm_rows);
+
+  // 5. The prefill GEMMs next to CLBlast.
+  clblast_section(dev, quick ? 3 : 5, gemm_rows);
   return 0;
 }
