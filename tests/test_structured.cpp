@@ -411,9 +411,9 @@ TEST(StructuredErrors, HostileFormatsHitLimitsWithClearErrors) {
 // Nested anyOf of distinct definitions (tests/fuzz/regressions/json_schema/
 // anyof_refs_doubling_distinct, 25 s and 0.9 GB in the fuzz build before): a_k = anyOf[a_(k-1),
 // b_(k-1)] and b_k = anyOf[b_(k-1), a_(k-1)], a_0 = "a", b_0 = "b". Each is compiled once, but
-// alt() copies its options' alternatives into one list, so a_k holds 2^k alternatives: a_30
-// would be 2^30 (16 GiB of pointers). The options' expanded sizes are summed before that copy
-// and refused past ByteDfa::kMaxNfaStates (1,600,000), the automaton's own limit.
+// alt() copied its options' alternatives into one list, so a_30 would have held 2^30 (16 GiB of
+// pointers). It copies at most kMaxFlattenedChildren (64) now, and the options' expanded sizes
+// are summed before they are joined and refused past ByteDfa::kMaxNfaStates (1,600,000).
 TEST(StructuredErrors, NestedAnyOfOfDistinctRefsIsRefusedByItsExpandedSize) {
   auto schema = [](int top) {
     ordered_json s = {{"$defs", ordered_json::object()}, {"$ref", "#/$defs/a" + std::to_string(top)}};
@@ -427,18 +427,40 @@ TEST(StructuredErrors, NestedAnyOfOfDistinctRefsIsRefusedByItsExpandedSize) {
     }
     return s;
   };
-  // a_k: 2^k literals of 3 bytes (6 NFA states each) in one alternation (2 more). a_19's options
-  // together count 2 x (2 + 6 x 2^18) = 3,145,732: refused there, a_18's 1,572,868 pass.
+  // a_7: 128 literals of 3 bytes (6 NFA states each) in one alternation (2 more): 770 states.
+  // a_8 is the alternation of a_7 and b_7, a_9 of a_7, b_7, b_7, a_7 (a_8's and b_8's two
+  // options copied) and so on to 64 options, then again: a_14 has 128 x 64 literals (98,562
+  // states), a_17 788,498 and a_18 1,576,994. a_19's options together count 3,153,988: refused
+  // there, a_18's pass.
   EXPECT_EQ(schema_error(schema(30).dump()),
             "response_format.json_schema.schema.$defs.a19: the schema is too large: expanded "
             "(each $ref wherever it is used), its automaton would exceed 1600000 NFA states");
   EXPECT_EQ(schema_error(schema(19).dump()), schema_error(schema(30).dump()));
-  // Below the limit the language is unchanged: a_10 is 1,024 alternatives of "a" and "b", with
-  // as many NFA states as its tree counts (RegexNode::nfa_states mirrors the construction).
-  const Regex a10 = json_schema_regex(schema(10), "s");
+  // Below the limit the language is unchanged. a_6's and b_6's 64 alternatives are copied into
+  // a_7's 128; a_7 and b_7 (128 each) stay shared options of a_8 and up, not copied.
+  const Regex a7 = json_schema_regex(schema(7), "s"), a10 = json_schema_regex(schema(10), "s");
+  ASSERT_EQ(a7->kind, RegexNode::Kind::Alt);
+  EXPECT_EQ(a7->children.size(), 128u);
+  EXPECT_EQ(a7->nfa_states, 2u + 6u * 128u);
   ASSERT_EQ(a10->kind, RegexNode::Kind::Alt);
-  EXPECT_EQ(a10->children.size(), 1024u);
-  EXPECT_EQ(a10->nfa_states, 2u + 6u * 1024u);
+  ASSERT_EQ(a10->children.size(), 8u);
+  for (const Regex& option : a10->children) EXPECT_EQ(option->children.size(), 128u);
+  EXPECT_EQ(a10->nfa_states, 2u + 8u * 770u);
+  // The same doubling through two required properties of each object (the regression
+  // properties_refs_doubling_30: 0.8 to 1.8 s in the fuzz build when each object's children
+  // were copied into the next, under the 1,600,000 states; 75 ms now): refused where it passes
+  // the limit.
+  ordered_json objects = {{"$defs", ordered_json::object()}, {"$ref", "#/$defs/d30"}};
+  objects["$defs"]["d0"] = {{"type", "string"}};
+  for (int k = 1; k <= 30; ++k) {
+    const ordered_json ref = {{"$ref", "#/$defs/d" + std::to_string(k - 1)}};
+    objects["$defs"]["d" + std::to_string(k)] = {
+        {"type", "object"}, {"properties", {{"a", ref}, {"b", ref}}}, {"required", {"a", "b"}}};
+  }
+  EXPECT_EQ(schema_error(objects.dump()),
+            "response_format.json_schema.schema.$defs.d14: the schema is too large: expanded "
+            "(each $ref wherever it is used), its automaton would exceed 1600000 NFA states");
+  // As many NFA states as the tree counts (RegexNode::nfa_states mirrors the construction).
   const ByteDfa dfa = ByteDfa::build(a10);
   EXPECT_EQ(dfa.nfa_states(), a10->nfa_states);
   EXPECT_TRUE(dfa.matches(R"("a")"));

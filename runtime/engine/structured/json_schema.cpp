@@ -191,15 +191,17 @@ class SchemaCompiler {
     return alt_of(std::move(options), path);
   }
 
-  // alt() and concat() of compiled parts, sized before they are built: both copy the children
-  // of a nested alternation or sequence into the new node, so a definition used twice by each
-  // of the next (anyOf options, properties) doubles the copying per level however much the tree
-  // shares (tests/fuzz/regressions/json_schema/anyof_refs_doubling_distinct: 25 s and 0.9 GB in
-  // the fuzz build, over 24 GB in Release). The parts' expanded sizes together
-  // (RegexNode::nfa_states, each $ref counted wherever it is used) must stay within
-  // ByteDfa::kMaxNfaStates, the limit build() puts on the whole tree: what is refused here is
-  // what build() would refuse, but for the few states alt() and concat() save (2 per nested
-  // alternation, 1 per empty part, the single bytes merged into one set).
+  // alt() and concat() of compiled parts, sized before they are built. A definition used twice
+  // by each of the next (anyOf options, properties) doubles the expanded size per level however
+  // much the tree shares, and alt() and concat() copied the children of every nested alternation
+  // or sequence, so the copying doubled too (tests/fuzz/regressions/json_schema/
+  // anyof_refs_doubling_distinct: 25 s and 0.9 GB in the fuzz build, over 24 GB in Release).
+  // They copy only small ones now (kMaxFlattenedChildren, regex_ast.h), and the parts' expanded
+  // sizes together (RegexNode::nfa_states, each $ref counted wherever it is used) must stay
+  // within ByteDfa::kMaxNfaStates, the limit build() puts on the whole tree: such a schema is
+  // refused where it passes the limit, naming that place. What is refused here is what build()
+  // would refuse, but for the few states alt() and concat() save (2 per flattened alternation,
+  // 1 per empty part, the single bytes merged into one set).
   static Regex alt_of(std::vector<Regex> parts, const std::string& path) {
     within_budget(parts, path);
     return alt(std::move(parts));

@@ -72,7 +72,7 @@ Regex concat(std::vector<Regex> parts) {
   std::vector<Regex> flat;
   for (auto& p : parts) {
     if (p->kind == RegexNode::Kind::Empty) continue;
-    if (p->kind == RegexNode::Kind::Concat)
+    if (p->kind == RegexNode::Kind::Concat && p->children.size() <= kMaxFlattenedChildren)
       flat.insert(flat.end(), p->children.begin(), p->children.end());
     else
       flat.push_back(std::move(p));
@@ -95,7 +95,7 @@ Regex alt(std::vector<Regex> options) {
     if (o->kind == RegexNode::Kind::Bytes) {
       merged |= o->bytes;
       any_bytes = true;
-    } else if (o->kind == RegexNode::Kind::Alt) {
+    } else if (o->kind == RegexNode::Kind::Alt && o->children.size() <= kMaxFlattenedChildren) {
       rest.insert(rest.end(), o->children.begin(), o->children.end());
     } else {
       rest.push_back(std::move(o));

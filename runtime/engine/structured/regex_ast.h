@@ -4,6 +4,7 @@
 #pragma once
 
 #include <bitset>
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -39,6 +40,12 @@ Regex empty();
 Regex byte_set(const std::bitset<256>& bytes);
 Regex byte_range(uint8_t lo, uint8_t hi);
 Regex literal(std::string_view bytes);  // these bytes in order
+// A part that is itself a sequence (concat) or an alternation (alt) is copied into the new node,
+// which keeps trees shallow, but only up to kMaxFlattenedChildren children: a larger one stays
+// one child, shared, so a subtree used in many places (a $ref) costs a pointer in each instead
+// of a copy of its children (each level of a definition used twice by the next doubled the
+// copying). The language is the same either way.
+inline constexpr std::size_t kMaxFlattenedChildren = 64;
 Regex concat(std::vector<Regex> parts);
 Regex alt(std::vector<Regex> options);
 Regex repeat(Regex item, uint32_t min, uint32_t max, Regex separator = nullptr);
