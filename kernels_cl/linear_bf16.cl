@@ -59,6 +59,15 @@ kernel void round_bf16(global const float* x, uint x_off, uint ldx,
   }
 }
 
+// wf[n, k] = the bf16 weight w[w_off + n * ldw + k] as f32, for rows of K (wf's row stride K):
+// bf16 weights widened for an f32 GEMM library (runtime/ops_blas.cpp). Launch: global
+// (K rounded up to 64, rows), local (64, 1).
+kernel void widen_bf16_rows(global const ushort* w, uint w_off, uint ldw, global float* wf,
+                            uint K) {
+  const uint n = get_global_id(1), k = get_global_id(0);
+  if (k < K) wf[(size_t)n * K + k] = bf16_to_f32(w[w_off + (size_t)n * ldw + k]);
+}
+
 #ifdef LINEAR_BF16
 
 typedef short v32s_u __attribute__((__vector_size__(64), __aligned__(2)));
@@ -99,6 +108,15 @@ void tile_dots_bf16(global const ushort* const* xr, global const ushort* const* 
     for (int j = 0; j < TN; ++j) out[i * TN + j] = hsum16_v(acc[i][j]);
 }
 #else
+// The 32 bf16 values at p as f32: lane l of *even gets element 2l, of *odd element 2l + 1. The
+// loads are of ushorts: a weight row of odd K starts on a 2-byte boundary only, and GPUs fault on
+// a misaligned 4-byte load (NVIDIA's OpenCL reports CL_OUT_OF_RESOURCES).
+inline void bf16x32_pairs(global const ushort* p, float16* even, float16* odd) {
+  const ushort16 a = vload16(0, p), b = vload16(1, p);
+  *even = as_float16(convert_uint16((ushort16)(a.even, b.even)) << 16);
+  *odd = as_float16(convert_uint16((ushort16)(a.odd, b.odd)) << 16);
+}
+
 void tile_dots_bf16(global const ushort* const* xr, global const ushort* const* wr, uint K32,
                     float* out) {
   float16 acc[TM][TN];
@@ -109,15 +127,11 @@ void tile_dots_bf16(global const ushort* const* xr, global const ushort* const* 
   for (uint k = 0; k < K32; ++k) {
     float16 w_even[TN], w_odd[TN];
 #pragma unroll
-    for (int j = 0; j < TN; ++j) {
-      const uint16 u = vload16(0, (global const uint*)(wr[j] + (size_t)k * 32));
-      w_even[j] = as_float16(u << 16);
-      w_odd[j] = as_float16(u & 0xffff0000u);
-    }
+    for (int j = 0; j < TN; ++j) bf16x32_pairs(wr[j] + (size_t)k * 32, &w_even[j], &w_odd[j]);
 #pragma unroll
     for (int i = 0; i < TM; ++i) {
-      const uint16 u = vload16(0, (global const uint*)(xr[i] + (size_t)k * 32));
-      const float16 x_even = as_float16(u << 16), x_odd = as_float16(u & 0xffff0000u);
+      float16 x_even, x_odd;
+      bf16x32_pairs(xr[i] + (size_t)k * 32, &x_even, &x_odd);
 #pragma unroll
       for (int j = 0; j < TN; ++j) {
         acc[i][j] = fma(x_odd, w_odd[j], acc[i][j]);

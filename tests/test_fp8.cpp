@@ -337,14 +337,24 @@ TEST(LinearFp8, RejectsWrongDtypeAndScaleShape) {
   }
 }
 
-// linear_any with ComputeDType::BF16 on an FP8 weight (GEMMs of 64 rows and more): the bits of
-// the bf16 GEMM over the host's bf16 dequantization (the same kernel, so bit for bit), at odd
-// sizes with partial blocks, alpha and accumulate; fewer rows keep linear_fp8's bits.
+// linear_any with ComputeDType::BF16 on an FP8 weight in the CPU shape (GEMMs of 64 rows and
+// more): the bits of the bf16 GEMM over the host's bf16 dequantization (the same kernel, so bit
+// for bit), at odd sizes with partial blocks, alpha and accumulate; fewer rows, and every GEMM in
+// the GPU shape (which keeps FP8 weights in its tiles), keep linear_fp8's bits.
 TEST_P(Fp8Decodes, LinearAnyBf16ComputeIsTheBf16GemmOfTheDequantizedWeight) {
   Device& dev = device();
+  struct ShapeScope {  // the device's own shape back afterwards
+    Device& dev;
+    KernelShape saved;
+    ~ShapeScope() { dev.set_kernel_shape(saved); }
+  } scope{dev, dev.kernel_shape()};
+  for (const KernelShape shape : {KernelShape::Chunks, KernelShape::WorkGroups})
   for (const auto& [M, N, K] : {std::tuple<uint32_t, uint32_t, uint32_t>{64, 200, 300},
                                {97, 131, 259}, {17, 131, 259}, {1, 200, 300}}) {
-    SCOPED_TRACE("M=" + std::to_string(M) + " N=" + std::to_string(N) + " K=" + std::to_string(K));
+    dev.set_kernel_shape(shape);
+    const bool bf16_route = M >= 64 && shape == KernelShape::Chunks;
+    SCOPED_TRACE("M=" + std::to_string(M) + " N=" + std::to_string(N) + " K=" + std::to_string(K) +
+                 (shape == KernelShape::Chunks ? " cpu shape" : " gpu shape"));
     const Fp8Problem p = random_problem(N, K, 21 + M);
     std::vector<uint16_t> wb(size_t(N) * K);
     for (uint32_t n = 0; n < N; ++n)
@@ -366,7 +376,7 @@ TEST_P(Fp8Decodes, LinearAnyBf16ComputeIsTheBf16GemmOfTheDequantizedWeight) {
     };
     const auto got = run(wq, &sc, ComputeDType::BF16);
     const auto want =
-        M >= 64 ? run(wbf, nullptr, ComputeDType::BF16) : run(wq, &sc, ComputeDType::F32);
+        bf16_route ? run(wbf, nullptr, ComputeDType::BF16) : run(wq, &sc, ComputeDType::F32);
     const auto f32 = run(wq, &sc, ComputeDType::F32);
     size_t differs_from_f32 = 0;
     for (size_t i = 0; i < got.size(); ++i) {
@@ -374,7 +384,7 @@ TEST_P(Fp8Decodes, LinearAnyBf16ComputeIsTheBf16GemmOfTheDequantizedWeight) {
           << "output " << i;
       differs_from_f32 += got[i] != f32[i];
     }
-    if (M >= 64) {
+    if (bf16_route) {
       EXPECT_GT(differs_from_f32, got.size() / 2);  // the bf16 path really ran
     }
   }

@@ -487,6 +487,7 @@ DeviceReadBandwidth measure_device_read_bandwidth(Device& dev, size_t bytes, int
                                 " bytes is less than one pass of the probe (" +
                                 std::to_string(unit) + " bytes)");
   r.bytes = steps * unit;
+  r.step_bytes = unit;
   cl::Mem big = dev.alloc(r.bytes);
   {
     const std::vector<float> ones(r.bytes / 4, fill);

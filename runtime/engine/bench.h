@@ -103,7 +103,8 @@ double measure_read_bandwidth(unsigned threads, size_t bytes, int repeats = 5);
 // loads, 8 groups per compute unit at least. Median of `repeats` timed passes after one untimed.
 struct DeviceReadBandwidth {
   double gb_s = 0;
-  size_t bytes = 0;     // bytes read per pass
+  size_t bytes = 0;     // bytes read per pass: whole steps of the probe, at most the asked bytes
+  size_t step_bytes = 0;  // bytes one step of every work-item reads (grows with compute units)
   double sum = 0;       // the partial sums added up (the buffer's contents summed: a check)
   KernelShape shape = KernelShape::Chunks;
 };
