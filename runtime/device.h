@@ -64,6 +64,9 @@ struct KernelTuning {
   uint32_t gemm_bf16_tn = 4;
   uint32_t gemm_bf16_rows = 64;
   uint32_t gemm_bf16_dot = 1;
+  // GPU-shape GEMMs of at least this many rows go to CLBlast's tuned SGEMM (ops_blas.h; bf16
+  // weights widened to f32 first); 0: never. Set in the rows of devices where it measured faster.
+  uint32_t blas_gemm_rows = 0;
   uint64_t split_scratch_bytes = 64ull << 20;  // cap on split-K partials per launch
   bool operator==(const KernelTuning&) const = default;
 };

@@ -41,13 +41,22 @@ KernelTuning nvidia() {
   t.mla_wg = 256;
   t.mla_heads = 16;
   t.prefill_wg = 128;
+  // CLBlast's SGEMM on f32 weights against linear_wg at llama3-1b's prefill GEMMs, M = 512, on an
+  // H100 (`bench_kernels --clblast`, 2026-11-26): 11.6-23.5 TFLOP/s against 2.9-3.7. Widening a
+  // bf16 weight first reads 2 and writes 4 bytes per element (gate|up: ~0.07 ms at 2.7 TB/s
+  // against its ~1.5 ms SGEMM). linear_wg ran 3.2 TFLOP/s at 64 rows (N = K = 2048); 128 rows is
+  // a starting value between the measured sizes until a tuning run times it.
+  t.blas_gemm_rows = 128;
   return t;
 }
 
-KernelTuning nvidia_h200() {
-  // Measured: `bench_kernel_shapes --tune` on an NVIDIA H200 (OpenCL 3.0 CUDA 13.0, driver
-  // 580.159.04), 2026-11-26. Its choice linear_rows 1 is left out: it was timed at M=1 only, and
-  // prefill (M = hundreds of rows) wants the default 4.
+KernelTuning nvidia_hopper() {
+  // Measured: `bench_kernel_shapes --tune` through NVIDIA's OpenCL 3.0 (CUDA 13.0, driver
+  // 580.159.04) on an H200 and, 2026-11-26, an H100 80GB HBM3; both chose these values (the
+  // prefill fields were timed on the H100 only: prefill_wg 256 took 2.05 ms against 128's 2.72 over
+  // T=64 and T=512 after 512). Their choice of linear_rows (1 on the H200, 2 on the H100, 5% apart
+  // from 4) is left out: prefill GEMMs of hundreds of rows were not among the timed ops, and they
+  // want the default 4.
   KernelTuning t = nvidia();
   t.norm_wg = 256;
   t.rope_wg = 256;
@@ -55,6 +64,7 @@ KernelTuning nvidia_h200() {
   t.attn_tile = 32;
   t.attn_heads = 8;
   t.attn_split = 256;
+  t.prefill_wg = 256;
   t.mla_wg = 256;
   t.mla_tile = 16;
   t.mla_heads = 16;
@@ -74,7 +84,8 @@ KernelTuning amd_epyc_avx512() {
 const std::vector<TuningRow>& table() {
   // The first row that matches wins: specific names before their vendor's default.
   static const std::vector<TuningRow> rows = {
-      {DeviceKind::Gpu, "NVIDIA", "H200", nvidia_h200()},
+      {DeviceKind::Gpu, "NVIDIA", "H100", nvidia_hopper()},
+      {DeviceKind::Gpu, "NVIDIA", "H200", nvidia_hopper()},
       {DeviceKind::Gpu, "NVIDIA", "", nvidia()},
       {DeviceKind::Cpu, "AuthenticAMD", "skylake-avx512-AMD EPYC", amd_epyc_avx512()},
       {DeviceKind::Cpu, "", "", cpu_forced()},
@@ -102,7 +113,8 @@ const std::vector<std::pair<std::string, U32Field>>& u32_fields() {
       {"gemv_stream_k", &KernelTuning::gemv_stream_k},
       {"gemm_bf16_tm", &KernelTuning::gemm_bf16_tm}, {"gemm_bf16_tn", &KernelTuning::gemm_bf16_tn},
       {"gemm_bf16_rows", &KernelTuning::gemm_bf16_rows},
-      {"gemm_bf16_dot", &KernelTuning::gemm_bf16_dot}};
+      {"gemm_bf16_dot", &KernelTuning::gemm_bf16_dot},
+      {"blas_gemm_rows", &KernelTuning::blas_gemm_rows}};
   return f;
 }
 

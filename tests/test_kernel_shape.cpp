@@ -170,22 +170,27 @@ INSTANTIATE_TEST_SUITE_P(Cases, ForcedGpuShape,
                            return n;
                          });
 
-// The built-in table: a row for a named device wins over its vendor's default (the H200's measured
-// row), and a device of another type never takes a GPU row.
-TEST(KernelTuningTable, TheH200RowWinsOverNvidiasDefault) {
+// The built-in table: a row for named devices wins over its vendor's default (the Hopper row,
+// measured on an H200 and an H100), and a device of another type never takes a GPU row.
+TEST(KernelTuningTable, TheHopperRowWinsOverNvidiasDefault) {
   DeviceInfo h200;
   h200.kind = DeviceKind::Gpu;
   h200.vendor = "NVIDIA Corporation";
   h200.name = "NVIDIA H200";
-  DeviceInfo h100 = h200;
+  DeviceInfo h100 = h200, rtx = h200;
   h100.name = "NVIDIA H100 80GB HBM3";
-  const KernelTuning a = builtin_kernel_tuning(h200), b = builtin_kernel_tuning(h100);
+  rtx.name = "NVIDIA GeForce RTX 4090";
+  const KernelTuning a = builtin_kernel_tuning(h200), b = builtin_kernel_tuning(h100),
+                     c = builtin_kernel_tuning(rtx);
+  EXPECT_EQ(a, b);
   EXPECT_EQ(a.attn_wg, 256u);
   EXPECT_EQ(a.attn_split, 256u);
   EXPECT_EQ(a.mla_tile, 16u);
-  EXPECT_EQ(a.linear_rows, KernelTuning{}.linear_rows);  // timed at M=1 only: left at the default
-  EXPECT_EQ(b.attn_wg, 128u);
-  EXPECT_EQ(b.attn_split, KernelTuning{}.attn_split);
+  EXPECT_EQ(a.prefill_wg, 256u);
+  EXPECT_EQ(a.linear_rows, KernelTuning{}.linear_rows);  // not timed on prefill GEMMs: the default
+  EXPECT_EQ(c.attn_wg, 128u);
+  EXPECT_EQ(c.prefill_wg, 128u);
+  EXPECT_EQ(c.attn_split, KernelTuning{}.attn_split);
   DeviceInfo cpu = h200;
   cpu.kind = DeviceKind::Cpu;
   EXPECT_NE(builtin_kernel_tuning(cpu), a);
