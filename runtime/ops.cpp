@@ -5,6 +5,7 @@
 #include <string>
 
 #include "runtime/device.h"
+#include "runtime/ops_blas.h"
 
 namespace clshard::ops {
 
@@ -163,6 +164,10 @@ void linear(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const W
     Scratch xr(dev, size_t(M) * K * 4);
     round_bf16(dev, x, x_off, ldx, M, K, xr.mem(), K, true);
     linear(dev, xr.mem(), 0, K, w, bias, y, y_off, ldy, M, alpha, accumulate);
+    return;
+  }
+  if (blas_linear_applies(dev, M, w, bias)) {
+    blas_linear(dev, x, x_off, ldx, w, y, y_off, ldy, M, alpha, accumulate);
     return;
   }
   if (dev.kernel_shape() == KernelShape::WorkGroups) {

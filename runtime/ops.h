@@ -26,7 +26,8 @@ constexpr uint32_t kGemmRowsFrom = 4;
 bool bf16_dot_product(const Device& dev);
 
 // y[M, N] (+)= alpha * (x[M, K] W^T + bias). W is [N, K], f32 or bf16. Offsets and row strides
-// are in elements.
+// are in elements. GPU-shape GEMMs of the device's blas_gemm_rows and more go to CLBlast
+// (ops_blas.h).
 void linear(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const Weight& w,
             const Weight* bias, const cl::Mem& y, uint32_t y_off, uint32_t ldy, uint32_t M,
             float alpha = 1.0f, bool accumulate = false, ComputeDType compute = ComputeDType::F32);
