@@ -153,12 +153,15 @@ void apply_file(const DeviceInfo& info, KernelTuning& t) {
     if (e["vendor"].get<std::string>() != info.vendor || e["name"].get<std::string>() != info.name)
       continue;
     for (const auto& [field, value] : e["tuning"].items()) {
-      if (!value.is_number_unsigned() || value.get<uint64_t>() == 0 ||
+      // Every field is a count or size (positive) but blas_gemm_rows, whose 0 means never.
+      const bool zero_allowed = field == "blas_gemm_rows";
+      if (!value.is_number_unsigned() || (value.get<uint64_t>() == 0 && !zero_allowed) ||
           !set_kernel_tuning_field(t, field, value.get<uint64_t>())) {
         std::string names;
         for (const std::string& n : kernel_tuning_fields()) names += (names.empty() ? "" : ", ") + n;
         throw std::runtime_error(where + ".tuning." + field + ": expected one of the fields (" +
-                                 names + ") with a positive integer, got " + value.dump());
+                                 names + ") with a positive integer (blas_gemm_rows: 0 for "
+                                 "never), got " + value.dump());
       }
     }
   }

@@ -116,6 +116,7 @@ TEST(KernelTuningFile, AnEntryOverridesTheBuiltInRowForItsDeviceOnly) {
   KernelTuning t = builtin_kernel_tuning(info);
   t.attn_wg = 32;
   t.mla_heads = 2;
+  t.blas_gemm_rows = 0;  // saved and read back as 0 (never)
   ASSERT_NE(t, builtin_kernel_tuning(info));
   save_kernel_tuning(info, t);
   EXPECT_EQ(lookup_kernel_tuning(info), t);
@@ -152,7 +153,13 @@ TEST(KernelTuningFile, AnEntryOverridesTheBuiltInRowForItsDeviceOnly) {
   write({{"attn_wg", 0}});
   EXPECT_EQ(error_of().rfind(prefix + "attn_wg: expected one of the fields (norm_wg, ", 0), 0u)
       << error_of();
-  EXPECT_NE(error_of().find("with a positive integer, got 0"), std::string::npos) << error_of();
+  EXPECT_NE(error_of().find("with a positive integer (blas_gemm_rows: 0 for never), got 0"),
+            std::string::npos)
+      << error_of();
+  write({{"blas_gemm_rows", 0}});  // the one field whose 0 is a value (never)
+  want = builtin_kernel_tuning(info);
+  want.blas_gemm_rows = 0;
+  EXPECT_EQ(lookup_kernel_tuning(info), want);
   write({{"warp_size", 32}});
   EXPECT_EQ(error_of().rfind(prefix + "warp_size: expected one of the fields", 0), 0u) << error_of();
   std::ofstream(kernel_tuning_file()) << "{\"entries\": [";
