@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The GPU checks of a built tree on a machine with a GPU: what the OpenCL driver reports, the
+# single-device tests on the GPU (its own kernel shape), a tuning run saved to the kernel cache,
+# then the kernel and end-to-end benchmarks (llama3-1b and dsv3-mini bf16, batch 1 and 64).
+#   bash scripts/gpu_check.sh [OUT_DIR]     (default: gpu-check/; BUILD=build)
+# Every step has a time limit and its log goes to OUT_DIR; nothing here is part of CI. Tests that
+# need a CPU device (sub-devices, `type: cpu` deployments) or mpirun fail on a GPU-only machine,
+# and so do the reference cases whose files ../shared lacks there: read ctest.log by name.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-gpu-check}
+build=${BUILD:-build}
+mkdir -p "$out"
+models=$(mktemp -d)
+trap 'rm -rf "$models"' EXIT
+t0=$(date +%s)
+step() { echo "== $1 [+$(($(date +%s) - t0)) s]"; }
+
+step "devices"
+command -v clinfo > /dev/null && clinfo > "$out/clinfo.txt" 2>&1
+"$build/clshard" devices 2>&1 | tee "$out/devices.txt"
+grep -q "type: *gpu" "$out/devices.txt" || { echo "no GPU among the OpenCL devices"; exit 2; }
+
+# The models are written while the tests run (CPU work beside GPU work).
+("$build/clshard" make-model --preset llama3-1b --dtype bf16 --out "$models/llama3-1b" &&
+ "$build/clshard" make-model --preset dsv3-mini --dtype bf16 --out "$models/dsv3-mini") \
+  > "$out/make-model.log" 2>&1 &
+make_models=$!
+
+step "single-device tests on the GPU"
+timeout 600 ctest --test-dir "$build" -j8 --timeout 120 --output-on-failure \
+  -E '^(mpi_|server_|layers|perf_cli)' > "$out/ctest.log" 2>&1
+grep -E 'tests passed|tests failed' "$out/ctest.log"
+
+step "tuning run (bench_kernel_shapes --tune --save)"
+timeout 300 "$build/perf/bench_kernel_shapes" --tune --save > "$out/tune.log" 2>&1
+tail -25 "$out/tune.log"
+
+step "kernels (bench_kernels --quick, then the prefill GEMMs next to CLBlast)"
+timeout 300 "$build/perf/bench_kernels" --quick > "$out/kernels.log" 2>&1
+tail -30 "$out/kernels.log"
+
+wait "$make_models" || { echo "make-model failed: $out/make-model.log"; exit 1; }
+for m in llama3-1b dsv3-mini; do
+  step "clshard bench $m"
+  timeout 300 "$build/clshard" bench --model "$models/$m" --batch 1,64 --prompt-len 512 \
+    --gen-len 32 --roofline --json "$out/bench-$m.json" 2>&1 | tail -4
+done
+step "decode breakdown llama3-1b, batch 1"
+timeout 120 "$build/perf/bench_decode_breakdown" "$models/llama3-1b" --batch 1 --fused-only \
+  --rounds 1 > "$out/decode-breakdown.log" 2>&1
+tail -30 "$out/decode-breakdown.log"
+step "done: $out"
