@@ -40,7 +40,17 @@ void mla_attention(Device& dev, const MlaWeights& a, const MlaParams& p, const c
                     uint32_t off, uint32_t ldo, bool acc) {
     ops::linear_any(dev, in, 0, ld, l.w, &l.scale_inv, out, off, ldo, T, 1.0f, acc, aq, p.compute);
   };
-  if (Lq > 0) {
+  // Without FP8 weights or adapters the low-rank query runs as two launches: q_a and kv_a side by
+  // side in one (the bits of two), then q_a_layernorm + q_b, the norm folded into the GEMV's tiles
+  // in decode (ops::linear_fused). dsv3-mini's decode step launches 12 kernels fewer.
+  const bool plain = !lora.active() && !a.q_a.fp8() && !a.kv_a.fp8() && !a.q_b.fp8() &&
+                     a.q_a.w.dtype == a.kv_a.w.dtype;
+  if (Lq > 0 && plain) {
+    ops::linear_fused(dev, x, 0, ldx, nullptr, nullptr, p.eps, {&a.q_a.w, &a.kv_a.w},
+                      s.qkv_a.mem(), 0, qkv_a_width, T, 1.0f, false, p.compute);
+    ops::linear_fused(dev, s.qkv_a.mem(), 0, qkv_a_width, nullptr, &a.q_a_norm, p.eps,
+                      {&a.q_b.w}, s.q.mem(), 0, q_width, T, 1.0f, false, p.compute);
+  } else if (Lq > 0) {
     linear(x, ldx, a.q_a, s.qkv_a.mem(), 0, qkv_a_width, false);
     lora.apply(kLoraQa, x, 0, ldx, s.qkv_a.mem(), 0, qkv_a_width);
     linear(x, ldx, a.kv_a, s.qkv_a.mem(), Lq, qkv_a_width, false);
