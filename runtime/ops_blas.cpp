@@ -8,13 +8,26 @@
 
 #include "runtime/device.h"
 #include "runtime/ops.h"
+#include "runtime/ops_moe.h"
 
 namespace clshard::ops {
 
-bool blas_linear_applies(const Device& dev, uint32_t M, const Weight& w, const Weight* bias) {
+namespace {
+
+bool blas_rows(const Device& dev, uint32_t M) {
   const uint32_t from = dev.tuning().blas_gemm_rows;
-  return dev.kernel_shape() == KernelShape::WorkGroups && from > 0 && M >= from && !bias &&
-         (w.dtype == DType::F32 || w.dtype == DType::BF16);
+  return dev.kernel_shape() == KernelShape::WorkGroups && from > 0 && M >= from;
+}
+
+}  // namespace
+
+bool blas_linear_applies(const Device& dev, uint32_t M, const Weight& w, const Weight* bias) {
+  return blas_rows(dev, M) && !bias && (w.dtype == DType::F32 || w.dtype == DType::BF16);
+}
+
+bool blas_fp8_applies(const Device& dev, uint32_t M, const Weight& w) {
+  return blas_rows(dev, M) && w.dtype == DType::F8_E4M3 && w.shape.size() == 2 &&
+         size_t(w.dim(0)) * size_t(w.dim(1)) * 4 <= kBlasFp8WeightBytes;
 }
 
 namespace {
@@ -76,6 +89,20 @@ void blas_linear(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, co
       copy_rows(dev, c.mem(), 0, n, y, y_off + n0, ldy, M, n);
     }
   }
+}
+
+void blas_linear_fp8(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const Weight& w,
+                     const Weight& scale_inv, const cl::Mem& y, uint32_t y_off, uint32_t ldy,
+                     uint32_t M, float alpha, bool accumulate) {
+  const uint32_t N = uint32_t(w.dim(0)), K = uint32_t(w.dim(1));
+  Scratch wf(dev, size_t(N) * K * 4);
+  dequantize_fp8(dev, w, scale_inv, wf.mem());  // checks the weight and its scales
+  Weight f;
+  f.mem = wf.mem();
+  f.dtype = DType::F32;
+  f.shape = {N, K};
+  f.name = w.name;
+  blas_linear(dev, x, x_off, ldx, f, y, y_off, ldy, M, alpha, accumulate);
 }
 
 }  // namespace clshard::ops

@@ -29,4 +29,17 @@ void blas_linear(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, co
                  const cl::Mem& y, uint32_t y_off, uint32_t ldy, uint32_t M, float alpha,
                  bool accumulate, size_t widened_bytes = kBlasWidenedWeightBytes);
 
+// FP8 weights (e4m3 with 128x128 block scales) go the same way when their f32 form fits this:
+// dequantized whole (dequantize_fp8), then SGEMM; larger ones stay in linear_fp8.
+constexpr size_t kBlasFp8WeightBytes = size_t(256) << 20;
+
+// Whether linear_any hands an FP8 GEMM (activations not quantized) to blas_linear_fp8: as
+// blas_linear_applies, for a weight whose f32 form fits kBlasFp8WeightBytes.
+bool blas_fp8_applies(const Device& dev, uint32_t M, const Weight& w);
+
+// y[M, N] (+)= alpha * x[M, K] dequant(W)^T: W dequantized to f32 scratch, then blas_linear.
+void blas_linear_fp8(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const Weight& w,
+                     const Weight& scale_inv, const cl::Mem& y, uint32_t y_off, uint32_t ldy,
+                     uint32_t M, float alpha, bool accumulate);
+
 }  // namespace clshard::ops

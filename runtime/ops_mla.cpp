@@ -4,6 +4,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "runtime/ops_blas.h"
 #include "runtime/ops_moe.h"
 
 namespace clshard::ops {
@@ -113,6 +114,10 @@ void linear_any(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, con
       b.shape = {N, K};
       b.name = w.name;
       linear(dev, x, x_off, ldx, b, nullptr, y, y_off, ldy, M, alpha, accumulate, compute);
+      return;
+    }
+    if (blas_fp8_applies(dev, M, w)) {
+      blas_linear_fp8(dev, x, x_off, ldx, w, *scale_inv, y, y_off, ldy, M, alpha, accumulate);
       return;
     }
     linear_fp8(dev, x, x_off, ldx, w, *scale_inv, y, y_off, ldy, M, alpha, accumulate);

@@ -1,7 +1,7 @@
 // GEMMs through CLBlast (ops_blas.h): blas_linear against a double-precision host reference on
 // odd sizes, f32 and bf16 weight views (offset, row stride), strided x and y, alpha, accumulate,
 // bf16 weights widened in several chunks; linear() routing GPU-shape GEMMs there from the tuning's
-// blas_gemm_rows and no others. On PoCL, with the GPU shape forced (CLBlast runs there, slowly).
+// blas_gemm_rows and no others, FP8 weights through linear_any dequantized first. On PoCL, with the GPU shape forced (CLBlast runs there, slowly).
 //
 // Tolerance: CLBlast sums in f32 in its own order: 2 K f32 epsilons of the sum of the products'
 // magnitudes (the bound of any summation order), plus 1e-30 for all-zero rows.
@@ -10,12 +10,15 @@
 #include <cfloat>
 #include <cmath>
 #include <limits>
+#include <random>
 #include <vector>
 
 #include "runtime/device.h"
 #include "runtime/dtype.h"
 #include "runtime/ops.h"
 #include "runtime/ops_blas.h"
+#include "runtime/ops_mla.h"
+#include "runtime/ops_moe.h"
 #include "tests/test_util.h"
 
 namespace clshard {
@@ -191,6 +194,61 @@ TEST(BlasLinear, LinearRoutesByTheTuningsRows) {
               std::string::npos)
         << e.what();
   }
+}
+
+// linear_any on an FP8 weight in the GPU shape: from blas_gemm_rows rows the bits of blas_linear
+// over the host's f32 dequantization (the kernel's dequantization is exact, so the same SGEMM
+// input), fewer rows the bits of linear_fp8; a weight whose f32 form passes kBlasFp8WeightBytes
+// is not routed.
+TEST(BlasLinear, Fp8WeightsAreDequantizedThenMultiplied) {
+  Device& dev = test::default_device();
+  GpuShapeScope scope(dev, 64);
+  const uint32_t N = 150, K = 200, KB = 2, NB = 2;  // partial 128-blocks both ways
+  std::mt19937 rng(5);
+  std::uniform_int_distribution<int> code(0, 255);
+  std::vector<uint8_t> codes(size_t(N) * K);
+  for (auto& c : codes) {
+    do c = uint8_t(code(rng));
+    while ((c & 0x7F) == 0x7F);  // no NaN codes
+  }
+  std::vector<float> scales(size_t(NB) * KB);
+  for (size_t i = 0; i < scales.size(); ++i) scales[i] = std::ldexp(1.0f + 0.25f * i, -8 + int(i));
+  std::vector<float> deq(size_t(N) * K);
+  reference::dequantize_fp8(codes.data(), scales.data(), N, K, deq.data());
+  Weight w8;
+  w8.mem = test::upload_bytes(dev, codes.data(), codes.size());
+  w8.dtype = DType::F8_E4M3;
+  w8.shape = {N, K};
+  w8.name = "test.fp8";
+  Weight sc;
+  sc.mem = test::upload(dev, scales);
+  sc.shape = {NB, KB};
+  sc.name = "test.fp8.scale_inv";
+  Weight wf;
+  wf.mem = test::upload(dev, deq);
+  wf.shape = {N, K};
+  wf.name = "test.f32";
+  for (const uint32_t M : {67u, 5u}) {
+    SCOPED_TRACE("M=" + std::to_string(M));
+    const std::vector<float> xv = random_vec(size_t(M) * K, 8), y0 = random_vec(size_t(M) * N, 9);
+    auto run = [&](int path) {
+      cl::Mem x = test::upload(dev, xv), y = test::upload(dev, y0);
+      if (path == 0) ops::linear_any(dev, x, 0, K, w8, &sc, y, 0, N, M, 0.5f, true);
+      if (path == 1) ops::blas_linear(dev, x, 0, K, wf, y, 0, N, M, 0.5f, true);
+      if (path == 2) ops::linear_fp8(dev, x, 0, K, w8, sc, y, 0, N, M, 0.5f, true);
+      return download(dev, y, y0.size());
+    };
+    const std::vector<float> got = run(0), want = run(M >= 64 ? 1 : 2);
+    size_t differ = 0;
+    for (size_t i = 0; i < got.size(); ++i)
+      differ += std::bit_cast<uint32_t>(got[i]) != std::bit_cast<uint32_t>(want[i]);
+    EXPECT_EQ(differ, 0u);
+  }
+  EXPECT_TRUE(ops::blas_fp8_applies(dev, 64, w8));
+  Weight big = w8;
+  big.shape = {int64_t(ops::kBlasFp8WeightBytes / 4 / 1024) + 1, 1024};
+  EXPECT_FALSE(ops::blas_fp8_applies(dev, 64, big));
+  EXPECT_FALSE(ops::blas_fp8_applies(dev, 63, w8));
 }
 
 }  // namespace
