@@ -7,10 +7,11 @@
 // Tiling as linear.cl: TM x TN tiles of y walking K with 16-wide loads; a work-item (local size 1
 // on CPU) owns a block of them; dimension 0 walks column blocks, dimension 1 row blocks.
 //
-// dequantize_fp8: out[N, K] f32 = e4m3(W) * scale, one work-item per row; dequantize_fp8_bf16 the
+// dequantize_fp8: out[N, K] f32 = e4m3(W) * scale, one work-item per row; with -DOUT_BF16=1 the
 // same rounded to bf16 (nearest even), for the bf16-compute GEMM (model.compute_dtype: bf16).
 //
-// Build options: -DTM=1|4 -DTN=4 -DFP8_DENORM=1|0 -DCOLUMNS_IN_TURN=0|1 (one-row tiles, as linear.cl).
+// Build options: -DTM=1|4 -DTN=4 -DFP8_DENORM=1|0 -DCOLUMNS_IN_TURN=0|1 (one-row tiles, as
+// linear.cl), -DOUT_BF16=0|1 (dequantize_fp8).
 //
 // At one byte per weight a GEMV is bound by the decode, not by memory, so the decode is a handful
 // of instructions (common.cl's e4m3x16_decode_scaled, FP8_DENORM chosen per device). The tile's
@@ -77,26 +78,24 @@ kernel void linear_fp8(global const float* x, uint x_off, uint ldx,
                       n0);
 }
 
+// Launch: global (N).
+#if OUT_BF16
+#define DEQ_OUT ushort
+#define DEQ_STORE16(v) f32x16_to_bf16_rne(v)
+#define DEQ_STORE(v) f32_to_bf16_rne(v)
+#else
+#define DEQ_OUT float
+#define DEQ_STORE16(v) (v)
+#define DEQ_STORE(v) (v)
+#endif
 kernel void dequantize_fp8(global const uchar* w, global const float* scale, uint KB,
-                           global float* out, uint N, uint K) {
+                           global DEQ_OUT* out, uint N, uint K) {
   const uint n = get_global_id(0);
   global const uchar* wr = w + (size_t)n * K;
   global const float* srow = scale + (size_t)(n / QBLOCK) * KB;
-  global float* o = out + (size_t)n * K;
+  global DEQ_OUT* o = out + (size_t)n * K;
   const uint K16 = K / 16;
   for (uint v = 0; v < K16; ++v)
-    vstore16(e4m3x16_to_f32(vload16(v, wr)) * srow[v / VECS_PER_BLOCK], v, o);
-  for (uint k = K16 * 16; k < K; ++k) o[k] = e4m3_to_f32(wr[k]) * srow[k / QBLOCK];
-}
-
-kernel void dequantize_fp8_bf16(global const uchar* w, global const float* scale, uint KB,
-                                global ushort* out, uint N, uint K) {
-  const uint n = get_global_id(0);
-  global const uchar* wr = w + (size_t)n * K;
-  global const float* srow = scale + (size_t)(n / QBLOCK) * KB;
-  global ushort* o = out + (size_t)n * K;
-  const uint K16 = K / 16;
-  for (uint v = 0; v < K16; ++v)
-    vstore16(f32x16_to_bf16_rne(e4m3x16_to_f32(vload16(v, wr)) * srow[v / VECS_PER_BLOCK]), v, o);
-  for (uint k = K16 * 16; k < K; ++k) o[k] = f32_to_bf16_rne(e4m3_to_f32(wr[k]) * srow[k / QBLOCK]);
+    vstore16(DEQ_STORE16(e4m3x16_to_f32(vload16(v, wr)) * srow[v / VECS_PER_BLOCK]), v, o);
+  for (uint k = K16 * 16; k < K; ++k) o[k] = DEQ_STORE(e4m3_to_f32(wr[k]) * srow[k / QBLOCK]);
 }

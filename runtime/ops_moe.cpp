@@ -107,7 +107,8 @@ void dequantize_fp8(Device& dev, const Weight& w, const Weight& scale_inv, const
 
 void dequantize_fp8_bf16(Device& dev, const Weight& w, const Weight& scale_inv, const cl::Mem& out) {
   const auto [N, K] = check_fp8_weight("dequantize_fp8_bf16", w, scale_inv);
-  cl::Kernel k = dev.kernel("linear_fp8.cl", "dequantize_fp8_bf16", fp8_decode_option(dev));
+  cl::Kernel k = dev.kernel("linear_fp8.cl", "dequantize_fp8",
+                            fp8_decode_option(dev) + " -DOUT_BF16=1");
   cl::set_args(k, w.mem, scale_inv.mem, ceil_div(K, kQuantBlock), out, N, K);
   dev.launch(k, {N, 1, 1}, 1);
 }
