@@ -99,3 +99,20 @@ kernel void dequantize_fp8(global const uchar* w, global const float* scale, uin
     vstore16(DEQ_STORE16(e4m3x16_to_f32(vload16(v, wr)) * srow[v / VECS_PER_BLOCK]), v, o);
   for (uint k = K16 * 16; k < K; ++k) o[k] = DEQ_STORE(e4m3_to_f32(wr[k]) * srow[k / QBLOCK]);
 }
+
+// The GPU shape: a work-item per 16 columns of a row (the last one takes the K % 16 tail), so
+// neighbouring lanes read neighbouring bytes. The same decode and product per element: the same
+// bits as dequantize_fp8. Launch: global (ceil(K / 16) rounded up to the work-group, N).
+kernel void dequantize_fp8_wg(global const uchar* w, global const float* scale, uint KB,
+                              global DEQ_OUT* out, uint N, uint K) {
+  const uint v = get_global_id(0), n = get_global_id(1);
+  const uint K16 = K / 16;
+  global const uchar* wr = w + (size_t)n * K;
+  global const float* srow = scale + (size_t)(n / QBLOCK) * KB;
+  global DEQ_OUT* o = out + (size_t)n * K;
+  if (v < K16) {
+    vstore16(DEQ_STORE16(e4m3x16_to_f32(vload16(v, wr)) * srow[v / VECS_PER_BLOCK]), v, o);
+  } else if (v == K16) {
+    for (uint k = K16 * 16; k < K; ++k) o[k] = DEQ_STORE(e4m3_to_f32(wr[k]) * srow[k / QBLOCK]);
+  }
+}

@@ -98,19 +98,32 @@ void linear_fp8(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, con
   dev.launch(k, {ceil_div(col_tiles, n_tiles), row_blocks, 1}, 2);
 }
 
-void dequantize_fp8(Device& dev, const Weight& w, const Weight& scale_inv, const cl::Mem& out) {
-  const auto [N, K] = check_fp8_weight("dequantize_fp8", w, scale_inv);
-  cl::Kernel k = dev.kernel("linear_fp8.cl", "dequantize_fp8", fp8_decode_option(dev));
+namespace {
+
+// dequantize_fp8(_bf16): a work-item per row in the CPU shape, per 16 columns in the GPU shape.
+void launch_dequantize(Device& dev, const char* op, const Weight& w, const Weight& scale_inv,
+                       const cl::Mem& out, bool bf16) {
+  const auto [N, K] = check_fp8_weight(op, w, scale_inv);
+  const bool wg = dev.kernel_shape() == KernelShape::WorkGroups;
+  cl::Kernel k = dev.kernel("linear_fp8.cl", wg ? "dequantize_fp8_wg" : "dequantize_fp8",
+                            fp8_decode_option(dev) + (bf16 ? " -DOUT_BF16=1" : ""));
   cl::set_args(k, w.mem, scale_inv.mem, ceil_div(K, kQuantBlock), out, N, K);
-  dev.launch(k, {N, 1, 1}, 1);
+  if (wg) {
+    const size_t local[3] = {64, 1, 1};
+    dev.launch(k, {(size_t(K) / 16 + 1 + 63) / 64 * 64, N, 1}, 2, local);
+  } else {
+    dev.launch(k, {N, 1, 1}, 1);
+  }
+}
+
+}  // namespace
+
+void dequantize_fp8(Device& dev, const Weight& w, const Weight& scale_inv, const cl::Mem& out) {
+  launch_dequantize(dev, "dequantize_fp8", w, scale_inv, out, false);
 }
 
 void dequantize_fp8_bf16(Device& dev, const Weight& w, const Weight& scale_inv, const cl::Mem& out) {
-  const auto [N, K] = check_fp8_weight("dequantize_fp8_bf16", w, scale_inv);
-  cl::Kernel k = dev.kernel("linear_fp8.cl", "dequantize_fp8",
-                            fp8_decode_option(dev) + " -DOUT_BF16=1");
-  cl::set_args(k, w.mem, scale_inv.mem, ceil_div(K, kQuantBlock), out, N, K);
-  dev.launch(k, {N, 1, 1}, 1);
+  launch_dequantize(dev, "dequantize_fp8_bf16", w, scale_inv, out, true);
 }
 
 void validate(const RouterConfig& c) {

@@ -111,20 +111,27 @@ TEST_P(Fp8Decodes, KernelDecodesAll256CodesExactly) {
   Weight wq = fp8_weight(dev, w, N, K);
   Weight sc = to_device_f32(dev, scales, {1, 3}, "test.fp8.scale_inv");
   cl::Mem out = dev.alloc(N * K * sizeof(float));
-  ops::dequantize_fp8(dev, wq, sc, out);
-  const std::vector<float> got = download(dev, out, N * K);
-  for (uint32_t n = 0; n < N; ++n)
-    for (uint32_t k = 0; k < K; ++k) {
-      const uint8_t code = w[n * K + k];
-      const float want = reference::e4m3_to_f32(code) * scales[k / 128];
-      EXPECT_TRUE(same_bits_or_both_nan(got[n * K + k], want))
-          << "row " << n << " col " << k << " code 0x" << std::hex << int(code) << ": got "
-          << got[n * K + k] << " want " << want;
-    }
+  const KernelShape own = dev.kernel_shape();
+  for (const KernelShape shape : {KernelShape::Chunks, KernelShape::WorkGroups}) {
+    SCOPED_TRACE(shape == KernelShape::Chunks ? "cpu shape" : "gpu shape");
+    dev.set_kernel_shape(shape);
+    dev.fill_zero(out, N * K * sizeof(float));
+    ops::dequantize_fp8(dev, wq, sc, out);
+    dev.set_kernel_shape(own);
+    const std::vector<float> got = download(dev, out, N * K);
+    for (uint32_t n = 0; n < N; ++n)
+      for (uint32_t k = 0; k < K; ++k) {
+        const uint8_t code = w[n * K + k];
+        const float want = reference::e4m3_to_f32(code) * scales[k / 128];
+        EXPECT_TRUE(same_bits_or_both_nan(got[n * K + k], want))
+            << "row " << n << " col " << k << " code 0x" << std::hex << int(code) << ": got "
+            << got[n * K + k] << " want " << want;
+      }
+  }
 }
 
-// The bf16 dequantization (bf16 compute): every code under scales of three magnitudes is the
-// host's nearest-even bf16 of the f32 product, bit for bit; NaN codes stay NaN.
+// The bf16 dequantization (bf16 compute), in both kernel shapes: every code under scales of three
+// magnitudes is the host's nearest-even bf16 of the f32 product, bit for bit; NaN codes stay NaN.
 TEST_P(Fp8Decodes, KernelDequantizesAll256CodesToBf16) {
   Device& dev = device();
   const uint32_t N = 2, K = 263;
@@ -137,24 +144,32 @@ TEST_P(Fp8Decodes, KernelDequantizesAll256CodesToBf16) {
   Weight wq = fp8_weight(dev, w, N, K);
   Weight sc = to_device_f32(dev, scales, {1, 3}, "test.fp8.scale_inv");
   cl::Mem out = dev.alloc(N * K * 2);
-  ops::dequantize_fp8_bf16(dev, wq, sc, out);
-  std::vector<uint16_t> got(N * K);
-  dev.read(out, got.data(), got.size() * 2);
-  size_t rounded = 0;
-  for (uint32_t n = 0; n < N; ++n)
-    for (uint32_t k = 0; k < K; ++k) {
-      const uint8_t code = w[n * K + k];
-      const float product = reference::e4m3_to_f32(code) * scales[k / 128];
-      const uint16_t want = f32_to_bf16(product);
-      if (std::isnan(product)) {
-        EXPECT_TRUE(std::isnan(bf16_to_f32(got[n * K + k]))) << "code 0x" << std::hex << int(code);
-        continue;
+  const KernelShape own = dev.kernel_shape();
+  for (const KernelShape shape : {KernelShape::Chunks, KernelShape::WorkGroups}) {
+    SCOPED_TRACE(shape == KernelShape::Chunks ? "cpu shape" : "gpu shape");
+    dev.set_kernel_shape(shape);
+    dev.fill_zero(out, N * K * 2);
+    ops::dequantize_fp8_bf16(dev, wq, sc, out);
+    dev.set_kernel_shape(own);
+    std::vector<uint16_t> got(N * K);
+    dev.read(out, got.data(), got.size() * 2);
+    size_t rounded = 0;
+    for (uint32_t n = 0; n < N; ++n)
+      for (uint32_t k = 0; k < K; ++k) {
+        const uint8_t code = w[n * K + k];
+        const float product = reference::e4m3_to_f32(code) * scales[k / 128];
+        const uint16_t want = f32_to_bf16(product);
+        if (std::isnan(product)) {
+          EXPECT_TRUE(std::isnan(bf16_to_f32(got[n * K + k])))
+              << "code 0x" << std::hex << int(code);
+          continue;
+        }
+        rounded += bf16_to_f32(want) != product;
+        EXPECT_EQ(got[n * K + k], want)
+            << "row " << n << " col " << k << " code 0x" << std::hex << int(code);
       }
-      rounded += bf16_to_f32(want) != product;
-      EXPECT_EQ(got[n * K + k], want) << "row " << n << " col " << k << " code 0x" << std::hex
-                                      << int(code);
-    }
-  EXPECT_GT(rounded, 100u);  // the scales make most products inexact in bf16: rounding is tested
+    EXPECT_GT(rounded, 100u);  // the scales make most products inexact in bf16: rounding is tested
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
