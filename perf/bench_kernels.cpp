@@ -48,18 +48,20 @@ Weight random_weight(Device& dev, int64_t N, int64_t K, DType dt, uint32_t seed)
   return w;
 }
 
+// llama3-1b's prefill GEMMs: y[M, N] = x[M, K] W^T.
+struct GemmShape {
+  const char* name;
+  int64_t N, K;
+};
+constexpr GemmShape kPrefillShapes[] = {{"q/k/v 3072x2048", 3072, 2048},
+                                        {"o 2048x2048", 2048, 2048},
+                                        {"gate|up 16384x2048", 16384, 2048},
+                                        {"down 2048x8192", 2048, 8192}};
+
 // The bf16-compute GEMM at llama3-1b's prefill shapes (M = 512 tokens): vdpbf16ps where the
 // device selects it and the portable micro-kernel, GFLOP/s and the fraction of the bf16 peak.
 void gemm_bf16_section(Device& dev, int reps, bool tiles, uint32_t M) {
   const ComputePeaks peaks = measure_compute_peaks();
-  struct Shape {
-    const char* name;
-    int64_t N, K;
-  };
-  const Shape shapes[] = {{"q/k/v 3072x2048", 3072, 2048},
-                          {"o 2048x2048", 2048, 2048},
-                          {"gate|up 16384x2048", 16384, 2048},
-                          {"down 2048x8192", 2048, 8192}};
   const KernelTuning own = dev.tuning();
   std::vector<std::pair<uint32_t, uint32_t>> tile_shapes = {{own.gemm_bf16_tm, own.gemm_bf16_tn}};
   if (tiles)
@@ -69,7 +71,7 @@ void gemm_bf16_section(Device& dev, int reps, bool tiles, uint32_t M) {
   std::printf("\nbf16-compute GEMM (compute_dtype bf16), M=%u, GFLOP/s (%% of the bf16 peak):\n", M);
   std::printf("  %-20s %-6s %12s %12s %12s\n", "N x K", "tile", "dot product", "portable",
               "f32 compute");
-  for (const Shape& s : shapes) {
+  for (const GemmShape& s : kPrefillShapes) {
     Weight w = random_weight(dev, s.N, s.K, DType::BF16, 3);
     cl::Mem x = dev.alloc(size_t(M) * s.K * 4), y = dev.alloc(size_t(M) * s.N * 4);
     dev.fill_zero(x, size_t(M) * s.K * 4);
@@ -108,20 +110,12 @@ void gemm_bf16_section(Device& dev, int reps, bool tiles, uint32_t M) {
 // CLBlast (issue 9). CLBlast's first call per shape compiles its kernels; median_time's warm-up
 // call keeps that out of the figures.
 void clblast_section(Device& dev, int reps, uint32_t M) {
-  struct Shape {
-    const char* name;
-    int64_t N, K;
-  };
-  const Shape shapes[] = {{"q/k/v 3072x2048", 3072, 2048},
-                          {"o 2048x2048", 2048, 2048},
-                          {"gate|up 16384x2048", 16384, 2048},
-                          {"down 2048x8192", 2048, 8192}};
   std::printf("\nPrefill GEMM y[M,N] = x[M,K] W^T, M=%u, GFLOP/s:\n", M);
   std::printf("  %-20s %10s %10s %14s %14s\n", "N x K", "f32 (ours)", "bf16 (ours)",
               "CLBlast SGEMM", "CLBlast HGEMM");
   cl_command_queue queue = dev.queue();
   auto status_text = [](clblast::StatusCode c) { return "status " + std::to_string(int(c)); };
-  for (const Shape& s : shapes) {
+  for (const GemmShape& s : kPrefillShapes) {
     const double flops = 2.0 * M * s.N * s.K;
     Weight wf = random_weight(dev, s.N, s.K, DType::F32, 4);
     Weight wb = random_weight(dev, s.N, s.K, DType::BF16, 5);
