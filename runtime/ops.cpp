@@ -94,10 +94,15 @@ void gemm_bf16(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx,
   uint32_t n_tiles = 1;
   while (n_tiles < 16 && uint64_t(col_tiles) * row_blocks / (n_tiles * 2) >= 256) n_tiles *= 2;
   const uint32_t col_blocks = (col_tiles + n_tiles - 1) / n_tiles;
+  // The portable micro-kernel loads 4-byte words where every weight row starts on one (the
+  // rounded rows always do: ldxb is a multiple of 32).
+  bool pairs_aligned = true;
+  for (const Weight* w : ws) pairs_aligned &= w->row_stride() % 2 == 0 && w->offset % 2 == 0;
   cl::Kernel k = dev.kernel("linear_bf16.cl", "linear_bf16",
                             "-DLINEAR_BF16=1 -DTM=" + std::to_string(tm) +
                                 " -DTN=" + std::to_string(tn) + " -DGLU=" + (glu ? "1" : "0") +
-                                " -DBF16_DOT=" + (bf16_dot_product(dev) ? "1" : "0"));
+                                " -DBF16_DOT=" + (bf16_dot_product(dev) ? "1" : "0") +
+                                " -DPAIRS_ALIGNED=" + (pairs_aligned ? "1" : "0"));
   const Weight& w0 = *ws[0];
   const Weight& w1 = *ws[std::min<size_t>(1, ws.size() - 1)];
   const Weight& w2 = *ws[std::min<size_t>(2, ws.size() - 1)];

@@ -259,21 +259,25 @@ TEST_P(GemmBf16, SwigluWithNormMatchesDoubleReference) {
 
 // The two micro-kernels add the same exact products in the same order (vdpbf16ps's: the odd
 // element of each pair, then the even one): on inputs without bf16 denormals they agree to the
-// bit. Where the device has no dot product both runs are the portable kernel.
+// bit. Where the device has no dot product both runs are the portable kernel. Odd K (rows on
+// 2-byte boundaries: the portable kernel's ushort loads) and even K (its 4-byte word loads).
 TEST(GemmBf16Variants, DotProductAndPortableAgreeToTheBit) {
   Device& dev = test::default_device();
-  const uint32_t M = 9, N = 23, K = 333;
-  std::vector<float> x = random_vec(size_t(M) * K, 41, 4.0f), wv = random_vec(size_t(N) * K, 42);
-  Weight w = bf16_weight(dev, wv, {N, K}, "w");
-  cl::Mem xm = test::upload_bytes(dev, x.data(), x.size() * 4);
-  std::vector<float> out[2];
-  for (Variant v : {Variant::Selected, Variant::Portable}) {
-    DeviceScope scope(dev, GemmCase{M, N, K, v});
-    cl::Mem ym = dev.alloc(size_t(M) * N * 4);
-    ops::linear(dev, xm, 0, K, w, nullptr, ym, 0, N, M, 1.0f, false, ComputeDType::BF16);
-    out[int(v)] = download(dev, ym, size_t(M) * N);
+  for (const uint32_t K : {333u, 334u}) {
+    SCOPED_TRACE("K=" + std::to_string(K));
+    const uint32_t M = 9, N = 23;
+    std::vector<float> x = random_vec(size_t(M) * K, 41, 4.0f), wv = random_vec(size_t(N) * K, 42);
+    Weight w = bf16_weight(dev, wv, {N, K}, "w");
+    cl::Mem xm = test::upload_bytes(dev, x.data(), x.size() * 4);
+    std::vector<float> out[2];
+    for (Variant v : {Variant::Selected, Variant::Portable}) {
+      DeviceScope scope(dev, GemmCase{M, N, K, v});
+      cl::Mem ym = dev.alloc(size_t(M) * N * 4);
+      ops::linear(dev, xm, 0, K, w, nullptr, ym, 0, N, M, 1.0f, false, ComputeDType::BF16);
+      out[int(v)] = download(dev, ym, size_t(M) * N);
+    }
+    for (size_t i = 0; i < out[0].size(); ++i) ASSERT_EQ(out[0][i], out[1][i]) << i;
   }
-  for (size_t i = 0; i < out[0].size(); ++i) ASSERT_EQ(out[0][i], out[1][i]) << i;
 }
 
 INSTANTIATE_TEST_SUITE_P(
