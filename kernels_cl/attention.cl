@@ -198,13 +198,7 @@ void paged_attention_wg(global const float* q, uint q_ldt, uint q_ldh, global co
       pr[idx] = s;
     }
     barrier(CLK_LOCAL_MEM_FENCE);
-    if (lane < G) {
-      float bmax = -INFINITY;
-      for (uint j = 0; j < n; ++j) bmax = fmax(bmax, pr[lane * TILE + j]);
-      const float m_new = fmax(m_run[lane], bmax);
-      corr[lane] = softmax_rescale(m_run[lane], m_new);
-      m_run[lane] = m_new;
-    }
+    if (lane < G) softmax_tile_max(pr + lane * TILE, n, m_run + lane, corr + lane);
     barrier(CLK_LOCAL_MEM_FENCE);
     for (uint idx = lane; idx < G * TILE; idx += ATT_WG)
       pr[idx] = idx % TILE < n ? exp(pr[idx] - m_run[idx / TILE]) : 0.0f;
@@ -397,13 +391,8 @@ void paged_attention_prefill_wg(global const float* q, uint q_off, uint q_ldt, u
         pr[idx] = s;
       }
       barrier(CLK_LOCAL_MEM_FENCE);
-      for (uint r = lane; r < PF_R; r += PF_WG) {
-        float bmax = -INFINITY;
-        for (uint j = 0; j < n; ++j) bmax = fmax(bmax, pr[r * PF_KT + j]);
-        const float m_new = fmax(m_run[r], bmax);
-        corr[r] = softmax_rescale(m_run[r], m_new);
-        m_run[r] = m_new;
-      }
+      for (uint r = lane; r < PF_R; r += PF_WG)
+        softmax_tile_max(pr + r * PF_KT, n, m_run + r, corr + r);
       barrier(CLK_LOCAL_MEM_FENCE);
       for (uint idx = lane; idx < PF_R * PF_KT; idx += PF_WG)
         pr[idx] = pr[idx] == -INFINITY ? 0.0f : exp(pr[idx] - m_run[idx / PF_KT]);

@@ -197,6 +197,16 @@ inline float softmax_rescale(float m, float m_new) {
   return m == -INFINITY ? 0.0f : exp(m - m_new);
 }
 
+// One row's step of the online softmax over a tile of n scores in local memory: the running max
+// *m moves to max(*m, the tile's max), *corr gets softmax_rescale's factor for what was summed.
+inline void softmax_tile_max(local const float* scores, uint n, local float* m, local float* corr) {
+  float tile_max = -INFINITY;
+  for (uint j = 0; j < n; ++j) tile_max = fmax(tile_max, scores[j]);
+  const float m_new = fmax(*m, tile_max);
+  *corr = softmax_rescale(*m, m_new);
+  *m = m_new;
+}
+
 // The paged caches: position p of a row lives in page lut[p / page_size] (the row's page table),
 // slot p % page_size. The float offset of that slot in a cache whose pages are page_stride floats
 // apart and whose slots slot_stride apart (MHA: [page][K, V][slot][kv heads][head dim]; MLA:
