@@ -355,6 +355,42 @@ TEST(StructuredErrors, HostileFormatsHitLimitsWithClearErrors) {
   const std::string nested_repeats = "((a{1000}){1000}){1000}";
   EXPECT_EQ(compile_error("", &nested_repeats),
             "regex: the expression is too large: its automaton would exceed 1600000 NFA states");
+  // A chain of 500 x 1000 letters: 1,002,002 NFA states, within those 1,600,000. It took 0.54 s
+  // in Release and 3.8-5.5 s in the fuzz build to build them and reach the DFA's 200,000-state
+  // limit. Each NFA state is charged kStepsPerNfaState (10) before any is made: within the fuzz
+  // build's 1,500,000 steps that refuses it at once (tests/fuzz/regressions/json_schema/
+  // regex_chain_of_1m_nfa_states); Release's 20,000,000 pay for the NFA (0.07 s now that its
+  // table is reserved) and the DFA stops at its state limit.
+  const std::string letters = "((a{0500}){1000})";
+  const Regex letter_chain = parse_regex(letters);
+  EXPECT_EQ(letter_chain->nfa_states, 1'002'002u);
+  try {
+    ByteDfa::build(letter_chain, ByteDfa::kMaxStates, 1'500'000);
+    ADD_FAILURE() << "the chain built within 1,500,000 steps";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_STREQ(e.what(), "the expression is too large: its automaton's 1002002 NFA states would "
+                           "take more than 1500000 steps to build");
+  }
+  EXPECT_EQ(compile_error("", &letters),
+            "regex: the expression is too large: its automaton would exceed 200000 states");
+  // The charge is exact: a{1000} (2,002 NFA states) needs 20,020 steps before its NFA is built.
+  const Regex a1000 = parse_regex("a{1000}");
+  ASSERT_EQ(a1000->nfa_states, 2002u);
+  try {
+    ByteDfa::build(a1000, ByteDfa::kMaxStates, 2002 * ByteDfa::kStepsPerNfaState - 1);
+    ADD_FAILURE() << "a{1000} built within 20,019 steps";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_STREQ(e.what(), "the expression is too large: its automaton's 2002 NFA states would "
+                           "take more than 20019 steps to build");
+  }
+  const ByteDfa a1000_dfa = ByteDfa::build(a1000);
+  EXPECT_EQ(a1000_dfa.num_states(), 1001u);
+  EXPECT_TRUE(a1000_dfa.matches(std::string(1000, 'a')));
+  EXPECT_FALSE(a1000_dfa.matches(std::string(999, 'a')));
+  EXPECT_GT(ByteDfa::last_build_steps(), 2002 * ByteDfa::kStepsPerNfaState);
+  // The schema compiler refuses past the same limit (ByteDfa::kMaxBuildNfaStates), which the
+  // Release budget leaves at kMaxNfaStates.
+  EXPECT_EQ(ByteDfa::kMaxBuildNfaStates, 1'600'000u);
 
   // Few states, each holding hundreds of NFA states: an exploding branch beside a run of 500
   // optional letters took 8 s and 0.8 GB before reaching the 200,000-state limit; the step budget
@@ -370,10 +406,13 @@ TEST(StructuredErrors, HostileFormatsHitLimitsWithClearErrors) {
   EXPECT_EQ(compile_error("", &wildcards),
             "regex: the expression is too large: building its automaton would take more than "
             "20000000 steps");
-  // Any JSON object (1,725 states, 44 byte classes): 349,984 NFA states visited and 75,900
-  // transitions, inside the budget and inside the fuzz build's 1,500,000.
+  // Any JSON object (4,944 NFA states, 1,725 states, 44 byte classes): its NFA states charged,
+  // 349,984 NFA states visited and 75,900 transitions, inside the budget and inside the fuzz
+  // build's 1,500,000.
+  EXPECT_EQ(json_object_regex()->nfa_states, 4944u);
   EXPECT_EQ(ByteDfa::build(json_object_regex()).num_states(), 1725u);
-  EXPECT_EQ(ByteDfa::last_build_steps(), 349'984u + 75'900u * ByteDfa::kStepsPerTransition);
+  EXPECT_EQ(ByteDfa::last_build_steps(), 4'944u * ByteDfa::kStepsPerNfaState + 349'984u +
+                                             75'900u * ByteDfa::kStepsPerTransition);
   EXPECT_LT(ByteDfa::last_build_steps(), 1'500'000u);
 
   // Schemas nest at most kMaxSchemaDepth (64) levels: 65 nested "items" are refused at the 65th.

@@ -35,6 +35,13 @@ class ByteDfa {
   // What one DFA transition costs beyond the NFA states it reads (setting up the closure, looking
   // up the target state, often a cache miss), in steps' time: measured 100-150 ns in Release.
   static constexpr uint64_t kStepsPerTransition = 12;
+  // What one NFA state costs, charged for the whole tree (RegexNode::nfa_states) before any is
+  // made: building it, measured 26-68 ns in Release once the state table is reserved (3-10 steps'
+  // time; 360-570 ns before, when ((a{500}){1000})'s 1,002,002 states took 0.54 s). At 10 the
+  // Release budget pays for more than kMaxNfaStates, so only the fuzz build (1,500,000 steps:
+  // 150,000 NFA states) refuses a tree for it; 20 would refuse a 3,000-property object schema
+  // (147,782 NFA states and 17.7 M steps of DFA construction) in Release.
+  static constexpr uint64_t kStepsPerNfaState = 10;
 
   // The most DFA states build() makes by default, and the NFA states it allows per DFA state;
   // kMaxNfaStates is the largest tree (RegexNode::nfa_states) build() takes by default, and the
@@ -42,10 +49,19 @@ class ByteDfa {
   static constexpr uint32_t kMaxStates = 200'000;
   static constexpr uint64_t kNfaStatesPerState = 8;
   static constexpr uint64_t kMaxNfaStates = uint64_t(kMaxStates) * kNfaStatesPerState;
+  // The largest tree build() takes with its default limits: within kMaxNfaStates, and no more
+  // NFA states than kMaxBuildSteps pays for at kStepsPerNfaState each (kMaxNfaStates in Release,
+  // 150,000 in the fuzz build). The JSON schema compiler refuses past it too (json_schema.h),
+  // naming where the schema passed it.
+  static constexpr uint64_t kMaxBuildNfaStates =
+      kMaxNfaStates < kMaxBuildSteps / kStepsPerNfaState ? kMaxNfaStates
+                                                          : kMaxBuildSteps / kStepsPerNfaState;
 
   // Throws std::invalid_argument when the expression matches no string at all, or when the
   // automaton would exceed max_states states (max_states * kNfaStatesPerState NFA states) or
-  // max_steps steps (the message gives the limit).
+  // max_steps steps (the message gives the limit). The tree's NFA states are charged
+  // (kStepsPerNfaState each) before the NFA is built: a tree too large for the steps is refused
+  // before any state is made.
   static ByteDfa build(const Regex& re, uint32_t max_states = kMaxStates,
                        uint64_t max_steps = kMaxBuildSteps);
   // Steps the last build() on this thread took (for the tests and benchmarks).

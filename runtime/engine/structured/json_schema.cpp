@@ -198,7 +198,7 @@ class SchemaCompiler {
   // anyof_refs_doubling_distinct: 25 s and 0.9 GB in the fuzz build, over 24 GB in Release).
   // They copy only small ones now (kMaxFlattenedChildren, regex_ast.h), and the parts' expanded
   // sizes together (RegexNode::nfa_states, each $ref counted wherever it is used) must stay
-  // within ByteDfa::kMaxNfaStates, the limit build() puts on the whole tree: such a schema is
+  // within ByteDfa::kMaxBuildNfaStates, the limit build() puts on the whole tree: such a schema is
   // refused where it passes the limit, naming that place. What is refused here is what build()
   // would refuse, but for the few states alt() and concat() save (2 per flattened alternation,
   // 1 per empty part, the single bytes merged into one set).
@@ -214,9 +214,9 @@ class SchemaCompiler {
     uint64_t states = 0;
     for (const Regex& p : parts)
       states = states > UINT64_MAX - p->nfa_states ? UINT64_MAX : states + p->nfa_states;
-    if (states > ByteDfa::kMaxNfaStates)
+    if (states > ByteDfa::kMaxBuildNfaStates)
       fail(path, "the schema is too large: expanded (each $ref wherever it is used), its "
-                 "automaton would exceed " + std::to_string(ByteDfa::kMaxNfaStates) +
+                 "automaton would exceed " + std::to_string(ByteDfa::kMaxBuildNfaStates) +
                  " NFA states");
   }
 

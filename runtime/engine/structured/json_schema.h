@@ -15,8 +15,9 @@
 // $comment, strict. Anything else throws std::invalid_argument naming the JSON path, e.g.
 // "response_format.json_schema.schema.properties.age: unsupported keyword 'multipleOf'".
 // So does a schema whose expanded tree (each $ref counted wherever it is used) would pass
-// ByteDfa::kMaxNfaStates, checked before its parts are joined: "...$defs.item: the schema is too
-// large: expanded (each $ref wherever it is used), its automaton would exceed 1600000 NFA states".
+// ByteDfa::kMaxBuildNfaStates (1,600,000 in Release), checked before its parts are joined:
+// "...$defs.item: the schema is too large: expanded (each $ref wherever it is used), its
+// automaton would exceed 1600000 NFA states".
 #pragma once
 
 #include <string>
