@@ -132,8 +132,7 @@ TEST(Bench, TinyPresetWritesTheRecordsAndTheTable) {
 // MTP speculative decoding on the bundled trained checkpoint: acceptance per draft position.
 TEST(Bench, SpeculativeDeploymentReportsAcceptance) {
   auto dir = test::temp_dir("bench_spec");
-  const auto model = std::filesystem::path(CLSHARD_SOURCE_DIR) / "configs" / "models" /
-                     "dsv3-mtp-trained";
+  const auto model = test::default_job_model();
   const std::string yaml = "model:\n  path: " + model.string() +
                            "\ndevices:\n  type: cpu\nkv_cache:\n  page_size: 16\n"
                            "sampling:\n  temperature: 0.0\n"

@@ -27,6 +27,12 @@ const nlohmann::json& reference_index(); // reference/index.json
 // A fresh empty dir under the build tree, in a folder of the running test's own.
 std::filesystem::path temp_dir(const std::string& name);
 
+// The default job's checkpoint (what scripts/quickstart.sh writes into configs/models/): the
+// trained model of ../shared/models/dsv3-mtp-trained with its f32 tensors rounded to bf16 by
+// scripts/bf16_checkpoint.py, made once per build tree (under test-models/) by the first test
+// that asks; the script's rename makes concurrent test processes agree on one copy.
+std::filesystem::path default_job_model();
+
 // Raw little-endian float32 file.
 std::vector<float> read_f32(const std::filesystem::path& p);
 
