@@ -47,12 +47,7 @@ Weight make_weight(Device& dev, std::vector<float>& values, std::vector<int64_t>
   return w;
 }
 
-struct ShapeScope {
-  Device& dev;
-  KernelShape saved;
-  ShapeScope(Device& d, KernelShape s) : dev(d), saved(d.kernel_shape()) { d.set_kernel_shape(s); }
-  ~ShapeScope() { dev.set_kernel_shape(saved); }
-};
+using test::ShapeScope;
 
 struct FusedCase {
   uint32_t M, K;

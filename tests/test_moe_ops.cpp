@@ -55,13 +55,7 @@ Routing route_on_device(const std::vector<float>& logits, const std::vector<floa
                         uint32_t T, const ops::RouterConfig& cfg, DType bias_dtype = DType::F32,
                         KernelShape shape = KernelShape::Chunks) {
   Device& dev = device();
-  const KernelShape saved = dev.kernel_shape();
-  dev.set_kernel_shape(shape);
-  struct Restore {
-    Device& d;
-    KernelShape s;
-    ~Restore() { d.set_kernel_shape(s); }
-  } restore{dev, saved};
+  test::ShapeScope scope(dev, shape);
   cl::Mem lb = upload(dev, logits);
   Weight bw;
   if (bias) {
@@ -386,11 +380,7 @@ TEST(MoeCombine, MatchesSlotOrderedLoopBitForBit) {
   for (auto& v : w) v = std::abs(normal(rng));
   for (auto& v : out0) v = normal(rng);
   cl::Mem eb = upload(dev, expert_out), sb = upload(dev, b.slot_row), wb = upload(dev, w);
-  struct Restore {
-    Device& d;
-    KernelShape s;
-    ~Restore() { d.set_kernel_shape(s); }
-  } restore{dev, dev.kernel_shape()};
+  test::ShapeScope scope(dev, dev.kernel_shape());  // the device's own shape back afterwards
   for (const KernelShape shape : {KernelShape::Chunks, KernelShape::WorkGroups})
   for (bool accumulate : {false, true}) {
     dev.set_kernel_shape(shape);
@@ -551,12 +541,7 @@ class GroupedExperts : public ::testing::TestWithParam<Case> {};
 TEST_P(GroupedExperts, MatchPerExpertOpsBitForBit) {
   const Case c = GetParam();
   Device& dev = device();
-  struct Restore {
-    Device& d;
-    KernelShape s;
-    ~Restore() { d.set_kernel_shape(s); }
-  } restore{dev, dev.kernel_shape()};
-  dev.set_kernel_shape(c.shape);
+  test::ShapeScope scope(dev, c.shape);
   const uint32_t routed = c.with_shared ? c.E - 1 : c.E, slots = c.k + (c.with_shared ? 1 : 0);
   const auto ids = random_ids(c.T, c.k, routed, 11 + c.T);
   std::vector<int32_t> all_ids;  // with the shared expert's slot
@@ -646,7 +631,7 @@ TEST_P(GroupedExperts, MatchPerExpertOpsBitForBit) {
 // Odd shapes: K tails (H % 16, F % 16), partial column tiles (F % 4), partial FP8 blocks, decode
 // (one-row tiles), prefill (four-row tiles) and an expert with more rows than one tile (64); a
 // shared expert; both kernel shapes (the WorkGroups one runs linear_wg's order for f32 / bf16 /
-// f16; FP8 has one shape).
+// f16, linear_fp8_wg's for FP8).
 constexpr KernelShape kWg = KernelShape::WorkGroups;
 INSTANTIATE_TEST_SUITE_P(
     MoeOps, GroupedExperts,
@@ -661,7 +646,8 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{DType::BF16, 13, 3, 5, 200, 70, true, kWg},
                       Case{DType::F32, 5, 2, 6, 72, 34, false, kWg},
                       Case{DType::F16, 70, 2, 3, 40, 18, false, kWg},
-                      Case{DType::F8_E4M3, 3, 2, 6, 300, 150, true, kWg}),
+                      Case{DType::F8_E4M3, 3, 2, 6, 300, 150, true, kWg},
+                      Case{DType::F8_E4M3, 30, 2, 4, 200, 138, false, kWg}),
     [](const ::testing::TestParamInfo<Case>& i) {
       return std::string(dtype_name(i.param.dtype)) + "_T" + std::to_string(i.param.T) + "_E" +
              std::to_string(i.param.E) + (i.param.with_shared ? "_shared" : "") +

@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "runtime/cl.h"
+#include "runtime/device.h"
 #include "runtime/device_manager.h"
 #include "runtime/model.h"
 
@@ -45,6 +46,22 @@ DeviceSelection cpu_devices(const std::string& split, bool all = false);
 
 // The first OpenCL device (PoCL's CPU device here), shared by the tests of one process.
 Device& default_device();
+
+// Sets a device's kernel shape for one scope (the GPU shape runs on PoCL too), and puts the
+// device's own shape back at the end of it.
+class ShapeScope {
+ public:
+  ShapeScope(Device& dev, KernelShape shape) : dev_(dev), saved_(dev.kernel_shape()) {
+    dev.set_kernel_shape(shape);
+  }
+  ~ShapeScope() { dev_.set_kernel_shape(saved_); }
+  ShapeScope(const ShapeScope&) = delete;
+  ShapeScope& operator=(const ShapeScope&) = delete;
+
+ private:
+  Device& dev_;
+  KernelShape saved_;
+};
 
 // Runs the clshard executable with args; returns its exit code, stdout and stderr in out/err.
 int run_clshard(const std::vector<std::string>& args, std::string* out = nullptr,
