@@ -257,6 +257,15 @@ kernel void moe_combine(global const float* expert_out, uint ld, global const ui
 }
 
 #ifdef ROW_WG
+// gather_rows' GPU shape (-DROW_WG lanes): a lane per column, work-groups of ROW_WG neighbouring
+// columns of one row. Launch: global (ceil(width / ROW_WG) * ROW_WG, n), local (ROW_WG, 1).
+kernel __attribute__((reqd_work_group_size(ROW_WG, 1, 1)))
+void gather_rows_wg(global const float* x, uint ldx, global const uint* rows, global float* y,
+                    uint ldy, uint width) {
+  const uint c = get_global_id(0), i = get_global_id(1);
+  if (c < width) y[(size_t)i * ldy + c] = x[(size_t)rows[i] * ldx + c];
+}
+
 // moe_combine's GPU shape (-DROW_WG lanes): a lane per column, work-groups of ROW_WG neighbouring
 // columns of one token; the same sum in the same order per element.
 // Launch: global (ceil(H / ROW_WG) * ROW_WG, T), local (ROW_WG, 1).

@@ -226,6 +226,15 @@ ExpertBatches group_by_expert(const std::vector<int32_t>& topk_ids, uint32_t T, 
 
 void gather_rows(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::Mem& rows, uint32_t n,
                  uint32_t width, const cl::Mem& y, uint32_t ldy) {
+  if (n == 0 || width == 0) return;
+  if (dev.kernel_shape() == KernelShape::WorkGroups) {
+    const size_t wg = dev.tuning().row_wg;
+    cl::Kernel k = dev.kernel("moe.cl", "gather_rows_wg", "-DROW_WG=" + std::to_string(wg));
+    cl::set_args(k, x, ldx, rows, y, ldy, width);
+    const size_t local[3] = {wg, 1, 1};
+    dev.launch(k, {ceil_div(width, uint32_t(wg)) * wg, n, 1}, 2, local);
+    return;
+  }
   cl::Kernel k = dev.kernel("moe.cl", "gather_rows");
   cl::set_args(k, x, ldx, rows, y, ldy, width);
   dev.launch(k, {n, ceil_div(width, kRowChunk), 1}, 2);

@@ -333,6 +333,8 @@ TEST(GroupByExpert, RejectsBadIds) {
 // ---------------------------------------------------------------------------------------------
 // gather_rows and moe_combine
 
+// In both kernel shapes (the GPU shape: a lane per column, the last work-group of a row partly
+// past the width).
 TEST(GatherRows, CopiesSelectedRowsAndNothingElse) {
   Device& dev = device();
   const uint32_t rows_in = 10, width = 300, ldx = 310, ldy = 305;  // 256-float chunk + 44 tail
@@ -341,14 +343,19 @@ TEST(GatherRows, CopiesSelectedRowsAndNothingElse) {
   const std::vector<uint32_t> rows = {3, 0, 9, 3, 7, 1, 1};  // repeats, as a token in 2 experts
   const uint32_t n = uint32_t(rows.size());
   std::vector<float> y0(n * ldy, -1.0f);
-  cl::Mem xb = upload(dev, x), rb = upload(dev, rows), yb = upload(dev, y0);
-  ops::gather_rows(dev, xb, ldx, rb, n, width, yb, ldy);
-  const std::vector<float> y = download<float>(dev, yb, y0.size());
-  for (uint32_t i = 0; i < n; ++i)
-    for (uint32_t c = 0; c < ldy; ++c) {
-      const float want = c < width ? x[rows[i] * ldx + c] : -1.0f;
-      ASSERT_EQ(y[i * ldy + c], want) << "row " << i << " col " << c;
-    }
+  cl::Mem xb = upload(dev, x), rb = upload(dev, rows);
+  for (const KernelShape shape : {KernelShape::Chunks, KernelShape::WorkGroups}) {
+    SCOPED_TRACE(kernel_shape_name(shape));
+    test::ShapeScope scope(dev, shape);
+    cl::Mem yb = upload(dev, y0);
+    ops::gather_rows(dev, xb, ldx, rb, n, width, yb, ldy);
+    const std::vector<float> y = download<float>(dev, yb, y0.size());
+    for (uint32_t i = 0; i < n; ++i)
+      for (uint32_t c = 0; c < ldy; ++c) {
+        const float want = c < width ? x[rows[i] * ldx + c] : -1.0f;
+        ASSERT_EQ(y[i * ldy + c], want) << "row " << i << " col " << c;
+      }
+  }
 }
 
 // The C++ loop of the combine: fma in slot order starting from 0, then added to out.
