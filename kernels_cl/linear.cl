@@ -85,16 +85,6 @@ kernel void linear(global const float* x, uint x_off, uint ldx,
                   m0, n0);
 }
 
-// Output column n of linear_fused: its weight row. Columns [0, n1) are rows of w0, [n1, n2) of
-// w1, [n2, N) of w2 (q, k, v side by side); with GLU, the gate row (w0) or the up row (w1).
-inline global const wtype* fused_row(uint n, global const wtype* w0, uint ldw0, uint n1,
-                                     global const wtype* w1, uint ldw1, uint n2,
-                                     global const wtype* w2, uint ldw2) {
-  if (n < n1) return w0 + (size_t)n * ldw0;
-  if (n < n2) return w1 + (size_t)(n - n1) * ldw1;
-  return w2 + (size_t)(n - n2) * ldw2;
-}
-
 // y[m, :N] (+)= alpha * (norm(x[rows[m]]) [W0; W1; W2]^T), or with GLU y[m, n] =
 // silu(norm(x) . gate[n]) * (norm(x) . up[n]) for n < N. norm(x) = x / sqrt(mean(x^2) + eps) * g
 // (NORM=1), else x; rows: when use_rows, input row m is x row rows[m] (the rows that get logits).

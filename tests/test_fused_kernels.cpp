@@ -260,7 +260,8 @@ INSTANTIATE_TEST_SUITE_P(
                       FusedCase{3, 67, DType::BF16, DType::F32, KernelShape::Chunks},
                       FusedCase{6, 37, DType::F32, DType::BF16, KernelShape::Chunks},
                       FusedCase{5, 70, DType::BF16, DType::BF16, KernelShape::Chunks},
-                      FusedCase{3, 37, DType::BF16, DType::BF16, KernelShape::WorkGroups}),
+                      FusedCase{3, 37, DType::BF16, DType::BF16, KernelShape::WorkGroups},
+                      FusedCase{6, 70, DType::F32, DType::BF16, KernelShape::WorkGroups}),
     case_name);
 
 }  // namespace
