@@ -13,8 +13,9 @@
 // -DCOLUMNS_IN_TURN=0|1 (one-row tiles: see tile_dots).
 //
 // linear_fused is the same tile with what decode runs around a GEMV folded in, so a layer takes
-// 6 launches instead of 12: up to three weights side by side as one output (q/k/v), RMSNorm of
-// the input rows in the prologue (-DNORM=1, norm weight type -DNORM_TYPE=0|1|2), the SwiGLU of
+// 7 launches instead of 12: up to three weights side by side as one output (q/k/v), RMSNorm of
+// the input rows in the prologue (-DNORM=1, norm weight type -DNORM_TYPE=0|1|2; the host folds
+// it into q/k/v and the lm_head, the MLP's runs apart: see ops::linear_swiglu), the SwiGLU of
 // gate and up in the epilogue (-DGLU=1), and the residual add (accumulate), already in linear.
 
 #ifndef TM

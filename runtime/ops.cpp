@@ -213,6 +213,7 @@ uint32_t common_k(const std::vector<const Weight*>& ws, const char* op) {
 
 // The fused kernel folds the norm only into one-row tiles (decode): with 4-row tiles (prefill)
 // the extra multiply per loaded x vector costs more than a separate launch parallel over rows.
+// linear_swiglu does not fold it at all (see there).
 bool fold_norm(const Device& dev, uint32_t M) {
   return dev.kernel_shape() == KernelShape::Chunks && M < kTileRowsFrom;
 }
@@ -391,15 +392,20 @@ void linear_swiglu(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, 
     copy_rows(dev, out.mem(), 0, F, y, y_off, ldy, M, F);
     return;
   }
-  if (norm && !fold_norm(dev, M)) {
-    Scratch xn(dev, size_t(M) * K * 4);
+  // The norm as a launch of its own, at decode too: folded into the gate/up GEMV it made that
+  // stage slower in 8 of 9 interleaved A/B pairs (bench_decode_breakdown, llama3-1b bf16, batch 1:
+  // 22-33 ms folded against 18-27 ms apart per step, 16 layers), more than the extra launch costs.
+  Scratch xn;
+  const cl::Mem* in = &x;
+  if (norm) {
+    xn = Scratch(dev, size_t(M) * K * 4);
     rmsnorm(dev, x, x_off, ldx, nullptr, *norm, xn.mem(), 0, K, M, K, eps);
-    launch_fused(dev, xn.mem(), 0, K, nullptr, nullptr, eps, {&gate, &up}, true, y, y_off, ldy, M,
-                 1.0f, false);
-    return;
+    in = &xn.mem();
+    x_off = 0;
+    ldx = K;
   }
-  launch_fused(dev, x, x_off, ldx, nullptr, norm, eps, {&gate, &up}, true, y, y_off, ldy, M, 1.0f,
-               false);
+  launch_fused(dev, *in, x_off, ldx, nullptr, nullptr, eps, {&gate, &up}, true, y, y_off, ldy, M,
+               1.0f, false);
 }
 
 void rmsnorm(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const cl::Mem* rows,
