@@ -42,6 +42,16 @@ typedef float wtype;
 #define LOADW16(i, p) vload16((i), (p))
 #define LOADW1(p) (*(p))
 #endif
+
+// Output column n of a launch over up to three weights side by side (linear_fused's q/k/v, both
+// kernel shapes): its weight row. Columns [0, n1) are rows of w0, [n1, n2) of w1, [n2, N) of w2.
+inline global const wtype* fused_row(uint n, global const wtype* w0, uint ldw0, uint n1,
+                                     global const wtype* w1, uint ldw1, uint n2,
+                                     global const wtype* w2, uint ldw2) {
+  if (n < n1) return w0 + (size_t)n * ldw0;
+  if (n < n2) return w1 + (size_t)(n - n1) * ldw1;
+  return w2 + (size_t)(n - n2) * ldw2;
+}
 #endif
 
 // The norm weight of kernels that fold an RMSNorm into a GEMV, when it has its own type:

@@ -91,3 +91,30 @@ inline void fp8_tile_dots(global const float* xr[TM], global const uchar* wr[TN]
   for (int j = 0; j < TN; ++j)
     row_has_nan[j] = any(umax[j] == (uchar16)(0xFF)) || any(smax[j] == (char16)(0x7F));
 }
+
+#ifdef RB
+// The GPU shape's sums over one FP8 weight row for RB rows of x, one lane's share of them
+// (linear_fp8.cl's linear_fp8_wg and moe.cl's grouped FP8 launch both call this, so a row's value
+// is the same in either): lane `lane` of `wg` takes the 4 bytes at 4 lane, 4 (lane + wg), ... and
+// then the K % 4 tail's columns lane, lane + wg, ...; each byte decoded exactly (e4m3_to_f32:
+// a NaN code is NaN and poisons the sums) times its K block's scale (srow: the row's scales).
+inline void fp8_lane_dots(global const float* xr[RB], global const uchar* wr,
+                          global const float* srow, uint K, uint lane, uint wg, float acc[RB]) {
+  for (int r = 0; r < RB; ++r) acc[r] = 0.0f;
+  const uint K4 = K / 4;
+  for (uint q = lane; q < K4; q += wg) {
+    const uchar4 b = vload4(q, wr);
+    const float s = srow[q * 4 / QBLOCK];  // QBLOCK is a multiple of 4: one block per 4 bytes
+    const float4 wv = (float4)(e4m3_to_f32(b.x), e4m3_to_f32(b.y), e4m3_to_f32(b.z),
+                               e4m3_to_f32(b.w)) * s;
+    for (int r = 0; r < RB; ++r) {
+      const float4 xv = vload4(q, xr[r]);
+      acc[r] = fma(xv.x, wv.x, fma(xv.y, wv.y, fma(xv.z, wv.z, fma(xv.w, wv.w, acc[r]))));
+    }
+  }
+  for (uint k = K4 * 4 + lane; k < K; k += wg) {
+    const float wv = e4m3_to_f32(wr[k]) * srow[k / QBLOCK];
+    for (int r = 0; r < RB; ++r) acc[r] = fma(xr[r][k], wv, acc[r]);
+  }
+}
+#endif

@@ -13,8 +13,9 @@
 // -DCOLUMNS_IN_TURN=0|1 (one-row tiles: see tile_dots).
 //
 // linear_fused is the same tile with what decode runs around a GEMV folded in, so a layer takes
-// 6 launches instead of 12: up to three weights side by side as one output (q/k/v), RMSNorm of
-// the input rows in the prologue (-DNORM=1, norm weight type -DNORM_TYPE=0|1|2), the SwiGLU of
+// 7 launches instead of 12: up to three weights side by side as one output (q/k/v), RMSNorm of
+// the input rows in the prologue (-DNORM=1, norm weight type -DNORM_TYPE=0|1|2; the host folds
+// it into q/k/v and the lm_head, the MLP's runs apart: see ops::linear_swiglu), the SwiGLU of
 // gate and up in the epilogue (-DGLU=1), and the residual add (accumulate), already in linear.
 
 #ifndef TM
@@ -83,16 +84,6 @@ kernel void linear(global const float* x, uint x_off, uint ldx,
     for (uint m0 = m_begin; m0 < m_end; m0 += TM)
       linear_tile(x, x_off, ldx, w, ldw, bias, has_bias, y, y_off, ldy, M, N, K, alpha, accumulate,
                   m0, n0);
-}
-
-// Output column n of linear_fused: its weight row. Columns [0, n1) are rows of w0, [n1, n2) of
-// w1, [n2, N) of w2 (q, k, v side by side); with GLU, the gate row (w0) or the up row (w1).
-inline global const wtype* fused_row(uint n, global const wtype* w0, uint ldw0, uint n1,
-                                     global const wtype* w1, uint ldw1, uint n2,
-                                     global const wtype* w2, uint ldw2) {
-  if (n < n1) return w0 + (size_t)n * ldw0;
-  if (n < n2) return w1 + (size_t)(n - n1) * ldw1;
-  return w2 + (size_t)(n - n2) * ldw2;
 }
 
 // y[m, :N] (+)= alpha * (norm(x[rows[m]]) [W0; W1; W2]^T), or with GLU y[m, n] =

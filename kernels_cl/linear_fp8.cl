@@ -11,7 +11,7 @@
 // same rounded to bf16 (nearest even), for the bf16-compute GEMM (model.compute_dtype: bf16).
 //
 // Build options: -DTM=1|4 -DTN=4 -DFP8_DENORM=1|0 -DCOLUMNS_IN_TURN=0|1 (one-row tiles, as
-// linear.cl), -DOUT_BF16=0|1 (dequantize_fp8).
+// linear.cl), -DOUT_BF16=0|1 (dequantize_fp8), -DWG -DRB (linear_fp8_wg, the GPU shape).
 //
 // At one byte per weight a GEMV is bound by the decode, not by memory, so the decode is a handful
 // of instructions (common.cl's e4m3x16_decode_scaled, FP8_DENORM chosen per device). The tile's
@@ -77,6 +77,41 @@ kernel void linear_fp8(global const float* x, uint x_off, uint ldx,
       linear_fp8_tile(x, x_off, ldx, w, scale, KB, y, y_off, ldy, M, N, K, alpha, accumulate, m0,
                       n0);
 }
+
+#ifdef WG
+// The GPU shape of linear_fp8 (linear_wg.cl's layout for one byte per weight): a work-group of WG
+// lanes owns one output feature n for up to RB rows; each lane sums its share of the row
+// (fp8_tile.cl's fp8_lane_dots: a 32-lane warp reads 128 consecutive bytes, every byte decoded
+// exactly, so NaN codes poison their feature through the sums), and the lanes' partial sums meet
+// in local memory in linear_wg's tree. Build options: -DWG (a power of two), -DRB.
+// Launch: global (N * WG, ceil(M / RB)), local (WG, 1).
+kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
+void linear_fp8_wg(global const float* x, uint x_off, uint ldx,
+                   global const uchar* w, global const float* scale, uint KB,
+                   global float* y, uint y_off, uint ldy,
+                   uint M, uint N, uint K, float alpha, int accumulate) {
+  local float partial[RB][WG];
+  const uint lane = get_local_id(0);
+  const uint n = get_group_id(0);
+  const uint m0 = get_group_id(1) * RB;
+  global const float* xr[RB];
+  for (int r = 0; r < RB; ++r) xr[r] = x + x_off + (size_t)min(m0 + r, M - 1) * ldx;  // clamped
+  float acc[RB];
+  fp8_lane_dots(xr, w + (size_t)n * K, scale + (size_t)(n / QBLOCK) * KB, K, lane, WG, acc);
+  for (int r = 0; r < RB; ++r) partial[r][lane] = acc[r];
+  barrier(CLK_LOCAL_MEM_FENCE);
+  for (uint stride = WG / 2; stride > 0; stride >>= 1) {
+    if (lane < stride)
+      for (int r = 0; r < RB; ++r) partial[r][lane] += partial[r][lane + stride];
+    barrier(CLK_LOCAL_MEM_FENCE);
+  }
+  if (lane < RB && m0 + lane < M) {
+    const float v = partial[lane][0] * alpha;
+    global float* out = y + y_off + (size_t)(m0 + lane) * ldy + n;
+    *out = accumulate ? *out + v : v;
+  }
+}
+#endif
 
 // Launch: global (N).
 #if OUT_BF16

@@ -36,3 +36,61 @@ kernel void linear_wg(global const float* x, uint x_off, uint ldx,
     *out = accumulate ? *out + v : v;
   }
 }
+
+// linear_fused's GPU shape (its norm, when asked, stays a launch of its own): one launch over up
+// to three weights side by side (q/k/v; output column n reads fused_row's row), or with -DGLU=1
+// gate row n and up row n summed side by side by the same lanes and silu(gate) * up stored. Every
+// sum is linear_wg's for its row (the same lanes, order and tree), so the outputs equal separate
+// linear_wg launches (then silu_mul, with GLU) bit for bit. Build options as linear_wg, -DGLU.
+// Launch: global (N * WG, ceil(M / RB)), local (WG, 1); N = the feature count (with GLU, gate's).
+#ifndef GLU
+#define GLU 0
+#endif
+#define FUSED_SUMS (GLU ? 2 : 1)
+kernel void linear_fused_wg(global const float* x, uint x_off, uint ldx,
+                            global const wtype* w0, uint w0_off, uint ldw0, uint n1,
+                            global const wtype* w1, uint w1_off, uint ldw1, uint n2,
+                            global const wtype* w2, uint w2_off, uint ldw2,
+                            global float* y, uint y_off, uint ldy,
+                            uint M, uint N, uint K, float alpha, int accumulate) {
+  local float partial[FUSED_SUMS][RB][WG];
+  const uint lane = get_local_id(0);
+  const uint n = get_group_id(0);
+  const uint m0 = get_group_id(1) * RB;
+  global const wtype* wr[FUSED_SUMS];
+#if GLU
+  wr[0] = w0 + w0_off + (size_t)n * ldw0;
+  wr[1] = w1 + w1_off + (size_t)n * ldw1;
+#else
+  wr[0] = fused_row(n, w0 + w0_off, ldw0, n1, w1 + w1_off, ldw1, n2, w2 + w2_off, ldw2);
+#endif
+  float acc[FUSED_SUMS][RB];
+  for (int p = 0; p < FUSED_SUMS; ++p)
+    for (int r = 0; r < RB; ++r) acc[p][r] = 0.0f;
+  for (uint k = lane; k < K; k += WG)
+    for (int p = 0; p < FUSED_SUMS; ++p) {
+      const float wv = LOADW1(wr[p] + k);
+      for (int r = 0; r < RB; ++r)
+        if (m0 + r < M) acc[p][r] = fma(x[x_off + (size_t)(m0 + r) * ldx + k], wv, acc[p][r]);
+    }
+  for (int p = 0; p < FUSED_SUMS; ++p)
+    for (int r = 0; r < RB; ++r) partial[p][r][lane] = acc[p][r];
+  barrier(CLK_LOCAL_MEM_FENCE);
+  for (uint stride = WG / 2; stride > 0; stride >>= 1) {
+    if (lane < stride)
+      for (int p = 0; p < FUSED_SUMS; ++p)
+        for (int r = 0; r < RB; ++r) partial[p][r][lane] += partial[p][r][lane + stride];
+    barrier(CLK_LOCAL_MEM_FENCE);
+  }
+  if (lane < RB && m0 + lane < M) {
+    global float* out = y + y_off + (size_t)(m0 + lane) * ldy + n;
+#if GLU
+    // linear_wg's stores of gate and up (alpha 1), then silu_mul's formula.
+    const float a = partial[0][lane][0] * 1.0f, b = partial[1][lane][0] * 1.0f;
+    *out = a / (1.0f + exp(-a)) * b;
+#else
+    const float v = partial[0][lane][0] * alpha;
+    *out = accumulate ? *out + v : v;
+#endif
+  }
+}

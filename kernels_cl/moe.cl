@@ -257,6 +257,15 @@ kernel void moe_combine(global const float* expert_out, uint ld, global const ui
 }
 
 #ifdef ROW_WG
+// gather_rows' GPU shape (-DROW_WG lanes): a lane per column, work-groups of ROW_WG neighbouring
+// columns of one row. Launch: global (ceil(width / ROW_WG) * ROW_WG, n), local (ROW_WG, 1).
+kernel __attribute__((reqd_work_group_size(ROW_WG, 1, 1)))
+void gather_rows_wg(global const float* x, uint ldx, global const uint* rows, global float* y,
+                    uint ldy, uint width) {
+  const uint c = get_global_id(0), i = get_global_id(1);
+  if (c < width) y[(size_t)i * ldy + c] = x[(size_t)rows[i] * ldx + c];
+}
+
 // moe_combine's GPU shape (-DROW_WG lanes): a lane per column, work-groups of ROW_WG neighbouring
 // columns of one token; the same sum in the same order per element.
 // Launch: global (ceil(H / ROW_WG) * ROW_WG, T), local (ROW_WG, 1).
@@ -473,3 +482,49 @@ void moe_grouped_linear_wg(global const float* x, uint ldx, global const uint* x
   }
 }
 #endif  // WEIGHT_TYPE && GROUPED_WG
+
+// The GPU shape of moe_grouped_linear for FP8 experts: linear_fp8_wg's contract per row (the same
+// lane sums, fp8_tile.cl's fp8_lane_dots, and the same tree), so every row's value equals
+// linear_fp8_wg's for it, bit for bit. One work-group per output feature of one matrix for one
+// tile, as moe_grouped_linear_wg. Build options: -DGROUPED_FP8=1, -DGROUPED_WG, -DRB.
+// Launch: global (n_mats * N * GROUPED_WG, max_tiles), local (GROUPED_WG, 1).
+#if defined(GROUPED_FP8) && defined(GROUPED_WG)
+kernel __attribute__((reqd_work_group_size(GROUPED_WG, 1, 1)))
+void moe_grouped_linear_fp8_wg(global const float* x, uint ldx, global const uint* x_rows,
+                               int indirect, global const uchar* w, global const float* scales,
+                               global const ulong* table, uint slot0,
+                               global const uint* tiles, global const uint* tile_count,
+                               global const uint* expert_offsets, uint rows_per_tile,
+                               global float* y, uint ldy, uint N, uint K) {
+  local float partial[RB][GROUPED_WG];
+  const uint tile = get_group_id(1);
+  if (tile >= *tile_count) return;
+  const uint lane = get_local_id(0);
+  const uint e = tiles[2 * tile], r_begin = tiles[2 * tile + 1];
+  const uint r_end = min(r_begin + rows_per_tile, expert_offsets[e + 1]);
+  const uint mat = get_group_id(0) / N, n = get_group_id(0) % N;
+  const uint KB = (K + QBLOCK - 1) / QBLOCK;
+  global const uchar* wr = w + table[6 * e + slot0 + mat] + (size_t)n * K;
+  global const float* srow = scales + table[6 * e + 3 + slot0 + mat] + (size_t)(n / QBLOCK) * KB;
+  for (uint m0 = r_begin; m0 < r_end; m0 += RB) {
+    global const float* xr[RB];
+    for (int r = 0; r < RB; ++r) {
+      const uint m = min(m0 + r, r_end - 1);
+      xr[r] = x + (size_t)(indirect ? x_rows[m] : m) * ldx;
+    }
+    float acc[RB];
+    fp8_lane_dots(xr, wr, srow, K, lane, GROUPED_WG, acc);
+    for (int r = 0; r < RB; ++r) partial[r][lane] = acc[r];
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (uint stride = GROUPED_WG / 2; stride > 0; stride >>= 1) {
+      if (lane < stride)
+        for (int r = 0; r < RB; ++r) partial[r][lane] += partial[r][lane + stride];
+      barrier(CLK_LOCAL_MEM_FENCE);
+    }
+    // linear_fp8_wg's epilogue with alpha 1: the same bits.
+    if (lane < RB && m0 + lane < r_end)
+      y[(size_t)(m0 + lane) * ldy + mat * N + n] = partial[lane][0] * 1.0f;
+    barrier(CLK_LOCAL_MEM_FENCE);  // partial is reused by the next pass
+  }
+}
+#endif  // GROUPED_FP8 && GROUPED_WG

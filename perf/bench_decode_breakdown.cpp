@@ -202,7 +202,7 @@ int main(int argc, char** argv) {
       {"rope + kv store", rope},
       {"attention", attention},
       {"o_proj + residual", o_proj, weight_bytes(L0.o)},
-      {"norm + gate/up + silu",
+      {"norm, gate/up + silu",
        [&](size_t l) {
          ops::linear_swiglu(dev, h, 0, H, &lw(l).post_attention_norm, eps, lw(l).gate, lw(l).up,
                             gu, 0, F, B);
@@ -214,29 +214,40 @@ int main(int argc, char** argv) {
        },
        weight_bytes(L0.down)},
   };
-  // The fused sequence with the MLP's norm as a launch of its own (the norm folded into q/k/v
-  // only): the folded norm multiplies every loaded x vector by the norm weight inside the gate/up
-  // GEMV, which this compares against one small launch.
-  std::vector<Stage> norm_apart = fused;
-  norm_apart[4] = {"gate/up + silu (norm apart)",
-                   [&](size_t l) {
-                     ops::rmsnorm(dev, h, 0, H, nullptr, lw(l).post_attention_norm, xn, 0, H, B,
-                                  H, eps);
-                     ops::linear_swiglu(dev, xn, 0, H, nullptr, eps, lw(l).gate, lw(l).up, gu, 0,
-                                        F, B);
-                   },
-                   weight_bytes(L0.gate) + weight_bytes(L0.up)};
+  // The fused sequence with q/k/v's norm as a launch of its own too (ops::linear_swiglu already
+  // runs the MLP's apart): the folded norm multiplies every loaded x vector by the norm weight
+  // inside the GEMV, which this compares against one small launch.
+  std::vector<Stage> norms_apart = fused;
+  norms_apart[0] = {"q/k/v (norm apart)",
+                    [&](size_t l) {
+                      ops::rmsnorm(dev, h, 0, H, nullptr, lw(l).input_norm, xn, 0, H, B, H, eps);
+                      ops::linear_fused(dev, xn, 0, H, nullptr, nullptr, eps,
+                                        {&lw(l).q, &lw(l).k, &lw(l).v}, qkv, 0, qkv_w, B);
+                    },
+                    weight_bytes(L0.q) + weight_bytes(L0.k) + weight_bytes(L0.v)};
   auto fused_head = [&] {
     ops::linear_fused(dev, h, 0, H, &st.logit_rows, &w.final_norm, eps, {&w.lm_head}, logits, 0,
                       V, B);
   };
-  // Interleaved, twice each: the machine is shared and its bandwidth moves between runs.
+  // Interleaved, in turn forwards and backwards: the machine is shared and its bandwidth moves
+  // between runs.
   for (int round = 0; round < rounds; ++round) {
     if (!fused_only) time_sequence(dev, "unfused", unfused, L, head, head_bytes, roofline, reps);
-    time_sequence(dev, "fused (what Llama3Model runs)", fused, L, fused_head, head_bytes,
-                  roofline, reps);
-    time_sequence(dev, "fused, the MLP's norm apart", norm_apart, L, fused_head, head_bytes,
-                  roofline, reps);
+    auto fused_run = [&] {
+      time_sequence(dev, "fused (what Llama3Model runs)", fused, L, fused_head, head_bytes,
+                    roofline, reps);
+    };
+    auto apart_runs = [&] {
+      time_sequence(dev, "fused, q/k/v's norm apart too", norms_apart, L, fused_head, head_bytes,
+                    roofline, reps);
+    };
+    if (round % 2 == 0) {
+      fused_run();
+      apart_runs();
+    } else {
+      apart_runs();
+      fused_run();
+    }
   }
   return 0;
 }

@@ -158,6 +158,14 @@ int main(int argc, char** argv) {
 
   // 1. The trained checkpoint.
   const std::filesystem::path trained = "configs/models/dsv3-mtp-trained";
+  if (!std::filesystem::is_regular_file(trained / "model.safetensors")) {
+    std::fprintf(stderr,
+                 "bench_speculative: %s is missing: run it from the repository root after "
+                 "scripts/quickstart.sh, or make it with python3 scripts/bf16_checkpoint.py "
+                 "../shared/models/dsv3-mtp-trained %s\n",
+                 trained.c_str(), trained.c_str());
+    return 1;
+  }
   auto target = load_model(trained, opts);
   auto draft = load_draft("mtp", trained, std::nullopt, opts);
   const Tokenizer tok = Tokenizer::from_dir(trained);

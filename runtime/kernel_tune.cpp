@@ -65,6 +65,31 @@ Weight bf16_weight(Device& dev, std::vector<int64_t> shape, uint32_t seed) {
   return w;
 }
 
+// An FP8 (e4m3fn) weight N x K of random codes (no NaN codes) and its f32 block scales.
+std::pair<Weight, Weight> fp8_weight(Device& dev, uint32_t N, uint32_t K, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int> code(0, 253);
+  std::vector<uint8_t> v(size_t(N) * K);
+  for (auto& x : v) {  // 0..254 without 0x7F: the two NaN codes left out
+    const int c = code(rng);
+    x = uint8_t(c < 0x7F ? c : c + 1);
+  }
+  const uint32_t NB = (N + 127) / 128, KB = (K + 127) / 128;
+  std::vector<float> sc(size_t(NB) * KB, 1.0f / 448.0f);
+  Weight w, s;
+  w.dtype = DType::F8_E4M3;
+  w.shape = {N, K};
+  w.name = "tune";
+  w.mem = dev.alloc(v.size());
+  dev.write(w.mem, v.data(), v.size());
+  s.dtype = DType::F32;
+  s.shape = {NB, KB};
+  s.name = "tune.scale_inv";
+  s.mem = dev.alloc(sc.size() * 4);
+  dev.write(s.mem, sc.data(), sc.size() * 4);
+  return {w, s};
+}
+
 DecodeRows decode_rows(Device& dev, uint32_t B, uint32_t ctx, uint32_t page_size) {
   const uint32_t ppr = (ctx + page_size - 1) / page_size;
   std::vector<uint32_t> row(B), pos(B, ctx - 1), lut(size_t(B) * ppr);
@@ -149,6 +174,20 @@ TuneWorkload::TuneWorkload(Device& dev, bool quick) : buffers_(std::make_unique<
     ops_.push_back({"linear M=1 bf16", "N=" + std::to_string(N) + " K=" + std::to_string(K),
                     double(N) * K * 2,
                     [&dev, x, y, &w, N, K] { ops::linear(dev, x, 0, K, w, nullptr, y, 0, N, 1); },
+                    {"linear_wg", "linear_rows"},
+                    {"gemv_stream_k"}});
+  }
+
+  // The FP8 GEMV (DeepSeek-V3's block-scaled e4m3 weights), one byte per weight.
+  {
+    const uint32_t N = quick ? 2048 : 4096, K = 2048;
+    auto [w8, s8] = fp8_weight(dev, N, K, 9);
+    const Weight& w = b.weights.emplace_back(std::move(w8));
+    const Weight& s = b.weights.emplace_back(std::move(s8));
+    cl::Mem x = keep(random_buffer(dev, K, 10)), y = keep(dev.alloc(N * 4));
+    ops_.push_back({"linear M=1 fp8", "N=" + std::to_string(N) + " K=" + std::to_string(K),
+                    double(N) * K,
+                    [&dev, x, y, &w, &s, N, K] { ops::linear_fp8(dev, x, 0, K, w, s, y, 0, N, 1); },
                     {"linear_wg", "linear_rows"},
                     {"gemv_stream_k"}});
   }

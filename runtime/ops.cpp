@@ -213,6 +213,7 @@ uint32_t common_k(const std::vector<const Weight*>& ws, const char* op) {
 
 // The fused kernel folds the norm only into one-row tiles (decode): with 4-row tiles (prefill)
 // the extra multiply per loaded x vector costs more than a separate launch parallel over rows.
+// linear_swiglu does not fold it at all (see there).
 bool fold_norm(const Device& dev, uint32_t M) {
   return dev.kernel_shape() == KernelShape::Chunks && M < kTileRowsFrom;
 }
@@ -255,6 +256,53 @@ void launch_fused(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, c
   dev.launch(k, {b.col_blocks, b.row_blocks, 1}, 2);
 }
 
+// linear_wg.cl's linear_fused_wg over `ws` (1 to 3 weights side by side; with glu, gate and up
+// and silu(gate) * up stored): one launch where separate linear_wg launches (and silu_mul) would
+// take three or four, with the same bits. At bf16 compute the rows are rounded first, as
+// ops::linear's GPU shape does.
+void launch_fused_wg(Device& dev, ComputeDType compute, const cl::Mem& x_in, uint32_t x_off,
+                     uint32_t ldx, const std::vector<const Weight*>& ws, bool glu,
+                     const cl::Mem& y, uint32_t y_off, uint32_t ldy, uint32_t M, float alpha,
+                     bool accumulate) {
+  const uint32_t K = common_k(ws, glu ? "linear_swiglu" : "linear_fused");
+  const cl::Mem* x = &x_in;
+  Scratch rounded;
+  if (bf16_gemm(compute, M, ws)) {
+    rounded = Scratch(dev, size_t(M) * K * 4);
+    round_bf16(dev, x_in, x_off, ldx, M, K, rounded.mem(), K, true);
+    x = &rounded.mem();
+    x_off = 0;
+    ldx = K;
+  }
+  uint32_t N = 0, ends[3] = {0, 0, 0};
+  for (size_t i = 0; i < ws.size(); ++i) {
+    N += uint32_t(ws[i]->dim(0));
+    ends[i] = N;
+  }
+  if (glu) N = uint32_t(ws[0]->dim(0));
+  const uint32_t wg = dev.tuning().linear_wg, rb = dev.tuning().linear_rows;
+  cl::Kernel k = dev.kernel("linear_wg.cl", "linear_fused_wg",
+                            weight_option(*ws[0]) + " -DWG=" + std::to_string(wg) +
+                                " -DRB=" + std::to_string(rb) + (glu ? " -DGLU=1" : ""));
+  const Weight& w0 = *ws[0];
+  const Weight& w1 = *ws[std::min<size_t>(1, ws.size() - 1)];
+  const Weight& w2 = *ws[std::min<size_t>(2, ws.size() - 1)];
+  const uint32_t n1 = ws.size() > 1 ? ends[0] : N, n2 = ws.size() > 2 ? ends[1] : N;
+  cl::set_args(k, *x, x_off, ldx, w0.mem, uint32_t(w0.offset), uint32_t(w0.row_stride()), n1,
+               w1.mem, uint32_t(w1.offset), uint32_t(w1.row_stride()), n2, w2.mem,
+               uint32_t(w2.offset), uint32_t(w2.row_stride()), y, y_off, ldy, M, N, K, alpha,
+               int(accumulate));
+  const size_t local[3] = {wg, 1, 1};
+  dev.launch(k, {size_t(N) * wg, (M + rb - 1) / rb, 1}, 2, local);
+}
+
+// Whether every weight's GEMM goes to CLBlast (ops_blas.h): the GPU shape's prefill.
+bool all_blas(const Device& dev, uint32_t M, const std::vector<const Weight*>& ws) {
+  for (const Weight* w : ws)
+    if (!blas_linear_applies(dev, M, *w, nullptr)) return false;
+  return true;
+}
+
 }  // namespace
 
 void linear_fused(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx,
@@ -275,12 +323,18 @@ void linear_fused(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx,
     return;
   }
   if (dev.kernel_shape() == KernelShape::WorkGroups) {
-    // The unfused ops: a normalised copy of the rows, then one GEMV per weight.
+    // The norm as a launch of its own into a normalised copy of the rows, then the weights side
+    // by side in one launch, or one CLBlast GEMM each where they take that route.
     if (rows && !norm)
       throw std::invalid_argument("linear_fused: a row gather without a norm needs the CPU kernel");
     Scratch xn(dev, size_t(M) * K * 4);
     if (norm) rmsnorm(dev, x, x_off, ldx, rows, *norm, xn.mem(), 0, K, M, K, eps);
     const cl::Mem& in = norm ? xn.mem() : x;
+    if (!all_blas(dev, M, weights)) {
+      launch_fused_wg(dev, compute, in, norm ? 0 : x_off, norm ? K : ldx, weights, false, y,
+                      y_off, ldy, M, alpha, accumulate);
+      return;
+    }
     uint32_t col = y_off;
     for (const Weight* w : weights) {
       linear(dev, in, norm ? 0 : x_off, norm ? K : ldx, *w, nullptr, y, col, ldy, M, alpha,
@@ -326,6 +380,11 @@ void linear_swiglu(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, 
       in_off = 0;
       in_ld = K;
     }
+    if (!all_blas(dev, M, {&gate, &up})) {  // gate, up and SwiGLU in one launch
+      launch_fused_wg(dev, compute, *in, in_off, in_ld, {&gate, &up}, true, y, y_off, ldy, M, 1.0f,
+                      false);
+      return;
+    }
     linear(dev, *in, in_off, in_ld, gate, nullptr, gu.mem(), 0, 2 * F, M, 1.0f, false, compute);
     linear(dev, *in, in_off, in_ld, up, nullptr, gu.mem(), F, 2 * F, M, 1.0f, false, compute);
     Scratch out(dev, size_t(M) * F * 4);
@@ -333,15 +392,20 @@ void linear_swiglu(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, 
     copy_rows(dev, out.mem(), 0, F, y, y_off, ldy, M, F);
     return;
   }
-  if (norm && !fold_norm(dev, M)) {
-    Scratch xn(dev, size_t(M) * K * 4);
+  // The norm as a launch of its own, at decode too: folded into the gate/up GEMV it made that
+  // stage slower in 8 of 9 interleaved A/B pairs (bench_decode_breakdown, llama3-1b bf16, batch 1:
+  // 22-33 ms folded against 18-27 ms apart per step, 16 layers), more than the extra launch costs.
+  Scratch xn;
+  const cl::Mem* in = &x;
+  if (norm) {
+    xn = Scratch(dev, size_t(M) * K * 4);
     rmsnorm(dev, x, x_off, ldx, nullptr, *norm, xn.mem(), 0, K, M, K, eps);
-    launch_fused(dev, xn.mem(), 0, K, nullptr, nullptr, eps, {&gate, &up}, true, y, y_off, ldy, M,
-                 1.0f, false);
-    return;
+    in = &xn.mem();
+    x_off = 0;
+    ldx = K;
   }
-  launch_fused(dev, x, x_off, ldx, nullptr, norm, eps, {&gate, &up}, true, y, y_off, ldy, M, 1.0f,
-               false);
+  launch_fused(dev, *in, x_off, ldx, nullptr, nullptr, eps, {&gate, &up}, true, y, y_off, ldy, M,
+               1.0f, false);
 }
 
 void rmsnorm(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const cl::Mem* rows,

@@ -76,6 +76,13 @@ void validate(const MlaShape& s) {
 
 void act_quant_fp8(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, uint32_t M,
                    uint32_t K, const cl::Mem& y) {
+  if (wg_shape(dev)) {  // a work-group of 128 lanes per (row, block)
+    cl::Kernel k = dev.kernel("act_quant.cl", "act_quant_fp8_wg");
+    cl::set_args(k, x, x_off, ldx, y, K);
+    const size_t local[3] = {128, 1, 1};
+    dev.launch(k, {size_t(K + 127) / 128 * 128, M, 1}, 2, local);
+    return;
+  }
   cl::Kernel k = dev.kernel("act_quant.cl", "act_quant_fp8");
   cl::set_args(k, x, x_off, ldx, y, K);
   dev.launch(k, {(K + 127) / 128, M, 1}, 2);

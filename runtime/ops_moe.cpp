@@ -78,6 +78,18 @@ void linear_fp8(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, con
                 const Weight& scale_inv, const cl::Mem& y, uint32_t y_off, uint32_t ldy, uint32_t M,
                 float alpha, bool accumulate) {
   const auto [N, K] = check_fp8_weight("linear_fp8", w, scale_inv);
+  if (dev.kernel_shape() == KernelShape::WorkGroups) {
+    // linear_wg's layout and work-group size (KernelTuning::linear_wg, linear_rows).
+    const uint32_t wg = dev.tuning().linear_wg, rb = dev.tuning().linear_rows;
+    cl::Kernel k = dev.kernel("linear_fp8.cl", "linear_fp8_wg",
+                              fp8_decode_option(dev) + " -DWG=" + std::to_string(wg) +
+                                  " -DRB=" + std::to_string(rb));
+    cl::set_args(k, x, x_off, ldx, w.mem, scale_inv.mem, ceil_div(K, kQuantBlock), y, y_off, ldy,
+                 M, N, K, alpha, int(accumulate));
+    const size_t local[3] = {wg, 1, 1};
+    dev.launch(k, {size_t(N) * wg, ceil_div(M, rb), 1}, 2, local);
+    return;
+  }
   // As ops::linear: a one-row tile for decode-sized batches, 4x4 tiles that reuse every decoded
   // weight vector four times for larger ones.
   // One-row tiles read their columns in turn (KernelTuning::gemv_stream_k, see linear.cl).
@@ -214,6 +226,15 @@ ExpertBatches group_by_expert(const std::vector<int32_t>& topk_ids, uint32_t T, 
 
 void gather_rows(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::Mem& rows, uint32_t n,
                  uint32_t width, const cl::Mem& y, uint32_t ldy) {
+  if (n == 0 || width == 0) return;
+  if (dev.kernel_shape() == KernelShape::WorkGroups) {
+    const size_t wg = dev.tuning().row_wg;
+    cl::Kernel k = dev.kernel("moe.cl", "gather_rows_wg", "-DROW_WG=" + std::to_string(wg));
+    cl::set_args(k, x, ldx, rows, y, ldy, width);
+    const size_t local[3] = {wg, 1, 1};
+    dev.launch(k, {ceil_div(width, uint32_t(wg)) * wg, n, 1}, 2, local);
+    return;
+  }
   cl::Kernel k = dev.kernel("moe.cl", "gather_rows");
   cl::set_args(k, x, ldx, rows, y, ldy, width);
   dev.launch(k, {n, ceil_div(width, kRowChunk), 1}, 2);
@@ -293,15 +314,22 @@ void moe_grouped_linear(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::M
   // One-row tiles read their columns in turn, as ops::linear's (KernelTuning::gemv_stream_k).
   if (plan.tm == 1 && K <= dev.tuning().gemv_stream_k)
     opts += " -DCOLUMNS_IN_TURN=1";
-  if (dev.kernel_shape() == KernelShape::WorkGroups && g.dtype != DType::F8_E4M3) {
-    // linear_wg's order per row (ops::linear's GPU shape), with its work-group size.
+  if (dev.kernel_shape() == KernelShape::WorkGroups) {
+    // linear_wg's / linear_fp8_wg's order per row (ops::linear's and ops::linear_fp8's GPU
+    // shape), with their work-group size.
     const uint32_t wg = dev.tuning().linear_wg, rb = dev.tuning().linear_rows;
-    cl::Kernel k = dev.kernel("moe.cl", "moe_grouped_linear_wg",
+    const bool fp8 = g.dtype == DType::F8_E4M3;
+    cl::Kernel k = dev.kernel("moe.cl", fp8 ? "moe_grouped_linear_fp8_wg" : "moe_grouped_linear_wg",
                               opts + " -DGROUPED_WG=" + std::to_string(wg) +
                                   " -DRB=" + std::to_string(rb));
-    cl::set_args(k, x, ldx, x_rows ? *x_rows : x, int(x_rows != nullptr), g.mem, g.table, slot0,
-                 plan.tiles.mem(), plan.tile_count.mem(), plan.expert_offsets.mem(),
-                 plan.rows_per_tile, y, ldy, N, K);
+    if (fp8)
+      cl::set_args(k, x, ldx, x_rows ? *x_rows : x, int(x_rows != nullptr), g.mem, g.mem, g.table,
+                   slot0, plan.tiles.mem(), plan.tile_count.mem(), plan.expert_offsets.mem(),
+                   plan.rows_per_tile, y, ldy, N, K);
+    else
+      cl::set_args(k, x, ldx, x_rows ? *x_rows : x, int(x_rows != nullptr), g.mem, g.table, slot0,
+                   plan.tiles.mem(), plan.tile_count.mem(), plan.expert_offsets.mem(),
+                   plan.rows_per_tile, y, ldy, N, K);
     const size_t local[3] = {wg, 1, 1};
     dev.launch(k, {size_t(n_mats) * N * wg, plan.max_tiles, 1}, 2, local);
     return;

@@ -1,13 +1,19 @@
 #!/usr/bin/env python3
 """Copies a Hugging Face checkpoint directory with its F32 tensors rounded to BF16 (round to
 nearest even) — except DeepSeek's router correction bias, which stays F32 as in the released
-checkpoints — everything else as is: how configs/models/dsv3-mtp-trained was made from
-../shared/models/dsv3-mtp-trained. Standard library only.
+checkpoints — everything else as is. This is how the default job's model,
+configs/models/dsv3-mtp-trained, is made from ../shared/models/dsv3-mtp-trained (by
+scripts/quickstart.sh; the tests make their own copy in the build tree). Standard library only.
 
     python3 scripts/bf16_checkpoint.py SRC_DIR DST_DIR
+
+DST_DIR appears whole or not at all: the files are written into a temporary sibling that is
+renamed at the end, so an interrupted run leaves no half-written checkpoint behind, and of two
+runs racing for the same DST_DIR one wins and the other leaves it as it is.
 """
 import array
 import json
+import os
 import shutil
 import struct
 import sys
@@ -55,17 +61,32 @@ def convert(src: Path, dst: Path) -> None:
 
 
 def main() -> None:
+    if len(sys.argv) != 3:
+        sys.exit("usage: python3 scripts/bf16_checkpoint.py SRC_DIR DST_DIR")
     src, dst = Path(sys.argv[1]), Path(sys.argv[2])
-    dst.mkdir(parents=True, exist_ok=True)
-    for p in src.iterdir():
-        if p.suffix == ".safetensors":
-            convert(p, dst / p.name)
-        elif p.name == "config.json":
-            cfg = json.loads(p.read_text())
-            cfg["torch_dtype"] = "bfloat16"
-            (dst / p.name).write_text(json.dumps(cfg, indent=2) + "\n")
-        else:
-            shutil.copy(p, dst / p.name)
+    if not (src / "config.json").is_file():
+        sys.exit(f"{src}: not a checkpoint directory (no config.json)")
+    tmp = dst.with_name(f"{dst.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        for p in sorted(src.iterdir()):
+            if p.suffix == ".safetensors":
+                convert(p, tmp / p.name)
+            elif p.name == "config.json":
+                cfg = json.loads(p.read_text())
+                cfg["torch_dtype"] = "bfloat16"
+                (tmp / p.name).write_text(json.dumps(cfg, indent=2) + "\n")
+            else:
+                shutil.copy(p, tmp / p.name)
+        try:
+            tmp.rename(dst)
+        except OSError:
+            if not (dst / "config.json").is_file():
+                raise
+            # Another run made DST_DIR first: the same bytes from the same source.
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

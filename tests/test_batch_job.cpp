@@ -231,7 +231,7 @@ TEST(BatchJob, DefaultJobWithMtpEqualsPlainDecoding) {
       ASSERT_NE(at, std::string::npos) << from;
       yaml.replace(at, from.size(), to);
     };
-    replace("path: models/dsv3-mtp-trained", "path: " + (cfg.parent_path() / "models" / "dsv3-mtp-trained").string());
+    replace("path: models/dsv3-mtp-trained", "path: " + test::default_job_model().string());
     replace("input: prompts/english-prompts.jsonl",
             "input: " + (cfg.parent_path() / "prompts" / "english-prompts.jsonl").string());
     replace("output: ../.cache/out/english-completions.jsonl", "output: out.jsonl");

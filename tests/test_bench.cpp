@@ -61,16 +61,10 @@ void expect_sane_record(const nlohmann::json& r, uint32_t batch, uint32_t prompt
 // on an H100's 132).
 TEST(DeviceReadBandwidth, BothShapesReadTheWholeBuffer) {
   Device& dev = test::default_device();
-  struct ShapeScope {  // the device's own shape back afterwards
-    Device& dev;
-    KernelShape saved;
-    ShapeScope(Device& d, KernelShape s) : dev(d), saved(d.kernel_shape()) { d.set_kernel_shape(s); }
-    ~ShapeScope() { dev.set_kernel_shape(saved); }
-  };
   auto name = [](KernelShape s) { return s == KernelShape::Chunks ? "chunks" : "workgroups"; };
   const size_t asked = (size_t(8) << 20) + 12345;
   for (const KernelShape shape : {KernelShape::Chunks, KernelShape::WorkGroups}) {
-    ShapeScope scope(dev, shape);
+    test::ShapeScope scope(dev, shape);
     const DeviceReadBandwidth r = measure_device_read_bandwidth(dev, asked, 1, 0.5f);
     EXPECT_EQ(r.shape, shape);
     EXPECT_LE(r.bytes, asked);
@@ -80,7 +74,7 @@ TEST(DeviceReadBandwidth, BothShapesReadTheWholeBuffer) {
     EXPECT_EQ(r.sum, double(r.bytes / 4) * 0.5) << name(shape);
     EXPECT_GT(r.gb_s, 0.0);
   }
-  ShapeScope scope(dev, KernelShape::WorkGroups);
+  test::ShapeScope scope(dev, KernelShape::WorkGroups);
   try {
     measure_device_read_bandwidth(dev, 4096);
     FAIL() << "expected an error";
@@ -132,8 +126,7 @@ TEST(Bench, TinyPresetWritesTheRecordsAndTheTable) {
 // MTP speculative decoding on the bundled trained checkpoint: acceptance per draft position.
 TEST(Bench, SpeculativeDeploymentReportsAcceptance) {
   auto dir = test::temp_dir("bench_spec");
-  const auto model = std::filesystem::path(CLSHARD_SOURCE_DIR) / "configs" / "models" /
-                     "dsv3-mtp-trained";
+  const auto model = test::default_job_model();
   const std::string yaml = "model:\n  path: " + model.string() +
                            "\ndevices:\n  type: cpu\nkv_cache:\n  page_size: 16\n"
                            "sampling:\n  temperature: 0.0\n"

@@ -125,11 +125,7 @@ TEST(Engine, GpuShapeGivesTheCpuShapesTokensAndLogprobs) {
   reqs[2].sampling.min_p = 0.02f;
   reqs[2].sampling.seed = 5;
   Device& dev = test::default_device();
-  struct ShapeScope {
-    Device& d;
-    KernelShape saved;
-    ~ShapeScope() { d.set_kernel_shape(saved); }
-  } scope{dev, dev.kernel_shape()};
+  test::ShapeScope scope(dev, dev.kernel_shape());
   std::vector<GenerationResult> got[2];
   for (int shape = 0; shape < 2; ++shape) {
     dev.set_kernel_shape(shape ? KernelShape::WorkGroups : KernelShape::Chunks);

@@ -199,9 +199,12 @@ Fp8Problem random_problem(uint32_t N, uint32_t K, uint32_t seed) {
   return p;
 }
 
-// Runs y = alpha * x W^T (+ y0) with row strides and offsets around the data, and checks every
-// output against the double-precision product: max |diff| <= 1e-5 * max |y| (the fp8_gemm case's
-// fp32 tolerance), and that the padding around y was not written.
+const char* shape_name(KernelShape s) { return s == KernelShape::Chunks ? "cpu shape" : "gpu shape"; }
+
+// Runs y = alpha * x W^T (+ y0) with row strides and offsets around the data, in both kernel
+// shapes (the GPU shape's linear_fp8_wg on PoCL), and checks every output against the
+// double-precision product: max |diff| <= 1e-5 * max |y| (the fp8_gemm case's fp32 tolerance),
+// and that the padding around y was not written.
 void check_linear_fp8(uint32_t M, uint32_t N, uint32_t K, float alpha, bool accumulate,
                       uint32_t seed) {
   SCOPED_TRACE("M=" + std::to_string(M) + " N=" + std::to_string(N) + " K=" + std::to_string(K) +
@@ -214,12 +217,6 @@ void check_linear_fp8(uint32_t M, uint32_t N, uint32_t K, float alpha, bool accu
   std::vector<float> x(x_off + size_t(M) * ldx), y0(y_off + size_t(M) * ldy);
   for (auto& v : x) v = normal(rng);
   for (auto& v : y0) v = normal(rng);
-
-  Weight wq = fp8_weight(dev, p.w, N, K);
-  Weight sc = to_device_f32(dev, p.scales, {ceil128(N), ceil128(K)}, "test.scale_inv");
-  cl::Mem xb = upload(dev, x), yb = upload(dev, y0);
-  ops::linear_fp8(dev, xb, x_off, ldx, wq, sc, yb, y_off, ldy, M, alpha, accumulate);
-  const std::vector<float> y = download(dev, yb, y0.size());
 
   std::vector<double> want(size_t(M) * N);
   double max_abs = 0;
@@ -234,17 +231,27 @@ void check_linear_fp8(uint32_t M, uint32_t N, uint32_t K, float alpha, bool accu
       max_abs = std::max(max_abs, std::abs(acc));
     }
   ASSERT_GT(max_abs, 0.0);
-  double max_err = 0;
-  for (uint32_t m = 0; m < M; ++m)
-    for (uint32_t n = 0; n < N; ++n)
-      max_err = std::max(
-          max_err, std::abs(double(y[y_off + size_t(m) * ldy + n]) - want[size_t(m) * N + n]));
-  EXPECT_LE(max_err, 1e-5 * max_abs) << "max abs error " << max_err << " of max |y| " << max_abs;
-  // Everything outside the M x N window keeps its old value.
-  for (size_t i = 0; i < y.size(); ++i) {
-    const bool inside = i >= y_off && (i - y_off) % ldy < N && (i - y_off) / ldy < M;
-    if (!inside) {
-      ASSERT_EQ(y[i], y0[i]) << "element " << i << " outside the output was written";
+
+  Weight wq = fp8_weight(dev, p.w, N, K);
+  Weight sc = to_device_f32(dev, p.scales, {ceil128(N), ceil128(K)}, "test.scale_inv");
+  for (const KernelShape shape : {KernelShape::Chunks, KernelShape::WorkGroups}) {
+    SCOPED_TRACE(shape_name(shape));
+    test::ShapeScope scope(dev, shape);
+    cl::Mem xb = upload(dev, x), yb = upload(dev, y0);
+    ops::linear_fp8(dev, xb, x_off, ldx, wq, sc, yb, y_off, ldy, M, alpha, accumulate);
+    const std::vector<float> y = download(dev, yb, y0.size());
+    double max_err = 0;
+    for (uint32_t m = 0; m < M; ++m)
+      for (uint32_t n = 0; n < N; ++n)
+        max_err = std::max(
+            max_err, std::abs(double(y[y_off + size_t(m) * ldy + n]) - want[size_t(m) * N + n]));
+    EXPECT_LE(max_err, 1e-5 * max_abs) << "max abs error " << max_err << " of max |y| " << max_abs;
+    // Everything outside the M x N window keeps its old value.
+    for (size_t i = 0; i < y.size(); ++i) {
+      const bool inside = i >= y_off && (i - y_off) % ldy < N && (i - y_off) / ldy < M;
+      if (!inside) {
+        ASSERT_EQ(y[i], y0[i]) << "element " << i << " outside the output was written";
+      }
     }
   }
 }
@@ -271,7 +278,8 @@ TEST_P(Fp8Decodes, LinearAlphaAndAccumulate) {
 }
 
 // A NaN code (0x7F or 0xFF) makes its output feature NaN, as x . W^T with a NaN weight is, in the
-// vector part and in the K % 16 tail, for every row of x; the other features stay exact.
+// vector part and in the K % 16 tail, for every row of x; the other features stay exact. Both
+// kernel shapes: the CPU one watches the raw bytes, the GPU one's exact decode yields the NaN.
 TEST_P(Fp8Decodes, LinearNanCodePoisonsItsFeatureOnly) {
   Device& dev = device();
   const uint32_t M = 5, N = 12, K = 150;  // tail of 6 columns
@@ -282,27 +290,32 @@ TEST_P(Fp8Decodes, LinearNanCodePoisonsItsFeatureOnly) {
   std::vector<float> x(M * K, 0.25f);
   Weight wq = fp8_weight(dev, p.w, N, K);
   Weight sc = to_device_f32(dev, p.scales, {1, 2}, "test.scale_inv");
-  cl::Mem xb = upload(dev, x), yb = dev.alloc(M * N * sizeof(float));
-  ops::linear_fp8(dev, xb, 0, K, wq, sc, yb, 0, N, M);
-  const std::vector<float> y = download(dev, yb, M * N);
-  for (uint32_t m = 0; m < M; ++m)
-    for (uint32_t n = 0; n < N; ++n) {
-      if (n == 1 || n == 6 || n == 9) {
-        EXPECT_TRUE(std::isnan(y[m * N + n])) << "row " << m << " feature " << n;
-        continue;
+  for (const KernelShape shape : {KernelShape::Chunks, KernelShape::WorkGroups}) {
+    SCOPED_TRACE(shape_name(shape));
+    test::ShapeScope scope(dev, shape);
+    cl::Mem xb = upload(dev, x), yb = dev.alloc(M * N * sizeof(float));
+    ops::linear_fp8(dev, xb, 0, K, wq, sc, yb, 0, N, M);
+    const std::vector<float> y = download(dev, yb, M * N);
+    for (uint32_t m = 0; m < M; ++m)
+      for (uint32_t n = 0; n < N; ++n) {
+        if (n == 1 || n == 6 || n == 9) {
+          EXPECT_TRUE(std::isnan(y[m * N + n])) << "row " << m << " feature " << n;
+          continue;
+        }
+        double want = 0, mag = 0;
+        for (uint32_t k = 0; k < K; ++k) {
+          want += 0.25 * p.w_deq[n * K + k];
+          mag += std::abs(0.25 * p.w_deq[n * K + k]);
+        }
+        EXPECT_NEAR(y[m * N + n], want, 1e-6 * mag) << "row " << m << " feature " << n;
       }
-      double want = 0, mag = 0;
-      for (uint32_t k = 0; k < K; ++k) {
-        want += 0.25 * p.w_deq[n * K + k];
-        mag += std::abs(0.25 * p.w_deq[n * K + k]);
-      }
-      EXPECT_NEAR(y[m * N + n], want, 1e-6 * mag) << "row " << m << " feature " << n;
-    }
+  }
 }
 
 // The denormal-based decode carries 2^100 on the activation side and 2^-120 on the weights:
 // activations of 1e4 against scales of 1e3 (|x * scale| = 1e7, below its 2^28 limit) and of 1e-20
-// (products ~1e-23, far above its 2^-106 floor) come out as exact as plain f32.
+// (products ~1e-23, far above its 2^-106 floor) come out as exact as plain f32; so does the GPU
+// shape's exact decode.
 TEST_P(Fp8Decodes, LinearExtremeActivationsAndScales) {
   Device& dev = device();
   const uint32_t N = 8, K = 256;
@@ -315,17 +328,21 @@ TEST_P(Fp8Decodes, LinearExtremeActivationsAndScales) {
     for (uint32_t k = 0; k < K; ++k) x[k] = (k % 3 == 0 ? -x_mag : x_mag) * (1 + k % 7) / 7.0f;
     Weight wq = fp8_weight(dev, p.w, N, K);
     Weight sc = to_device_f32(dev, p.scales, {1, 2}, "test.scale_inv");
-    cl::Mem xb = upload(dev, x), yb = dev.alloc(N * sizeof(float));
-    ops::linear_fp8(dev, xb, 0, K, wq, sc, yb, 0, N, 1);
-    const std::vector<float> y = download(dev, yb, N);
-    for (uint32_t n = 0; n < N; ++n) {
-      double want = 0, mag = 0;
-      for (uint32_t k = 0; k < K; ++k) {
-        want += double(x[k]) * p.w_deq[n * K + k];
-        mag += std::abs(double(x[k]) * p.w_deq[n * K + k]);
+    for (const KernelShape shape : {KernelShape::Chunks, KernelShape::WorkGroups}) {
+      SCOPED_TRACE(shape_name(shape));
+      test::ShapeScope scope(dev, shape);
+      cl::Mem xb = upload(dev, x), yb = dev.alloc(N * sizeof(float));
+      ops::linear_fp8(dev, xb, 0, K, wq, sc, yb, 0, N, 1);
+      const std::vector<float> y = download(dev, yb, N);
+      for (uint32_t n = 0; n < N; ++n) {
+        double want = 0, mag = 0;
+        for (uint32_t k = 0; k < K; ++k) {
+          want += double(x[k]) * p.w_deq[n * K + k];
+          mag += std::abs(double(x[k]) * p.w_deq[n * K + k]);
+        }
+        ASSERT_TRUE(std::isfinite(y[n])) << "feature " << n;
+        EXPECT_NEAR(y[n], want, 1e-6 * mag) << "feature " << n;
       }
-      ASSERT_TRUE(std::isfinite(y[n])) << "feature " << n;
-      EXPECT_NEAR(y[n], want, 1e-6 * mag) << "feature " << n;
     }
   }
 }
@@ -358,11 +375,7 @@ TEST(LinearFp8, RejectsWrongDtypeAndScaleShape) {
 // the GPU shape (which keeps FP8 weights in its tiles), keep linear_fp8's bits.
 TEST_P(Fp8Decodes, LinearAnyBf16ComputeIsTheBf16GemmOfTheDequantizedWeight) {
   Device& dev = device();
-  struct ShapeScope {  // the device's own shape back afterwards
-    Device& dev;
-    KernelShape saved;
-    ~ShapeScope() { dev.set_kernel_shape(saved); }
-  } scope{dev, dev.kernel_shape()};
+  test::ShapeScope scope(dev, dev.kernel_shape());  // the device's own shape back afterwards
   for (const KernelShape shape : {KernelShape::Chunks, KernelShape::WorkGroups})
   for (const auto& [M, N, K] : {std::tuple<uint32_t, uint32_t, uint32_t>{64, 200, 300},
                                {97, 131, 259}, {17, 131, 259}, {1, 200, 300}}) {

@@ -36,8 +36,14 @@ float nearest_e4m3(float v) {
   return best;
 }
 
-TEST(Fp8ActQuant, KernelRoundsEachBlockToE4m3) {
+// Both kernel shapes (the GPU one on PoCL): each element equals the host's nearest e4m3 value
+// times the block's scale; a NaN in a block leaves its scale to the other elements (the amax
+// passes over it) and stays NaN itself.
+class Fp8ActQuant : public ::testing::TestWithParam<KernelShape> {};
+
+TEST_P(Fp8ActQuant, KernelRoundsEachBlockToE4m3) {
   Device& dev = test::default_device();
+  test::ShapeScope scope(dev, GetParam());
   const uint32_t M = 3, K = 300;  // two full 128-column blocks and a partial one
   std::mt19937 rng(5);
   std::normal_distribution<float> d(0, 2);
@@ -45,11 +51,15 @@ TEST(Fp8ActQuant, KernelRoundsEachBlockToE4m3) {
   for (auto& v : x) v = d(rng);
   x[7] = 0.0f;
   x[K + 3] = 1e-7f;  // below the smallest subnormal step of its block
+  x[2 * K + 140] = std::nanf("");  // row 2, second block
   cl::Mem xm = dev.alloc(x.size() * 4), ym = dev.alloc(x.size() * 4);
   dev.write(xm, x.data(), x.size() * 4);
   ops::act_quant_fp8(dev, xm, 0, K, M, K, ym);
   std::vector<float> y(x.size());
   dev.read(ym, y.data(), y.size() * 4);
+  EXPECT_TRUE(std::isnan(y[2 * K + 140]));
+  x[2 * K + 140] = 0.0f;  // the host's amax below skips it as the kernel's does
+  y[2 * K + 140] = 0.0f;
   size_t changed = 0;
   for (uint32_t m = 0; m < M; ++m)
     for (uint32_t b = 0; b * 128 < K; ++b) {
@@ -65,6 +75,9 @@ TEST(Fp8ActQuant, KernelRoundsEachBlockToE4m3) {
     }
   EXPECT_GT(changed, x.size() / 2) << "quantization should move most values";
 }
+INSTANTIATE_TEST_SUITE_P(Shapes, Fp8ActQuant,
+                         ::testing::Values(KernelShape::Chunks, KernelShape::WorkGroups),
+                         [](const auto& info) { return std::string(kernel_shape_name(info.param)); });
 
 // Median over positions of the per-position max |logit difference| (the README's metric).
 float median_row_max(const std::vector<float>& a, const std::vector<float>& b, uint32_t vocab) {

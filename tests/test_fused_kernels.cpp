@@ -47,12 +47,7 @@ Weight make_weight(Device& dev, std::vector<float>& values, std::vector<int64_t>
   return w;
 }
 
-struct ShapeScope {
-  Device& dev;
-  KernelShape saved;
-  ShapeScope(Device& d, KernelShape s) : dev(d), saved(d.kernel_shape()) { d.set_kernel_shape(s); }
-  ~ShapeScope() { dev.set_kernel_shape(saved); }
-};
+using test::ShapeScope;
 
 struct FusedCase {
   uint32_t M, K;
@@ -265,7 +260,8 @@ INSTANTIATE_TEST_SUITE_P(
                       FusedCase{3, 67, DType::BF16, DType::F32, KernelShape::Chunks},
                       FusedCase{6, 37, DType::F32, DType::BF16, KernelShape::Chunks},
                       FusedCase{5, 70, DType::BF16, DType::BF16, KernelShape::Chunks},
-                      FusedCase{3, 37, DType::BF16, DType::BF16, KernelShape::WorkGroups}),
+                      FusedCase{3, 37, DType::BF16, DType::BF16, KernelShape::WorkGroups},
+                      FusedCase{6, 70, DType::F32, DType::BF16, KernelShape::WorkGroups}),
     case_name);
 
 }  // namespace

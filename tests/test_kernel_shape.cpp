@@ -169,7 +169,9 @@ TEST(KernelTuningFile, AnEntryOverridesTheBuiltInRowForItsDeviceOnly) {
 INSTANTIATE_TEST_SUITE_P(Cases, ForcedGpuShape,
                          ::testing::Values("llama3-tiny-bf16/short", "llama3-tiny-rope64-bf16/long",
                                            "deepseek-v3-tiny-bf16/short",
-                                           "deepseek-v3-tiny-grouped-bf16/short"),
+                                           "deepseek-v3-tiny-grouped-bf16/short",
+                                           "deepseek-v3-tiny-fp8/short",
+                                           "deepseek-v3-tiny-grouped-fp8/short"),
                          [](const auto& info) {
                            std::string n = info.param;
                            for (char& c : n)

@@ -45,13 +45,7 @@ struct LinearCase {
   KernelShape shape = KernelShape::Chunks;  // WorkGroups: the GPU-shaped variant, run on PoCL
 };
 
-// Sets a device's kernel shape for one scope.
-struct ShapeScope {
-  Device& dev;
-  KernelShape saved;
-  ShapeScope(Device& d, KernelShape s) : dev(d), saved(d.kernel_shape()) { d.set_kernel_shape(s); }
-  ~ShapeScope() { dev.set_kernel_shape(saved); }
-};
+using test::ShapeScope;
 
 class LinearKernel : public ::testing::TestWithParam<LinearCase> {};
 

@@ -134,12 +134,7 @@ TEST_P(Llama3NarrowCache, MatchesTheReferenceWithinTheDtypesTolerance) {
   const float tolerance = narrow_cache_tolerance(cdt);
   const RefCase rc = load_case(std::get<0>(GetParam()));
   Device& dev = test::default_device();
-  struct ShapeScope {
-    Device& d;
-    KernelShape saved;
-    ~ShapeScope() { d.set_kernel_shape(saved); }
-  } scope{dev, dev.kernel_shape()};
-  dev.set_kernel_shape(std::get<1>(GetParam()));
+  test::ShapeScope scope(dev, std::get<1>(GetParam()));
   std::vector<std::vector<int32_t>> seqs;
   for (const auto& s : rc.seqs) seqs.push_back(s.tokens);
   const auto f32_logits = all_position_logits(*load(rc), seqs, 16);

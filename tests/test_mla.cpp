@@ -315,12 +315,7 @@ TEST(MlaShapes, PrefillRowsFollowThePageTable) {
 // The cache row is [RMSNorm(c_kv) * gamma | RoPE(k_pe)], q_pe is roped in place, q_nope untouched;
 // interleaved pairs (DeepSeek) and half-split pairs (rope_interleave false); in both kernel shapes.
 TEST_F(MlaOps, RopeStoreWritesNormalisedLatentAndRopedKey) {
-  const KernelShape saved = dev.kernel_shape();
-  struct Restore {
-    Device& d;
-    KernelShape s;
-    ~Restore() { d.set_kernel_shape(s); }
-  } restore{dev, saved};
+  test::ShapeScope scope(dev, dev.kernel_shape());  // the device's own shape back afterwards
   for (const KernelShape ks : {KernelShape::Chunks, KernelShape::WorkGroups}) {
     for (bool interleaved : {true, false}) {
       dev.set_kernel_shape(ks);

@@ -55,13 +55,7 @@ Routing route_on_device(const std::vector<float>& logits, const std::vector<floa
                         uint32_t T, const ops::RouterConfig& cfg, DType bias_dtype = DType::F32,
                         KernelShape shape = KernelShape::Chunks) {
   Device& dev = device();
-  const KernelShape saved = dev.kernel_shape();
-  dev.set_kernel_shape(shape);
-  struct Restore {
-    Device& d;
-    KernelShape s;
-    ~Restore() { d.set_kernel_shape(s); }
-  } restore{dev, saved};
+  test::ShapeScope scope(dev, shape);
   cl::Mem lb = upload(dev, logits);
   Weight bw;
   if (bias) {
@@ -339,6 +333,8 @@ TEST(GroupByExpert, RejectsBadIds) {
 // ---------------------------------------------------------------------------------------------
 // gather_rows and moe_combine
 
+// In both kernel shapes (the GPU shape: a lane per column, the last work-group of a row partly
+// past the width).
 TEST(GatherRows, CopiesSelectedRowsAndNothingElse) {
   Device& dev = device();
   const uint32_t rows_in = 10, width = 300, ldx = 310, ldy = 305;  // 256-float chunk + 44 tail
@@ -347,14 +343,19 @@ TEST(GatherRows, CopiesSelectedRowsAndNothingElse) {
   const std::vector<uint32_t> rows = {3, 0, 9, 3, 7, 1, 1};  // repeats, as a token in 2 experts
   const uint32_t n = uint32_t(rows.size());
   std::vector<float> y0(n * ldy, -1.0f);
-  cl::Mem xb = upload(dev, x), rb = upload(dev, rows), yb = upload(dev, y0);
-  ops::gather_rows(dev, xb, ldx, rb, n, width, yb, ldy);
-  const std::vector<float> y = download<float>(dev, yb, y0.size());
-  for (uint32_t i = 0; i < n; ++i)
-    for (uint32_t c = 0; c < ldy; ++c) {
-      const float want = c < width ? x[rows[i] * ldx + c] : -1.0f;
-      ASSERT_EQ(y[i * ldy + c], want) << "row " << i << " col " << c;
-    }
+  cl::Mem xb = upload(dev, x), rb = upload(dev, rows);
+  for (const KernelShape shape : {KernelShape::Chunks, KernelShape::WorkGroups}) {
+    SCOPED_TRACE(kernel_shape_name(shape));
+    test::ShapeScope scope(dev, shape);
+    cl::Mem yb = upload(dev, y0);
+    ops::gather_rows(dev, xb, ldx, rb, n, width, yb, ldy);
+    const std::vector<float> y = download<float>(dev, yb, y0.size());
+    for (uint32_t i = 0; i < n; ++i)
+      for (uint32_t c = 0; c < ldy; ++c) {
+        const float want = c < width ? x[rows[i] * ldx + c] : -1.0f;
+        ASSERT_EQ(y[i * ldy + c], want) << "row " << i << " col " << c;
+      }
+  }
 }
 
 // The C++ loop of the combine: fma in slot order starting from 0, then added to out.
@@ -386,11 +387,7 @@ TEST(MoeCombine, MatchesSlotOrderedLoopBitForBit) {
   for (auto& v : w) v = std::abs(normal(rng));
   for (auto& v : out0) v = normal(rng);
   cl::Mem eb = upload(dev, expert_out), sb = upload(dev, b.slot_row), wb = upload(dev, w);
-  struct Restore {
-    Device& d;
-    KernelShape s;
-    ~Restore() { d.set_kernel_shape(s); }
-  } restore{dev, dev.kernel_shape()};
+  test::ShapeScope scope(dev, dev.kernel_shape());  // the device's own shape back afterwards
   for (const KernelShape shape : {KernelShape::Chunks, KernelShape::WorkGroups})
   for (bool accumulate : {false, true}) {
     dev.set_kernel_shape(shape);
@@ -551,12 +548,7 @@ class GroupedExperts : public ::testing::TestWithParam<Case> {};
 TEST_P(GroupedExperts, MatchPerExpertOpsBitForBit) {
   const Case c = GetParam();
   Device& dev = device();
-  struct Restore {
-    Device& d;
-    KernelShape s;
-    ~Restore() { d.set_kernel_shape(s); }
-  } restore{dev, dev.kernel_shape()};
-  dev.set_kernel_shape(c.shape);
+  test::ShapeScope scope(dev, c.shape);
   const uint32_t routed = c.with_shared ? c.E - 1 : c.E, slots = c.k + (c.with_shared ? 1 : 0);
   const auto ids = random_ids(c.T, c.k, routed, 11 + c.T);
   std::vector<int32_t> all_ids;  // with the shared expert's slot
@@ -646,7 +638,7 @@ TEST_P(GroupedExperts, MatchPerExpertOpsBitForBit) {
 // Odd shapes: K tails (H % 16, F % 16), partial column tiles (F % 4), partial FP8 blocks, decode
 // (one-row tiles), prefill (four-row tiles) and an expert with more rows than one tile (64); a
 // shared expert; both kernel shapes (the WorkGroups one runs linear_wg's order for f32 / bf16 /
-// f16; FP8 has one shape).
+// f16, linear_fp8_wg's for FP8).
 constexpr KernelShape kWg = KernelShape::WorkGroups;
 INSTANTIATE_TEST_SUITE_P(
     MoeOps, GroupedExperts,
@@ -661,7 +653,8 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{DType::BF16, 13, 3, 5, 200, 70, true, kWg},
                       Case{DType::F32, 5, 2, 6, 72, 34, false, kWg},
                       Case{DType::F16, 70, 2, 3, 40, 18, false, kWg},
-                      Case{DType::F8_E4M3, 3, 2, 6, 300, 150, true, kWg}),
+                      Case{DType::F8_E4M3, 3, 2, 6, 300, 150, true, kWg},
+                      Case{DType::F8_E4M3, 30, 2, 4, 200, 138, false, kWg}),
     [](const ::testing::TestParamInfo<Case>& i) {
       return std::string(dtype_name(i.param.dtype)) + "_T" + std::to_string(i.param.T) + "_E" +
              std::to_string(i.param.E) + (i.param.with_shared ? "_shared" : "") +

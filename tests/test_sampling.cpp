@@ -75,10 +75,8 @@ INSTANTIATE_TEST_SUITE_P(Shapes, DeviceSampling,
                          });
 
 // Sets the test device's kernel shape for one scope.
-struct ShapeScope {
-  KernelShape saved;
-  explicit ShapeScope(KernelShape s) : saved(dev().kernel_shape()) { dev().set_kernel_shape(s); }
-  ~ShapeScope() { dev().set_kernel_shape(saved); }
+struct ShapeScope : test::ShapeScope {
+  explicit ShapeScope(KernelShape s) : test::ShapeScope(dev(), s) {}
 };
 
 TEST(DeviceSamplingShapes, SameDrawsAndLogprobsInBothShapes) {

@@ -57,6 +57,21 @@ std::filesystem::path temp_dir(const std::string& name) {
   return p;
 }
 
+std::filesystem::path default_job_model() {
+  const auto dir = std::filesystem::path(CLSHARD_BINARY_DIR) / "test-models" / "dsv3-mtp-trained";
+  if (std::filesystem::is_regular_file(dir / "model.safetensors")) return dir;
+  std::filesystem::create_directories(dir.parent_path());
+  const auto src = shared_dir() / "models" / "dsv3-mtp-trained";
+  std::string err;
+  if (run_program({"python3", std::string(CLSHARD_SOURCE_DIR) + "/scripts/bf16_checkpoint.py",
+                   src.string(), dir.string()},
+                  nullptr, &err) != 0 ||
+      !std::filesystem::is_regular_file(dir / "model.safetensors"))
+    throw std::runtime_error("making the default job's bf16 checkpoint from " + src.string() +
+                             " failed: " + err);
+  return dir;
+}
+
 std::vector<float> read_f32(const std::filesystem::path& p) {
   std::ifstream in(p, std::ios::binary);
   if (!in) throw std::runtime_error("cannot open " + p.string());

@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "runtime/cl.h"
+#include "runtime/device.h"
 #include "runtime/device_manager.h"
 #include "runtime/model.h"
 
@@ -27,6 +28,12 @@ const nlohmann::json& reference_index(); // reference/index.json
 // A fresh empty dir under the build tree, in a folder of the running test's own.
 std::filesystem::path temp_dir(const std::string& name);
 
+// The default job's checkpoint (what scripts/quickstart.sh writes into configs/models/): the
+// trained model of ../shared/models/dsv3-mtp-trained with its f32 tensors rounded to bf16 by
+// scripts/bf16_checkpoint.py, made once per build tree (under test-models/) by the first test
+// that asks; the script's rename makes concurrent test processes agree on one copy.
+std::filesystem::path default_job_model();
+
 // Raw little-endian float32 file.
 std::vector<float> read_f32(const std::filesystem::path& p);
 
@@ -39,6 +46,22 @@ DeviceSelection cpu_devices(const std::string& split, bool all = false);
 
 // The first OpenCL device (PoCL's CPU device here), shared by the tests of one process.
 Device& default_device();
+
+// Sets a device's kernel shape for one scope (the GPU shape runs on PoCL too), and puts the
+// device's own shape back at the end of it.
+class ShapeScope {
+ public:
+  ShapeScope(Device& dev, KernelShape shape) : dev_(dev), saved_(dev.kernel_shape()) {
+    dev.set_kernel_shape(shape);
+  }
+  ~ShapeScope() { dev_.set_kernel_shape(saved_); }
+  ShapeScope(const ShapeScope&) = delete;
+  ShapeScope& operator=(const ShapeScope&) = delete;
+
+ private:
+  Device& dev_;
+  KernelShape saved_;
+};
 
 // Runs the clshard executable with args; returns its exit code, stdout and stderr in out/err.
 int run_clshard(const std::vector<std::string>& args, std::string* out = nullptr,
