@@ -26,6 +26,20 @@ inline float hsum16(float16 v) {
   return c.x + c.y;
 }
 
+// The end of a GPU-shaped row sum: the lanes' partial sums of `rows` rows (partial: rows x wg
+// floats in local memory, row r at r * wg, every lane's written) are added into slot 0 of each
+// row by a tree, halves, then quarters, ..., with a barrier before and after each step; the
+// whole work-group must reach it. Every work-group GEMV (linear_wg, linear_fused_wg,
+// linear_fp8_wg and the grouped experts) ends this way, so their rows agree bit for bit.
+inline void wg_tree_sum(local float* partial, uint rows, uint wg, uint lane) {
+  barrier(CLK_LOCAL_MEM_FENCE);
+  for (uint stride = wg / 2; stride > 0; stride >>= 1) {
+    if (lane < stride)
+      for (uint r = 0; r < rows; ++r) partial[r * wg + lane] += partial[r * wg + lane + stride];
+    barrier(CLK_LOCAL_MEM_FENCE);
+  }
+}
+
 // The weight element type of kernels built with -DWEIGHT_TYPE=0|1|2 (f32 | bf16 | f16): wtype,
 // and loaders that widen to f32 in registers (a weight is never converted in memory).
 #ifdef WEIGHT_TYPE

@@ -99,12 +99,7 @@ void linear_fp8_wg(global const float* x, uint x_off, uint ldx,
   float acc[RB];
   fp8_lane_dots(xr, w + (size_t)n * K, scale + (size_t)(n / QBLOCK) * KB, K, lane, WG, acc);
   for (int r = 0; r < RB; ++r) partial[r][lane] = acc[r];
-  barrier(CLK_LOCAL_MEM_FENCE);
-  for (uint stride = WG / 2; stride > 0; stride >>= 1) {
-    if (lane < stride)
-      for (int r = 0; r < RB; ++r) partial[r][lane] += partial[r][lane + stride];
-    barrier(CLK_LOCAL_MEM_FENCE);
-  }
+  wg_tree_sum(&partial[0][0], RB, WG, lane);
   if (lane < RB && m0 + lane < M) {
     const float v = partial[lane][0] * alpha;
     global float* out = y + y_off + (size_t)(m0 + lane) * ldy + n;

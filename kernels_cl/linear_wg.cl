@@ -22,12 +22,7 @@ kernel void linear_wg(global const float* x, uint x_off, uint ldx,
       if (m0 + r < M) acc[r] = fma(x[x_off + (size_t)(m0 + r) * ldx + k], wv, acc[r]);
   }
   for (int r = 0; r < RB; ++r) partial[r][lane] = acc[r];
-  barrier(CLK_LOCAL_MEM_FENCE);
-  for (uint stride = WG / 2; stride > 0; stride >>= 1) {
-    if (lane < stride)
-      for (int r = 0; r < RB; ++r) partial[r][lane] += partial[r][lane + stride];
-    barrier(CLK_LOCAL_MEM_FENCE);
-  }
+  wg_tree_sum(&partial[0][0], RB, WG, lane);
   if (lane < RB && m0 + lane < M) {
     float v = partial[lane][0];
     if (has_bias) v += LOADW1(bias_base + b_off + n);
@@ -75,13 +70,7 @@ kernel void linear_fused_wg(global const float* x, uint x_off, uint ldx,
     }
   for (int p = 0; p < FUSED_SUMS; ++p)
     for (int r = 0; r < RB; ++r) partial[p][r][lane] = acc[p][r];
-  barrier(CLK_LOCAL_MEM_FENCE);
-  for (uint stride = WG / 2; stride > 0; stride >>= 1) {
-    if (lane < stride)
-      for (int p = 0; p < FUSED_SUMS; ++p)
-        for (int r = 0; r < RB; ++r) partial[p][r][lane] += partial[p][r][lane + stride];
-    barrier(CLK_LOCAL_MEM_FENCE);
-  }
+  wg_tree_sum(&partial[0][0][0], FUSED_SUMS * RB, WG, lane);
   if (lane < RB && m0 + lane < M) {
     global float* out = y + y_off + (size_t)(m0 + lane) * ldy + n;
 #if GLU

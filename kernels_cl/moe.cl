@@ -470,12 +470,7 @@ void moe_grouped_linear_wg(global const float* x, uint ldx, global const uint* x
       for (int r = 0; r < RB; ++r) acc[r] = fma(xr[r][k], wv, acc[r]);
     }
     for (int r = 0; r < RB; ++r) partial[r][lane] = acc[r];
-    barrier(CLK_LOCAL_MEM_FENCE);
-    for (uint stride = GROUPED_WG / 2; stride > 0; stride >>= 1) {
-      if (lane < stride)
-        for (int r = 0; r < RB; ++r) partial[r][lane] += partial[r][lane + stride];
-      barrier(CLK_LOCAL_MEM_FENCE);
-    }
+    wg_tree_sum(&partial[0][0], RB, GROUPED_WG, lane);
     if (lane < RB && m0 + lane < r_end)
       y[(size_t)(m0 + lane) * ldy + mat * N + n] = partial[lane][0];
     barrier(CLK_LOCAL_MEM_FENCE);  // partial is reused by the next pass
@@ -515,12 +510,7 @@ void moe_grouped_linear_fp8_wg(global const float* x, uint ldx, global const uin
     float acc[RB];
     fp8_lane_dots(xr, wr, srow, K, lane, GROUPED_WG, acc);
     for (int r = 0; r < RB; ++r) partial[r][lane] = acc[r];
-    barrier(CLK_LOCAL_MEM_FENCE);
-    for (uint stride = GROUPED_WG / 2; stride > 0; stride >>= 1) {
-      if (lane < stride)
-        for (int r = 0; r < RB; ++r) partial[r][lane] += partial[r][lane + stride];
-      barrier(CLK_LOCAL_MEM_FENCE);
-    }
+    wg_tree_sum(&partial[0][0], RB, GROUPED_WG, lane);
     // linear_fp8_wg's epilogue with alpha 1: the same bits.
     if (lane < RB && m0 + lane < r_end)
       y[(size_t)(m0 + lane) * ldy + mat * N + n] = partial[lane][0] * 1.0f;
