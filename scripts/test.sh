@@ -25,12 +25,15 @@ if [ "${1:-}" = --sanitize ]; then
   ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:detect_stack_use_after_return=0 \
     ctest --test-dir build-asan --output-on-failure -j1 -R '^(mpi_|Mpi)' ||
     failed+=("ASan+UBSan MPI tests")
-  # The threaded parts: collectives and signals between devices, the engine, the batch job.
+  # The threaded parts: collectives and signals between devices (CollectivesOn, the silent-peer
+  # CollectiveFaults), data and tensor parallel replicas, the engine, the batch job, and the server
+  # (its engine thread and connection threads: Server.*, and `clshard serve` itself under curl and
+  # the openai client, server_*). Parameterised suites are named Setups/..., Devices/... by gtest.
   cmake --preset tsan "${launcher[@]}" > /dev/null
   cmake --build build-tsan -j"$(nproc)" --target clshard_tests clshard
   TSAN_OPTIONS="suppressions=$supp/tsan.supp:halt_on_error=1:second_deadlock_stack=1" \
     ctest --test-dir build-tsan --output-on-failure -j1 \
-      -R '^(Collectives|Signals|DataParallel|Engine|BatchJob|BatchOutput|Transport|OpenClTransport)' ||
+      -R '^(Collective|Setups/CollectivesOn|DataParallel|Devices/DataParallelLlama|TensorParallelLlama|Engine|BatchJob|BatchOutput|Server\.|ServeMetrics|server_)' ||
     failed+=("TSan threaded tests")
   if [ ${#failed[@]} -gt 0 ]; then
     printf 'test.sh --sanitize: failed: %s\n' "${failed[@]}" >&2
