@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
 # Fuzzes clshard's parsers with libFuzzer under ASan + UBSan (clang; the regular build does not
 # need it). One target per input surface (tests/fuzz/fuzz_entries.h).
-#   bash scripts/fuzz.sh [TARGET|all] [SECONDS per target, default 120]
+#   bash scripts/fuzz.sh [TARGET|all] [SECONDS per target, default 120] [LIBFUZZER FLAGS...]
+#   bash scripts/fuzz.sh json_schema 7200 -runs=1000000 -timeout=600 -report_slow_units=1
+#                                  flags after SECONDS come last, so they win over the defaults
+#                                  below. A long run on a machine where it may be paused (SIGSTOP)
+#                                  needs a larger -timeout, since a pause reads as a hang; then run
+#                                  the target binary with -timeout=1 on the slow-unit-* files that
+#                                  -report_slow_units=1 keeps in the artifacts folder
 #   bash scripts/fuzz.sh all 0     replay only: every seed and kept crasher once through each target
 #                                  under ASan + UBSan, no fuzzing (scripts/test.sh runs this in CI)
 # Crashes, hangs (> 1 s per input), leaks and sanitizer reports land in build-fuzz/artifacts/TARGET/;
@@ -10,6 +16,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 target="${1:-all}"
 seconds="${2:-120}"
+extra=("${@:3}")
 all=(safetensors model_config tokenizer chat_template deploy_yaml job_lines api_request json_schema)
 if [ "$target" = all ]; then targets=("${all[@]}"); else targets=("$target"); fi
 for t in "${targets[@]}"; do
@@ -34,7 +41,7 @@ for t in "${targets[@]}"; do
   if [ "$seconds" = 0 ]; then budget=(-runs=0); else budget=(-max_total_time="$seconds"); fi
   if ! "build-fuzz/tests/fuzz/fuzz_$t" "$corpus" "$seeds/$t" "${budget[@]}" \
       -timeout=1 -rss_limit_mb=2048 -max_len=65536 -dict="tests/fuzz/dict/${dict[$t]}.dict" \
-      -artifact_prefix="$artifacts" -print_final_stats=1 > "$log" 2>&1; then
+      -artifact_prefix="$artifacts" -print_final_stats=1 "${extra[@]}" > "$log" 2>&1; then
     status=1
     echo "$t: FAILED, see $log and $artifacts" >&2
   fi
