@@ -41,7 +41,7 @@
 inline void linear_tile(global const float* x, uint x_off, uint ldx, global const wtype* w,
                         uint ldw, global const wtype* bias, int has_bias, global float* y, uint y_off,
                         uint ldy, uint M, uint N, uint K, float alpha, int accumulate, uint m0,
-                        uint n0) {
+                        uint n0, uint pf_stride) {
   // Rows and columns past the edge compute on a valid row (clamped) and are not stored.
   global const float* xr[TM];
   global const wtype* wr[TN];
@@ -50,7 +50,7 @@ inline void linear_tile(global const float* x, uint x_off, uint ldx, global cons
 #pragma unroll
   for (int j = 0; j < TN; ++j) wr[j] = w + (size_t)min(n0 + j, N - 1) * ldw;
   float out[TM][TN];
-  tile_dots(xr, wr, 0, K, out);
+  tile_dots(xr, wr, 0, K, pf_stride, out);
 
 #pragma unroll
   for (int i = 0; i < TM; ++i) {
@@ -81,9 +81,9 @@ kernel void linear(global const float* x, uint x_off, uint ldx,
   global const wtype* w = w_base + w_off;
   global const wtype* bias = bias_base + b_off;
   for (uint n0 = n_begin; n0 < n_end; n0 += TN)
-    for (uint m0 = m_begin; m0 < m_end; m0 += TM)
+    for (uint m0 = m_begin; m0 < m_end; m0 += TM)  // the next tile's rows, while this one's stream
       linear_tile(x, x_off, ldx, w, ldw, bias, has_bias, y, y_off, ldy, M, N, K, alpha, accumulate,
-                  m0, n0);
+                  m0, n0, m0 == m_begin && n0 + TN < n_end ? TN * ldw : 0);
 }
 
 // y[m, :N] (+)= alpha * (norm(x[rows[m]]) [W0; W1; W2]^T), or with GLU y[m, n] =
@@ -143,7 +143,8 @@ kernel void linear_fused(global const float* x, uint x_off, uint ldx, global con
 #endif
       }
       float out[TM][TN];
-      tile_dots(xr, wr, g, K, out);
+      // The next tile's rows (GLU: the next gate and up rows), while this one's stream.
+      tile_dots(xr, wr, g, K, m0 == m_begin && n0 + tile_cols < n_end ? tile_cols * ldw0 : 0, out);
 #pragma unroll
       for (int i = 0; i < TM; ++i) {
         if (m0 + i >= M) break;

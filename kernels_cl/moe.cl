@@ -368,7 +368,8 @@ typedef wtype gw_t;
 
 inline void grouped_tile(global const float* x, uint ldx, global const uint* x_rows, int indirect,
                          global const gw_t* w, global const float* srow, uint KB, global float* y,
-                         uint ldy, uint y_col, uint N, uint K, uint m0, uint m_end, uint n0) {
+                         uint ldy, uint y_col, uint N, uint K, uint m0, uint m_end, uint n0,
+                         uint pf_stride) {
   global const float* xr[TM];
   global const gw_t* wr[TN];
 #pragma unroll
@@ -383,7 +384,7 @@ inline void grouped_tile(global const float* x, uint ldx, global const uint* x_r
   bool row_has_nan[TN];
   fp8_tile_dots(xr, wr, srow, KB, K, out, row_has_nan);
 #else
-  tile_dots(xr, wr, 0, K, out);
+  tile_dots(xr, wr, 0, K, pf_stride, out);
 #endif
 #pragma unroll
   for (int i = 0; i < TM; ++i) {
@@ -429,8 +430,11 @@ kernel void moe_grouped_linear(global const float* x, uint ldx, global const uin
 #else
     global const float* srow = scales;
 #endif
+    // The next tile's rows while this one's stream (linear_tile.cl), within one matrix.
+    const uint pf = c + 1 < c_end && (c + 1) % per_mat != 0 ? TN * K : 0;
     for (uint m0 = r_begin; m0 < r_end; m0 += TM)
-      grouped_tile(x, ldx, x_rows, indirect, wm, srow, KB, y, ldy, mat * N, N, K, m0, r_end, n0);
+      grouped_tile(x, ldx, x_rows, indirect, wm, srow, KB, y, ldy, mat * N, N, K, m0, r_end, n0,
+                   m0 == r_begin ? pf : 0);
   }
 }
 #endif  // WEIGHT_TYPE || GROUPED_FP8

@@ -5,8 +5,16 @@
 // plus its share of launch cost, without a per-launch synchronisation. The layers rotate through
 // the weights, so the caches are as cold as in a real step. The whole step chained in one finish
 // is timed too: the sum of the stages should come close to it.
-// Both sequences are timed: the unfused launches (12 per layer) and the fused ones the model runs.
+// Both sequences are timed: the unfused launches (12 per layer) and the fused ones the model runs;
+// and the fused ones with q/k/v's norm as a launch of its own, and without the CPU shape's
+// next-tile weight prefetch (KernelTuning::weight_prefetch).
+// --prefetch-ab N compares the fused sequence with the next-tile weight prefetch on and off,
+// stage by stage, each repetition timing both in turn (N repetitions, medians): the machine's
+// bandwidth moves too much between tables for a 10-20% difference.
 // Usage: bench_decode_breakdown [MODEL_DIR] [--batch B] [--reps N] [--fused-only] [--rounds R]
+//                               [--prefetch-ab N]
+#include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <functional>
@@ -94,6 +102,10 @@ int main(int argc, char** argv) {
   app.add_option("--reps", reps, "timed repeats per figure")->capture_default_str();
   app.add_option("--rounds", rounds, "interleaved rounds of the tables (the machine's load moves)")->capture_default_str();
   app.add_flag("--fused-only", fused_only, "time only the fused launches the model runs");
+  int prefetch_ab = 0;
+  app.add_option("--prefetch-ab", prefetch_ab,
+                 "only compare the fused step with the weight prefetch on and off, interleaved "
+                 "over N repetitions");
   parse_args(app, argc, argv);
   const std::filesystem::path dir = dir_arg;
   ensure_preset("llama3-1b", "bf16", dir);
@@ -229,6 +241,52 @@ int main(int argc, char** argv) {
     ops::linear_fused(dev, h, 0, H, &st.logit_rows, &w.final_norm, eps, {&w.lm_head}, logits, 0,
                       V, B);
   };
+  if (prefetch_ab > 0) {
+    // Per repetition: every stage (all layers) and the whole step, prefetch on then off or off
+    // then on (alternating), so both see the same moment of the machine.
+    const KernelTuning saved = dev.tuning();
+    const size_t S = fused.size();
+    std::vector<std::vector<double>> t[2];  // [off, on][stage S = head, S + 1 = whole step]
+    for (auto& v : t) v.assign(S + 2, {});
+    auto time_once = [&](const std::function<void()>& f) {
+      const auto t0 = std::chrono::steady_clock::now();
+      f();
+      dev.finish();
+      return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    };
+    for (int r = 0; r < prefetch_ab + 1; ++r)
+      for (int k = 0; k < 2; ++k) {
+        const int on = (r + k) % 2;
+        KernelTuning tu = saved;
+        tu.weight_prefetch = uint32_t(on);
+        dev.set_tuning(tu);
+        std::vector<double> row;
+        for (const auto& st : fused)
+          row.push_back(time_once([&] { for (size_t l = 0; l < L; ++l) st.run(l); }));
+        row.push_back(time_once(fused_head));
+        row.push_back(time_once([&] {
+          for (size_t l = 0; l < L; ++l)
+            for (const auto& st : fused) st.run(l);
+          fused_head();
+        }));
+        if (r == 0) continue;  // the first round builds the kernels
+        for (size_t s = 0; s < row.size(); ++s) t[on][s].push_back(row[s]);
+      }
+    dev.set_tuning(saved);
+    auto median = [](std::vector<double> v) {
+      std::sort(v.begin(), v.end());
+      return v[v.size() / 2];
+    };
+    std::printf("\nnext-tile weight prefetch, on vs off, interleaved over %d repetitions "
+                "(medians, ms per step)\n  %-28s %10s %10s %8s\n",
+                prefetch_ab, "stage (x layers)", "on", "off", "off/on");
+    for (size_t s = 0; s < S + 2; ++s) {
+      const std::string name = s < S ? fused[s].name : s == S ? "final norm + lm_head" : "whole step chained";
+      const double a = median(t[1][s]), b = median(t[0][s]);
+      std::printf("  %-28s %10.3f %10.3f %8.3f\n", name.c_str(), a * 1e3, b * 1e3, b / a);
+    }
+    return 0;
+  }
   // Interleaved, in turn forwards and backwards: the machine is shared and its bandwidth moves
   // between runs.
   for (int round = 0; round < rounds; ++round) {
@@ -237,17 +295,23 @@ int main(int argc, char** argv) {
       time_sequence(dev, "fused (what Llama3Model runs)", fused, L, fused_head, head_bytes,
                     roofline, reps);
     };
-    auto apart_runs = [&] {
+    auto apart_run = [&] {
       time_sequence(dev, "fused, q/k/v's norm apart too", norms_apart, L, fused_head, head_bytes,
                     roofline, reps);
     };
-    if (round % 2 == 0) {
-      fused_run();
-      apart_runs();
-    } else {
-      apart_runs();
-      fused_run();
-    }
+    // The same launches without the next-tile weight prefetch (KernelTuning::weight_prefetch).
+    auto no_prefetch_run = [&] {
+      const KernelTuning saved = dev.tuning();
+      KernelTuning t = saved;
+      t.weight_prefetch = 0;
+      dev.set_tuning(t);
+      time_sequence(dev, "fused, next-tile weight prefetch off", fused, L, fused_head, head_bytes,
+                    roofline, reps);
+      dev.set_tuning(saved);
+    };
+    std::vector<std::function<void()>> tables = {fused_run, no_prefetch_run, apart_run};
+    if (round % 2 == 1) std::reverse(tables.begin(), tables.end());
+    for (const auto& table : tables) table();
   }
   return 0;
 }

@@ -57,6 +57,10 @@ struct KernelTuning {
   // Decode GEMVs on the CPU shape (linear.cl, one-row tiles) read the weight rows one after
   // another, not four side by side, while K is at most this (the x row stays in L1).
   uint32_t gemv_stream_k = 4096;
+  // CPU-shape GEMMs (linear.cl, moe.cl's grouped tile) prefetch the rows of a work-item's next
+  // column tile while the current one streams (linear_tile.cl's tile_dots): 1 on, 0 off. Takes
+  // effect only on PoCL's CPU device on an x86 host (ops::weight_prefetch_option).
+  uint32_t weight_prefetch = 1;
   // The bf16-compute GEMM (linear_bf16.cl, model.compute_dtype: bf16; CPU shape): tile rows and
   // weight rows (even: GLU splits them into gate and up), rows per work-item, and whether PoCL
   // on a host with AVX-512 BF16 uses vdpbf16ps (1) or the portable FMA micro-kernel (0).

@@ -178,6 +178,19 @@ TuneWorkload::TuneWorkload(Device& dev, bool quick) : buffers_(std::make_unique<
                     {"gemv_stream_k"}});
   }
 
+  // Batched decode, 8 rows of a bf16 N x K weight: the CPU shape's 4-row tiles, with and without
+  // the next-tile weight prefetch (linear_tile.cl).
+  {
+    const uint32_t M = 8, N = quick ? 4096 : 16384, K = 2048;
+    const Weight& w = b.weights.emplace_back(bf16_weight(dev, {N, K}, 13));
+    cl::Mem x = keep(random_buffer(dev, size_t(M) * K, 14)), y = keep(dev.alloc(size_t(M) * N * 4));
+    ops_.push_back({"linear M=8 bf16", "N=" + std::to_string(N) + " K=" + std::to_string(K),
+                    double(N) * K * 2,
+                    [&dev, x, y, &w, M, N, K] { ops::linear(dev, x, 0, K, w, nullptr, y, 0, N, M); },
+                    {"linear_wg", "linear_rows"},
+                    {"weight_prefetch"}});
+  }
+
   // The FP8 GEMV (DeepSeek-V3's block-scaled e4m3 weights), one byte per weight.
   {
     const uint32_t N = quick ? 2048 : 4096, K = 2048;
@@ -339,7 +352,7 @@ TuneWorkload::TuneWorkload(Device& dev, bool quick) : buffers_(std::make_unique<
 
 const std::vector<TuneField>& tunable_fields() {
   // gemm_bf16_dot is no timing choice: 1 uses vdpbf16ps where the host has it, and the tuning
-  // file holds positive values only (but blas_gemm_rows' 0, never). split_scratch_bytes is a
+  // file holds positive values only (but blas_gemm_rows' 0, never, and weight_prefetch's 0, off). split_scratch_bytes is a
   // memory cap.
   using S = KernelShape;
   static const std::vector<TuneField> f = {
@@ -361,6 +374,7 @@ const std::vector<TuneField>& tunable_fields() {
       {"route_wg", S::WorkGroups, {32, 64, 128, 256}},
       {"blas_gemm_rows", S::WorkGroups, {0, 128, 512}},  // 0: never (the linear prefill ops' M)
       {"gemv_stream_k", S::Chunks, {1024, 2048, 4096, 8192, 16384}},
+      {"weight_prefetch", S::Chunks, {0, 1}},
       {"gemm_bf16_tm", S::Chunks, {2, 4, 6}},
       {"gemm_bf16_tn", S::Chunks, {2, 4, 6}},
       {"gemm_bf16_rows", S::Chunks, {32, 64, 128}},

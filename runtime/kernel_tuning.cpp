@@ -111,6 +111,7 @@ const std::vector<std::pair<std::string, U32Field>>& u32_fields() {
       {"mla_heads", &KernelTuning::mla_heads},   {"route_wg", &KernelTuning::route_wg},
       {"row_wg", &KernelTuning::row_wg}, {"mla_row_tokens", &KernelTuning::mla_row_tokens},
       {"gemv_stream_k", &KernelTuning::gemv_stream_k},
+      {"weight_prefetch", &KernelTuning::weight_prefetch},
       {"gemm_bf16_tm", &KernelTuning::gemm_bf16_tm}, {"gemm_bf16_tn", &KernelTuning::gemm_bf16_tn},
       {"gemm_bf16_rows", &KernelTuning::gemm_bf16_rows},
       {"gemm_bf16_dot", &KernelTuning::gemm_bf16_dot},
@@ -153,15 +154,16 @@ void apply_file(const DeviceInfo& info, KernelTuning& t) {
     if (e["vendor"].get<std::string>() != info.vendor || e["name"].get<std::string>() != info.name)
       continue;
     for (const auto& [field, value] : e["tuning"].items()) {
-      // Every field is a count or size (positive) but blas_gemm_rows, whose 0 means never.
-      const bool zero_allowed = field == "blas_gemm_rows";
+      // Every field is a count or size (positive) but blas_gemm_rows, whose 0 means never, and
+      // weight_prefetch, whose 0 means off.
+      const bool zero_allowed = field == "blas_gemm_rows" || field == "weight_prefetch";
       if (!value.is_number_unsigned() || (value.get<uint64_t>() == 0 && !zero_allowed) ||
           !set_kernel_tuning_field(t, field, value.get<uint64_t>())) {
         std::string names;
         for (const std::string& n : kernel_tuning_fields()) names += (names.empty() ? "" : ", ") + n;
         throw std::runtime_error(where + ".tuning." + field + ": expected one of the fields (" +
                                  names + ") with a positive integer (blas_gemm_rows: 0 for "
-                                 "never), got " + value.dump());
+                                 "never; weight_prefetch: 0 for off), got " + value.dump());
       }
     }
   }

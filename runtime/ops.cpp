@@ -53,10 +53,10 @@ bool columns_in_turn(const Device& dev, uint32_t M, uint32_t K) {
   return M < kTileRowsFrom && K <= dev.tuning().gemv_stream_k;
 }
 
-// linear.cl's tile options: TM x TN.
-std::string tile_options(const LinearBlocks& b, uint32_t tn, bool in_turn) {
+// linear.cl's tile options: TM x TN, columns in turn, the next tile's prefetch.
+std::string tile_options(const Device& dev, const LinearBlocks& b, uint32_t tn, bool in_turn) {
   return " -DTM=" + std::to_string(b.tm) + " -DTN=" + std::to_string(tn) +
-         (in_turn ? " -DCOLUMNS_IN_TURN=1" : "");
+         (in_turn ? " -DCOLUMNS_IN_TURN=1" : "") + weight_prefetch_option(dev);
 }
 
 // Whether a GEMM over `ws` runs in bf16 (ComputeDType in ops.h).
@@ -135,6 +135,18 @@ bool bf16_dot_product(const Device& dev) {
          dev.tuning().gemm_bf16_dot != 0 && host_cpu_has_avx512_bf16();
 }
 
+std::string weight_prefetch_option(const Device& dev) {
+#if defined(__x86_64__)
+  // PoCL's CPU device compiles for the host it runs on, so the host's architecture is the kernel's.
+  if (dev.info().kind == DeviceKind::Cpu &&
+      dev.info().platform.find("Portable Computing Language") != std::string::npos &&
+      dev.tuning().weight_prefetch != 0)
+    return " -DPREFETCH_X86=1";
+#endif
+  (void)dev;
+  return "";
+}
+
 void round_bf16(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, uint32_t M,
                 uint32_t K, const cl::Mem& xb, uint32_t ldxb, bool as_f32) {
   if (M == 0 || K == 0) return;
@@ -189,7 +201,7 @@ void linear(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const W
   }
   const LinearBlocks b = linear_blocks(dev, M, N, 4);
   cl::Kernel k = dev.kernel("linear.cl", "linear",
-                            weight_option(w) + tile_options(b, 4, columns_in_turn(dev, M, K)));
+                            weight_option(w) + tile_options(dev, b, 4, columns_in_turn(dev, M, K)));
   cl::set_args(k, x, x_off, ldx, w.mem, uint32_t(w.offset), ldw, has_bias ? bias->mem : w.mem,
                uint32_t(has_bias ? bias->offset : 0), has_bias, y, y_off, ldy, M, N, K, alpha,
                int(accumulate), b.n_tiles, b.m_rows);
@@ -236,7 +248,7 @@ void launch_fused(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, c
   const bool in_turn = columns_in_turn(dev, M, K);
   const uint32_t tn = glu && in_turn ? 2 : 4, tile_cols = glu ? tn / 2 : tn;
   const LinearBlocks b = linear_blocks(dev, M, N, tile_cols);
-  std::string opts = weight_option(*ws[0]) + tile_options(b, tn, in_turn);
+  std::string opts = weight_option(*ws[0]) + tile_options(dev, b, tn, in_turn);
   if (norm) {
     std::string n = weight_option(*norm);  // "-DWEIGHT_TYPE=d"
     opts += " -DNORM=1 -DNORM_TYPE=" + n.substr(n.size() - 1);

@@ -25,6 +25,11 @@ constexpr uint32_t kGemmRowsFrom = 4;
 // AVX-512 BF16, and the device's tuning allows it (gemm_bf16_dot; 0 forces the portable kernel).
 bool bf16_dot_product(const Device& dev);
 
+// The build option of the CPU-shape GEMM kernels that turns on their next-tile weight prefetch
+// (common.cl's PREFETCH_LINE, an x86 instruction): " -DPREFETCH_X86=1" for PoCL's CPU device on
+// an x86 host whose tuning has weight_prefetch, else "".
+std::string weight_prefetch_option(const Device& dev);
+
 // y[M, N] (+)= alpha * (x[M, K] W^T + bias). W is [N, K], f32 or bf16. Offsets and row strides
 // are in elements. GPU-shape GEMMs of the device's blas_gemm_rows and more go to CLBlast
 // (ops_blas.h).

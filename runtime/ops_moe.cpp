@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "runtime/device.h"
+#include "runtime/ops.h"
 
 namespace clshard {
 
@@ -311,9 +312,11 @@ void moe_grouped_linear(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::M
       throw std::invalid_argument(std::string("moe_grouped_linear: expert weights of dtype ") +
                                   dtype_name(g.dtype));
   }
-  // One-row tiles read their columns in turn, as ops::linear's (KernelTuning::gemv_stream_k).
+  // One-row tiles read their columns in turn, as ops::linear's (KernelTuning::gemv_stream_k);
+  // tiles prefetch their next tile's rows as ops::linear's.
   if (plan.tm == 1 && K <= dev.tuning().gemv_stream_k)
     opts += " -DCOLUMNS_IN_TURN=1";
+  opts += ops::weight_prefetch_option(dev);
   if (dev.kernel_shape() == KernelShape::WorkGroups) {
     // linear_wg's / linear_fp8_wg's order per row (ops::linear's and ops::linear_fp8's GPU
     // shape), with their work-group size.

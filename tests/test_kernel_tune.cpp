@@ -116,7 +116,7 @@ TEST(KernelTune, DryRunWritesNothing) {
 }
 
 TEST(KernelTune, UnknownAndUntunableFieldsAreRefusedWithTheirMessage) {
-  const std::string cpu_fields = "gemv_stream_k, gemm_bf16_tm, gemm_bf16_tn, gemm_bf16_rows";
+  const std::string cpu_fields = "gemv_stream_k, weight_prefetch, gemm_bf16_tm, gemm_bf16_tn, gemm_bf16_rows";
   struct Case {
     std::vector<std::string> args;
     std::string message;
@@ -151,8 +151,8 @@ TEST(KernelTune, TunableFieldsAreKernelTuningFields) {
   for (const TuneField& f : tunable_fields()) {
     EXPECT_NE(std::find(all.begin(), all.end(), f.field), all.end()) << f.field;
     EXPECT_FALSE(f.candidates.empty()) << f.field;
-    for (uint64_t v : f.candidates)  // positive, as the tuning file holds them (0: never)
-      EXPECT_TRUE(v > 0 || f.field == "blas_gemm_rows") << f.field;
+    for (uint64_t v : f.candidates)  // positive, as the tuning file holds them (0: never, off)
+      EXPECT_TRUE(v > 0 || f.field == "blas_gemm_rows" || f.field == "weight_prefetch") << f.field;
   }
 }
 

@@ -156,6 +156,72 @@ INSTANTIATE_TEST_SUITE_P(Widths, LinearRowsAgree,
                            return "K" + std::to_string(i.param.K) + "_" + dtype_name(i.param.dt);
                          });
 
+// The CPU shape's next-tile weight prefetch (KernelTuning::weight_prefetch, linear_tile.cl) is a
+// hint only: linear, q/k/v side by side, and gate/up + SiLU give the same bits with it on and off,
+// where a work-item owns several column tiles (N = 2051: the prefetch runs, and past the weight's
+// end at the last tile), in 4-row tiles (where it runs) and one-row tiles side by side (K = 4103 >
+// gemv_stream_k; built with the option, not prefetching), f32 / bf16 / f16 weights.
+struct PrefetchCase {
+  uint32_t M, K;
+  DType dt;
+};
+class LinearPrefetch : public ::testing::TestWithParam<PrefetchCase> {};
+
+TEST_P(LinearPrefetch, NextTilePrefetchChangesNoBit) {
+  const auto [M, K, dt] = GetParam();
+  Device& dev = test::default_device();
+  ShapeScope scope(dev, KernelShape::Chunks);
+  const KernelTuning saved = dev.tuning();
+  const uint32_t N = 2051, Nk = 5, F = 1027;
+  auto x = random_vec(size_t(M) * K, 21), wv = random_vec(size_t(N) * K, 22),
+       kv = random_vec(size_t(Nk) * K, 23), gv = random_vec(size_t(F) * K, 24),
+       uv = random_vec(size_t(F) * K, 25), nv = random_vec(K, 26), y0 = random_vec(size_t(M) * N, 27);
+  Weight w = make_weight(dev, wv, {N, K}, dt), wk = make_weight(dev, kv, {Nk, K}, dt),
+         gate = make_weight(dev, gv, {F, K}, dt), up = make_weight(dev, uv, {F, K}, dt),
+         norm = make_weight(dev, nv, {K}, dt);
+  cl::Mem xm = upload(dev, x);
+  const uint32_t Q = N + Nk;
+  auto run = [&](uint32_t prefetch) {
+    KernelTuning t = saved;
+    t.weight_prefetch = prefetch;
+    dev.set_tuning(t);
+    const bool x86_pocl =
+#if defined(__x86_64__)
+        dev.info().platform.find("Portable Computing Language") != std::string::npos &&
+        dev.info().kind == DeviceKind::Cpu;
+#else
+        false;
+#endif
+    EXPECT_EQ(ops::weight_prefetch_option(dev), prefetch && x86_pocl ? " -DPREFETCH_X86=1" : "");
+    cl::Mem y = upload(dev, y0), q = dev.alloc(size_t(M) * Q * 4), g = dev.alloc(size_t(M) * F * 4);
+    ops::linear(dev, xm, 0, K, w, nullptr, y, 0, N, M, 0.5f, true);
+    ops::linear_fused(dev, xm, 0, K, nullptr, &norm, 1e-5f, {&w, &wk}, q, 0, Q, M);
+    ops::linear_swiglu(dev, xm, 0, K, &norm, 1e-5f, gate, up, g, 0, F, M);
+    return std::array<std::vector<float>, 3>{download(dev, y, size_t(M) * N),
+                                             download(dev, q, size_t(M) * Q),
+                                             download(dev, g, size_t(M) * F)};
+  };
+  const auto on = run(1), off = run(0);
+  dev.set_tuning(saved);
+  const char* names[3] = {"linear", "q/k/v", "gate/up"};
+  for (int op = 0; op < 3; ++op) {
+    ASSERT_EQ(on[op].size(), off[op].size());
+    for (size_t i = 0; i < on[op].size(); ++i)
+      ASSERT_EQ(std::bit_cast<uint32_t>(on[op][i]), std::bit_cast<uint32_t>(off[op][i]))
+          << names[op] << " element " << i << ": " << on[op][i] << " vs " << off[op][i];
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Tiles, LinearPrefetch,
+                         ::testing::Values(PrefetchCase{1, 4103, DType::BF16},
+                                           PrefetchCase{6, 300, DType::BF16},
+                                           PrefetchCase{9, 77, DType::F32},
+                                           PrefetchCase{5, 130, DType::F16}),
+                         [](const ::testing::TestParamInfo<PrefetchCase>& i) {
+                           return "M" + std::to_string(i.param.M) + "_K" +
+                                  std::to_string(i.param.K) + "_" + dtype_name(i.param.dt);
+                         });
+
 // A strided view: x rows inside a wider buffer at an offset, y written into a column block — in
 // both kernel shapes.
 class LinearStrides : public ::testing::TestWithParam<KernelShape> {};
