@@ -5,8 +5,10 @@
 // cache rows it attends to — at the memory bandwidth measured here, in the same program.
 //
 // The roofline takes the higher of the OpenCL read kernel's and a native STREAM loop's bandwidth,
-// both measured right before the decode run. A batched decode figure follows each dtype: B
-// requests of C tokens each, one token per request per step (no roofline: the experts B tokens
+// both measured once after every decode run: measured before, it slowed the next decode steps on
+// the VM here for seconds (the first of 48 steps 170 ms, falling to 25-30 ms by the 30th; 32
+// steps averaged 51-55 ms against 28 ms without it). A batched decode figure follows each dtype:
+// B requests of C tokens each, one token per request per step (no roofline: the experts B tokens
 // touch depend on the routing).
 //
 // On a shared machine the wall time moves with the neighbours' load; the CPU time the process
@@ -116,6 +118,14 @@ int main(int argc, char** argv) {
               "decode ms", "bytes/token", "bandwidth", "roofline", "of roof");
   std::printf("%-5s %10s %12s %12s %14s %10s %12s %9s\n", "", "tok/s", "tok/s", "per token",
               "(active)", "GB/s", "tok/s", "");
+  // One row per dtype, printed once the roofline is measured after them all.
+  struct Row {
+    std::string dtype;
+    double prefill_tok_s, t_prefill, t_token, cpu_token, bytes, t_step;
+    std::string paths;
+    double weight_gb, active_m;
+  };
+  std::vector<Row> results;
   for (const auto& dt : split(dtypes)) {
     const auto dir = ensure_preset("dsv3-mini", dt, root / ("dsv3-mini-" + dt));
     opts.devices = {&dev};
@@ -139,8 +149,6 @@ int main(int argc, char** argv) {
     for (uint32_t i = 0; i < n_decode; ++i)
       steps.push_back(step_of(table, ppr, 1, context + i, 1, V, rng));
     model.forward(steps[0]).read_logits();  // warm-up (kernel builds for one-row shapes)
-    const Roofline rl = measure_roofline(dev, 5);
-    const double bw = rl.best();
     const double c0 = cpu_seconds();
     const auto t0 = Clock::now();
     for (const auto& s : steps) model.forward(s).read_logits();
@@ -148,22 +156,7 @@ int main(int argc, char** argv) {
     const double cpu_token = (cpu_seconds() - c0) / n_decode;
     const auto decode_path = model.last_mla_path();
 
-    // Bytes one decode token streams: active weights + the cache rows it reads (mid-run context).
-    const double bytes = double(plan.active_weight_bytes_per_token) +
-                         double(context + n_decode / 2) * double(model.kv_bytes_per_token());
-    const double roof = bw * 1e9 / bytes;
-    std::printf("%-5s %10.1f %12.2f %12.2f %11.1f MB %10.1f %12.1f %8.0f%%\n", dt.c_str(),
-                prompt / t_prefill, 1.0 / t_token, t_token * 1e3, bytes / 1e6, bw, roof,
-                100.0 / t_token / roof);
-    std::printf("      (prefill %u tokens in %.2f s on the %s path; decode at context %u on the %s "
-                "path, CPU time %.2f ms per token; weights %.2f GB on disk, %.1f M parameters "
-                "active per token)\n",
-                prompt, t_prefill, ops::mla_path_name(prefill_path), context,
-                ops::mla_path_name(decode_path), cpu_token * 1e3,
-                double(model.info().weight_bytes) / 1e9,
-                double(plan.params.active_per_token - plan.params.embedding) / 1e6);
-    std::fflush(stdout);
-
+    double t_step = 0;  // the batched decode's, when asked for
     if (batch > 0) {
       // `batch` requests of `context` tokens (one prefill step), then one token per request per
       // step; the pages are row b's of the same table.
@@ -175,11 +168,32 @@ int main(int argc, char** argv) {
       model.forward(bsteps[0]).read_logits();  // warm-up (kernel builds for this batch's shapes)
       const auto tb = Clock::now();
       for (const auto& st : bsteps) model.forward(st).read_logits();
-      const double t_step = seconds_since(tb) / n_decode;
-      std::printf("      decode batch %u: %.2f ms per step = %.1f tok/s (%.2fx batch 1)\n", batch,
-                  t_step * 1e3, batch / t_step, batch / t_step * t_token);
-      std::fflush(stdout);
+      t_step = seconds_since(tb) / n_decode;
     }
+    // Bytes one decode token streams: active weights + the cache rows it reads (mid-run context).
+    const double bytes = double(plan.active_weight_bytes_per_token) +
+                         double(context + n_decode / 2) * double(model.kv_bytes_per_token());
+    const std::string path_note = std::string(ops::mla_path_name(prefill_path)) +
+                                  " path; decode at context " + std::to_string(context) +
+                                  " on the " + ops::mla_path_name(decode_path);
+    results.push_back({dt, prompt / t_prefill, t_prefill, t_token, cpu_token, bytes, t_step,
+                    path_note, double(model.info().weight_bytes) / 1e9,
+                    double(plan.params.active_per_token - plan.params.embedding) / 1e6});
+    std::fprintf(stderr, "%s: decode %.2f ms per token\n", dt.c_str(), t_token * 1e3);
+  }
+  const double bw = measure_roofline(dev, 5).best();
+  for (const Row& r : results) {
+    const double roof = bw * 1e9 / r.bytes;
+    std::printf("%-5s %10.1f %12.2f %12.2f %11.1f MB %10.1f %12.1f %8.0f%%\n", r.dtype.c_str(),
+                r.prefill_tok_s, 1.0 / r.t_token, r.t_token * 1e3, r.bytes / 1e6, bw, roof,
+                100.0 / r.t_token / roof);
+    std::printf("      (prefill %u tokens in %.2f s on the %s path, CPU time %.2f ms per token; "
+                "weights %.2f GB on disk, %.1f M parameters active per token)\n",
+                prompt, r.t_prefill, r.paths.c_str(), r.cpu_token * 1e3, r.weight_gb,
+                r.active_m);
+    if (batch > 0)
+      std::printf("      decode batch %u: %.2f ms per step = %.1f tok/s (%.2fx batch 1)\n", batch,
+                  r.t_step * 1e3, batch / r.t_step, batch / r.t_step * r.t_token);
   }
   return 0;
 }

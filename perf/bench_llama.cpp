@@ -6,9 +6,11 @@
 //   (MODEL_DIR default: .cache/models/llama3-1b-bf16, made if missing; --compute-dtype as the
 //   deployment's model.compute_dtype, default f32)
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <vector>
 
 #include "models/registry.h"
 #include "perf/bench_util.h"
@@ -65,8 +67,6 @@ int main(int argc, char** argv) {
   std::printf("compute dtype: %s\n", compute_dtype_name(opts.compute_dtype));
   const ComputePeaks peaks = measure_compute_peaks();
   if (!prefill_only) {
-    const double bw = measure_roofline(dev).best();
-
     // Decode at batch 1: prefill 16 tokens, then time 32 single-token steps.
     std::vector<int32_t> prompt(16);
     for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = int32_t(100 + i * 7);
@@ -78,11 +78,6 @@ int main(int argc, char** argv) {
     const uint32_t n = 33;
     greedy_generate(*model, {prompt}, n, 128);
     const double per_token = (seconds_since(t0) - prefill16) / (n - 1);
-    const double roofline_s = bytes_per_token / (bw * 1e9);
-    std::printf("\ndecode, batch 1: %.1f ms/token, %.2f tokens/s; roofline %.1f ms/token "
-                "(%.2f GB read per token) -> %.0f%% of roofline\n",
-                per_token * 1e3, 1.0 / per_token, roofline_s * 1e3, bytes_per_token / 1e9,
-                100.0 * roofline_s / per_token);
 
   // Where a decode step's wall time goes on the host side: the step driven by hand at batch 1
     // (the same inputs greedy_generate builds), split into forward() (uploads and kernel enqueues,
@@ -122,15 +117,26 @@ int main(int argc, char** argv) {
         std::sort(v.begin(), v.end());
         return v[v.size() / 2];
       };
-      const double e = median(t_enqueue), w = median(t_wait), r = median(t_read);
-      std::printf("decode step phases at %u cached positions (median of %u): forward() host %.2f "
+      return std::array<double, 4>{double(cached ? cached : uint32_t(prompt.size())),
+                                   median(t_enqueue), median(t_wait), median(t_read)};
+    };
+    std::vector<std::array<double, 4>> split = {phases(0)};
+    if (context > 0) split.push_back(phases(context));
+
+    // The roofline after the timed decode: measured before, its buffers slowed the next decode
+    // steps on the VM here for seconds (bench_deepseek.cpp).
+    const double bw = measure_roofline(dev).best();
+    const double roofline_s = bytes_per_token / (bw * 1e9);
+    std::printf("\ndecode, batch 1: %.1f ms/token, %.2f tokens/s; roofline %.1f ms/token "
+                "(%.2f GB read per token) -> %.0f%% of roofline\n",
+                per_token * 1e3, 1.0 / per_token, roofline_s * 1e3, bytes_per_token / 1e9,
+                100.0 * roofline_s / per_token);
+    for (const auto& [cached, e, w, r] : split)
+      std::printf("decode step phases at %u cached positions (median of 32): forward() host %.2f "
                   "ms, queue wait %.2f ms, logits read + argmax %.2f ms; sum %.1f ms = %.2f tok/s "
                   "= %.0f%% of roofline\n",
-                  cached ? cached : uint32_t(prompt.size()), steps, e * 1e3, w * 1e3, r * 1e3,
-                  (e + w + r) * 1e3, 1.0 / (e + w + r), 100.0 * roofline_s / (e + w + r));
-    };
-    phases(0);
-    if (context > 0) phases(context);
+                  uint32_t(cached), e * 1e3, w * 1e3, r * 1e3, (e + w + r) * 1e3, 1.0 / (e + w + r),
+                  100.0 * roofline_s / (e + w + r));
   
 
   }

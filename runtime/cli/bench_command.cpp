@@ -81,6 +81,10 @@ void run_bench_command(const BenchFlags& f) {
   std::cerr << "bench: " << env["model"]["architecture"].get<std::string>() << " ("
             << cfg.model.path.string() << ") on " << d.devices->size() << " device(s): "
             << d.devices->devices().at(0)->label() << ", ready in " << open_s << " s\n";
+  const std::vector<BenchResult> results = run_bench(d, opts, std::cerr);
+  if (d.mpi_ranks > 0) stop_followers();
+  // The roofline after the measured runs: measured before them, its buffers slowed the first
+  // decode steps after it for seconds on the VM here (perf/bench_deepseek.cpp).
   Device& first = *d.devices->devices().at(0);
   if (f.roofline && !first.is_cpu()) {
     // A GPU's roofline is its own memory: the device probe in its kernel shape.
@@ -101,9 +105,6 @@ void run_bench_command(const BenchFlags& f) {
                              {"method", "native STREAM-style read loop (sum), best of 5"}};
     std::cerr << "bench: host read bandwidth " << gbs << " GB/s (" << threads << " threads)\n";
   }
-
-  const std::vector<BenchResult> results = run_bench(d, opts, std::cerr);
-  if (d.mpi_ranks > 0) stop_followers();
 
   std::cout << format_bench_table(results) << std::flush;
   if (!f.json_out.empty()) {
