@@ -439,6 +439,47 @@ kernel void moe_grouped_linear(global const float* x, uint ldx, global const uin
 }
 #endif  // WEIGHT_TYPE || GROUPED_FP8
 
+#if defined(GROUPED_WG)
+// The frame of the GPU-shaped grouped kernels below, one work-group per output feature of one
+// matrix for one tile: the tile's expert e and rows [r_begin, r_end), the matrix and feature n
+// (false past tile_count: the whole group returns).
+typedef struct {
+  uint e, r_begin, r_end, mat, n;
+} GroupedWgTile;
+
+inline bool grouped_wg_tile(global const uint* tiles, global const uint* tile_count,
+                            global const uint* expert_offsets, uint rows_per_tile, uint N,
+                            GroupedWgTile* t) {
+  const uint tile = get_group_id(1);
+  if (tile >= *tile_count) return false;
+  t->e = tiles[2 * tile];
+  t->r_begin = tiles[2 * tile + 1];
+  t->r_end = min(t->r_begin + rows_per_tile, expert_offsets[t->e + 1]);
+  t->mat = get_group_id(0) / N;
+  t->n = get_group_id(0) % N;
+  return true;
+}
+
+// The x rows of the pass at m0 (rows past r_end repeat its last; they are not stored).
+inline void grouped_wg_rows(global const float* x, uint ldx, global const uint* x_rows,
+                            int indirect, uint m0, uint r_end, global const float* xr[RB]) {
+  for (int r = 0; r < RB; ++r) {
+    const uint m = min(m0 + r, r_end - 1);
+    xr[r] = x + (size_t)(indirect ? x_rows[m] : m) * ldx;
+  }
+}
+
+// The lanes' sums of the pass at m0 into y's column `col`: linear_wg's tree, lane r stores row
+// m0 + r, then the barrier before partial is reused.
+inline void grouped_wg_store(local float* partial, const float acc[RB], uint lane, uint m0,
+                             uint r_end, global float* y, uint ldy, uint col) {
+  for (int r = 0; r < RB; ++r) partial[r * GROUPED_WG + lane] = acc[r];
+  wg_tree_sum(partial, RB, GROUPED_WG, lane);
+  if (lane < RB && m0 + lane < r_end) y[(size_t)(m0 + lane) * ldy + col] = partial[lane * GROUPED_WG];
+  barrier(CLK_LOCAL_MEM_FENCE);
+}
+#endif  // GROUPED_WG
+
 // The GPU shape of moe_grouped_linear for f32 / bf16 / f16 weights: linear_wg.cl's contract per
 // row. A work-group of GROUPED_WG lanes (the WG linear_wg uses on the device) owns one output
 // feature of one matrix for one tile: lane l reads W[n, l], W[n, l + WG], ... (coalesced) and the
@@ -453,31 +494,21 @@ void moe_grouped_linear_wg(global const float* x, uint ldx, global const uint* x
                            uint slot0, global const uint* tiles, global const uint* tile_count,
                            global const uint* expert_offsets, uint rows_per_tile,
                            global float* y, uint ldy, uint N, uint K) {
-  local float partial[RB][GROUPED_WG];
-  const uint tile = get_group_id(1);
-  if (tile >= *tile_count) return;
+  local float partial[RB * GROUPED_WG];
+  GroupedWgTile t;
+  if (!grouped_wg_tile(tiles, tile_count, expert_offsets, rows_per_tile, N, &t)) return;
   const uint lane = get_local_id(0);
-  const uint e = tiles[2 * tile], r_begin = tiles[2 * tile + 1];
-  const uint r_end = min(r_begin + rows_per_tile, expert_offsets[e + 1]);
-  const uint mat = get_group_id(0) / N, n = get_group_id(0) % N;
-  global const wtype* wr = w + table[6 * e + slot0 + mat] + (size_t)n * K;
-  for (uint m0 = r_begin; m0 < r_end; m0 += RB) {
+  global const wtype* wr = w + table[6 * t.e + slot0 + t.mat] + (size_t)t.n * K;
+  for (uint m0 = t.r_begin; m0 < t.r_end; m0 += RB) {
     global const float* xr[RB];
+    grouped_wg_rows(x, ldx, x_rows, indirect, m0, t.r_end, xr);
     float acc[RB];
-    for (int r = 0; r < RB; ++r) {
-      const uint m = min(m0 + r, r_end - 1);
-      xr[r] = x + (size_t)(indirect ? x_rows[m] : m) * ldx;
-      acc[r] = 0.0f;
-    }
+    for (int r = 0; r < RB; ++r) acc[r] = 0.0f;
     for (uint k = lane; k < K; k += GROUPED_WG) {
       const float wv = LOADW1(wr + k);
       for (int r = 0; r < RB; ++r) acc[r] = fma(xr[r][k], wv, acc[r]);
     }
-    for (int r = 0; r < RB; ++r) partial[r][lane] = acc[r];
-    wg_tree_sum(&partial[0][0], RB, GROUPED_WG, lane);
-    if (lane < RB && m0 + lane < r_end)
-      y[(size_t)(m0 + lane) * ldy + mat * N + n] = partial[lane][0];
-    barrier(CLK_LOCAL_MEM_FENCE);  // partial is reused by the next pass
+    grouped_wg_store(partial, acc, lane, m0, t.r_end, y, ldy, t.mat * N + t.n);
   }
 }
 #endif  // WEIGHT_TYPE && GROUPED_WG
@@ -495,30 +526,21 @@ void moe_grouped_linear_fp8_wg(global const float* x, uint ldx, global const uin
                                global const uint* tiles, global const uint* tile_count,
                                global const uint* expert_offsets, uint rows_per_tile,
                                global float* y, uint ldy, uint N, uint K) {
-  local float partial[RB][GROUPED_WG];
-  const uint tile = get_group_id(1);
-  if (tile >= *tile_count) return;
+  local float partial[RB * GROUPED_WG];
+  GroupedWgTile t;
+  if (!grouped_wg_tile(tiles, tile_count, expert_offsets, rows_per_tile, N, &t)) return;
   const uint lane = get_local_id(0);
-  const uint e = tiles[2 * tile], r_begin = tiles[2 * tile + 1];
-  const uint r_end = min(r_begin + rows_per_tile, expert_offsets[e + 1]);
-  const uint mat = get_group_id(0) / N, n = get_group_id(0) % N;
   const uint KB = (K + QBLOCK - 1) / QBLOCK;
-  global const uchar* wr = w + table[6 * e + slot0 + mat] + (size_t)n * K;
-  global const float* srow = scales + table[6 * e + 3 + slot0 + mat] + (size_t)(n / QBLOCK) * KB;
-  for (uint m0 = r_begin; m0 < r_end; m0 += RB) {
+  global const uchar* wr = w + table[6 * t.e + slot0 + t.mat] + (size_t)t.n * K;
+  global const float* srow =
+      scales + table[6 * t.e + 3 + slot0 + t.mat] + (size_t)(t.n / QBLOCK) * KB;
+  for (uint m0 = t.r_begin; m0 < t.r_end; m0 += RB) {
     global const float* xr[RB];
-    for (int r = 0; r < RB; ++r) {
-      const uint m = min(m0 + r, r_end - 1);
-      xr[r] = x + (size_t)(indirect ? x_rows[m] : m) * ldx;
-    }
+    grouped_wg_rows(x, ldx, x_rows, indirect, m0, t.r_end, xr);
     float acc[RB];
     fp8_lane_dots(xr, wr, srow, K, lane, GROUPED_WG, acc);
-    for (int r = 0; r < RB; ++r) partial[r][lane] = acc[r];
-    wg_tree_sum(&partial[0][0], RB, GROUPED_WG, lane);
-    // linear_fp8_wg's epilogue with alpha 1: the same bits.
-    if (lane < RB && m0 + lane < r_end)
-      y[(size_t)(m0 + lane) * ldy + mat * N + n] = partial[lane][0] * 1.0f;
-    barrier(CLK_LOCAL_MEM_FENCE);  // partial is reused by the next pass
+    // linear_fp8_wg stores alpha * sum; with alpha 1 that is the sum's bits.
+    grouped_wg_store(partial, acc, lane, m0, t.r_end, y, ldy, t.mat * N + t.n);
   }
 }
 #endif  // GROUPED_FP8 && GROUPED_WG
