@@ -20,7 +20,8 @@
 //   stay out of line (inlining into the kernel drops the attribute) and use no OpenCL builtins
 //   (the vload builtins are rejected inside it), so it loads through unaligned vector types.
 // -DBF16_DOT=0: the same sums with f32 FMAs on the bf16 values widened by a shift, any device.
-// Build options: -DTM, -DTN (tile), -DGLU=0|1, -DBF16_DOT=0|1, -DPAIRS_ALIGNED=0|1.
+// Build options: -DTM, -DTN (tile), -DGLU=0|1, -DBF16_DOT=0|1, -DPAIRS_ALIGNED=0|1, and
+// -DWEIGHT_TYPE=1 (common.cl's wtype = ushort, for its fused_row).
 
 #ifndef TM
 #define TM 4
@@ -154,15 +155,6 @@ void tile_dots_bf16(global const ushort* const* xr, global const ushort* const* 
 }
 #endif
 
-// Output column n's weight row: [0, n1) rows of w0, [n1, n2) of w1, [n2, N) of w2.
-inline global const ushort* bf16_row(uint n, global const ushort* w0, uint ldw0, uint n1,
-                                     global const ushort* w1, uint ldw1, uint n2,
-                                     global const ushort* w2, uint ldw2) {
-  if (n < n1) return w0 + (size_t)n * ldw0;
-  if (n < n2) return w1 + (size_t)(n - n1) * ldw1;
-  return w2 + (size_t)(n - n2) * ldw2;
-}
-
 // xb: [M, K] bf16 rows (row stride ldxb, a multiple of 32 keeps the loads aligned). One
 // work-item owns n_tiles column tiles x m_rows rows, column tile outer (its weight rows stay in
 // cache while the rows stream). Launch: global (column blocks, row blocks), local 1.
@@ -194,7 +186,7 @@ kernel void linear_bf16(global const ushort* xb, uint ldxb,
       const uint c = min(n0 + j % tile_cols, N - 1);
       wr[j] = j < tile_cols ? w0 + (size_t)c * ldw0 : w1 + (size_t)c * ldw1;
 #else
-      wr[j] = bf16_row(min(n0 + j, N - 1), w0, ldw0, n1, w1, ldw1, n2, w2, ldw2);
+      wr[j] = fused_row(min(n0 + j, N - 1), w0, ldw0, n1, w1, ldw1, n2, w2, ldw2);
 #endif
     }
     for (uint m0 = m_begin; m0 < m_end; m0 += TM) {

@@ -99,7 +99,7 @@ void gemm_bf16(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx,
   bool pairs_aligned = true;
   for (const Weight* w : ws) pairs_aligned &= w->row_stride() % 2 == 0 && w->offset % 2 == 0;
   cl::Kernel k = dev.kernel("linear_bf16.cl", "linear_bf16",
-                            "-DLINEAR_BF16=1 -DTM=" + std::to_string(tm) +
+                            "-DLINEAR_BF16=1 -DWEIGHT_TYPE=1 -DTM=" + std::to_string(tm) +
                                 " -DTN=" + std::to_string(tn) + " -DGLU=" + (glu ? "1" : "0") +
                                 " -DBF16_DOT=" + (bf16_dot_product(dev) ? "1" : "0") +
                                 " -DPAIRS_ALIGNED=" + (pairs_aligned ? "1" : "0"));
