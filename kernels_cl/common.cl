@@ -41,9 +41,10 @@ inline void wg_tree_sum(local float* partial, uint rows, uint wg, uint lane) {
 }
 
 // A hint that the 64-byte line at p will be read soon (x86 prefetcht0). Built with
-// -DPREFETCH_X86=1 only for PoCL's CPU device on an x86 host (ops::prefetch_option): OpenCL C's
-// prefetch() compiles to nothing there, and clang's __builtin_prefetch takes no global pointer in
-// OpenCL C 1.2. A prefetch never faults, so a line past a buffer's end is harmless.
+// -DPREFETCH_X86=1 only for PoCL's CPU device on an x86 host (ops::weight_prefetch_option):
+// OpenCL C's prefetch() compiles to nothing there, and clang's __builtin_prefetch takes no
+// global pointer in OpenCL C 1.2. A prefetch never faults, so a line past a buffer's end is
+// harmless.
 #if PREFETCH_X86
 #define PREFETCH_LINE(p) __asm__ volatile("prefetcht0 (%0)" ::"r"(p))
 #else
