@@ -352,8 +352,8 @@ TuneWorkload::TuneWorkload(Device& dev, bool quick) : buffers_(std::make_unique<
 
 const std::vector<TuneField>& tunable_fields() {
   // gemm_bf16_dot is no timing choice: 1 uses vdpbf16ps where the host has it, and the tuning
-  // file holds positive values only (but blas_gemm_rows' 0, never, and weight_prefetch's 0, off). split_scratch_bytes is a
-  // memory cap.
+  // file holds positive values only (but blas_gemm_rows' 0, never, and weight_prefetch's 0, off).
+  // split_scratch_bytes is a memory cap.
   using S = KernelShape;
   static const std::vector<TuneField> f = {
       {"norm_wg", S::WorkGroups, {32, 64, 128, 256}},

@@ -127,21 +127,25 @@ bool host_cpu_has_avx512_bf16() {
 
 }  // namespace
 
-bool bf16_dot_product(const Device& dev) {
-  // PoCL's CPU device runs kernels on the host's cores, compiled by its clang: the target
-  // attribute reaches the instruction there, and only a host that has it may run it.
+namespace {
+
+// PoCL's CPU device: it runs kernels on the host's cores, compiled by its clang for the host, so
+// the host's instructions are the kernel's.
+bool pocl_cpu(const Device& dev) {
   return dev.info().kind == DeviceKind::Cpu &&
-         dev.info().platform.find("Portable Computing Language") != std::string::npos &&
-         dev.tuning().gemm_bf16_dot != 0 && host_cpu_has_avx512_bf16();
+         dev.info().platform.find("Portable Computing Language") != std::string::npos;
+}
+
+}  // namespace
+
+bool bf16_dot_product(const Device& dev) {
+  // The target attribute reaches the instruction there, and only a host that has it may run it.
+  return pocl_cpu(dev) && dev.tuning().gemm_bf16_dot != 0 && host_cpu_has_avx512_bf16();
 }
 
 std::string weight_prefetch_option(const Device& dev) {
 #if defined(__x86_64__)
-  // PoCL's CPU device compiles for the host it runs on, so the host's architecture is the kernel's.
-  if (dev.info().kind == DeviceKind::Cpu &&
-      dev.info().platform.find("Portable Computing Language") != std::string::npos &&
-      dev.tuning().weight_prefetch != 0)
-    return " -DPREFETCH_X86=1";
+  if (pocl_cpu(dev) && dev.tuning().weight_prefetch != 0) return " -DPREFETCH_X86=1";
 #endif
   (void)dev;
   return "";
