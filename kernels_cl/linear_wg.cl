@@ -1,8 +1,17 @@
 // y = alpha * x W^T (+ bias) (+ y): linear.cl's contract, shaped for GPUs. A work-group of
-// WG lanes owns one output feature n for up to RB rows: lane l reads W[n, l], W[n, l + WG], ...
-// so a row of W is read by consecutive lanes (coalesced), and the lanes' partial sums meet in
-// local memory. Build options: -DWEIGHT_TYPE (common.cl), -DWG (a power of two), -DRB.
+// WG lanes owns one output feature n for up to RB rows: the lanes read a row of W side by side
+// (coalesced; wg_dots.cl's wg_lane_dots, VW columns per lane and step), and their partial sums
+// meet in local memory. Build options: -DWEIGHT_TYPE (common.cl), -DWG (a power of two), -DRB,
+// -DVW and -DVEC_ALIGNED (wg_dots.cl).
 // Launch: global (N * WG, ceil(M / RB)), local (WG, 1).
+#include "wg_dots.cl"
+
+// The x rows of the work-group's rows m0 .. (rows past M point at row m0; they are not read).
+inline uint wg_x_rows(global const float* x, uint x_off, uint ldx, uint m0, uint M,
+                      global const float* xr[RB]) {
+  for (int r = 0; r < RB; ++r) xr[r] = x + x_off + (size_t)(m0 + (m0 + r < M ? r : 0)) * ldx;
+  return min((uint)RB, M - m0);
+}
 
 kernel void linear_wg(global const float* x, uint x_off, uint ldx,
                       global const wtype* w_base, uint w_off, uint ldw,
@@ -14,13 +23,10 @@ kernel void linear_wg(global const float* x, uint x_off, uint ldx,
   const uint n = get_group_id(0);
   const uint m0 = get_group_id(1) * RB;
   global const wtype* wr = w_base + w_off + (size_t)n * ldw;
+  global const float* xr[RB];
+  const uint rows = wg_x_rows(x, x_off, ldx, m0, M, xr);
   float acc[RB];
-  for (int r = 0; r < RB; ++r) acc[r] = 0.0f;
-  for (uint k = lane; k < K; k += WG) {
-    const float wv = LOADW1(wr + k);
-    for (int r = 0; r < RB; ++r)
-      if (m0 + r < M) acc[r] = fma(x[x_off + (size_t)(m0 + r) * ldx + k], wv, acc[r]);
-  }
+  wg_lane_dots(xr, rows, wr, K, lane, WG, acc);
   for (int r = 0; r < RB; ++r) partial[r][lane] = acc[r];
   wg_tree_sum(&partial[0][0], RB, WG, lane);
   if (lane < RB && m0 + lane < M) {
@@ -59,15 +65,10 @@ kernel void linear_fused_wg(global const float* x, uint x_off, uint ldx,
 #else
   wr[0] = fused_row(n, w0 + w0_off, ldw0, n1, w1 + w1_off, ldw1, n2, w2 + w2_off, ldw2);
 #endif
+  global const float* xr[RB];
+  const uint rows = wg_x_rows(x, x_off, ldx, m0, M, xr);
   float acc[FUSED_SUMS][RB];
-  for (int p = 0; p < FUSED_SUMS; ++p)
-    for (int r = 0; r < RB; ++r) acc[p][r] = 0.0f;
-  for (uint k = lane; k < K; k += WG)
-    for (int p = 0; p < FUSED_SUMS; ++p) {
-      const float wv = LOADW1(wr[p] + k);
-      for (int r = 0; r < RB; ++r)
-        if (m0 + r < M) acc[p][r] = fma(x[x_off + (size_t)(m0 + r) * ldx + k], wv, acc[p][r]);
-    }
+  for (int p = 0; p < FUSED_SUMS; ++p) wg_lane_dots(xr, rows, wr[p], K, lane, WG, acc[p]);
   for (int p = 0; p < FUSED_SUMS; ++p)
     for (int r = 0; r < RB; ++r) partial[p][r][lane] = acc[p][r];
   wg_tree_sum(&partial[0][0][0], FUSED_SUMS * RB, WG, lane);

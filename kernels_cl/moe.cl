@@ -482,12 +482,15 @@ inline void grouped_wg_store(local float* partial, const float acc[RB], uint lan
 
 // The GPU shape of moe_grouped_linear for f32 / bf16 / f16 weights: linear_wg.cl's contract per
 // row. A work-group of GROUPED_WG lanes (the WG linear_wg uses on the device) owns one output
-// feature of one matrix for one tile: lane l reads W[n, l], W[n, l + WG], ... (coalesced) and the
-// lanes' partial sums meet in local memory in linear_wg's tree, so every row's value equals
+// feature of one matrix for one tile: the lanes' sums are linear_wg's (wg_dots.cl's
+// wg_lane_dots) and meet in local memory in linear_wg's tree, so every row's value equals
 // linear_wg's for it, bit for bit. Tiles past tile_count return at once (the whole group).
-// Build options: -DWEIGHT_TYPE, -DGROUPED_WG (a power of two), -DRB (rows per pass).
+// Build options: -DWEIGHT_TYPE, -DGROUPED_WG (a power of two), -DRB (rows per pass), -DVW (as
+// linear_wg; unaligned vector loads, since the experts' offsets are read on the device).
 // Launch: global (n_mats * N * GROUPED_WG, max_tiles), local (GROUPED_WG, 1).
 #if defined(WEIGHT_TYPE) && defined(GROUPED_WG)
+#include "wg_dots.cl"
+
 kernel __attribute__((reqd_work_group_size(GROUPED_WG, 1, 1)))
 void moe_grouped_linear_wg(global const float* x, uint ldx, global const uint* x_rows,
                            int indirect, global const wtype* w, global const ulong* table,
@@ -503,11 +506,7 @@ void moe_grouped_linear_wg(global const float* x, uint ldx, global const uint* x
     global const float* xr[RB];
     grouped_wg_rows(x, ldx, x_rows, indirect, m0, t.r_end, xr);
     float acc[RB];
-    for (int r = 0; r < RB; ++r) acc[r] = 0.0f;
-    for (uint k = lane; k < K; k += GROUPED_WG) {
-      const float wv = LOADW1(wr + k);
-      for (int r = 0; r < RB; ++r) acc[r] = fma(xr[r][k], wv, acc[r]);
-    }
+    wg_lane_dots(xr, min((uint)RB, t.r_end - m0), wr, K, lane, GROUPED_WG, acc);
     grouped_wg_store(partial, acc, lane, m0, t.r_end, y, ldy, t.mat * N + t.n);
   }
 }

@@ -33,6 +33,9 @@ struct KernelTuning {
   uint32_t rope_wg = 64;          // RoPE + KV store: lanes per token
   uint32_t linear_wg = 64;        // linear_wg.cl: lanes per output feature
   uint32_t linear_rows = 4;       // linear_wg.cl: rows per work-group
+  // linear_wg.cl and the grouped experts' GPU shape (wg_dots.cl): weights each lane reads per
+  // step, side by side (1, 2, 4 or 8); 1 is the plain one-element stride.
+  uint32_t linear_vector = 1;
   uint32_t attn_wg = 64;          // paged attention: lanes per (token, head group, split)
   uint32_t attn_tile = 32;        // positions per local-memory tile (MHA)
   uint32_t attn_heads = 8;        // query heads sharing one KV head per work-group, at most

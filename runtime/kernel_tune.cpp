@@ -174,7 +174,7 @@ TuneWorkload::TuneWorkload(Device& dev, bool quick) : buffers_(std::make_unique<
     ops_.push_back({"linear M=1 bf16", "N=" + std::to_string(N) + " K=" + std::to_string(K),
                     double(N) * K * 2,
                     [&dev, x, y, &w, N, K] { ops::linear(dev, x, 0, K, w, nullptr, y, 0, N, 1); },
-                    {"linear_wg", "linear_rows"},
+                    {"linear_wg", "linear_rows", "linear_vector"},
                     {"gemv_stream_k"}});
   }
 
@@ -187,7 +187,7 @@ TuneWorkload::TuneWorkload(Device& dev, bool quick) : buffers_(std::make_unique<
     ops_.push_back({"linear M=8 bf16", "N=" + std::to_string(N) + " K=" + std::to_string(K),
                     double(N) * K * 2,
                     [&dev, x, y, &w, M, N, K] { ops::linear(dev, x, 0, K, w, nullptr, y, 0, N, M); },
-                    {"linear_wg", "linear_rows"},
+                    {"linear_wg", "linear_rows", "linear_vector"},
                     {"weight_prefetch"}});
   }
 
@@ -218,7 +218,7 @@ TuneWorkload::TuneWorkload(Device& dev, bool quick) : buffers_(std::make_unique<
                       ops::linear(dev, x, 0, K, w, nullptr, y, 0, N, M, 1.0f, false,
                                   ComputeDType::BF16);
                     },
-                    {"linear_wg", "linear_rows"},
+                    {"linear_wg", "linear_rows", "linear_vector"},
                     {"gemm_bf16_tm", "gemm_bf16_tn", "gemm_bf16_rows"}});
   }
 
@@ -360,6 +360,7 @@ const std::vector<TuneField>& tunable_fields() {
       {"rope_wg", S::WorkGroups, {32, 64, 128, 256}},
       {"linear_wg", S::WorkGroups, {32, 64, 128, 256}},
       {"linear_rows", S::WorkGroups, {1, 2, 4, 8}},
+      {"linear_vector", S::WorkGroups, {1, 2, 4, 8}},
       {"attn_wg", S::WorkGroups, {32, 64, 128, 256}},
       {"attn_tile", S::WorkGroups, {8, 16, 32}},
       {"attn_heads", S::WorkGroups, {1, 2, 4, 8}},

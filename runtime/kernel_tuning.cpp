@@ -102,6 +102,7 @@ const std::vector<std::pair<std::string, U32Field>>& u32_fields() {
   static const std::vector<std::pair<std::string, U32Field>> f = {
       {"norm_wg", &KernelTuning::norm_wg},       {"rope_wg", &KernelTuning::rope_wg},
       {"linear_wg", &KernelTuning::linear_wg},   {"linear_rows", &KernelTuning::linear_rows},
+      {"linear_vector", &KernelTuning::linear_vector},
       {"attn_wg", &KernelTuning::attn_wg},       {"attn_tile", &KernelTuning::attn_tile},
       {"attn_heads", &KernelTuning::attn_heads}, {"attn_split", &KernelTuning::attn_split},
       {"prefill_wg", &KernelTuning::prefill_wg}, {"prefill_q", &KernelTuning::prefill_q},

@@ -143,6 +143,40 @@ bool bf16_dot_product(const Device& dev) {
   return pocl_cpu(dev) && dev.tuning().gemm_bf16_dot != 0 && host_cpu_has_avx512_bf16();
 }
 
+namespace {
+
+// Whether the first row of `mem` at element `offset` (elements of `elem` bytes) and every row
+// `ld` elements after it start on a `vw`-element boundary on the device: the buffer's own start
+// counts too where it wraps host memory (a mapped checkpoint) or is a sub-buffer.
+bool rows_aligned(const cl::Mem& mem, size_t offset, size_t ld, size_t elem, uint32_t vw) {
+  if (offset % vw != 0 || ld % vw != 0) return false;
+  void* host = nullptr;
+  size_t origin = 0;
+  cl::check(clGetMemObjectInfo(mem.get(), CL_MEM_HOST_PTR, sizeof(host), &host, nullptr),
+            "clGetMemObjectInfo (CL_MEM_HOST_PTR)");
+  cl::check(clGetMemObjectInfo(mem.get(), CL_MEM_OFFSET, sizeof(origin), &origin, nullptr),
+            "clGetMemObjectInfo (CL_MEM_OFFSET)");
+  const size_t bytes = size_t(vw) * elem;
+  return reinterpret_cast<uintptr_t>(host) % bytes == 0 && origin % bytes == 0;
+}
+
+// linear_wg.cl's width options (wg_dots.cl): -DVW, KernelTuning::linear_vector, and
+// -DVEC_ALIGNED=1 where x's rows and every weight's rows start on a VW-element boundary, so the
+// lanes' loads are single vector loads.
+std::string wg_vector_options(const Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx,
+                              const std::vector<const Weight*>& ws) {
+  const uint32_t vw = dev.tuning().linear_vector;
+  std::string opts = " -DVW=" + std::to_string(vw);
+  if (vw == 1) return opts;
+  bool aligned = rows_aligned(x, x_off, ldx, sizeof(float), vw);
+  for (const Weight* w : ws)
+    aligned = aligned && rows_aligned(w->mem, w->offset, size_t(w->row_stride()),
+                                      dtype_size(w->dtype), vw);
+  return aligned ? opts + " -DVEC_ALIGNED=1" : opts;
+}
+
+}  // namespace
+
 std::string weight_prefetch_option(const Device& dev) {
 #if defined(__x86_64__)
   if (pocl_cpu(dev) && dev.tuning().weight_prefetch != 0) return " -DPREFETCH_X86=1";
@@ -195,7 +229,8 @@ void linear(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const W
     const uint32_t wg = dev.tuning().linear_wg, rb = dev.tuning().linear_rows;
     cl::Kernel k = dev.kernel("linear_wg.cl", "linear_wg",
                               weight_option(w) + " -DWG=" + std::to_string(wg) +
-                                  " -DRB=" + std::to_string(rb));
+                                  " -DRB=" + std::to_string(rb) +
+                                  wg_vector_options(dev, x, x_off, ldx, {&w}));
     cl::set_args(k, x, x_off, ldx, w.mem, uint32_t(w.offset), ldw, has_bias ? bias->mem : w.mem,
                  uint32_t(has_bias ? bias->offset : 0), has_bias, y, y_off, ldy, M, N, K, alpha,
                  int(accumulate));
@@ -299,7 +334,8 @@ void launch_fused_wg(Device& dev, ComputeDType compute, const cl::Mem& x_in, uin
   const uint32_t wg = dev.tuning().linear_wg, rb = dev.tuning().linear_rows;
   cl::Kernel k = dev.kernel("linear_wg.cl", "linear_fused_wg",
                             weight_option(*ws[0]) + " -DWG=" + std::to_string(wg) +
-                                " -DRB=" + std::to_string(rb) + (glu ? " -DGLU=1" : ""));
+                                " -DRB=" + std::to_string(rb) + (glu ? " -DGLU=1" : "") +
+                                wg_vector_options(dev, *x, x_off, ldx, ws));
   const Weight& w0 = *ws[0];
   const Weight& w1 = *ws[std::min<size_t>(1, ws.size() - 1)];
   const Weight& w2 = *ws[std::min<size_t>(2, ws.size() - 1)];

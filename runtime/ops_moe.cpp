@@ -324,7 +324,8 @@ void moe_grouped_linear(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::M
     const bool fp8 = g.dtype == DType::F8_E4M3;
     cl::Kernel k = dev.kernel("moe.cl", fp8 ? "moe_grouped_linear_fp8_wg" : "moe_grouped_linear_wg",
                               opts + " -DGROUPED_WG=" + std::to_string(wg) +
-                                  " -DRB=" + std::to_string(rb));
+                                  " -DRB=" + std::to_string(rb) +
+                                  " -DVW=" + std::to_string(dev.tuning().linear_vector));
     if (fp8)
       cl::set_args(k, x, ldx, x_rows ? *x_rows : x, int(x_rows != nullptr), g.mem, g.mem, g.table,
                    slot0, plan.tiles.mem(), plan.tile_count.mem(), plan.expert_offsets.mem(),

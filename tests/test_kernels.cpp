@@ -253,6 +253,89 @@ TEST_P(LinearStrides, OffsetsAndStrides) {
 INSTANTIATE_TEST_SUITE_P(Shapes, LinearStrides,
                          ::testing::Values(KernelShape::Chunks, KernelShape::WorkGroups));
 
+// The GPU shape's lane steps of VW weights (KernelTuning::linear_vector, wg_dots.cl): linear_wg's
+// output equals, bit for bit, the host's emulation of its order: lane l's fma chain over the
+// columns VW l + j + s VW WG (j < VW) for the whole steps, then l, l + WG, ... over the tail, then
+// the local tree (halves, quarters, ...). f32 / bf16 / f16 weights; K with whole steps and a
+// tail, and K below one step; x read from an aligned and from an unaligned offset (single vector
+// loads or vloadn), the same bits; q/k/v side by side and gate/up + SiLU equal linear's bits.
+struct VectorCase {
+  uint32_t K;
+  DType dt;
+};
+class LinearVector : public ::testing::TestWithParam<VectorCase> {};
+TEST_P(LinearVector, LaneStepsSumInTheStatedOrder) {
+  const auto [K, dt] = GetParam();
+  Device& dev = test::default_device();
+  ShapeScope scope(dev, KernelShape::WorkGroups);
+  const uint32_t M = 5, N = 7, F = 3;  // M = 5: a second, partial group of rows
+  auto x = random_vec(size_t(M) * K + 1, 41), wv = random_vec(size_t(N) * K, 42),
+       gv = random_vec(size_t(F) * K, 43), uv = random_vec(size_t(F) * K, 44);
+  Weight w = make_weight(dev, wv, {N, K}, dt), gate = make_weight(dev, gv, {F, K}, dt),
+         up = make_weight(dev, uv, {F, K}, dt);
+  cl::Mem xm = upload(dev, x);
+  const uint32_t wg = dev.tuning().linear_wg;
+  for (uint32_t vw : {1u, 2u, 4u, 8u}) {
+    SCOPED_TRACE("VW " + std::to_string(vw));
+    KernelTuning t = dev.tuning();
+    t.linear_vector = vw;
+    test::TuningScope tuned(dev, t);
+    // The host's emulation, x's rows starting at x0.
+    auto expected = [&](const std::vector<float>& wr, uint32_t n, uint32_t m, uint32_t x0) {
+      std::vector<float> lanes(wg, 0.0f);
+      const uint32_t span = wg * vw, whole = K / span * span;
+      for (uint32_t l = 0; l < wg; ++l) {
+        float acc = 0.0f;
+        for (uint32_t k = l * vw; k < whole; k += span)
+          for (uint32_t j = 0; j < vw; ++j)
+            acc = std::fma(x[x0 + size_t(m) * K + k + j], wr[size_t(n) * K + k + j], acc);
+        for (uint32_t k = whole + l; k < K; k += wg)
+          acc = std::fma(x[x0 + size_t(m) * K + k], wr[size_t(n) * K + k], acc);
+        lanes[l] = acc;
+      }
+      for (uint32_t stride = wg / 2; stride > 0; stride /= 2)
+        for (uint32_t l = 0; l < stride; ++l) lanes[l] += lanes[l + stride];
+      return lanes[0];
+    };
+    for (uint32_t x0 : {0u, 1u}) {
+      SCOPED_TRACE("x offset " + std::to_string(x0));
+      cl::Mem y = dev.alloc(size_t(M) * N * 4), q = dev.alloc(size_t(M) * 2 * N * 4),
+              g = dev.alloc(size_t(M) * F * 4);
+      ops::linear(dev, xm, x0, K, w, nullptr, y, 0, N, M);
+      ops::linear_fused(dev, xm, x0, K, nullptr, nullptr, 0.0f, {&w, &w}, q, 0, 2 * N, M);
+      ops::linear_swiglu(dev, xm, x0, K, nullptr, 0.0f, gate, up, g, 0, F, M);
+      const auto yv = download(dev, y, size_t(M) * N), qv = download(dev, q, size_t(M) * 2 * N),
+                 gu = download(dev, g, size_t(M) * F);
+      for (uint32_t m = 0; m < M; ++m) {
+        for (uint32_t n = 0; n < N; ++n) {
+          const float want = expected(wv, n, m, x0), got = yv[size_t(m) * N + n];
+          ASSERT_EQ(std::bit_cast<uint32_t>(got), std::bit_cast<uint32_t>(want))
+              << "row " << m << " column " << n << ": " << got << " vs " << want;
+          for (uint32_t half : {0u, 1u})
+            ASSERT_EQ(std::bit_cast<uint32_t>(qv[size_t(m) * 2 * N + half * N + n]),
+                      std::bit_cast<uint32_t>(want))
+                << "q/k/v row " << m << " column " << half * N + n;
+        }
+        for (uint32_t f = 0; f < F; ++f) {
+          const float a = expected(gv, f, m, x0), b = expected(uv, f, m, x0);
+          const float want = a / (1.0f + std::exp(-a)) * b;
+          EXPECT_NEAR(gu[size_t(m) * F + f], want, 1e-5f * (1.0f + std::abs(want)))
+              << "gate/up row " << m << " feature " << f;
+        }
+      }
+    }
+  }
+}
+INSTANTIATE_TEST_SUITE_P(Widths, LinearVector,
+                         ::testing::Values(VectorCase{1032, DType::BF16},
+                                           VectorCase{1032, DType::F32},
+                                           VectorCase{520, DType::F16},
+                                           VectorCase{333, DType::BF16},
+                                           VectorCase{40, DType::F32}),
+                         [](const ::testing::TestParamInfo<VectorCase>& i) {
+                           return "K" + std::to_string(i.param.K) + "_" + dtype_name(i.param.dt);
+                         });
+
 // The CPU shape and the GPU shape (run on PoCL), a row narrower and one wider than a work-group.
 struct NormCase {
   KernelShape shape;

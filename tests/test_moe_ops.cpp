@@ -536,6 +536,7 @@ struct Case {
   uint32_t T, k, E, H, F;
   bool with_shared = false;  // the last of the E experts is a shared expert every token visits
   KernelShape shape = KernelShape::Chunks;
+  uint32_t vector = 0;  // KernelTuning::linear_vector for the GPU shape; 0: the device's
 };
 
 class GroupedExperts : public ::testing::TestWithParam<Case> {};
@@ -549,6 +550,9 @@ TEST_P(GroupedExperts, MatchPerExpertOpsBitForBit) {
   const Case c = GetParam();
   Device& dev = device();
   test::ShapeScope scope(dev, c.shape);
+  KernelTuning tuning = dev.tuning();
+  if (c.vector) tuning.linear_vector = c.vector;
+  test::TuningScope tuned(dev, tuning);
   const uint32_t routed = c.with_shared ? c.E - 1 : c.E, slots = c.k + (c.with_shared ? 1 : 0);
   const auto ids = random_ids(c.T, c.k, routed, 11 + c.T);
   std::vector<int32_t> all_ids;  // with the shared expert's slot
@@ -654,11 +658,16 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{DType::F32, 5, 2, 6, 72, 34, false, kWg},
                       Case{DType::F16, 70, 2, 3, 40, 18, false, kWg},
                       Case{DType::F8_E4M3, 3, 2, 6, 300, 150, true, kWg},
-                      Case{DType::F8_E4M3, 30, 2, 4, 200, 138, false, kWg}),
+                      Case{DType::F8_E4M3, 30, 2, 4, 200, 138, false, kWg},
+                      // Wider lane steps (wg_dots.cl): whole steps and tails on both GEMMs.
+                      Case{DType::BF16, 13, 3, 5, 600, 300, true, kWg, 4},
+                      Case{DType::F32, 5, 2, 6, 520, 264, false, kWg, 8},
+                      Case{DType::F16, 9, 2, 3, 300, 140, false, kWg, 2}),
     [](const ::testing::TestParamInfo<Case>& i) {
       return std::string(dtype_name(i.param.dtype)) + "_T" + std::to_string(i.param.T) + "_E" +
              std::to_string(i.param.E) + (i.param.with_shared ? "_shared" : "") +
-             (i.param.shape == KernelShape::WorkGroups ? "_gpu" : "_cpu");
+             (i.param.shape == KernelShape::WorkGroups ? "_gpu" : "_cpu") +
+             (i.param.vector ? "_vw" + std::to_string(i.param.vector) : "");
     });
 
 }  // namespace grouped

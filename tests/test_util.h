@@ -63,6 +63,21 @@ class ShapeScope {
   KernelShape saved_;
 };
 
+// Sets a device's kernel tuning row for one scope, and puts the device's own row back at the end.
+class TuningScope {
+ public:
+  TuningScope(Device& dev, const KernelTuning& tuning) : dev_(dev), saved_(dev.tuning()) {
+    dev.set_tuning(tuning);
+  }
+  ~TuningScope() { dev_.set_tuning(saved_); }
+  TuningScope(const TuningScope&) = delete;
+  TuningScope& operator=(const TuningScope&) = delete;
+
+ private:
+  Device& dev_;
+  KernelTuning saved_;
+};
+
 // Runs the clshard executable with args; returns its exit code, stdout and stderr in out/err.
 int run_clshard(const std::vector<std::string>& args, std::string* out = nullptr,
                 std::string* err = nullptr);
