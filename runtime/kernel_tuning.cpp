@@ -68,6 +68,12 @@ KernelTuning nvidia_hopper() {
   t.mla_wg = 256;
   t.mla_tile = 16;
   t.mla_heads = 16;
+  // Four weights per lane and step (wg_dots.cl), timed on the H200 on 2026-11-26 over the bf16
+  // GEMVs (M = 1 and 8) and the bf16-compute GEMM: 1: 0.391 ms, 2: 0.338, 4: 0.323, 8: 0.367;
+  // llama3-1b's batch-1 decode went from 259 to 304 tok/s (`clshard bench`, one run each). The
+  // tuner also chose linear_rows 2 there (0.420 ms against 4's 0.455) over the same ops, none of
+  // them a 64-row batched decode, which wants the 4 rows' reuse of each weight load.
+  t.linear_vector = 4;
   return t;
 }
 

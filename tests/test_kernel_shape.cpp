@@ -202,6 +202,8 @@ TEST(KernelTuningTable, TheHopperRowWinsOverNvidiasDefault) {
   EXPECT_EQ(a.mla_tile, 16u);
   EXPECT_EQ(a.prefill_wg, 256u);
   EXPECT_EQ(a.linear_rows, KernelTuning{}.linear_rows);  // not timed on prefill GEMMs: the default
+  EXPECT_EQ(a.linear_vector, 4u);
+  EXPECT_EQ(c.linear_vector, KernelTuning{}.linear_vector);
   EXPECT_EQ(c.attn_wg, 128u);
   EXPECT_EQ(c.prefill_wg, 128u);
   EXPECT_EQ(c.attn_split, KernelTuning{}.attn_split);
