@@ -68,7 +68,9 @@ struct KvCacheSection {
   // Tokens per KV page. Our kernels need a multiple of 16; MAX itself requires multiples of 128 on
   // GPUs, so 128 is the default and the value to keep for GPU deployments.
   int page_size = 128;
-  // Share of each device's free memory (after weights and activations) given to KV pages.
+  // Share of each device's memory after the weights given to KV pages (the steps' activations
+  // come out of the rest). Deployment::open waits for the pool's first use, so a pool the device
+  // refuses is a load-time error naming this key.
   double memory_fraction = 0.9;
   int64_t pages = 0;  // pages per replica; 0: derive from memory_fraction
   // Reuse the KV pages of prompt prefixes already computed (runtime/engine/scheduler.h).

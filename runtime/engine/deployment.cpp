@@ -35,50 +35,37 @@ void check_checkpoint_dtype(const DeployConfig& cfg) {
 }
 
 // Allocates the KV pools of the model (and draft) with `pages` pages per replica and waits for
-// their first use, so that a pool the device refuses fails here, at load time, and not at the
-// first write of the first step: discrete GPUs' drivers (NVIDIA's OpenCL on an H200, 2026-11-26)
-// reserve a buffer's memory at its first use, not at clCreateBuffer, and refused a 118 GB pool
-// planned from memory_fraction 0.8 of the reported 150 GB with CL_OUT_OF_RESOURCES on an
-// unrelated write, where 0.5 (74 GB) ran. A pool derived from memory_fraction is tried again at
-// 3/4 of its pages, up to 4 times, with a warning; a pool set by kv_cache.pages, one over MPI
-// (every rank must hold the same page count) or the last try is an error naming the pool and the
-// keys. Returns the pages allocated.
-uint32_t allocate_kv_pools(Deployment& d, const DeployConfig& cfg, uint32_t pages,
-                           uint32_t page_size) {
-  const uint64_t per_page =
-      (d.model->kv_bytes_per_token() + (d.draft ? d.draft->kv_bytes_per_token() : 0)) * page_size;
+// their first use, so that a pool the device refuses fails here, at load time, naming the keys
+// that size it, and not as an unrelated error at the first write of the first step: discrete
+// GPUs' drivers reserve a buffer's memory at its first use, not at clCreateBuffer. Measured on an
+// H200 through NVIDIA's OpenCL (2026-11-26, llama3-1b, reported global memory 150 GB): pools from
+// memory_fraction 0.8 (118 GB) and 0.9 (133 GB) were refused with CL_OUT_OF_RESOURCES after 93-120
+// GB had been reserved, 0.5 (74 GB) ran. Retrying smaller in the same process does not help
+// there: after the refusal the command queue is invalid (CL_INVALID_COMMAND_QUEUE), so the error
+// asks for a smaller pool instead.
+void allocate_kv_pools(Deployment& d, const DeployConfig& cfg, uint32_t pages,
+                       uint32_t page_size) {
+  const uint64_t bytes =
+      (d.model->kv_bytes_per_token() + (d.draft ? d.draft->kv_bytes_per_token() : 0)) *
+      page_size * pages;
   // Tests stand in for a device that refuses pools above this many bytes (CPU devices do not).
   uint64_t refuse_above = 0;
   if (const char* t = std::getenv("CLSHARD_TEST_REFUSE_KV_BYTES")) refuse_above = std::stoull(t);
-  constexpr int kTries = 4;
-  for (int attempt = 1;; ++attempt) {
-    const uint64_t bytes = per_page * pages;
-    try {
-      d.model->allocate_kv_cache(pages, page_size);
-      if (d.draft) d.draft->allocate_kv_cache(pages, page_size);
-      for (Device* dev : d.model->devices()) dev->finish();
-      if (refuse_above && bytes > refuse_above)
-        throw cl::Error(CL_OUT_OF_RESOURCES, "first use of the KV pool (CLSHARD_TEST_REFUSE_KV_BYTES)");
-      return pages;
-    } catch (const cl::Error& e) {
-      const std::string pool = std::to_string(pages) + " KV pages per replica (" +
-                               std::to_string(bytes / 1000000) + " MB per replica)";
-      const bool derived = cfg.kv_cache.pages == 0;
-      char fraction[32];
-      std::snprintf(fraction, sizeof fraction, "%g", cfg.kv_cache.memory_fraction);
-      if (!derived || d.mpi_ranks > 0 || attempt == kTries || pages < 4)
-        throw std::runtime_error(
-            cfg.where(derived ? "kv_cache.memory_fraction" : "kv_cache.pages") +
-            ": the device refused " + pool + (attempt > 1 ? " after smaller tries" : "") + " (" +
-            e.what() + "); set a smaller kv_cache.memory_fraction (now " + fraction +
-            ") or kv_cache.pages");
-      const uint32_t fewer = pages / 4 * 3;
-      std::fprintf(stderr,
-                   "clshard: warning: the device refused %s (%s); trying %u pages (kv_cache.pages "
-                   "or a smaller kv_cache.memory_fraction sets the pool)\n",
-                   pool.c_str(), e.what(), fewer);
-      pages = fewer;
-    }
+  try {
+    d.model->allocate_kv_cache(pages, page_size);
+    if (d.draft) d.draft->allocate_kv_cache(pages, page_size);
+    for (Device* dev : d.model->devices()) dev->finish();
+    if (refuse_above && bytes > refuse_above)
+      throw cl::Error(CL_OUT_OF_RESOURCES, "reserving the KV pool (CLSHARD_TEST_REFUSE_KV_BYTES)");
+  } catch (const cl::Error& e) {
+    const bool derived = cfg.kv_cache.pages == 0;
+    char fraction[32];
+    std::snprintf(fraction, sizeof fraction, "%g", cfg.kv_cache.memory_fraction);
+    throw std::runtime_error(
+        cfg.where(derived ? "kv_cache.memory_fraction" : "kv_cache.pages") +
+        ": the device refused " + std::to_string(pages) + " KV pages per replica (" +
+        std::to_string(bytes / 1000000) + " MB) at their first use (" + e.what() +
+        "); set a smaller kv_cache.memory_fraction (now " + fraction + ") or kv_cache.pages");
   }
 }
 
@@ -175,11 +162,10 @@ Deployment Deployment::open(const DeployConfig& cfg) {
 
   const uint32_t page_size = uint32_t(cfg.kv_cache.page_size);
   const uint32_t max_length = d.model->info().max_seq_len;
-  const uint32_t pages = allocate_kv_pools(
-      d, cfg,
+  const uint32_t pages =
       plan_kv_pages(*d.model, page_size, cfg.kv_cache.pages, cfg.kv_cache.memory_fraction,
-                    uint32_t(cfg.batch.max_batch_size), max_length, d.draft.get()),
-      page_size);
+                    uint32_t(cfg.batch.max_batch_size), max_length, d.draft.get());
+  allocate_kv_pools(d, cfg, pages, page_size);
   d.limits.max_batch_size = uint32_t(cfg.batch.max_batch_size);
   d.limits.max_batch_input_tokens = uint32_t(cfg.batch.max_batch_input_tokens);
   d.limits.page_size = page_size;
