@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks of a built tree on a machine with a GPU: what the OpenCL driver reports, the
 # single-device tests on the GPU (its own kernel shape), a tuning run saved to the kernel cache,
-# then the kernel and end-to-end benchmarks (llama3-1b and dsv3-mini bf16, batch 1 and 64).
+# then the kernel and end-to-end benchmarks (llama3-1b and dsv3-mini bf16, batch 1 and 64; a
+# deployment file greedy and at temperature 1; the sampler alone; the GEMV lanes' A/B).
 #   bash scripts/gpu_check.sh [OUT_DIR]     (default: gpu-check/; BUILD=build)
 # Every step has a time limit and its log goes to OUT_DIR; nothing here is part of CI. Tests that
 # need a CPU device (sub-devices, `type: cpu` deployments) or mpirun fail on a GPU-only machine,
@@ -46,6 +47,25 @@ for m in llama3-1b dsv3-mini; do
   timeout 300 "$build/clshard" bench --model "$models/$m" --batch 1,64 --prompt-len 512 \
     --gen-len 32 --roofline --json "$out/bench-$m.json" 2>&1 | tail -4
 done
+# A deployment file's path (the pool from kv_cache.memory_fraction: NVIDIA's OpenCL on an H200
+# refused 0.8 of its memory at first use, 0.5 ran), greedy and at temperature 1: the gap between
+# the two is the sampler's share of a batch-1 step.
+for t in 0.0 1.0; do
+  step "clshard bench llama3-1b from a deployment file, temperature $t"
+  printf 'model:\n  path: %s\ndevices:\n  type: gpu\nkv_cache:\n  memory_fraction: 0.5\nsampling:\n  temperature: %s\n' \
+    "$models/llama3-1b" "$t" > "$models/deploy.yaml"
+  timeout 120 "$build/clshard" bench "$models/deploy.yaml" --batch 1 --prompt-len 512 --gen-len 64 \
+    2>&1 | tail -2
+done
+step "sampler alone (bench_sampling, 1 and 32 rows)"
+for rows in 1 32; do
+  timeout 120 "$build/perf/bench_sampling" --quick --rows "$rows" > "$out/sampling-$rows.log" 2>&1
+  grep -E 'sample_tokens|compute_logprobs top 20' "$out/sampling-$rows.log" | grep 128256
+done
+step "GEMV lanes: linear_vector 1 against the device's row"
+timeout 120 "$build/perf/bench_kernel_shapes" --set linear_vector=1 2>&1 | grep '^linear M=' > "$out/vector1.log"
+timeout 120 "$build/perf/bench_kernel_shapes" 2>&1 | grep '^linear M=' > "$out/vector-row.log"
+paste -d'\n' "$out/vector1.log" "$out/vector-row.log"
 step "decode breakdown llama3-1b, batch 1"
 timeout 120 "$build/perf/bench_decode_breakdown" "$models/llama3-1b" --batch 1 --fused-only \
   --rounds 1 > "$out/decode-breakdown.log" 2>&1
