@@ -28,20 +28,16 @@ using test::download;
 using test::random_vec;
 
 // The device in the GPU shape with blas_gemm_rows = `rows`, restored afterwards.
+KernelTuning with_blas_rows(const Device& d, uint32_t rows) {
+  KernelTuning t = d.tuning();
+  t.blas_gemm_rows = rows;
+  return t;
+}
 struct GpuShapeScope {
-  Device& dev;
-  KernelShape shape;
-  KernelTuning tuning;
-  GpuShapeScope(Device& d, uint32_t rows) : dev(d), shape(d.kernel_shape()), tuning(d.tuning()) {
-    d.set_kernel_shape(KernelShape::WorkGroups);
-    KernelTuning t = tuning;
-    t.blas_gemm_rows = rows;
-    d.set_tuning(t);
-  }
-  ~GpuShapeScope() {
-    dev.set_kernel_shape(shape);
-    dev.set_tuning(tuning);
-  }
+  test::ShapeScope shape;
+  test::TuningScope tuning;
+  GpuShapeScope(Device& d, uint32_t rows)
+      : shape(d, KernelShape::WorkGroups), tuning(d, with_blas_rows(d, rows)) {}
 };
 
 // A [N, K] weight view into a buffer of N rows of stride ld starting `offset` elements in;

@@ -105,20 +105,15 @@ std::string case_name(const ::testing::TestParamInfo<GemmCase>& p) {
 }
 
 // The device with the case's kernel shape and micro-kernel, restored afterwards.
+KernelTuning case_tuning(const Device& d, const GemmCase& c) {
+  KernelTuning t = d.tuning();
+  if (c.variant == Variant::Portable) t.gemm_bf16_dot = 0;
+  return t;
+}
 struct DeviceScope {
-  Device& dev;
-  KernelShape shape;
-  KernelTuning tuning;
-  DeviceScope(Device& d, const GemmCase& c) : dev(d), shape(d.kernel_shape()), tuning(d.tuning()) {
-    d.set_kernel_shape(c.shape);
-    KernelTuning t = tuning;
-    if (c.variant == Variant::Portable) t.gemm_bf16_dot = 0;
-    d.set_tuning(t);
-  }
-  ~DeviceScope() {
-    dev.set_kernel_shape(shape);
-    dev.set_tuning(tuning);
-  }
+  test::ShapeScope shape;
+  test::TuningScope tuning;
+  DeviceScope(Device& d, const GemmCase& c) : shape(d, c.shape), tuning(d, case_tuning(d, c)) {}
 };
 
 double tolerance(uint32_t K, double abs_sum) { return (K / 8.0 + 40.0) * FLT_EPSILON * abs_sum; }

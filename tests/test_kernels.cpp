@@ -172,6 +172,7 @@ TEST_P(LinearPrefetch, NextTilePrefetchChangesNoBit) {
   Device& dev = test::default_device();
   ShapeScope scope(dev, KernelShape::Chunks);
   const KernelTuning saved = dev.tuning();
+  test::TuningScope restore(dev, saved);  // run() below sets its own
   const uint32_t N = 2051, Nk = 5, F = 1027;
   auto x = random_vec(size_t(M) * K, 21), wv = random_vec(size_t(N) * K, 22),
        kv = random_vec(size_t(Nk) * K, 23), gv = random_vec(size_t(F) * K, 24),
@@ -202,7 +203,6 @@ TEST_P(LinearPrefetch, NextTilePrefetchChangesNoBit) {
                                              download(dev, g, size_t(M) * F)};
   };
   const auto on = run(1), off = run(0);
-  dev.set_tuning(saved);
   const char* names[3] = {"linear", "q/k/v", "gate/up"};
   for (int op = 0; op < 3; ++op) {
     ASSERT_EQ(on[op].size(), off[op].size());
@@ -461,13 +461,7 @@ KernelTuning tuning_for(Device& dev, const AttentionCase& c) {
 TEST_P(AttentionKernels, RopeStoreAndPagedAttentionMatchCpp) {
   Device& dev = test::default_device();
   ShapeScope scope(dev, GetParam().shape);
-  const KernelTuning saved = dev.tuning();
-  dev.set_tuning(tuning_for(dev, GetParam()));
-  struct Restore {
-    Device& d;
-    KernelTuning t;
-    ~Restore() { d.set_tuning(t); }
-  } restore{dev, saved};
+  test::TuningScope tuned(dev, tuning_for(dev, GetParam()));
   // GQA groups of 2, 4 and 3 query heads per KV head: the CPU shape's work-items take 2, 4 and
   // 1 heads each (they share a key and value load).
   for (const auto [nh, nkv] : {std::pair<uint32_t, uint32_t>{4, 2}, {8, 2}, {6, 2}}) {
@@ -635,18 +629,12 @@ TEST_P(PrefillAttention, MatchesDoubleReferenceWithCachedPrefix) {
   const PrefillCase& c = GetParam();
   Device& dev = test::default_device();
   ShapeScope scope(dev, c.shape);
-  const KernelTuning saved = dev.tuning();
-  KernelTuning tu = saved;
+  KernelTuning tu = dev.tuning();
   if (c.q_tile) tu.prefill_q = c.q_tile;
   if (c.kv_tile) tu.prefill_tile = c.kv_tile;
   if (c.wg) tu.prefill_wg = c.wg;
   if (c.heads) tu.prefill_heads = c.heads;
-  dev.set_tuning(tu);
-  struct Restore {
-    Device& d;
-    KernelTuning t;
-    ~Restore() { d.set_tuning(t); }
-  } restore{dev, saved};
+  test::TuningScope tuned(dev, tu);
   const uint32_t nh = c.nh, nkv = c.nkv, hd = 24, page = 16, npages = 12, ppr = 3;
   const std::vector<uint32_t> cached = {21, 0, 30}, fresh = {19, 13, 1};
   const std::vector<uint32_t> lut = {7, 2, 10, 4, 0, 12, 9, 1, 5};  // 12: the null page
