@@ -338,41 +338,8 @@ kernel void sample_rows(global const float* logits, uint rows, uint vocab,
 
 // ---- speculative-decoding acceptance (runtime/engine/acceptance.h has the rule and its proof) ---
 
-// Per request, filled by runtime/acceptance.cpp (AcceptRowArgs there).
-typedef struct {
-  SamplingRowArgs sampling;  // the seed is the one of the first verified position
-  uint logit_offset;         // first verification row in `logits` (and `bitmask`)
-  uint draft_offset;         // first draft in `drafts`
-  uint num_drafts;           // verification rows = num_drafts + 1
-  uint thinking;             // relaxed acceptance for the drafts
-} AcceptRowArgs;
-
-// MAX's relaxed acceptance of draft d: with P = softmax of the untempered allowed logits, d is
-// accepted iff it is allowed, fewer than top_k allowed tokens rank above it and
-// P(d) >= P(top-1) - delta. `argmax` is the row's best allowed token.
-inline bool relaxed_accepts(global const float* row, global const uint* mask_row, uint vocab,
-                            uint d, uint argmax, uint top_k, float delta) {
-  if (mask_row && !((mask_row[d >> 5] >> (d & 31u)) & 1u)) return false;
-  if (!(row[d] > -INFINITY)) return false;
-  const float max_logit = fmin(row[argmax], FLT_MAX);
-  const float dl = fmin(row[d], FLT_MAX);
-  const uint dkey = order_key(dl);
-  float16 z = 0.0f;
-  int16 above = 0;
-  for (uint i = 0; i < vocab; i += CHUNK) {
-    const uint n = min((uint)CHUNK, vocab - i);
-    const float16 l = load_logits(row, i, n);
-    const int16 ok = allowed_lanes(l, mask_row, i, n);
-    z += select((float16)0.0f, exp(clamped(l) - max_logit), ok);
-    above -= ok & strictly_above(order_keys(clamped(l)), (uint16)i + kLane, dkey, d);
-  }
-  int at[CHUNK];
-  vstore16(above, 0, at);
-  uint n_above = 0;
-  for (uint j = 0; j < CHUNK; ++j) n_above += (uint)at[j];
-  const float total = hsum16(z);
-  return n_above < top_k && exp(dl - max_logit) / total >= 1.0f / total - delta;
-}
+// AcceptRowArgs and relaxed_accepts are sampling_common.cl's (the GPU shape's accept_rows_wg
+// shares them).
 
 // One work-item per request: verifies its drafts in order and stops at the first rejection.
 // out[b] = (drafts accepted, next token); the next token is -1 when the row it comes from allows

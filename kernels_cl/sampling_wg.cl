@@ -185,22 +185,23 @@ inline uint2 wg_topk_boundary(global const float* row, global const uint* mask_r
   return boundary;
 }
 
-// One token per row, one work-group per row (global size rows * SAMPLE_WG). out[r] = -1 when the
-// row allows no token at all. `work` as sample_rows: the kept masses, then the segment masses.
-kernel __attribute__((reqd_work_group_size(SAMPLE_WG, 1, 1))) void sample_rows_wg(
-    global const float* logits, uint rows, uint vocab, global const SamplingRowArgs* args,
-    global const uint* bitmask, uint bitmask_words, global float* work, global int* out) {
-  local uint lk[SAMPLE_WG], li[SAMPLE_WG], lc[SAMPLE_WG];
-  local float lv[SAMPLE_WG * CHUNK], lf[SAMPLE_WG];
-  local uint hist[256];
-  local uint state[8];  // the nucleus loop's shared values; [0, 2) the top-k boundary
+// The local scratch of wg_sample_row, declared by each kernel that calls it (OpenCL C 1.2 puts
+// local arrays at kernel scope).
+#define WG_SAMPLE_LOCALS                                                      \
+  local uint lk[SAMPLE_WG], li[SAMPLE_WG], lc[SAMPLE_WG];                     \
+  local float lv[SAMPLE_WG * CHUNK], lf[SAMPLE_WG];                           \
+  local uint hist[256];                                                       \
+  local uint state[8]; /* the nucleus loop's shared values; [7] the token */  \
   local float fstate[2];
-  const uint r = get_group_id(0);
+#define WG_SAMPLE_SCRATCH lk, li, lc, lv, lf, hist, state, fstate
+
+// sample_row's token (sampling.cl) drawn by the whole work-group, on every lane: -1 when the row
+// allows no token at all. work_row: the kept masses, then the segment masses. Every lane must call.
+inline int wg_sample_row(global const float* row, global const uint* mask_row, uint vocab,
+                         const SamplingRowArgs p, global float* work_row, local uint* lk,
+                         local uint* li, local uint* lc, local float* lv, local float* lf,
+                         local uint* hist, local uint* state, local float* fstate) {
   const uint lane = get_local_id(0);
-  global const float* row = logits + (size_t)r * vocab;
-  global const uint* mask_row = bitmask ? bitmask + (size_t)r * bitmask_words : 0;
-  const SamplingRowArgs p = args[r];
-  global float* work_row = work + (size_t)r * work_stride(vocab);
   global float* seg = work_row + vocab;
 
   // 1. Allowed count and argmax.
@@ -286,7 +287,82 @@ kernel __attribute__((reqd_work_group_size(SAMPLE_WG, 1, 1))) void sample_rows_w
       result = (int)state[1];
     }
   }
-  if (lane == 0) out[r] = result;
+  // Lane 0's walk decided the token: every lane returns it.
+  barrier(CLK_LOCAL_MEM_FENCE);
+  if (lane == 0) state[7] = (uint)result;
+  barrier(CLK_LOCAL_MEM_FENCE);
+  result = (int)state[7];
+  barrier(CLK_LOCAL_MEM_FENCE);
+  return result;
+}
+
+// One token per row, one work-group per row (global size rows * SAMPLE_WG). out[r] = -1 when the
+// row allows no token at all. `work` as sample_rows: the kept masses, then the segment masses.
+kernel __attribute__((reqd_work_group_size(SAMPLE_WG, 1, 1))) void sample_rows_wg(
+    global const float* logits, uint rows, uint vocab, global const SamplingRowArgs* args,
+    global const uint* bitmask, uint bitmask_words, global float* work, global int* out) {
+  WG_SAMPLE_LOCALS
+  const uint r = get_group_id(0);
+  const int t = wg_sample_row(logits + (size_t)r * vocab,
+                              bitmask ? bitmask + (size_t)r * bitmask_words : 0, vocab, args[r],
+                              work + (size_t)r * work_stride(vocab), WG_SAMPLE_SCRATCH);
+  if (get_local_id(0) == 0) out[r] = t;
+}
+
+// accept_rows (sampling.cl) with a work-group per request (global size batch * SAMPLE_WG): the
+// drafts verified in order, each strict position drawing wg_sample_row's token (the token plain
+// sampling draws there, in either shape), each relaxed one by wg_row_argmax and lane 0's
+// relaxed_accepts, so both shapes give the same (accepted, next token) pairs. The loop's exit is
+// decided from values every lane holds alike, so every lane runs it the same number of times.
+kernel __attribute__((reqd_work_group_size(SAMPLE_WG, 1, 1))) void accept_rows_wg(
+    global const float* logits, uint batch, uint vocab, global const AcceptRowArgs* args,
+    global const int* drafts, global const uint* bitmask, uint bitmask_words,
+    uint relaxed_top_k, float relaxed_delta, global float* work, global int2* out) {
+  WG_SAMPLE_LOCALS
+  local uint relaxed_ok;
+  const uint b = get_group_id(0);
+  const uint lane = get_local_id(0);
+  const AcceptRowArgs a = args[b];
+  global float* work_row = work + (size_t)b * work_stride(vocab);
+  const ulong seed0 = ((ulong)a.sampling.seed_hi << 32) | a.sampling.seed_lo;
+  int2 result = (int2)(0, -1);
+  int done = 0;
+  for (uint i = 0; !done; ++i) {
+    const size_t r = (size_t)a.logit_offset + i;
+    global const float* row = logits + r * vocab;
+    global const uint* mask_row = bitmask ? bitmask + r * bitmask_words : 0;
+    const int draft = i < a.num_drafts ? drafts[a.draft_offset + i] : -1;
+    if (draft >= 0 && a.thinking) {
+      uint n_allowed;
+      const uint argmax = wg_row_argmax(row, mask_row, vocab, lk, li, lc, &n_allowed);
+      if (n_allowed == 0) {
+        result = (int2)((int)i, -1);
+        done = 1;
+      } else {
+        if (lane == 0)
+          relaxed_ok = relaxed_accepts(row, mask_row, vocab, (uint)draft, argmax, relaxed_top_k,
+                                       relaxed_delta);
+        barrier(CLK_LOCAL_MEM_FENCE);
+        if (!relaxed_ok) {
+          result = (int2)((int)i, (int)argmax);
+          done = 1;
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);
+      }
+    } else {
+      // Strict: the token plain sampling draws here; the draft is accepted iff it is that token.
+      SamplingRowArgs p = a.sampling;
+      const ulong seed = seed0 + i;
+      p.seed_lo = (uint)seed;
+      p.seed_hi = (uint)(seed >> 32);
+      const int t = wg_sample_row(row, mask_row, vocab, p, work_row, WG_SAMPLE_SCRATCH);
+      if (draft < 0 || t != draft) {
+        result = (int2)((int)i, t);
+        done = 1;
+      }
+    }
+  }
+  if (lane == 0) out[b] = result;
 }
 
 // row_logprobs of sampling.cl, one work-group per requested row (global size rows * SAMPLE_WG);

@@ -1,7 +1,8 @@
 // Speculative-decoding acceptance (runtime/engine/acceptance.h) on the first OpenCL device: one launch
 // for 16 requests x 5 verification rows (K = 4 drafts), at a small and a Llama-3-sized
 // vocabulary, with every draft accepted (the most work: all 80 rows are read), next to
-// sample_tokens over the same 80 rows (one work-item per row, so 5x the parallelism).
+// sample_tokens over the same 80 rows (one work-item or, in the GPU shape, one work-group per row,
+// so 5x the parallelism), in the device's own kernel shape.
 // Usage: bench_acceptance [--quick]
 #include <cstdio>
 #include <random>

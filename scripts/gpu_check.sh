@@ -62,6 +62,8 @@ for rows in 1 32; do
   timeout 120 "$build/perf/bench_sampling" --quick --rows "$rows" > "$out/sampling-$rows.log" 2>&1
   grep -E 'sample_tokens|compute_logprobs top 20' "$out/sampling-$rows.log" | grep 128256
 done
+step "speculative acceptance (bench_acceptance: the GPU shape's accept_rows_wg)"
+timeout 120 "$build/perf/bench_acceptance" --quick 2>&1 | tail -9
 step "GEMV lanes: linear_vector 1 against the device's row"
 timeout 120 "$build/perf/bench_kernel_shapes" --set linear_vector=1 2>&1 | grep '^linear M=' > "$out/vector1.log"
 timeout 120 "$build/perf/bench_kernel_shapes" 2>&1 | grep '^linear M=' > "$out/vector-row.log"

@@ -529,22 +529,26 @@ TEST(AcceptanceBitmask, RelaxedRowsRejectADisallowedDraft) {
 
 // ---- the host reference -------------------------------------------------------------------------
 
-TEST(AcceptanceReference, KernelMatchesTheHostReferenceOnRandomLogits) {
-  const uint32_t V = 1000, W = bitmask_words(V), B = 300;
+const SamplingParams kMixedParams[] = {
+    kGreedy,
+    {.temperature = 1.0f},
+    {.temperature = 0.7f, .top_k = 17},
+    {.temperature = 1.0f, .top_k = 300},  // radix top-k
+    {.temperature = 1.3f, .top_p = 0.9f},
+    {.temperature = 0.8f, .top_k = 40, .top_p = 0.8f, .min_p = 0.02f},
+    {.temperature = 1.0f, .min_p = 0.05f},
+};
+
+// B requests over a vocabulary of V: request b verifies b % 5 drafts with kMixedParams[b % 7],
+// every fourth relaxed (thinking), random bitmasks; the drafts mostly what the target would commit
+// (so runs of acceptances), sometimes random.
+Batch random_batch(uint32_t V, uint32_t B) {
+  const uint32_t W = bitmask_words(V);
   std::mt19937 rng(21);
-  const SamplingParams settings[] = {
-      kGreedy,
-      {.temperature = 1.0f},
-      {.temperature = 0.7f, .top_k = 17},
-      {.temperature = 1.0f, .top_k = 300},  // radix top-k
-      {.temperature = 1.3f, .top_p = 0.9f},
-      {.temperature = 0.8f, .top_k = 40, .top_p = 0.8f, .min_p = 0.02f},
-      {.temperature = 1.0f, .min_p = 0.05f},
-  };
   Batch batch(V);
   for (uint32_t b = 0; b < B; ++b) {
     const uint32_t k = b % 5;
-    const auto& p = settings[b % 7];
+    const auto& p = kMixedParams[b % 7];
     const bool think = b % 4 == 3;
     std::vector<int32_t> d(k, 0);
     batch.add(random_logits(k + 1, V, 7000 + b, 2.0f), d, p, rng(), think);
@@ -558,6 +562,12 @@ TEST(AcceptanceReference, KernelMatchesTheHostReferenceOnRandomLogits) {
       batch.drafts[batch.draft_offsets[b] + i] = rng() % 4 ? likely : int32_t(rng() % V);
     }
   }
+  return batch;
+}
+
+TEST(AcceptanceReference, KernelMatchesTheHostReferenceOnRandomLogits) {
+  const uint32_t V = 1000, B = 300;
+  const Batch batch = random_batch(V, B);
   const auto got = batch.run();
   const auto ref = batch.reference();
   int mismatches = 0;
@@ -577,7 +587,7 @@ TEST(AcceptanceReference, KernelMatchesTheHostReferenceOnRandomLogits) {
   Batch large(big);
   for (uint32_t b = 0; b < 4; ++b) {
     const auto rows = random_logits(3, big, 40 + b, 2.0f);
-    const SamplingParams& p = settings[(b * 2 + 1) % 7];
+    const SamplingParams& p = kMixedParams[(b * 2 + 1) % 7];
     large.add(rows, {0, 0}, p, 1000 + b, b == 3);
     for (uint32_t i = 0; i < 2; ++i)
       large.drafts[large.draft_offsets[b] + i] =
@@ -588,6 +598,40 @@ TEST(AcceptanceReference, KernelMatchesTheHostReferenceOnRandomLogits) {
   EXPECT_EQ(got_large.num_accepted, ref_large.num_accepted);
   EXPECT_EQ(got_large.next_token, ref_large.next_token);
   EXPECT_EQ(got_large.num_accepted, (std::vector<uint32_t>{2, 2, 2, 2}));
+}
+
+// The GPU shape (sampling_wg.cl's accept_rows_wg, a work-group per request; forced on PoCL) gives
+// the CPU shape's (accepted, next token) pairs exactly, over random_batch's strict, relaxed and
+// masked requests and 4 requests at a 128256-token vocabulary.
+TEST(AcceptanceShapes, GpuShapeGivesTheCpuShapesPairs) {
+  auto both = [](const Batch& batch) {
+    AcceptanceResult cpu, gpu;
+    {
+      test::ShapeScope scope(dev(), KernelShape::Chunks);
+      cpu = batch.run();
+    }
+    {
+      test::ShapeScope scope(dev(), KernelShape::WorkGroups);
+      gpu = batch.run();
+    }
+    EXPECT_EQ(gpu.num_accepted, cpu.num_accepted);
+    EXPECT_EQ(gpu.next_token, cpu.next_token);
+    return cpu;
+  };
+  const AcceptanceResult small = both(random_batch(1000, 120));
+  uint32_t accepted = 0;
+  for (uint32_t n : small.num_accepted) accepted += n;
+  EXPECT_GT(accepted, 60u);  // runs of acceptances, not only first-position rejections
+  const uint32_t big = 128256;
+  Batch large(big);
+  for (uint32_t b = 0; b < 4; ++b) {
+    const SamplingParams& p = kMixedParams[(b * 2 + 1) % 7];
+    large.add(random_logits(3, big, 80 + b, 2.0f), {0, 0}, p, 500 + b, b == 3);
+    for (uint32_t i = 0; i < 2; ++i)
+      large.drafts[large.draft_offsets[b] + i] =
+          sample_reference(large.row(b, i), big, b == 3 ? kGreedy : p, large.seeds[b] + i);
+  }
+  EXPECT_EQ(both(large).num_accepted, (std::vector<uint32_t>{2, 2, 2, 2}));
 }
 
 // ---- bad input ----------------------------------------------------------------------------------

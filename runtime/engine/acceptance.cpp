@@ -152,12 +152,16 @@ AcceptanceResult accept_drafts(Device& dev, const cl::Mem& logits, uint32_t voca
   Scratch work(dev, (any_random ? batch * sampling_kernel::work_floats(vocab) : 1) * sizeof(float));
   Scratch out(dev, batch * 2 * sizeof(int32_t));
 
-  cl::Kernel k = sampling_kernel::kernel(dev, "accept_rows");
+  // A work-item per request on CPUs, a work-group per request on GPUs (sampling_wg.cl): both
+  // draw what sample_tokens draws in that shape, bit for bit.
+  const bool wg = dev.kernel_shape() == KernelShape::WorkGroups;
+  cl::Kernel k = wg ? sampling_kernel::wg_kernel(dev, "accept_rows_wg")
+                    : sampling_kernel::kernel(dev, "accept_rows");
   const cl::Mem no_bitmask;
   cl::set_args(k, logits, uint32_t(batch), vocab, args_buf.mem(), drafts_buf.mem(),
                bitmask ? *bitmask : no_bitmask, words, relaxed.top_k, relaxed.delta, work.mem(),
                out.mem());
-  dev.launch(k, {batch, 1, 1}, 1);
+  sampling_kernel::launch_rows(dev, k, batch);
   std::vector<int32_t> pairs(batch * 2);
   dev.read(out.mem(), pairs.data(), pairs.size() * sizeof(int32_t));
   return make_result(pairs, logit_offsets, vocab);
