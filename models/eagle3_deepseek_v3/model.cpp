@@ -17,10 +17,18 @@ namespace {
 // y[R, vt] = the draft logits x[R, vd] at their target ids, -inf elsewhere (draft_vocab.cl).
 void draft_to_target_vocab(Device& dev, const cl::Mem& x, uint32_t vd, const cl::Mem& draft_of,
                            const cl::Mem& y, uint32_t vt, uint32_t R) {
-  constexpr uint32_t chunk = 256;  // CHUNK in draft_vocab.cl
-  cl::Kernel k = dev.kernel("draft_vocab.cl", "draft_to_target_vocab");
+  constexpr uint32_t chunk = 256;  // CHUNK in draft_vocab.cl; the GPU shape's work-group
+  const bool wg = dev.kernel_shape() == KernelShape::WorkGroups;
+  cl::Kernel k =
+      dev.kernel("draft_vocab.cl", wg ? "draft_to_target_vocab_wg" : "draft_to_target_vocab");
   cl::set_args(k, x, vd, draft_of, y, vt);
-  dev.launch(k, {R, (vt + chunk - 1) / chunk, 1}, 2);
+  const uint32_t chunks = (vt + chunk - 1) / chunk;
+  if (wg) {
+    const size_t local[3] = {chunk, 1, 1};
+    dev.launch(k, {size_t(chunks) * chunk, R, 1}, 2, local);
+  } else {
+    dev.launch(k, {R, chunks, 1}, 2);
+  }
 }
 
 }  // namespace
