@@ -352,12 +352,11 @@ kernel void accept_rows(global const float* logits, uint batch, uint vocab,
   if (b >= batch) return;
   const AcceptRowArgs a = args[b];
   global float* work_row = work + (size_t)b * work_stride(vocab);
-  const ulong seed0 = ((ulong)a.sampling.seed_hi << 32) | a.sampling.seed_lo;
   for (uint i = 0;; ++i) {
     const size_t r = (size_t)a.logit_offset + i;
     global const float* row = logits + r * vocab;
     global const uint* mask_row = bitmask ? bitmask + r * bitmask_words : 0;
-    const int draft = i < a.num_drafts ? drafts[a.draft_offset + i] : -1;
+    const int draft = accept_draft(a, drafts, i);
     if (draft >= 0 && a.thinking) {
       uint n_allowed;
       const uint argmax = row_argmax(row, mask_row, vocab, &n_allowed);
@@ -372,10 +371,7 @@ kernel void accept_rows(global const float* logits, uint batch, uint vocab,
       return;
     }
     // Strict: the token plain sampling draws here; the draft is accepted iff it is that token.
-    SamplingRowArgs p = a.sampling;
-    const ulong seed = seed0 + i;
-    p.seed_lo = (uint)seed;
-    p.seed_hi = (uint)(seed >> 32);
+    const SamplingRowArgs p = accept_position_args(a, i);
     const int t = sample_row(row, mask_row, vocab, p, work_row);
     if (draft < 0 || t != draft) {
       out[b] = (int2)((int)i, t);

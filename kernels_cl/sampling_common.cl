@@ -238,6 +238,19 @@ typedef struct {
   uint thinking;             // relaxed acceptance for the drafts
 } AcceptRowArgs;
 
+// Position i of request a (both shapes' acceptance kernels): its draft (-1 past the drafts), and
+// the arguments a strict position draws with, the first position's seed + i.
+inline int accept_draft(const AcceptRowArgs a, global const int* drafts, uint i) {
+  return i < a.num_drafts ? drafts[a.draft_offset + i] : -1;
+}
+inline SamplingRowArgs accept_position_args(const AcceptRowArgs a, uint i) {
+  const ulong seed = (((ulong)a.sampling.seed_hi << 32) | a.sampling.seed_lo) + i;
+  SamplingRowArgs p = a.sampling;
+  p.seed_lo = (uint)seed;
+  p.seed_hi = (uint)(seed >> 32);
+  return p;
+}
+
 // MAX's relaxed acceptance of draft d: with P = softmax of the untempered allowed logits, d is
 // accepted iff it is allowed, fewer than top_k allowed tokens rank above it and
 // P(d) >= P(top-1) - delta. `argmax` is the row's best allowed token.

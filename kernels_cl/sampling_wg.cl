@@ -324,14 +324,13 @@ kernel __attribute__((reqd_work_group_size(SAMPLE_WG, 1, 1))) void accept_rows_w
   const uint lane = get_local_id(0);
   const AcceptRowArgs a = args[b];
   global float* work_row = work + (size_t)b * work_stride(vocab);
-  const ulong seed0 = ((ulong)a.sampling.seed_hi << 32) | a.sampling.seed_lo;
   int2 result = (int2)(0, -1);
   int done = 0;
   for (uint i = 0; !done; ++i) {
     const size_t r = (size_t)a.logit_offset + i;
     global const float* row = logits + r * vocab;
     global const uint* mask_row = bitmask ? bitmask + r * bitmask_words : 0;
-    const int draft = i < a.num_drafts ? drafts[a.draft_offset + i] : -1;
+    const int draft = accept_draft(a, drafts, i);
     if (draft >= 0 && a.thinking) {
       uint n_allowed;
       const uint argmax = wg_row_argmax(row, mask_row, vocab, lk, li, lc, &n_allowed);
@@ -351,10 +350,7 @@ kernel __attribute__((reqd_work_group_size(SAMPLE_WG, 1, 1))) void accept_rows_w
       }
     } else {
       // Strict: the token plain sampling draws here; the draft is accepted iff it is that token.
-      SamplingRowArgs p = a.sampling;
-      const ulong seed = seed0 + i;
-      p.seed_lo = (uint)seed;
-      p.seed_hi = (uint)(seed >> 32);
+      const SamplingRowArgs p = accept_position_args(a, i);
       const int t = wg_sample_row(row, mask_row, vocab, p, work_row, WG_SAMPLE_SCRATCH);
       if (draft < 0 || t != draft) {
         result = (int2)((int)i, t);
