@@ -46,15 +46,27 @@ kernel void paged_attention(global const float* q, uint ldq, global const ctype*
 
   for (uint p0 = 0; p0 <= last; p0 += BLOCK) {
     const uint n = min((uint)BLOCK, last + 1 - p0);
+    // The block's key offsets from one division: its positions are consecutive, so the slot moves
+    // to the next page only where the offset within the page reaches page_size (a division per
+    // key, twice, had been a tenth of the kernel's time).
+    size_t key_at[BLOCK];
+    {
+      uint page = p0 / page_size, off = p0 % page_size;
+      for (uint j = 0; j < n; ++j) {
+        key_at[j] = ((size_t)lut[page] * 2 * page_size + off) * kv_row + kvh * HEAD_DIM;
+        if (++off == page_size) {
+          off = 0;
+          ++page;
+        }
+      }
+    }
+    const size_t value_from_key = (size_t)page_size * kv_row;
     float s[QH][BLOCK];
     float bmax[QH];
 #pragma unroll
     for (int g = 0; g < QH; ++g) bmax[g] = -INFINITY;
     for (uint j = 0; j < n; ++j) {
-      const uint p = p0 + j;
-      global const ctype* k =
-          cache + ((size_t)lut[p / page_size] * 2 * page_size + p % page_size) * kv_row +
-          kvh * HEAD_DIM;
+      global const ctype* k = cache + key_at[j];
       float8 kv[VECS];
 #pragma unroll
       for (int i = 0; i < VECS; ++i) kv[i] = LOADC8(i, k);
@@ -68,29 +80,29 @@ kernel void paged_attention(global const float* q, uint ldq, global const ctype*
         bmax[g] = fmax(bmax[g], s[g][j]);
       }
     }
-    float m_new[QH];
+    // The block's weights exp(s - max) as one vector exp per head (a scalar exp per score had
+    // been the kernel's largest cost); positions past n get exp(-inf) = 0 and are not used.
+    float m_new[QH], w[QH][BLOCK];
 #pragma unroll
     for (int g = 0; g < QH; ++g) {
+      for (uint j = n; j < BLOCK; ++j) s[g][j] = -INFINITY;
       m_new[g] = fmax(m[g], bmax[g]);
       const float corr = exp(m[g] - m_new[g]);
       l[g] *= corr;
 #pragma unroll
       for (int i = 0; i < VECS; ++i) acc[g][i] *= corr;
+      vstore16(exp(vload16(0, s[g]) - m_new[g]), 0, w[g]);
     }
     for (uint j = 0; j < n; ++j) {
-      const uint p = p0 + j;
-      global const ctype* v =
-          cache + (((size_t)lut[p / page_size] * 2 + 1) * page_size + p % page_size) * kv_row +
-          kvh * HEAD_DIM;
+      global const ctype* v = cache + key_at[j] + value_from_key;
       float8 vv[VECS];
 #pragma unroll
       for (int i = 0; i < VECS; ++i) vv[i] = LOADC8(i, v);
 #pragma unroll
       for (int g = 0; g < QH; ++g) {
-        const float w = exp(s[g][j] - m_new[g]);
-        l[g] += w;
+        l[g] += w[g][j];
 #pragma unroll
-        for (int i = 0; i < VECS; ++i) acc[g][i] = fma((float8)(w), vv[i], acc[g][i]);
+        for (int i = 0; i < VECS; ++i) acc[g][i] = fma((float8)(w[g][j]), vv[i], acc[g][i]);
       }
     }
 #pragma unroll
