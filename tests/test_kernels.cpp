@@ -464,14 +464,28 @@ TEST_P(AttentionKernels, RopeStoreAndPagedAttentionMatchCpp) {
   test::TuningScope tuned(dev, tuning_for(dev, GetParam()));
   // GQA groups of 2, 4 and 3 query heads per KV head: the CPU shape's work-items take 2, 4 and
   // 1 heads each (they share a key and value load).
-  for (const auto [nh, nkv] : {std::pair<uint32_t, uint32_t>{4, 2}, {8, 2}, {6, 2}}) {
-    SCOPED_TRACE("heads " + std::to_string(nh) + "/" + std::to_string(nkv));
-    const uint32_t hd = 16, page = 16, npages = 8;
+  // Pages of 16 positions; for the CPU shape, which walks a block of 16 positions from one page
+  // lookup, also pages of 8 and 24, whose blocks cross a page boundary.
+  struct Paging {
+    uint32_t page, ppr;
+    std::vector<uint32_t> lut;  // ppr pages of row 0, then row 1's, scattered over the cache
+  };
+  std::vector<Paging> pagings = {{16, 3, {5, 2, 7, 0, 3, 8}}};
+  if (GetParam().shape == KernelShape::Chunks) {
+    pagings.push_back({8, 5, {9, 2, 7, 0, 3, 8, 1, 6, 4, 5}});
+    pagings.push_back({24, 2, {3, 1, 0, 2}});
+  }
+  for (const auto [nh, nkv] : {std::pair<uint32_t, uint32_t>{4, 2}, {8, 2}, {6, 2}})
+  for (const Paging& paging : pagings) {
+    SCOPED_TRACE("heads " + std::to_string(nh) + "/" + std::to_string(nkv) + ", page " +
+                 std::to_string(paging.page));
+    const uint32_t hd = 16, page = paging.page;
+    const uint32_t npages = *std::max_element(paging.lut.begin(), paging.lut.end());
     const uint32_t ld = (nh + 2 * nkv) * hd;
     // Row 0: 37 cached tokens + 3 new; row 1: 0 cached + 18 new.
     const std::vector<uint32_t> cached = {37, 0}, fresh = {3, 18};
-    const uint32_t ppr = 3;
-    const std::vector<uint32_t> lut = {5, 2, 7, 0, 3, 8};
+    const uint32_t ppr = paging.ppr;
+    const std::vector<uint32_t>& lut = paging.lut;
     std::vector<float> inv(hd / 2);
     for (uint32_t i = 0; i < hd / 2; ++i) inv[i] = std::pow(10000.0f, -float(2 * i) / hd);
     // Full K/V history per row (pre-rope q/k/v for every position).
