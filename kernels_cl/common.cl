@@ -40,13 +40,16 @@ inline void wg_tree_sum(local float* partial, uint rows, uint wg, uint lane) {
   }
 }
 
-// A hint that the 64-byte line at p will be read soon (x86 prefetcht0). Built with
+// A hint that the 64-byte line at p will be read soon, into L2 (x86 prefetcht1): the tiles that
+// prefetch their next tile's weight rows hold their own rows and x rows in L1, which prefetcht0
+// evicted. llama3-1b decode at batch 8 (bench_decode_breakdown --prefetch-ab, step off/on):
+// f32 GEMMs 1.093 with prefetcht0 against 1.172 with prefetcht1, the same run. Built with
 // -DPREFETCH_X86=1 only for PoCL's CPU device on an x86 host (ops::weight_prefetch_option):
 // OpenCL C's prefetch() compiles to nothing there, and clang's __builtin_prefetch takes no
 // global pointer in OpenCL C 1.2. A prefetch never faults, so a line past a buffer's end is
 // harmless.
 #if PREFETCH_X86
-#define PREFETCH_LINE(p) __asm__ volatile("prefetcht0 (%0)" ::"r"(p))
+#define PREFETCH_LINE(p) __asm__ volatile("prefetcht1 (%0)" ::"r"(p))
 #else
 #define PREFETCH_LINE(p)
 #endif

@@ -20,8 +20,9 @@
 //   stay out of line (inlining into the kernel drops the attribute) and use no OpenCL builtins
 //   (the vload builtins are rejected inside it), so it loads through unaligned vector types.
 // -DBF16_DOT=0: the same sums with f32 FMAs on the bf16 values widened by a shift, any device.
-// Build options: -DTM, -DTN (tile), -DGLU=0|1, -DBF16_DOT=0|1, -DPAIRS_ALIGNED=0|1, and
-// -DWEIGHT_TYPE=1 (common.cl's wtype = ushort, for its fused_row).
+// Build options: -DTM, -DTN (tile), -DGLU=0|1, -DBF16_DOT=0|1, -DPAIRS_ALIGNED=0|1,
+// -DWEIGHT_TYPE=1 (common.cl's wtype = ushort, for its fused_row), and -DPREFETCH_X86=1
+// (ops::weight_prefetch_option).
 
 #ifndef TM
 #define TM 4
@@ -82,11 +83,24 @@ inline float hsum16_v(v16f v) {
   return c.x + c.y;
 }
 
+// While a work-item's last row tile of a column tile runs (its weight rows then come from cache,
+// read by the tiles before it), the lines of the next column tile's weight rows are prefetched
+// (pf: their TN row pointers; null for none): a step reads one 64-byte line of each row, so one
+// prefetch per row and step. Only with -DPREFETCH_X86=1 (common.cl's PREFETCH_LINE).
+#if PREFETCH_X86
+#define PREFETCH_NEXT_ROWS(pf, k)                                            \
+  if (pf) {                                                                  \
+    _Pragma("unroll") for (int j = 0; j < TN; ++j) PREFETCH_LINE((pf)[j] + (size_t)(k) * 32); \
+  }
+#else
+#define PREFETCH_NEXT_ROWS(pf, k)
+#endif
+
 // out[i][j] = the sum over the first K32 * 32 elements of xr[i] . wr[j].
 #if BF16_DOT
 __attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl"))) __attribute__((noinline))
 void tile_dots_bf16(global const ushort* const* xr, global const ushort* const* wr, uint K32,
-                    float* out) {
+                    global const ushort* const* pf, float* out) {
   v16f acc[TM][TN];
 #pragma unroll
   for (int i = 0; i < TM; ++i)
@@ -96,6 +110,7 @@ void tile_dots_bf16(global const ushort* const* xr, global const ushort* const* 
     v16i wv[TN];
 #pragma unroll
     for (int j = 0; j < TN; ++j) wv[j] = (v16i)(*(global const v32s_u*)(wr[j] + (size_t)k * 32));
+    PREFETCH_NEXT_ROWS(pf, k);
 #pragma unroll
     for (int i = 0; i < TM; ++i) {
       const v16i xv = (v16i)(*(global const v32s_u*)(xr[i] + (size_t)k * 32));
@@ -127,7 +142,7 @@ inline void bf16x32_pairs(global const ushort* p, float16* even, float16* odd) {
 }
 
 void tile_dots_bf16(global const ushort* const* xr, global const ushort* const* wr, uint K32,
-                    float* out) {
+                    global const ushort* const* pf, float* out) {
   float16 acc[TM][TN];
 #pragma unroll
   for (int i = 0; i < TM; ++i)
@@ -137,6 +152,7 @@ void tile_dots_bf16(global const ushort* const* xr, global const ushort* const* 
     float16 w_even[TN], w_odd[TN];
 #pragma unroll
     for (int j = 0; j < TN; ++j) bf16x32_pairs(wr[j] + (size_t)k * 32, &w_even[j], &w_odd[j]);
+    PREFETCH_NEXT_ROWS(pf, k);
 #pragma unroll
     for (int i = 0; i < TM; ++i) {
       float16 x_even, x_odd;
@@ -154,6 +170,23 @@ void tile_dots_bf16(global const ushort* const* xr, global const ushort* const* 
     for (int j = 0; j < TN; ++j) out[i * TN + j] = hsum16(acc[i][j]);
 }
 #endif
+
+// The TN weight rows of the column tile from n0: side by side (fused_row), or with GLU the
+// tile's TN / 2 gate rows, then the same columns' up rows. Columns past N take the last row
+// (computed on, not stored).
+inline void tile_weight_rows(uint n0, uint N, global const ushort* w0, uint ldw0, uint n1,
+                             global const ushort* w1, uint ldw1, uint n2,
+                             global const ushort* w2, uint ldw2, global const ushort* wr[TN]) {
+#pragma unroll
+  for (int j = 0; j < TN; ++j) {
+#if GLU
+    const uint c = min(n0 + j % (TN / 2), N - 1);
+    wr[j] = j < TN / 2 ? w0 + (size_t)c * ldw0 : w1 + (size_t)c * ldw1;
+#else
+    wr[j] = fused_row(min(n0 + j, N - 1), w0, ldw0, n1, w1, ldw1, n2, w2, ldw2);
+#endif
+  }
+}
 
 // xb: [M, K] bf16 rows (row stride ldxb, a multiple of 32 keeps the loads aligned). One
 // work-item owns n_tiles column tiles x m_rows rows, column tile outer (its weight rows stay in
@@ -178,24 +211,21 @@ kernel void linear_bf16(global const ushort* xb, uint ldxb,
   w1 += w1_off;
   w2 += w2_off;
   const uint K32 = K / 32;
+  global const ushort* next[TN];
+  tile_weight_rows(n_begin, N, w0, ldw0, n1, w1, ldw1, n2, w2, ldw2, next);
   for (uint n0 = n_begin; n0 < n_end; n0 += tile_cols) {
     global const ushort* wr[TN];
 #pragma unroll
-    for (int j = 0; j < TN; ++j) {
-#if GLU
-      const uint c = min(n0 + j % tile_cols, N - 1);
-      wr[j] = j < tile_cols ? w0 + (size_t)c * ldw0 : w1 + (size_t)c * ldw1;
-#else
-      wr[j] = fused_row(min(n0 + j, N - 1), w0, ldw0, n1, w1, ldw1, n2, w2, ldw2);
-#endif
-    }
+    for (int j = 0; j < TN; ++j) wr[j] = next[j];
+    const bool has_next = n0 + tile_cols < n_end;
+    if (has_next) tile_weight_rows(n0 + tile_cols, N, w0, ldw0, n1, w1, ldw1, n2, w2, ldw2, next);
     for (uint m0 = m_begin; m0 < m_end; m0 += TM) {
       // Rows and columns past the edge compute on a valid row (clamped) and are not stored.
       global const ushort* xr[TM];
 #pragma unroll
       for (int i = 0; i < TM; ++i) xr[i] = xb + (size_t)min(m0 + i, M - 1) * ldxb;
       float out[TM * TN];
-      tile_dots_bf16(xr, wr, K32, out);
+      tile_dots_bf16(xr, wr, K32, has_next && m0 + TM >= m_end ? next : 0, out);
       for (uint k = K32 * 32; k < K; ++k) {
 #pragma unroll
         for (int i = 0; i < TM; ++i) {

@@ -18,7 +18,8 @@
 // rows of the work-item's next tile. Such a tile computes TM x TN dot products per weight line,
 // so it reads the TN rows side by side slower than the hardware prefetcher would run ahead of
 // a stream, and each row of 2048 bf16 is one page, where that prefetcher starts over. Measured on
-// the 2-core EPYC (bf16 weights, every launch on its own copy, 40 interleaved pairs, medians):
+// the 2-core EPYC (bf16 weights, every launch on its own copy, 40 interleaved pairs, medians;
+// with prefetcht0 then, which common.cl's PREFETCH_LINE has since replaced by prefetcht1):
 // N=16384 K=2048 M=4/8/16/32 2.39/3.41/5.15/8.38 -> 2.14/2.94/4.50/7.56 ms, N=3072 K=2048 M=8
 // 0.68 -> 0.59 ms, N=2048 K=8192 M=8 1.41 -> 1.34 ms. One-row tiles gained nothing (M=1 K=8192
 // 0.92-0.99 ms either way) and are left without it.

@@ -11,8 +11,10 @@
 // --prefetch-ab N compares the fused sequence with the next-tile weight prefetch on and off,
 // stage by stage, each repetition timing both in turn (N repetitions, medians): the machine's
 // bandwidth moves too much between tables for a 10-20% difference.
+// --compute-dtype bf16 runs the fused sequence's GEMMs, and o_proj and down_proj in both, as
+// model.compute_dtype: bf16 does (batches of 4 rows and more: linear_bf16.cl).
 // Usage: bench_decode_breakdown [MODEL_DIR] [--batch B] [--reps N] [--fused-only] [--rounds R]
-//                               [--prefetch-ab N]
+//                               [--prefetch-ab N] [--compute-dtype f32|bf16]
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -102,11 +104,18 @@ int main(int argc, char** argv) {
   app.add_option("--reps", reps, "timed repeats per figure")->capture_default_str();
   app.add_option("--rounds", rounds, "interleaved rounds of the tables (the machine's load moves)")->capture_default_str();
   app.add_flag("--fused-only", fused_only, "time only the fused launches the model runs");
+  std::string compute_arg = "f32";
+  app.add_option("--compute-dtype", compute_arg,
+                 "model.compute_dtype of the fused sequence's GEMMs and of o_proj and down_proj "
+                 "(bf16: batches of 4 rows and more on bf16 activations, linear_bf16.cl)")
+      ->check(CLI::IsMember({"f32", "bf16"}))
+      ->capture_default_str();
   int prefetch_ab = 0;
   app.add_option("--prefetch-ab", prefetch_ab,
                  "only compare the fused step with the weight prefetch on and off, interleaved "
                  "over N repetitions");
   parse_args(app, argc, argv);
+  const ComputeDType cdt = compute_arg == "bf16" ? ComputeDType::BF16 : ComputeDType::F32;
   const std::filesystem::path dir = dir_arg;
   ensure_preset("llama3-1b", "bf16", dir);
   DeviceManager mgr(DeviceSelection{});
@@ -165,10 +174,10 @@ int main(int argc, char** argv) {
     ops::paged_attention(dev, qkv, qkv_w, kv[l], st.tokens, nh, nkv, hd, scale, att, nh * hd);
   };
   auto o_proj = [&](size_t l) {
-    ops::linear(dev, att, 0, nh * hd, w.layers[l].o, nullptr, h, 0, H, B, 1.0f, true);
+    ops::linear(dev, att, 0, nh * hd, w.layers[l].o, nullptr, h, 0, H, B, 1.0f, true, cdt);
   };
   auto down = [&](size_t l) {
-    ops::linear(dev, gu, 0, 2 * F, w.layers[l].down, nullptr, h, 0, H, B, 1.0f, true);
+    ops::linear(dev, gu, 0, 2 * F, w.layers[l].down, nullptr, h, 0, H, B, 1.0f, true, cdt);
   };
   auto lw = [&](size_t l) -> const llama3::LayerWeights& { return w.layers[l]; };
   const auto& L0 = w.layers[0];
@@ -208,7 +217,7 @@ int main(int argc, char** argv) {
       {"norm + q/k/v (one GEMV)",
        [&](size_t l) {
          ops::linear_fused(dev, h, 0, H, nullptr, &lw(l).input_norm, eps,
-                           {&lw(l).q, &lw(l).k, &lw(l).v}, qkv, 0, qkv_w, B);
+                           {&lw(l).q, &lw(l).k, &lw(l).v}, qkv, 0, qkv_w, B, 1.0f, false, cdt);
        },
        weight_bytes(L0.q) + weight_bytes(L0.k) + weight_bytes(L0.v)},
       {"rope + kv store", rope},
@@ -217,12 +226,12 @@ int main(int argc, char** argv) {
       {"norm, gate/up + silu",
        [&](size_t l) {
          ops::linear_swiglu(dev, h, 0, H, &lw(l).post_attention_norm, eps, lw(l).gate, lw(l).up,
-                            gu, 0, F, B);
+                            gu, 0, F, B, cdt);
        },
        weight_bytes(L0.gate) + weight_bytes(L0.up)},
       {"down_proj + residual",
        [&](size_t l) {
-         ops::linear(dev, gu, 0, F, w.layers[l].down, nullptr, h, 0, H, B, 1.0f, true);
+         ops::linear(dev, gu, 0, F, w.layers[l].down, nullptr, h, 0, H, B, 1.0f, true, cdt);
        },
        weight_bytes(L0.down)},
   };
@@ -234,12 +243,13 @@ int main(int argc, char** argv) {
                     [&](size_t l) {
                       ops::rmsnorm(dev, h, 0, H, nullptr, lw(l).input_norm, xn, 0, H, B, H, eps);
                       ops::linear_fused(dev, xn, 0, H, nullptr, nullptr, eps,
-                                        {&lw(l).q, &lw(l).k, &lw(l).v}, qkv, 0, qkv_w, B);
+                                        {&lw(l).q, &lw(l).k, &lw(l).v}, qkv, 0, qkv_w, B, 1.0f,
+                                        false, cdt);
                     },
                     weight_bytes(L0.q) + weight_bytes(L0.k) + weight_bytes(L0.v)};
   auto fused_head = [&] {
     ops::linear_fused(dev, h, 0, H, &st.logit_rows, &w.final_norm, eps, {&w.lm_head}, logits, 0,
-                      V, B);
+                      V, B, 1.0f, false, cdt);
   };
   if (prefetch_ab > 0) {
     // Per repetition: every stage (all layers) and the whole step, prefetch on then off or off

@@ -275,6 +275,39 @@ TEST(GemmBf16Variants, DotProductAndPortableAgreeToTheBit) {
   }
 }
 
+// The next column tile's weight prefetch (weight_prefetch, x86 PoCL) is a hint only: the same
+// bits with it on and off, for linear, fused q/k/v and the GLU epilogue, on work-items that own
+// several column tiles (N = 3100: 2 to 4 tiles each).
+TEST(GemmBf16Variants, WeightPrefetchLeavesTheBits) {
+  Device& dev = test::default_device();
+  const uint32_t M = 9, N = 3100, K = 96;
+  std::vector<float> x = random_vec(size_t(M) * K, 51, 4.0f);
+  std::vector<float> g = random_vec(size_t(N) * K, 52), u = random_vec(size_t(N) * K, 53),
+                     v = random_vec(size_t(N / 4) * K, 54);
+  Weight wg = bf16_weight(dev, g, {N, K}, "gate"), wu = bf16_weight(dev, u, {N, K}, "up"),
+         wv = bf16_weight(dev, v, {N / 4, K}, "v");
+  cl::Mem xm = test::upload_bytes(dev, x.data(), x.size() * 4);
+  const uint32_t qkv_n = 2 * N + N / 4;
+  std::vector<float> out[2][3];
+  for (uint32_t prefetch : {0u, 1u}) {
+    KernelTuning t = dev.tuning();
+    t.weight_prefetch = prefetch;
+    test::TuningScope scope(dev, t);
+    cl::Mem y = dev.alloc(size_t(M) * N * 4), q = dev.alloc(size_t(M) * qkv_n * 4),
+            s = dev.alloc(size_t(M) * N * 4);
+    ops::linear(dev, xm, 0, K, wg, nullptr, y, 0, N, M, 1.0f, false, ComputeDType::BF16);
+    ops::linear_fused(dev, xm, 0, K, nullptr, nullptr, 1e-5f, {&wg, &wu, &wv}, q, 0, qkv_n, M,
+                      1.0f, false, ComputeDType::BF16);
+    ops::linear_swiglu(dev, xm, 0, K, nullptr, 1e-5f, wg, wu, s, 0, N, M, ComputeDType::BF16);
+    out[prefetch][0] = download(dev, y, size_t(M) * N);
+    out[prefetch][1] = download(dev, q, size_t(M) * qkv_n);
+    out[prefetch][2] = download(dev, s, size_t(M) * N);
+  }
+  for (int op = 0; op < 3; ++op)
+    for (size_t i = 0; i < out[0][op].size(); ++i)
+      ASSERT_EQ(std::memcmp(&out[0][op][i], &out[1][op][i], 4), 0) << "op " << op << " at " << i;
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Sizes, GemmBf16,
     ::testing::Values(GemmCase{4, 9, 32, Variant::Selected}, GemmCase{5, 37, 70, Variant::Selected},
@@ -282,7 +315,11 @@ INSTANTIATE_TEST_SUITE_P(
                       GemmCase{67, 19, 97, Variant::Selected}, GemmCase{5, 37, 70, Variant::Portable},
                       GemmCase{13, 29, 333, Variant::Portable},
                       GemmCase{67, 19, 97, Variant::Portable},
-                      GemmCase{6, 21, 45, Variant::Selected, KernelShape::WorkGroups}),
+                      GemmCase{6, 21, 45, Variant::Selected, KernelShape::WorkGroups},
+                      // Work-items of several column tiles: each loads its next tile's weight
+                      // rows ahead (and prefetches them on x86 PoCL) while the last row tile runs.
+                      GemmCase{9, 3100, 70, Variant::Selected},
+                      GemmCase{9, 3100, 70, Variant::Portable}),
     case_name);
 
 }  // namespace
