@@ -21,8 +21,11 @@
 // the 2-core EPYC (bf16 weights, every launch on its own copy, 40 interleaved pairs, medians;
 // with prefetcht0 then, which common.cl's PREFETCH_LINE has since replaced by prefetcht1):
 // N=16384 K=2048 M=4/8/16/32 2.39/3.41/5.15/8.38 -> 2.14/2.94/4.50/7.56 ms, N=3072 K=2048 M=8
-// 0.68 -> 0.59 ms, N=2048 K=8192 M=8 1.41 -> 1.34 ms. One-row tiles gained nothing (M=1 K=8192
-// 0.92-0.99 ms either way) and are left without it.
+// 0.68 -> 0.59 ms, N=2048 K=8192 M=8 1.41 -> 1.34 ms. One-row tiles side by side gained nothing
+// (M=1 K=8192 0.92-0.99 ms either way) and are left without it. One-row tiles in turn prefetch
+// for gate/up only (GLU): llama3-1b's decode step at batch 1 (bench_decode_breakdown
+// --prefetch-ab, prefetcht1, off/on) ran gate/up 1.19-1.33x and the whole step 1.02-1.08x faster
+// in 3 runs, while q/k/v and o_proj, single runs of consecutive rows, were 17-24% slower with it.
 inline void tile_dots(global const float* xr[TM], global const wtype* wr[TN],
                       global const ntype* g, uint K, uint pf_stride, float out[TM][TN]) {
 #if TM == 1 && COLUMNS_IN_TURN
@@ -38,6 +41,11 @@ inline void tile_dots(global const float* xr[TM], global const wtype* wr[TN],
       acc = fma(vload16(k, xr[0]) * LOADN16(k, g), LOADW16(k, wr[j]), acc);
 #else
       acc = fma(vload16(k, xr[0]), LOADW16(k, wr[j]), acc);
+#endif
+#if PREFETCH_X86 && defined(GLU) && GLU
+      // Gate/up (GLU) alternates page-long runs of two matrices, which the hardware prefetcher
+      // does not follow: there the next tile's lines are prefetched too.
+      if (pf_stride && (k * 16 * sizeof(wtype)) % 64 == 0) PREFETCH_LINE(wr[j] + pf_stride + k * 16);
 #endif
     }
     out[0][j] = hsum16(acc);

@@ -159,8 +159,9 @@ INSTANTIATE_TEST_SUITE_P(Widths, LinearRowsAgree,
 // The CPU shape's next-tile weight prefetch (KernelTuning::weight_prefetch, linear_tile.cl) is a
 // hint only: linear, q/k/v side by side, and gate/up + SiLU give the same bits with it on and off,
 // where a work-item owns several column tiles (N = 2051: the prefetch runs, and past the weight's
-// end at the last tile), in 4-row tiles (where it runs) and one-row tiles side by side (K = 4103 >
-// gemv_stream_k; built with the option, not prefetching), f32 / bf16 / f16 weights.
+// end at the last tile), in 4-row tiles (where it runs), one-row tiles side by side (K = 4103 >
+// gemv_stream_k; built with the option, not prefetching) and one-row tiles in turn (K = 300,
+// where gate/up prefetches), f32 / bf16 / f16 weights.
 struct PrefetchCase {
   uint32_t M, K;
   DType dt;
@@ -214,6 +215,7 @@ TEST_P(LinearPrefetch, NextTilePrefetchChangesNoBit) {
 
 INSTANTIATE_TEST_SUITE_P(Tiles, LinearPrefetch,
                          ::testing::Values(PrefetchCase{1, 4103, DType::BF16},
+                                           PrefetchCase{1, 300, DType::BF16},
                                            PrefetchCase{6, 300, DType::BF16},
                                            PrefetchCase{9, 77, DType::F32},
                                            PrefetchCase{5, 130, DType::F16}),
