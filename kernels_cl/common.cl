@@ -104,6 +104,22 @@ typedef wtype ntype;
 #define LOADN1(p) LOADW1(p)
 #endif
 
+// SiLU of a GLU tile's gate sums, 16 at a time: act[i * cols + j] = silu(a), a = sums[i * ld + j]
+// (times scale[i] where scale is given), for i < rows, j < cols; act holds SILU_PADDED(rows * cols)
+// floats. One float16 exp where a scalar exp per output had cost 5-7% of a prefill (the tile
+// kernels' epilogues). silu(a) = a / (1 + exp(-a)), as silu_mul computes it.
+#define SILU_PADDED(n) (((n) + 15) / 16 * 16)
+inline void silu_tile(const float* sums, uint ld, const float* scale, uint rows, uint cols,
+                      float* act) {
+  const uint n = rows * cols;
+  for (uint c = 0; c < SILU_PADDED(n); ++c)
+    act[c] = c < n ? sums[c / cols * ld + c % cols] * (scale ? scale[c / cols] : 1.0f) : 0.0f;
+  for (uint c = 0; c < SILU_PADDED(n); c += 16) {
+    const float16 a = vload16(0, act + c);
+    vstore16(a / (1.0f + exp(-a)), 0, act + c);
+  }
+}
+
 // e4m3fn (FP8: 1 sign, 4 exponent bits bias 7, 3 mantissa bits, subnormals, no infinities,
 // 0x7F / 0xFF NaN) -> f32, written once for every kernel that reads FP8 weights.
 // Exact: normal codes move the 7 magnitude bits under f32's exponent (<< 20) and add the bias

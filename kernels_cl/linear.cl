@@ -145,6 +145,10 @@ kernel void linear_fused(global const float* x, uint x_off, uint ldx, global con
       float out[TM][TN];
       // The next tile's rows (GLU: the next gate and up rows), while this one's stream.
       tile_dots(xr, wr, g, K, m0 == m_begin && n0 + tile_cols < n_end ? tile_cols * ldw0 : 0, out);
+#if GLU
+      float act[SILU_PADDED(TM * (TN / 2))];
+      silu_tile(&out[0][0], TN, inv, TM, TN / 2, act);
+#endif
 #pragma unroll
       for (int i = 0; i < TM; ++i) {
         if (m0 + i >= M) break;
@@ -154,8 +158,7 @@ kernel void linear_fused(global const float* x, uint x_off, uint ldx, global con
           const uint n = n0 + j;
           if (n >= N) break;
 #if GLU
-          const float a = out[i][j] * inv[i];
-          float v = a / (1.0f + exp(-a)) * (out[i][j + tile_cols] * inv[i]);
+          float v = act[i * tile_cols + j] * (out[i][j + tile_cols] * inv[i]);
 #else
           float v = out[i][j] * inv[i];
 #endif

@@ -36,8 +36,6 @@
 #ifndef BF16_DOT
 #define BF16_DOT 0
 #endif
-// A GLU tile's TM x TN / 2 outputs, rounded up to whole float16 vectors.
-#define GLU_OUTS_PADDED ((TM * (TN / 2) + 15) / 16 * 16)
 
 // xb[m, k] = bf16(x[m, k]) for M rows of K (row strides ldx, ldxb in elements); with -DOUT_F32=1
 // the rounded values are written back as f32 (xf), for devices that multiply them in the f32
@@ -237,17 +235,8 @@ kernel void linear_bf16(global const ushort* xb, uint ldxb,
         }
       }
 #if GLU
-      // silu(a) = a / (1 + exp(-a)) of the tile's gate sums, 16 at a time: one vector exp where a
-      // scalar exp per output had cost about 7% of a bf16 prefill (the kernel's epilogue).
-      float silu[GLU_OUTS_PADDED];
-#pragma unroll
-      for (int c = 0; c < GLU_OUTS_PADDED; ++c)
-        silu[c] = c < TM * (TN / 2) ? out[c / (TN / 2) * TN + c % (TN / 2)] : 0.0f;
-#pragma unroll
-      for (int c = 0; c < GLU_OUTS_PADDED; c += 16) {
-        const float16 a = vload16(0, silu + c);
-        vstore16(a / (1.0f + exp(-a)), 0, silu + c);
-      }
+      float silu[SILU_PADDED(TM * (TN / 2))];
+      silu_tile(out, TN, 0, TM, TN / 2, silu);
 #endif
 #pragma unroll
       for (int i = 0; i < TM; ++i) {
