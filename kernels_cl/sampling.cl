@@ -338,8 +338,8 @@ kernel void sample_rows(global const float* logits, uint rows, uint vocab,
 
 // ---- speculative-decoding acceptance (runtime/engine/acceptance.h has the rule and its proof) ---
 
-// AcceptRowArgs and relaxed_accepts are sampling_common.cl's (the GPU shape's accept_rows_wg
-// shares them).
+// AcceptRowArgs and relaxed acceptance's pieces are sampling_common.cl's (the GPU shape's
+// accept_rows_wg shares them).
 
 // One work-item per request: verifies its drafts in order and stops at the first rejection.
 // out[b] = (drafts accepted, next token); the next token is -1 when the row it comes from allows
@@ -519,22 +519,10 @@ kernel void row_logprobs(global const float* logits, uint vocab, global const Lo
     o[0] = -INFINITY;
     return;
   }
-  // Pass 2: log Z = max + log(sum exp(l - max)) in the fixed order of sampling_common.cl (a
-  // 512-token segment summed as float16 vectors, then hsum16), the segments added with Kahan
-  // compensation (a plain float sum of 250 segments at a 128k vocabulary would lose ~1e-5).
-  // sampling_wg.cl sums the same way.
+  // Pass 2: log Z = max + log(sum exp(l - max)) in the fixed order of sampling_common.cl
+  // (row_mass; sampling_wg.cl's wg_row_mass gives the same bits).
   const float m = fmin(row[argmax], FLT_MAX) * a.inv_temperature;
-  float z = 0.0f, comp = 0.0f;
-  for (uint s0 = 0; s0 < vocab; s0 += SEGMENT) {
-    float16 acc = 0.0f;
-    for (uint i = s0; i < min(vocab, s0 + SEGMENT); i += CHUNK)
-      acc += logprob_chunk_mass(row, mask_row, vocab, i, a.inv_temperature, m);
-    const float y = hsum16(acc) - comp;
-    const float t = z + y;
-    comp = (t - z) - y;
-    z = t;
-  }
-  const float log_z = m + log(z);
+  const float log_z = m + log(row_mass(row, mask_row, vocab, a.inv_temperature, m));
   const bool token_ok =
       a.token >= 0 && (uint)a.token < vocab && row[a.token] > -INFINITY &&
       (!mask_row || ((mask_row[(uint)a.token >> 5] >> ((uint)a.token & 31u)) & 1u));

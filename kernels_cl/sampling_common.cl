@@ -219,12 +219,36 @@ inline float sum_segments(const global float* seg, uint vocab) {
 inline uint segment_count(uint vocab) { return (vocab + SEGMENT - 1) / SEGMENT; }
 
 // exp(l * inv_t - m) of the allowed tokens of the chunk at i, 0 for the others (log Z of
-// row_logprobs in both shapes).
+// row_logprobs, and relaxed acceptance's mass, in both shapes).
 inline float16 logprob_chunk_mass(global const float* row, global const uint* mask_row, uint vocab,
                                   uint i, float inv_t, float m) {
   const uint n = min((uint)CHUNK, vocab - i);
   const float16 l = load_logits(row, i, n);
   return select((float16)0.0f, exp(clamped(l) * inv_t - m), allowed_lanes(l, mask_row, i, n));
+}
+
+// *z += v with Kahan compensation: a row's segment masses are added so (a plain float sum of 250
+// segments at a 128k vocabulary would lose ~1e-5).
+inline void kahan_add(float* z, float* comp, float v) {
+  const float y = v - *comp;
+  const float t = *z + y;
+  *comp = (t - *z) - y;
+  *z = t;
+}
+
+// The sum of exp(l * inv_t - m) over a row's allowed tokens in the order above (a 512-token
+// segment as float16 chunk sums, then hsum16; the segments added in id order with kahan_add): the
+// CPU shape's; sampling_wg.cl's wg_row_mass gives the same bits.
+inline float row_mass(global const float* row, global const uint* mask_row, uint vocab, float inv_t,
+                      float m) {
+  float z = 0.0f, comp = 0.0f;
+  for (uint s0 = 0; s0 < vocab; s0 += SEGMENT) {
+    float16 acc = 0.0f;
+    for (uint i = s0; i < min(vocab, s0 + SEGMENT); i += CHUNK)
+      acc += logprob_chunk_mass(row, mask_row, vocab, i, inv_t, m);
+    kahan_add(&z, &comp, hsum16(acc));
+  }
+  return z;
 }
 
 // ---- speculative-decoding acceptance (runtime/engine/acceptance.h has the rule and its proof) ---
@@ -253,27 +277,31 @@ inline SamplingRowArgs accept_position_args(const AcceptRowArgs a, uint i) {
 
 // MAX's relaxed acceptance of draft d: with P = softmax of the untempered allowed logits, d is
 // accepted iff it is allowed, fewer than top_k allowed tokens rank above it and
-// P(d) >= P(top-1) - delta. `argmax` is the row's best allowed token.
+// P(d) >= P(top-1) - delta. `argmax` is the row's best allowed token. The pieces are shared by
+// both shapes: whether d may be accepted at all, the allowed tokens ranked above d in one chunk,
+// and the rule given the count above d and the row's mass (row_mass with inv_t 1 and m the
+// largest logit: P(top-1) = 1 / mass).
+inline bool relaxed_draft_allowed(global const float* row, global const uint* mask_row, uint d) {
+  return (!mask_row || ((mask_row[d >> 5] >> (d & 31u)) & 1u)) && row[d] > -INFINITY;
+}
+inline uint relaxed_chunk_above(global const float* row, global const uint* mask_row, uint vocab,
+                                uint i, uint d) {
+  const uint n = min((uint)CHUNK, vocab - i);
+  const float16 l = load_logits(row, i, n);
+  const int16 ok = allowed_lanes(l, mask_row, i, n);
+  return popcount(lane_bits(ok & strictly_above(order_keys(clamped(l)), (uint16)i + kLane,
+                                                order_key(fmin(row[d], FLT_MAX)), d)));
+}
+inline bool relaxed_rule(float dl, float max_logit, float mass, uint n_above, uint top_k,
+                         float delta) {
+  return n_above < top_k && exp(dl - max_logit) / mass >= 1.0f / mass - delta;
+}
 inline bool relaxed_accepts(global const float* row, global const uint* mask_row, uint vocab,
                             uint d, uint argmax, uint top_k, float delta) {
-  if (mask_row && !((mask_row[d >> 5] >> (d & 31u)) & 1u)) return false;
-  if (!(row[d] > -INFINITY)) return false;
+  if (!relaxed_draft_allowed(row, mask_row, d)) return false;
   const float max_logit = fmin(row[argmax], FLT_MAX);
-  const float dl = fmin(row[d], FLT_MAX);
-  const uint dkey = order_key(dl);
-  float16 z = 0.0f;
-  int16 above = 0;
-  for (uint i = 0; i < vocab; i += CHUNK) {
-    const uint n = min((uint)CHUNK, vocab - i);
-    const float16 l = load_logits(row, i, n);
-    const int16 ok = allowed_lanes(l, mask_row, i, n);
-    z += select((float16)0.0f, exp(clamped(l) - max_logit), ok);
-    above -= ok & strictly_above(order_keys(clamped(l)), (uint16)i + kLane, dkey, d);
-  }
-  int at[CHUNK];
-  vstore16(above, 0, at);
   uint n_above = 0;
-  for (uint j = 0; j < CHUNK; ++j) n_above += (uint)at[j];
-  const float total = hsum16(z);
-  return n_above < top_k && exp(dl - max_logit) / total >= 1.0f / total - delta;
+  for (uint i = 0; i < vocab; i += CHUNK) n_above += relaxed_chunk_above(row, mask_row, vocab, i, d);
+  return relaxed_rule(fmin(row[d], FLT_MAX), max_logit,
+                      row_mass(row, mask_row, vocab, 1.0f, max_logit), n_above, top_k, delta);
 }

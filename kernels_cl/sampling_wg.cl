@@ -93,6 +93,29 @@ inline void wg_segment_sums(local const float* lv, local float* lf) {
   }
 }
 
+// row_mass (sampling_common.cl) by the work-group, the same bits: each pass hands a lane one
+// chunk's masses, wg_segment_sums adds the pass's segments, and lane 0 adds them in id order with
+// kahan_add. Every lane must call (n_chunks alike on all: the row's chunks, or 0 for none); the
+// mass is lane 0's, the other lanes get 0.
+inline float wg_row_mass(global const float* row, global const uint* mask_row, uint vocab,
+                         float inv_t, float m, uint n_chunks, local float* lv, local float* lf) {
+  const uint lane = get_local_id(0);
+  float z = 0.0f, comp = 0.0f;
+  for (uint base = 0; base < n_chunks; base += SAMPLE_WG) {
+    const uint i = (base + lane) * CHUNK;
+    const float16 e =
+        i < vocab ? logprob_chunk_mass(row, mask_row, vocab, i, inv_t, m) : (float16)0.0f;
+    vstore16(e, lane, lv);
+    barrier(CLK_LOCAL_MEM_FENCE);
+    wg_segment_sums(lv, lf);
+    if (lane == 0)
+      for (uint q = 0; q < PASS_SEGMENTS && (base + q * SEGMENT_CHUNKS) * CHUNK < vocab; ++q)
+        kahan_add(&z, &comp, lf[q * CHUNK]);
+    barrier(CLK_LOCAL_MEM_FENCE);
+  }
+  return z;
+}
+
 // After wg_segment_sums for the pass whose first chunk is `base`: the pass's segment masses into
 // seg (segment base / 32 + q from lf[16 q]).
 inline void wg_store_pass_segments(local const float* lf, uint base, uint vocab,
@@ -311,8 +334,9 @@ kernel __attribute__((reqd_work_group_size(SAMPLE_WG, 1, 1))) void sample_rows_w
 
 // accept_rows (sampling.cl) with a work-group per request (global size batch * SAMPLE_WG): the
 // drafts verified in order, each strict position drawing wg_sample_row's token (the token plain
-// sampling draws there, in either shape), each relaxed one by wg_row_argmax and lane 0's
-// relaxed_accepts, so both shapes give the same (accepted, next token) pairs. The loop's exit is
+// sampling draws there, in either shape), each relaxed one by wg_row_argmax and relaxed
+// acceptance's pieces (sampling_common.cl) summed by the work-group in the CPU shape's order, so
+// both shapes give the same (accepted, next token) pairs. The loop's exit is
 // decided from values every lane holds alike, so every lane runs it the same number of times.
 kernel __attribute__((reqd_work_group_size(SAMPLE_WG, 1, 1))) void accept_rows_wg(
     global const float* logits, uint batch, uint vocab, global const AcceptRowArgs* args,
@@ -338,9 +362,25 @@ kernel __attribute__((reqd_work_group_size(SAMPLE_WG, 1, 1))) void accept_rows_w
         result = (int2)((int)i, -1);
         done = 1;
       } else {
+        // relaxed_accepts' pieces by the work-group: each lane counts the allowed tokens ranked
+        // above the draft in its chunks (the counts meet in lc's tree), the mass is wg_row_mass's.
+        const bool allowed = relaxed_draft_allowed(row, mask_row, (uint)draft);
+        uint above = 0;
+        for (uint c = lane * CHUNK; allowed && c < vocab; c += SAMPLE_WG * CHUNK)
+          above += relaxed_chunk_above(row, mask_row, vocab, c, (uint)draft);
+        lc[lane] = above;
+        barrier(CLK_LOCAL_MEM_FENCE);
+        for (uint s = SAMPLE_WG / 2; s > 0; s >>= 1) {
+          if (lane < s) lc[lane] += lc[lane + s];
+          barrier(CLK_LOCAL_MEM_FENCE);
+        }
+        const uint n_above = lc[0];
+        const float max_logit = fmin(row[argmax], FLT_MAX);
+        const float mass = wg_row_mass(row, mask_row, vocab, 1.0f, max_logit,
+                                       allowed ? (vocab + CHUNK - 1) / CHUNK : 0, lv, lf);
         if (lane == 0)
-          relaxed_ok = relaxed_accepts(row, mask_row, vocab, (uint)draft, argmax, relaxed_top_k,
-                                       relaxed_delta);
+          relaxed_ok = allowed && relaxed_rule(fmin(row[draft], FLT_MAX), max_logit, mass,
+                                               n_above, relaxed_top_k, relaxed_delta);
         barrier(CLK_LOCAL_MEM_FENCE);
         if (!relaxed_ok) {
           result = (int2)((int)i, (int)argmax);
@@ -423,28 +463,10 @@ kernel __attribute__((reqd_work_group_size(SAMPLE_WG, 1, 1))) void row_logprobs_
     barrier(CLK_LOCAL_MEM_FENCE);
   }
 
-  // log Z in sampling_common.cl's order: the segment masses of wg_segment_sums, added in id order
-  // with Kahan compensation (by lane 0).
-  float z = 0.0f, comp = 0.0f;
+  // log Z in sampling_common.cl's order (wg_row_mass: lane 0's).
   const float m = n_allowed > 0 ? fmin(row[argmax], FLT_MAX) * a.inv_temperature : 0.0f;
-  const uint n_chunks = n_allowed > 0 ? (vocab + CHUNK - 1) / CHUNK : 0;
-  for (uint base = 0; base < n_chunks; base += SAMPLE_WG) {
-    const uint i = (base + lane) * CHUNK;
-    const float16 e = i < vocab ? logprob_chunk_mass(row, mask_row, vocab, i, a.inv_temperature, m)
-                                : (float16)0.0f;
-    vstore16(e, lane, lv);
-    barrier(CLK_LOCAL_MEM_FENCE);
-    wg_segment_sums(lv, lf);
-    if (lane == 0) {
-      for (uint q = 0; q < PASS_SEGMENTS && (base + q * SEGMENT_CHUNKS) * CHUNK < vocab; ++q) {
-        const float y = lf[q * CHUNK] - comp;
-        const float t = z + y;
-        comp = (t - z) - y;
-        z = t;
-      }
-    }
-    barrier(CLK_LOCAL_MEM_FENCE);
-  }
+  const float z = wg_row_mass(row, mask_row, vocab, a.inv_temperature, m,
+                              n_allowed > 0 ? (vocab + CHUNK - 1) / CHUNK : 0, lv, lf);
   if (lane == 0) {
     o[1] = as_float(n_picked);
     if (n_allowed == 0) {

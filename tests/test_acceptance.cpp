@@ -382,8 +382,13 @@ TEST(AcceptanceRelaxed, AcceptsExactlyWhatTheRuleSays) {
     RelaxedAcceptance relaxed;
     uint32_t accepted_ranks;
   };
+  // Both kernel shapes: the GPU shape counts the tokens above the draft and sums the row's mass
+  // with the work-group (accept_rows_wg).
+  for (const KernelShape shape : {KernelShape::Chunks, KernelShape::WorkGroups})
   for (const Case c : {Case{{3, 0.2f}, 2}, Case{{3, 0.35f}, 3}, Case{{}, 10}}) {
-    SCOPED_TRACE(testing::Message() << "top_k " << c.relaxed.top_k << " delta " << c.relaxed.delta);
+    test::ShapeScope scope(dev(), shape);
+    SCOPED_TRACE(testing::Message() << "top_k " << c.relaxed.top_k << " delta " << c.relaxed.delta
+                                    << (shape == KernelShape::Chunks ? ", CPU shape" : ", GPU shape"));
     Batch batch(V);
     // One request per rank, thinking, at a temperature the relaxed rule ignores; then the same
     // requests without thinking at temperature 0 (strict: only the argmax passes).
@@ -422,6 +427,9 @@ TEST(AcceptanceRelaxed, StopsAtTheFirstRelaxedRejectionAndMixesWithStrictRows) {
   const RelaxedAcceptance relaxed{3, 0.35f};
   std::vector<float> rows = repeat(row, 4);
   rows[3 * V + 6] = 20.0f;  // the bonus row's argmax is token 6
+  for (const KernelShape shape : {KernelShape::Chunks, KernelShape::WorkGroups}) {
+  test::ShapeScope scope(dev(), shape);
+  SCOPED_TRACE(shape == KernelShape::Chunks ? "CPU shape" : "GPU shape");
   Batch batch(V);
   // Ranks 1, 2 pass, rank 5 does not: 2 accepted, next = the argmax of row 2.
   batch.add(rows, {int32_t(kIds[1]), int32_t(kIds[2]), int32_t(kIds[5])}, kGreedy, 1, true);
@@ -432,6 +440,7 @@ TEST(AcceptanceRelaxed, StopsAtTheFirstRelaxedRejectionAndMixesWithStrictRows) {
   const auto got = batch.run(relaxed);
   EXPECT_EQ(got.num_accepted, (std::vector<uint32_t>{2, 3, 0}));
   EXPECT_EQ(got.next_token, (std::vector<int32_t>{int32_t(kIds[0]), 6, int32_t(kIds[0])}));
+  }
 }
 
 // ---- bitmask ------------------------------------------------------------------------------------

@@ -101,7 +101,7 @@ AcceptanceResult make_result(const std::vector<int32_t>& pairs,
   return res;
 }
 
-// relaxed_accepts() in kernels_cl/sampling.cl, with the probabilities in double.
+// relaxed_accepts() in kernels_cl/sampling_common.cl, with the probabilities in double.
 bool relaxed_accepts_host(const float* row, uint32_t vocab, const uint32_t* bits, uint32_t d,
                           uint32_t argmax, const RelaxedAcceptance& relaxed) {
   if (!token_allowed(row, bits, d)) return false;
