@@ -150,34 +150,33 @@ bool bf16_dot_product(const Device& dev) {
 
 namespace {
 
-// Whether the first row of `mem` at element `offset` (elements of `elem` bytes) and every row
-// `ld` elements after it start on a `vw`-element boundary on the device: the buffer's own start
-// counts too where it wraps host memory (a mapped checkpoint) or is a sub-buffer.
-bool rows_aligned(const cl::Mem& mem, size_t offset, size_t ld, size_t elem, uint32_t vw) {
-  if (offset % vw != 0 || ld % vw != 0) return false;
-  void* host = nullptr;
-  size_t origin = 0;
-  cl::check(clGetMemObjectInfo(mem.get(), CL_MEM_HOST_PTR, sizeof(host), &host, nullptr),
-            "clGetMemObjectInfo (CL_MEM_HOST_PTR)");
-  cl::check(clGetMemObjectInfo(mem.get(), CL_MEM_OFFSET, sizeof(origin), &origin, nullptr),
-            "clGetMemObjectInfo (CL_MEM_OFFSET)");
-  const size_t bytes = size_t(vw) * elem;
-  return reinterpret_cast<uintptr_t>(host) % bytes == 0 && origin % bytes == 0;
+// Whether the first row at element `offset` (elements of `elem` bytes) of a buffer whose start
+// has byte alignment `start_align` (mem_start_alignment), and every row `ld` elements after it,
+// start on a `vw`-element boundary on the device. Exact for vw * elem a power of two up to
+// kMaxStartAlign, every width wg_dots.cl takes.
+bool rows_aligned(uint32_t start_align, size_t offset, size_t ld, size_t elem, uint32_t vw) {
+  return offset % vw == 0 && ld % vw == 0 && start_align % (size_t(vw) * elem) == 0;
 }
 
 // linear_wg.cl's width options (wg_dots.cl): -DVW, KernelTuning::linear_vector, and
 // -DVEC_ALIGNED=1 where x's rows and every weight's rows start on a VW-element boundary, so the
-// lanes' loads are single vector loads.
+// lanes' loads are single vector loads. A weight's start alignment is the one recorded when it was
+// built (Weight::start_align), asked of OpenCL only for a weight built by hand; x's is asked each
+// launch (a cl::Mem has nowhere to record it), and only once the weights are found aligned.
 std::string wg_vector_options(const Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx,
                               const std::vector<const Weight*>& ws) {
   const uint32_t vw = dev.tuning().linear_vector;
   std::string opts = " -DVW=" + std::to_string(vw);
   if (vw == 1) return opts;
-  bool aligned = rows_aligned(x, x_off, ldx, sizeof(float), vw);
-  for (const Weight* w : ws)
-    aligned = aligned && rows_aligned(w->mem, w->offset, size_t(w->row_stride()),
-                                      dtype_size(w->dtype), vw);
-  return aligned ? opts + " -DVEC_ALIGNED=1" : opts;
+  for (const Weight* w : ws) {
+    const uint32_t start = w->start_align ? w->start_align : mem_start_alignment(w->mem);
+    if (!rows_aligned(start, w->offset, size_t(w->row_stride()), dtype_size(w->dtype), vw))
+      return opts;
+  }
+  if (x_off % vw != 0 || ldx % vw != 0) return opts;
+  return rows_aligned(mem_start_alignment(x), x_off, ldx, sizeof(float), vw)
+             ? opts + " -DVEC_ALIGNED=1"
+             : opts;
 }
 
 }  // namespace

@@ -8,9 +8,21 @@
 
 namespace clshard {
 
+uint32_t mem_start_alignment(const cl::Mem& mem) {
+  void* host = nullptr;
+  size_t origin = 0;
+  cl::check(clGetMemObjectInfo(mem.get(), CL_MEM_HOST_PTR, sizeof(host), &host, nullptr),
+            "clGetMemObjectInfo (CL_MEM_HOST_PTR)");
+  cl::check(clGetMemObjectInfo(mem.get(), CL_MEM_OFFSET, sizeof(origin), &origin, nullptr),
+            "clGetMemObjectInfo (CL_MEM_OFFSET)");
+  const uintptr_t start_bits = reinterpret_cast<uintptr_t>(host) | origin | kMaxStartAlign;
+  return uint32_t(start_bits & (~start_bits + 1));  // the lowest set bit
+}
+
 Weight to_device(Device& dev, const TensorView& view) {
   Weight w;
   w.mem = dev.wrap_host(view.data, view.bytes);
+  w.start_align = mem_start_alignment(w.mem);
   w.dtype = view.dtype;
   w.shape = view.shape;
   w.name = view.name;
@@ -25,6 +37,7 @@ Weight to_device_rows(Device& dev, const TensorView& view, int64_t r0, int64_t r
                             std::to_string(r1) + ") outside " + std::to_string(view.shape[0]));
   Weight w;
   w.mem = dev.wrap_host(view.data + size_t(r0) * row * es, size_t(r1 - r0) * row * es);
+  w.start_align = mem_start_alignment(w.mem);
   w.dtype = view.dtype;
   w.shape = view.shape;
   w.shape[0] = r1 - r0;
@@ -45,6 +58,7 @@ Weight to_device_columns(Device& dev, const TensorView& view, int64_t c0, int64_
   w.name = view.name + "[:, " + std::to_string(c0) + ":" + std::to_string(c1) + "]";
   if (dev.info().host_unified_memory) {
     w.mem = dev.wrap_host(view.data, view.bytes);
+    w.start_align = mem_start_alignment(w.mem);
     w.offset = size_t(c0);
     w.ld = K;
     return w;
@@ -54,6 +68,7 @@ Weight to_device_columns(Device& dev, const TensorView& view, int64_t c0, int64_
     std::memcpy(slice.data() + size_t(n) * (c1 - c0) * es, view.data + (size_t(n) * K + c0) * es,
                 size_t(c1 - c0) * es);
   w.mem = dev.alloc(slice.size(), CL_MEM_READ_ONLY);
+  w.start_align = mem_start_alignment(w.mem);
   dev.write(w.mem, slice.data(), slice.size());
   return w;
 }
@@ -62,6 +77,7 @@ Weight to_device_f32(Device& dev, const std::vector<float>& values, std::vector<
                      std::string name) {
   Weight w;
   w.mem = dev.alloc(values.size() * sizeof(float), CL_MEM_READ_ONLY);
+  w.start_align = mem_start_alignment(w.mem);
   dev.write(w.mem, values.data(), values.size() * sizeof(float));
   w.dtype = DType::F32;
   w.shape = std::move(shape);

@@ -23,11 +23,24 @@ struct Weight {
   // (tensor parallelism) is a view, not a copy, where the device reads host memory.
   size_t offset = 0;
   int64_t ld = 0;  // 0: rows are contiguous (shape.back())
+  // The byte alignment of where `mem` starts on the device (mem_start_alignment), recorded where
+  // the weight is built (to_device*): a buffer's start never moves, so the GPU shape's launches
+  // need not ask OpenCL for it each time. 0: not recorded (a weight built by hand), asked at the
+  // launch.
+  uint32_t start_align = 0;
 
   int64_t dim(size_t i) const { return shape.at(i); }
   int64_t row_stride() const { return ld ? ld : shape.back(); }
   explicit operator bool() const { return bool(mem); }
 };
+
+// The byte alignment of where `mem` starts on the device: the largest power of two, up to
+// kMaxStartAlign, dividing both the host pointer it wraps (a mapped checkpoint; none for a device
+// allocation) and its origin in a parent buffer (a sub-buffer). Asks OpenCL (two
+// clGetMemObjectInfo calls). 64 bytes is the widest OpenCL vector (16 floats), so "starts on an
+// n-byte boundary" for any vector load is `alignment % n == 0`.
+constexpr uint32_t kMaxStartAlign = 64;
+uint32_t mem_start_alignment(const cl::Mem& mem);
 
 // Puts a checkpoint tensor on a device: wraps the mapped file on host-memory devices (no copy),
 // uploads it on discrete ones.

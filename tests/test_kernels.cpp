@@ -9,6 +9,7 @@
 
 #include "runtime/device.h"
 #include "runtime/ops.h"
+#include "runtime/safetensors.h"
 #include "tests/kv_cache_codes.h"
 #include "tests/test_util.h"
 
@@ -337,6 +338,89 @@ INSTANTIATE_TEST_SUITE_P(Widths, LinearVector,
                          [](const ::testing::TestParamInfo<VectorCase>& i) {
                            return "K" + std::to_string(i.param.K) + "_" + dtype_name(i.param.dt);
                          });
+
+// A weight's start alignment, recorded when to_device* builds it (Weight::start_align), answers
+// the GPU shape's VEC_ALIGNED question as asking OpenCL at each launch did. For a checkpoint
+// mapping wrapped at every byte offset 0 .. 64 (64-byte aligned and misaligned), as a whole
+// tensor, a block of rows and a column view: the recorded alignment is the start's (where the
+// device reads host memory; 64 for a copy), and for every vector width in bytes the old test
+// (host pointer and sub-buffer origin both its multiples) gives the same answer. linear_wg at VW
+// 4 over a bf16 weight mapped 2 bytes off a 64-byte boundary gives the bits of the same weight
+// mapped on one.
+TEST(WeightStartAlign, RecordedAlignmentAnswersAsAskingDid) {
+  Device& dev = test::default_device();
+  ShapeScope scope(dev, KernelShape::WorkGroups);
+  KernelTuning t = dev.tuning();
+  t.linear_vector = 4;
+  test::TuningScope tuned(dev, t);
+  const bool wraps_host = dev.info().host_unified_memory;
+  const uint32_t M = 3, N = 4, K = t.linear_wg * 4 * 2 + 6;  // whole VW steps and a tail
+  const size_t row_bytes = size_t(K) * 2, bytes = N * row_bytes;
+  std::vector<uint8_t> storage(2 * bytes + 256);
+  uint8_t* base = storage.data() + (64 - reinterpret_cast<uintptr_t>(storage.data()) % 64);
+  auto start_alignment = [&](const uint8_t* p) {
+    const uintptr_t a = reinterpret_cast<uintptr_t>(p) | 64;
+    return wraps_host ? uint32_t(a & (~a + 1)) : 64u;
+  };
+  auto asked_aligned = [](const cl::Mem& m, size_t width) {
+    void* host = nullptr;
+    size_t origin = 0;
+    cl::check(clGetMemObjectInfo(m.get(), CL_MEM_HOST_PTR, sizeof(host), &host, nullptr),
+              "CL_MEM_HOST_PTR");
+    cl::check(clGetMemObjectInfo(m.get(), CL_MEM_OFFSET, sizeof(origin), &origin, nullptr),
+              "CL_MEM_OFFSET");
+    return reinterpret_cast<uintptr_t>(host) % width == 0 && origin % width == 0;
+  };
+  auto view_at = [&](const uint8_t* p) {
+    TensorView v;
+    v.name = "w";
+    v.dtype = DType::BF16;
+    v.shape = {N, K};
+    v.data = p;
+    v.bytes = bytes;
+    return v;
+  };
+  for (size_t at = 0; at <= 64; ++at) {
+    SCOPED_TRACE("byte offset " + std::to_string(at));
+    const TensorView v = view_at(base + at);
+    const std::pair<Weight, const uint8_t*> weights[] = {
+        {to_device(dev, v), v.data},
+        {to_device_rows(dev, v, 1, N), v.data + row_bytes},
+        {to_device_columns(dev, v, 3, K), v.data}};  // a view at element offset 3 of the whole
+    for (const auto& [w, start] : weights) {
+      SCOPED_TRACE(w.name);
+      EXPECT_EQ(w.start_align, start_alignment(start));
+      for (size_t width : {2, 4, 8, 16, 32, 64})
+        EXPECT_EQ(w.start_align % width == 0, asked_aligned(w.mem, width)) << width << " bytes";
+    }
+  }
+
+  auto wv = random_vec(size_t(N) * K, 45);
+  std::vector<uint16_t> codes(wv.size());
+  for (size_t i = 0; i < wv.size(); ++i) codes[i] = f32_to_bf16(wv[i]);
+  uint8_t* aligned_at = base;
+  uint8_t* misaligned_at = base + (bytes + 63) / 64 * 64 + 2;
+  std::memcpy(aligned_at, codes.data(), bytes);
+  std::memcpy(misaligned_at, codes.data(), bytes);
+  const Weight wa = to_device(dev, view_at(aligned_at));
+  const Weight wm = to_device(dev, view_at(misaligned_at));
+  EXPECT_EQ(wm.start_align, wraps_host ? 2u : 64u);
+  const auto x = random_vec(size_t(M) * K, 46);
+  cl::Mem xm = upload(dev, x), ya = dev.alloc(size_t(M) * N * 4), ym = dev.alloc(size_t(M) * N * 4);
+  ops::linear(dev, xm, 0, K, wa, nullptr, ya, 0, N, M);
+  ops::linear(dev, xm, 0, K, wm, nullptr, ym, 0, N, M);
+  const auto yav = download(dev, ya, size_t(M) * N), ymv = download(dev, ym, size_t(M) * N);
+  for (uint32_t m = 0; m < M; ++m)
+    for (uint32_t n = 0; n < N; ++n) {
+      double dot = 0;
+      for (uint32_t k = 0; k < K; ++k)
+        dot += double(x[size_t(m) * K + k]) * bf16_to_f32(codes[size_t(n) * K + k]);
+      const size_t i = size_t(m) * N + n;
+      EXPECT_NEAR(yav[i], dot, 1e-3) << "row " << m << " column " << n;
+      EXPECT_EQ(std::bit_cast<uint32_t>(ymv[i]), std::bit_cast<uint32_t>(yav[i]))
+          << "row " << m << " column " << n;
+    }
+}
 
 // The CPU shape and the GPU shape (run on PoCL), a row narrower and one wider than a work-group.
 struct NormCase {
