@@ -79,32 +79,30 @@ kernel void linear_fp8(global const float* x, uint x_off, uint ldx,
 }
 
 #ifdef WG
+#include "wg_rows.cl"
 // The GPU shape of linear_fp8 (linear_wg.cl's layout for one byte per weight): a work-group of WG
 // lanes owns one output feature n for up to RB rows; each lane sums its share of the row
 // (fp8_tile.cl's fp8_lane_dots: a 32-lane warp reads 128 consecutive bytes, every byte decoded
 // exactly, so NaN codes poison their feature through the sums), and the lanes' partial sums meet
-// in local memory in linear_wg's tree. Build options: -DWG (a power of two), -DRB.
+// in local memory and are stored as linear_wg's (wg_rows.cl). Build options: -DWG (a power of
+// two), -DRB.
 // Launch: global (N * WG, ceil(M / RB)), local (WG, 1).
 kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
 void linear_fp8_wg(global const float* x, uint x_off, uint ldx,
                    global const uchar* w, global const float* scale, uint KB,
                    global float* y, uint y_off, uint ldy,
                    uint M, uint N, uint K, float alpha, int accumulate) {
-  local float partial[RB][WG];
+  local float partial[RB * WG];
   const uint lane = get_local_id(0);
   const uint n = get_group_id(0);
   const uint m0 = get_group_id(1) * RB;
   global const float* xr[RB];
-  for (int r = 0; r < RB; ++r) xr[r] = x + x_off + (size_t)min(m0 + r, M - 1) * ldx;  // clamped
+  wg_x_rows(x, x_off, ldx, m0, M, xr);  // fp8_lane_dots sums every row; those past M not stored
   float acc[RB];
   fp8_lane_dots(xr, w + (size_t)n * K, scale + (size_t)(n / QBLOCK) * KB, K, lane, WG, acc);
-  for (int r = 0; r < RB; ++r) partial[r][lane] = acc[r];
-  wg_tree_sum(&partial[0][0], RB, WG, lane);
-  if (lane < RB && m0 + lane < M) {
-    const float v = partial[lane][0] * alpha;
-    global float* out = y + y_off + (size_t)(m0 + lane) * ldy + n;
-    *out = accumulate ? *out + v : v;
-  }
+  float v;
+  if (wg_row_sum(partial, acc, WG, lane, m0, M, &v))
+    wg_store(y, y_off, ldy, m0 + lane, n, v, alpha, accumulate);
 }
 #endif
 

@@ -5,20 +5,14 @@
 // -DVW and -DVEC_ALIGNED (wg_dots.cl).
 // Launch: global (N * WG, ceil(M / RB)), local (WG, 1).
 #include "wg_dots.cl"
-
-// The x rows of the work-group's rows m0 .. (rows past M point at row m0; they are not read).
-inline uint wg_x_rows(global const float* x, uint x_off, uint ldx, uint m0, uint M,
-                      global const float* xr[RB]) {
-  for (int r = 0; r < RB; ++r) xr[r] = x + x_off + (size_t)(m0 + (m0 + r < M ? r : 0)) * ldx;
-  return min((uint)RB, M - m0);
-}
+#include "wg_rows.cl"
 
 kernel void linear_wg(global const float* x, uint x_off, uint ldx,
                       global const wtype* w_base, uint w_off, uint ldw,
                       global const wtype* bias_base, uint b_off, int has_bias,
                       global float* y, uint y_off, uint ldy,
                       uint M, uint N, uint K, float alpha, int accumulate) {
-  local float partial[RB][WG];
+  local float partial[RB * WG];
   const uint lane = get_local_id(0);
   const uint n = get_group_id(0);
   const uint m0 = get_group_id(1) * RB;
@@ -27,14 +21,10 @@ kernel void linear_wg(global const float* x, uint x_off, uint ldx,
   const uint rows = wg_x_rows(x, x_off, ldx, m0, M, xr);
   float acc[RB];
   wg_lane_dots(xr, rows, wr, K, lane, WG, acc);
-  for (int r = 0; r < RB; ++r) partial[r][lane] = acc[r];
-  wg_tree_sum(&partial[0][0], RB, WG, lane);
-  if (lane < RB && m0 + lane < M) {
-    float v = partial[lane][0];
+  float v;
+  if (wg_row_sum(partial, acc, WG, lane, m0, M, &v)) {
     if (has_bias) v += LOADW1(bias_base + b_off + n);
-    v *= alpha;
-    global float* out = y + y_off + (size_t)(m0 + lane) * ldy + n;
-    *out = accumulate ? *out + v : v;
+    wg_store(y, y_off, ldy, m0 + lane, n, v, alpha, accumulate);
   }
 }
 
@@ -73,14 +63,12 @@ kernel void linear_fused_wg(global const float* x, uint x_off, uint ldx,
     for (int r = 0; r < RB; ++r) partial[p][r][lane] = acc[p][r];
   wg_tree_sum(&partial[0][0][0], FUSED_SUMS * RB, WG, lane);
   if (lane < RB && m0 + lane < M) {
-    global float* out = y + y_off + (size_t)(m0 + lane) * ldy + n;
 #if GLU
     // linear_wg's stores of gate and up (alpha 1), then silu_mul's formula.
     const float a = partial[0][lane][0] * 1.0f, b = partial[1][lane][0] * 1.0f;
-    *out = a / (1.0f + exp(-a)) * b;
+    y[y_off + (size_t)(m0 + lane) * ldy + n] = a / (1.0f + exp(-a)) * b;
 #else
-    const float v = partial[0][lane][0] * alpha;
-    *out = accumulate ? *out + v : v;
+    wg_store(y, y_off, ldy, m0 + lane, n, partial[0][lane][0], alpha, accumulate);
 #endif
   }
 }
