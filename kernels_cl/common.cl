@@ -41,8 +41,8 @@ inline void wg_tree_sum(local float* partial, uint rows, uint wg, uint lane) {
 }
 
 // A hint that the 64-byte line at p will be read soon, into L2 (x86 prefetcht1): the tiles that
-// prefetch their next tile's weight rows hold their own rows and x rows in L1, which prefetcht0
-// evicted. llama3-1b decode at batch 8 (bench_decode_breakdown --prefetch-ab, step off/on):
+// prefetch their next tile's weight rows hold their own rows and x rows in L1, where prefetcht0
+// would put the lines (the likely reason it did less). llama3-1b decode at batch 8 (bench_decode_breakdown --prefetch-ab, step off/on):
 // f32 GEMMs 1.093 with prefetcht0 against 1.172 with prefetcht1, the same run. Built with
 // -DPREFETCH_X86=1 only for PoCL's CPU device on an x86 host (ops::weight_prefetch_option):
 // OpenCL C's prefetch() compiles to nothing there, and clang's __builtin_prefetch takes no
