@@ -353,9 +353,8 @@ kernel void accept_rows(global const float* logits, uint batch, uint vocab,
   const AcceptRowArgs a = args[b];
   global float* work_row = work + (size_t)b * work_stride(vocab);
   for (uint i = 0;; ++i) {
-    const size_t r = (size_t)a.logit_offset + i;
-    global const float* row = logits + r * vocab;
-    global const uint* mask_row = bitmask ? bitmask + r * bitmask_words : 0;
+    global const float* row = accept_logits_row(logits, vocab, a, i);
+    global const uint* mask_row = accept_mask_row(bitmask, bitmask_words, a, i);
     const int draft = accept_draft(a, drafts, i);
     if (draft >= 0 && a.thinking) {
       uint n_allowed;

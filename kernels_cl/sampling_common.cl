@@ -262,8 +262,17 @@ typedef struct {
   uint thinking;             // relaxed acceptance for the drafts
 } AcceptRowArgs;
 
-// Position i of request a (both shapes' acceptance kernels): its draft (-1 past the drafts), and
-// the arguments a strict position draws with, the first position's seed + i.
+// Position i of request a (both shapes' acceptance kernels): its logits row and bitmask row (null
+// without a bitmask), its draft (-1 past the drafts), and the arguments a strict position draws
+// with, the first position's seed + i.
+inline global const float* accept_logits_row(global const float* logits, uint vocab,
+                                             const AcceptRowArgs a, uint i) {
+  return logits + ((size_t)a.logit_offset + i) * vocab;
+}
+inline global const uint* accept_mask_row(global const uint* bitmask, uint bitmask_words,
+                                          const AcceptRowArgs a, uint i) {
+  return bitmask ? bitmask + ((size_t)a.logit_offset + i) * bitmask_words : 0;
+}
 inline int accept_draft(const AcceptRowArgs a, global const int* drafts, uint i) {
   return i < a.num_drafts ? drafts[a.draft_offset + i] : -1;
 }

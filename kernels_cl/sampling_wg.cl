@@ -351,9 +351,8 @@ kernel __attribute__((reqd_work_group_size(SAMPLE_WG, 1, 1))) void accept_rows_w
   int2 result = (int2)(0, -1);
   int done = 0;
   for (uint i = 0; !done; ++i) {
-    const size_t r = (size_t)a.logit_offset + i;
-    global const float* row = logits + r * vocab;
-    global const uint* mask_row = bitmask ? bitmask + r * bitmask_words : 0;
+    global const float* row = accept_logits_row(logits, vocab, a, i);
+    global const uint* mask_row = accept_mask_row(bitmask, bitmask_words, a, i);
     const int draft = accept_draft(a, drafts, i);
     if (draft >= 0 && a.thinking) {
       uint n_allowed;
