@@ -101,6 +101,31 @@ void gemm_bf16_section(Device& dev, int reps, bool tiles, uint32_t M) {
                   g[0], pct(g[0]), g[1], pct(g[1]), g[2], pct(g[2]));
     }
   }
+  // The model's gate/up: both weights in one launch with the SwiGLU epilogue (linear_bf16.cl's GLU
+  // tiles: TN / 2 gate rows and the same columns' up rows), 2 x 8192 x 2048 at M rows.
+  {
+    const int64_t F = 8192, K = 2048;
+    Weight gate = random_weight(dev, F, K, DType::BF16, 6), up = random_weight(dev, F, K, DType::BF16, 7);
+    cl::Mem x = dev.alloc(size_t(M) * K * 4), y = dev.alloc(size_t(M) * F * 4);
+    dev.fill_zero(x, size_t(M) * K * 4);
+    const double flops = 2.0 * M * 2 * F * K;
+    double g[3];
+    for (int v = 0; v < 3; ++v) {
+      KernelTuning t = own;
+      t.gemm_bf16_dot = v == 0 ? 1 : 0;
+      dev.set_tuning(t);
+      const ComputeDType c = v == 2 ? ComputeDType::F32 : ComputeDType::BF16;
+      g[v] = flops / median_time(reps, [&] {
+               ops::linear_swiglu(dev, x, 0, uint32_t(K), nullptr, 0.0f, gate, up, y, 0,
+                                  uint32_t(F), M, c);
+               dev.finish();
+             }) / 1e9;
+    }
+    dev.set_tuning(own);
+    auto pct = [&](double v) { return peaks.bf16_dot_gflops > 0 ? 100 * v / peaks.bf16_dot_gflops : 0; };
+    std::printf("  %-20s %ux%-4u %6.1f (%2.0f%%) %6.1f (%2.0f%%) %6.1f (%2.0f%%)\n", "swiglu 2x8192x2048",
+                own.gemm_bf16_tm, own.gemm_bf16_tn, g[0], pct(g[0]), g[1], pct(g[1]), g[2], pct(g[2]));
+  }
   if (!ops::bf16_dot_product(dev)) std::printf("  (no vdpbf16ps on this device: both columns are the portable kernel)\n");
 }
 
