@@ -154,6 +154,31 @@ inline float segment_mass(global const float* work, global const float* row, uin
   return hsum16(acc);
 }
 
+// One chunk of walk_segment: w holds the kept masses of tokens i .. i + n - 1 and cum the running
+// mass before them. When the chunk's sum takes cum past r, the walk goes token by token to the one
+// that does and returns 1; otherwise cum takes the chunk's sum. pick follows the last token with
+// mass.
+inline int walk_chunk(float16 w, uint i, uint n, float r, float* cum, uint* pick) {
+  const float s = hsum16(w);
+  if (!(s > 0.0f)) return 0;
+  float wt[CHUNK];
+  vstore16(w, 0, wt);
+  if (*cum + s > r) {
+    for (uint j = 0; j < n; ++j) {
+      if (wt[j] > 0.0f) {
+        *pick = i + j;
+        *cum += wt[j];
+        if (*cum > r) break;
+      }
+    }
+    return 1;
+  }
+  for (uint j = 0; j < n; ++j)
+    if (wt[j] > 0.0f) *pick = i + j;
+  *cum += s;
+  return 0;
+}
+
 // Inside the segment at s0, with `cum` the mass of the segments before it: the first token whose
 // running mass exceeds r, the running mass going chunk by chunk, then token by token in the chunk
 // that crosses r. When none does (rounding: the chunks' running sum need not reach the segment's
@@ -161,31 +186,22 @@ inline float segment_mass(global const float* work, global const float* row, uin
 inline uint walk_segment(global const float* work, global const float* row, uint vocab, uint s0,
                          float cum, float r, int restricted, uint pkey, uint pid) {
   uint pick = s0;
-  int found = 0;
   const uint end = min(vocab, s0 + SEGMENT);
-  for (uint i = s0; i < end && !found; i += CHUNK) {
-    const uint n = min((uint)CHUNK, vocab - i);
-    const float16 w = chunk_mass(work, row, vocab, i, restricted, pkey, pid);
-    const float s = hsum16(w);
-    if (!(s > 0.0f)) continue;
-    float wt[CHUNK];
-    vstore16(w, 0, wt);
-    if (cum + s > r) {
-      found = 1;
-      for (uint j = 0; j < n; ++j) {
-        if (wt[j] > 0.0f) {
-          pick = i + j;
-          cum += wt[j];
-          if (cum > r) break;
-        }
-      }
-    } else {
-      for (uint j = 0; j < n; ++j)
-        if (wt[j] > 0.0f) pick = i + j;
-      cum += s;
-    }
-  }
+  for (uint i = s0; i < end; i += CHUNK)
+    if (walk_chunk(chunk_mass(work, row, vocab, i, restricted, pkey, pid), i,
+                   min((uint)CHUNK, vocab - i), r, &cum, &pick))
+      break;
   return pick;
+}
+
+// One segment of walk_segments: segment k has mass s and cum is the mass before it. Returns 1 when
+// it takes the running mass past r; otherwise cum takes s. last follows the last segment with
+// mass.
+inline int segment_crosses(float s, uint k, float r, float* cum, uint* last) {
+  if (s > 0.0f) *last = k;
+  if (*cum + s > r) return 1;
+  *cum += s;
+  return 0;
 }
 
 // The inverse-CDF draw given the row's segment masses (seg[k] for the segment at k * SEGMENT):
@@ -196,13 +212,9 @@ inline uint walk_segments(global const float* work, global const float* row, uin
   const uint n_seg = (vocab + SEGMENT - 1) / SEGMENT;
   float cum = 0.0f;
   uint last = 0;
-  for (uint k = 0; k < n_seg; ++k) {
-    const float s = seg[k];
-    if (s > 0.0f) last = k;
-    if (cum + s > r)
+  for (uint k = 0; k < n_seg; ++k)
+    if (segment_crosses(seg[k], k, r, &cum, &last))
       return walk_segment(work, row, vocab, k * SEGMENT, cum, r, restricted, pkey, pid);
-    cum += s;
-  }
   return walk_segment(work, row, vocab, last * SEGMENT, 0.0f, INFINITY, restricted, pkey, pid);
 }
 

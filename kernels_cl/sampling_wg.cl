@@ -126,13 +126,73 @@ inline void wg_store_pass_segments(local const float* lf, uint base, uint vocab,
     seg[base / SEGMENT_CHUNKS + q] = lf[lane];
 }
 
+// After wg_segment_sums for the pass whose first chunk is `base`: lane 0 adds the pass's segment
+// masses to *total in id order, so that over the passes *total is sum_segments' sum (the same
+// bits) without reading seg back.
+inline void wg_add_pass_segments(local const float* lf, uint base, uint vocab, float* total) {
+  if (get_local_id(0) == 0)
+    for (uint q = 0; q < PASS_SEGMENTS && (base + q * SEGMENT_CHUNKS) * CHUNK < vocab; ++q)
+      *total += lf[q * CHUNK];
+}
+
+// The inverse-CDF draw of walk_segments (sampling_common.cl) by the work-group, the same token: the
+// segment masses go into local memory (buf: SAMPLE_WG * CHUNK floats) a window at a time for lane
+// 0's running sum, then the crossing segment's chunk masses, one chunk per lane, for lane 0's walk.
+// A GPU lane alone would wait on each of the row's ~250 segment loads and 32 chunk loads in turn.
+// seg_at: one uint of local memory. The token is lane 0's; the other lanes get 0. Every lane must
+// call.
+inline uint wg_walk_segments(global const float* work, global const float* row, uint vocab,
+                             const global float* seg, float r, int restricted, uint pkey, uint pid,
+                             local float* buf, local uint* seg_at) {
+  const uint lane = get_local_id(0);
+  const uint n_seg = segment_count(vocab);
+  float cum = 0.0f;
+  uint last = 0, crossing = 0;
+  int found = 0;
+  for (uint w0 = 0; w0 < n_seg; w0 += SAMPLE_WG * CHUNK) {
+    const uint w1 = min(n_seg, w0 + SAMPLE_WG * CHUNK);
+    for (uint k = w0 + lane; k < w1; k += SAMPLE_WG) buf[k - w0] = seg[k];
+    barrier(CLK_LOCAL_MEM_FENCE);
+    if (lane == 0)
+      for (uint k = w0; k < w1 && !found; ++k)
+        if (segment_crosses(buf[k - w0], k, r, &cum, &last)) {
+          found = 1;
+          crossing = k;
+        }
+    barrier(CLK_LOCAL_MEM_FENCE);
+  }
+  if (lane == 0) *seg_at = found ? crossing : last;
+  barrier(CLK_LOCAL_MEM_FENCE);
+  const uint s0 = *seg_at * SEGMENT;
+  if (lane < SEGMENT_CHUNKS && s0 + lane * CHUNK < vocab)
+    vstore16(chunk_mass(work, row, vocab, s0 + lane * CHUNK, restricted, pkey, pid), lane, buf);
+  barrier(CLK_LOCAL_MEM_FENCE);
+  uint pick = 0;
+  if (lane == 0) {
+    // As walk_segments: the crossing segment from its running mass, else the last one with mass
+    // for its last token.
+    float c = found ? cum : 0.0f;
+    const float target = found ? r : INFINITY;
+    const uint end = min(vocab, s0 + SEGMENT);
+    pick = s0;
+    for (uint i = s0; i < end; i += CHUNK)
+      if (walk_chunk(vload16((i - s0) / CHUNK, buf), i, min((uint)CHUNK, vocab - i), target, &c,
+                     &pick))
+        break;
+  }
+  barrier(CLK_LOCAL_MEM_FENCE);  // buf is free again
+  return pick;
+}
+
 // The segment masses of `work` (restricted to the tokens ranked strictly above (pkey, pid) when
-// `restricted`) into seg, by all lanes; visible to every lane on return.
-inline void wg_store_segment_masses(global const float* work, global const float* row, uint vocab,
-                                    int restricted, uint pkey, uint pid, global float* seg,
-                                    local float* lv, local float* lf) {
+// `restricted`) into seg, by all lanes; visible to every lane on return. Returns their sum in
+// sum_segments' order on lane 0 (0 on the others).
+inline float wg_store_segment_masses(global const float* work, global const float* row,
+                                     uint vocab, int restricted, uint pkey, uint pid,
+                                     global float* seg, local float* lv, local float* lf) {
   const uint lane = get_local_id(0);
   const uint n_chunks = (vocab + CHUNK - 1) / CHUNK;
+  float total = 0.0f;
   for (uint base = 0; base < n_chunks; base += SAMPLE_WG) {
     const uint i = (base + lane) * CHUNK;
     const float16 w =
@@ -141,9 +201,11 @@ inline void wg_store_segment_masses(global const float* work, global const float
     barrier(CLK_LOCAL_MEM_FENCE);
     wg_segment_sums(lv, lf);
     wg_store_pass_segments(lf, base, vocab, seg);
+    wg_add_pass_segments(lf, base, vocab, &total);
     barrier(CLK_LOCAL_MEM_FENCE);
   }
   barrier(CLK_GLOBAL_MEM_FENCE);
+  return total;
 }
 
 // The k-th best allowed token as (key, id), for 0 < k < allowed count: a radix select over the
@@ -214,8 +276,8 @@ inline uint2 wg_topk_boundary(global const float* row, global const uint* mask_r
   local uint lk[SAMPLE_WG], li[SAMPLE_WG], lc[SAMPLE_WG];                     \
   local float lv[SAMPLE_WG * CHUNK], lf[SAMPLE_WG];                           \
   local uint hist[256];                                                       \
-  local uint state[8]; /* the nucleus loop's shared values; [7] the token */  \
-  local float fstate[2];
+  local uint state[8]; /* the nucleus loop's values; [6] the walk's segment, [7] the token */ \
+  local float fstate[1]; /* the nucleus loop's current set mass */
 #define WG_SAMPLE_SCRATCH lk, li, lc, lv, lf, hist, state, fstate
 
 // sample_row's token (sampling.cl) drawn by the whole work-group, on every lane: -1 when the row
@@ -238,8 +300,9 @@ inline int wg_sample_row(global const float* row, global const uint* mask_row, u
     if (p.top_k > 0 && p.top_k < n_allowed)
       boundary = wg_topk_boundary(row, mask_row, vocab, p.top_k, hist, state);
 
-    // 3. Kept masses into work, segment masses into seg.
+    // 3. Kept masses into work, segment masses into seg; their sum (lane 0's).
     const uint n_chunks = (vocab + CHUNK - 1) / CHUNK;
+    float total = 0.0f;
     for (uint base = 0; base < n_chunks; base += SAMPLE_WG) {
       const uint i = (base + lane) * CHUNK;
       float16 w = 0.0f;
@@ -258,49 +321,46 @@ inline int wg_sample_row(global const float* row, global const uint* mask_row, u
       barrier(CLK_LOCAL_MEM_FENCE);
       wg_segment_sums(lv, lf);
       wg_store_pass_segments(lf, base, vocab, seg);
+      wg_add_pass_segments(lf, base, vocab, &total);
       barrier(CLK_LOCAL_MEM_FENCE);
     }
     barrier(CLK_GLOBAL_MEM_FENCE);
-    if (lane == 0) fstate[0] = sum_segments(seg, vocab);
-    barrier(CLK_LOCAL_MEM_FENCE);
-    const float total = fstate[0];
 
-    // 4. Draw (lane 0 walks; the nucleus loop as sample_row's, seg holding the current set's
-    // segment masses).
+    // 4. Draw (wg_walk_segments: lane 0's token; the nucleus loop as sample_row's, seg holding
+    // the current set's segment masses). Only lane 0's total and draws are used.
     const uint2 seed = (uint2)(p.seed_lo, p.seed_hi);
     if (p.top_p >= 1.0f) {
-      if (lane == 0)
-        result = (int)walk_segments(work_row, row, vocab, seg, uniform_draw(seed, 0) * total, 0,
-                                    0, 0);
+      const uint j = wg_walk_segments(work_row, row, vocab, seg, uniform_draw(seed, 0) * total, 0,
+                                      0, 0, lv, state + 6);
+      if (lane == 0) result = (int)j;
     } else {
       const float target = p.top_p * total;
-      // state: accepted, j, pkey, pid, restricted, jkey; fstate[1]: the current set's mass
+      // state: accepted, j, pkey, pid, restricted, jkey; fstate[0]: the current set's mass
       if (lane == 0) {
         for (uint q = 0; q < 8; ++q) state[q] = 0;
-        fstate[1] = total;
+        fstate[0] = total;
       }
       barrier(CLK_LOCAL_MEM_FENCE);
       uint accepted = 0;
       for (uint round = 0; !accepted; ++round) {
+        const float u = uniform_draw(seed, round);
+        const uint walked = wg_walk_segments(work_row, row, vocab, seg, u * fstate[0],
+                                             (int)state[4], state[2], state[3], lv, state + 6);
         if (lane == 0) {
-          const float u = uniform_draw(seed, round);
-          const uint j = walk_segments(work_row, row, vocab, seg, u * fstate[1], (int)state[4],
-                                       state[2], state[3]);
-          state[1] = j;
-          state[5] = order_key(fmin(row[j], FLT_MAX));
+          state[1] = walked;
+          state[5] = order_key(fmin(row[walked], FLT_MAX));
         }
         barrier(CLK_LOCAL_MEM_FENCE | CLK_GLOBAL_MEM_FENCE);
         const uint j = state[1], jkey = state[5];
-        wg_store_segment_masses(work_row, row, vocab, 1, jkey, j, seg, lv, lf);
+        const float above = wg_store_segment_masses(work_row, row, vocab, 1, jkey, j, seg, lv, lf);
         if (lane == 0) {
-          const float above = sum_segments(seg, vocab);
           if (above < target) {
             state[0] = 1;
           } else {
             state[4] = 1;
             state[2] = jkey;
             state[3] = j;
-            fstate[1] = above;
+            fstate[0] = above;
           }
         }
         barrier(CLK_LOCAL_MEM_FENCE);
