@@ -190,7 +190,11 @@ inline void tile_weight_rows(uint n0, uint N, global const ushort* w0, uint ldw0
 
 // xb: [M, K] bf16 rows (row stride ldxb, a multiple of 32 keeps the loads aligned). One
 // work-item owns n_tiles column tiles x m_rows rows, column tile outer (its weight rows stay in
-// cache while the rows stream). Launch: global (column blocks, row blocks), local 1.
+// cache while the rows stream). Launch: global (row blocks, column blocks), local 1. Row blocks
+// are the first dimension because PoCL's CPU driver hands each thread runs of consecutive
+// work-groups, first dimension fastest: so the row blocks of one column block run one after
+// another and find its weight rows in cache. With column blocks first, a 512-token prefill read
+// every weight from memory once per 64-row block.
 kernel void linear_bf16(global const ushort* xb, uint ldxb,
                         global const ushort* w0, uint w0_off, uint ldw0, uint n1,
                         global const ushort* w1, uint w1_off, uint ldw1, uint n2,
@@ -203,9 +207,9 @@ kernel void linear_bf16(global const ushort* xb, uint ldxb,
 #else
   const uint tile_cols = TN;
 #endif
-  const uint n_begin = get_global_id(0) * n_tiles * tile_cols;
+  const uint n_begin = get_global_id(1) * n_tiles * tile_cols;
   const uint n_end = min(n_begin + n_tiles * tile_cols, N);
-  const uint m_begin = get_global_id(1) * m_rows;
+  const uint m_begin = get_global_id(0) * m_rows;
   const uint m_end = min(m_begin + m_rows, M);
   w0 += w0_off;
   w1 += w1_off;

@@ -319,7 +319,10 @@ INSTANTIATE_TEST_SUITE_P(
                       // Work-items of several column tiles: each loads its next tile's weight
                       // rows ahead (and prefetches them on x86 PoCL) while the last row tile runs.
                       GemmCase{9, 3100, 70, Variant::Selected},
-                      GemmCase{9, 3100, 70, Variant::Portable}),
+                      GemmCase{9, 3100, 70, Variant::Portable},
+                      // Several row blocks (64 rows each) by several column blocks: the launch's
+                      // two dimensions (row blocks first) each cover their whole range.
+                      GemmCase{130, 3100, 70, Variant::Selected}),
     case_name);
 
 }  // namespace
