@@ -136,11 +136,11 @@ inline void wg_add_pass_segments(local const float* lf, uint base, uint vocab, f
 }
 
 // The inverse-CDF draw of walk_segments (sampling_common.cl) by the work-group, the same token: the
-// segment masses go into local memory (buf: SAMPLE_WG * CHUNK floats) a window at a time for lane
-// 0's running sum, then the crossing segment's chunk masses, one chunk per lane, for lane 0's walk.
-// A GPU lane alone would wait on each of the row's ~250 segment loads and 32 chunk loads in turn.
-// seg_at: one uint of local memory. The token is lane 0's; the other lanes get 0. Every lane must
-// call.
+// segment masses go into local memory a window of SAMPLE_WG at a time (one per lane; a 128k
+// vocabulary has 251) for lane 0's running sum, then the crossing segment's chunk masses, one
+// chunk per lane, for lane 0's walk. A GPU lane alone would wait on each of those loads in turn.
+// buf: SAMPLE_WG * CHUNK floats, seg_at: one uint of local memory. The token is lane 0's; the
+// other lanes get 0. Every lane must call.
 inline uint wg_walk_segments(global const float* work, global const float* row, uint vocab,
                              const global float* seg, float r, int restricted, uint pkey, uint pid,
                              local float* buf, local uint* seg_at) {
@@ -149,9 +149,9 @@ inline uint wg_walk_segments(global const float* work, global const float* row, 
   float cum = 0.0f;
   uint last = 0, crossing = 0;
   int found = 0;
-  for (uint w0 = 0; w0 < n_seg; w0 += SAMPLE_WG * CHUNK) {
-    const uint w1 = min(n_seg, w0 + SAMPLE_WG * CHUNK);
-    for (uint k = w0 + lane; k < w1; k += SAMPLE_WG) buf[k - w0] = seg[k];
+  for (uint w0 = 0; w0 < n_seg; w0 += SAMPLE_WG) {
+    const uint w1 = min(n_seg, w0 + SAMPLE_WG);
+    if (w0 + lane < w1) buf[lane] = seg[w0 + lane];
     barrier(CLK_LOCAL_MEM_FENCE);
     if (lane == 0)
       for (uint k = w0; k < w1 && !found; ++k)

@@ -88,12 +88,16 @@ TEST(DeviceSamplingShapes, SameDrawsAndLogprobsInBothShapes) {
   struct Size {
     uint32_t vocab, rows;
   };
-  for (const Size sz : {Size{1, 5}, Size{17, 33}, Size{1000, 64}, Size{128257, 9}}) {
+  // 151,937 tokens: 297 segments of 512, more than the GPU shape's walk stages at once (256).
+  for (const Size sz : {Size{1, 5}, Size{17, 33}, Size{1000, 64}, Size{128257, 9}, Size{151937, 9}}) {
     const uint32_t vocab = sz.vocab, rows = sz.rows;
     SCOPED_TRACE("vocab " + std::to_string(vocab) + " rows " + std::to_string(rows));
     auto logits = random_logits(rows, vocab, vocab * 7 + rows, 2.0f);
     if (vocab > 16)  // ties at the top and some -inf tokens in row 0
       for (uint32_t i = 0; i < vocab; i += 5) logits[i] = i % 10 ? 4.0f : -INFINITY;
+    if (vocab > 256 * 512)  // rows 1, 2, 7: the mass, and so the draws, past segment 256
+      for (uint32_t r : {1u, 2u, 7u})
+        for (uint32_t i = 0; i < 140000; ++i) logits[size_t(r) * vocab + i] -= 8.0f;
     std::vector<uint32_t> bits(size_t(rows) * bitmask_words(vocab), 0xFFFF'FFFFu);
     for (uint32_t r = 1; r < rows; r += 4)  // every 4th row: only ids with bit 1 of id/3 clear
       for (uint32_t i = 0; i < vocab; ++i)
