@@ -93,6 +93,12 @@ inline void wg_segment_sums(local const float* lv, local float* lf) {
   }
 }
 
+// Whether segment q of the pass whose first chunk is `base` lies inside the row (the last pass
+// can end past it).
+inline bool pass_segment_in_row(uint base, uint q, uint vocab) {
+  return (base + q * SEGMENT_CHUNKS) * CHUNK < vocab;
+}
+
 // row_mass (sampling_common.cl) by the work-group, the same bits: each pass hands a lane one
 // chunk's masses, wg_segment_sums adds the pass's segments, and lane 0 adds them in id order with
 // kahan_add. Every lane must call (n_chunks alike on all: the row's chunks, or 0 for none); the
@@ -109,7 +115,7 @@ inline float wg_row_mass(global const float* row, global const uint* mask_row, u
     barrier(CLK_LOCAL_MEM_FENCE);
     wg_segment_sums(lv, lf);
     if (lane == 0)
-      for (uint q = 0; q < PASS_SEGMENTS && (base + q * SEGMENT_CHUNKS) * CHUNK < vocab; ++q)
+      for (uint q = 0; q < PASS_SEGMENTS && pass_segment_in_row(base, q, vocab); ++q)
         kahan_add(&z, &comp, lf[q * CHUNK]);
     barrier(CLK_LOCAL_MEM_FENCE);
   }
@@ -122,7 +128,7 @@ inline void wg_store_pass_segments(local const float* lf, uint base, uint vocab,
                                    global float* seg) {
   const uint lane = get_local_id(0);
   const uint q = lane / CHUNK;
-  if (lane < COLUMN_LANES && lane % CHUNK == 0 && (base + q * SEGMENT_CHUNKS) * CHUNK < vocab)
+  if (lane < COLUMN_LANES && lane % CHUNK == 0 && pass_segment_in_row(base, q, vocab))
     seg[base / SEGMENT_CHUNKS + q] = lf[lane];
 }
 
@@ -131,7 +137,7 @@ inline void wg_store_pass_segments(local const float* lf, uint base, uint vocab,
 // bits) without reading seg back.
 inline void wg_add_pass_segments(local const float* lf, uint base, uint vocab, float* total) {
   if (get_local_id(0) == 0)
-    for (uint q = 0; q < PASS_SEGMENTS && (base + q * SEGMENT_CHUNKS) * CHUNK < vocab; ++q)
+    for (uint q = 0; q < PASS_SEGMENTS && pass_segment_in_row(base, q, vocab); ++q)
       *total += lf[q * CHUNK];
 }
 

@@ -62,6 +62,7 @@ constexpr GemmShape kPrefillShapes[] = {{"q/k/v 3072x2048", 3072, 2048},
 // device selects it and the portable micro-kernel, GFLOP/s and the fraction of the bf16 peak.
 void gemm_bf16_section(Device& dev, int reps, bool tiles, uint32_t M) {
   const ComputePeaks peaks = measure_compute_peaks();
+  auto pct = [&](double v) { return peaks.bf16_dot_gflops > 0 ? 100 * v / peaks.bf16_dot_gflops : 0; };
   const KernelTuning own = dev.tuning();
   std::vector<std::pair<uint32_t, uint32_t>> tile_shapes = {{own.gemm_bf16_tm, own.gemm_bf16_tn}};
   if (tiles)
@@ -96,7 +97,6 @@ void gemm_bf16_section(Device& dev, int reps, bool tiles, uint32_t M) {
                }) / 1e9;
       }
       dev.set_tuning(own);
-      auto pct = [&](double v) { return peaks.bf16_dot_gflops > 0 ? 100 * v / peaks.bf16_dot_gflops : 0; };
       std::printf("  %-20s %ux%-4u %6.1f (%2.0f%%) %6.1f (%2.0f%%) %6.1f (%2.0f%%)\n", s.name, tm, tn,
                   g[0], pct(g[0]), g[1], pct(g[1]), g[2], pct(g[2]));
     }
@@ -122,7 +122,6 @@ void gemm_bf16_section(Device& dev, int reps, bool tiles, uint32_t M) {
              }) / 1e9;
     }
     dev.set_tuning(own);
-    auto pct = [&](double v) { return peaks.bf16_dot_gflops > 0 ? 100 * v / peaks.bf16_dot_gflops : 0; };
     std::printf("  %-20s %ux%-4u %6.1f (%2.0f%%) %6.1f (%2.0f%%) %6.1f (%2.0f%%)\n", "swiglu 2x8192x2048",
                 own.gemm_bf16_tm, own.gemm_bf16_tn, g[0], pct(g[0]), g[1], pct(g[1]), g[2], pct(g[2]));
   }
