@@ -123,22 +123,17 @@ inline float wg_row_mass(global const float* row, global const uint* mask_row, u
 }
 
 // After wg_segment_sums for the pass whose first chunk is `base`: the pass's segment masses into
-// seg (segment base / 32 + q from lf[16 q]).
+// seg (segment base / 32 + q from lf[16 q]), and lane 0 adds them to *total in id order, so that
+// over the passes *total is sum_segments' sum (the same bits) without reading seg back.
 inline void wg_store_pass_segments(local const float* lf, uint base, uint vocab,
-                                   global float* seg) {
+                                   global float* seg, float* total) {
   const uint lane = get_local_id(0);
   const uint q = lane / CHUNK;
   if (lane < COLUMN_LANES && lane % CHUNK == 0 && pass_segment_in_row(base, q, vocab))
     seg[base / SEGMENT_CHUNKS + q] = lf[lane];
-}
-
-// After wg_segment_sums for the pass whose first chunk is `base`: lane 0 adds the pass's segment
-// masses to *total in id order, so that over the passes *total is sum_segments' sum (the same
-// bits) without reading seg back.
-inline void wg_add_pass_segments(local const float* lf, uint base, uint vocab, float* total) {
-  if (get_local_id(0) == 0)
-    for (uint q = 0; q < PASS_SEGMENTS && pass_segment_in_row(base, q, vocab); ++q)
-      *total += lf[q * CHUNK];
+  if (lane == 0)
+    for (uint p = 0; p < PASS_SEGMENTS && pass_segment_in_row(base, p, vocab); ++p)
+      *total += lf[p * CHUNK];
 }
 
 // The inverse-CDF draw of walk_segments (sampling_common.cl) by the work-group, the same token: the
@@ -206,8 +201,7 @@ inline float wg_store_segment_masses(global const float* work, global const floa
     vstore16(w, lane, lv);
     barrier(CLK_LOCAL_MEM_FENCE);
     wg_segment_sums(lv, lf);
-    wg_store_pass_segments(lf, base, vocab, seg);
-    wg_add_pass_segments(lf, base, vocab, &total);
+    wg_store_pass_segments(lf, base, vocab, seg, &total);
     barrier(CLK_LOCAL_MEM_FENCE);
   }
   barrier(CLK_GLOBAL_MEM_FENCE);
@@ -326,8 +320,7 @@ inline int wg_sample_row(global const float* row, global const uint* mask_row, u
       vstore16(w, lane, lv);
       barrier(CLK_LOCAL_MEM_FENCE);
       wg_segment_sums(lv, lf);
-      wg_store_pass_segments(lf, base, vocab, seg);
-      wg_add_pass_segments(lf, base, vocab, &total);
+      wg_store_pass_segments(lf, base, vocab, seg, &total);
       barrier(CLK_LOCAL_MEM_FENCE);
     }
     barrier(CLK_GLOBAL_MEM_FENCE);
