@@ -185,12 +185,12 @@ typedef float ctype;
 
 
 // The GEMV decode: a handful of instructions per 16 codes that leave a power-of-two factor for the
-// caller to fold into the block scale (x * scale * FP8_X_SCALE feeds the FMA, the sums are
-// multiplied by FP8_ACC_SCALE). Chosen per device with -DFP8_DENORM (runtime/ops_moe.cpp):
+// caller to take back (x * FP8_X_SCALE feeds the FMA, the sums are multiplied by FP8_ACC_SCALE;
+// fp8_tile.cl). Chosen per device with -DFP8_DENORM (runtime/ops_moe.cpp):
 // FP8_DENORM=1 (devices with f32 denormals): sign-extend the byte, shift the 7 magnitude bits under
 //   the f32 exponent (<< 20) and keep sign | magnitude: exactly e4m3 * 2^-120 (subnormal codes
-//   become f32 denormals, still exact). 2^120 is split as 2^100 on x * scale and 2^20 on the sums:
-//   exact while |x * scale| < 2^28 and each product stays above 2^-106.
+//   become f32 denormals, still exact). 2^120 is split as 2^100 on x and 2^20 on the sums: exact
+//   while |x| < 2^28 and each product x * e4m3 stays above 2^-106.
 // FP8_DENORM=0: the same 7 bits under an f16's exponent (<< 7) are a half equal to e4m3 * 2^-8,
 //   widened by vload_half (F16C's vcvtph2ps on x86; core OpenCL, no cl_khr_fp16 needed).
 // NaN codes decode to finite values here: callers that must propagate them watch the raw bytes.

@@ -1,73 +1,134 @@
 // The dot products of one TM x TN tile of FP8 weights (e4m3fn, 128 x 128 block scales), shared by
 // linear_fp8.cl's tile and moe.cl's grouped FP8 tile through #include, so a row's sums are the
 // same operations whichever launch computes them. The including file defines TM, TN and
-// COLUMNS_IN_TURN first (and FP8_DENORM for common.cl's decode).
+// COLUMNS_IN_TURN first (and FP8_DENORM for common.cl's decode; FP8_NAN_WATCH and FP8_XS_MAX below).
 //
 // out[i][j] = x[i] . (W[j] * scale) over K, with K's blocks of 128 each under their scale
 // (srow: the scale row of the tile's weight rows; a TN-row tile never straddles two block rows,
-// TN divides 128). The block scale multiplies the TM x vectors (TM multiplies per 16 columns)
-// rather than the TN decoded weight vectors; e4m3x16_decode_scaled leaves a power-of-two factor
-// that FP8_X_SCALE / FP8_ACC_SCALE take back. One-row tiles with COLUMNS_IN_TURN read the columns
-// one after another (one sequential stream of weight bytes, as linear.cl's tile_dots); each
-// output's sum is the same either way.
+// TN divides 128). A block's products are summed unscaled (16 lanes) and join the running sums
+// under the block's scale, one FMA per block, as DeepSeek's FP8 GEMMs promote their block sums,
+// so that a one-row tile's loop is the decode and one FMA per 16 codes. Before, x was multiplied by
+// the scale per 16 codes and the NaN watch below always ran. Without both, in-process A/B on the
+// 2-core EPYC: one-row tiles (M = 1, 2, 3; N x K = 2048 x 2048, 7168 x 2048, 512 x 2048,
+// 2048 x 512) 1.14-1.47x faster, four-row tiles (M = 8, 64) 0.97-1.00x.
+// e4m3x16_decode_scaled leaves a power-of-two factor that FP8_X_SCALE (on x) and FP8_ACC_SCALE
+// (on the sums) take back.
 //
-// NaN (0x7F / 0xFF: the "fn" variant has no infinities) is not produced by the decode:
-// row_has_nan[j] says whether weight row j holds either byte (the running unsigned and signed byte
-// maxima of the row: 0xFF is the unsigned maximum, 0x7F the signed one), for the caller to write
-// NaN.
+// One-row tiles with COLUMNS_IN_TURN read the columns one after another: one sequential stream
+// of weight bytes, as linear.cl's tile_dots (two or four streams side by side, even 128 bytes at a
+// time, ran 1.3-2.4x slower on the 2-core EPYC). Their x row times FP8_X_SCALE is made once per row
+// in private memory (Fp8ScaledX) and read by every tile of the work-item on that row, so the
+// callers walk a row's tiles together. An output's sum is the same as in a four-row tile.
+//
+// NaN (0x7F / 0xFF: the "fn" variant has no infinities) is not produced by the decode. With
+// -DFP8_NAN_WATCH=1 (the default) row_has_nan[j] says whether weight row j holds either byte (the
+// running unsigned and signed byte maxima of the row: 0xFF is the unsigned maximum, 0x7F the signed
+// one), for the caller to write NaN. The host passes 0 for weights that its load-time scan found
+// free of both codes (Weight::fp8_nan_free); row_has_nan is then false.
 
 #define QBLOCK 128
 #define VECS_PER_BLOCK (QBLOCK / 16)
+#ifndef FP8_NAN_WATCH
+#define FP8_NAN_WATCH 1
+#endif
+#ifndef FP8_XS_MAX
+#define FP8_XS_MAX 4096  // the largest K of one-row tiles in turn (KernelTuning::gemv_stream_k)
+#endif
+
+#if FP8_NAN_WATCH
+#define FP8_WATCH_DECLARE                          \
+  uchar16 umax[TN];                                \
+  char16 smax[TN];                                 \
+  _Pragma("unroll") for (int j = 0; j < TN; ++j) { \
+    umax[j] = (uchar16)(0);                        \
+    smax[j] = (char16)(-128);                      \
+  }
+#define FP8_WATCH(j, b)          \
+  umax[j] = max(umax[j], (b));   \
+  smax[j] = max(smax[j], as_char16(b));
+#define FP8_WATCH_RESULT(j) (any(umax[j] == (uchar16)(0xFF)) || any(smax[j] == (char16)(0x7F)))
+#else
+#define FP8_WATCH_DECLARE
+#define FP8_WATCH(j, b)
+#define FP8_WATCH_RESULT(j) false
+#endif
+
+// The x row of one-row tiles in turn, times FP8_X_SCALE (a work-item's private copy; `row` says
+// which row it holds, null: none yet). Other tiles scale their x vectors as they load them.
+typedef struct {
+#if TM == 1 && COLUMNS_IN_TURN
+  float16 x[FP8_XS_MAX / 16];
+#endif
+  global const float* row;
+} Fp8ScaledX;
 
 inline void fp8_tile_dots(global const float* xr[TM], global const uchar* wr[TN],
-                          global const float* srow, uint KB, uint K, float out[TM][TN],
-                          bool row_has_nan[TN]) {
+                          global const float* srow, uint KB, uint K, Fp8ScaledX* sx,
+                          float out[TM][TN], bool row_has_nan[TN]) {
   float16 acc[TM][TN];
 #pragma unroll
   for (int i = 0; i < TM; ++i)
 #pragma unroll
     for (int j = 0; j < TN; ++j) acc[i][j] = (float16)(0.0f);
-  uchar16 umax[TN];
-  char16 smax[TN];
-#pragma unroll
-  for (int j = 0; j < TN; ++j) {
-    umax[j] = (uchar16)(0);
-    smax[j] = (char16)(-128);
-  }
+  FP8_WATCH_DECLARE
   const uint K16 = K / 16;
 #if TM == 1 && COLUMNS_IN_TURN
+  if (sx->row != xr[0]) {
+    for (uint v = 0; v < K16; ++v) sx->x[v] = vload16(v, xr[0]) * FP8_X_SCALE;
+    sx->row = xr[0];
+  }
 #pragma unroll
   for (int j = 0; j < TN; ++j)
     for (uint kb = 0; kb < KB; ++kb) {
-      const float s = srow[kb] * FP8_X_SCALE;
-      const uint v_end = min((kb + 1) * VECS_PER_BLOCK, K16);
-      for (uint v = kb * VECS_PER_BLOCK; v < v_end; ++v) {
-        const uchar16 b = vload16(v, wr[j]);
-        umax[j] = max(umax[j], b);
-        smax[j] = max(smax[j], as_char16(b));
-        acc[0][j] = fma(vload16(v, xr[0]) * s, e4m3x16_decode_scaled(b), acc[0][j]);
+      const uint v0 = kb * VECS_PER_BLOCK, v_end = min(v0 + VECS_PER_BLOCK, K16);
+      const float16* xb = sx->x + v0;
+      global const uchar* wb = wr[j] + (size_t)v0 * 16;
+      float16 blk = (float16)(0.0f);
+      if (v_end - v0 == VECS_PER_BLOCK) {
+        // A whole block, unrolled: constant offsets from one base.
+#pragma unroll
+        for (uint u = 0; u < VECS_PER_BLOCK; ++u) {
+          const uchar16 b = vload16(u, wb);
+          FP8_WATCH(j, b)
+          blk = fma(xb[u], e4m3x16_decode_scaled(b), blk);
+        }
+      } else {
+        for (uint u = 0; u < v_end - v0; ++u) {
+          const uchar16 b = vload16(u, wb);
+          FP8_WATCH(j, b)
+          blk = fma(xb[u], e4m3x16_decode_scaled(b), blk);
+        }
       }
+      acc[0][j] = fma(blk, (float16)(srow[kb]), acc[0][j]);
     }
 #else
   for (uint kb = 0; kb < KB; ++kb) {
-    const float s = srow[kb] * FP8_X_SCALE;
+    float16 blk[TM][TN];
+#pragma unroll
+    for (int i = 0; i < TM; ++i)
+#pragma unroll
+      for (int j = 0; j < TN; ++j) blk[i][j] = (float16)(0.0f);
     const uint v_end = min((kb + 1) * VECS_PER_BLOCK, K16);
     for (uint v = kb * VECS_PER_BLOCK; v < v_end; ++v) {
       float16 wv[TN];
 #pragma unroll
       for (int j = 0; j < TN; ++j) {
         const uchar16 b = vload16(v, wr[j]);
-        umax[j] = max(umax[j], b);
-        smax[j] = max(smax[j], as_char16(b));
+        FP8_WATCH(j, b)
         wv[j] = e4m3x16_decode_scaled(b);
       }
 #pragma unroll
       for (int i = 0; i < TM; ++i) {
-        const float16 xv = vload16(v, xr[i]) * s;
+        const float16 xv = vload16(v, xr[i]) * FP8_X_SCALE;
 #pragma unroll
-        for (int j = 0; j < TN; ++j) acc[i][j] = fma(xv, wv[j], acc[i][j]);
+        for (int j = 0; j < TN; ++j) blk[i][j] = fma(xv, wv[j], blk[i][j]);
       }
     }
+    const float16 s = (float16)(srow[kb]);
+#pragma unroll
+    for (int i = 0; i < TM; ++i)
+#pragma unroll
+      for (int j = 0; j < TN; ++j) acc[i][j] = fma(blk[i][j], s, acc[i][j]);
   }
 #endif
 #pragma unroll
@@ -88,8 +149,7 @@ inline void fp8_tile_dots(global const float* xr[TM], global const uchar* wr[TN]
     }
   }
 #pragma unroll
-  for (int j = 0; j < TN; ++j)
-    row_has_nan[j] = any(umax[j] == (uchar16)(0xFF)) || any(smax[j] == (char16)(0x7F));
+  for (int j = 0; j < TN; ++j) row_has_nan[j] = FP8_WATCH_RESULT(j);
 }
 
 #ifdef RB

@@ -11,11 +11,13 @@
 // same rounded to bf16 (nearest even), for the bf16-compute GEMM (model.compute_dtype: bf16).
 //
 // Build options: -DTM=1|4 -DTN=4 -DFP8_DENORM=1|0 -DCOLUMNS_IN_TURN=0|1 (one-row tiles, as
-// linear.cl), -DOUT_BF16=0|1 (dequantize_fp8), -DWG -DRB (linear_fp8_wg, the GPU shape).
+// linear.cl), -DFP8_NAN_WATCH=0|1 -DFP8_XS_MAX (fp8_tile.cl), -DOUT_BF16=0|1 (dequantize_fp8),
+// -DWG -DRB (linear_fp8_wg, the GPU shape).
 //
-// At one byte per weight a GEMV is bound by the decode, not by memory, so the decode is a handful
-// of instructions (common.cl's e4m3x16_decode_scaled, FP8_DENORM chosen per device). The tile's
-// sums and its NaN watch are fp8_tile.cl's, shared with moe.cl's grouped FP8 tile.
+// At one byte per weight a GEMV's instructions, more than memory, set its time (on the 2-core EPYC
+// the one-row GEMV with every weight row in L1 ran only 1.2-1.5x faster than streamed), so the
+// loop is the decode (common.cl's e4m3x16_decode_scaled, FP8_DENORM chosen per device) and one
+// FMA. The tile's sums and its NaN watch are fp8_tile.cl's, shared with moe.cl's grouped FP8 tile.
 
 #ifndef TM
 #define TM 1
@@ -32,7 +34,7 @@
 inline void linear_fp8_tile(global const float* x, uint x_off, uint ldx, global const uchar* w,
                             global const float* scale, uint KB, global float* y, uint y_off,
                             uint ldy, uint M, uint N, uint K, float alpha, int accumulate,
-                            uint m0, uint n0) {
+                            uint m0, uint n0, Fp8ScaledX* sx) {
   // Rows and columns past the edge compute on a valid row (clamped) and are not stored. The
   // clamped rows stay inside n0's group of TN, so every row of the tile shares one scale row.
   global const float* xr[TM];
@@ -44,7 +46,7 @@ inline void linear_fp8_tile(global const float* x, uint x_off, uint ldx, global 
   global const float* srow = scale + (size_t)(n0 / QBLOCK) * KB;
   float out[TM][TN];
   bool row_has_nan[TN];
-  fp8_tile_dots(xr, wr, srow, KB, K, out, row_has_nan);
+  fp8_tile_dots(xr, wr, srow, KB, K, sx, out, row_has_nan);
 
 #pragma unroll
   for (int i = 0; i < TM; ++i) {
@@ -60,9 +62,12 @@ inline void linear_fp8_tile(global const float* x, uint x_off, uint ldx, global 
   }
 }
 
-// A work-item owns n_tiles column tiles x m_rows rows and loops over its tiles (column tile outer,
-// so its TN weight rows stay in L1): PoCL pays about a microsecond per work-group, which at one
-// byte per weight is as long as streaming a few 2048-wide rows.
+// A work-item owns n_tiles column tiles x m_rows rows and loops over its tiles: PoCL pays about a
+// microsecond per work-group, which at one byte per weight is as long as streaming a few
+// 2048-wide rows. Column tile outer, so its TN weight rows stay in L1 while the rows use them;
+// one-row tiles in turn take the rows outer instead, so that each row's scaled x copy
+// (fp8_tile.cl) is made once (the few rows of such a launch, M < 4, find the weights in L2 after
+// the first).
 kernel void linear_fp8(global const float* x, uint x_off, uint ldx,
                        global const uchar* w, global const float* scale, uint KB,
                        global float* y, uint y_off, uint ldy,
@@ -72,10 +77,17 @@ kernel void linear_fp8(global const float* x, uint x_off, uint ldx,
   const uint n_end = min(n_begin + n_tiles * TN, N);
   const uint m_begin = get_global_id(1) * m_rows;
   const uint m_end = min(m_begin + m_rows, M);
+  Fp8ScaledX sx;
+  sx.row = 0;
+#if TM == 1 && COLUMNS_IN_TURN
+  for (uint m0 = m_begin; m0 < m_end; ++m0)
+    for (uint n0 = n_begin; n0 < n_end; n0 += TN)
+#else
   for (uint n0 = n_begin; n0 < n_end; n0 += TN)
     for (uint m0 = m_begin; m0 < m_end; m0 += TM)
+#endif
       linear_fp8_tile(x, x_off, ldx, w, scale, KB, y, y_off, ldy, M, N, K, alpha, accumulate, m0,
-                      n0);
+                      n0, &sx);
 }
 
 #ifdef WG

@@ -364,12 +364,13 @@ typedef uchar gw_t;
 #else
 typedef wtype gw_t;
 #include "linear_tile.cl"
+typedef struct { int unused; } Fp8ScaledX;
 #endif
 
 inline void grouped_tile(global const float* x, uint ldx, global const uint* x_rows, int indirect,
                          global const gw_t* w, global const float* srow, uint KB, global float* y,
                          uint ldy, uint y_col, uint N, uint K, uint m0, uint m_end, uint n0,
-                         uint pf_stride) {
+                         uint pf_stride, Fp8ScaledX* sx) {
   global const float* xr[TM];
   global const gw_t* wr[TN];
 #pragma unroll
@@ -382,7 +383,7 @@ inline void grouped_tile(global const float* x, uint ldx, global const uint* x_r
   float out[TM][TN];
 #if GROUPED_FP8
   bool row_has_nan[TN];
-  fp8_tile_dots(xr, wr, srow, KB, K, out, row_has_nan);
+  fp8_tile_dots(xr, wr, srow, KB, K, sx, out, row_has_nan);
 #else
   tile_dots(xr, wr, 0, K, pf_stride, out);
 #endif
@@ -422,20 +423,31 @@ kernel void moe_grouped_linear(global const float* x, uint ldx, global const uin
 #else
   const uint KB = 0;
 #endif
-  for (uint c = c_begin; c < c_end; ++c) {
-    const uint mat = c / per_mat, n0 = (c % per_mat) * TN;
-    global const gw_t* wm = w + table[6 * e + slot0 + mat];
+  Fp8ScaledX sx;  // FP8 one-row tiles' scaled x row (fp8_tile.cl)
 #if GROUPED_FP8
-    global const float* srow = scales + table[6 * e + 3 + slot0 + mat] + (size_t)(n0 / QBLOCK) * KB;
-#else
-    global const float* srow = scales;
+  sx.row = 0;
 #endif
-    // The next tile's rows while this one's stream (linear_tile.cl), within one matrix.
-    const uint pf = c + 1 < c_end && (c + 1) % per_mat != 0 ? TN * K : 0;
-    for (uint m0 = r_begin; m0 < r_end; m0 += TM)
+#if GROUPED_FP8 && TM == 1 && COLUMNS_IN_TURN
+  // Rows outer, as linear_fp8's one-row tiles in turn: each row's scaled x copy is made once.
+  for (uint m0 = r_begin; m0 < r_end; ++m0)
+    for (uint c = c_begin; c < c_end; ++c) {
+#else
+  for (uint c = c_begin; c < c_end; ++c)
+    for (uint m0 = r_begin; m0 < r_end; m0 += TM) {
+#endif
+      const uint mat = c / per_mat, n0 = (c % per_mat) * TN;
+      global const gw_t* wm = w + table[6 * e + slot0 + mat];
+#if GROUPED_FP8
+      global const float* srow =
+          scales + table[6 * e + 3 + slot0 + mat] + (size_t)(n0 / QBLOCK) * KB;
+#else
+      global const float* srow = scales;
+#endif
+      // The next tile's rows while this one's stream (linear_tile.cl), within one matrix.
+      const uint pf = m0 == r_begin && c + 1 < c_end && (c + 1) % per_mat != 0 ? TN * K : 0;
       grouped_tile(x, ldx, x_rows, indirect, wm, srow, KB, y, ldy, mat * N, N, K, m0, r_end, n0,
-                   m0 == r_begin ? pf : 0);
-  }
+                   pf, &sx);
+    }
 }
 #endif  // WEIGHT_TYPE || GROUPED_FP8
 

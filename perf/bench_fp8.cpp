@@ -35,6 +35,8 @@ Weight host_weight(Device& dev, const void* data, size_t bytes, DType dtype,
   w.dtype = dtype;
   w.shape = std::move(shape);
   w.name = "bench.weight";
+  // As a checkpoint's weights get it from the load-time scan (to_device).
+  if (dtype == DType::F8_E4M3) w.fp8_nan_free = fp8_nan_free(static_cast<const uint8_t*>(data), bytes);
   return w;
 }
 

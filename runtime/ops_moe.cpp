@@ -55,6 +55,15 @@ std::string fp8_decode_option(const Device& dev) {
   return denorm ? "-DFP8_DENORM=1" : "-DFP8_DENORM=0";
 }
 
+// fp8_tile.cl's options past the decode: the NaN-code watch, left out where the load-time scan
+// found the weights free of those codes, and for one-row tiles in turn the bound on K of their
+// private scaled x row (KernelTuning::gemv_stream_k, which bounds the K of such tiles).
+std::string fp8_tile_options(const Device& dev, bool nan_free, bool in_turn) {
+  std::string o = std::string(" -DFP8_NAN_WATCH=") + (nan_free ? "0" : "1");
+  if (in_turn) o += " -DFP8_XS_MAX=" + std::to_string(ceil_div(dev.tuning().gemv_stream_k, 16) * 16);
+  return o;
+}
+
 // The plan's buffers and tile shape for `rows` grouped rows over n_experts: 4-row tiles where the
 // experts average 4 rows or more (prefill), one-row tiles for decode; a work-item takes up to 64
 // rows of one expert, as ops::linear's blocks.
@@ -99,13 +108,19 @@ void linear_fp8(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, con
   cl::Kernel k = dev.kernel("linear_fp8.cl", "linear_fp8",
                             fp8_decode_option(dev) + " -DTM=" + std::to_string(tm) +
                                 " -DTN=" + std::to_string(tn) +
-                                (in_turn ? " -DCOLUMNS_IN_TURN=1" : ""));
+                                (in_turn ? " -DCOLUMNS_IN_TURN=1" : "") +
+                                fp8_tile_options(dev, w.fp8_nan_free, in_turn));
   // Work per work-item as ops::linear: up to 64 rows, and enough column tiles that a launch is a
-  // few hundred work-items rather than thousands.
+  // few hundred work-items rather than thousands. Tiles in turn take up to 16 column tiles while
+  // the launch keeps 16 work-items per compute unit: each work-item scales its x row first, which
+  // at 2 tiles (2048 x 2048, 256 work-items) had cost a seventh of the GEMV (bench_fp8).
   const uint32_t m_rows = std::min<uint32_t>(ceil_div(M, tm) * tm, 64);
   const uint32_t col_tiles = ceil_div(N, tn), row_blocks = ceil_div(M, m_rows);
+  const uint64_t min_items =
+      in_turn ? std::max<uint64_t>(16ull * std::max(dev.info().compute_units, 1u), 32) : 256;
   uint32_t n_tiles = 1;
-  while (n_tiles < 16 && uint64_t(col_tiles) * row_blocks / (n_tiles * 2) >= 256) n_tiles *= 2;
+  while (n_tiles < 16 && uint64_t(col_tiles) * row_blocks / (n_tiles * 2) >= min_items)
+    n_tiles *= 2;
   cl::set_args(k, x, x_off, ldx, w.mem, scale_inv.mem, ceil_div(K, kQuantBlock), y, y_off, ldy, M,
                N, K, alpha, int(accumulate), n_tiles, m_rows);
   dev.launch(k, {ceil_div(col_tiles, n_tiles), row_blocks, 1}, 2);
@@ -314,8 +329,9 @@ void moe_grouped_linear(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::M
   }
   // One-row tiles read their columns in turn, as ops::linear's (KernelTuning::gemv_stream_k);
   // tiles prefetch their next tile's rows as ops::linear's.
-  if (plan.tm == 1 && K <= dev.tuning().gemv_stream_k)
-    opts += " -DCOLUMNS_IN_TURN=1";
+  const bool in_turn = plan.tm == 1 && K <= dev.tuning().gemv_stream_k;
+  if (in_turn) opts += " -DCOLUMNS_IN_TURN=1";
+  if (g.dtype == DType::F8_E4M3) opts += fp8_tile_options(dev, g.fp8_nan_free, in_turn);
   opts += ops::weight_prefetch_option(dev);
   if (dev.kernel_shape() == KernelShape::WorkGroups) {
     // linear_wg's / linear_fp8_wg's order per row (ops::linear's and ops::linear_fp8's GPU

@@ -93,6 +93,7 @@ struct GroupedExperts {
   cl::Mem mem, table;
   DType dtype = DType::F32;  // F32, BF16, F16 or F8_E4M3 (then with scales)
   uint32_t n_experts = 0, hidden = 0, inter = 0;
+  bool fp8_nan_free = false;  // as Weight::fp8_nan_free, over every expert's FP8 weights
   explicit operator bool() const { return bool(mem); }
 };
 

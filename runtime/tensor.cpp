@@ -19,11 +19,39 @@ uint32_t mem_start_alignment(const cl::Mem& mem) {
   return uint32_t(start_bits & (~start_bits + 1));  // the lowest set bit
 }
 
+bool fp8_nan_free(const uint8_t* codes, size_t n) {
+  // Eight codes per word: a code's low 7 bits plus one carry into bit 7 only at 0x7F (no carry
+  // crosses into the next code), so a set bit 7 after the add marks a NaN code of either sign.
+  constexpr uint64_t kLow7 = 0x7F7F7F7F7F7F7F7Full, kOne = 0x0101010101010101ull,
+                     kHigh = 0x8080808080808080ull;
+  uint64_t marks = 0;
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    uint64_t word;
+    std::memcpy(&word, codes + i, 8);
+    marks |= ((word & kLow7) + kOne) & kHigh;
+  }
+  for (; i < n; ++i) marks |= (codes[i] & 0x7F) == 0x7F;
+  return marks == 0;
+}
+
+namespace {
+// The scan of a weight's FP8 codes where it is built (to_device*): its rows `rows` of `row_bytes`
+// from `data` with stride `stride`.
+void scan_fp8(Weight& w, const uint8_t* data, size_t rows, size_t row_bytes, size_t stride) {
+  if (w.dtype != DType::F8_E4M3) return;
+  bool free = true;
+  for (size_t r = 0; r < rows && free; ++r) free = fp8_nan_free(data + r * stride, row_bytes);
+  w.fp8_nan_free = free;
+}
+}  // namespace
+
 Weight to_device(Device& dev, const TensorView& view) {
   Weight w;
   w.mem = dev.wrap_host(view.data, view.bytes);
   w.start_align = mem_start_alignment(w.mem);
   w.dtype = view.dtype;
+  scan_fp8(w, view.data, 1, view.bytes, 0);
   w.shape = view.shape;
   w.name = view.name;
   return w;
@@ -39,6 +67,7 @@ Weight to_device_rows(Device& dev, const TensorView& view, int64_t r0, int64_t r
   w.mem = dev.wrap_host(view.data + size_t(r0) * row * es, size_t(r1 - r0) * row * es);
   w.start_align = mem_start_alignment(w.mem);
   w.dtype = view.dtype;
+  scan_fp8(w, view.data + size_t(r0) * row * es, 1, size_t(r1 - r0) * row * es, 0);
   w.shape = view.shape;
   w.shape[0] = r1 - r0;
   w.name = view.name + "[" + std::to_string(r0) + ":" + std::to_string(r1) + "]";
@@ -55,6 +84,7 @@ Weight to_device_columns(Device& dev, const TensorView& view, int64_t c0, int64_
   Weight w;
   w.dtype = view.dtype;
   w.shape = {N, c1 - c0};
+  scan_fp8(w, view.data + size_t(c0) * es, size_t(N), size_t(c1 - c0) * es, size_t(K) * es);
   w.name = view.name + "[:, " + std::to_string(c0) + ":" + std::to_string(c1) + "]";
   if (dev.info().host_unified_memory) {
     w.mem = dev.wrap_host(view.data, view.bytes);

@@ -28,6 +28,10 @@ struct Weight {
   // need not ask OpenCL for it each time. 0: not recorded (a weight built by hand), asked at the
   // launch.
   uint32_t start_align = 0;
+  // F8_E4M3 only: the load-time scan found no NaN code (0x7F, 0xFF) in the bytes `mem` covers
+  // (fp8_nan_free), so the FP8 tiles need not watch for them (kernels_cl/fp8_tile.cl). False where
+  // unknown (a weight built by hand): the tiles watch.
+  bool fp8_nan_free = false;
 
   int64_t dim(size_t i) const { return shape.at(i); }
   int64_t row_stride() const { return ld ? ld : shape.back(); }
@@ -42,8 +46,11 @@ struct Weight {
 constexpr uint32_t kMaxStartAlign = 64;
 uint32_t mem_start_alignment(const cl::Mem& mem);
 
+// Whether n e4m3fn codes hold no NaN (0x7F or 0xFF). Reads them all (about memory speed).
+bool fp8_nan_free(const uint8_t* codes, size_t n);
+
 // Puts a checkpoint tensor on a device: wraps the mapped file on host-memory devices (no copy),
-// uploads it on discrete ones.
+// uploads it on discrete ones. F8_E4M3 tensors are scanned for NaN codes (Weight::fp8_nan_free).
 Weight to_device(Device& dev, const TensorView& view);
 // Rows [r0, r1) of a 2-D (or 1-D: elements) tensor: contiguous, so a view of the mapping.
 Weight to_device_rows(Device& dev, const TensorView& view, int64_t r0, int64_t r1);

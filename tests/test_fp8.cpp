@@ -36,7 +36,8 @@ Device& device() { return test::default_device(); }
 std::filesystem::path shared_dir() { return test::shared_dir(); }
 
 
-// A device weight holding host bytes (copied, so the host vector may go away).
+// A device weight holding host bytes (copied, so the host vector may go away), with the NaN-code
+// scan's result as to_device records it.
 Weight fp8_weight(Device& dev, const std::vector<uint8_t>& bytes, int64_t N, int64_t K) {
   Weight w;
   w.mem = dev.alloc(bytes.size(), CL_MEM_READ_ONLY);
@@ -44,6 +45,7 @@ Weight fp8_weight(Device& dev, const std::vector<uint8_t>& bytes, int64_t N, int
   w.dtype = DType::F8_E4M3;
   w.shape = {N, K};
   w.name = "test.fp8.weight";
+  w.fp8_nan_free = fp8_nan_free(bytes.data(), bytes.size());
   return w;
 }
 
@@ -233,6 +235,7 @@ void check_linear_fp8(uint32_t M, uint32_t N, uint32_t K, float alpha, bool accu
   ASSERT_GT(max_abs, 0.0);
 
   Weight wq = fp8_weight(dev, p.w, N, K);
+  ASSERT_TRUE(wq.fp8_nan_free);
   Weight sc = to_device_f32(dev, p.scales, {ceil128(N), ceil128(K)}, "test.scale_inv");
   for (const KernelShape shape : {KernelShape::Chunks, KernelShape::WorkGroups}) {
     SCOPED_TRACE(shape_name(shape));
@@ -240,6 +243,16 @@ void check_linear_fp8(uint32_t M, uint32_t N, uint32_t K, float alpha, bool accu
     cl::Mem xb = upload(dev, x), yb = upload(dev, y0);
     ops::linear_fp8(dev, xb, x_off, ldx, wq, sc, yb, y_off, ldy, M, alpha, accumulate);
     const std::vector<float> y = download(dev, yb, y0.size());
+    // The tiles that watch for NaN codes (a weight not scanned) give the same bits.
+    Weight watched = wq;
+    watched.fp8_nan_free = false;
+    cl::Mem yw = upload(dev, y0);
+    ops::linear_fp8(dev, xb, x_off, ldx, watched, sc, yw, y_off, ldy, M, alpha, accumulate);
+    const std::vector<float> y_watched = download(dev, yw, y0.size());
+    size_t differ = 0;
+    for (size_t i = 0; i < y.size(); ++i)
+      differ += std::bit_cast<uint32_t>(y[i]) != std::bit_cast<uint32_t>(y_watched[i]);
+    EXPECT_EQ(differ, 0u) << "outputs whose bits differ with the NaN watch";
     double max_err = 0;
     for (uint32_t m = 0; m < M; ++m)
       for (uint32_t n = 0; n < N; ++n)
@@ -279,16 +292,20 @@ TEST_P(Fp8Decodes, LinearAlphaAndAccumulate) {
 
 // A NaN code (0x7F or 0xFF) makes its output feature NaN, as x . W^T with a NaN weight is, in the
 // vector part and in the K % 16 tail, for every row of x; the other features stay exact. Both
-// kernel shapes: the CPU one watches the raw bytes, the GPU one's exact decode yields the NaN.
+// kernel shapes: the CPU one watches the raw bytes (the load-time scan found the codes), the GPU
+// one's exact decode yields the NaN.
 TEST_P(Fp8Decodes, LinearNanCodePoisonsItsFeatureOnly) {
+  for (const uint32_t M : {1u, 5u}) {  // one-row tiles in turn, four-row tiles
+  SCOPED_TRACE("M=" + std::to_string(M));
   Device& dev = device();
-  const uint32_t M = 5, N = 12, K = 150;  // tail of 6 columns
+  const uint32_t N = 12, K = 150;  // tail of 6 columns
   Fp8Problem p = random_problem(N, K, 31);
   p.w[1 * K + 17] = 0x7F;   // feature 1, vector part
   p.w[6 * K + 149] = 0xFF;  // feature 6, tail
   p.w[9 * K + 130] = 0xFF;  // feature 9, second K block
   std::vector<float> x(M * K, 0.25f);
   Weight wq = fp8_weight(dev, p.w, N, K);
+  EXPECT_FALSE(wq.fp8_nan_free);  // the scan finds the codes, so the CPU tiles watch for them
   Weight sc = to_device_f32(dev, p.scales, {1, 2}, "test.scale_inv");
   for (const KernelShape shape : {KernelShape::Chunks, KernelShape::WorkGroups}) {
     SCOPED_TRACE(shape_name(shape));
@@ -310,12 +327,22 @@ TEST_P(Fp8Decodes, LinearNanCodePoisonsItsFeatureOnly) {
         EXPECT_NEAR(y[m * N + n], want, 1e-6 * mag) << "row " << m << " feature " << n;
       }
   }
+  // A weight whose flag says the scan found no NaN code runs the CPU tiles without the watch: the
+  // fast decode reads a NaN code as a number, so the flag is the scan's to set, never a guess.
+  Weight unwatched = wq;
+  unwatched.fp8_nan_free = true;
+  test::ShapeScope scope(dev, KernelShape::Chunks);
+  cl::Mem xb = upload(dev, x), yb = dev.alloc(M * N * sizeof(float));
+  ops::linear_fp8(dev, xb, 0, K, unwatched, sc, yb, 0, N, M);
+  EXPECT_TRUE(std::isfinite(download(dev, yb, M * N)[1])) << "feature 1 (a NaN code) unwatched";
+  }
 }
 
-// The denormal-based decode carries 2^100 on the activation side and 2^-120 on the weights:
-// activations of 1e4 against scales of 1e3 (|x * scale| = 1e7, below its 2^28 limit) and of 1e-20
-// (products ~1e-23, far above its 2^-106 floor) come out as exact as plain f32; so does the GPU
-// shape's exact decode.
+// The denormal-based decode carries 2^100 on the activation side and 2^-120 on the weights, the
+// block scale multiplying the block sums: activations of 1e4 (|x| below the 2^28 limit of x * 2^100)
+// and of 1e-20 (products x * w far above the 2^-106 floor), against scales of 1e3 and 2e-3, come
+// out as exact as plain f32, in one-row tiles and four-row ones; so does the GPU shape's exact
+// decode.
 TEST_P(Fp8Decodes, LinearExtremeActivationsAndScales) {
   Device& dev = device();
   const uint32_t N = 8, K = 256;
@@ -328,23 +355,105 @@ TEST_P(Fp8Decodes, LinearExtremeActivationsAndScales) {
     for (uint32_t k = 0; k < K; ++k) x[k] = (k % 3 == 0 ? -x_mag : x_mag) * (1 + k % 7) / 7.0f;
     Weight wq = fp8_weight(dev, p.w, N, K);
     Weight sc = to_device_f32(dev, p.scales, {1, 2}, "test.scale_inv");
-    for (const KernelShape shape : {KernelShape::Chunks, KernelShape::WorkGroups}) {
-      SCOPED_TRACE(shape_name(shape));
-      test::ShapeScope scope(dev, shape);
-      cl::Mem xb = upload(dev, x), yb = dev.alloc(N * sizeof(float));
-      ops::linear_fp8(dev, xb, 0, K, wq, sc, yb, 0, N, 1);
-      const std::vector<float> y = download(dev, yb, N);
-      for (uint32_t n = 0; n < N; ++n) {
-        double want = 0, mag = 0;
-        for (uint32_t k = 0; k < K; ++k) {
-          want += double(x[k]) * p.w_deq[n * K + k];
-          mag += std::abs(double(x[k]) * p.w_deq[n * K + k]);
+    for (const KernelShape shape : {KernelShape::Chunks, KernelShape::WorkGroups})
+      for (const uint32_t M : {1u, 4u}) {  // the row repeated
+        SCOPED_TRACE(std::string(shape_name(shape)) + " M=" + std::to_string(M));
+        test::ShapeScope scope(dev, shape);
+        std::vector<float> xm;
+        for (uint32_t m = 0; m < M; ++m) xm.insert(xm.end(), x.begin(), x.end());
+        cl::Mem xb = upload(dev, xm), yb = dev.alloc(M * N * sizeof(float));
+        ops::linear_fp8(dev, xb, 0, K, wq, sc, yb, 0, N, M);
+        const std::vector<float> y = download(dev, yb, M * N);
+        for (uint32_t n = 0; n < N; ++n) {
+          double want = 0, mag = 0;
+          for (uint32_t k = 0; k < K; ++k) {
+            want += double(x[k]) * p.w_deq[n * K + k];
+            mag += std::abs(double(x[k]) * p.w_deq[n * K + k]);
+          }
+          for (uint32_t m = 0; m < M; ++m) {
+            ASSERT_TRUE(std::isfinite(y[m * N + n])) << "row " << m << " feature " << n;
+            EXPECT_NEAR(y[m * N + n], want, 1e-6 * mag) << "row " << m << " feature " << n;
+          }
         }
-        ASSERT_TRUE(std::isfinite(y[n])) << "feature " << n;
-        EXPECT_NEAR(y[n], want, 1e-6 * mag) << "feature " << n;
+      }
+  }
+}
+
+// A row's outputs are the same bits whichever launch computes them (fp8_tile.cl): alone (a one-row
+// tile in turn), among 3 rows (one-row tiles, rows outer) or among 9 (four-row tiles and a
+// one-row remainder), so a verify step of speculative decoding reproduces the decode steps; with
+// and without the NaN watch, in the CPU shape.
+TEST_P(Fp8Decodes, LinearRowBitsDoNotDependOnTheBatch) {
+  Device& dev = device();
+  const uint32_t N = 200, K = 300, M = 9;
+  const Fp8Problem p = random_problem(N, K, 51);
+  std::mt19937 rng(52);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> x(size_t(M) * K);
+  for (auto& v : x) v = normal(rng);
+  Weight wq = fp8_weight(dev, p.w, N, K);
+  Weight sc = to_device_f32(dev, p.scales, {ceil128(N), ceil128(K)}, "test.scale_inv");
+  test::ShapeScope scope(dev, KernelShape::Chunks);
+  for (const bool nan_free : {true, false}) {
+    SCOPED_TRACE(nan_free ? "no watch" : "watch");
+    wq.fp8_nan_free = nan_free;
+    auto run = [&](uint32_t m0, uint32_t rows) {
+      cl::Mem xb = upload(dev, std::vector<float>(x.begin() + size_t(m0) * K,
+                                                  x.begin() + size_t(m0 + rows) * K));
+      cl::Mem yb = dev.alloc(size_t(rows) * N * sizeof(float));
+      ops::linear_fp8(dev, xb, 0, K, wq, sc, yb, 0, N, rows);
+      return download(dev, yb, size_t(rows) * N);
+    };
+    const std::vector<float> all = run(0, M), three = run(2, 3);
+    for (uint32_t m = 0; m < M; ++m) {
+      const std::vector<float> alone = run(m, 1);
+      for (uint32_t n = 0; n < N; ++n) {
+        ASSERT_EQ(std::bit_cast<uint32_t>(alone[n]), std::bit_cast<uint32_t>(all[m * N + n]))
+            << "row " << m << " feature " << n << " alone vs among " << M;
+        if (m >= 2 && m < 5)
+          ASSERT_EQ(std::bit_cast<uint32_t>(alone[n]),
+                    std::bit_cast<uint32_t>(three[(m - 2) * N + n]))
+              << "row " << m << " feature " << n << " alone vs among 3";
       }
     }
   }
+}
+
+// The load-time NaN scan: every code at every place of an 18-byte run (two 8-code words and a
+// tail of 2) is found exactly when it is 0x7F or 0xFF.
+TEST(Fp8NanScan, FindsExactlyTheNanCodesAnywhere) {
+  for (int code = 0; code < 256; ++code)
+    for (size_t at = 0; at < 18; ++at) {
+      std::vector<uint8_t> bytes(18, 0x7E);  // 448, the largest finite code, everywhere else
+      bytes[at] = uint8_t(code);
+      ASSERT_EQ(fp8_nan_free(bytes.data(), bytes.size()), (code & 0x7F) != 0x7F)
+          << "code " << code << " at " << at;
+    }
+  EXPECT_TRUE(fp8_nan_free(nullptr, 0));
+}
+
+// to_device and its row and column slices record the scan of the bytes they cover.
+TEST(Fp8NanScan, ToDeviceRecordsItForTheBytesItCovers) {
+  Device& dev = device();
+  const int64_t N = 6, K = 20;
+  std::vector<uint8_t> bytes(N * K, 0x38);
+  bytes[4 * K + 13] = 0xFF;  // row 4, column 13
+  TensorView v;
+  v.name = "test.fp8";
+  v.dtype = DType::F8_E4M3;
+  v.shape = {N, K};
+  v.data = bytes.data();
+  v.bytes = bytes.size();
+  EXPECT_FALSE(to_device(dev, v).fp8_nan_free);
+  EXPECT_TRUE(to_device_rows(dev, v, 0, 4).fp8_nan_free);
+  EXPECT_FALSE(to_device_rows(dev, v, 3, 6).fp8_nan_free);
+  EXPECT_TRUE(to_device_columns(dev, v, 0, 13).fp8_nan_free);
+  EXPECT_FALSE(to_device_columns(dev, v, 10, 20).fp8_nan_free);
+  bytes[4 * K + 13] = 0x38;
+  EXPECT_TRUE(to_device(dev, v).fp8_nan_free);
+  v.dtype = DType::BF16;  // not FP8: nothing recorded
+  v.shape = {N, K / 2};
+  EXPECT_FALSE(to_device(dev, v).fp8_nan_free);
 }
 
 TEST(LinearFp8, RejectsWrongDtypeAndScaleShape) {

@@ -467,7 +467,10 @@ struct Experts {
   std::vector<std::array<Weight, 3>> w, s;
 };
 
-Experts make_experts(Device& dev, DType dt, uint32_t E, uint32_t H, uint32_t F, uint32_t seed) {
+// FP8 weights carry the load-time scan's result (Weight::fp8_nan_free: true, as none holds a NaN
+// code), unless nan_watch: then it stays unknown and the tiles watch for NaN codes.
+Experts make_experts(Device& dev, DType dt, uint32_t E, uint32_t H, uint32_t F, uint32_t seed,
+                     bool nan_watch = false) {
   std::mt19937 rng(seed);
   std::uniform_real_distribution<float> u(-1.0f, 1.0f);
   const size_t es = dt == DType::F8_E4M3 ? 1 : dt == DType::F32 ? 4 : 2;
@@ -499,6 +502,7 @@ Experts make_experts(Device& dev, DType dt, uint32_t E, uint32_t H, uint32_t F, 
       w[m].dtype = dt;
       w[m].shape = {N, K};
       w[m].name = "test.expert" + std::to_string(e) + "." + std::to_string(m);
+      w[m].fp8_nan_free = dt == DType::F8_E4M3 && !nan_watch && fp8_nan_free(bytes.data(), bytes.size());
       if (dt == DType::F8_E4M3) {
         std::vector<float> sc(size_t((N + 127) / 128) * ((K + 127) / 128));
         for (float& v : sc) v = std::ldexp(1.0f + 0.25f * float(rng() % 4), -int(rng() % 6));
@@ -520,6 +524,9 @@ Experts make_experts(Device& dev, DType dt, uint32_t E, uint32_t H, uint32_t F, 
   ex.grouped.n_experts = E;
   ex.grouped.hidden = H;
   ex.grouped.inter = F;
+  ex.grouped.fp8_nan_free = dt == DType::F8_E4M3 && !nan_watch;
+  for (const auto& w : ex.w)
+    for (const Weight& m : w) ex.grouped.fp8_nan_free = ex.grouped.fp8_nan_free && m.fp8_nan_free;
   return ex;
 }
 
@@ -537,6 +544,7 @@ struct Case {
   bool with_shared = false;  // the last of the E experts is a shared expert every token visits
   KernelShape shape = KernelShape::Chunks;
   uint32_t vector = 0;  // KernelTuning::linear_vector for the GPU shape; 0: the device's
+  bool nan_watch = false;  // FP8: the weights' NaN scan unknown, so the CPU tiles watch
 };
 
 class GroupedExperts : public ::testing::TestWithParam<Case> {};
@@ -569,7 +577,7 @@ TEST_P(GroupedExperts, MatchPerExpertOpsBitForBit) {
   EXPECT_EQ(download<uint32_t>(dev, plan.src_token.mem(), S), host.src_token);
   EXPECT_EQ(download<uint32_t>(dev, plan.slot_row.mem(), S), host.slot_row);
 
-  const Experts ex = make_experts(dev, c.dtype, c.E, c.H, c.F, 3 + c.E);
+  const Experts ex = make_experts(dev, c.dtype, c.E, c.H, c.F, 3 + c.E, c.nan_watch);
   std::mt19937 rng(4);
   std::uniform_real_distribution<float> u(-2.0f, 2.0f);
   std::vector<float> x(size_t(c.T) * c.H);
@@ -651,6 +659,8 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{DType::BF16, 100, 2, 3, 48, 20},
                       Case{DType::F8_E4M3, 1, 4, 9, 300, 150},
                       Case{DType::F8_E4M3, 30, 2, 4, 200, 136},
+                      Case{DType::F8_E4M3, 1, 4, 9, 300, 150, false, KernelShape::Chunks, 0, true},
+                      Case{DType::F8_E4M3, 30, 2, 4, 200, 136, false, KernelShape::Chunks, 0, true},
                       Case{DType::BF16, 1, 3, 8, 200, 70, true},
                       Case{DType::F8_E4M3, 3, 2, 6, 300, 150, true},
                       Case{DType::BF16, 1, 3, 7, 200, 70, false, kWg},
@@ -667,7 +677,8 @@ INSTANTIATE_TEST_SUITE_P(
       return std::string(dtype_name(i.param.dtype)) + "_T" + std::to_string(i.param.T) + "_E" +
              std::to_string(i.param.E) + (i.param.with_shared ? "_shared" : "") +
              (i.param.shape == KernelShape::WorkGroups ? "_gpu" : "_cpu") +
-             (i.param.vector ? "_vw" + std::to_string(i.param.vector) : "");
+             (i.param.vector ? "_vw" + std::to_string(i.param.vector) : "") +
+             (i.param.nan_watch ? "_watch" : "");
     });
 
 }  // namespace grouped

@@ -148,6 +148,12 @@ ops::GroupedExperts group_experts(const WeightStore& s, Device& dev, const std::
   g.table = dev.alloc(table.size() * sizeof(uint64_t), CL_MEM_READ_ONLY);
   dev.write(g.table, table.data(), table.size() * sizeof(uint64_t));
   g.dtype = dt;
+  if (dt == DType::F8_E4M3) {  // the weights' codes, not the scales between them
+    g.fp8_nan_free = true;
+    for (size_t e = 0; e < views.size() / 6; ++e)
+      for (size_t m = 0; m < 3 && g.fp8_nan_free; ++m)
+        g.fp8_nan_free = fp8_nan_free(views[6 * e + m]->data, views[6 * e + m]->bytes);
+  }
   g.n_experts = uint32_t(views.size() / 6);
   g.hidden = uint32_t(H);
   g.inter = uint32_t(F);
