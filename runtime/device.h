@@ -65,10 +65,13 @@ struct KernelTuning {
   // effect only on PoCL's CPU device on an x86 host (ops::weight_prefetch_option).
   uint32_t weight_prefetch = 1;
   // The bf16-compute GEMM (linear_bf16.cl, model.compute_dtype: bf16; CPU shape): tile rows and
-  // weight rows (even: GLU splits them into gate and up), rows per work-item, and whether PoCL
+  // weight rows (even: GLU splits them into gate and up), the same for batches below one
+  // work-item's rows (decode, which streams the weights), rows per work-item, and whether PoCL
   // on a host with AVX-512 BF16 uses vdpbf16ps (1) or the portable FMA micro-kernel (0).
   uint32_t gemm_bf16_tm = 4;
   uint32_t gemm_bf16_tn = 4;
+  uint32_t gemm_bf16_batch_tm = 4;
+  uint32_t gemm_bf16_batch_tn = 4;
   uint32_t gemm_bf16_rows = 64;
   uint32_t gemm_bf16_dot = 1;
   // GPU-shape GEMMs of at least this many rows go to CLBlast's tuned SGEMM (ops_blas.h; bf16

@@ -205,9 +205,10 @@ TuneWorkload::TuneWorkload(Device& dev, bool quick) : buffers_(std::make_unique<
                     {"gemv_stream_k"}});
   }
 
-  // Prefill GEMM in the bf16 compute dtype (model.compute_dtype: bf16): M rows, bf16 N x K.
+  // Prefill GEMM in the bf16 compute dtype (model.compute_dtype: bf16): M rows, bf16 N x K (M at
+  // least every gemm_bf16_rows candidate, so the prefill tile runs).
   {
-    const uint32_t M = quick ? 32 : 128, N = quick ? 1024 : 2048, K = quick ? 1024 : 2048;
+    const uint32_t M = 128, N = quick ? 1024 : 2048, K = quick ? 1024 : 2048;
     const Weight& w = b.weights.emplace_back(bf16_weight(dev, {N, K}, 11));
     cl::Mem x = keep(random_buffer(dev, size_t(M) * K, 12)), y = keep(dev.alloc(size_t(M) * N * 4));
     ops_.push_back({"linear bf16 compute",
@@ -220,6 +221,22 @@ TuneWorkload::TuneWorkload(Device& dev, bool quick) : buffers_(std::make_unique<
                     },
                     {"linear_wg", "linear_rows", "linear_vector"},
                     {"gemm_bf16_tm", "gemm_bf16_tn", "gemm_bf16_rows"}});
+  }
+  // The same at a decode batch of 8 rows (the batch tile): the weights stream from memory.
+  {
+    const uint32_t M = 8, N = quick ? 2048 : 8192, K = 2048;
+    const Weight& w = b.weights.emplace_back(bf16_weight(dev, {N, K}, 19));
+    cl::Mem x = keep(random_buffer(dev, size_t(M) * K, 20)), y = keep(dev.alloc(size_t(M) * N * 4));
+    ops_.push_back({"linear bf16 compute batch",
+                    "M=" + std::to_string(M) + " N=" + std::to_string(N) + " K=" +
+                        std::to_string(K),
+                    double(N) * K * 2,
+                    [&dev, x, y, &w, M, N, K] {
+                      ops::linear(dev, x, 0, K, w, nullptr, y, 0, N, M, 1.0f, false,
+                                  ComputeDType::BF16);
+                    },
+                    {},
+                    {"gemm_bf16_batch_tm", "gemm_bf16_batch_tn"}});
   }
 
   // Prefill GEMMs in f32 (bf16 weight N x K) at M = 128 and 512 rows: in the GPU shape the
@@ -378,6 +395,8 @@ const std::vector<TuneField>& tunable_fields() {
       {"weight_prefetch", S::Chunks, {0, 1}},
       {"gemm_bf16_tm", S::Chunks, {2, 4, 6}},
       {"gemm_bf16_tn", S::Chunks, {2, 4, 6}},
+      {"gemm_bf16_batch_tm", S::Chunks, {2, 4, 8}},
+      {"gemm_bf16_batch_tn", S::Chunks, {2, 4, 6}},
       {"gemm_bf16_rows", S::Chunks, {32, 64, 128}},
   };
   return f;

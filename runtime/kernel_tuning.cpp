@@ -82,8 +82,14 @@ KernelTuning amd_epyc_avx512() {
   // cores: the vdpbf16ps GEMM at llama3-1b's prefill shapes (M = 512, bench_kernels --gemm-bf16
   // --tiles, 2026-11-26) ran 4x6 tiles at 63/70/67/48% of the dot-product peak against 4x4's
   // 60/60/61/41% (q/k/v, o, gate|up, down), and `clshard tune` kept 4x6.
+  // At decode batches the weights stream from memory: one 8-row tile over the whole batch reads
+  // each weight row once, 4 side by side (in-process A/B at M = 8, 2026-11-27, 8x4 against 4x6:
+  // the GLU launch 2 x 8192 x 2048 1.28x, 2048 x 2048 1.05x, 2048 x 8192 1.04x; M = 16 gate|up
+  // 1.09-1.16x; M = 32 1.00-1.03x).
   KernelTuning t = cpu_forced();
   t.gemm_bf16_tn = 6;
+  t.gemm_bf16_batch_tm = 8;
+  t.gemm_bf16_batch_tn = 4;
   return t;
 }
 
@@ -120,6 +126,8 @@ const std::vector<std::pair<std::string, U32Field>>& u32_fields() {
       {"gemv_stream_k", &KernelTuning::gemv_stream_k},
       {"weight_prefetch", &KernelTuning::weight_prefetch},
       {"gemm_bf16_tm", &KernelTuning::gemm_bf16_tm}, {"gemm_bf16_tn", &KernelTuning::gemm_bf16_tn},
+      {"gemm_bf16_batch_tm", &KernelTuning::gemm_bf16_batch_tm},
+      {"gemm_bf16_batch_tn", &KernelTuning::gemm_bf16_batch_tn},
       {"gemm_bf16_rows", &KernelTuning::gemm_bf16_rows},
       {"gemm_bf16_dot", &KernelTuning::gemm_bf16_dot},
       {"blas_gemm_rows", &KernelTuning::blas_gemm_rows}};

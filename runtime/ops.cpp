@@ -89,7 +89,11 @@ void gemm_bf16(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx,
   }
   if (glu) N = uint32_t(ws[0]->dim(0));
   const KernelTuning& t = dev.tuning();
-  const uint32_t tm = t.gemm_bf16_tm, tn = glu ? (t.gemm_bf16_tn + 1) / 2 * 2 : t.gemm_bf16_tn;
+  // Batches below one work-item's rows (decode) take their own tile (KernelTuning).
+  const bool batch = M < t.gemm_bf16_rows;
+  const uint32_t tm = batch ? t.gemm_bf16_batch_tm : t.gemm_bf16_tm;
+  const uint32_t tn_any = batch ? t.gemm_bf16_batch_tn : t.gemm_bf16_tn;
+  const uint32_t tn = glu ? (tn_any + 1) / 2 * 2 : tn_any;
   const uint32_t tile_cols = glu ? tn / 2 : tn;
   // As linear_blocks: enough column tiles per work-item that a launch is a few hundred of them.
   const uint32_t m_rows = std::min((M + tm - 1) / tm * tm, (t.gemm_bf16_rows + tm - 1) / tm * tm);
@@ -111,7 +115,7 @@ void gemm_bf16(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx,
                                 " -DTN=" + std::to_string(tn) + " -DGLU=" + (glu ? "1" : "0") +
                                 " -DBF16_DOT=" + (bf16_dot_product(dev) ? "1" : "0") +
                                 " -DPAIRS_ALIGNED=" + (pairs_aligned ? "1" : "0") +
-                                (M < t.gemm_bf16_rows ? weight_prefetch_option(dev) : ""));
+                                (batch ? weight_prefetch_option(dev) : ""));
   const Weight& w0 = *ws[0];
   const Weight& w1 = *ws[std::min<size_t>(1, ws.size() - 1)];
   const Weight& w2 = *ws[std::min<size_t>(2, ws.size() - 1)];

@@ -95,19 +95,25 @@ struct GemmCase {
   uint32_t M, N, K;
   Variant variant;
   KernelShape shape = KernelShape::Chunks;
+  uint32_t tm = 0, tn = 0;  // a tile forced for both the prefill and the batch tile; 0: the device's
 };
 
 std::string case_name(const ::testing::TestParamInfo<GemmCase>& p) {
   const GemmCase& c = p.param;
   return "M" + std::to_string(c.M) + "_N" + std::to_string(c.N) + "_K" + std::to_string(c.K) +
          (c.variant == Variant::Selected ? "_selected" : "_portable") +
-         (c.shape == KernelShape::Chunks ? "" : "_workgroups");
+         (c.shape == KernelShape::Chunks ? "" : "_workgroups") +
+         (c.tm ? "_tile" + std::to_string(c.tm) + "x" + std::to_string(c.tn) : "");
 }
 
 // The device with the case's kernel shape and micro-kernel, restored afterwards.
 KernelTuning case_tuning(const Device& d, const GemmCase& c) {
   KernelTuning t = d.tuning();
   if (c.variant == Variant::Portable) t.gemm_bf16_dot = 0;
+  if (c.tm) {
+    t.gemm_bf16_tm = t.gemm_bf16_batch_tm = c.tm;
+    t.gemm_bf16_tn = t.gemm_bf16_batch_tn = c.tn;
+  }
   return t;
 }
 struct DeviceScope {
@@ -322,7 +328,15 @@ INSTANTIATE_TEST_SUITE_P(
                       GemmCase{9, 3100, 70, Variant::Portable},
                       // Several row blocks (64 rows each) by several column blocks: the launch's
                       // two dimensions (row blocks first) each cover their whole range.
-                      GemmCase{130, 3100, 70, Variant::Selected}),
+                      GemmCase{130, 3100, 70, Variant::Selected},
+                      // The tiles the tuning table names (decode batches take the batch tile,
+                      // from gemm_bf16_rows rows the prefill one), forced whatever the device:
+                      // 8-row tiles over one partial row tile, two, and whole row blocks.
+                      GemmCase{5, 37, 70, Variant::Selected, KernelShape::Chunks, 8, 4},
+                      GemmCase{13, 3100, 333, Variant::Selected, KernelShape::Chunks, 8, 4},
+                      GemmCase{67, 29, 97, Variant::Selected, KernelShape::Chunks, 8, 4},
+                      GemmCase{13, 29, 333, Variant::Portable, KernelShape::Chunks, 8, 4},
+                      GemmCase{9, 3100, 70, Variant::Selected, KernelShape::Chunks, 4, 6}),
     case_name);
 
 }  // namespace

@@ -213,8 +213,8 @@ TEST(KernelTuningTable, TheHopperRowWinsOverNvidiasDefault) {
 }
 
 // The CPU rows: PoCL on an AVX-512 EPYC that its LLVM calls skylake-avx512 takes 4x6 bf16 GEMM
-// tiles on top of the CPU default; another EPYC (no AVX-512 BF16: the portable micro-kernel,
-// which 4x6 slows) keeps 4x4.
+// tiles (8x4 at decode batches) on top of the CPU default; another EPYC (no AVX-512 BF16: the
+// portable micro-kernel, which 4x6 slows) keeps 4x4 for both.
 TEST(KernelTuningTable, TheAvx512EpycRowWidensTheBf16GemmTile) {
   DeviceInfo zen5;
   zen5.kind = DeviceKind::Cpu;
@@ -224,9 +224,13 @@ TEST(KernelTuningTable, TheAvx512EpycRowWidensTheBf16GemmTile) {
   zen3.name = "pthread-znver3-AMD EPYC 7B13";
   const KernelTuning a = builtin_kernel_tuning(zen5), b = builtin_kernel_tuning(zen3);
   EXPECT_EQ(a.gemm_bf16_tn, 6u);
+  EXPECT_EQ(a.gemm_bf16_batch_tm, 8u);
+  EXPECT_EQ(a.gemm_bf16_batch_tn, 4u);
   EXPECT_EQ(a.norm_wg, b.norm_wg);  // the CPU default's forced-GPU-shape fields stay
   EXPECT_EQ(b.gemm_bf16_tn, KernelTuning{}.gemm_bf16_tn);
   EXPECT_EQ(b.gemm_bf16_tn, 4u);
+  EXPECT_EQ(b.gemm_bf16_batch_tm, 4u);
+  EXPECT_EQ(b.gemm_bf16_batch_tn, 4u);
 }
 
 }  // namespace

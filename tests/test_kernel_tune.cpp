@@ -116,7 +116,9 @@ TEST(KernelTune, DryRunWritesNothing) {
 }
 
 TEST(KernelTune, UnknownAndUntunableFieldsAreRefusedWithTheirMessage) {
-  const std::string cpu_fields = "gemv_stream_k, weight_prefetch, gemm_bf16_tm, gemm_bf16_tn, gemm_bf16_rows";
+  const std::string cpu_fields =
+      "gemv_stream_k, weight_prefetch, gemm_bf16_tm, gemm_bf16_tn, gemm_bf16_batch_tm, "
+      "gemm_bf16_batch_tn, gemm_bf16_rows";
   struct Case {
     std::vector<std::string> args;
     std::string message;
