@@ -296,6 +296,10 @@ StepOutputs Llama3Model::forward(const StepInputs& in) {
       for (size_t r = 0; r < P; ++r)
         ops::axpy(*shards_[r].dev, work[r].h.mem(), work[r].part.mem(), m, T * H);
     }
+    // Each layer's launches go to the device while the host enqueues the next layer's, as
+    // DeepSeek's decoder flushes per MoE layer: a GPU driver may otherwise hold a step's hundred
+    // launches until the logits are read (not yet measured on a GPU; on PoCL no change).
+    for (size_t r = 0; r < P; ++r) shards_[r].dev->flush();
   }
   if (R > 0 && comm_ && comm_->size() > P) {
     // Over MPI each rank computes its vocabulary columns as a block of their own, and every rank
