@@ -328,8 +328,10 @@ void moe_grouped_linear(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::M
                                   dtype_name(g.dtype));
   }
   // One-row tiles read their columns in turn, as ops::linear's (KernelTuning::gemv_stream_k);
-  // tiles prefetch their next tile's rows as ops::linear's.
-  const bool in_turn = plan.tm == 1 && K <= dev.tuning().gemv_stream_k;
+  // tiles prefetch their next tile's rows as ops::linear's. CPU shape only: the GPU shape's
+  // kernels have no such tiles, and their program need not hold the private x row.
+  const bool in_turn = dev.kernel_shape() == KernelShape::Chunks && plan.tm == 1 &&
+                       K <= dev.tuning().gemv_stream_k;
   if (in_turn) opts += " -DCOLUMNS_IN_TURN=1";
   if (g.dtype == DType::F8_E4M3) opts += fp8_tile_options(dev, g.fp8_nan_free, in_turn);
   opts += ops::weight_prefetch_option(dev);
