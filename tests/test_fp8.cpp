@@ -284,6 +284,18 @@ TEST_P(Fp8Decodes, LinearEdgeShapes) {
   check_linear_fp8(6, 256, 384, 1.0f, false, 5);  // whole blocks only
 }
 
+// One-row tiles in turn keep their x row in private memory, up to gemv_stream_k codes: at the
+// largest candidate of `clshard tune` (16384), a K of 16,376 (the last block 120 codes, 8 of
+// them the tail) and rows 2 and 3 of a launch reusing each other's weights.
+TEST_P(Fp8Decodes, LinearLongRowsInTurnAtTheLargestStreamK) {
+  Device& dev = device();
+  KernelTuning t = dev.tuning();
+  t.gemv_stream_k = 16384;
+  test::TuningScope tuned(dev, t);
+  check_linear_fp8(1, 40, 16376, 1.0f, false, 61);
+  check_linear_fp8(3, 40, 16376, 1.0f, true, 62);
+}
+
 TEST_P(Fp8Decodes, LinearAlphaAndAccumulate) {
   check_linear_fp8(1, 200, 300, 0.5f, true, 7);
   check_linear_fp8(7, 200, 300, -2.0f, true, 8);
