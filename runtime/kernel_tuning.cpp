@@ -84,8 +84,8 @@ KernelTuning amd_epyc_avx512() {
   // 60/60/61/41% (q/k/v, o, gate|up, down), and `clshard tune` kept 4x6.
   // At decode batches the weights stream from memory: one 8-row tile over the whole batch reads
   // each weight row once, 4 side by side (in-process A/B at M = 8, 2026-11-27, 8x4 against 4x6:
-  // the GLU launch 2 x 8192 x 2048 1.28x, 2048 x 2048 1.05x, 2048 x 8192 1.04x; M = 16 gate|up
-  // 1.09-1.16x; M = 32 1.00-1.03x).
+  // the GLU launch 2 x 8192 x 2048 1.28x, 2048 x 2048 1.05x, 2048 x 8192 1.04x; 16384 x 2048 at
+  // M = 16 1.16x, at M = 32 1.03x), and `clshard tune` keeps 8x4.
   KernelTuning t = cpu_forced();
   t.gemm_bf16_tn = 6;
   t.gemm_bf16_batch_tm = 8;
