@@ -517,6 +517,17 @@ TEST(ChatTemplate, HostileTemplatesEndWithAnError) {
   EXPECT_EQ(what("{{ -9223372036854775807 - 2 }}"), "integer overflow in -");
   EXPECT_EQ(what("{{ 9223372036854775807 * 3 }}"), "integer overflow in *");
   EXPECT_EQ(what("{{ (-9223372036854775807 - 1) // -1 }}"), "integer overflow in //");
+  EXPECT_EQ(what("{{ -(-9223372036854775807 - 1) }}"), "integer overflow in unary -");
+  EXPECT_EQ(what("{{ (-9223372036854775807 - 1) | abs }}"), "filter 'abs': integer overflow");
+  EXPECT_EQ(render_chat_template("{{ -(-9223372036854775807) }} {{ (-9223372036854775807) | abs }}",
+                                 json::object()),
+            "9223372036854775807 9223372036854775807");
+  EXPECT_EQ(what("{{ 1e300 | int }}"), "filter 'int': integer overflow");
+  EXPECT_EQ(what("{{ -9.3e18 | int }}"), "filter 'int': integer overflow");
+  EXPECT_EQ(render_chat_template("{{ 9007199254740993 | int }} {{ -2.7 | int }} {{ (1e308 * 10 - "
+                                 "1e308 * 10) | int(7) }} {{ -9.2e18 | int }}",
+                                 json::object()),
+            "9007199254740993 -2 7 -9200000000000000000");
   EXPECT_EQ(what("{{ 2 ** 1000000000000000000 }}"), "integer overflow in **");
   EXPECT_EQ(what("{{ 'a' * 100000000000 }}"), "the template built a value or output over 16 MiB");
   EXPECT_EQ(what("{% for i in range(1000000000) %}x{% endfor %}"),

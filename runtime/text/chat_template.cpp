@@ -1681,7 +1681,12 @@ class Renderer {
         if (!is_number(j))
           fail(n.pos, std::string("bad operand type for unary operator: '") + type_name(v) + "'");
         if (n.kind == Node::Kind::Plus) return v;
-        if (is_int(j)) return Value::make(-j.get<int64_t>());
+        if (is_int(j)) {
+          int64_t negated;  // the most negative integer has no positive twin
+          if (__builtin_sub_overflow(int64_t{0}, j.get<int64_t>(), &negated))
+            fail(n.pos, "integer overflow in unary -");
+          return Value::make(negated);
+        }
         return Value::make(-j.get<double>());
       }
       case Node::Kind::And: {
@@ -2396,8 +2401,18 @@ class Renderer {
       return Value::make(std::move(out));
     }
     if (name == "int") {
-      if (input.is_data() && input.j().is_number())
-        return Value::make(static_cast<int64_t>(input.j().get<double>()));
+      if (input.is_data() && is_int(input.j())) return input;  // exact, not through a double
+      if (input.is_data() && input.j().is_number()) {
+        // Python's int(): NaN is not a number to convert (the default, as Jinja's filter falls
+        // back), and past 64 bits the value has no int here.
+        const double d = input.j().get<double>();
+        if (std::isnan(d)) {
+          const std::optional<Value> fallback = args.get(0, "default");
+          return fallback ? *fallback : Value::make(0);
+        }
+        if (!(d >= -0x1p63 && d < 0x1p63)) fail(pos, context + ": integer overflow");
+        return Value::make(static_cast<int64_t>(d));
+      }
       if (is_string(input)) {
         const std::string text = py_strip(input.j().get<std::string>(), true, true);
         int64_t value = 0;
@@ -2421,7 +2436,11 @@ class Renderer {
     }
     if (name == "abs") {
       const json& j = need_data(input, pos, context);
-      if (is_int(j)) return Value::make(std::abs(j.get<int64_t>()));
+      if (is_int(j)) {
+        const int64_t x = j.get<int64_t>();
+        if (x == std::numeric_limits<int64_t>::min()) fail(pos, context + ": integer overflow");
+        return Value::make(x < 0 ? -x : x);
+      }
       if (j.is_number()) return Value::make(std::fabs(j.get<double>()));
       fail(pos, context + ": bad operand type '" + type_name(input) + "'");
     }
