@@ -148,12 +148,6 @@ ops::GroupedExperts group_experts(const WeightStore& s, Device& dev, const std::
   g.table = dev.alloc(table.size() * sizeof(uint64_t), CL_MEM_READ_ONLY);
   dev.write(g.table, table.data(), table.size() * sizeof(uint64_t));
   g.dtype = dt;
-  if (dt == DType::F8_E4M3) {  // the weights' codes, not the scales between them
-    g.fp8_nan_free = true;
-    for (size_t e = 0; e < views.size() / 6; ++e)
-      for (size_t m = 0; m < 3 && g.fp8_nan_free; ++m)
-        g.fp8_nan_free = fp8_nan_free(views[6 * e + m]->data, views[6 * e + m]->bytes);
-  }
   g.n_experts = uint32_t(views.size() / 6);
   g.hidden = uint32_t(H);
   g.inter = uint32_t(F);
@@ -228,6 +222,16 @@ LayerWeights load_layer(const DeepseekV3Config& c, const WeightStore& s, Device&
     L.moe.grouped_has_shared = c.n_shared_experts == 1;
     L.moe.grouped = group_experts(s, dev, p, expert_begin, expert_end, H, F,
                                   L.moe.grouped_has_shared);
+    if (L.moe.grouped.dtype == DType::F8_E4M3) {
+      // The experts' own load-time scans (to_device) cover the grouped buffer's weights: the same
+      // tensors, not read again.
+      auto free = [](const MlpWeights& m) {
+        return m.gate.w.fp8_nan_free && m.up.w.fp8_nan_free && m.down.w.fp8_nan_free;
+      };
+      bool all = !L.moe.grouped_has_shared || free(L.moe.shared);
+      for (const MlpWeights& m : L.moe.experts) all = all && free(m);
+      L.moe.grouped.fp8_nan_free = all;
+    }
   } else {
     L.mlp = ld.mlp(p + "mlp.", H, c.intermediate_size);
   }
