@@ -14,11 +14,13 @@
 // e4m3x16_decode_scaled leaves a power-of-two factor that FP8_X_SCALE (on x) and FP8_ACC_SCALE
 // (on the sums) take back.
 //
-// One-row tiles with COLUMNS_IN_TURN read the columns one after another: one sequential stream
-// of weight bytes, as linear.cl's tile_dots (two or four streams side by side, even 128 bytes at a
-// time, ran 1.3-2.4x slower on the 2-core EPYC). Their x row times FP8_X_SCALE is made once per row
-// in private memory (Fp8ScaledX) and read by every tile of the work-item on that row, so the
-// callers walk a row's tiles together. An output's sum is the same as in a four-row tile.
+// Tiles with COLUMNS_IN_TURN (one to three rows) read the columns one after another: one
+// sequential stream of weight bytes, as linear.cl's tile_dots (two or four streams side by side,
+// even 128 bytes at a time, ran 1.3-2.4x slower on the 2-core EPYC), each weight vector decoded
+// once for the tile's rows. Their x rows times FP8_X_SCALE are made once in private memory
+// (Fp8ScaledX) and read by every tile of the work-item on those rows, so the callers walk a row
+// block's tiles together. An output's sum is the same operations whatever the tile's rows, and
+// the same as in a four-row tile.
 //
 // NaN (0x7F / 0xFF: the "fn" variant has no infinities) is not produced by the decode. With
 // -DFP8_NAN_WATCH=1 (the default) row_has_nan[j] says whether weight row j holds either byte (the
@@ -32,7 +34,7 @@
 #define FP8_NAN_WATCH 1
 #endif
 #ifndef FP8_XS_MAX
-#define FP8_XS_MAX 4096  // the largest K of one-row tiles in turn (KernelTuning::gemv_stream_k)
+#define FP8_XS_MAX 4096  // the largest K of tiles in turn (KernelTuning::gemv_stream_k)
 #endif
 
 #if FP8_NAN_WATCH
@@ -53,11 +55,12 @@
 #define FP8_WATCH_RESULT(j) false
 #endif
 
-// The x row of one-row tiles in turn, times FP8_X_SCALE (a work-item's private copy; `row` says
-// which row it holds, null: none yet). Other tiles scale their x vectors as they load them.
+// The x rows of tiles in turn, times FP8_X_SCALE (a work-item's private copy; `row` says which
+// rows it holds by the first one's address, null: none yet). Other tiles scale their x vectors as
+// they load them.
 typedef struct {
-#if TM == 1 && COLUMNS_IN_TURN
-  float16 x[FP8_XS_MAX / 16];
+#if COLUMNS_IN_TURN
+  float16 x[TM][FP8_XS_MAX / 16];
 #endif
   global const float* row;
 } Fp8ScaledX;
@@ -72,34 +75,42 @@ inline void fp8_tile_dots(global const float* xr[TM], global const uchar* wr[TN]
     for (int j = 0; j < TN; ++j) acc[i][j] = (float16)(0.0f);
   FP8_WATCH_DECLARE
   const uint K16 = K / 16;
-#if TM == 1 && COLUMNS_IN_TURN
+#if COLUMNS_IN_TURN
   if (sx->row != xr[0]) {
-    for (uint v = 0; v < K16; ++v) sx->x[v] = vload16(v, xr[0]) * FP8_X_SCALE;
+#pragma unroll
+    for (int i = 0; i < TM; ++i)
+      for (uint v = 0; v < K16; ++v) sx->x[i][v] = vload16(v, xr[i]) * FP8_X_SCALE;
     sx->row = xr[0];
   }
 #pragma unroll
   for (int j = 0; j < TN; ++j)
     for (uint kb = 0; kb < KB; ++kb) {
       const uint v0 = kb * VECS_PER_BLOCK, v_end = min(v0 + VECS_PER_BLOCK, K16);
-      const float16* xb = sx->x + v0;
       global const uchar* wb = wr[j] + (size_t)v0 * 16;
-      float16 blk = (float16)(0.0f);
+      float16 blk[TM];
+#pragma unroll
+      for (int i = 0; i < TM; ++i) blk[i] = (float16)(0.0f);
       if (v_end - v0 == VECS_PER_BLOCK) {
         // A whole block, unrolled: constant offsets from one base.
 #pragma unroll
         for (uint u = 0; u < VECS_PER_BLOCK; ++u) {
           const uchar16 b = vload16(u, wb);
           FP8_WATCH(j, b)
-          blk = fma(xb[u], e4m3x16_decode_scaled(b), blk);
+          const float16 wv = e4m3x16_decode_scaled(b);
+#pragma unroll
+          for (int i = 0; i < TM; ++i) blk[i] = fma(sx->x[i][v0 + u], wv, blk[i]);
         }
       } else {
         for (uint u = 0; u < v_end - v0; ++u) {
           const uchar16 b = vload16(u, wb);
           FP8_WATCH(j, b)
-          blk = fma(xb[u], e4m3x16_decode_scaled(b), blk);
+          const float16 wv = e4m3x16_decode_scaled(b);
+#pragma unroll
+          for (int i = 0; i < TM; ++i) blk[i] = fma(sx->x[i][v0 + u], wv, blk[i]);
         }
       }
-      acc[0][j] = fma(blk, (float16)(srow[kb]), acc[0][j]);
+#pragma unroll
+      for (int i = 0; i < TM; ++i) acc[i][j] = fma(blk[i], (float16)(srow[kb]), acc[i][j]);
     }
 #else
   for (uint kb = 0; kb < KB; ++kb) {

@@ -10,7 +10,7 @@
 // dequantize_fp8: out[N, K] f32 = e4m3(W) * scale, one work-item per row; with -DOUT_BF16=1 the
 // same rounded to bf16 (nearest even), for the bf16-compute GEMM (model.compute_dtype: bf16).
 //
-// Build options: -DTM=1|4 -DTN=4 -DFP8_DENORM=1|0 -DCOLUMNS_IN_TURN=0|1 (one-row tiles, as
+// Build options: -DTM=1..4 -DTN=4 -DFP8_DENORM=1|0 -DCOLUMNS_IN_TURN=0|1 (tiles of 1-3 rows, as
 // linear.cl), -DFP8_NAN_WATCH=0|1 -DFP8_XS_MAX (fp8_tile.cl), -DOUT_BF16=0|1 (dequantize_fp8),
 // -DWG -DRB (linear_fp8_wg, the GPU shape).
 //
@@ -65,9 +65,8 @@ inline void linear_fp8_tile(global const float* x, uint x_off, uint ldx, global 
 // A work-item owns n_tiles column tiles x m_rows rows and loops over its tiles: PoCL pays about a
 // microsecond per work-group, which at one byte per weight is as long as streaming a few
 // 2048-wide rows. Column tile outer, so its TN weight rows stay in L1 while the rows use them;
-// one-row tiles in turn take the rows outer instead, so that each row's scaled x copy
-// (fp8_tile.cl) is made once (the few rows of such a launch, M < 4, find the weights in L2 after
-// the first).
+// tiles in turn (all of a launch's M < 4 rows in one tile) take the row blocks outer instead, so
+// that the scaled x copy (fp8_tile.cl) is made once.
 kernel void linear_fp8(global const float* x, uint x_off, uint ldx,
                        global const uchar* w, global const float* scale, uint KB,
                        global float* y, uint y_off, uint ldy,
@@ -79,8 +78,8 @@ kernel void linear_fp8(global const float* x, uint x_off, uint ldx,
   const uint m_end = min(m_begin + m_rows, M);
   Fp8ScaledX sx;
   sx.row = 0;
-#if TM == 1 && COLUMNS_IN_TURN
-  for (uint m0 = m_begin; m0 < m_end; ++m0)
+#if COLUMNS_IN_TURN
+  for (uint m0 = m_begin; m0 < m_end; m0 += TM)
     for (uint n0 = n_begin; n0 < n_end; n0 += TN)
 #else
   for (uint n0 = n_begin; n0 < n_end; n0 += TN)

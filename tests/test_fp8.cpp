@@ -284,9 +284,9 @@ TEST_P(Fp8Decodes, LinearEdgeShapes) {
   check_linear_fp8(6, 256, 384, 1.0f, false, 5);  // whole blocks only
 }
 
-// One-row tiles in turn keep their x row in private memory, up to gemv_stream_k codes: at the
+// Tiles in turn keep their x rows in private memory, up to gemv_stream_k codes each: at the
 // largest candidate of `clshard tune` (16384), a K of 16,376 (the last block 120 codes, 8 of
-// them the tail) and rows 2 and 3 of a launch reusing each other's weights.
+// them the tail), one row and a tile of three (192 KiB of private rows).
 TEST_P(Fp8Decodes, LinearLongRowsInTurnAtTheLargestStreamK) {
   Device& dev = device();
   KernelTuning t = dev.tuning();
@@ -307,7 +307,7 @@ TEST_P(Fp8Decodes, LinearAlphaAndAccumulate) {
 // kernel shapes: the CPU one watches the raw bytes (the load-time scan found the codes), the GPU
 // one's exact decode yields the NaN.
 TEST_P(Fp8Decodes, LinearNanCodePoisonsItsFeatureOnly) {
-  for (const uint32_t M : {1u, 5u}) {  // one-row tiles in turn, four-row tiles
+  for (const uint32_t M : {1u, 3u, 5u}) {  // tiles in turn of one and three rows, four-row tiles
   SCOPED_TRACE("M=" + std::to_string(M));
   Device& dev = device();
   const uint32_t N = 12, K = 150;  // tail of 6 columns
@@ -392,8 +392,8 @@ TEST_P(Fp8Decodes, LinearExtremeActivationsAndScales) {
 }
 
 // A row's outputs are the same bits whichever launch computes them (fp8_tile.cl): alone (a one-row
-// tile in turn), among 3 rows (one-row tiles, rows outer) or among 9 (four-row tiles and a
-// one-row remainder), so a verify step of speculative decoding reproduces the decode steps; with
+// tile in turn), among 2 or 3 rows (one tile of those rows, in turn) or among 9 (four-row tiles),
+// so a verify step of speculative decoding reproduces the decode steps; with
 // and without the NaN watch, in the CPU shape.
 TEST_P(Fp8Decodes, LinearRowBitsDoNotDependOnTheBatch) {
   Device& dev = device();
@@ -416,7 +416,7 @@ TEST_P(Fp8Decodes, LinearRowBitsDoNotDependOnTheBatch) {
       ops::linear_fp8(dev, xb, 0, K, wq, sc, yb, 0, N, rows);
       return download(dev, yb, size_t(rows) * N);
     };
-    const std::vector<float> all = run(0, M), three = run(2, 3);
+    const std::vector<float> all = run(0, M), two = run(5, 2), three = run(2, 3);
     for (uint32_t m = 0; m < M; ++m) {
       const std::vector<float> alone = run(m, 1);
       for (uint32_t n = 0; n < N; ++n) {
@@ -426,6 +426,10 @@ TEST_P(Fp8Decodes, LinearRowBitsDoNotDependOnTheBatch) {
           ASSERT_EQ(std::bit_cast<uint32_t>(alone[n]),
                     std::bit_cast<uint32_t>(three[(m - 2) * N + n]))
               << "row " << m << " feature " << n << " alone vs among 3";
+        if (m >= 5 && m < 7)
+          ASSERT_EQ(std::bit_cast<uint32_t>(alone[n]),
+                    std::bit_cast<uint32_t>(two[(m - 5) * N + n]))
+              << "row " << m << " feature " << n << " alone vs among 2";
       }
     }
   }
