@@ -95,12 +95,19 @@ void gemm_bf16(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx,
   const uint32_t tn_any = batch ? t.gemm_bf16_batch_tn : t.gemm_bf16_tn;
   const uint32_t tn = glu ? (tn_any + 1) / 2 * 2 : tn_any;
   const uint32_t tile_cols = glu ? tn / 2 : tn;
-  // As linear_blocks: enough column tiles per work-item that a launch is a few hundred of them.
+  // As linear_blocks: enough column tiles per work-item that a launch is a few hundred of them;
+  // batches of at most 16 rows, bound by the weights' stream, are split as linear_fp8's GEMVs
+  // (stream_launch_items): only a work-item's first tile has no prefetched rows. In-process A/B
+  // on the 2-core EPYC (M = 4 / 8 / 16): 3072 x 2048 1.15 / 1.30-1.33 / 1.13x, 2048 x 2048
+  // 1.20 / 1.20-1.24 / 1.09x, 2048 x 8192 1.12 / 1.17-1.25 / 1.05x, 16384 x 2048 (16 tiles
+  // either way) 1.0x; at M = 32 0.96-1.08x, so not there. llama3-1b's `clshard bench --batch 8`:
+  // 1.02-1.25x in 3 interleaved pairs.
   const uint32_t m_rows = std::min((M + tm - 1) / tm * tm, (t.gemm_bf16_rows + tm - 1) / tm * tm);
   const uint32_t row_blocks = (M + m_rows - 1) / m_rows;
   const uint32_t col_tiles = (N + tile_cols - 1) / tile_cols;
+  const uint64_t min_items = batch && M <= 16 ? stream_launch_items(dev) : 256;
   uint32_t n_tiles = 1;
-  while (n_tiles < 16 && uint64_t(col_tiles) * row_blocks / (n_tiles * 2) >= 256) n_tiles *= 2;
+  while (n_tiles < 16 && uint64_t(col_tiles) * row_blocks / (n_tiles * 2) >= min_items) n_tiles *= 2;
   const uint32_t col_blocks = (col_tiles + n_tiles - 1) / n_tiles;
   // Batches below one row block (decode) stream their weights and prefetch the next column
   // tile's rows (llama3-1b at batch 8: the whole step 10% faster); a prefill's row blocks are
@@ -190,6 +197,10 @@ std::string wg_vector_options(const Device& dev, const cl::Mem& x, uint32_t x_of
 }
 
 }  // namespace
+
+uint64_t stream_launch_items(const Device& dev) {
+  return std::max<uint64_t>(16ull * std::max(dev.info().compute_units, 1u), 32);
+}
 
 std::string weight_prefetch_option(const Device& dev) {
 #if defined(__x86_64__)

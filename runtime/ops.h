@@ -30,6 +30,12 @@ bool bf16_dot_product(const Device& dev);
 // an x86 host whose tuning has weight_prefetch, else "".
 std::string weight_prefetch_option(const Device& dev);
 
+// The fewest work-items a CPU-shape launch bound by its weights' stream is split into: 16 per
+// compute unit (at least 32), each taking up to 16 column tiles, so that a work-item's fixed
+// costs (its first tile, without prefetched rows; an FP8 tile's scaled x rows) are paid once per
+// many tiles (linear_fp8's GEMVs and the bf16 GEMM's batches of up to 16 rows).
+uint64_t stream_launch_items(const Device& dev);
+
 // y[M, N] (+)= alpha * (x[M, K] W^T + bias). W is [N, K], f32 or bf16. Offsets and row strides
 // are in elements. GPU-shape GEMMs of the device's blas_gemm_rows and more go to CLBlast
 // (ops_blas.h).

@@ -114,13 +114,12 @@ void linear_fp8(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, con
                                 (in_turn ? " -DCOLUMNS_IN_TURN=1" : "") +
                                 fp8_tile_options(dev, w.fp8_nan_free, in_turn));
   // Work per work-item as ops::linear: up to 64 rows, and enough column tiles that a launch is a
-  // few hundred work-items rather than thousands. Tiles in turn take up to 16 column tiles while
-  // the launch keeps 16 work-items per compute unit: each work-item scales its x row first, which
-  // at 2 tiles (256-512 work-items) had cost 13-29% of the GEMV (bench_fp8's shapes).
+  // few hundred work-items rather than thousands. Tiles in turn are split as
+  // ops::stream_launch_items says: each work-item scales its x rows first, which at 2 tiles
+  // (256-512 work-items) had cost 13-29% of the GEMV (bench_fp8's shapes).
   const uint32_t m_rows = std::min<uint32_t>(ceil_div(M, tm) * tm, 64);
   const uint32_t col_tiles = ceil_div(N, tn), row_blocks = ceil_div(M, m_rows);
-  const uint64_t min_items =
-      in_turn ? std::max<uint64_t>(16ull * std::max(dev.info().compute_units, 1u), 32) : 256;
+  const uint64_t min_items = in_turn ? ops::stream_launch_items(dev) : 256;
   uint32_t n_tiles = 1;
   while (n_tiles < 16 && uint64_t(col_tiles) * row_blocks / (n_tiles * 2) >= min_items)
     n_tiles *= 2;
