@@ -104,8 +104,8 @@ void linear_fp8(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, con
   // its columns in turn (KernelTuning::gemv_stream_k, see linear.cl) and decodes each weight vector
   // once for every row: against one-row tiles per row, in-process A/B on the 2-core EPYC (e4m3 of
   // normal weights) 2 x 2048 x 2048 1.24x, 3 rows 1.11x, 2 x 7168 x 2048 1.15x, 2 x 2048 x 512
-  // 1.22x, 2 x 2048 x 7168 (past gemv_stream_k) 1.28x; the same bits. 4x4 tiles from 4 rows on,
-  // which reuse every decoded weight vector four times.
+  // 1.22x, 2 x 2048 x 7168 (past gemv_stream_k) 1.28x, 3 x 512 x 2048 1.03x; the same bits. 4x4
+  // tiles from 4 rows on, which reuse every decoded weight vector four times.
   const uint32_t tm = M < 4 ? M : 4, tn = 4;
   const bool in_turn = tm < 4 && K <= dev.tuning().gemv_stream_k;
   cl::Kernel k = dev.kernel("linear_fp8.cl", "linear_fp8",
