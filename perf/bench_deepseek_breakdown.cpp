@@ -1,5 +1,5 @@
 // Where a DeepSeek-V3 decode step's time goes, kernel by kernel: dsv3-mini (bf16 and fp8) decodes
-// at batch 1 as DeepseekV3Model::forward runs it, with every launch timed on its own. This program
+// B requests at once (batch 1 unless --batch) as DeepseekV3Model::forward runs it, with every launch timed on its own. This program
 // defines clEnqueueNDRangeKernel, clEnqueueReadBuffer and clEnqueueWriteBuffer itself (the library
 // is linked in statically, so its calls bind here) and forwards each to the OpenCL loader's; while
 // timing is on, a launch waits for the queue before and after, and its wall time goes to its
@@ -8,7 +8,7 @@
 // exceeds it a little. On a shared machine the wall time moves with the neighbours' load; the
 // CPU time the process spends per step (every thread, PoCL's workers included) moves much less,
 // so it is printed beside it.
-// Usage: bench_deepseek_breakdown [--dir D] [--dtypes bf16,fp8] [--context C] [--steps N]
+// Usage: bench_deepseek_breakdown [--dir D] [--dtypes bf16,fp8] [--context C] [--steps N] [--batch B]
 #include <dlfcn.h>
 #include <sys/resource.h>
 
@@ -133,15 +133,19 @@ std::vector<std::string> split(const std::string& s) {
   return out;
 }
 
-StepInputs one_row_step(const std::vector<uint32_t>& table, uint32_t pages_per_row,
-                        uint32_t cached, uint32_t n, uint32_t vocab, std::mt19937& rng) {
+// A step that appends `n` tokens to each of the table's requests, which hold `cached` tokens.
+StepInputs rows_step(const std::vector<uint32_t>& table, uint32_t pages_per_row, uint32_t cached,
+                     uint32_t n, uint32_t vocab, std::mt19937& rng) {
   StepInputs in;
   in.lookup_table = table;
   in.pages_per_row = pages_per_row;
+  in.input_row_offsets = {0};
   std::uniform_int_distribution<int32_t> tok(0, int32_t(vocab) - 1);
-  for (uint32_t i = 0; i < n; ++i) in.tokens.push_back(tok(rng));
-  in.input_row_offsets = {0, n};
-  in.cache_lengths = {cached};
+  for (size_t r = 0; r < table.size() / pages_per_row; ++r) {
+    for (uint32_t i = 0; i < n; ++i) in.tokens.push_back(tok(rng));
+    in.input_row_offsets.push_back(uint32_t(in.tokens.size()));
+    in.cache_lengths.push_back(cached);
+  }
   return in;
 }
 
@@ -149,17 +153,20 @@ StepInputs one_row_step(const std::vector<uint32_t>& table, uint32_t pages_per_r
 
 int main(int argc, char** argv) {
   CLI::App app{"Where a DeepSeek-V3 decode step's time goes, kernel by kernel: dsv3-mini (bf16, "
-               "fp8) at batch 1, every launch timed on its own",
+               "fp8) at batch 1 or --batch B, every launch timed on its own",
                "bench_deepseek_breakdown"};
   std::string root_arg = (std::filesystem::temp_directory_path() / "clshard-bench").string();
   std::string dtypes = "bf16,fp8";
-  uint32_t context = 128, n_steps = 16;
+  uint32_t context = 128, n_steps = 16, batch = 1;
   app.add_option("--dir", root_arg, "where the checkpoints live (written when missing)")
       ->capture_default_str();
   app.add_option("--dtypes", dtypes, "comma-separated checkpoint dtypes")->capture_default_str();
   app.add_option("--context", context, "cached tokens before the timed steps")
       ->capture_default_str();
   app.add_option("--steps", n_steps, "decode steps timed")->capture_default_str();
+  app.add_option("--batch", batch, "requests decoded together, each at the same context")
+      ->capture_default_str()
+      ->check(CLI::Range(1u, 256u));
   parse_args(app, argc, argv);
   const std::filesystem::path root = root_arg;
   DeviceManager mgr(DeviceSelection{});
@@ -171,23 +178,24 @@ int main(int argc, char** argv) {
     const uint32_t V = model.info().vocab_size;
     std::mt19937 rng(5);
     uint32_t ppr = 0;
-    const auto table = plan_static_pages(model, {context + 2 * n_steps + 2}, 128, &ppr);
-    model.forward(one_row_step(table, ppr, 0, context, V, rng)).read_logits();
+    const auto table = plan_static_pages(
+        model, std::vector<uint32_t>(batch, context + 2 * n_steps + 2), 128, &ppr);
+    model.forward(rows_step(table, ppr, 0, context, V, rng)).read_logits();
     uint32_t pos = context;
-    model.forward(one_row_step(table, ppr, pos++, 1, V, rng)).read_logits();  // kernel builds
+    model.forward(rows_step(table, ppr, pos++, 1, V, rng)).read_logits();  // kernel builds
 
     // Untouched steps first, then the same number timed launch by launch.
     const double c0 = cpu_seconds();
     const auto t0 = Clock::now();
     for (uint32_t i = 0; i < n_steps; ++i)
-      model.forward(one_row_step(table, ppr, pos++, 1, V, rng)).read_logits();
+      model.forward(rows_step(table, ppr, pos++, 1, V, rng)).read_logits();
     const double t_step = seconds_since(t0) / n_steps;
     const double cpu_step = (cpu_seconds() - c0) / n_steps;
     g_tally.clear();
     g_timing = true;
     const auto t1 = Clock::now();
     for (uint32_t i = 0; i < n_steps; ++i)
-      model.forward(one_row_step(table, ppr, pos++, 1, V, rng)).read_logits();
+      model.forward(rows_step(table, ppr, pos++, 1, V, rng)).read_logits();
     const double t_timed = seconds_since(t1) / n_steps;
     g_timing = false;
 
@@ -200,9 +208,9 @@ int main(int argc, char** argv) {
       sum += t.seconds;
       if (name[0] != '(') launches += t.calls;
     }
-    std::printf("\ndsv3-mini %s, decode batch 1 at context %u: %.2f ms per step untouched "
+    std::printf("\ndsv3-mini %s, decode batch %u at context %u: %.2f ms per step untouched "
                 "(%.1f tok/s), CPU time %.2f ms per step; %.1f launches per step\n",
-                dt.c_str(), context, t_step * 1e3, 1.0 / t_step, cpu_step * 1e3,
+                dt.c_str(), batch, context, t_step * 1e3, batch / t_step, cpu_step * 1e3,
                 double(launches) / n_steps);
     std::printf("  %-28s %9s %10s %10s %8s\n", "kernel", "calls", "ms/step", "us/call", "share");
     for (const auto& [name, t] : rows)
