@@ -76,13 +76,6 @@ typedef short v32s_u __attribute__((__vector_size__(64), __aligned__(2)));
 typedef int v16i __attribute__((__vector_size__(64)));
 typedef float v16f __attribute__((ext_vector_type(16)));
 
-inline float hsum16_v(v16f v) {
-  const float8 a = v.lo + v.hi;
-  const float4 b = a.lo + a.hi;
-  const float2 c = b.lo + b.hi;
-  return c.x + c.y;
-}
-
 // While a work-item's last row tile of a column tile runs (its weight rows then come from cache,
 // read by the tiles before it), the lines of the next column tile's weight rows are prefetched
 // (pf: their TN row pointers; null for none): a step reads one 64-byte line of each row, so one
@@ -121,7 +114,7 @@ void tile_dots_bf16(global const ushort* const* xr, global const ushort* const* 
 #pragma unroll
   for (int i = 0; i < TM; ++i)
 #pragma unroll
-    for (int j = 0; j < TN; ++j) out[i * TN + j] = hsum16_v(acc[i][j]);
+    for (int j = 0; j < TN; ++j) out[i * TN + j] = hsum16(acc[i][j]);  // common.cl's order
 }
 #else
 // The 32 bf16 values at p as f32: lane l of *even gets element 2l, of *odd element 2l + 1. With
