@@ -3,9 +3,9 @@
 // exact FP8 GEMV (ops::linear_fp8) on the dsv3-mini shapes, in time and in accuracy.
 //
 // Weights are drawn as a checkpoint's are made: normal values, each 128 x 128 block scaled by its
-// largest |value| / 448 and rounded to e4m3 (deepseek_v3::f32_to_e4m3). The int8 path quantizes
-// those dequantized weights again, per 128-wide row block (linear_int8.cl), and quantizes each
-// call's activations per 128-wide block.
+// largest |value| / 448 and rounded to e4m3 (deepseek_v3::quantize_fp8_blocks, as make-model's
+// FP8 presets). The int8 path quantizes those dequantized weights again, per 128-wide row block
+// (linear_int8.cl), and quantizes each call's activations per 128-wide block.
 //
 // Time: both variants alternate call by call in this process (the machine's speed drifts by a
 // third within seconds, so separate runs cannot settle a 10% question), each call walking a ring of
@@ -16,7 +16,7 @@
 //
 // Accuracy: the relative rms error, against a double product over the dequantized weights and the
 // f32 activations, of the exact FP8 GEMV, of the int8 one, and of DeepSeek's own FP8 recipe (the
-// activations rounded to e4m3 per 128-wide block, as act_quant.cl does; computed here on the host),
+// activations rounded to e4m3 per 128-wide block by ops::act_quant_fp8, then the FP8 GEMV),
 // for normal activations and for normal activations whose every 64th channel is 30x larger (the
 // outlier channels of LLM activations).
 #include <algorithm>
@@ -28,6 +28,7 @@
 
 #include "bench_util.h"
 #include "models/deepseek_v3/presets.h"
+#include "runtime/ops_mla.h"
 #include "runtime/ops_moe.h"
 
 namespace clshard {
@@ -53,26 +54,13 @@ HostWeight make_weight(uint32_t N, uint32_t K, std::mt19937& rng) {
   std::normal_distribution<float> normal(0.0f, 0.02f);
   std::vector<float> v(size_t(N) * K);
   for (auto& e : v) e = normal(rng);
-  const uint32_t NB = N / 128, KB = K / 128;
+  const uint32_t KB = K / 128;
   HostWeight w;
   w.codes.resize(v.size());
   w.dequant.resize(v.size());
-  w.scales.resize(size_t(NB) * KB);
-  for (uint32_t nb = 0; nb < NB; ++nb)
-    for (uint32_t kb = 0; kb < KB; ++kb) {
-      float amax = 0;
-      for (uint32_t n = nb * 128; n < nb * 128 + 128; ++n)
-        for (uint32_t k = kb * 128; k < kb * 128 + 128; ++k)
-          amax = std::max(amax, std::fabs(v[size_t(n) * K + k]));
-      const float s = amax / 448.0f;
-      w.scales[size_t(nb) * KB + kb] = s;
-      for (uint32_t n = nb * 128; n < nb * 128 + 128; ++n)
-        for (uint32_t k = kb * 128; k < kb * 128 + 128; ++k) {
-          const size_t i = size_t(n) * K + k;
-          w.codes[i] = deepseek_v3::f32_to_e4m3(v[i] / s);
-          w.dequant[i] = reference::e4m3_to_f32(w.codes[i]) * s;
-        }
-    }
+  w.scales.resize(size_t(N / 128) * KB);
+  deepseek_v3::quantize_fp8_blocks(v.data(), N, K, w.codes.data(), w.scales.data());
+  reference::dequantize_fp8(w.codes.data(), w.scales.data(), N, K, w.dequant.data());
   w.q.resize(v.size());
   w.q_scales.resize(size_t(N) * KB);
   w.q_dequant.resize(v.size());
@@ -183,21 +171,6 @@ double rel_rms(const std::vector<T>& y, const std::vector<double>& ref) {
   return std::sqrt(e / r);
 }
 
-// x rounded as act_quant.cl does: per 128-wide block, s = clamp(amax, 1e-4, 1200) / 448.
-std::vector<float> act_quant_e4m3(const std::vector<float>& x, uint32_t M, uint32_t K) {
-  std::vector<float> out(x.size());
-  for (uint32_t m = 0; m < M; ++m)
-    for (uint32_t k0 = 0; k0 < K; k0 += 128) {
-      float amax = 0;
-      for (uint32_t k = k0; k < k0 + 128; ++k) amax = std::max(amax, std::fabs(x[size_t(m) * K + k]));
-      const float s = std::clamp(amax, 1e-4f, 1200.0f) / 448.0f;
-      for (uint32_t k = k0; k < k0 + 128; ++k)
-        out[size_t(m) * K + k] =
-            reference::e4m3_to_f32(deepseek_v3::f32_to_e4m3(x[size_t(m) * K + k] / s)) * s;
-    }
-  return out;
-}
-
 std::vector<double> product(const std::vector<float>& x, const std::vector<float>& w, uint32_t M,
                             uint32_t N, uint32_t K) {
   std::vector<double> y(size_t(M) * N);
@@ -233,6 +206,7 @@ Row run_shape(Device& dev, const Shape& s, int rounds, double roofline_gbs) {
 
   Int8Gemv int8(dev, s.M, s.N, s.K);
   cl::Mem x = dev.alloc(size_t(s.M) * s.K * 4), y = dev.alloc(size_t(s.M) * s.N * 4);
+  cl::Mem xq = dev.alloc(size_t(s.M) * s.K * 4);  // x as act_quant_fp8 rounds it
   std::vector<float> yh(size_t(s.M) * s.N);
 
   // Accuracy, on the first copy: [distribution][fp8, int8, int8 weights with f32 x, e4m3 x].
@@ -252,7 +226,10 @@ Row run_shape(Device& dev, const Shape& s, int rounds, double roofline_gbs) {
     row.err[dist][1] = rel_rms(yh, ref);
     row.kernel_err = std::max(row.kernel_err, rel_rms(yh, int8.expected(hw)));
     row.err[dist][2] = rel_rms(product(xh, hw.q_dequant, s.M, s.N, s.K), ref);
-    row.err[dist][3] = rel_rms(product(act_quant_e4m3(xh, s.M, s.K), hw.dequant, s.M, s.N, s.K), ref);
+    ops::act_quant_fp8(dev, x, 0, s.K, s.M, s.K, xq);
+    ops::linear_fp8(dev, xq, 0, s.K, ring[0].codes, ring[0].scales, y, 0, s.N, s.M);
+    dev.read(y, yh.data(), yh.size() * 4);
+    row.err[dist][3] = rel_rms(yh, ref);
   }
 
   // Time: rounds of one ring pass per variant, the order rotated every round.
@@ -340,7 +317,7 @@ int main(int argc, char** argv) {
   std::printf("\nRelative rms error against a double product over the dequantized FP8 weights and "
               "the f32 activations:\n  fp8: the FP8 GEMV; int8: the int8 GEMV; w8: the int8 weights "
               "with f32 activations (host);\n  e4m3 x: DeepSeek's act_quant recipe, activations "
-              "rounded to e4m3 per 128-wide block, exact weights (host)\n");
+              "rounded to e4m3 per 128-wide block (act_quant_fp8), then the FP8 GEMV\n");
   std::printf("%4s %5s %5s | %-31s | %-31s\n", "M", "N", "K", "normal x: fp8 int8 w8 e4m3x",
               "every 64th channel x30: same");
   for (const Row& r : rows) {

@@ -119,22 +119,10 @@ class Writer {
       return;
     }
     const int64_t rb = (rows + 127) / 128, cb = (cols + 127) / 128;
-    std::vector<float> scale(size_t(rb * cb), 1.0f);
+    std::vector<float> scale(size_t(rb * cb));
     TensorToWrite q{prefix + ".weight", DType::F8_E4M3, {rows, cols}, {}};
     q.data.resize(size_t(rows * cols));
-    for (int64_t br = 0; br < rb; ++br)
-      for (int64_t bc = 0; bc < cb; ++bc) {
-        const int64_t r1 = std::min(rows, (br + 1) * 128), c1 = std::min(cols, (bc + 1) * 128);
-        float amax = 0;
-        for (int64_t r = br * 128; r < r1; ++r)
-          for (int64_t c = bc * 128; c < c1; ++c) amax = std::max(amax, std::abs(v[size_t(r * cols + c)]));
-        // The block's largest magnitude maps to e4m3's largest finite value, 448.
-        const float s = amax > 0 ? amax / 448.0f : 1.0f;
-        scale[size_t(br * cb + bc)] = s;
-        for (int64_t r = br * 128; r < r1; ++r)
-          for (int64_t c = bc * 128; c < c1; ++c)
-            q.data[size_t(r * cols + c)] = f32_to_e4m3(v[size_t(r * cols + c)] / s);
-      }
+    quantize_fp8_blocks(v.data(), rows, cols, q.data.data(), scale.data());
     out_.push_back(std::move(q));
     out_.push_back(encode(prefix + ".weight_scale_inv", {rb, cb}, scale, DType::F32));
   }
@@ -266,6 +254,23 @@ uint8_t f32_to_e4m3(float x) {
   }
   const int code = std::min(((exp + 7) << 3) | mant, 0x7E);
   return sign | uint8_t(code);
+}
+
+void quantize_fp8_blocks(const float* v, int64_t rows, int64_t cols, uint8_t* codes,
+                         float* scales) {
+  const int64_t cb = (cols + 127) / 128;
+  for (int64_t br = 0; br * 128 < rows; ++br)
+    for (int64_t bc = 0; bc < cb; ++bc) {
+      const int64_t r1 = std::min(rows, (br + 1) * 128), c1 = std::min(cols, (bc + 1) * 128);
+      float amax = 0;
+      for (int64_t r = br * 128; r < r1; ++r)
+        for (int64_t c = bc * 128; c < c1; ++c) amax = std::max(amax, std::abs(v[r * cols + c]));
+      // The block's largest magnitude maps to e4m3's largest finite value, 448.
+      const float s = amax > 0 ? amax / 448.0f : 1.0f;
+      scales[br * cb + bc] = s;
+      for (int64_t r = br * 128; r < r1; ++r)
+        for (int64_t c = bc * 128; c < c1; ++c) codes[r * cols + c] = f32_to_e4m3(v[r * cols + c] / s);
+    }
 }
 
 std::vector<std::string> preset_names() {

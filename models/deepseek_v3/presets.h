@@ -35,4 +35,10 @@ nlohmann::ordered_json preset_config(const std::string& name, const std::string&
 // each block so that its largest magnitude maps to 448).
 uint8_t f32_to_e4m3(float x);
 
+// v [rows, cols] as an FP8 checkpoint holds it: each 128 x 128 block scaled so that its largest
+// magnitude maps to 448 (scales [ceil(rows / 128), ceil(cols / 128)], 1 for an all-zero block) and
+// rounded to e4m3 (codes [rows, cols]).
+void quantize_fp8_blocks(const float* v, int64_t rows, int64_t cols, uint8_t* codes,
+                         float* scales);
+
 }  // namespace clshard::deepseek_v3
