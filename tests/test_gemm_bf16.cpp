@@ -259,25 +259,39 @@ TEST_P(GemmBf16, SwigluWithNormMatchesDoubleReference) {
 }
 
 // The two micro-kernels add the same exact products in the same order (vdpbf16ps's: the odd
-// element of each pair, then the even one): on inputs without bf16 denormals they agree to the
-// bit. Where the device has no dot product both runs are the portable kernel. Odd K (rows on
-// 2-byte boundaries: the portable kernel's ushort loads) and even K (its 4-byte word loads).
+// element of each pair, then the even one) and reduce the lanes in hsum16's order (the dot
+// product 16 accumulators at once, the portable kernel one by one): on inputs without bf16
+// denormals they agree to the bit. Where the device has no dot product both runs are the portable
+// kernel. Odd K (rows on 2-byte boundaries: the portable kernel's ushort loads) and even K (its
+// 4-byte word loads); linear and the GLU epilogue; tiles of 24, 32, 4 and 6 sums (3 x 2; with GLU 3 + 3) (the reduction's
+// groups of 16, whole and padded) besides the device's own.
 TEST(GemmBf16Variants, DotProductAndPortableAgreeToTheBit) {
   Device& dev = test::default_device();
+  const uint32_t M = 9, N = 23;
   for (const uint32_t K : {333u, 334u}) {
-    SCOPED_TRACE("K=" + std::to_string(K));
-    const uint32_t M = 9, N = 23;
-    std::vector<float> x = random_vec(size_t(M) * K, 41, 4.0f), wv = random_vec(size_t(N) * K, 42);
-    Weight w = bf16_weight(dev, wv, {N, K}, "w");
+    std::vector<float> x = random_vec(size_t(M) * K, 41, 4.0f), wv = random_vec(size_t(N) * K, 42),
+                       uv = random_vec(size_t(N) * K, 43);
+    Weight w = bf16_weight(dev, wv, {N, K}, "w"), u = bf16_weight(dev, uv, {N, K}, "u");
     cl::Mem xm = test::upload_bytes(dev, x.data(), x.size() * 4);
-    std::vector<float> out[2];
-    for (Variant v : {Variant::Selected, Variant::Portable}) {
-      DeviceScope scope(dev, GemmCase{M, N, K, v});
-      cl::Mem ym = dev.alloc(size_t(M) * N * 4);
-      ops::linear(dev, xm, 0, K, w, nullptr, ym, 0, N, M, 1.0f, false, ComputeDType::BF16);
-      out[int(v)] = download(dev, ym, size_t(M) * N);
+    for (const auto& [tm, tn] : std::vector<std::pair<uint32_t, uint32_t>>{
+             {0, 0}, {4, 6}, {8, 4}, {4, 1}, {3, 2}}) {
+      for (const bool glu : {false, true}) {
+        SCOPED_TRACE("K=" + std::to_string(K) + " tile " + std::to_string(tm) + "x" +
+                     std::to_string(tn) + (glu ? " glu" : ""));
+        std::vector<float> out[2];
+        for (Variant v : {Variant::Selected, Variant::Portable}) {
+          DeviceScope scope(dev, GemmCase{M, N, K, v, KernelShape::Chunks, tm, tn});
+          cl::Mem ym = dev.alloc(size_t(M) * N * 4);
+          if (glu)
+            ops::linear_swiglu(dev, xm, 0, K, nullptr, 0.0f, w, u, ym, 0, N, M, ComputeDType::BF16);
+          else
+            ops::linear(dev, xm, 0, K, w, nullptr, ym, 0, N, M, 1.0f, false, ComputeDType::BF16);
+          out[int(v)] = download(dev, ym, size_t(M) * N);
+        }
+        for (size_t i = 0; i < out[0].size(); ++i)
+          ASSERT_EQ(std::memcmp(&out[0][i], &out[1][i], 4), 0) << i;
+      }
     }
-    for (size_t i = 0; i < out[0].size(); ++i) ASSERT_EQ(out[0][i], out[1][i]) << i;
   }
 }
 
