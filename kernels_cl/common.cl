@@ -26,6 +26,49 @@ inline float hsum16(float16 v) {
   return c.x + c.y;
 }
 
+// hsum16 of 16 vectors at once: lane p of the result is hsum16(a[p]), the same bits. Each step
+// adds the same two lanes of each vector as hsum16 does (halves, quarters, pairs, then x + y),
+// with the vectors packed side by side so that one vector add serves 2, 4, 8 and then 16 of them
+// (float addition commutes). Where the compiler has no __builtin_shufflevector, hsum16 one by one.
+// 16 sums take about 45 instructions so, against about 130 one by one (linear_bf16.cl's tiles,
+// attention.cl's scores).
+#ifdef __clang__
+inline float16 sum_halves(float16 a, float16 b) {  // lanes 0-7: a's 8 partial sums, 8-15: b's
+  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+         __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+inline float16 sum_quarters(float16 a, float16 b) {  // 4 lanes per vector: a's two, then b's two
+  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+         __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+}
+// Quarter q: lanes x, y of vector q of a's four, then of vector q of b's four.
+inline float16 sum_pairs(float16 a, float16 b) {
+  return __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+         __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+}
+// x + y of vector p (a holds 0-7: p % 4's quarter, the first pair for p < 4; b holds 8-15).
+inline float16 sum_last(float16 a, float16 b) {
+  return __builtin_shufflevector(a, b, 0, 4, 8, 12, 2, 6, 10, 14, 16, 20, 24, 28, 18, 22, 26, 30) +
+         __builtin_shufflevector(a, b, 1, 5, 9, 13, 3, 7, 11, 15, 17, 21, 25, 29, 19, 23, 27, 31);
+}
+inline float16 hsum16_x16(const float16* a) {
+  float16 h[8], q[4], p[2];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) h[i] = sum_halves(a[2 * i], a[2 * i + 1]);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) q[i] = sum_quarters(h[2 * i], h[2 * i + 1]);
+#pragma unroll
+  for (int i = 0; i < 2; ++i) p[i] = sum_pairs(q[2 * i], q[2 * i + 1]);
+  return sum_last(p[0], p[1]);
+}
+#else
+inline float16 hsum16_x16(const float16* a) {
+  float s[16];
+  for (int i = 0; i < 16; ++i) s[i] = hsum16(a[i]);
+  return vload16(0, s);
+}
+#endif
+
 // The end of a GPU-shaped row sum: the lanes' partial sums of `rows` rows (partial: rows x wg
 // floats in local memory, row r at r * wg, every lane's written) are added into slot 0 of each
 // row by a tree, halves, then quarters, ..., with a barrier before and after each step; the

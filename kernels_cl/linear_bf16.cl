@@ -104,44 +104,6 @@ typedef float v16f_u __attribute__((ext_vector_type(16), __aligned__(4)));
 #define PREFETCH_NEXT_ROWS(pf, k)
 #endif
 
-#if BF16_DOT
-// hsum16 of 16 accumulators at once, result lane p = hsum16(a[p]): each step adds the same two
-// lanes of each accumulator as hsum16 does (halves, quarters, pairs, then x + y), with the
-// accumulators packed side by side so that one vector add serves 2, 4, 8 and 16 of them. The bits
-// are hsum16's (float addition commutes). A 4 x 6 tile's code after its loop went from 200
-// instructions to about 80; with the GLU epilogue's sums 16 at a time (linear_bf16 below), the
-// 512-row GEMMs ran 1.05-1.09x (gate|up with SwiGLU), 1.01 (q/k/v), 1.02 (o) and 1.02x (down)
-// faster (in-process A/B on the 2-core EPYC, 15 pairs each).
-inline v16f sum_halves(v16f a, v16f b) {  // lanes 0-7: a's 8 partial sums, 8-15: b's
-  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-         __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-}
-inline v16f sum_quarters(v16f a, v16f b) {  // 4 lanes per accumulator: a's two, then b's two
-  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-         __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-}
-// Quarter q: lanes x, y of accumulator q of a's four, then of accumulator q of b's four.
-inline v16f sum_pairs(v16f a, v16f b) {
-  return __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
-         __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
-}
-// x + y of accumulator p (a holds 0-7: p % 4's quarter, the first pair for p < 4; b holds 8-15).
-inline v16f sum_last(v16f a, v16f b) {
-  return __builtin_shufflevector(a, b, 0, 4, 8, 12, 2, 6, 10, 14, 16, 20, 24, 28, 18, 22, 26, 30) +
-         __builtin_shufflevector(a, b, 1, 5, 9, 13, 3, 7, 11, 15, 17, 21, 25, 29, 19, 23, 27, 31);
-}
-inline v16f hsum16_x16(const v16f* a) {
-  v16f h[8], q[4], p[2];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) h[i] = sum_halves(a[2 * i], a[2 * i + 1]);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) q[i] = sum_quarters(h[2 * i], h[2 * i + 1]);
-#pragma unroll
-  for (int i = 0; i < 2; ++i) p[i] = sum_pairs(q[2 * i], q[2 * i + 1]);
-  return sum_last(p[0], p[1]);
-}
-#endif
-
 // out[OUT_INDEX(i, j)] = the sum over the first K32 * 32 elements of xr[i] . wr[j].
 #if BF16_DOT
 __attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl"))) __attribute__((noinline))
@@ -164,7 +126,11 @@ void tile_dots_bf16(global const ushort* const* xr, global const ushort* const* 
       for (int j = 0; j < TN; ++j) acc[i][j] = __builtin_ia32_dpbf16ps_512(acc[i][j], xv, wv[j]);
     }
   }
-  // The sums in OUT_INDEX's order, 16 per vector; the slots past the tile's add zeros.
+  // The sums in OUT_INDEX's order, 16 per vector (common.cl's hsum16_x16; the slots past the
+  // tile's add zeros). A 4 x 6 tile's code after its loop went from 200 instructions to about 80;
+  // with the GLU epilogue's sums 16 at a time (linear_bf16 below), the 512-row GEMMs ran
+  // 1.05-1.09x (gate|up with SwiGLU), 1.01 (q/k/v), 1.02 (o) and 1.02x (down) faster than with
+  // hsum16 one by one (in-process A/B on the 2-core EPYC, 15 pairs each).
   v16f flat[OUT_PADDED];
 #pragma unroll
   for (int p = 0; p < OUT_PADDED; ++p) flat[p] = (v16f)(0.0f);
