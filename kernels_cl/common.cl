@@ -155,6 +155,7 @@ typedef wtype ntype;
 inline void silu_tile(const float* sums, uint ld, const float* scale, uint rows, uint cols,
                       float* act) {
   const uint n = rows * cols;
+#pragma unroll  // constant indices: not a gather from computed ones
   for (uint c = 0; c < SILU_PADDED(n); ++c)
     act[c] = c < n ? sums[c / cols * ld + c % cols] * (scale ? scale[c / cols] : 1.0f) : 0.0f;
   for (uint c = 0; c < SILU_PADDED(n); c += 16) {

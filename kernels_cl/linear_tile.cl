@@ -84,10 +84,28 @@ inline void tile_dots(global const float* xr[TM], global const wtype* wr[TN],
     }
   }
 
+#if TM * TN >= 8
+  // 16 sums at a time (common.cl's hsum16_x16, hsum16's bits), row-major; from 8 sums on it takes
+  // fewer instructions than hsum16 one by one. With silu_tile's copy unrolled, the 512-row f32
+  // compute GEMMs ran 1.00-1.01x (q/k/v, o, down) and 1.03x (gate|up with SwiGLU) faster, and
+  // batches of 1 and 8 alike (in-process A/B, 11-25 pairs, on the 2-core EPYC).
+  float16 flat[(TM * TN + 15) / 16 * 16];
+#pragma unroll
+  for (int p = 0; p < (TM * TN + 15) / 16 * 16; ++p)
+    flat[p] = p < TM * TN ? acc[p / TN][p % TN] : (float16)(0.0f);
+#pragma unroll
+  for (int p = 0; p < TM * TN; p += 16) {
+    float sums[16];
+    vstore16(hsum16_x16(flat + p), 0, sums);
+#pragma unroll
+    for (int q = 0; q < 16 && p + q < TM * TN; ++q) out[(p + q) / TN][(p + q) % TN] = sums[q];
+  }
+#else
 #pragma unroll
   for (int i = 0; i < TM; ++i)
 #pragma unroll
     for (int j = 0; j < TN; ++j) out[i][j] = hsum16(acc[i][j]);
+#endif
 #endif
   for (uint k = K / 16 * 16; k < K; ++k) {
 #pragma unroll
