@@ -21,15 +21,6 @@
 #endif
 
 #define V16 ((HEAD_DIM + 15) / 16)
-// Chunk i (16 floats) of a head's row at p, zeros past HEAD_DIM (with HEAD_DIM % 16 == 8, the
-// last chunk's upper half): the products of the padding are exact zeros.
-#if HEAD_DIM % 16
-#define HEAD16(i, p, LOAD8, LOAD16) \
-  ((i) == V16 - 1 ? (float16)(LOAD8(2 * (i), p), (float8)(0.0f)) : LOAD16(i, p))
-#else
-#define HEAD16(i, p, LOAD8, LOAD16) LOAD16(i, p)
-#endif
-
 kernel void paged_attention(global const float* q, uint ldq, global const ctype* cache,
                             global const uint* token_row, global const uint* token_pos,
                             global const uint* lookup, uint pages_per_row, uint page_size,
@@ -42,7 +33,6 @@ kernel void paged_attention(global const float* q, uint ldq, global const ctype*
   const uint last = token_pos[t];
   global const uint* lut = lookup + (size_t)b * pages_per_row;
   const size_t kv_row = (size_t)n_kv_heads * HEAD_DIM;
-  const int16 lane = (int16)(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 
   float16 qv[QH][V16], acc[QH][V16];
   float m[QH], l[QH];
@@ -51,7 +41,7 @@ kernel void paged_attention(global const float* q, uint ldq, global const ctype*
     global const float* qp = q + (size_t)t * ldq + (h0 + g) * HEAD_DIM;
 #pragma unroll
     for (int i = 0; i < V16; ++i) {
-      qv[g][i] = HEAD16(i, qp, vload8, vload16) * scale;
+      qv[g][i] = CHUNK16(i, qp, HEAD_DIM, vload8, vload16) * scale;
       acc[g][i] = (float16)(0.0f);
     }
     m[g] = -INFINITY;
@@ -86,28 +76,23 @@ kernel void paged_attention(global const float* q, uint ldq, global const ctype*
 #pragma unroll
       for (int j = 0; j < BLOCK; ++j) {
         global const ctype* k = cache + key_at[j];
-        float16 d = qv[g][0] * HEAD16(0, k, LOADC8, LOADC16);
+        float16 d = qv[g][0] * CHUNK16(0, k, HEAD_DIM, LOADC8, LOADC16);
 #pragma unroll
-        for (int i = 1; i < V16; ++i) d = fma(qv[g][i], HEAD16(i, k, LOADC8, LOADC16), d);
+        for (int i = 1; i < V16; ++i)
+          d = fma(qv[g][i], CHUNK16(i, k, HEAD_DIM, LOADC8, LOADC16), d);
         dots[j] = d;
       }
-      const float16 s = select(hsum16_x16(dots), (float16)(-INFINITY), lane >= (int16)(n));
-      const float8 m8 = fmax(s.lo, s.hi);
-      const float4 m4 = fmax(m8.lo, m8.hi);
-      const float m_new = fmax(m[g], fmax(fmax(m4.x, m4.y), fmax(m4.z, m4.w)));
-      const float corr = exp(m[g] - m_new);
+      float16 e;
+      const float corr = softmax_block16(hsum16_x16(dots), n, &m[g], &l[g], &e);
 #pragma unroll
       for (int i = 0; i < V16; ++i) acc[g][i] *= corr;
-      const float16 e = exp(s - m_new);
-      l[g] = l[g] * corr + hsum16(e);
       vstore16(e, 0, w[g]);
-      m[g] = m_new;
     }
     for (uint j = 0; j < n; ++j) {
       global const ctype* v = cache + key_at[j] + value_from_key;
       float16 vv[V16];
 #pragma unroll
-      for (int i = 0; i < V16; ++i) vv[i] = HEAD16(i, v, LOADC8, LOADC16);
+      for (int i = 0; i < V16; ++i) vv[i] = CHUNK16(i, v, HEAD_DIM, LOADC8, LOADC16);
 #pragma unroll
       for (int g = 0; g < QH; ++g)
 #pragma unroll

@@ -32,6 +32,12 @@ inline float hsum16(float16 v) {
 // (float addition commutes). Where the compiler has no __builtin_shufflevector, hsum16 one by one.
 // 16 sums take about 45 instructions so, against about 130 one by one (linear_bf16.cl's tiles,
 // attention.cl's scores).
+// Chunk i (16 floats) of a row of D floats at p, read by LOAD8 / LOAD16 (vload8 / vload16 or a
+// cache's LOADC8 / LOADC16); with D % 16 == 8 the last chunk's upper half is zeros, whose products
+// are exact zeros (the attention kernels' rows of D a multiple of 8).
+#define CHUNK16(i, p, D, LOAD8, LOAD16) \
+  ((D) % 16 && (i) == (D) / 16 ? (float16)(LOAD8(2 * (i), p), (float8)(0.0f)) : LOAD16(i, p))
+
 #ifdef __clang__
 inline float16 sum_halves(float16 a, float16 b) {  // lanes 0-7: a's 8 partial sums, 8-15: b's
   return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
@@ -293,6 +299,23 @@ inline float wg_max(float v, local float* scratch) {
 // while nothing was seen (m = -inf), never NaN.
 inline float softmax_rescale(float m, float m_new) {
   return m == -INFINITY ? 0.0f : exp(m - m_new);
+}
+
+// The online softmax's step over a block of up to 16 scores held in one vector (the CPU shape's
+// attention kernels: attention.cl, mla.cl): lanes n and past are masked out, the running max *m
+// and sum *l move on, *w gets the block's weights exp(s - m_new) (0 past n), and the returned
+// softmax_rescale factor is what the caller multiplies its value accumulators by.
+inline float softmax_block16(float16 s, uint n, float* m, float* l, float16* w) {
+  const int16 lane = (int16)(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  s = select(s, (float16)(-INFINITY), lane >= (int16)(n));
+  const float8 m8 = fmax(s.lo, s.hi);
+  const float4 m4 = fmax(m8.lo, m8.hi);
+  const float m_new = fmax(*m, fmax(fmax(m4.x, m4.y), fmax(m4.z, m4.w)));
+  const float corr = softmax_rescale(*m, m_new);
+  *w = exp(s - m_new);
+  *l = *l * corr + hsum16(*w);
+  *m = m_new;
+  return corr;
 }
 
 // One row's step of the online softmax over a tile of n scores in local memory: the running max
