@@ -347,7 +347,8 @@ kernel void moe_tiles(global const uint* expert_offsets, uint n_experts, uint ro
 // linear_fp8.cl use for it, whichever rows share its tile. Dimension 0 walks blocks of
 // col_tiles_per_item column tiles (TN features each, within one matrix).
 // Build options: -DTM -DTN, -DWEIGHT_TYPE=0|1|2 (common.cl) or -DGROUPED_FP8=1 -DFP8_DENORM, and
-// -DCOLUMNS_IN_TURN=0|1 (one-row tiles, as linear.cl).
+// -DCOLUMNS_IN_TURN=0|1 (one-row tiles, as linear.cl); -DGROUPED_BF16=1 with -DWEIGHT_TYPE=1,
+// -DBF16_DOT and -DPAIRS_ALIGNED (bf16_tile.cl) takes x as bf16 rows (ldx their stride).
 #if defined(WEIGHT_TYPE) || defined(GROUPED_FP8)
 #ifndef TM
 #define TM 1
@@ -360,18 +361,31 @@ kernel void moe_tiles(global const uint* expert_offsets, uint n_experts, uint ro
 #endif
 #if GROUPED_FP8
 typedef uchar gw_t;
+typedef float gx_t;
 #include "fp8_tile.cl"
+#elif GROUPED_BF16
+// model.compute_dtype: bf16 with bf16 experts and 4-row tiles: x rows rounded to bf16, the sums
+// of linear_bf16.cl's GEMM (bf16_tile.cl).
+typedef ushort gw_t;
+typedef ushort gx_t;
+#ifndef BF16_DOT
+#define BF16_DOT 0
+#endif
+#define GLU 0
+#include "bf16_tile.cl"
+typedef struct { int unused; } Fp8ScaledX;
 #else
 typedef wtype gw_t;
+typedef float gx_t;
 #include "linear_tile.cl"
 typedef struct { int unused; } Fp8ScaledX;
 #endif
 
-inline void grouped_tile(global const float* x, uint ldx, global const uint* x_rows, int indirect,
+inline void grouped_tile(global const gx_t* x, uint ldx, global const uint* x_rows, int indirect,
                          global const gw_t* w, global const float* srow, uint KB, global float* y,
                          uint ldy, uint y_col, uint N, uint K, uint m0, uint m_end, uint n0,
                          uint pf_stride, Fp8ScaledX* sx) {
-  global const float* xr[TM];
+  global const gx_t* xr[TM];
   global const gw_t* wr[TN];
 #pragma unroll
   for (int i = 0; i < TM; ++i) {
@@ -380,11 +394,18 @@ inline void grouped_tile(global const float* x, uint ldx, global const uint* x_r
   }
 #pragma unroll
   for (int j = 0; j < TN; ++j) wr[j] = w + (size_t)min(n0 + j, N - 1) * K;
+#if GROUPED_BF16
+  float sums[OUT_PADDED];
+  tile_sums_bf16(xr, wr, K, 0, sums);
+#define OUT(i, j) sums[OUT_INDEX(i, j)]
+#else
   float out[TM][TN];
+#define OUT(i, j) out[i][j]
+#endif
 #if GROUPED_FP8
   bool row_has_nan[TN];
   fp8_tile_dots(xr, wr, srow, KB, K, sx, out, row_has_nan);
-#else
+#elif !GROUPED_BF16
   tile_dots(xr, wr, 0, K, pf_stride, out);
 #endif
 #pragma unroll
@@ -396,15 +417,16 @@ inline void grouped_tile(global const float* x, uint ldx, global const uint* x_r
       const uint n = n0 + j;
       if (n >= N) break;
 #if GROUPED_FP8
-      yr[n] = row_has_nan[j] ? NAN : out[i][j];
+      yr[n] = row_has_nan[j] ? NAN : OUT(i, j);
 #else
-      yr[n] = out[i][j];
+      yr[n] = OUT(i, j);
 #endif
     }
   }
+#undef OUT
 }
 
-kernel void moe_grouped_linear(global const float* x, uint ldx, global const uint* x_rows,
+kernel void moe_grouped_linear(global const gx_t* x, uint ldx, global const uint* x_rows,
                                int indirect, global const gw_t* w, global const float* scales,
                                global const ulong* table, uint slot0, uint n_mats,
                                global const uint* tiles, global const uint* tile_count,

@@ -307,9 +307,32 @@ GroupedPlan plan_expert_tiles(Device& dev, const std::vector<uint32_t>& expert_o
   return p;
 }
 
+namespace {
+
+// The CPU shape's grouped launch (moe.cl's moe_grouped_linear, any of its weight types): as
+// ops::linear, enough column tiles (tn features) per work-item that a launch is a few hundred
+// work-items (PoCL pays about a microsecond per work-group), counting the tiles that will have rows.
+void launch_grouped(Device& dev, cl::Kernel& k, const cl::Mem& x, uint32_t ldx,
+                    const cl::Mem* x_rows, const GroupedExperts& g, uint32_t slot0,
+                    uint32_t n_mats, const GroupedPlan& plan, const cl::Mem& y, uint32_t ldy,
+                    uint32_t N, uint32_t K, uint32_t tn) {
+  const uint32_t col_tiles = ceil_div(N, tn) * n_mats;
+  const uint32_t busy_tiles = std::min(plan.max_tiles, ceil_div(plan.rows, plan.rows_per_tile) +
+                                                           std::min(plan.rows, plan.n_experts));
+  uint32_t per_item = 1;
+  while (per_item < 16 && uint64_t(col_tiles) * busy_tiles / (per_item * 2) >= 256) per_item *= 2;
+  cl::set_args(k, x, ldx, x_rows ? *x_rows : x, int(x_rows != nullptr), g.mem, g.mem, g.table,
+               slot0, n_mats, plan.tiles.mem(), plan.tile_count.mem(), plan.expert_offsets.mem(),
+               plan.rows_per_tile, y, ldy, N, K, per_item);
+  dev.launch(k, {ceil_div(col_tiles, per_item), plan.max_tiles, 1}, 2);
+}
+
+}  // namespace
+
 void moe_grouped_linear(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::Mem* x_rows,
                         const GroupedExperts& g, uint32_t slot0, uint32_t n_mats,
-                        const GroupedPlan& plan, const cl::Mem& y, uint32_t ldy) {
+                        const GroupedPlan& plan, const cl::Mem& y, uint32_t ldy,
+                        ComputeDType compute, uint32_t x_count) {
   if (!g || slot0 + n_mats > 3 || g.n_experts != plan.n_experts)
     throw std::invalid_argument("moe_grouped_linear: the plan covers " +
                                 std::to_string(plan.n_experts) + " experts, the weights " +
@@ -318,8 +341,28 @@ void moe_grouped_linear(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::M
   if (plan.rows == 0) return;
   const bool down = slot0 == 2;
   const uint32_t N = down ? g.hidden : g.inter, K = down ? g.inter : g.hidden;
-  constexpr uint32_t tn = 4;
+  // bf16 compute as ops::linear's GEMMs of 4 rows and more: where the plan has 4-row tiles
+  // (the experts average 4 rows or more); decode's one-row tiles stream their weights in f32.
+  // dsv3-mini's 512-token prefill with model.compute_dtype: bf16 ran 489-514 tok/s against
+  // 371-378 with these tiles in f32 (3 interleaved pairs, the 2-core EPYC).
+  const bool bf16 = compute == ComputeDType::BF16 && g.dtype == DType::BF16 &&
+                    plan.tm >= kGemmRowsFrom && dev.kernel_shape() == KernelShape::Chunks;
+  const uint32_t tn = bf16 ? dev.tuning().gemm_bf16_tn : 4;
   std::string opts = " -DTM=" + std::to_string(plan.tm) + " -DTN=" + std::to_string(tn);
+  if (bf16) {
+    const uint32_t rows = x_rows ? x_count : plan.rows;
+    if (x_rows && x_count == 0)
+      throw std::invalid_argument("moe_grouped_linear: bf16 compute over token rows needs x_count");
+    // As gemm_bf16: rows of whole 32-element steps and one more, rounded once.
+    const uint32_t ldxb = (K + 31) / 32 * 32 + 32;
+    Scratch xb(dev, size_t(rows) * ldxb * 2);
+    round_bf16(dev, x, 0, ldx, rows, K, xb.mem(), ldxb);
+    opts += " -DGROUPED_BF16=1 -DWEIGHT_TYPE=1 -DPAIRS_ALIGNED=0 -DBF16_DOT=" +
+            std::string(bf16_dot_product(dev) ? "1" : "0");
+    cl::Kernel k = dev.kernel("moe.cl", "moe_grouped_linear", opts);
+    launch_grouped(dev, k, xb.mem(), ldxb, x_rows, g, slot0, n_mats, plan, y, ldy, N, K, tn);
+    return;
+  }
   switch (g.dtype) {
     case DType::F32: opts += " -DWEIGHT_TYPE=0"; break;
     case DType::BF16: opts += " -DWEIGHT_TYPE=1"; break;
@@ -359,17 +402,7 @@ void moe_grouped_linear(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::M
     return;
   }
   cl::Kernel k = dev.kernel("moe.cl", "moe_grouped_linear", opts);
-  // As ops::linear: enough column tiles per work-item that a launch is a few hundred work-items
-  // (PoCL pays about a microsecond per work-group), counting the tiles that will have rows.
-  const uint32_t col_tiles = ceil_div(N, tn) * n_mats;
-  const uint32_t busy_tiles = std::min(plan.max_tiles, ceil_div(plan.rows, plan.rows_per_tile) +
-                                                           std::min(plan.rows, plan.n_experts));
-  uint32_t per_item = 1;
-  while (per_item < 16 && uint64_t(col_tiles) * busy_tiles / (per_item * 2) >= 256) per_item *= 2;
-  cl::set_args(k, x, ldx, x_rows ? *x_rows : x, int(x_rows != nullptr), g.mem, g.mem, g.table,
-               slot0, n_mats, plan.tiles.mem(), plan.tile_count.mem(), plan.expert_offsets.mem(),
-               plan.rows_per_tile, y, ldy, N, K, per_item);
-  dev.launch(k, {ceil_div(col_tiles, per_item), plan.max_tiles, 1}, 2);
+  launch_grouped(dev, k, x, ldx, x_rows, g, slot0, n_mats, plan, y, ldy, N, K, tn);
 }
 
 }  // namespace ops

@@ -116,10 +116,14 @@ GroupedPlan plan_expert_tiles(Device& dev, const std::vector<uint32_t>& expert_o
 // r of the plan (slot 0 gate, 1 up, 2 down; N, K the matrix's shape): gate and up together write
 // dense_mlp's [gate | up] rows. row(r) = src_token[r] when x_rows is given (tokens read in place),
 // else r. Each row's sums are those ops::linear / linear_fp8 form for it in the device's kernel
-// shape (linear_wg's order in the WorkGroups shape for f32 / bf16 / f16).
+// shape (linear_wg's order in the WorkGroups shape for f32 / bf16 / f16). With
+// ComputeDType::BF16, bf16 experts and the plan's 4-row tiles (prefill), on the CPU shape, the rows
+// are rounded to bf16 and take ops::linear's bf16-compute sums (linear_bf16.cl's, bit for bit);
+// x_count is then the number of rows of x (the tokens, when x_rows is given).
 void moe_grouped_linear(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::Mem* x_rows,
                         const GroupedExperts& experts, uint32_t slot0, uint32_t n_mats,
-                        const GroupedPlan& plan, const cl::Mem& y, uint32_t ldy);
+                        const GroupedPlan& plan, const cl::Mem& y, uint32_t ldy,
+                        ComputeDType compute = ComputeDType::F32, uint32_t x_count = 0);
 }  // namespace clshard::ops
 
 // Plain C++ references used by the tests (and by the model's tests).

@@ -545,6 +545,8 @@ struct Case {
   KernelShape shape = KernelShape::Chunks;
   uint32_t vector = 0;  // KernelTuning::linear_vector for the GPU shape; 0: the device's
   bool nan_watch = false;  // FP8: the weights' NaN scan unknown, so the CPU tiles watch
+  ComputeDType compute = ComputeDType::F32;
+  bool portable = false;  // bf16 compute: the portable micro-kernel (gemm_bf16_dot 0)
 };
 
 class GroupedExperts : public ::testing::TestWithParam<Case> {};
@@ -560,6 +562,7 @@ TEST_P(GroupedExperts, MatchPerExpertOpsBitForBit) {
   test::ShapeScope scope(dev, c.shape);
   KernelTuning tuning = dev.tuning();
   if (c.vector) tuning.linear_vector = c.vector;
+  if (c.portable) tuning.gemm_bf16_dot = 0;
   test::TuningScope tuned(dev, tuning);
   const uint32_t routed = c.with_shared ? c.E - 1 : c.E, slots = c.k + (c.with_shared ? 1 : 0);
   const auto ids = random_ids(c.T, c.k, routed, 11 + c.T);
@@ -585,21 +588,49 @@ TEST_P(GroupedExperts, MatchPerExpertOpsBitForBit) {
   cl::Mem xb = upload(dev, x);
   const uint32_t F2 = 2 * c.F;
   cl::Mem gu = dev.alloc(size_t(S) * F2 * 4), out = dev.alloc(size_t(S) * c.H * 4);
-  ops::moe_grouped_linear(dev, xb, c.H, &plan.src_token.mem(), ex.grouped, 0, 2, plan, gu, F2);
+  ops::moe_grouped_linear(dev, xb, c.H, &plan.src_token.mem(), ex.grouped, 0, 2, plan, gu, F2,
+                          c.compute, c.T);
   // down reads the gate|up rows themselves (any f32 rows do), at stride 2F.
-  ops::moe_grouped_linear(dev, gu, F2, nullptr, ex.grouped, 2, 1, plan, out, c.H);
+  ops::moe_grouped_linear(dev, gu, F2, nullptr, ex.grouped, 2, 1, plan, out, c.H, c.compute);
 
   // The path it replaces: gather the tokens, then each expert's ops on its rows.
   cl::Mem rows = upload(dev, host.src_token), xg = dev.alloc(size_t(S) * c.H * 4);
   ops::gather_rows(dev, xb, c.H, rows, S, c.H, xg, c.H);
   cl::Mem gu_ref = dev.alloc(size_t(S) * F2 * 4), out_ref = dev.alloc(size_t(S) * c.H * 4);
-  for (uint32_t e = 0; e < c.E; ++e) {
+  if (c.compute == ComputeDType::BF16) {
+    // The bf16-compute GEMM's row sums do not depend on the rows around them, so each expert's
+    // reference is ops::linear over all S rows, of which the expert's own are kept (an expert of
+    // fewer than 4 rows would take the f32 GEMV by itself).
+    ASSERT_EQ(plan.tm, 4u) << "the case must plan 4-row tiles";
+    auto rows_of = [&](const cl::Mem& in, uint32_t ld_in, uint32_t mat, uint32_t N,
+                       const cl::Mem& dst, uint32_t ld_dst, uint32_t col) {
+      cl::Mem tmp = dev.alloc(size_t(S) * N * 4);
+      std::vector<float> all(size_t(S) * ld_dst);
+      dev.read(dst, all.data(), all.size() * 4);
+      for (uint32_t e = 0; e < c.E; ++e) {
+        const uint32_t b = host.expert_offsets[e], n = host.expert_offsets[e + 1] - b;
+        if (n == 0) continue;
+        ops::linear(dev, in, 0, ld_in, ex.w[e][mat], nullptr, tmp, 0, N, S, 1.0f, false,
+                    ComputeDType::BF16);
+        const auto t = download<float>(dev, tmp, size_t(S) * N);
+        for (uint32_t r = b; r < b + n; ++r)
+          std::copy_n(t.begin() + size_t(r) * N, N, all.begin() + size_t(r) * ld_dst + col);
+      }
+      dev.write(dst, all.data(), all.size() * 4);
+    };
+    dev.fill_zero(gu_ref, size_t(S) * F2 * 4);
+    dev.fill_zero(out_ref, size_t(S) * c.H * 4);
+    rows_of(xg, c.H, 0, c.F, gu_ref, F2, 0);
+    rows_of(xg, c.H, 1, c.F, gu_ref, F2, c.F);
+    rows_of(gu, F2, 2, c.H, out_ref, c.H, 0);
+  }
+  for (uint32_t e = 0; e < c.E && c.compute == ComputeDType::F32; ++e) {
     const uint32_t b = host.expert_offsets[e], n = host.expert_offsets[e + 1] - b;
     if (n == 0) continue;
     linear_of(dev, xg, b * c.H, c.H, ex.w[e][0], ex.s[e][0], gu_ref, b * F2, F2, n);
     linear_of(dev, xg, b * c.H, c.H, ex.w[e][1], ex.s[e][1], gu_ref, b * F2 + c.F, F2, n);
   }
-  for (uint32_t e = 0; e < c.E; ++e) {
+  for (uint32_t e = 0; e < c.E && c.compute == ComputeDType::F32; ++e) {
     const uint32_t b = host.expert_offsets[e], n = host.expert_offsets[e + 1] - b;
     if (n > 0) linear_of(dev, gu, b * F2, F2, ex.w[e][2], ex.s[e][2], out_ref, b * c.H, c.H, n);
   }
@@ -672,13 +703,24 @@ INSTANTIATE_TEST_SUITE_P(
                       // Wider lane steps (wg_dots.cl): whole steps and tails on both GEMMs.
                       Case{DType::BF16, 13, 3, 5, 600, 300, true, kWg, 4},
                       Case{DType::F32, 5, 2, 6, 520, 264, false, kWg, 8},
-                      Case{DType::F16, 9, 2, 3, 300, 140, false, kWg, 2}),
+                      Case{DType::F16, 9, 2, 3, 300, 140, false, kWg, 2},
+                      // bf16 compute (4-row tiles: the experts average 4 rows or more): the
+                      // bf16 GEMM's sums, with the dot product where the host has it and the
+                      // portable micro-kernel; K % 32 tails on both GEMMs and an odd K on down.
+                      Case{DType::BF16, 100, 2, 3, 48, 20, false, KernelShape::Chunks, 0, false,
+                           ComputeDType::BF16},
+                      Case{DType::BF16, 40, 3, 5, 70, 45, true, KernelShape::Chunks, 0, false,
+                           ComputeDType::BF16},
+                      Case{DType::BF16, 40, 3, 5, 70, 45, true, KernelShape::Chunks, 0, false,
+                           ComputeDType::BF16, true}),
     [](const ::testing::TestParamInfo<Case>& i) {
       return std::string(dtype_name(i.param.dtype)) + "_T" + std::to_string(i.param.T) + "_E" +
              std::to_string(i.param.E) + (i.param.with_shared ? "_shared" : "") +
              (i.param.shape == KernelShape::WorkGroups ? "_gpu" : "_cpu") +
              (i.param.vector ? "_vw" + std::to_string(i.param.vector) : "") +
-             (i.param.nan_watch ? "_watch" : "");
+             (i.param.nan_watch ? "_watch" : "") +
+             (i.param.compute == ComputeDType::BF16 ? "_bf16compute" : "") +
+             (i.param.portable ? "_portable" : "");
     });
 
 }  // namespace grouped

@@ -183,7 +183,8 @@ void DecoderStack::moe_on_device(size_t layer, ReplicaWork& w) {
     x = &xq.mem();
   }
   Scratch gu(dev, size_t(S) * 2 * F * 4), out(dev, size_t(S) * H * 4);
-  ops::moe_grouped_linear(dev, *x, H, &plan.src_token.mem(), g, 0, 2, plan, gu.mem(), 2 * F);
+  ops::moe_grouped_linear(dev, *x, H, &plan.src_token.mem(), g, 0, 2, plan, gu.mem(), 2 * F,
+                          compute_, T);
   ops::silu_mul(dev, gu.mem(), 0, 2 * F, gu.mem(), F, 2 * F, gu.mem(), 2 * F, S, F);
   const cl::Mem* act = &gu.mem();
   uint32_t ld_act = 2 * F;
@@ -194,7 +195,7 @@ void DecoderStack::moe_on_device(size_t layer, ReplicaWork& w) {
     act = &gq.mem();
     ld_act = F;
   }
-  ops::moe_grouped_linear(dev, *act, ld_act, nullptr, g, 2, 1, plan, out.mem(), H);
+  ops::moe_grouped_linear(dev, *act, ld_act, nullptr, g, 2, 1, plan, out.mem(), H, compute_);
   ops::moe_combine(dev, out.mem(), H, plan.slot_row.mem(), weights.mem(), T, k, H, w.h.mem(), H,
                    true, fuse_shared);
   if (m.shared && !fuse_shared)

@@ -1,0 +1,155 @@
+// The bf16-compute tile's sums (model.compute_dtype: bf16), shared by linear_bf16.cl's GEMM and
+// moe.cl's grouped experts through #include, so a row's sums are the same operations whichever
+// launch computes them. The including file defines TM, TN, GLU and BF16_DOT first.
+//
+// The tile (TM rows x TN weight rows) is a dot product along K in 16 lanes of f32 partial sums:
+// lane l of step s takes the bf16 pairs (2l, 2l + 1) of the 32 elements at 32 s. The pair is
+// added odd element first, then even, each product exact in f32 and each add rounded once:
+// vdpbf16ps's order, so the two micro-kernels below agree up to bf16 denormals (which the
+// instruction reads as zero). The lanes' sums meet in hsum16's order; K % 32 elements are added
+// last, one at a time.
+//
+// Micro-kernels, chosen by the host per device (runtime/ops.cpp):
+// -DBF16_DOT=1: vdpbf16ps through clang's per-function target attribute, for PoCL on a host CPU
+//   that reports avx512_bf16 (the instruction faults elsewhere). PoCL compiles for a CPU name
+//   without the feature and rejects -m options; the attribute is what reaches it. The function must
+//   stay out of line (inlining into the kernel drops the attribute) and use no OpenCL builtins
+//   (the vload builtins are rejected inside it), so it loads through unaligned vector types.
+// -DBF16_DOT=0: the same sums with f32 FMAs on the bf16 values widened by a shift, any device;
+//   -DPAIRS_ALIGNED=1 where every row starts on a 4-byte boundary.
+
+typedef short v32s_u __attribute__((__vector_size__(64), __aligned__(2)));
+typedef int v16i __attribute__((__vector_size__(64)));
+typedef float v16f __attribute__((ext_vector_type(16)));
+typedef float v16f_u __attribute__((ext_vector_type(16), __aligned__(4)));
+
+// Where the tile's sum (i, j) sits in the micro-kernels' out array of OUT_PADDED floats (16 per
+// vector, the slots past the tile zero): row-major, or with GLU the TM x TN / 2 gate sums first
+// and the up sums from GLU_PADDED, so that the epilogue takes both 16 at a time.
+#define ROUND16(n) (((n) + 15) / 16 * 16)
+#if GLU
+#define GLU_PADDED ROUND16(TM * (TN / 2))
+#define OUT_PADDED (2 * GLU_PADDED)
+#define OUT_INDEX(i, j) \
+  ((j) < TN / 2 ? (i) * (TN / 2) + (j) : GLU_PADDED + (i) * (TN / 2) + (j) - TN / 2)
+#else
+#define OUT_PADDED ROUND16(TM * TN)
+#define OUT_INDEX(i, j) ((i) * TN + (j))
+#endif
+
+// While a work-item's last row tile of a column tile runs (its weight rows then come from cache,
+// read by the tiles before it), the lines of the next column tile's weight rows are prefetched
+// (pf: their TN row pointers; null for none): a step reads one 64-byte line of each row, so one
+// prefetch per row and step. Only with -DPREFETCH_X86=1 (common.cl's PREFETCH_LINE).
+#if PREFETCH_X86
+#define PREFETCH_NEXT_ROWS(pf, k)                                            \
+  if (pf) {                                                                  \
+    _Pragma("unroll") for (int j = 0; j < TN; ++j) PREFETCH_LINE((pf)[j] + (size_t)(k) * 32); \
+  }
+#else
+#define PREFETCH_NEXT_ROWS(pf, k)
+#endif
+
+// out[OUT_INDEX(i, j)] = the sum over the first K32 * 32 elements of xr[i] . wr[j].
+#if BF16_DOT
+__attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl"))) __attribute__((noinline))
+void tile_dots_bf16(global const ushort* const* xr, global const ushort* const* wr, uint K32,
+                    global const ushort* const* pf, float* out) {
+  v16f acc[TM][TN];
+#pragma unroll
+  for (int i = 0; i < TM; ++i)
+#pragma unroll
+    for (int j = 0; j < TN; ++j) acc[i][j] = (v16f)(0.0f);
+  for (uint k = 0; k < K32; ++k) {
+    v16i wv[TN];
+#pragma unroll
+    for (int j = 0; j < TN; ++j) wv[j] = (v16i)(*(global const v32s_u*)(wr[j] + (size_t)k * 32));
+    PREFETCH_NEXT_ROWS(pf, k);
+#pragma unroll
+    for (int i = 0; i < TM; ++i) {
+      const v16i xv = (v16i)(*(global const v32s_u*)(xr[i] + (size_t)k * 32));
+#pragma unroll
+      for (int j = 0; j < TN; ++j) acc[i][j] = __builtin_ia32_dpbf16ps_512(acc[i][j], xv, wv[j]);
+    }
+  }
+  // The sums in OUT_INDEX's order, 16 per vector (common.cl's hsum16_x16; the slots past the
+  // tile's add zeros). A 4 x 6 tile's code after its loop went from 200 instructions to about 80;
+  // with the GLU epilogue's sums 16 at a time (linear_bf16 below), the 512-row GEMMs ran
+  // 1.05-1.09x (gate|up with SwiGLU), 1.01 (q/k/v), 1.02 (o) and 1.02x (down) faster than with
+  // hsum16 one by one (in-process A/B on the 2-core EPYC, 15 pairs each).
+  v16f flat[OUT_PADDED];
+#pragma unroll
+  for (int p = 0; p < OUT_PADDED; ++p) flat[p] = (v16f)(0.0f);
+#pragma unroll
+  for (int i = 0; i < TM; ++i)
+#pragma unroll
+    for (int j = 0; j < TN; ++j) flat[OUT_INDEX(i, j)] = acc[i][j];
+#pragma unroll
+  for (int p = 0; p < OUT_PADDED; p += 16) *(v16f_u*)(out + p) = hsum16_x16(flat + p);
+}
+#else
+// The 32 bf16 values at p as f32: lane l of *even gets element 2l, of *odd element 2l + 1. With
+// -DPAIRS_ALIGNED=1 (the host's promise that every row starts on a 4-byte boundary: even row
+// strides and offsets) as 16 4-byte words, else as ushorts: a weight row of odd K starts on a
+// 2-byte boundary only, and GPUs fault on a misaligned 4-byte load (NVIDIA's OpenCL reports
+// CL_OUT_OF_RESOURCES). The words measured ~20% faster on PoCL (AVX-512, no avx512_bf16 path).
+inline void bf16x32_pairs(global const ushort* p, float16* even, float16* odd) {
+#if PAIRS_ALIGNED
+  const uint16 u = vload16(0, (global const uint*)p);
+  *even = as_float16(u << 16);
+  *odd = as_float16(u & 0xffff0000u);
+#else
+  const ushort16 a = vload16(0, p), b = vload16(1, p);
+  *even = as_float16(convert_uint16((ushort16)(a.even, b.even)) << 16);
+  *odd = as_float16(convert_uint16((ushort16)(a.odd, b.odd)) << 16);
+#endif
+}
+
+void tile_dots_bf16(global const ushort* const* xr, global const ushort* const* wr, uint K32,
+                    global const ushort* const* pf, float* out) {
+  float16 acc[TM][TN];
+#pragma unroll
+  for (int i = 0; i < TM; ++i)
+#pragma unroll
+    for (int j = 0; j < TN; ++j) acc[i][j] = (float16)(0.0f);
+  for (uint k = 0; k < K32; ++k) {
+    float16 w_even[TN], w_odd[TN];
+#pragma unroll
+    for (int j = 0; j < TN; ++j) bf16x32_pairs(wr[j] + (size_t)k * 32, &w_even[j], &w_odd[j]);
+    PREFETCH_NEXT_ROWS(pf, k);
+#pragma unroll
+    for (int i = 0; i < TM; ++i) {
+      float16 x_even, x_odd;
+      bf16x32_pairs(xr[i] + (size_t)k * 32, &x_even, &x_odd);
+#pragma unroll
+      for (int j = 0; j < TN; ++j) {
+        acc[i][j] = fma(x_odd, w_odd[j], acc[i][j]);
+        acc[i][j] = fma(x_even, w_even[j], acc[i][j]);
+      }
+    }
+  }
+#pragma unroll
+  for (int p = 0; p < OUT_PADDED; ++p) out[p] = 0.0f;
+#pragma unroll
+  for (int i = 0; i < TM; ++i)
+#pragma unroll
+    for (int j = 0; j < TN; ++j) out[OUT_INDEX(i, j)] = hsum16(acc[i][j]);
+}
+#endif
+
+// out[OUT_INDEX(i, j)] = xr[i] . wr[j] over K: the micro-kernel's whole 32-element steps, then
+// the K % 32 elements one at a time.
+inline void tile_sums_bf16(global const ushort* xr[TM], global const ushort* wr[TN], uint K,
+                           global const ushort* const* pf, float* out) {
+  const uint K32 = K / 32;
+  tile_dots_bf16(xr, wr, K32, pf, out);
+  for (uint k = K32 * 32; k < K; ++k) {
+#pragma unroll
+    for (int i = 0; i < TM; ++i) {
+      const float xk = bf16_to_f32(xr[i][k]);
+#pragma unroll
+      for (int j = 0; j < TN; ++j)
+        out[OUT_INDEX(i, j)] = fma(xk, bf16_to_f32(wr[j][k]), out[OUT_INDEX(i, j)]);
+    }
+  }
+}
