@@ -75,11 +75,7 @@ void gemm_bf16(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx,
                const cl::Mem& y, uint32_t y_off, uint32_t ldy, uint32_t M, float alpha,
                bool accumulate) {
   const uint32_t K = uint32_t(ws[0]->dim(1));
-  // Rows of whole 32-element steps (aligned loads) and one step more, so that row starts do not
-  // fall on one power-of-two stride: with 16 KB rows (K = 8192, Llama's down_proj) the M = 512
-  // GEMM ran 1.11-1.13x faster so (K = 16384 1.12x, K = 2048-6144 0.99-1.01x; in-process A/B on
-  // the 2-core EPYC; likely cache-set conflicts between the rows of a tile).
-  const uint32_t ldxb = (K + 31) / 32 * 32 + 32;
+  const uint32_t ldxb = bf16_gemm_row_stride(K);
   Scratch xb(dev, size_t(M) * ldxb * 2);
   round_bf16(dev, x, x_off, ldx, M, K, xb.mem(), ldxb);
   uint32_t N = 0, ends[3] = {0, 0, 0};
@@ -114,7 +110,7 @@ void gemm_bf16(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx,
   // compute-bound, and there the prefetched rows only took cache from the x rows (134.7-147.5
   // against 146.3-149.2 tok/s without, 3 interleaved pairs of a 512-token prefill).
   // The portable micro-kernel loads 4-byte words where every weight row starts on one (the
-  // rounded rows always do: ldxb is a multiple of 32).
+  // rounded rows always do: their stride is a multiple of 32).
   bool pairs_aligned = true;
   for (const Weight* w : ws) pairs_aligned &= w->row_stride() % 2 == 0 && w->offset % 2 == 0;
   cl::Kernel k = dev.kernel("linear_bf16.cl", "linear_bf16",
@@ -216,6 +212,14 @@ void round_bf16(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, uin
   cl::Kernel k = dev.kernel("linear_bf16.cl", "round_bf16", as_f32 ? "-DOUT_F32=1" : "");
   cl::set_args(k, x, x_off, ldx, xb, ldxb, K);
   dev.launch(k, {(K + 63) / 64, M, 1}, 2);
+}
+
+uint32_t bf16_gemm_row_stride(uint32_t K) {
+  // Whole steps for aligned loads, and one step more so that row starts do not fall on one
+  // power-of-two stride: with 16 KB rows (K = 8192, Llama's down_proj) the M = 512 GEMM ran
+  // 1.11-1.13x faster so (K = 16384 1.12x, K = 2048-6144 0.99-1.01x; in-process A/B on the 2-core
+  // EPYC; likely cache-set conflicts between the rows of a tile).
+  return (K + 31) / 32 * 32 + 32;
 }
 
 void copy_rows(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const cl::Mem& y,

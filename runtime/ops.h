@@ -67,6 +67,10 @@ void linear_swiglu(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, 
 void round_bf16(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, uint32_t M,
                 uint32_t K, const cl::Mem& xb, uint32_t ldxb, bool as_f32 = false);
 
+// The row stride (elements) of the bf16 rows the bf16-compute GEMMs read (linear_bf16.cl and the
+// grouped experts; round_bf16 writes them): whole 32-element steps and one step more.
+uint32_t bf16_gemm_row_stride(uint32_t K);
+
 // y[r] = rmsnorm(x[rows ? rows[r] : r]) * w, for R rows of width H.
 void rmsnorm(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const cl::Mem* rows,
              const Weight& w, const cl::Mem& y, uint32_t y_off, uint32_t ldy, uint32_t R,

@@ -353,8 +353,7 @@ void moe_grouped_linear(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::M
     const uint32_t rows = x_rows ? x_count : plan.rows;
     if (x_rows && x_count == 0)
       throw std::invalid_argument("moe_grouped_linear: bf16 compute over token rows needs x_count");
-    // As gemm_bf16: rows of whole 32-element steps and one more, rounded once.
-    const uint32_t ldxb = (K + 31) / 32 * 32 + 32;
+    const uint32_t ldxb = bf16_gemm_row_stride(K);
     Scratch xb(dev, size_t(rows) * ldxb * 2);
     round_bf16(dev, x, 0, ldx, rows, K, xb.mem(), ldxb);
     opts += " -DGROUPED_BF16=1 -DWEIGHT_TYPE=1 -DPAIRS_ALIGNED=0 -DBF16_DOT=" +
