@@ -102,11 +102,13 @@ struct MlaPrefillPlan {
 MlaPrefillPlan upload_mla_prefill_plan(Device& dev, const StepInputs& in, uint32_t page_size);
 
 // out[T, heads * v]: gathers the latent rows, decompresses K-nope|V = c_kv kv_b_proj^T
-// [rows, heads * (nope + v)], and attends with the roped key part read from the cache.
+// [rows, heads * (nope + v)] (a GEMM of the model's compute dtype, as linear_any), and attends
+// with the roped key part read from the cache.
 void mla_attention_prefill(Device& dev, const cl::Mem& q, uint32_t q_off, uint32_t ldq,
                            const cl::Mem& cache_layer, const StepTokens& st,
                            const MlaPrefillPlan& plan, const Weight& kv_b,
                            const Weight* kv_b_scale, const MlaShape& s, float scale,
-                           const cl::Mem& out, uint32_t ldo);
+                           const cl::Mem& out, uint32_t ldo,
+                           ComputeDType compute = ComputeDType::F32);
 
 }  // namespace clshard::ops

@@ -74,7 +74,7 @@ void mla_attention(Device& dev, const MlaWeights& a, const MlaParams& p, const c
   else
     ops::mla_attention_prefill(dev, s.q.mem(), 0, q_width, *cs.cache_layer, *cs.tokens, *cs.plan,
                                a.kv_b.w, &a.kv_b.scale_inv, p.shape, p.softmax_scale, s.att.mem(),
-                               att_width);
+                               att_width, p.compute);
   linear(s.att.mem(), att_width, a.o, h, 0, ldh, accumulate);
   lora.apply(kLoraO, s.att.mem(), 0, att_width, h, 0, ldh);
 }
