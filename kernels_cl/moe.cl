@@ -362,6 +362,7 @@ kernel void moe_tiles(global const uint* expert_offsets, uint n_experts, uint ro
 #if GROUPED_FP8
 typedef uchar gw_t;
 typedef float gx_t;
+#define GLU 0
 #include "fp8_tile.cl"
 #elif GROUPED_BF16
 // model.compute_dtype: bf16 with bf16 experts and 4-row tiles: x rows rounded to bf16, the sums
@@ -371,20 +372,25 @@ typedef ushort gx_t;
 #ifndef BF16_DOT
 #define BF16_DOT 0
 #endif
-#define GLU 0
+#ifndef GLU
+#define GLU 0  // -DGLU=1: gate and up in one tile, y = silu(gate) * up (moe_grouped_swiglu)
+#endif
 #include "bf16_tile.cl"
 typedef struct { int unused; } Fp8ScaledX;
 #else
 typedef wtype gw_t;
 typedef float gx_t;
+#define GLU 0
 #include "linear_tile.cl"
 typedef struct { int unused; } Fp8ScaledX;
 #endif
 
+// With GLU, w is the gate matrix and wu the up one: the tile's TN / 2 gate rows from n0, then the
+// same columns' up rows, stored as silu(gate) * up.
 inline void grouped_tile(global const gx_t* x, uint ldx, global const uint* x_rows, int indirect,
-                         global const gw_t* w, global const float* srow, uint KB, global float* y,
-                         uint ldy, uint y_col, uint N, uint K, uint m0, uint m_end, uint n0,
-                         uint pf_stride, Fp8ScaledX* sx) {
+                         global const gw_t* w, global const gw_t* wu, global const float* srow,
+                         uint KB, global float* y, uint ldy, uint y_col, uint N, uint K, uint m0,
+                         uint m_end, uint n0, uint pf_stride, Fp8ScaledX* sx) {
   global const gx_t* xr[TM];
   global const gw_t* wr[TN];
 #pragma unroll
@@ -392,12 +398,32 @@ inline void grouped_tile(global const gx_t* x, uint ldx, global const uint* x_ro
     const uint r = min(m0 + i, m_end - 1);
     xr[i] = x + (size_t)(indirect ? x_rows[r] : r) * ldx;
   }
+#if GLU
+  const uint tile_cols = TN / 2;
+#pragma unroll
+  for (int j = 0; j < TN; ++j)
+    wr[j] = j < TN / 2 ? w + (size_t)min(n0 + j, N - 1) * K
+                       : wu + (size_t)min(n0 + j - TN / 2, N - 1) * K;
+#else
+  const uint tile_cols = TN;
 #pragma unroll
   for (int j = 0; j < TN; ++j) wr[j] = w + (size_t)min(n0 + j, N - 1) * K;
+#endif
 #if GROUPED_BF16
   float sums[OUT_PADDED];
   tile_sums_bf16(xr, wr, K, 0, sums);
+#if GLU
+  // silu(gate) * up, 16 at a time, as linear_bf16's GLU tiles.
+  float act[GLU_PADDED];
+#pragma unroll
+  for (int c = 0; c < GLU_PADDED; c += 16) {
+    const float16 g = vload16(0, sums + c);
+    vstore16(g / (1.0f + exp(-g)) * vload16(0, sums + GLU_PADDED + c), 0, act + c);
+  }
+#define OUT(i, j) act[(i) * (TN / 2) + (j)]
+#else
 #define OUT(i, j) sums[OUT_INDEX(i, j)]
+#endif
 #else
   float out[TM][TN];
 #define OUT(i, j) out[i][j]
@@ -413,7 +439,7 @@ inline void grouped_tile(global const gx_t* x, uint ldx, global const uint* x_ro
     if (m0 + i >= m_end) break;
     global float* yr = y + (size_t)(m0 + i) * ldy + y_col;
 #pragma unroll
-    for (int j = 0; j < TN; ++j) {
+    for (int j = 0; j < tile_cols; ++j) {
       const uint n = n0 + j;
       if (n >= N) break;
 #if GROUPED_FP8
@@ -437,7 +463,13 @@ kernel void moe_grouped_linear(global const gx_t* x, uint ldx, global const uint
   if (tile >= *tile_count) return;
   const uint e = tiles[2 * tile], r_begin = tiles[2 * tile + 1];
   const uint r_end = min(r_begin + rows_per_tile, expert_offsets[e + 1]);
-  const uint per_mat = (N + TN - 1) / TN;
+#if GLU
+  const uint tile_cols = TN / 2;  // the gate and up rows of TN / 2 columns: one output each
+  n_mats = 1;
+#else
+  const uint tile_cols = TN;
+#endif
+  const uint per_mat = (N + tile_cols - 1) / tile_cols;
   const uint c_begin = get_global_id(0) * col_tiles_per_item;
   const uint c_end = min(c_begin + col_tiles_per_item, per_mat * n_mats);
 #if GROUPED_FP8
@@ -457,8 +489,9 @@ kernel void moe_grouped_linear(global const gx_t* x, uint ldx, global const uint
   for (uint c = c_begin; c < c_end; ++c)
     for (uint m0 = r_begin; m0 < r_end; m0 += TM) {
 #endif
-      const uint mat = c / per_mat, n0 = (c % per_mat) * TN;
+      const uint mat = c / per_mat, n0 = (c % per_mat) * tile_cols;
       global const gw_t* wm = w + table[6 * e + slot0 + mat];
+      global const gw_t* wu = w + table[6 * e + slot0 + (GLU ? 1 : mat)];
 #if GROUPED_FP8
       global const float* srow =
           scales + table[6 * e + 3 + slot0 + mat] + (size_t)(n0 / QBLOCK) * KB;
@@ -467,8 +500,8 @@ kernel void moe_grouped_linear(global const gx_t* x, uint ldx, global const uint
 #endif
       // The next tile's rows while this one's stream (linear_tile.cl), within one matrix.
       const uint pf = m0 == r_begin && c + 1 < c_end && (c + 1) % per_mat != 0 ? TN * K : 0;
-      grouped_tile(x, ldx, x_rows, indirect, wm, srow, KB, y, ldy, mat * N, N, K, m0, r_end, n0,
-                   pf, &sx);
+      grouped_tile(x, ldx, x_rows, indirect, wm, wu, srow, KB, y, ldy, mat * N, N, K, m0, r_end,
+                   n0, pf, &sx);
     }
 }
 #endif  // WEIGHT_TYPE || GROUPED_FP8

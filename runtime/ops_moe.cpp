@@ -327,39 +327,81 @@ void launch_grouped(Device& dev, cl::Kernel& k, const cl::Mem& x, uint32_t ldx,
   dev.launch(k, {ceil_div(col_tiles, per_item), plan.max_tiles, 1}, 2);
 }
 
+void check_grouped(const char* op, const GroupedExperts& g, uint32_t slot0, uint32_t n_mats,
+                   const GroupedPlan& plan) {
+  if (!g || slot0 + n_mats > 3 || g.n_experts != plan.n_experts)
+    throw std::invalid_argument(std::string(op) + ": the plan covers " +
+                                std::to_string(plan.n_experts) + " experts, the weights " +
+                                std::to_string(g.n_experts) + "; matrices " +
+                                std::to_string(slot0) + " + " + std::to_string(n_mats) + " of 3");
+}
+
+// bf16 compute as ops::linear's GEMMs of 4 rows and more: where the plan has 4-row tiles (the
+// experts average 4 rows or more); decode's one-row tiles stream their weights in f32.
+// dsv3-mini's 512-token prefill with model.compute_dtype: bf16 ran 489-514 tok/s against 371-378
+// with these tiles in f32 (3 interleaved pairs, the 2-core EPYC).
+bool grouped_bf16(const Device& dev, const GroupedExperts& g, const GroupedPlan& plan,
+                  ComputeDType compute) {
+  return compute == ComputeDType::BF16 && g.dtype == DType::BF16 && plan.tm >= kGemmRowsFrom &&
+         dev.kernel_shape() == KernelShape::Chunks;
+}
+
+// The bf16-compute grouped launch (moe.cl with -DGROUPED_BF16=1): the rows of x rounded once, then
+// the tiles of linear_bf16.cl's micro-kernels; with glu gate and up in one tile (TN / 2 columns
+// of each), y getting silu(gate) * up.
+void grouped_bf16_launch(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::Mem* x_rows,
+                         uint32_t x_count, const GroupedExperts& g, uint32_t slot0,
+                         uint32_t n_mats, bool glu, const GroupedPlan& plan, const cl::Mem& y,
+                         uint32_t ldy) {
+  const bool down = slot0 == 2;
+  const uint32_t N = down ? g.hidden : g.inter, K = down ? g.inter : g.hidden;
+  const uint32_t rows = x_rows ? x_count : plan.rows;
+  if (x_rows && x_count == 0)
+    throw std::invalid_argument("moe_grouped_linear: bf16 compute over token rows needs x_count");
+  const uint32_t ldxb = bf16_gemm_row_stride(K);
+  Scratch xb(dev, size_t(rows) * ldxb * 2);
+  round_bf16(dev, x, 0, ldx, rows, K, xb.mem(), ldxb);
+  const uint32_t tn_any = dev.tuning().gemm_bf16_tn, tn = glu ? (tn_any + 1) / 2 * 2 : tn_any;
+  const std::string opts = " -DTM=" + std::to_string(plan.tm) + " -DTN=" + std::to_string(tn) +
+                           " -DGROUPED_BF16=1 -DWEIGHT_TYPE=1 -DPAIRS_ALIGNED=0 -DGLU=" +
+                           (glu ? "1" : "0") + " -DBF16_DOT=" +
+                           (bf16_dot_product(dev) ? "1" : "0");
+  cl::Kernel k = dev.kernel("moe.cl", "moe_grouped_linear", opts);
+  launch_grouped(dev, k, xb.mem(), ldxb, x_rows, g, slot0, glu ? 1 : n_mats, plan, y, ldy, N, K,
+                 glu ? tn / 2 : tn);
+}
+
 }  // namespace
+
+void moe_grouped_swiglu(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::Mem* x_rows,
+                        const GroupedExperts& g, const GroupedPlan& plan, const cl::Mem& y,
+                        uint32_t ldy, ComputeDType compute, uint32_t x_count) {
+  check_grouped("moe_grouped_swiglu", g, 0, 2, plan);
+  if (plan.rows == 0) return;
+  if (grouped_bf16(dev, g, plan, compute)) {
+    // One launch: no [gate | up] rows written and read back by silu_mul. dsv3-mini's
+    // bf16-compute prefill: 509-538 tok/s against 468-522 unfused (3 interleaved pairs, noisy).
+    grouped_bf16_launch(dev, x, ldx, x_rows, x_count, g, 0, 2, true, plan, y, ldy);
+    return;
+  }
+  const uint32_t F = g.inter;
+  Scratch gu(dev, size_t(plan.rows) * 2 * F * 4);
+  moe_grouped_linear(dev, x, ldx, x_rows, g, 0, 2, plan, gu.mem(), 2 * F, compute, x_count);
+  silu_mul(dev, gu.mem(), 0, 2 * F, gu.mem(), F, 2 * F, y, ldy, plan.rows, F);
+}
 
 void moe_grouped_linear(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::Mem* x_rows,
                         const GroupedExperts& g, uint32_t slot0, uint32_t n_mats,
                         const GroupedPlan& plan, const cl::Mem& y, uint32_t ldy,
                         ComputeDType compute, uint32_t x_count) {
-  if (!g || slot0 + n_mats > 3 || g.n_experts != plan.n_experts)
-    throw std::invalid_argument("moe_grouped_linear: the plan covers " +
-                                std::to_string(plan.n_experts) + " experts, the weights " +
-                                std::to_string(g.n_experts) + "; matrices " +
-                                std::to_string(slot0) + " + " + std::to_string(n_mats) + " of 3");
+  check_grouped("moe_grouped_linear", g, slot0, n_mats, plan);
   if (plan.rows == 0) return;
   const bool down = slot0 == 2;
   const uint32_t N = down ? g.hidden : g.inter, K = down ? g.inter : g.hidden;
-  // bf16 compute as ops::linear's GEMMs of 4 rows and more: where the plan has 4-row tiles
-  // (the experts average 4 rows or more); decode's one-row tiles stream their weights in f32.
-  // dsv3-mini's 512-token prefill with model.compute_dtype: bf16 ran 489-514 tok/s against
-  // 371-378 with these tiles in f32 (3 interleaved pairs, the 2-core EPYC).
-  const bool bf16 = compute == ComputeDType::BF16 && g.dtype == DType::BF16 &&
-                    plan.tm >= kGemmRowsFrom && dev.kernel_shape() == KernelShape::Chunks;
-  const uint32_t tn = bf16 ? dev.tuning().gemm_bf16_tn : 4;
+  const uint32_t tn = 4;
   std::string opts = " -DTM=" + std::to_string(plan.tm) + " -DTN=" + std::to_string(tn);
-  if (bf16) {
-    const uint32_t rows = x_rows ? x_count : plan.rows;
-    if (x_rows && x_count == 0)
-      throw std::invalid_argument("moe_grouped_linear: bf16 compute over token rows needs x_count");
-    const uint32_t ldxb = bf16_gemm_row_stride(K);
-    Scratch xb(dev, size_t(rows) * ldxb * 2);
-    round_bf16(dev, x, 0, ldx, rows, K, xb.mem(), ldxb);
-    opts += " -DGROUPED_BF16=1 -DWEIGHT_TYPE=1 -DPAIRS_ALIGNED=0 -DBF16_DOT=" +
-            std::string(bf16_dot_product(dev) ? "1" : "0");
-    cl::Kernel k = dev.kernel("moe.cl", "moe_grouped_linear", opts);
-    launch_grouped(dev, k, xb.mem(), ldxb, x_rows, g, slot0, n_mats, plan, y, ldy, N, K, tn);
+  if (grouped_bf16(dev, g, plan, compute)) {
+    grouped_bf16_launch(dev, x, ldx, x_rows, x_count, g, slot0, n_mats, false, plan, y, ldy);
     return;
   }
   switch (g.dtype) {

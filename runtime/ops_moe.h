@@ -124,6 +124,15 @@ void moe_grouped_linear(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::M
                         const GroupedExperts& experts, uint32_t slot0, uint32_t n_mats,
                         const GroupedPlan& plan, const cl::Mem& y, uint32_t ldy,
                         ComputeDType compute = ComputeDType::F32, uint32_t x_count = 0);
+
+// The experts' SwiGLU: y[r, n] = silu(x[row(r)] . gate_e[n]) * (x[row(r)] . up_e[n]) for n < inter,
+// the grouped rows' gate and up GEMMs (slots 0 and 1, as moe_grouped_linear) then silu_mul. Where
+// moe_grouped_linear takes the bf16-compute tiles, one launch computes both and writes y; the
+// other paths stage [gate | up] in a scratch.
+void moe_grouped_swiglu(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::Mem* x_rows,
+                        const GroupedExperts& experts, const GroupedPlan& plan, const cl::Mem& y,
+                        uint32_t ldy, ComputeDType compute = ComputeDType::F32,
+                        uint32_t x_count = 0);
 }  // namespace clshard::ops
 
 // Plain C++ references used by the tests (and by the model's tests).

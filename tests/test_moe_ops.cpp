@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <array>
 #include <bit>
+#include <cfloat>
 #include <cmath>
 #include <cstring>
 #include <numeric>
@@ -633,6 +634,27 @@ TEST_P(GroupedExperts, MatchPerExpertOpsBitForBit) {
   for (uint32_t e = 0; e < c.E && c.compute == ComputeDType::F32; ++e) {
     const uint32_t b = host.expert_offsets[e], n = host.expert_offsets[e + 1] - b;
     if (n > 0) linear_of(dev, gu, b * F2, F2, ex.w[e][2], ex.s[e][2], out_ref, b * c.H, c.H, n);
+  }
+  // The experts' SwiGLU in one op against the gate|up rows above followed by silu_mul: bit for
+  // bit where the op runs those two itself; on the bf16-compute path, whose one launch takes
+  // exp 16 lanes at a time (as linear_bf16's GLU tiles), within 4 ulp of silu_mul's exp.
+  {
+    cl::Mem act = dev.alloc(size_t(S) * c.F * 4), act_ref = dev.alloc(size_t(S) * c.F * 4);
+    ops::moe_grouped_swiglu(dev, xb, c.H, &plan.src_token.mem(), ex.grouped, plan, act, c.F,
+                            c.compute, c.T);
+    ops::silu_mul(dev, gu, 0, F2, gu, c.F, F2, act_ref, c.F, S, c.F);
+    const auto a = download<float>(dev, act, size_t(S) * c.F);
+    const auto ar = download<float>(dev, act_ref, size_t(S) * c.F);
+    const bool fused = c.compute == ComputeDType::BF16;
+    size_t differ = 0;
+    for (size_t i = 0; i < a.size(); ++i) {
+      const bool same = fused ? std::abs(double(a[i]) - ar[i]) <= 4 * FLT_EPSILON * std::abs(ar[i])
+                              : std::bit_cast<uint32_t>(a[i]) == std::bit_cast<uint32_t>(ar[i]);
+      if (!same && differ++ < 5)
+        ADD_FAILURE() << "swiglu row " << i / c.F << " col " << i % c.F << ": " << a[i] << " vs "
+                      << ar[i];
+    }
+    EXPECT_EQ(differ, 0u);
   }
   const auto g = download<float>(dev, gu, size_t(S) * F2);
   const auto gr = download<float>(dev, gu_ref, size_t(S) * F2);

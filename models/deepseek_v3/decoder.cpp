@@ -182,20 +182,16 @@ void DecoderStack::moe_on_device(size_t layer, ReplicaWork& w) {
     ops::act_quant_fp8(dev, w.xn.mem(), 0, H, T, H, xq.mem());
     x = &xq.mem();
   }
-  Scratch gu(dev, size_t(S) * 2 * F * 4), out(dev, size_t(S) * H * 4);
-  ops::moe_grouped_linear(dev, *x, H, &plan.src_token.mem(), g, 0, 2, plan, gu.mem(), 2 * F,
-                          compute_, T);
-  ops::silu_mul(dev, gu.mem(), 0, 2 * F, gu.mem(), F, 2 * F, gu.mem(), 2 * F, S, F);
-  const cl::Mem* act = &gu.mem();
-  uint32_t ld_act = 2 * F;
+  Scratch act(dev, size_t(S) * F * 4), out(dev, size_t(S) * H * 4);
+  ops::moe_grouped_swiglu(dev, *x, H, &plan.src_token.mem(), g, plan, act.mem(), F, compute_, T);
+  const cl::Mem* down_in = &act.mem();
   Scratch gq;
   if (aq) {
     gq = Scratch(dev, size_t(S) * F * 4);
-    ops::act_quant_fp8(dev, gu.mem(), 0, 2 * F, S, F, gq.mem());
-    act = &gq.mem();
-    ld_act = F;
+    ops::act_quant_fp8(dev, act.mem(), 0, F, S, F, gq.mem());
+    down_in = &gq.mem();
   }
-  ops::moe_grouped_linear(dev, *act, ld_act, nullptr, g, 2, 1, plan, out.mem(), H, compute_);
+  ops::moe_grouped_linear(dev, *down_in, F, nullptr, g, 2, 1, plan, out.mem(), H, compute_);
   ops::moe_combine(dev, out.mem(), H, plan.slot_row.mem(), weights.mem(), T, k, H, w.h.mem(), H,
                    true, fuse_shared);
   if (m.shared && !fuse_shared)
