@@ -153,3 +153,15 @@ inline void tile_sums_bf16(global const ushort* xr[TM], global const ushort* wr[
     }
   }
 }
+
+#if GLU
+// The GLU epilogue: act[i * TN / 2 + j] = silu(gate sum) * (up sum) of the tile's sums (out in
+// OUT_INDEX's order), 16 at a time: silu_mul's expression, with exp on 16 lanes.
+inline void glu_act(const float* out, float* act) {
+#pragma unroll
+  for (int c = 0; c < GLU_PADDED; c += 16) {
+    const float16 g = vload16(0, out + c);
+    vstore16(g / (1.0f + exp(-g)) * vload16(0, out + GLU_PADDED + c), 0, act + c);
+  }
+}
+#endif

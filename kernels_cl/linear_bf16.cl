@@ -120,13 +120,8 @@ kernel void linear_bf16(global const ushort* xb, uint ldxb,
       float out[OUT_PADDED];
       tile_sums_bf16(xr, wr, K, has_next && m0 + TM >= m_end ? next : 0, out);
 #if GLU
-      // silu(gate) * up, 16 at a time (silu_mul's expression), from the two halves of out.
       float act[GLU_PADDED];
-#pragma unroll
-      for (int c = 0; c < GLU_PADDED; c += 16) {
-        const float16 g = vload16(0, out + c);
-        vstore16(g / (1.0f + exp(-g)) * vload16(0, out + GLU_PADDED + c), 0, act + c);
-      }
+      glu_act(out, act);
 #endif
 #pragma unroll
       for (int i = 0; i < TM; ++i) {

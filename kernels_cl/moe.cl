@@ -413,13 +413,8 @@ inline void grouped_tile(global const gx_t* x, uint ldx, global const uint* x_ro
   float sums[OUT_PADDED];
   tile_sums_bf16(xr, wr, K, 0, sums);
 #if GLU
-  // silu(gate) * up, 16 at a time, as linear_bf16's GLU tiles.
   float act[GLU_PADDED];
-#pragma unroll
-  for (int c = 0; c < GLU_PADDED; c += 16) {
-    const float16 g = vload16(0, sums + c);
-    vstore16(g / (1.0f + exp(-g)) * vload16(0, sums + GLU_PADDED + c), 0, act + c);
-  }
+  glu_act(sums, act);
 #define OUT(i, j) act[(i) * (TN / 2) + (j)]
 #else
 #define OUT(i, j) sums[OUT_INDEX(i, j)]
