@@ -637,7 +637,7 @@ TEST_P(GroupedExperts, MatchPerExpertOpsBitForBit) {
   }
   // The experts' SwiGLU in one op against the gate|up rows above followed by silu_mul: bit for
   // bit where the op runs those two itself; on the bf16-compute path, whose one launch takes
-  // exp 16 lanes at a time (as linear_bf16's GLU tiles), within 4 ulp of silu_mul's exp.
+  // exp 16 lanes at a time (as linear_bf16's GLU tiles), within 4 x FLT_EPSILON (relative).
   {
     cl::Mem act = dev.alloc(size_t(S) * c.F * 4), act_ref = dev.alloc(size_t(S) * c.F * 4);
     ops::moe_grouped_swiglu(dev, xb, c.H, &plan.src_token.mem(), ex.grouped, plan, act, c.F,
