@@ -26,7 +26,6 @@ typedef float v16f_u __attribute__((ext_vector_type(16), __aligned__(4)));
 // Where the tile's sum (i, j) sits in the micro-kernels' out array of OUT_PADDED floats (16 per
 // vector, the slots past the tile zero): row-major, or with GLU the TM x TN / 2 gate sums first
 // and the up sums from GLU_PADDED, so that the epilogue takes both 16 at a time.
-#define ROUND16(n) (((n) + 15) / 16 * 16)
 #if GLU
 #define GLU_PADDED ROUND16(TM * (TN / 2))
 #define OUT_PADDED (2 * GLU_PADDED)

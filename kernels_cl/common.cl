@@ -32,6 +32,9 @@ inline float hsum16(float16 v) {
 // (float addition commutes). Where the compiler has no __builtin_shufflevector, hsum16 one by one.
 // 16 sums take about 45 instructions so, against about 130 one by one (linear_bf16.cl's tiles,
 // attention.cl's scores).
+// n rounded up to a multiple of 16: arrays filled or read 16 floats at a time.
+#define ROUND16(n) (((n) + 15) / 16 * 16)
+
 // Chunk i (16 floats) of a row of D floats at p, read by LOAD8 / LOAD16 (vload8 / vload16 or a
 // cache's LOADC8 / LOADC16); with D % 16 == 8 the last chunk's upper half is zeros, whose products
 // are exact zeros (the attention kernels' rows of D a multiple of 8).
@@ -154,17 +157,16 @@ typedef wtype ntype;
 #endif
 
 // SiLU of a GLU tile's gate sums, 16 at a time: act[i * cols + j] = silu(a), a = sums[i * ld + j]
-// (times scale[i] where scale is given), for i < rows, j < cols; act holds SILU_PADDED(rows * cols)
+// (times scale[i] where scale is given), for i < rows, j < cols; act holds ROUND16(rows * cols)
 // floats. One float16 exp where a scalar exp per output had cost 5-7% of a prefill (the tile
 // kernels' epilogues). silu(a) = a / (1 + exp(-a)), as silu_mul computes it.
-#define SILU_PADDED(n) (((n) + 15) / 16 * 16)
 inline void silu_tile(const float* sums, uint ld, const float* scale, uint rows, uint cols,
                       float* act) {
   const uint n = rows * cols;
 #pragma unroll  // constant indices: not a gather from computed ones
-  for (uint c = 0; c < SILU_PADDED(n); ++c)
+  for (uint c = 0; c < ROUND16(n); ++c)
     act[c] = c < n ? sums[c / cols * ld + c % cols] * (scale ? scale[c / cols] : 1.0f) : 0.0f;
-  for (uint c = 0; c < SILU_PADDED(n); c += 16) {
+  for (uint c = 0; c < ROUND16(n); c += 16) {
     const float16 a = vload16(0, act + c);
     vstore16(a / (1.0f + exp(-a)), 0, act + c);
   }

@@ -146,7 +146,7 @@ kernel void linear_fused(global const float* x, uint x_off, uint ldx, global con
       // The next tile's rows (GLU: the next gate and up rows), while this one's stream.
       tile_dots(xr, wr, g, K, m0 == m_begin && n0 + tile_cols < n_end ? tile_cols * ldw0 : 0, out);
 #if GLU
-      float act[SILU_PADDED(TM * (TN / 2))];
+      float act[ROUND16(TM * (TN / 2))];
       silu_tile(&out[0][0], TN, inv, TM, TN / 2, act);
 #endif
 #pragma unroll

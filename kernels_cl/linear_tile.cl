@@ -89,9 +89,9 @@ inline void tile_dots(global const float* xr[TM], global const wtype* wr[TN],
   // fewer instructions than hsum16 one by one. With silu_tile's copy unrolled, the 512-row f32
   // compute GEMMs ran 1.00-1.01x (q/k/v, o, down) and 1.03x (gate|up with SwiGLU) faster, and
   // batches of 1 and 8 alike (in-process A/B, 11-25 pairs, on the 2-core EPYC).
-  float16 flat[(TM * TN + 15) / 16 * 16];
+  float16 flat[ROUND16(TM * TN)];
 #pragma unroll
-  for (int p = 0; p < (TM * TN + 15) / 16 * 16; ++p)
+  for (int p = 0; p < ROUND16(TM * TN); ++p)
     flat[p] = p < TM * TN ? acc[p / TN][p % TN] : (float16)(0.0f);
 #pragma unroll
   for (int p = 0; p < TM * TN; p += 16) {
