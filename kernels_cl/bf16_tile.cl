@@ -17,6 +17,13 @@
 //   (the vload builtins are rejected inside it), so it loads through unaligned vector types.
 // -DBF16_DOT=0: the same sums with f32 FMAs on the bf16 values widened by a shift, any device;
 //   -DPAIRS_ALIGNED=1 where every row starts on a 4-byte boundary.
+// The weight rows are global memory, or with -DBF16_W_PRIVATE=1 a work-item's private panel of
+// rows it made itself (moe.cl's FP8 experts, dequantized to bf16 per column tile; 4-byte aligned).
+#if BF16_W_PRIVATE
+#define BF16_W_SPACE private
+#else
+#define BF16_W_SPACE global
+#endif
 
 typedef short v32s_u __attribute__((__vector_size__(64), __aligned__(2)));
 typedef int v16i __attribute__((__vector_size__(64)));
@@ -52,8 +59,8 @@ typedef float v16f_u __attribute__((ext_vector_type(16), __aligned__(4)));
 // out[OUT_INDEX(i, j)] = the sum over the first K32 * 32 elements of xr[i] . wr[j].
 #if BF16_DOT
 __attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl"))) __attribute__((noinline))
-void tile_dots_bf16(global const ushort* const* xr, global const ushort* const* wr, uint K32,
-                    global const ushort* const* pf, float* out) {
+void tile_dots_bf16(global const ushort* const* xr, BF16_W_SPACE const ushort* const* wr,
+                    uint K32, global const ushort* const* pf, float* out) {
   v16f acc[TM][TN];
 #pragma unroll
   for (int i = 0; i < TM; ++i)
@@ -62,7 +69,7 @@ void tile_dots_bf16(global const ushort* const* xr, global const ushort* const* 
   for (uint k = 0; k < K32; ++k) {
     v16i wv[TN];
 #pragma unroll
-    for (int j = 0; j < TN; ++j) wv[j] = (v16i)(*(global const v32s_u*)(wr[j] + (size_t)k * 32));
+    for (int j = 0; j < TN; ++j) wv[j] = (v16i)(*(BF16_W_SPACE const v32s_u*)(wr[j] + (size_t)k * 32));
     PREFETCH_NEXT_ROWS(pf, k);
 #pragma unroll
     for (int i = 0; i < TM; ++i) {
@@ -92,20 +99,30 @@ void tile_dots_bf16(global const ushort* const* xr, global const ushort* const* 
 // strides and offsets) as 16 4-byte words, else as ushorts: a weight row of odd K starts on a
 // 2-byte boundary only, and GPUs fault on a misaligned 4-byte load (NVIDIA's OpenCL reports
 // CL_OUT_OF_RESOURCES). The words measured ~20% faster on PoCL (AVX-512, no avx512_bf16 path).
-inline void bf16x32_pairs(global const ushort* p, float16* even, float16* odd) {
-#if PAIRS_ALIGNED
-  const uint16 u = vload16(0, (global const uint*)p);
+inline void bf16_word_pairs(uint16 u, float16* even, float16* odd) {
   *even = as_float16(u << 16);
   *odd = as_float16(u & 0xffff0000u);
+}
+inline void bf16x32_pairs(global const ushort* p, float16* even, float16* odd) {
+#if PAIRS_ALIGNED
+  bf16_word_pairs(vload16(0, (global const uint*)p), even, odd);
 #else
   const ushort16 a = vload16(0, p), b = vload16(1, p);
   *even = as_float16(convert_uint16((ushort16)(a.even, b.even)) << 16);
   *odd = as_float16(convert_uint16((ushort16)(a.odd, b.odd)) << 16);
 #endif
 }
+// The weight rows' loads: a private panel's rows are aligned, so always words.
+#if BF16_W_PRIVATE
+inline void bf16x32_weight_pairs(private const ushort* p, float16* even, float16* odd) {
+  bf16_word_pairs(vload16(0, (private const uint*)p), even, odd);
+}
+#else
+#define bf16x32_weight_pairs bf16x32_pairs
+#endif
 
-void tile_dots_bf16(global const ushort* const* xr, global const ushort* const* wr, uint K32,
-                    global const ushort* const* pf, float* out) {
+void tile_dots_bf16(global const ushort* const* xr, BF16_W_SPACE const ushort* const* wr,
+                    uint K32, global const ushort* const* pf, float* out) {
   float16 acc[TM][TN];
 #pragma unroll
   for (int i = 0; i < TM; ++i)
@@ -114,7 +131,7 @@ void tile_dots_bf16(global const ushort* const* xr, global const ushort* const* 
   for (uint k = 0; k < K32; ++k) {
     float16 w_even[TN], w_odd[TN];
 #pragma unroll
-    for (int j = 0; j < TN; ++j) bf16x32_pairs(wr[j] + (size_t)k * 32, &w_even[j], &w_odd[j]);
+    for (int j = 0; j < TN; ++j) bf16x32_weight_pairs(wr[j] + (size_t)k * 32, &w_even[j], &w_odd[j]);
     PREFETCH_NEXT_ROWS(pf, k);
 #pragma unroll
     for (int i = 0; i < TM; ++i) {
@@ -138,7 +155,7 @@ void tile_dots_bf16(global const ushort* const* xr, global const ushort* const* 
 
 // out[OUT_INDEX(i, j)] = xr[i] . wr[j] over K: the micro-kernel's whole 32-element steps, then
 // the K % 32 elements one at a time.
-inline void tile_sums_bf16(global const ushort* xr[TM], global const ushort* wr[TN], uint K,
+inline void tile_sums_bf16(global const ushort* xr[TM], BF16_W_SPACE const ushort* wr[TN], uint K,
                            global const ushort* const* pf, float* out) {
   const uint K32 = K / 32;
   tile_dots_bf16(xr, wr, K32, pf, out);

@@ -10,11 +10,12 @@ inline ushort f32_to_bf16_rne(float f) {
   if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (ushort)((u >> 16) | 0x40u);
   return (ushort)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
+// The rounding alone (the bits of f32 u to bf16 bits), for values known not to be NaN.
+inline uint16 f32x16_round_bf16_bits(uint16 u) { return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16; }
 inline ushort16 f32x16_to_bf16_rne(float16 f) {
   const uint16 u = as_uint16(f);
-  const uint16 rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
   const uint16 nan = (u >> 16) | 0x40u;
-  return convert_ushort16(select(rounded, nan, (u & 0x7FFFFFFFu) > 0x7F800000u));
+  return convert_ushort16(select(f32x16_round_bf16_bits(u), nan, (u & 0x7FFFFFFFu) > 0x7F800000u));
 }
 
 // The sum of 16 lanes, pairwise (halves, then quarters ...): every kernel that reduces a vector
@@ -194,6 +195,19 @@ inline float16 e4m3x16_to_f32(uchar16 b) {
   const float16 sub = convert_float16(mag) * 0x1p-9f;
   const float16 v = as_float16(as_uint16(select(normal, sub, mag < (uint16)8u)) | ((u & 0x80u) << 24));
   return select(v, (float16)NAN, e4m3x16_is_nan(b));
+}
+
+// DeepSeek-V3's FP8 weights carry one f32 scale per QBLOCK x QBLOCK block of codes. A weight row's
+// codes dequantized, each times its block's scale in f32 (srow: the row's block scales): the 16
+// from column 16 v, or the one at column k. Written once for the dequantize kernels
+// (linear_fp8.cl) and moe.cl's bf16 panels, so both give the same values.
+#define QBLOCK 128
+#define VECS_PER_BLOCK (QBLOCK / 16)
+inline float16 e4m3x16_dequant(global const uchar* row, global const float* srow, uint v) {
+  return e4m3x16_to_f32(vload16(v, row)) * srow[v / VECS_PER_BLOCK];
+}
+inline float e4m3_dequant(global const uchar* row, global const float* srow, uint k) {
+  return e4m3_to_f32(row[k]) * srow[k / QBLOCK];
 }
 
 // The KV caches' element type, -DCACHE_TYPE=0|1|2 (f32 | bf16 | fp8; kv_cache.dtype): ctype, a

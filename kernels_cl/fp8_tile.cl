@@ -28,8 +28,6 @@
 // one), for the caller to write NaN. The host passes 0 for weights that its load-time scan found
 // free of both codes (Weight::fp8_nan_free); row_has_nan is then false.
 
-#define QBLOCK 128
-#define VECS_PER_BLOCK (QBLOCK / 16)
 #ifndef FP8_NAN_WATCH
 #define FP8_NAN_WATCH 1
 #endif

@@ -135,8 +135,8 @@ kernel void dequantize_fp8(global const uchar* w, global const float* scale, uin
   global DEQ_OUT* o = out + (size_t)n * K;
   const uint K16 = K / 16;
   for (uint v = 0; v < K16; ++v)
-    vstore16(DEQ_STORE16(e4m3x16_to_f32(vload16(v, wr)) * srow[v / VECS_PER_BLOCK]), v, o);
-  for (uint k = K16 * 16; k < K; ++k) o[k] = DEQ_STORE(e4m3_to_f32(wr[k]) * srow[k / QBLOCK]);
+    vstore16(DEQ_STORE16(e4m3x16_dequant(wr, srow, v)), v, o);
+  for (uint k = K16 * 16; k < K; ++k) o[k] = DEQ_STORE(e4m3_dequant(wr, srow, k));
 }
 
 // The GPU shape: a work-item per 16 columns of a row (the last one takes the K % 16 tail), so
@@ -150,8 +150,8 @@ kernel void dequantize_fp8_wg(global const uchar* w, global const float* scale, 
   global const float* srow = scale + (size_t)(n / QBLOCK) * KB;
   global DEQ_OUT* o = out + (size_t)n * K;
   if (v < K16) {
-    vstore16(DEQ_STORE16(e4m3x16_to_f32(vload16(v, wr)) * srow[v / VECS_PER_BLOCK]), v, o);
+    vstore16(DEQ_STORE16(e4m3x16_dequant(wr, srow, v)), v, o);
   } else if (v == K16) {
-    for (uint k = K16 * 16; k < K; ++k) o[k] = DEQ_STORE(e4m3_to_f32(wr[k]) * srow[k / QBLOCK]);
+    for (uint k = K16 * 16; k < K; ++k) o[k] = DEQ_STORE(e4m3_dequant(wr, srow, k));
   }
 }

@@ -348,7 +348,8 @@ kernel void moe_tiles(global const uint* expert_offsets, uint n_experts, uint ro
 // col_tiles_per_item column tiles (TN features each, within one matrix).
 // Build options: -DTM -DTN, -DWEIGHT_TYPE=0|1|2 (common.cl) or -DGROUPED_FP8=1 -DFP8_DENORM, and
 // -DCOLUMNS_IN_TURN=0|1 (one-row tiles, as linear.cl); -DGROUPED_BF16=1 with -DWEIGHT_TYPE=1,
-// -DBF16_DOT and -DPAIRS_ALIGNED (bf16_tile.cl) takes x as bf16 rows (ldx their stride).
+// -DBF16_DOT and -DPAIRS_ALIGNED (bf16_tile.cl) takes x as bf16 rows (ldx their stride), and
+// with -DFP8_PANEL=1 -DPANEL_K (K rounded up to 16) FP8 experts (below).
 #if defined(WEIGHT_TYPE) || defined(GROUPED_FP8)
 #ifndef TM
 #define TM 1
@@ -367,7 +368,19 @@ typedef float gx_t;
 #elif GROUPED_BF16
 // model.compute_dtype: bf16 with bf16 experts and 4-row tiles: x rows rounded to bf16, the sums
 // of linear_bf16.cl's GEMM (bf16_tile.cl).
+// FP8_PANEL: FP8 experts the same way. A work-item dequantizes each column tile's TN weight rows
+// to bf16 once (code x block scale in f32, nearest even: dequantize_fp8's bf16 output, as
+// DeepSeek's weight_dequant feeds its bf16 GEMMs and as ops::linear_any runs FP8 prefill GEMMs
+// under bf16 compute) into a private panel, which the tile's row tiles (up to 16) then read.
+#if FP8_PANEL
+typedef uchar gw_t;
+#define BF16_W_PRIVATE 1
+#ifndef FP8_NAN_WATCH
+#define FP8_NAN_WATCH 1
+#endif
+#else
 typedef ushort gw_t;
+#endif
 typedef ushort gx_t;
 #ifndef BF16_DOT
 #define BF16_DOT 0
@@ -385,14 +398,77 @@ typedef float gx_t;
 typedef struct { int unused; } Fp8ScaledX;
 #endif
 
-// With GLU, w is the gate matrix and wu the up one: the tile's TN / 2 gate rows from n0, then the
+// The element type and address space of the rows a tile reads: the weights' own, or a panel's.
+#if GROUPED_BF16
+typedef ushort tw_t;
+#define TW_SPACE BF16_W_SPACE
+#else
+typedef gw_t tw_t;
+#define TW_SPACE global
+#endif
+
+// The TN weight rows of the column tile from n0 (rows past N repeat the last: computed on, not
+// stored). With GLU, w is the gate matrix and wu the up one: the tile's TN / 2 gate rows, then the
 // same columns' up rows, stored as silu(gate) * up.
+inline void grouped_weight_rows(global const gw_t* w, global const gw_t* wu, uint N, uint K,
+                                uint n0, global const gw_t* wr[TN]) {
+#pragma unroll
+  for (int j = 0; j < TN; ++j)
+#if GLU
+    wr[j] = j < TN / 2 ? w + (size_t)min(n0 + j, N - 1) * K
+                       : wu + (size_t)min(n0 + j - TN / 2, N - 1) * K;
+#else
+    wr[j] = w + (size_t)min(n0 + j, N - 1) * K;
+#endif
+}
+
+#if FP8_PANEL
+// The block-scale rows of those weight rows (sw, su: the scales of w and wu; KB blocks a row).
+inline void grouped_scale_rows(global const float* sw, global const float* su, uint N, uint KB,
+                               uint n0, global const float* sr[TN]) {
+#pragma unroll
+  for (int j = 0; j < TN; ++j)
+#if GLU
+    sr[j] = j < TN / 2 ? sw + (size_t)(min(n0 + j, N - 1) / QBLOCK) * KB
+                       : su + (size_t)(min(n0 + j - TN / 2, N - 1) / QBLOCK) * KB;
+#else
+    sr[j] = sw + (size_t)(min(n0 + j, N - 1) / QBLOCK) * KB;
+#endif
+}
+
+// 16 codes of a weight row from column 16 v dequantized to bf16. Weights the load-time scan found
+// free of NaN codes (-DFP8_NAN_WATCH=0) take common.cl's short decode, exact up to a power of two
+// that the first product takes back exactly, and a rounding without NaN: the same bits as
+// e4m3x16_dequant's, rounded, in about half the instructions (the panels had cost 0.7x the
+// experts' GEMM time in a profile of dsv3-mini's 512-token prefill).
+inline ushort16 fp8_panel_vector(global const uchar* row, global const float* srow, uint v) {
+#if FP8_NAN_WATCH
+  return f32x16_to_bf16_rne(e4m3x16_dequant(row, srow, v));
+#else
+  const float16 d = e4m3x16_decode_scaled(vload16(v, row)) * (FP8_X_SCALE * FP8_ACC_SCALE) *
+                    srow[v / VECS_PER_BLOCK];
+  return convert_ushort16(f32x16_round_bf16_bits(as_uint16(d)));
+#endif
+}
+
+// The panel: the column tile's TN rows of K codes (wr, their scale rows sr) dequantized to bf16.
+inline void fp8_panel(global const uchar* wr[TN], global const float* sr[TN], uint K,
+                      ushort panel[TN][PANEL_K]) {
+  const uint K16 = K / 16;
+  for (int j = 0; j < TN; ++j) {
+    // One 32-byte store per 16 (vstore16 to private memory became 16 two-byte stores).
+    for (uint v = 0; v < K16; ++v)
+      *(private ushort16*)(panel[j] + 16 * v) = fp8_panel_vector(wr[j], sr[j], v);
+    for (uint k = K16 * 16; k < K; ++k) panel[j][k] = f32_to_bf16_rne(e4m3_dequant(wr[j], sr[j], k));
+  }
+}
+#endif
+
 inline void grouped_tile(global const gx_t* x, uint ldx, global const uint* x_rows, int indirect,
-                         global const gw_t* w, global const gw_t* wu, global const float* srow,
-                         uint KB, global float* y, uint ldy, uint y_col, uint N, uint K, uint m0,
+                         TW_SPACE const tw_t* wr[TN], global const float* srow, uint KB,
+                         global float* y, uint ldy, uint y_col, uint N, uint K, uint m0,
                          uint m_end, uint n0, uint pf_stride, Fp8ScaledX* sx) {
   global const gx_t* xr[TM];
-  global const gw_t* wr[TN];
 #pragma unroll
   for (int i = 0; i < TM; ++i) {
     const uint r = min(m0 + i, m_end - 1);
@@ -400,14 +476,8 @@ inline void grouped_tile(global const gx_t* x, uint ldx, global const uint* x_ro
   }
 #if GLU
   const uint tile_cols = TN / 2;
-#pragma unroll
-  for (int j = 0; j < TN; ++j)
-    wr[j] = j < TN / 2 ? w + (size_t)min(n0 + j, N - 1) * K
-                       : wu + (size_t)min(n0 + j - TN / 2, N - 1) * K;
 #else
   const uint tile_cols = TN;
-#pragma unroll
-  for (int j = 0; j < TN; ++j) wr[j] = w + (size_t)min(n0 + j, N - 1) * K;
 #endif
 #if GROUPED_BF16
   float sums[OUT_PADDED];
@@ -467,7 +537,7 @@ kernel void moe_grouped_linear(global const gx_t* x, uint ldx, global const uint
   const uint per_mat = (N + tile_cols - 1) / tile_cols;
   const uint c_begin = get_global_id(0) * col_tiles_per_item;
   const uint c_end = min(c_begin + col_tiles_per_item, per_mat * n_mats);
-#if GROUPED_FP8
+#if GROUPED_FP8 || FP8_PANEL
   const uint KB = (K + QBLOCK - 1) / QBLOCK;
 #else
   const uint KB = 0;
@@ -475,6 +545,12 @@ kernel void moe_grouped_linear(global const gx_t* x, uint ldx, global const uint
   Fp8ScaledX sx;  // FP8 one-row tiles' scaled x row (fp8_tile.cl)
 #if GROUPED_FP8
   sx.row = 0;
+#endif
+#if FP8_PANEL
+  ushort panel[TN][PANEL_K] __attribute__((aligned(64)));  // rows of PANEL_K (16 k) elements
+  private const ushort* panel_rows[TN];
+#pragma unroll
+  for (int j = 0; j < TN; ++j) panel_rows[j] = panel[j];
 #endif
 #if GROUPED_FP8 && TM == 1 && COLUMNS_IN_TURN
   // Rows outer, as linear_fp8's one-row tiles in turn: each row's scaled x copy is made once.
@@ -495,8 +571,21 @@ kernel void moe_grouped_linear(global const gx_t* x, uint ldx, global const uint
 #endif
       // The next tile's rows while this one's stream (linear_tile.cl), within one matrix.
       const uint pf = m0 == r_begin && c + 1 < c_end && (c + 1) % per_mat != 0 ? TN * K : 0;
-      grouped_tile(x, ldx, x_rows, indirect, wm, wu, srow, KB, y, ldy, mat * N, N, K, m0, r_end,
-                   n0, pf, &sx);
+      global const gw_t* wr[TN];
+      grouped_weight_rows(wm, wu, N, K, n0, wr);
+#if FP8_PANEL
+      if (m0 == r_begin) {  // the column tile's first row tile (columns outer here)
+        global const float* sr[TN];
+        grouped_scale_rows(scales + table[6 * e + 3 + slot0 + mat],
+                           scales + table[6 * e + 3 + slot0 + (GLU ? 1 : mat)], N, KB, n0, sr);
+        fp8_panel(wr, sr, K, panel);
+      }
+      grouped_tile(x, ldx, x_rows, indirect, panel_rows, srow, KB, y, ldy, mat * N, N, K, m0,
+                   r_end, n0, pf, &sx);
+#else
+      grouped_tile(x, ldx, x_rows, indirect, wr, srow, KB, y, ldy, mat * N, N, K, m0, r_end, n0,
+                   pf, &sx);
+#endif
     }
 }
 #endif  // WEIGHT_TYPE || GROUPED_FP8

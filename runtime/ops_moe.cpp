@@ -340,9 +340,12 @@ void check_grouped(const char* op, const GroupedExperts& g, uint32_t slot0, uint
 // experts average 4 rows or more); decode's one-row tiles stream their weights in f32.
 // dsv3-mini's 512-token prefill with model.compute_dtype: bf16 ran 489-514 tok/s against 371-378
 // with these tiles in f32 (3 interleaved pairs, the 2-core EPYC).
+// FP8 experts too (moe.cl's FP8_PANEL): each column tile's weight rows dequantized to bf16 once
+// into a work-item's private panel, read by the tile's up to 16 row tiles.
 bool grouped_bf16(const Device& dev, const GroupedExperts& g, const GroupedPlan& plan,
                   ComputeDType compute) {
-  return compute == ComputeDType::BF16 && g.dtype == DType::BF16 && plan.tm >= kGemmRowsFrom &&
+  return compute == ComputeDType::BF16 &&
+         (g.dtype == DType::BF16 || g.dtype == DType::F8_E4M3) && plan.tm >= kGemmRowsFrom &&
          dev.kernel_shape() == KernelShape::Chunks;
 }
 
@@ -362,10 +365,12 @@ void grouped_bf16_launch(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::
   Scratch xb(dev, size_t(rows) * ldxb * 2);
   round_bf16(dev, x, 0, ldx, rows, K, xb.mem(), ldxb);
   const uint32_t tn_any = dev.tuning().gemm_bf16_tn, tn = glu ? (tn_any + 1) / 2 * 2 : tn_any;
-  const std::string opts = " -DTM=" + std::to_string(plan.tm) + " -DTN=" + std::to_string(tn) +
-                           " -DGROUPED_BF16=1 -DWEIGHT_TYPE=1 -DPAIRS_ALIGNED=0 -DGLU=" +
-                           (glu ? "1" : "0") + " -DBF16_DOT=" +
-                           (bf16_dot_product(dev) ? "1" : "0");
+  std::string opts = " -DTM=" + std::to_string(plan.tm) + " -DTN=" + std::to_string(tn) +
+                     " -DGROUPED_BF16=1 -DWEIGHT_TYPE=1 -DPAIRS_ALIGNED=0 -DGLU=" +
+                     (glu ? "1" : "0") + " -DBF16_DOT=" + (bf16_dot_product(dev) ? "1" : "0");
+  if (g.dtype == DType::F8_E4M3)
+    opts += " -DFP8_PANEL=1 -DPANEL_K=" + std::to_string(ceil_div(K, 16) * 16) + " " +
+            fp8_decode_option(dev) + fp8_tile_options(dev, g.fp8_nan_free, false);
   cl::Kernel k = dev.kernel("moe.cl", "moe_grouped_linear", opts);
   launch_grouped(dev, k, xb.mem(), ldxb, x_rows, g, slot0, glu ? 1 : n_mats, plan, y, ldy, N, K,
                  glu ? tn / 2 : tn);

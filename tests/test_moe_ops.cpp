@@ -506,7 +506,9 @@ Experts make_experts(Device& dev, DType dt, uint32_t E, uint32_t H, uint32_t F, 
       w[m].fp8_nan_free = dt == DType::F8_E4M3 && !nan_watch && fp8_nan_free(bytes.data(), bytes.size());
       if (dt == DType::F8_E4M3) {
         std::vector<float> sc(size_t((N + 127) / 128) * ((K + 127) / 128));
-        for (float& v : sc) v = std::ldexp(1.0f + 0.25f * float(rng() % 4), -int(rng() % 6));
+        // 10 mantissa bits: a code times its scale needs up to 14, so bf16 compute's dequantization
+        // (rounded to bf16's 8) is not exact.
+        for (float& v : sc) v = std::ldexp(1.0f + float(rng() % 1024) / 1024, -int(rng() % 6));
         while (packed.size() % 4) packed.push_back(0);
         table[e * 6 + 3 + m] = packed.size() / 4;
         const auto* p = reinterpret_cast<const uint8_t*>(sc.data());
@@ -601,7 +603,9 @@ TEST_P(GroupedExperts, MatchPerExpertOpsBitForBit) {
   if (c.compute == ComputeDType::BF16) {
     // The bf16-compute GEMM's row sums do not depend on the rows around them, so each expert's
     // reference is ops::linear over all S rows, of which the expert's own are kept (an expert of
-    // fewer than 4 rows would take the f32 GEMV by itself).
+    // fewer than 4 rows would take the f32 GEMV by itself). FP8 experts: ops::linear of the
+    // weight dequantized to bf16 by dequantize_fp8_bf16 (ops::linear_any's FP8 GEMM under bf16
+    // compute).
     ASSERT_EQ(plan.tm, 4u) << "the case must plan 4-row tiles";
     auto rows_of = [&](const cl::Mem& in, uint32_t ld_in, uint32_t mat, uint32_t N,
                        const cl::Mem& dst, uint32_t ld_dst, uint32_t col) {
@@ -611,7 +615,13 @@ TEST_P(GroupedExperts, MatchPerExpertOpsBitForBit) {
       for (uint32_t e = 0; e < c.E; ++e) {
         const uint32_t b = host.expert_offsets[e], n = host.expert_offsets[e + 1] - b;
         if (n == 0) continue;
-        ops::linear(dev, in, 0, ld_in, ex.w[e][mat], nullptr, tmp, 0, N, S, 1.0f, false,
+        Weight w = ex.w[e][mat];
+        if (w.dtype == DType::F8_E4M3) {
+          w.mem = dev.alloc(size_t(w.dim(0)) * w.dim(1) * 2);
+          ops::dequantize_fp8_bf16(dev, ex.w[e][mat], ex.s[e][mat], w.mem);
+          w.dtype = DType::BF16;
+        }
+        ops::linear(dev, in, 0, ld_in, w, nullptr, tmp, 0, N, S, 1.0f, false,
                     ComputeDType::BF16);
         const auto t = download<float>(dev, tmp, size_t(S) * N);
         for (uint32_t r = b; r < b + n; ++r)
@@ -734,7 +744,17 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{DType::BF16, 40, 3, 5, 70, 45, true, KernelShape::Chunks, 0, false,
                            ComputeDType::BF16},
                       Case{DType::BF16, 40, 3, 5, 70, 45, true, KernelShape::Chunks, 0, false,
-                           ComputeDType::BF16, true}),
+                           ComputeDType::BF16, true},
+                      // FP8 experts under bf16 compute (bf16 panels of the dequantized rows):
+                      // the K % 16 and K % 32 tails and a partial last scale block on both GEMMs,
+                      // N not a multiple of the tile; both micro-kernels; the NaN-free decode
+                      // and (watch) the exact one.
+                      Case{DType::F8_E4M3, 40, 3, 5, 300, 150, true, KernelShape::Chunks, 0,
+                           false, ComputeDType::BF16},
+                      Case{DType::F8_E4M3, 40, 3, 5, 300, 150, true, KernelShape::Chunks, 0,
+                           false, ComputeDType::BF16, true},
+                      Case{DType::F8_E4M3, 60, 2, 3, 200, 137, false, KernelShape::Chunks, 0,
+                           true, ComputeDType::BF16}),
     [](const ::testing::TestParamInfo<Case>& i) {
       return std::string(dtype_name(i.param.dtype)) + "_T" + std::to_string(i.param.T) + "_E" +
              std::to_string(i.param.E) + (i.param.with_shared ? "_shared" : "") +

@@ -182,8 +182,11 @@ void DecoderStack::moe_on_device(size_t layer, ReplicaWork& w) {
     ops::act_quant_fp8(dev, w.xn.mem(), 0, H, T, H, xq.mem());
     x = &xq.mem();
   }
+  // With act_quant the experts run DeepSeek's FP8 GEMM recipe (quantized x, exact products) in
+  // f32 whatever the compute dtype, as ops::linear_any runs the dense FP8 layers.
+  const ComputeDType compute = aq ? ComputeDType::F32 : compute_;
   Scratch act(dev, size_t(S) * F * 4), out(dev, size_t(S) * H * 4);
-  ops::moe_grouped_swiglu(dev, *x, H, &plan.src_token.mem(), g, plan, act.mem(), F, compute_, T);
+  ops::moe_grouped_swiglu(dev, *x, H, &plan.src_token.mem(), g, plan, act.mem(), F, compute, T);
   const cl::Mem* down_in = &act.mem();
   Scratch gq;
   if (aq) {
@@ -191,7 +194,7 @@ void DecoderStack::moe_on_device(size_t layer, ReplicaWork& w) {
     ops::act_quant_fp8(dev, act.mem(), 0, F, S, F, gq.mem());
     down_in = &gq.mem();
   }
-  ops::moe_grouped_linear(dev, *down_in, F, nullptr, g, 2, 1, plan, out.mem(), H, compute_);
+  ops::moe_grouped_linear(dev, *down_in, F, nullptr, g, 2, 1, plan, out.mem(), H, compute);
   ops::moe_combine(dev, out.mem(), H, plan.slot_row.mem(), weights.mem(), T, k, H, w.h.mem(), H,
                    true, fuse_shared);
   if (m.shared && !fuse_shared)
