@@ -69,7 +69,8 @@ void tile_dots_bf16(global const ushort* const* xr, BF16_W_SPACE const ushort* c
   for (uint k = 0; k < K32; ++k) {
     v16i wv[TN];
 #pragma unroll
-    for (int j = 0; j < TN; ++j) wv[j] = (v16i)(*(BF16_W_SPACE const v32s_u*)(wr[j] + (size_t)k * 32));
+    for (int j = 0; j < TN; ++j)
+      wv[j] = (v16i)(*(BF16_W_SPACE const v32s_u*)(wr[j] + (size_t)k * 32));
     PREFETCH_NEXT_ROWS(pf, k);
 #pragma unroll
     for (int i = 0; i < TM; ++i) {
@@ -131,7 +132,8 @@ void tile_dots_bf16(global const ushort* const* xr, BF16_W_SPACE const ushort* c
   for (uint k = 0; k < K32; ++k) {
     float16 w_even[TN], w_odd[TN];
 #pragma unroll
-    for (int j = 0; j < TN; ++j) bf16x32_weight_pairs(wr[j] + (size_t)k * 32, &w_even[j], &w_odd[j]);
+    for (int j = 0; j < TN; ++j)
+      bf16x32_weight_pairs(wr[j] + (size_t)k * 32, &w_even[j], &w_odd[j]);
     PREFETCH_NEXT_ROWS(pf, k);
 #pragma unroll
     for (int i = 0; i < TM; ++i) {

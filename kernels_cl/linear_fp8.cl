@@ -34,7 +34,7 @@
 inline void linear_fp8_tile(global const float* x, uint x_off, uint ldx, global const uchar* w,
                             global const float* scale, uint KB, global float* y, uint y_off,
                             uint ldy, uint M, uint N, uint K, float alpha, int accumulate,
-                            uint m0, uint n0, Fp8ScaledX* sx) {
+                            uint m0, uint n0, Fp8TileCache* sx) {
   // Rows and columns past the edge compute on a valid row (clamped) and are not stored. The
   // clamped rows stay inside n0's group of TN, so every row of the tile shares one scale row.
   global const float* xr[TM];
@@ -76,8 +76,11 @@ kernel void linear_fp8(global const float* x, uint x_off, uint ldx,
   const uint n_end = min(n_begin + n_tiles * TN, N);
   const uint m_begin = get_global_id(1) * m_rows;
   const uint m_end = min(m_begin + m_rows, M);
-  Fp8ScaledX sx;
+  Fp8TileCache sx;
   sx.row = 0;
+#ifdef FP8_PANEL_K
+  sx.panel_row = 0;
+#endif
 #if COLUMNS_IN_TURN
   for (uint m0 = m_begin; m0 < m_end; m0 += TM)
     for (uint n0 = n_begin; n0 < n_end; n0 += TN)

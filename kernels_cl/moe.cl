@@ -349,7 +349,7 @@ kernel void moe_tiles(global const uint* expert_offsets, uint n_experts, uint ro
 // Build options: -DTM -DTN, -DWEIGHT_TYPE=0|1|2 (common.cl) or -DGROUPED_FP8=1 -DFP8_DENORM, and
 // -DCOLUMNS_IN_TURN=0|1 (one-row tiles, as linear.cl); -DGROUPED_BF16=1 with -DWEIGHT_TYPE=1,
 // -DBF16_DOT and -DPAIRS_ALIGNED (bf16_tile.cl) takes x as bf16 rows (ldx their stride), and
-// with -DFP8_PANEL=1 -DPANEL_K (K rounded up to 16) FP8 experts (below).
+// with -DFP8_BF16_PANEL=1 -DBF16_PANEL_K (K rounded up to 16) FP8 experts (below).
 #if defined(WEIGHT_TYPE) || defined(GROUPED_FP8)
 #ifndef TM
 #define TM 1
@@ -368,11 +368,11 @@ typedef float gx_t;
 #elif GROUPED_BF16
 // model.compute_dtype: bf16 with bf16 experts and 4-row tiles: x rows rounded to bf16, the sums
 // of linear_bf16.cl's GEMM (bf16_tile.cl).
-// FP8_PANEL: FP8 experts the same way. A work-item dequantizes each column tile's TN weight rows
-// to bf16 once (code x block scale in f32, nearest even: dequantize_fp8's bf16 output, as
+// FP8_BF16_PANEL: FP8 experts the same way. A work-item dequantizes each column tile's TN weight
+// rows to bf16 once (code x block scale in f32, nearest even: dequantize_fp8's bf16 output, as
 // DeepSeek's weight_dequant feeds its bf16 GEMMs and as ops::linear_any runs FP8 prefill GEMMs
 // under bf16 compute) into a private panel, which the tile's row tiles (up to 16) then read.
-#if FP8_PANEL
+#if FP8_BF16_PANEL
 typedef uchar gw_t;
 #define BF16_W_PRIVATE 1
 #ifndef FP8_NAN_WATCH
@@ -389,13 +389,13 @@ typedef ushort gx_t;
 #define GLU 0  // -DGLU=1: gate and up in one tile, y = silu(gate) * up (moe_grouped_swiglu)
 #endif
 #include "bf16_tile.cl"
-typedef struct { int unused; } Fp8ScaledX;
+typedef struct { int unused; } Fp8TileCache;
 #else
 typedef wtype gw_t;
 typedef float gx_t;
 #define GLU 0
 #include "linear_tile.cl"
-typedef struct { int unused; } Fp8ScaledX;
+typedef struct { int unused; } Fp8TileCache;
 #endif
 
 // The element type and address space of the rows a tile reads: the weights' own, or a panel's.
@@ -422,7 +422,7 @@ inline void grouped_weight_rows(global const gw_t* w, global const gw_t* wu, uin
 #endif
 }
 
-#if FP8_PANEL
+#if FP8_BF16_PANEL
 // The block-scale rows of those weight rows (sw, su: the scales of w and wu; KB blocks a row).
 inline void grouped_scale_rows(global const float* sw, global const float* su, uint N, uint KB,
                                uint n0, global const float* sr[TN]) {
@@ -453,13 +453,14 @@ inline ushort16 fp8_panel_vector(global const uchar* row, global const float* sr
 
 // The panel: the column tile's TN rows of K codes (wr, their scale rows sr) dequantized to bf16.
 inline void fp8_panel(global const uchar* wr[TN], global const float* sr[TN], uint K,
-                      ushort panel[TN][PANEL_K]) {
+                      ushort panel[TN][BF16_PANEL_K]) {
   const uint K16 = K / 16;
   for (int j = 0; j < TN; ++j) {
     // One 32-byte store per 16 (vstore16 to private memory became 16 two-byte stores).
     for (uint v = 0; v < K16; ++v)
       *(private ushort16*)(panel[j] + 16 * v) = fp8_panel_vector(wr[j], sr[j], v);
-    for (uint k = K16 * 16; k < K; ++k) panel[j][k] = f32_to_bf16_rne(e4m3_dequant(wr[j], sr[j], k));
+    for (uint k = K16 * 16; k < K; ++k)
+      panel[j][k] = f32_to_bf16_rne(e4m3_dequant(wr[j], sr[j], k));
   }
 }
 #endif
@@ -467,7 +468,7 @@ inline void fp8_panel(global const uchar* wr[TN], global const float* sr[TN], ui
 inline void grouped_tile(global const gx_t* x, uint ldx, global const uint* x_rows, int indirect,
                          TW_SPACE const tw_t* wr[TN], global const float* srow, uint KB,
                          global float* y, uint ldy, uint y_col, uint N, uint K, uint m0,
-                         uint m_end, uint n0, uint pf_stride, Fp8ScaledX* sx) {
+                         uint m_end, uint n0, uint pf_stride, Fp8TileCache* sx) {
   global const gx_t* xr[TM];
 #pragma unroll
   for (int i = 0; i < TM; ++i) {
@@ -537,17 +538,20 @@ kernel void moe_grouped_linear(global const gx_t* x, uint ldx, global const uint
   const uint per_mat = (N + tile_cols - 1) / tile_cols;
   const uint c_begin = get_global_id(0) * col_tiles_per_item;
   const uint c_end = min(c_begin + col_tiles_per_item, per_mat * n_mats);
-#if GROUPED_FP8 || FP8_PANEL
+#if GROUPED_FP8 || FP8_BF16_PANEL
   const uint KB = (K + QBLOCK - 1) / QBLOCK;
 #else
   const uint KB = 0;
 #endif
-  Fp8ScaledX sx;  // FP8 one-row tiles' scaled x row (fp8_tile.cl)
+  Fp8TileCache sx;  // FP8 tiles in turn: the scaled x row; 4-row tiles: the weight panel
 #if GROUPED_FP8
   sx.row = 0;
+#ifdef FP8_PANEL_K
+  sx.panel_row = 0;
 #endif
-#if FP8_PANEL
-  ushort panel[TN][PANEL_K] __attribute__((aligned(64)));  // rows of PANEL_K (16 k) elements
+#endif
+#if FP8_BF16_PANEL
+  ushort panel[TN][BF16_PANEL_K] __attribute__((aligned(64)));  // rows: whole 32-byte vectors
   private const ushort* panel_rows[TN];
 #pragma unroll
   for (int j = 0; j < TN; ++j) panel_rows[j] = panel[j];
@@ -573,7 +577,7 @@ kernel void moe_grouped_linear(global const gx_t* x, uint ldx, global const uint
       const uint pf = m0 == r_begin && c + 1 < c_end && (c + 1) % per_mat != 0 ? TN * K : 0;
       global const gw_t* wr[TN];
       grouped_weight_rows(wm, wu, N, K, n0, wr);
-#if FP8_PANEL
+#if FP8_BF16_PANEL
       if (m0 == r_begin) {  // the column tile's first row tile (columns outer here)
         global const float* sr[TN];
         grouped_scale_rows(scales + table[6 * e + 3 + slot0 + mat],

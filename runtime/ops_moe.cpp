@@ -56,13 +56,22 @@ std::string fp8_decode_option(const Device& dev) {
 }
 
 // fp8_tile.cl's options past the decode: the NaN-code watch, left out where the load-time scan
-// found the weights free of those codes, and for tiles in turn the bound on K of their
-// private scaled x row (KernelTuning::gemv_stream_k, which bounds the K of such tiles).
-std::string fp8_tile_options(const Device& dev, bool nan_free, bool in_turn) {
+// found the weights free of those codes; for tiles in turn the bound on K of their private scaled
+// x row (KernelTuning::gemv_stream_k, which bounds the K of such tiles); with `panel` (4-row tiles
+// over enough rows: kFp8PanelRowsFrom) the decoded weight panel of K columns.
+std::string fp8_tile_options(const Device& dev, bool nan_free, bool in_turn, bool panel = false,
+                             uint32_t K = 0) {
   std::string o = std::string(" -DFP8_NAN_WATCH=") + (nan_free ? "0" : "1");
   if (in_turn) o += " -DFP8_XS_MAX=" + std::to_string(ceil_div(dev.tuning().gemv_stream_k, 16) * 16);
+  if (panel) o += " -DFP8_PANEL_K=" + std::to_string(ceil_div(K, 16) * 16);
   return o;
 }
+
+// The rows per column tile from which FP8 4-row tiles decode the column tile's weight rows once
+// into a private panel (fp8_tile.cl's Fp8TileCache): ops::linear_fp8's M, the grouped experts'
+// average rows per expert. Measured in-process on the 2-core EPYC (bench_fp8, 2048 x 2048): 32
+// rows 1.04x, 64 and 512 rows 1.11-1.13x, 8 and 16 rows 0.75-0.9x.
+constexpr uint32_t kFp8PanelRowsFrom = 32;
 
 // The plan's buffers and tile shape for `rows` grouped rows over n_experts: 4-row tiles where the
 // experts average 4 rows or more (prefill), one-row tiles for decode; a work-item takes up to 64
@@ -112,7 +121,8 @@ void linear_fp8(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, con
                             fp8_decode_option(dev) + " -DTM=" + std::to_string(tm) +
                                 " -DTN=" + std::to_string(tn) +
                                 (in_turn ? " -DCOLUMNS_IN_TURN=1" : "") +
-                                fp8_tile_options(dev, w.fp8_nan_free, in_turn));
+                                fp8_tile_options(dev, w.fp8_nan_free, in_turn,
+                                                 tm == 4 && M >= kFp8PanelRowsFrom, K));
   // Work per work-item as ops::linear: up to 64 rows, and enough column tiles that a launch is a
   // few hundred work-items rather than thousands. Tiles in turn are split as
   // ops::stream_launch_items says: each work-item scales its x rows first, which at 2 tiles
@@ -340,8 +350,8 @@ void check_grouped(const char* op, const GroupedExperts& g, uint32_t slot0, uint
 // experts average 4 rows or more); decode's one-row tiles stream their weights in f32.
 // dsv3-mini's 512-token prefill with model.compute_dtype: bf16 ran 489-514 tok/s against 371-378
 // with these tiles in f32 (3 interleaved pairs, the 2-core EPYC).
-// FP8 experts too (moe.cl's FP8_PANEL): each column tile's weight rows dequantized to bf16 once
-// into a work-item's private panel, read by the tile's up to 16 row tiles.
+// FP8 experts too (moe.cl's FP8_BF16_PANEL): each column tile's weight rows dequantized to bf16
+// once into a work-item's private panel, read by the tile's up to 16 row tiles.
 bool grouped_bf16(const Device& dev, const GroupedExperts& g, const GroupedPlan& plan,
                   ComputeDType compute) {
   return compute == ComputeDType::BF16 &&
@@ -369,7 +379,7 @@ void grouped_bf16_launch(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::
                      " -DGROUPED_BF16=1 -DWEIGHT_TYPE=1 -DPAIRS_ALIGNED=0 -DGLU=" +
                      (glu ? "1" : "0") + " -DBF16_DOT=" + (bf16_dot_product(dev) ? "1" : "0");
   if (g.dtype == DType::F8_E4M3)
-    opts += " -DFP8_PANEL=1 -DPANEL_K=" + std::to_string(ceil_div(K, 16) * 16) + " " +
+    opts += " -DFP8_BF16_PANEL=1 -DBF16_PANEL_K=" + std::to_string(ceil_div(K, 16) * 16) + " " +
             fp8_decode_option(dev) + fp8_tile_options(dev, g.fp8_nan_free, false);
   cl::Kernel k = dev.kernel("moe.cl", "moe_grouped_linear", opts);
   launch_grouped(dev, k, xb.mem(), ldxb, x_rows, g, slot0, glu ? 1 : n_mats, plan, y, ldy, N, K,
@@ -424,7 +434,11 @@ void moe_grouped_linear(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::M
   const bool in_turn = dev.kernel_shape() == KernelShape::Chunks && plan.tm == 1 &&
                        K <= dev.tuning().gemv_stream_k;
   if (in_turn) opts += " -DCOLUMNS_IN_TURN=1";
-  if (g.dtype == DType::F8_E4M3) opts += fp8_tile_options(dev, g.fp8_nan_free, in_turn);
+  if (g.dtype == DType::F8_E4M3)
+    opts += fp8_tile_options(dev, g.fp8_nan_free, in_turn,
+                             dev.kernel_shape() == KernelShape::Chunks && plan.tm == 4 &&
+                                 plan.rows >= kFp8PanelRowsFrom * plan.n_experts,
+                             K);
   opts += ops::weight_prefetch_option(dev);
   if (dev.kernel_shape() == KernelShape::WorkGroups) {
     // linear_wg's / linear_fp8_wg's order per row (ops::linear's and ops::linear_fp8's GPU

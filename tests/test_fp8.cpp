@@ -307,7 +307,9 @@ TEST_P(Fp8Decodes, LinearAlphaAndAccumulate) {
 // kernel shapes: the CPU one watches the raw bytes (the load-time scan found the codes), the GPU
 // one's exact decode yields the NaN.
 TEST_P(Fp8Decodes, LinearNanCodePoisonsItsFeatureOnly) {
-  for (const uint32_t M : {1u, 3u, 5u}) {  // tiles in turn of one and three rows, four-row tiles
+  // Tiles in turn of one and three rows, four-row tiles, and four-row tiles over a decoded panel
+  // (kFp8PanelRowsFrom rows and more), whose watch runs when the panel is made.
+  for (const uint32_t M : {1u, 3u, 5u, 40u}) {
   SCOPED_TRACE("M=" + std::to_string(M));
   Device& dev = device();
   const uint32_t N = 12, K = 150;  // tail of 6 columns
@@ -368,7 +370,7 @@ TEST_P(Fp8Decodes, LinearExtremeActivationsAndScales) {
     Weight wq = fp8_weight(dev, p.w, N, K);
     Weight sc = to_device_f32(dev, p.scales, {1, 2}, "test.scale_inv");
     for (const KernelShape shape : {KernelShape::Chunks, KernelShape::WorkGroups})
-      for (const uint32_t M : {1u, 4u}) {  // the row repeated
+      for (const uint32_t M : {1u, 4u, 32u}) {  // the row repeated; 32: a decoded panel
         SCOPED_TRACE(std::string(shape_name(shape)) + " M=" + std::to_string(M));
         test::ShapeScope scope(dev, shape);
         std::vector<float> xm;
@@ -392,12 +394,13 @@ TEST_P(Fp8Decodes, LinearExtremeActivationsAndScales) {
 }
 
 // A row's outputs are the same bits whichever launch computes them (fp8_tile.cl): alone (a one-row
-// tile in turn), among 2 or 3 rows (one tile of those rows, in turn) or among 9 (four-row tiles),
-// so a verify step of speculative decoding reproduces the decode steps; with
-// and without the NaN watch, in the CPU shape.
+// tile in turn), among 2 or 3 rows (one tile of those rows, in turn), among 9 (four-row tiles) or
+// among 40 (four-row tiles over a decoded weight panel, x read unscaled), so a verify step of
+// speculative decoding reproduces the decode steps and a prefill's rows are a decode's; with and
+// without the NaN watch, in the CPU shape.
 TEST_P(Fp8Decodes, LinearRowBitsDoNotDependOnTheBatch) {
   Device& dev = device();
-  const uint32_t N = 200, K = 300, M = 9;
+  const uint32_t N = 200, K = 300, M = 40;
   const Fp8Problem p = random_problem(N, K, 51);
   std::mt19937 rng(52);
   std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -416,12 +419,16 @@ TEST_P(Fp8Decodes, LinearRowBitsDoNotDependOnTheBatch) {
       ops::linear_fp8(dev, xb, 0, K, wq, sc, yb, 0, N, rows);
       return download(dev, yb, size_t(rows) * N);
     };
-    const std::vector<float> all = run(0, M), two = run(5, 2), three = run(2, 3);
+    const std::vector<float> all = run(0, M), nine = run(0, 9), two = run(5, 2),
+                             three = run(2, 3);
     for (uint32_t m = 0; m < M; ++m) {
       const std::vector<float> alone = run(m, 1);
       for (uint32_t n = 0; n < N; ++n) {
         ASSERT_EQ(std::bit_cast<uint32_t>(alone[n]), std::bit_cast<uint32_t>(all[m * N + n]))
             << "row " << m << " feature " << n << " alone vs among " << M;
+        if (m < 9)
+          ASSERT_EQ(std::bit_cast<uint32_t>(alone[n]), std::bit_cast<uint32_t>(nine[m * N + n]))
+              << "row " << m << " feature " << n << " alone vs among 9";
         if (m >= 2 && m < 5)
           ASSERT_EQ(std::bit_cast<uint32_t>(alone[n]),
                     std::bit_cast<uint32_t>(three[(m - 2) * N + n]))
