@@ -346,16 +346,24 @@ void check_grouped(const char* op, const GroupedExperts& g, uint32_t slot0, uint
                                 std::to_string(slot0) + " + " + std::to_string(n_mats) + " of 3");
 }
 
-// bf16 compute as ops::linear's GEMMs of 4 rows and more: where the plan has 4-row tiles (the
-// experts average 4 rows or more); decode's one-row tiles stream their weights in f32.
-// dsv3-mini's 512-token prefill with model.compute_dtype: bf16 ran 489-514 tok/s against 371-378
-// with these tiles in f32 (3 interleaved pairs, the 2-core EPYC).
+// The average rows per expert from which bf16 compute takes the grouped experts (4-row tiles
+// then). In-process on the 2-core EPYC (dsv3-mini's experts: 64 + 1 shared, top-8, gate|up with
+// the SwiGLU then down), bf16 against f32 tiles: FP8 experts 0.75x at 4.4 rows, 0.89x at 5.5,
+// 0.99x at 6.6, 1.13x at 8.9, 1.40x at 17.7, 1.88x at 71 (512-token prefill); bf16 experts 0.90x,
+// 0.95x, 0.96x, 1.11x, 1.31x. Below it (decode batches up to ~50 streams) they stay f32.
+constexpr uint32_t kGroupedBf16RowsFrom = 8;
+
+// bf16 compute as ops::linear's GEMMs of 4 rows and more, where the experts average
+// kGroupedBf16RowsFrom rows; decode's one-row tiles stream their weights in f32. dsv3-mini's
+// 512-token prefill with model.compute_dtype: bf16 ran 489-514 tok/s against 371-378 with these
+// tiles in f32 (3 interleaved pairs, the 2-core EPYC).
 // FP8 experts too (moe.cl's FP8_BF16_PANEL): each column tile's weight rows dequantized to bf16
 // once into a work-item's private panel, read by the tile's up to 16 row tiles.
 bool grouped_bf16(const Device& dev, const GroupedExperts& g, const GroupedPlan& plan,
                   ComputeDType compute) {
   return compute == ComputeDType::BF16 &&
          (g.dtype == DType::BF16 || g.dtype == DType::F8_E4M3) && plan.tm >= kGemmRowsFrom &&
+         plan.rows >= kGroupedBf16RowsFrom * plan.n_experts &&
          dev.kernel_shape() == KernelShape::Chunks;
 }
 

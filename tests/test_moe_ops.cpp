@@ -600,13 +600,16 @@ TEST_P(GroupedExperts, MatchPerExpertOpsBitForBit) {
   cl::Mem rows = upload(dev, host.src_token), xg = dev.alloc(size_t(S) * c.H * 4);
   ops::gather_rows(dev, xb, c.H, rows, S, c.H, xg, c.H);
   cl::Mem gu_ref = dev.alloc(size_t(S) * F2 * 4), out_ref = dev.alloc(size_t(S) * c.H * 4);
-  if (c.compute == ComputeDType::BF16) {
+  // bf16 compute takes the grouped experts where they average 8 rows or more
+  // (kGroupedBf16RowsFrom); below, their tiles stay f32 and so does the reference.
+  const bool bf16_path = c.compute == ComputeDType::BF16 && S >= 8 * c.E;
+  if (c.compute == ComputeDType::BF16) ASSERT_EQ(plan.tm, 4u) << "the case must plan 4-row tiles";
+  if (bf16_path) {
     // The bf16-compute GEMM's row sums do not depend on the rows around them, so each expert's
     // reference is ops::linear over all S rows, of which the expert's own are kept (an expert of
     // fewer than 4 rows would take the f32 GEMV by itself). FP8 experts: ops::linear of the
     // weight dequantized to bf16 by dequantize_fp8_bf16 (ops::linear_any's FP8 GEMM under bf16
     // compute).
-    ASSERT_EQ(plan.tm, 4u) << "the case must plan 4-row tiles";
     auto rows_of = [&](const cl::Mem& in, uint32_t ld_in, uint32_t mat, uint32_t N,
                        const cl::Mem& dst, uint32_t ld_dst, uint32_t col) {
       cl::Mem tmp = dev.alloc(size_t(S) * N * 4);
@@ -635,13 +638,13 @@ TEST_P(GroupedExperts, MatchPerExpertOpsBitForBit) {
     rows_of(xg, c.H, 1, c.F, gu_ref, F2, c.F);
     rows_of(gu, F2, 2, c.H, out_ref, c.H, 0);
   }
-  for (uint32_t e = 0; e < c.E && c.compute == ComputeDType::F32; ++e) {
+  for (uint32_t e = 0; e < c.E && !bf16_path; ++e) {
     const uint32_t b = host.expert_offsets[e], n = host.expert_offsets[e + 1] - b;
     if (n == 0) continue;
     linear_of(dev, xg, b * c.H, c.H, ex.w[e][0], ex.s[e][0], gu_ref, b * F2, F2, n);
     linear_of(dev, xg, b * c.H, c.H, ex.w[e][1], ex.s[e][1], gu_ref, b * F2 + c.F, F2, n);
   }
-  for (uint32_t e = 0; e < c.E && c.compute == ComputeDType::F32; ++e) {
+  for (uint32_t e = 0; e < c.E && !bf16_path; ++e) {
     const uint32_t b = host.expert_offsets[e], n = host.expert_offsets[e + 1] - b;
     if (n > 0) linear_of(dev, gu, b * F2, F2, ex.w[e][2], ex.s[e][2], out_ref, b * c.H, c.H, n);
   }
@@ -655,7 +658,7 @@ TEST_P(GroupedExperts, MatchPerExpertOpsBitForBit) {
     ops::silu_mul(dev, gu, 0, F2, gu, c.F, F2, act_ref, c.F, S, c.F);
     const auto a = download<float>(dev, act, size_t(S) * c.F);
     const auto ar = download<float>(dev, act_ref, size_t(S) * c.F);
-    const bool fused = c.compute == ComputeDType::BF16;
+    const bool fused = bf16_path;
     size_t differ = 0;
     for (size_t i = 0; i < a.size(); ++i) {
       const bool same = fused ? std::abs(double(a[i]) - ar[i]) <= 4 * FLT_EPSILON * std::abs(ar[i])
@@ -738,12 +741,15 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{DType::BF16, 13, 3, 5, 600, 300, true, kWg, 4},
                       Case{DType::F32, 5, 2, 6, 520, 264, false, kWg, 8},
                       Case{DType::F16, 9, 2, 3, 300, 140, false, kWg, 2},
-                      // bf16 compute (4-row tiles: the experts average 4 rows or more): the
-                      // bf16 GEMM's sums, with the dot product where the host has it and the
-                      // portable micro-kernel; K % 32 tails on both GEMMs and an odd K on down.
+                      // bf16 compute (the experts average 8 rows or more): the bf16 GEMM's
+                      // sums, with the dot product where the host has it and the portable
+                      // micro-kernel; K % 32 tails on both GEMMs and an odd K on down. Below 8
+                      // (4.8 here) the f32 tiles' bits.
                       Case{DType::BF16, 100, 2, 3, 48, 20, false, KernelShape::Chunks, 0, false,
                            ComputeDType::BF16},
                       Case{DType::BF16, 40, 3, 5, 70, 45, true, KernelShape::Chunks, 0, false,
+                           ComputeDType::BF16},
+                      Case{DType::BF16, 12, 2, 5, 70, 45, false, KernelShape::Chunks, 0, false,
                            ComputeDType::BF16},
                       Case{DType::BF16, 40, 3, 5, 70, 45, true, KernelShape::Chunks, 0, false,
                            ComputeDType::BF16, true},
