@@ -17,9 +17,9 @@
 //   (the vload builtins are rejected inside it), so it loads through unaligned vector types.
 // -DBF16_DOT=0: the same sums with f32 FMAs on the bf16 values widened by a shift, any device;
 //   -DPAIRS_ALIGNED=1 where every row starts on a 4-byte boundary.
-// The weight rows are global memory, or with -DBF16_W_PRIVATE=1 a work-item's private panel of
-// rows it made itself (moe.cl's FP8 experts, dequantized to bf16 per column tile; 4-byte aligned).
-#if BF16_W_PRIVATE
+// The weight rows are global memory, or with -DFP8_BF16_PANEL=1 a work-item's private panel of
+// rows it dequantized itself from FP8 (below; 4-byte aligned).
+#if FP8_BF16_PANEL
 #define BF16_W_SPACE private
 #else
 #define BF16_W_SPACE global
@@ -114,7 +114,7 @@ inline void bf16x32_pairs(global const ushort* p, float16* even, float16* odd) {
 #endif
 }
 // The weight rows' loads: a private panel's rows are aligned, so always words.
-#if BF16_W_PRIVATE
+#if FP8_BF16_PANEL
 inline void bf16x32_weight_pairs(private const ushort* p, float16* even, float16* odd) {
   bf16_word_pairs(vload16(0, (private const uint*)p), even, odd);
 }
@@ -180,6 +180,45 @@ inline void glu_act(const float* out, float* act) {
   for (int c = 0; c < GLU_PADDED; c += 16) {
     const float16 g = vload16(0, out + c);
     vstore16(g / (1.0f + exp(-g)) * vload16(0, out + GLU_PADDED + c), 0, act + c);
+  }
+}
+#endif
+
+#if FP8_BF16_PANEL
+// FP8 weights under bf16 compute (moe.cl's grouped experts, linear_bf16.cl's FP8 GEMM): a
+// work-item dequantizes a column tile's TN weight rows to bf16 once (code x block scale in f32,
+// nearest even: dequantize_fp8's bf16 output, as DeepSeek's weight_dequant feeds its bf16 GEMMs)
+// into a private panel of rows of BF16_PANEL_K (K rounded up to 16), which the tile's row tiles
+// then read. Build options: -DBF16_PANEL_K, -DFP8_DENORM and
+// -DFP8_NAN_WATCH (common.cl, fp8_tile.cl).
+#ifndef FP8_NAN_WATCH
+#define FP8_NAN_WATCH 1
+#endif
+// 16 codes of a weight row from column 16 v dequantized to bf16. Weights the load-time scan found
+// free of NaN codes (-DFP8_NAN_WATCH=0) take common.cl's short decode, exact up to a power of two
+// that the first product takes back exactly, and a rounding without NaN: the same bits as
+// e4m3x16_dequant's, rounded, in about half the instructions (the panels had cost 0.7x the
+// experts' GEMM time in a profile of dsv3-mini's 512-token prefill).
+inline ushort16 fp8_panel_vector(global const uchar* row, global const float* srow, uint v) {
+#if FP8_NAN_WATCH
+  return f32x16_to_bf16_rne(e4m3x16_dequant(row, srow, v));
+#else
+  const float16 d = e4m3x16_decode_scaled(vload16(v, row)) * (FP8_X_SCALE * FP8_ACC_SCALE) *
+                    srow[v / VECS_PER_BLOCK];
+  return convert_ushort16(f32x16_round_bf16_bits(as_uint16(d)));
+#endif
+}
+
+// The panel: the column tile's TN rows of K codes (wr, their scale rows sr) dequantized to bf16.
+inline void fp8_panel(global const uchar* wr[TN], global const float* sr[TN], uint K,
+                      ushort panel[TN][BF16_PANEL_K]) {
+  const uint K16 = K / 16;
+  for (int j = 0; j < TN; ++j) {
+    // One 32-byte store per 16 (vstore16 to private memory became 16 two-byte stores).
+    for (uint v = 0; v < K16; ++v)
+      *(private ushort16*)(panel[j] + 16 * v) = fp8_panel_vector(wr[j], sr[j], v);
+    for (uint k = K16 * 16; k < K; ++k)
+      panel[j][k] = f32_to_bf16_rne(e4m3_dequant(wr[j], sr[j], k));
   }
 }
 #endif

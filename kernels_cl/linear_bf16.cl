@@ -9,7 +9,8 @@
 // The tile's sums: bf16_tile.cl's micro-kernels (vdpbf16ps or portable FMAs), which moe.cl's
 // grouped experts share. Build options: -DTM, -DTN (tile), -DGLU=0|1, -DBF16_DOT=0|1,
 // -DPAIRS_ALIGNED=0|1 (bf16_tile.cl), -DWEIGHT_TYPE=1 (common.cl's wtype = ushort, for its
-// fused_row), and -DPREFETCH_X86=1 (ops::weight_prefetch_option).
+// fused_row), -DPREFETCH_X86=1 (ops::weight_prefetch_option), and for FP8 weights
+// -DFP8_BF16_PANEL=1 with bf16_tile.cl's panel options.
 
 #ifndef TM
 #define TM 4
@@ -78,6 +79,12 @@ inline void tile_weight_rows(uint n0, uint N, global const ushort* w0, uint ldw0
   }
 }
 
+#if FP8_BF16_PANEL
+typedef uchar w0_t;  // FP8 codes, with block scales s0 (KB per 128-row block): one weight, no GLU
+#else
+typedef ushort w0_t;
+#endif
+
 // xb: [M, K] bf16 rows (row stride ldxb, a multiple of 32 keeps the loads aligned). One
 // work-item owns n_tiles column tiles x m_rows rows, column tile outer (its weight rows stay in
 // cache while the rows stream). Launch: global (row blocks, column blocks), local 1. Row blocks
@@ -85,11 +92,14 @@ inline void tile_weight_rows(uint n0, uint N, global const ushort* w0, uint ldw0
 // work-groups, first dimension fastest: so the row blocks of one column block run one after
 // another and find its weight rows in cache. With column blocks first, a 512-token prefill read
 // every weight from memory once per 64-row block.
+// With FP8_BF16_PANEL (w0 FP8, its scales s0) each column tile's rows are dequantized into the
+// work-item's panel (bf16_tile.cl) once, for its row tiles.
 kernel void linear_bf16(global const ushort* xb, uint ldxb,
-                        global const ushort* w0, uint w0_off, uint ldw0, uint n1,
+                        global const w0_t* w0, uint w0_off, uint ldw0, uint n1,
                         global const ushort* w1, uint w1_off, uint ldw1, uint n2,
                         global const ushort* w2, uint w2_off, uint ldw2,
                         global const ushort* bias, uint b_off, int has_bias,
+                        global const float* s0, uint KB,
                         global float* y, uint y_off, uint ldy, uint M, uint N, uint K,
                         float alpha, int accumulate, uint n_tiles, uint m_rows) {
 #if GLU
@@ -104,6 +114,24 @@ kernel void linear_bf16(global const ushort* xb, uint ldxb,
   w0 += w0_off;
   w1 += w1_off;
   w2 += w2_off;
+#if FP8_BF16_PANEL
+  ushort panel[TN][BF16_PANEL_K] __attribute__((aligned(64)));  // rows: whole 32-byte vectors
+  private const ushort* wr[TN];
+#pragma unroll
+  for (int j = 0; j < TN; ++j) wr[j] = panel[j];
+  global const ushort* const* next = 0;  // no prefetch: the panel is made before the tiles
+  const bool has_next = false;
+  for (uint n0 = n_begin; n0 < n_end; n0 += tile_cols) {
+    global const uchar* codes[TN];
+    global const float* sr[TN];
+#pragma unroll
+    for (int j = 0; j < TN; ++j) {
+      const uint n = min(n0 + j, N - 1);
+      codes[j] = w0 + (size_t)n * ldw0;
+      sr[j] = s0 + (size_t)(n / QBLOCK) * KB;
+    }
+    fp8_panel(codes, sr, K, panel);
+#else
   global const ushort* next[TN];
   tile_weight_rows(n_begin, N, w0, ldw0, n1, w1, ldw1, n2, w2, ldw2, next);
   for (uint n0 = n_begin; n0 < n_end; n0 += tile_cols) {
@@ -112,6 +140,7 @@ kernel void linear_bf16(global const ushort* xb, uint ldxb,
     for (int j = 0; j < TN; ++j) wr[j] = next[j];
     const bool has_next = n0 + tile_cols < n_end;
     if (has_next) tile_weight_rows(n0 + tile_cols, N, w0, ldw0, n1, w1, ldw1, n2, w2, ldw2, next);
+#endif
     for (uint m0 = m_begin; m0 < m_end; m0 += TM) {
       // Rows and columns past the edge compute on a valid row (clamped) and are not stored.
       global const ushort* xr[TM];

@@ -6,6 +6,7 @@
 
 #include "runtime/device.h"
 #include "runtime/ops_blas.h"
+#include "runtime/ops_moe.h"
 
 namespace clshard::ops {
 
@@ -73,7 +74,7 @@ bool bf16_gemm(ComputeDType compute, uint32_t M, const std::vector<const Weight*
 void gemm_bf16(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx,
                const std::vector<const Weight*>& ws, bool glu, const Weight* bias,
                const cl::Mem& y, uint32_t y_off, uint32_t ldy, uint32_t M, float alpha,
-               bool accumulate) {
+               bool accumulate, const Weight* fp8_scale = nullptr) {
   const uint32_t K = uint32_t(ws[0]->dim(1));
   const uint32_t ldxb = bf16_gemm_row_stride(K);
   Scratch xb(dev, size_t(M) * ldxb * 2);
@@ -111,14 +112,20 @@ void gemm_bf16(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx,
   // against 146.3-149.2 tok/s without, 3 interleaved pairs of a 512-token prefill).
   // The portable micro-kernel loads 4-byte words where every weight row starts on one (the
   // rounded rows always do: their stride is a multiple of 32).
+  // An FP8 weight (one, no GLU, no bias) is dequantized per column tile into the work-item's
+  // bf16 panel (bf16_tile.cl's FP8_BF16_PANEL), whose rows are aligned.
   bool pairs_aligned = true;
-  for (const Weight* w : ws) pairs_aligned &= w->row_stride() % 2 == 0 && w->offset % 2 == 0;
-  cl::Kernel k = dev.kernel("linear_bf16.cl", "linear_bf16",
-                            "-DLINEAR_BF16=1 -DWEIGHT_TYPE=1 -DTM=" + std::to_string(tm) +
-                                " -DTN=" + std::to_string(tn) + " -DGLU=" + (glu ? "1" : "0") +
-                                " -DBF16_DOT=" + (bf16_dot_product(dev) ? "1" : "0") +
-                                " -DPAIRS_ALIGNED=" + (pairs_aligned ? "1" : "0") +
-                                (batch ? weight_prefetch_option(dev) : ""));
+  for (const Weight* w : ws)
+    pairs_aligned &= fp8_scale || (w->row_stride() % 2 == 0 && w->offset % 2 == 0);
+  std::string opts = "-DLINEAR_BF16=1 -DWEIGHT_TYPE=1 -DTM=" + std::to_string(tm) +
+                     " -DTN=" + std::to_string(tn) + " -DGLU=" + (glu ? "1" : "0") +
+                     " -DBF16_DOT=" + (bf16_dot_product(dev) ? "1" : "0") +
+                     " -DPAIRS_ALIGNED=" + (pairs_aligned ? "1" : "0");
+  if (fp8_scale)
+    opts += fp8_bf16_panel_options(dev, K, ws[0]->fp8_nan_free);
+  else if (batch)
+    opts += weight_prefetch_option(dev);
+  cl::Kernel k = dev.kernel("linear_bf16.cl", "linear_bf16", opts);
   const Weight& w0 = *ws[0];
   const Weight& w1 = *ws[std::min<size_t>(1, ws.size() - 1)];
   const Weight& w2 = *ws[std::min<size_t>(2, ws.size() - 1)];
@@ -127,8 +134,9 @@ void gemm_bf16(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx,
   cl::set_args(k, xb.mem(), ldxb, w0.mem, uint32_t(w0.offset), uint32_t(w0.row_stride()), n1,
                w1.mem, uint32_t(w1.offset), uint32_t(w1.row_stride()), n2, w2.mem,
                uint32_t(w2.offset), uint32_t(w2.row_stride()), has_bias ? bias->mem : w0.mem,
-               uint32_t(has_bias ? bias->offset : 0), has_bias, y, y_off, ldy, M, N, K, alpha,
-               int(accumulate), n_tiles, m_rows);
+               uint32_t(has_bias ? bias->offset : 0), has_bias,
+               fp8_scale ? fp8_scale->mem : w0.mem, (K + 127) / 128, y, y_off, ldy, M, N, K,
+               alpha, int(accumulate), n_tiles, m_rows);
   // Row blocks first (linear_bf16.cl): a column block's weights are read from memory once, not
   // once per row block; 1.01-1.10x at M = 512 (bench_kernels, interleaved pairs).
   dev.launch(k, {row_blocks, col_blocks, 1}, 2);
@@ -231,6 +239,18 @@ void copy_rows(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, cons
   cl::check(clEnqueueCopyBufferRect(dev.queue(), x.get(), y.get(), src_origin, dst_origin, region,
                                     ldx * f, 0, ldy * f, 0, 0, nullptr, nullptr),
             "clEnqueueCopyBufferRect (copy_rows)");
+}
+
+void linear_fp8_bf16(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const Weight& w,
+                     const Weight& scale_inv, const cl::Mem& y, uint32_t y_off, uint32_t ldy,
+                     uint32_t M, float alpha, bool accumulate) {
+  if (dev.kernel_shape() != KernelShape::Chunks)
+    throw std::invalid_argument("linear_fp8_bf16: '" + w.name +
+                                "' needs the CPU kernel shape (the bf16 panels are private memory)");
+  check_fp8_weight("linear_fp8_bf16", w, scale_inv);
+  if (M == 0) return;
+  gemm_bf16(dev, x, x_off, ldx, {&w}, false, nullptr, y, y_off, ldy, M, alpha, accumulate,
+            &scale_inv);
 }
 
 void linear(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const Weight& w,

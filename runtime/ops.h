@@ -67,6 +67,12 @@ void linear_swiglu(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, 
 void round_bf16(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, uint32_t M,
                 uint32_t K, const cl::Mem& xb, uint32_t ldxb, bool as_f32 = false);
 
+// The build options of bf16_tile.cl's FP8 panels (FP8 weights under bf16 compute: each column
+// tile's rows dequantized to bf16 once per work-item): -DFP8_BF16_PANEL=1, the panel's row length
+// for K, the e4m3 decode the device takes, and the NaN-code watch unless the weights' load-time
+// scan found no NaN code (Weight::fp8_nan_free).
+std::string fp8_bf16_panel_options(const Device& dev, uint32_t K, bool nan_free);
+
 // The row stride (elements) of the bf16 rows the bf16-compute GEMMs read (linear_bf16.cl and the
 // grouped experts; round_bf16 writes them): whole 32-element steps and one step more.
 uint32_t bf16_gemm_row_stride(uint32_t K);

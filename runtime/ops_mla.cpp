@@ -88,10 +88,12 @@ void act_quant_fp8(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, 
   dev.launch(k, {(K + 127) / 128, M, 1}, 2);
 }
 
-// FP8 GEMMs take the bf16 path at compute_dtype bf16 from this many rows. Measured (bench_fp8,
-// 2048 x 2048, PoCL on 2 AVX-512 cores): 64 rows cost about the same either way, 512 rows half on
-// the bf16 path, and decode batches (8 rows) far more, the dequantization outweighing the GEMM.
-constexpr uint32_t kFp8Bf16GemmRowsFrom = 64;
+// FP8 GEMMs take the bf16 path at compute_dtype bf16 from this many rows (linear_fp8_bf16: each
+// work-item dequantizes a column tile's rows into a bf16 panel for its row tiles). Against the
+// FP8 tiles in f32, bench_fp8 2048 x 2048 on PoCL's 2 AVX-512 cores: 4 rows 0.5x, 8 rows 0.9x,
+// 16 rows 1.25-1.4x, 32 rows 1.4-1.7x, 64 and 512 rows 1.9x (the earlier whole-weight bf16
+// copy: about even at 64 rows).
+constexpr uint32_t kFp8Bf16GemmRowsFrom = 16;
 
 void linear_any(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const Weight& w,
                 const Weight* scale_inv, const cl::Mem& y, uint32_t y_off, uint32_t ldy,
@@ -109,18 +111,9 @@ void linear_any(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, con
     }
     if (compute == ComputeDType::BF16 && M >= kFp8Bf16GemmRowsFrom &&
         dev.kernel_shape() == KernelShape::Chunks) {
-      // bf16 compute: the weight dequantized to bf16 (w * scale, nearest even) once per GEMM, then
-      // the bf16 GEMM (vdpbf16ps where the host has it). The dequantization reads N x K bytes and
-      // writes twice that, which pays only against enough rows (see kFp8Bf16GemmRowsFrom).
-      const uint32_t N = uint32_t(w.dim(0)), K = uint32_t(w.dim(1));
-      Scratch wb(dev, size_t(N) * K * 2);
-      dequantize_fp8_bf16(dev, w, *scale_inv, wb.mem());
-      Weight b;
-      b.mem = wb.mem();
-      b.dtype = DType::BF16;
-      b.shape = {N, K};
-      b.name = w.name;
-      linear(dev, x, x_off, ldx, b, nullptr, y, y_off, ldy, M, alpha, accumulate, compute);
+      // bf16 compute: the bf16 GEMM over the weight dequantized to bf16 (w * scale, nearest
+      // even) column tile by column tile (vdpbf16ps where the host has it).
+      linear_fp8_bf16(dev, x, x_off, ldx, w, *scale_inv, y, y_off, ldy, M, alpha, accumulate);
       return;
     }
     if (blas_fp8_applies(dev, M, w)) {

@@ -27,23 +27,6 @@ std::string shape_str(const std::vector<int64_t>& s) {
   return r + "]";
 }
 
-// The (N, K) of an FP8 weight after checking it and its scale tensor against each other.
-std::pair<uint32_t, uint32_t> check_fp8_weight(const char* op, const Weight& w,
-                                               const Weight& scale_inv) {
-  if (w.dtype != DType::F8_E4M3 || w.shape.size() != 2)
-    throw std::invalid_argument(std::string(op) + ": weight '" + w.name + "' is " +
-                                dtype_name(w.dtype) + " " + shape_str(w.shape) +
-                                "; expected a 2-D F8_E4M3 tensor");
-  const uint32_t N = uint32_t(w.dim(0)), K = uint32_t(w.dim(1));
-  const std::vector<int64_t> want = {ceil_div(N, kQuantBlock), ceil_div(K, kQuantBlock)};
-  if (scale_inv.dtype != DType::F32 || scale_inv.shape != want)
-    throw std::invalid_argument(std::string(op) + ": scale '" + scale_inv.name + "' of weight '" +
-                                w.name + "' is " + dtype_name(scale_inv.dtype) + " " +
-                                shape_str(scale_inv.shape) + "; expected F32 " + shape_str(want) +
-                                " (one scale per 128x128 block)");
-  return {N, K};
-}
-
 // Which e4m3 decode linear_fp8.cl compiles (see there): the shortest one builds f32 denormals and
 // needs a device that keeps them; others take the f16 route. CLSHARD_FP8_DECODE=f16 forces the
 // latter, so that it can be tested on devices where it would not be chosen.
@@ -70,7 +53,8 @@ std::string fp8_tile_options(const Device& dev, bool nan_free, bool in_turn, boo
 // The rows per column tile from which FP8 4-row tiles decode the column tile's weight rows once
 // into a private panel (fp8_tile.cl's Fp8TileCache): ops::linear_fp8's M, the grouped experts'
 // average rows per expert. Measured in-process on the 2-core EPYC (bench_fp8, 2048 x 2048): 32
-// rows 1.04x, 64 and 512 rows 1.11-1.13x, 8 and 16 rows 0.75-0.9x.
+// rows 1.04x, 64 and 512 rows 1.11-1.13x, 8 and 16 rows 0.75-0.9x; dsv3-mini's grouped experts
+// at f32 compute 0.92x at 8.9 rows per expert, 1.05-1.10x from 17.7 to 71.
 constexpr uint32_t kFp8PanelRowsFrom = 32;
 
 // The plan's buffers and tile shape for `rows` grouped rows over n_experts: 4-row tiles where the
@@ -92,6 +76,27 @@ ops::GroupedPlan plan_shape(Device& dev, uint32_t rows, uint32_t n_experts) {
 }  // namespace
 
 namespace ops {
+
+std::pair<uint32_t, uint32_t> check_fp8_weight(const char* op, const Weight& w,
+                                               const Weight& scale_inv) {
+  if (w.dtype != DType::F8_E4M3 || w.shape.size() != 2)
+    throw std::invalid_argument(std::string(op) + ": weight '" + w.name + "' is " +
+                                dtype_name(w.dtype) + " " + shape_str(w.shape) +
+                                "; expected a 2-D F8_E4M3 tensor");
+  const uint32_t N = uint32_t(w.dim(0)), K = uint32_t(w.dim(1));
+  const std::vector<int64_t> want = {ceil_div(N, kQuantBlock), ceil_div(K, kQuantBlock)};
+  if (scale_inv.dtype != DType::F32 || scale_inv.shape != want)
+    throw std::invalid_argument(std::string(op) + ": scale '" + scale_inv.name + "' of weight '" +
+                                w.name + "' is " + dtype_name(scale_inv.dtype) + " " +
+                                shape_str(scale_inv.shape) + "; expected F32 " + shape_str(want) +
+                                " (one scale per 128x128 block)");
+  return {N, K};
+}
+
+std::string fp8_bf16_panel_options(const Device& dev, uint32_t K, bool nan_free) {
+  return " -DFP8_BF16_PANEL=1 -DBF16_PANEL_K=" + std::to_string(ceil_div(K, 16) * 16) + " " +
+         fp8_decode_option(dev) + fp8_tile_options(dev, nan_free, false);
+}
 
 void linear_fp8(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const Weight& w,
                 const Weight& scale_inv, const cl::Mem& y, uint32_t y_off, uint32_t ldy, uint32_t M,
@@ -386,9 +391,7 @@ void grouped_bf16_launch(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::
   std::string opts = " -DTM=" + std::to_string(plan.tm) + " -DTN=" + std::to_string(tn) +
                      " -DGROUPED_BF16=1 -DWEIGHT_TYPE=1 -DPAIRS_ALIGNED=0 -DGLU=" +
                      (glu ? "1" : "0") + " -DBF16_DOT=" + (bf16_dot_product(dev) ? "1" : "0");
-  if (g.dtype == DType::F8_E4M3)
-    opts += " -DFP8_BF16_PANEL=1 -DBF16_PANEL_K=" + std::to_string(ceil_div(K, 16) * 16) + " " +
-            fp8_decode_option(dev) + fp8_tile_options(dev, g.fp8_nan_free, false);
+  if (g.dtype == DType::F8_E4M3) opts += fp8_bf16_panel_options(dev, K, g.fp8_nan_free);
   cl::Kernel k = dev.kernel("moe.cl", "moe_grouped_linear", opts);
   launch_grouped(dev, k, xb.mem(), ldxb, x_rows, g, slot0, glu ? 1 : n_mats, plan, y, ldy, N, K,
                  glu ? tn / 2 : tn);

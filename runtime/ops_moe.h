@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "runtime/cl.h"
@@ -30,12 +31,25 @@ void linear_fp8(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, con
                 const Weight& scale_inv, const cl::Mem& y, uint32_t y_off, uint32_t ldy, uint32_t M,
                 float alpha = 1.0f, bool accumulate = false);
 
+// The (N, K) of an FP8 weight after checking it and its scale tensor against each other (an
+// error naming both, what they are and what was expected); `op` names the caller.
+std::pair<uint32_t, uint32_t> check_fp8_weight(const char* op, const Weight& w,
+                                               const Weight& scale_inv);
+
+// linear_fp8 under model.compute_dtype: bf16, CPU shape (KernelShape::Chunks): x rounded to bf16,
+// each column tile's weight rows dequantized to bf16 (dequantize_fp8_bf16's values) once per
+// work-item into a private panel, then linear_bf16's micro-kernels; every row the bits of
+// ops::linear's bf16 GEMM over dequantize_fp8_bf16's weight, without that N x K copy.
+void linear_fp8_bf16(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const Weight& w,
+                     const Weight& scale_inv, const cl::Mem& y, uint32_t y_off, uint32_t ldy,
+                     uint32_t M, float alpha = 1.0f, bool accumulate = false);
+
 // out[N, K] f32 = e4m3(w) * scale_inv[n/128, k/128]: the dequantized weight, for the places that
 // need it materialised (MLA's absorbed kv_b_proj slices, checks against a reference). Uses the
 // same in-kernel decode as linear_fp8.
 void dequantize_fp8(Device& dev, const Weight& w, const Weight& scale_inv, const cl::Mem& out);
-// out[N, K] bf16 = the same values rounded to bf16 (nearest even): FP8 weights in a bf16-compute
-// GEMM (linear_any with ComputeDType::BF16).
+// out[N, K] bf16 = the same values rounded to bf16 (nearest even), as linear_fp8_bf16's panels
+// hold them.
 void dequantize_fp8_bf16(Device& dev, const Weight& w, const Weight& scale_inv, const cl::Mem& out);
 
 struct RouterConfig {
