@@ -171,22 +171,36 @@ void DecoderStack::moe_on_device(size_t layer, ReplicaWork& w) {
   // covers the routed experts and the shared one's slot is left out.
   const ops::GroupedPlan plan =
       ops::plan_experts(dev, ids.mem(), T, k, g.n_experts, fuse_shared);
-  const uint32_t S = plan.rows;
-  // FP8 activation quantization is per row: the tokens are quantized once, which quantizes every
-  // grouped row that reads them through src_token, and the silu output is quantized per row.
+  Scratch out(dev, size_t(plan.rows) * H * 4);
+  grouped_experts(dev, g, plan, w.xn.mem(), &plan.src_token.mem(), T, out.mem());
+  ops::moe_combine(dev, out.mem(), H, plan.slot_row.mem(), weights.mem(), T, k, H, w.h.mem(), H,
+                   true, fuse_shared);
+  if (m.shared && !fuse_shared)
+    dense_mlp(dev, m.shared, w.xn.mem(), 0, H, T, w.gu.mem(), w.h.mem(), 0, H, true,
+              fp8_act_quant_, LayerLora{&w.lora, layer}, compute_);
+  dev.flush();
+}
+
+void DecoderStack::grouped_experts(Device& dev, const ops::GroupedExperts& g,
+                                   const ops::GroupedPlan& plan, const cl::Mem& x,
+                                   const cl::Mem* x_rows, uint32_t x_count,
+                                   const cl::Mem& out) const {
+  const uint32_t H = g.hidden, F = g.inter, S = plan.rows, X = x_rows ? x_count : S;
+  // FP8 activation quantization is per row: the x rows are quantized once, which quantizes every
+  // grouped row that reads them, and the silu output is quantized per row.
   const bool aq = fp8_act_quant_ && g.dtype == DType::F8_E4M3;
-  const cl::Mem* x = &w.xn.mem();
+  const cl::Mem* in = &x;
   Scratch xq;
   if (aq) {
-    xq = Scratch(dev, size_t(T) * H * 4);
-    ops::act_quant_fp8(dev, w.xn.mem(), 0, H, T, H, xq.mem());
-    x = &xq.mem();
+    xq = Scratch(dev, size_t(X) * H * 4);
+    ops::act_quant_fp8(dev, x, 0, H, X, H, xq.mem());
+    in = &xq.mem();
   }
   // With act_quant the experts run DeepSeek's FP8 GEMM recipe (quantized x, exact products) in
   // f32 whatever the compute dtype, as ops::linear_any runs the dense FP8 layers.
   const ComputeDType compute = aq ? ComputeDType::F32 : compute_;
-  Scratch act(dev, size_t(S) * F * 4), out(dev, size_t(S) * H * 4);
-  ops::moe_grouped_swiglu(dev, *x, H, &plan.src_token.mem(), g, plan, act.mem(), F, compute, T);
+  Scratch act(dev, size_t(S) * F * 4);
+  ops::moe_grouped_swiglu(dev, *in, H, x_rows, g, plan, act.mem(), F, compute, x_count);
   const cl::Mem* down_in = &act.mem();
   Scratch gq;
   if (aq) {
@@ -194,13 +208,7 @@ void DecoderStack::moe_on_device(size_t layer, ReplicaWork& w) {
     ops::act_quant_fp8(dev, act.mem(), 0, F, S, F, gq.mem());
     down_in = &gq.mem();
   }
-  ops::moe_grouped_linear(dev, *down_in, F, nullptr, g, 2, 1, plan, out.mem(), H, compute);
-  ops::moe_combine(dev, out.mem(), H, plan.slot_row.mem(), weights.mem(), T, k, H, w.h.mem(), H,
-                   true, fuse_shared);
-  if (m.shared && !fuse_shared)
-    dense_mlp(dev, m.shared, w.xn.mem(), 0, H, T, w.gu.mem(), w.h.mem(), 0, H, true,
-              fp8_act_quant_, LayerLora{&w.lora, layer});
-  dev.flush();
+  ops::moe_grouped_linear(dev, *down_in, F, nullptr, g, 2, 1, plan, out, H, compute);
 }
 
 void DecoderStack::moe(size_t layer, std::vector<ReplicaWork>& work) {
@@ -255,7 +263,11 @@ void DecoderStack::moe(size_t layer, std::vector<ReplicaWork>& work) {
   // The plan's index tables go up now, while every device is idle after the ids were read:
   // Device::write blocks until its queue drains, so a write between enqueued kernels would hold
   // the host (and every other device) until that device caught up.
+  // So does each rank's tile plan of its grouped experts over the rows it will receive, in
+  // expert order (the shared expert, last in the buffer, gets none: it runs on the tokens'
+  // devices after the combine).
   std::vector<Scratch> src_token(N), slot_row(N), fwd(N), back(N);
+  std::vector<ops::GroupedPlan> plans(N);
   for (size_t r = 0; r < N; ++r) {
     if (!local(r)) continue;
     Device& dev = *work[r].dev;
@@ -264,6 +276,11 @@ void DecoderStack::moe(size_t layer, std::vector<ReplicaWork>& work) {
     slot_row[r] = Scratch(dev, rows(S) * 4);
     dev.write(src_token[r].mem(), eb[r].src_token.data(), S * 4);
     dev.write(slot_row[r].mem(), eb[r].slot_row.data(), S * 4);
+    if (const ops::GroupedExperts& g = moe_of(r).grouped; g && expert_rows[r].back() > 0) {
+      std::vector<uint32_t> offsets = expert_rows[r];
+      offsets.resize(g.n_experts + 1, offsets.back());
+      plans[r] = ops::plan_expert_tiles(dev, offsets);
+    }
     if (!regroup[r]) continue;
     fwd[r] = Scratch(dev, M * 4);
     back[r] = Scratch(dev, M * 4);
@@ -321,16 +338,22 @@ void DecoderStack::moe(size_t layer, std::vector<ReplicaWork>& work) {
       x = &xg.mem();
       y = &outg.mem();
     }
-    uint32_t widest = 0;
-    for (size_t e = 0; e + 1 < expert_rows[d].size(); ++e)
-      widest = std::max(widest, expert_rows[d][e + 1] - expert_rows[d][e]);
-    Scratch gu(dev, size_t(widest) * 2 * F * 4);
     const MoeWeights& m = moe_of(d);
-    for (size_t e = 0; e + 1 < expert_rows[d].size(); ++e) {
-      const uint32_t begin = expert_rows[d][e], n = expert_rows[d][e + 1] - begin;
-      if (n > 0)
-        dense_mlp(dev, m.experts[e], *x, begin * H, H, n, gu.mem(), *y, begin * H, H, false,
-                  fp8_act_quant_, {}, compute_);
+    if (m.grouped) {
+      // The rank's experts in grouped launches over the rows in expert order, as one device
+      // runs them.
+      grouped_experts(dev, m.grouped, plans[d], *x, nullptr, 0, *y);
+    } else {
+      uint32_t widest = 0;
+      for (size_t e = 0; e + 1 < expert_rows[d].size(); ++e)
+        widest = std::max(widest, expert_rows[d][e + 1] - expert_rows[d][e]);
+      Scratch gu(dev, size_t(widest) * 2 * F * 4);
+      for (size_t e = 0; e + 1 < expert_rows[d].size(); ++e) {
+        const uint32_t begin = expert_rows[d][e], n = expert_rows[d][e + 1] - begin;
+        if (n > 0)
+          dense_mlp(dev, m.experts[e], *x, begin * H, H, n, gu.mem(), *y, begin * H, H, false,
+                    fp8_act_quant_, {}, compute_);
+      }
     }
     if (regroup[d]) ops::gather_rows(dev, outg.mem(), H, back[d].mem(), M, H, out_recv[d].mem(), H);
     dev.flush();

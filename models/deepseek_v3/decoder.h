@@ -147,6 +147,11 @@ class DecoderStack {
   void moe(size_t layer, std::vector<ReplicaWork>& work);
   // moe() on a single device with grouped experts: no host round trip (ops_moe.h's device plan).
   void moe_on_device(size_t layer, ReplicaWork& w);
+  // The grouped experts g over the plan's rows: gate and up with the SwiGLU, then down, into out
+  // [plan.rows, H]. Row r reads x row src_token[r] with x_rows (x_count tokens), else x row r.
+  void grouped_experts(Device& dev, const ops::GroupedExperts& g, const ops::GroupedPlan& plan,
+                       const cl::Mem& x, const cl::Mem* x_rows, uint32_t x_count,
+                       const cl::Mem& out) const;
 
   DeepseekV3Config cfg_;
   std::vector<Replica> replicas_;  // replica r = device r = EP rank r (dev null: another process)
