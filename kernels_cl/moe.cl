@@ -366,8 +366,8 @@ typedef float gx_t;
 #define GLU 0
 #include "fp8_tile.cl"
 #elif GROUPED_BF16
-// model.compute_dtype: bf16 with bf16 experts and 4-row tiles: x rows rounded to bf16, the sums
-// of linear_bf16.cl's GEMM (bf16_tile.cl).
+// model.compute_dtype: bf16 with bf16 experts averaging 8 rows or more (4-row tiles; the host's
+// kGroupedBf16RowsFrom): x rows rounded to bf16, the sums of linear_bf16.cl's GEMM (bf16_tile.cl).
 // FP8_BF16_PANEL: FP8 experts the same way, through bf16_tile.cl's panels: a work-item
 // dequantizes each column tile's TN weight rows to bf16 once, for the tile's up to 16 row tiles.
 #if FP8_BF16_PANEL
