@@ -603,7 +603,9 @@ TEST_P(GroupedExperts, MatchPerExpertOpsBitForBit) {
   // bf16 compute takes the grouped experts where they average 8 rows or more
   // (kGroupedBf16RowsFrom); below, their tiles stay f32 and so does the reference.
   const bool bf16_path = c.compute == ComputeDType::BF16 && S >= 8 * c.E;
-  if (c.compute == ComputeDType::BF16) ASSERT_EQ(plan.tm, 4u) << "the case must plan 4-row tiles";
+  if (c.compute == ComputeDType::BF16) {
+    ASSERT_EQ(plan.tm, 4u) << "the case must plan 4-row tiles";
+  }
   if (bf16_path) {
     // The bf16-compute GEMM's row sums do not depend on the rows around them, so each expert's
     // reference is ops::linear over all S rows, of which the expert's own are kept (an expert of
