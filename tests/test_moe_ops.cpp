@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <array>
 #include <bit>
 #include <cfloat>
@@ -550,6 +551,7 @@ struct Case {
   bool nan_watch = false;  // FP8: the weights' NaN scan unknown, so the CPU tiles watch
   ComputeDType compute = ComputeDType::F32;
   bool portable = false;  // bf16 compute: the portable micro-kernel (gemm_bf16_dot 0)
+  bool f16_decode = false;  // FP8: the f16-based e4m3 decode (CLSHARD_FP8_DECODE=f16) in both paths
 };
 
 class GroupedExperts : public ::testing::TestWithParam<Case> {};
@@ -563,6 +565,14 @@ TEST_P(GroupedExperts, MatchPerExpertOpsBitForBit) {
   const Case c = GetParam();
   Device& dev = device();
   test::ShapeScope scope(dev, c.shape);
+  // The decode devices without f32 denormals get, for the grouped launches and the per-expert
+  // ops alike (the variable is read when a kernel's options are made).
+  struct DecodeScope {
+    explicit DecodeScope(bool f16) {
+      if (f16) setenv("CLSHARD_FP8_DECODE", "f16", 1);
+    }
+    ~DecodeScope() { unsetenv("CLSHARD_FP8_DECODE"); }
+  } decode(c.f16_decode);
   KernelTuning tuning = dev.tuning();
   if (c.vector) tuning.linear_vector = c.vector;
   if (c.portable) tuning.gemm_bf16_dot = 0;
@@ -764,7 +774,15 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{DType::F8_E4M3, 40, 3, 5, 300, 150, true, KernelShape::Chunks, 0,
                            false, ComputeDType::BF16, true},
                       Case{DType::F8_E4M3, 60, 2, 3, 200, 137, false, KernelShape::Chunks, 0,
-                           true, ComputeDType::BF16}),
+                           true, ComputeDType::BF16},
+                      // The f16-based decode: the bf16 panels (NaN-free and watched) and the
+                      // f32 tiles' panels.
+                      Case{DType::F8_E4M3, 40, 3, 5, 300, 150, true, KernelShape::Chunks, 0,
+                           false, ComputeDType::BF16, false, true},
+                      Case{DType::F8_E4M3, 60, 2, 3, 200, 137, false, KernelShape::Chunks, 0,
+                           true, ComputeDType::BF16, false, true},
+                      Case{DType::F8_E4M3, 100, 2, 3, 200, 136, false, KernelShape::Chunks, 0,
+                           false, ComputeDType::F32, false, true}),
     [](const ::testing::TestParamInfo<Case>& i) {
       return std::string(dtype_name(i.param.dtype)) + "_T" + std::to_string(i.param.T) + "_E" +
              std::to_string(i.param.E) + (i.param.with_shared ? "_shared" : "") +
@@ -772,7 +790,7 @@ INSTANTIATE_TEST_SUITE_P(
              (i.param.vector ? "_vw" + std::to_string(i.param.vector) : "") +
              (i.param.nan_watch ? "_watch" : "") +
              (i.param.compute == ComputeDType::BF16 ? "_bf16compute" : "") +
-             (i.param.portable ? "_portable" : "");
+             (i.param.portable ? "_portable" : "") + (i.param.f16_decode ? "_f16decode" : "");
     });
 
 }  // namespace grouped
