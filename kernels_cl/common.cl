@@ -209,6 +209,10 @@ inline float16 e4m3x16_dequant(global const uchar* row, global const float* srow
 inline float e4m3_dequant(global const uchar* row, global const float* srow, uint k) {
   return e4m3_to_f32(row[k]) * srow[k / QBLOCK];
 }
+// The block scales of weight row n (KB blocks a row): the scale row of n's block of rows.
+inline global const float* fp8_scale_row(global const float* scales, uint n, uint KB) {
+  return scales + (size_t)(n / QBLOCK) * KB;
+}
 
 // The KV caches' element type, -DCACHE_TYPE=0|1|2 (f32 | bf16 | fp8; kv_cache.dtype): ctype, a
 // loader that widens to f32 and a store that narrows. bf16 stores round to nearest, ties to even,

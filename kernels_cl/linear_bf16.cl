@@ -128,7 +128,7 @@ kernel void linear_bf16(global const ushort* xb, uint ldxb,
     for (int j = 0; j < TN; ++j) {
       const uint n = min(n0 + j, N - 1);
       codes[j] = w0 + (size_t)n * ldw0;
-      sr[j] = s0 + (size_t)(n / QBLOCK) * KB;
+      sr[j] = fp8_scale_row(s0, n, KB);
     }
     fp8_panel(codes, sr, K, panel);
 #else

@@ -43,7 +43,7 @@ inline void linear_fp8_tile(global const float* x, uint x_off, uint ldx, global 
   for (int i = 0; i < TM; ++i) xr[i] = x + x_off + (size_t)min(m0 + i, M - 1) * ldx;
 #pragma unroll
   for (int j = 0; j < TN; ++j) wr[j] = w + (size_t)min(n0 + j, N - 1) * K;
-  global const float* srow = scale + (size_t)(n0 / QBLOCK) * KB;
+  global const float* srow = fp8_scale_row(scale, n0, KB);
   float out[TM][TN];
   bool row_has_nan[TN];
   fp8_tile_dots(xr, wr, srow, KB, K, sx, out, row_has_nan);
@@ -113,7 +113,7 @@ void linear_fp8_wg(global const float* x, uint x_off, uint ldx,
   global const float* xr[RB];
   wg_x_rows(x, x_off, ldx, m0, M, xr);  // fp8_lane_dots sums every row; those past M not stored
   float acc[RB];
-  fp8_lane_dots(xr, w + (size_t)n * K, scale + (size_t)(n / QBLOCK) * KB, K, lane, WG, acc);
+  fp8_lane_dots(xr, w + (size_t)n * K, fp8_scale_row(scale, n, KB), K, lane, WG, acc);
   float v;
   if (wg_row_sum(partial, acc, WG, lane, m0, M, &v))
     wg_store(y, y_off, ldy, m0 + lane, n, v, alpha, accumulate);
@@ -134,7 +134,7 @@ kernel void dequantize_fp8(global const uchar* w, global const float* scale, uin
                            global DEQ_OUT* out, uint N, uint K) {
   const uint n = get_global_id(0);
   global const uchar* wr = w + (size_t)n * K;
-  global const float* srow = scale + (size_t)(n / QBLOCK) * KB;
+  global const float* srow = fp8_scale_row(scale, n, KB);
   global DEQ_OUT* o = out + (size_t)n * K;
   const uint K16 = K / 16;
   for (uint v = 0; v < K16; ++v)
@@ -150,7 +150,7 @@ kernel void dequantize_fp8_wg(global const uchar* w, global const float* scale, 
   const uint v = get_global_id(0), n = get_global_id(1);
   const uint K16 = K / 16;
   global const uchar* wr = w + (size_t)n * K;
-  global const float* srow = scale + (size_t)(n / QBLOCK) * KB;
+  global const float* srow = fp8_scale_row(scale, n, KB);
   global DEQ_OUT* o = out + (size_t)n * K;
   if (v < K16) {
     vstore16(DEQ_STORE16(e4m3x16_dequant(wr, srow, v)), v, o);

@@ -423,10 +423,10 @@ inline void grouped_scale_rows(global const float* sw, global const float* su, u
 #pragma unroll
   for (int j = 0; j < TN; ++j)
 #if GLU
-    sr[j] = j < TN / 2 ? sw + (size_t)(min(n0 + j, N - 1) / QBLOCK) * KB
-                       : su + (size_t)(min(n0 + j - TN / 2, N - 1) / QBLOCK) * KB;
+    sr[j] = j < TN / 2 ? fp8_scale_row(sw, min(n0 + j, N - 1), KB)
+                       : fp8_scale_row(su, min(n0 + j - TN / 2, N - 1), KB);
 #else
-    sr[j] = sw + (size_t)(min(n0 + j, N - 1) / QBLOCK) * KB;
+    sr[j] = fp8_scale_row(sw, min(n0 + j, N - 1), KB);
 #endif
 }
 
@@ -536,7 +536,7 @@ kernel void moe_grouped_linear(global const gx_t* x, uint ldx, global const uint
       global const gw_t* wu = w + table[6 * e + slot0 + (GLU ? 1 : mat)];
 #if GROUPED_FP8
       global const float* srow =
-          scales + table[6 * e + 3 + slot0 + mat] + (size_t)(n0 / QBLOCK) * KB;
+          fp8_scale_row(scales + table[6 * e + 3 + slot0 + mat], n0, KB);
 #else
       global const float* srow = scales;
 #endif
@@ -654,7 +654,7 @@ void moe_grouped_linear_fp8_wg(global const float* x, uint ldx, global const uin
   const uint KB = (K + QBLOCK - 1) / QBLOCK;
   global const uchar* wr = w + table[6 * t.e + slot0 + t.mat] + (size_t)t.n * K;
   global const float* srow =
-      scales + table[6 * t.e + 3 + slot0 + t.mat] + (size_t)(t.n / QBLOCK) * KB;
+      fp8_scale_row(scales + table[6 * t.e + 3 + slot0 + t.mat], t.n, KB);
   for (uint m0 = t.r_begin; m0 < t.r_end; m0 += RB) {
     global const float* xr[RB];
     grouped_wg_rows(x, ldx, x_rows, indirect, m0, t.r_end, xr);
