@@ -76,8 +76,8 @@ inline bool group_has_key_in(global const float* row, global const uint* mask_ro
   return any(hit);
 }
 
-// A min-heap of the k best ranks seen so far; rank = key << 32 | ~id, so a larger rank is a better
-// token and, ids arriving in ascending order, a later token with the root's key never displaces it.
+// A min-heap of the k best ranks (token_rank) seen so far: ids arriving in ascending order, a later
+// token with the root's key never displaces it.
 inline uint2 topk_boundary_heap(global const float* row, global const uint* mask_row, uint vocab,
                                 uint k) {
   ulong heap[TOPK_HEAP_MAX];
@@ -86,16 +86,14 @@ inline uint2 topk_boundary_heap(global const float* row, global const uint* mask
   for (uint g = 0; g < vocab; g += GROUP) {
     if (!group_has_key_in(row, mask_row, vocab, g, root_key + 1, 0xFFFFFFFFu)) continue;
     for (uint i = g; i < min(vocab, g + GROUP); i += CHUNK) {
-      const uint n = min((uint)CHUNK, vocab - i);
-      const float16 l = load_logits(row, i, n);
-      const uint16 key = order_keys(clamped(l));
-      uint cand = lane_bits(allowed_lanes(l, mask_row, i, n) & (key > root_key));
+      uint16 key;
+      uint cand = chunk_keys_above(row, mask_row, i, min((uint)CHUNK, vocab - i), root_key, &key);
       if (!cand) continue;
       uint kt[CHUNK];
       vstore16(key, 0, kt);
       for (; cand; cand &= cand - 1) {
         const uint j = lowest_lane(cand);
-        const ulong rank = ((ulong)kt[j] << 32) | (ulong)(~(i + j));
+        const ulong rank = token_rank(kt[j], i + j);
         if (size < k) {
           heap[size] = rank;
           heap_sift_up(heap, size);
@@ -491,25 +489,10 @@ kernel void row_logprobs(global const float* logits, uint vocab, global const Lo
     for (uint g = 0; g < vocab; g += GROUP) {
       if (!group_has_key_in(row, mask_row, vocab, g, worst_key + 1, 0xFFFFFFFFu)) continue;
       for (uint i = g; i < min(vocab, g + GROUP); i += CHUNK) {
-        const uint n = min((uint)CHUNK, vocab - i);
-        const float16 l = load_logits(row, i, n);
-        const uint16 key = order_keys(clamped(l));
-        uint cand = lane_bits(allowed_lanes(l, mask_row, i, n) & (key > worst_key));
-        if (!cand) continue;
-        uint kt[CHUNK];
-        vstore16(key, 0, kt);
-        for (; cand; cand &= cand - 1) {
-          const uint j = lowest_lane(cand);
-          const ulong rank = ((ulong)kt[j] << 32) | (ulong)(~(i + j));
-          if (size == a.top_n && rank <= top[size - 1]) continue;
-          uint pos = size < a.top_n ? size++ : size - 1;
-          while (pos > 0 && top[pos - 1] < rank) {
-            top[pos] = top[pos - 1];
-            --pos;
-          }
-          top[pos] = rank;
-          if (size == a.top_n) worst_key = (uint)(top[size - 1] >> 32);
-        }
+        uint16 key;
+        const uint cand =
+            chunk_keys_above(row, mask_row, i, min((uint)CHUNK, vocab - i), worst_key, &key);
+        if (cand) top_ranks_insert(cand, key, i, top, &size, a.top_n, &worst_key);
       }
     }
   }

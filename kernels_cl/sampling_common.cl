@@ -117,6 +117,41 @@ inline uint lane_bits(int16 lanes) {
 }
 inline uint lowest_lane(uint bits) { return 31u - clz(bits & (0u - bits)); }
 
+// The scans for the best tokens (the top-k boundary, the top logprobs) chunk by chunk: the order
+// keys of the chunk at i (n tokens) in *key, and the bits of its lanes that are allowed with a key
+// above `above`.
+inline uint chunk_keys_above(global const float* row, global const uint* mask_row, uint i, uint n,
+                             uint above, uint16* key) {
+  const float16 l = load_logits(row, i, n);
+  *key = order_keys(clamped(l));
+  return lane_bits(allowed_lanes(l, mask_row, i, n) & (*key > above));
+}
+
+// A token's rank among the best: key << 32 | ~id, so a larger rank is a better token and equal
+// keys go to the lower id; no two tokens share one.
+inline ulong token_rank(uint key, uint id) { return ((ulong)key << 32) | (ulong)(~id); }
+
+// The lanes `cand` of the chunk at i (keys `key`) into top[0, *size), the best rank first and at
+// most top_n of them; once the list is full, *worst_key is its last entry's key (a chunk's lanes
+// at or below it cannot enter).
+inline void top_ranks_insert(uint cand, uint16 key, uint i, ulong* top, uint* size, uint top_n,
+                             uint* worst_key) {
+  uint kt[CHUNK];
+  vstore16(key, 0, kt);
+  for (; cand; cand &= cand - 1) {
+    const uint j = lowest_lane(cand);
+    const ulong rank = token_rank(kt[j], i + j);
+    if (*size == top_n && rank <= top[*size - 1]) continue;
+    uint pos = *size < top_n ? (*size)++ : *size - 1;
+    while (pos > 0 && top[pos - 1] < rank) {
+      top[pos] = top[pos - 1];
+      --pos;
+    }
+    top[pos] = rank;
+    if (*size == top_n) *worst_key = (uint)(top[*size - 1] >> 32);
+  }
+}
+
 // Per row that asks, filled by runtime/engine/sampling.cpp (LogprobRowArgs there).
 typedef struct {
   uint row;              // logits (and bitmask) row

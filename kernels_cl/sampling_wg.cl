@@ -477,30 +477,15 @@ kernel __attribute__((reqd_work_group_size(SAMPLE_WG, 1, 1))) void row_logprobs_
   uint n_allowed;
   const uint argmax = wg_row_argmax(row, mask_row, vocab, lk, li, lc, &n_allowed);
 
-  // The lane's own best top_n ranks (rank = key << 32 | ~id), sorted best first.
+  // The lane's own best top_n ranks (token_rank), sorted best first.
   ulong top[MAX_TOP_LOGPROBS];
   uint size = 0;
   uint worst_key = 0;  // 0 while filling
   for (uint i = lane * CHUNK; a.top_n > 0 && i < vocab; i += SAMPLE_WG * CHUNK) {
-    const uint n = min((uint)CHUNK, vocab - i);
-    const float16 l = load_logits(row, i, n);
-    const uint16 key = order_keys(clamped(l));
-    uint cand = lane_bits(allowed_lanes(l, mask_row, i, n) & (key > worst_key));
-    if (!cand) continue;
-    uint kt[CHUNK];
-    vstore16(key, 0, kt);
-    for (; cand; cand &= cand - 1) {
-      const uint j = lowest_lane(cand);
-      const ulong rank = ((ulong)kt[j] << 32) | (ulong)(~(i + j));
-      if (size == a.top_n && rank <= top[size - 1]) continue;
-      uint pos = size < a.top_n ? size++ : size - 1;
-      while (pos > 0 && top[pos - 1] < rank) {
-        top[pos] = top[pos - 1];
-        --pos;
-      }
-      top[pos] = rank;
-      if (size == a.top_n) worst_key = (uint)(top[size - 1] >> 32);
-    }
+    uint16 key;
+    const uint cand =
+        chunk_keys_above(row, mask_row, i, min((uint)CHUNK, vocab - i), worst_key, &key);
+    if (cand) top_ranks_insert(cand, key, i, top, &size, a.top_n, &worst_key);
   }
   // The group's top_n: round t takes the best head among the lanes' lists (ranks are unique).
   uint picked[MAX_TOP_LOGPROBS];
