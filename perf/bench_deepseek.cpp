@@ -47,18 +47,6 @@ using namespace clshard::bench;
 
 namespace {
 
-std::vector<std::string> split(const std::string& s) {
-  std::vector<std::string> out;
-  size_t b = 0;
-  while (b <= s.size()) {
-    size_t e = s.find(',', b);
-    if (e == std::string::npos) e = s.size();
-    if (e > b) out.push_back(s.substr(b, e - b));
-    b = e + 1;
-  }
-  return out;
-}
-
 
 // A step that appends `n` tokens to each of `rows` requests that already hold `cached` tokens.
 StepInputs step_of(const std::vector<uint32_t>& table, uint32_t pages_per_row, uint32_t rows,
@@ -90,11 +78,13 @@ int main(int argc, char** argv) {
                "tokens/s (bf16, fp8) against the roofline of the active weights",
                "bench_deepseek"};
   std::string root_arg = (std::filesystem::temp_directory_path() / "clshard-bench").string();
-  std::string dtypes = "bf16,fp8";
+  std::vector<std::string> dtypes = {"bf16", "fp8"};
   uint32_t prompt = 512, context = 128, n_decode = 32, batch = 8;
   app.add_option("--dir", root_arg, "where the checkpoints live (written when missing)")
       ->capture_default_str();
-  app.add_option("--dtypes", dtypes, "comma-separated checkpoint dtypes")->capture_default_str();
+  app.add_option("--dtypes", dtypes, "comma-separated checkpoint dtypes")
+      ->delimiter(',')
+      ->capture_default_str();
   app.add_option("--prompt", prompt, "prefill length")->capture_default_str();
   app.add_option("--context", context, "context before decoding")->capture_default_str();
   app.add_option("--decode", n_decode, "decode steps timed")->capture_default_str();
@@ -126,7 +116,7 @@ int main(int argc, char** argv) {
     double weight_gb, active_m;
   };
   std::vector<Row> results;
-  for (const auto& dt : split(dtypes)) {
+  for (const auto& dt : dtypes) {
     const auto dir = ensure_preset("dsv3-mini", dt, root / ("dsv3-mini-" + dt));
     opts.devices = {&dev};
     deepseek_v3::DeepseekV3Model model(dir, opts);

@@ -121,18 +121,6 @@ double cpu_seconds() {
          1e-6 * double(u.ru_utime.tv_usec + u.ru_stime.tv_usec);
 }
 
-std::vector<std::string> split(const std::string& s) {
-  std::vector<std::string> out;
-  size_t b = 0;
-  while (b <= s.size()) {
-    size_t e = s.find(',', b);
-    if (e == std::string::npos) e = s.size();
-    if (e > b) out.push_back(s.substr(b, e - b));
-    b = e + 1;
-  }
-  return out;
-}
-
 // A step that appends `n` tokens to each of the table's requests, which hold `cached` tokens.
 StepInputs rows_step(const std::vector<uint32_t>& table, uint32_t pages_per_row, uint32_t cached,
                      uint32_t n, uint32_t vocab, std::mt19937& rng) {
@@ -156,11 +144,13 @@ int main(int argc, char** argv) {
                "fp8) at batch 1 or --batch B, every launch timed on its own",
                "bench_deepseek_breakdown"};
   std::string root_arg = (std::filesystem::temp_directory_path() / "clshard-bench").string();
-  std::string dtypes = "bf16,fp8";
+  std::vector<std::string> dtypes = {"bf16", "fp8"};
   uint32_t context = 128, n_steps = 16, batch = 1;
   app.add_option("--dir", root_arg, "where the checkpoints live (written when missing)")
       ->capture_default_str();
-  app.add_option("--dtypes", dtypes, "comma-separated checkpoint dtypes")->capture_default_str();
+  app.add_option("--dtypes", dtypes, "comma-separated checkpoint dtypes")
+      ->delimiter(',')
+      ->capture_default_str();
   app.add_option("--context", context, "cached tokens before the timed steps")
       ->capture_default_str();
   app.add_option("--steps", n_steps, "decode steps timed")->capture_default_str();
@@ -172,7 +162,7 @@ int main(int argc, char** argv) {
   DeviceManager mgr(DeviceSelection{});
   Device& dev = mgr[0];
   print_device(dev);
-  for (const auto& dt : split(dtypes)) {
+  for (const auto& dt : dtypes) {
     const auto dir = ensure_preset("dsv3-mini", dt, root / ("dsv3-mini-" + dt));
     deepseek_v3::DeepseekV3Model model(dir, LoadOptions{{&dev}, std::nullopt});
     const uint32_t V = model.info().vocab_size;

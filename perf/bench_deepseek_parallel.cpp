@@ -34,20 +34,6 @@ using namespace clshard::bench;
 
 namespace {
 
-
-std::vector<uint32_t> split_numbers(const std::string& s) {
-  std::vector<uint32_t> out;
-  size_t b = 0;
-  while (b < s.size()) {
-    size_t e = s.find(',', b);
-    if (e == std::string::npos) e = s.size();
-    if (e > b) out.push_back(uint32_t(std::stoul(s.substr(b, e - b))));
-    b = e + 1;
-  }
-  return out;
-}
-
-
 // One decode step for `batch` requests spread over `replicas` in contiguous blocks (replica-major,
 // as MAX orders the flat batch), each request holding `cached` tokens; request i of a replica owns
 // pages [i * ppr, (i + 1) * ppr) of that replica's pool.
@@ -110,12 +96,15 @@ int main(int argc, char** argv) {
                "tokens/s on 1 vs 2 sub-devices, speed-up and collective time per step",
                "bench_deepseek_parallel"};
   std::string root_arg = ".cache/models";
-  std::string dtype = "bf16", batches = "16,64";
+  std::string dtype = "bf16";
+  std::vector<uint32_t> sizes = {16, 64};
   uint32_t context = 64, steps = 4;
   app.add_option("--dir", root_arg, "where dsv3-mini-<dtype> lives (written when missing)")
       ->capture_default_str();
   app.add_option("--dtype", dtype, "checkpoint dtype")->capture_default_str();
-  app.add_option("--batches", batches, "comma-separated batch sizes")->capture_default_str();
+  app.add_option("--batches", sizes, "comma-separated batch sizes")
+      ->delimiter(',')
+      ->capture_default_str();
   app.add_option("--context", context, "cached tokens per request")->capture_default_str();
   app.add_option("--steps", steps, "timed decode steps")
       ->capture_default_str()
@@ -137,7 +126,6 @@ int main(int argc, char** argv) {
   LoadOptions two;
   two.devices = mgr.devices();
   two.data_parallel_degree = two.expert_parallel_degree = 2;
-  const auto sizes = split_numbers(batches);
   std::vector<Result> r1, r2;
   {
     deepseek_v3::DeepseekV3Model m(dir, one);

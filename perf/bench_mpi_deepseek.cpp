@@ -35,18 +35,6 @@ using namespace clshard::bench;
 
 namespace {
 
-std::vector<uint32_t> split_numbers(const std::string& s) {
-  std::vector<uint32_t> out;
-  size_t b = 0;
-  while (b < s.size()) {
-    size_t e = s.find(',', b);
-    if (e == std::string::npos) e = s.size();
-    if (e > b) out.push_back(uint32_t(std::stoul(s.substr(b, e - b))));
-    b = e + 1;
-  }
-  return out;
-}
-
 // One decode step of `batch` requests over 2 replicas in contiguous blocks, `cached` tokens each;
 // request i of a replica owns pages [i * ppr, (i + 1) * ppr) of its replica's pool. The tokens
 // come from a generator seeded alike in every process, so the processes run the same step.
@@ -116,12 +104,15 @@ int main(int argc, char** argv) {
                "2-device model in one process (run under mpirun -np 2)",
                "bench_mpi_deepseek"};
   std::string root_arg = ".cache/models";
-  std::string dtype = "bf16", batches = "16,64";
+  std::string dtype = "bf16";
+  std::vector<uint32_t> sizes = {16, 64};
   uint32_t context = 64, steps = 4, rounds = 3;
   app.add_option("--dir", root_arg, "where dsv3-mini-<dtype> lives (written when missing)")
       ->capture_default_str();
   app.add_option("--dtype", dtype, "checkpoint dtype")->capture_default_str();
-  app.add_option("--batches", batches, "comma-separated batch sizes")->capture_default_str();
+  app.add_option("--batches", sizes, "comma-separated batch sizes")
+      ->delimiter(',')
+      ->capture_default_str();
   app.add_option("--context", context, "cached tokens per request")->capture_default_str();
   app.add_option("--steps", steps, "timed decode steps (at least 1)")->capture_default_str();
   app.add_option("--rounds", rounds, "alternating rounds (at least 1)")->capture_default_str();
@@ -161,7 +152,6 @@ int main(int argc, char** argv) {
     two.data_parallel_degree = two.expert_parallel_degree = 2;
     in_process = std::make_unique<deepseek_v3::DeepseekV3Model>(dir, two);
   }
-  const auto sizes = split_numbers(batches);
   std::vector<std::vector<double>> tps_local(sizes.size()), tps_mpi(sizes.size()),
       wait_local(sizes.size()), wait_mpi(sizes.size());
   for (uint32_t round = 0; round < rounds; ++round) {
