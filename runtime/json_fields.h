@@ -14,6 +14,22 @@
 
 namespace clshard {
 
+// A JSON value as an error message shows it: its JSON text (strings quoted), long values cut.
+inline std::string json_shown(const nlohmann::json& v) {
+  std::string s = v.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+  return s.size() > 60 ? s.substr(0, 57) + "..." : s;
+}
+
+// What a JSON value is, as "expected ..., got <this>" messages say it.
+inline const char* json_kind(const nlohmann::json& v) {
+  if (v.is_object()) return "an object";
+  if (v.is_array()) return "a list";
+  if (v.is_string()) return "a string";
+  if (v.is_boolean()) return "a boolean";
+  if (v.is_null()) return "null";
+  return "a number";
+}
+
 class JsonFields {
  public:
   JsonFields(const nlohmann::json& obj, std::string where) : obj_(obj), where_(std::move(where)) {}

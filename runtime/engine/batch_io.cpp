@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "runtime/bounded_json.h"
+#include "runtime/json_fields.h"
 
 namespace clshard {
 
@@ -38,29 +39,13 @@ struct LineError {
   throw LineError{field.empty() ? what : field + ": " + what};
 }
 
-// A JSON value as it appears in a message: strings quoted, long values cut.
-std::string shown(const json& v) {
-  std::string s = v.dump(-1, ' ', false, json::error_handler_t::replace);
-  if (s.size() > 60) s = s.substr(0, 57) + "...";
-  return s;
-}
-
-const char* type_name(const json& v) {
-  if (v.is_object()) return "an object";
-  if (v.is_array()) return "a list";
-  if (v.is_string()) return "a string";
-  if (v.is_boolean()) return "a boolean";
-  if (v.is_null()) return "null";
-  return "a number";
-}
-
 int64_t integer_field(const json& v, const std::string& field, const std::string& expected) {
   if (v.is_number_unsigned()) {
     if (v.get<uint64_t>() > uint64_t(std::numeric_limits<int64_t>::max()))
-      bad(field, "expected " + expected + ", got " + shown(v));
+      bad(field, "expected " + expected + ", got " + json_shown(v));
     return int64_t(v.get<uint64_t>());
   }
-  if (!v.is_number_integer()) bad(field, "expected " + expected + ", got " + shown(v));
+  if (!v.is_number_integer()) bad(field, "expected " + expected + ", got " + json_shown(v));
   return v.get<int64_t>();
 }
 
@@ -68,19 +53,20 @@ double number_field(const json& v, const std::string& field,
                     std::optional<std::string> (*check)(double)) {
   // Every check rejects NaN, which gives the phrase for values that are not numbers at all.
   if (!v.is_number() || check(v.get<double>()))
-    bad(field, "expected " + *check(std::nan("")) + ", got " + shown(v));
+    bad(field, "expected " + *check(std::nan("")) + ", got " + json_shown(v));
   return v.get<double>();
 }
 
 std::vector<int32_t> token_ids_field(const json& v, const std::string& field, bool allow_empty) {
-  if (!v.is_array()) bad(field, "expected a list of token ids, got " + std::string(type_name(v)));
+  if (!v.is_array()) bad(field, "expected a list of token ids, got " + std::string(json_kind(v)));
   if (v.empty() && !allow_empty) bad(field, "is empty (a prompt needs at least one token)");
   std::vector<int32_t> ids;
   ids.reserve(v.size());
   for (size_t i = 0; i < v.size(); ++i) {
     std::string item = field + "[" + std::to_string(i) + "]";
     int64_t t = integer_field(v[i], item, *check_stop_token_id(-1));
-    if (check_stop_token_id(t)) bad(item, "expected " + *check_stop_token_id(-1) + ", got " + shown(v[i]));
+    if (check_stop_token_id(t))
+      bad(item, "expected " + *check_stop_token_id(-1) + ", got " + json_shown(v[i]));
     ids.push_back(int32_t(t));
   }
   return ids;
@@ -103,7 +89,7 @@ void apply_sampling_field(SamplingDefaults& s, const std::string& key, const jso
     s.temperature = float(number_field(v, field, check_temperature));
   } else if (key == "top_k") {
     int64_t k = integer_field(v, field, *check_top_k(-2));
-    if (check_top_k(k)) bad(field, "expected " + *check_top_k(-2) + ", got " + shown(v));
+    if (check_top_k(k)) bad(field, "expected " + *check_top_k(-2) + ", got " + json_shown(v));
     s.top_k = k == 0 ? -1 : int32_t(k);
   } else if (key == "top_p") {
     s.top_p = float(number_field(v, field, check_top_p));
@@ -111,18 +97,19 @@ void apply_sampling_field(SamplingDefaults& s, const std::string& key, const jso
     s.min_p = float(number_field(v, field, check_min_p));
   } else if (key == "seed") {
     if (!v.is_number_unsigned() && !(v.is_number_integer() && v.get<int64_t>() >= 0))
-      bad(field, "expected an integer >= 0, got " + shown(v));
+      bad(field, "expected an integer >= 0, got " + json_shown(v));
     s.seed = v.get<uint64_t>();
   } else if (key == "max_tokens" || key == "max_completion_tokens") {
     int64_t n = integer_field(v, field, *check_max_tokens(0));
-    if (check_max_tokens(n)) bad(field, "expected " + *check_max_tokens(0) + ", got " + shown(v));
+    if (check_max_tokens(n))
+      bad(field, "expected " + *check_max_tokens(0) + ", got " + json_shown(v));
     s.max_tokens = int32_t(n);
   } else if (key == "stop") {
     // A string or a list of strings, as in OpenAI's API.
     std::vector<std::string> stop;
     auto add = [&](const json& item, const std::string& where) {
       if (!item.is_string() || item.get_ref<const std::string&>().empty())
-        bad(where, "expected a non-empty string, got " + shown(item));
+        bad(where, "expected a non-empty string, got " + json_shown(item));
       stop.push_back(item.get<std::string>());
     };
     if (v.is_string()) {
@@ -130,7 +117,7 @@ void apply_sampling_field(SamplingDefaults& s, const std::string& key, const jso
     } else if (v.is_array()) {
       for (size_t i = 0; i < v.size(); ++i) add(v[i], field + "[" + std::to_string(i) + "]");
     } else {
-      bad(field, "expected a string or a list of strings, got " + shown(v));
+      bad(field, "expected a string or a list of strings, got " + json_shown(v));
     }
     s.stop = std::move(stop);
   } else if (key == "stop_token_ids") {
@@ -148,21 +135,21 @@ void apply_sampling_field(SamplingDefaults& s, const std::string& key, const jso
     } else {
       const std::string expected = "true, false or " + *check_top_logprobs(-1);
       const int64_t k = integer_field(v, field, expected);
-      if (check_top_logprobs(k)) bad(field, "expected " + expected + ", got " + shown(v));
+      if (check_top_logprobs(k)) bad(field, "expected " + expected + ", got " + json_shown(v));
       s.logprobs = true;
       s.top_logprobs = int32_t(k);
     }
   } else if (key == "top_logprobs") {
     const int64_t k = integer_field(v, field, *check_top_logprobs(-1));
     if (check_top_logprobs(k))
-      bad(field, "expected " + *check_top_logprobs(-1) + ", got " + shown(v));
+      bad(field, "expected " + *check_top_logprobs(-1) + ", got " + json_shown(v));
     s.top_logprobs = int32_t(k);
   } else if (key == "n") {
     const int64_t n = integer_field(v, field, *check_n(0));
-    if (check_n(n)) bad(field, "expected " + *check_n(0) + ", got " + shown(v));
+    if (check_n(n)) bad(field, "expected " + *check_n(0) + ", got " + json_shown(v));
     s.n = int32_t(n);
   } else if (key == "ignore_eos") {
-    if (!v.is_boolean()) bad(field, "expected true or false, got " + shown(v));
+    if (!v.is_boolean()) bad(field, "expected true or false, got " + json_shown(v));
     s.ignore_eos = v.get<bool>();
   }
 }
@@ -174,17 +161,21 @@ void check_logprobs_pair(const SamplingDefaults& s, const json& obj, const std::
 }
 
 std::vector<ChatTurn> messages_field(const json& v, const std::string& field) {
-  if (!v.is_array()) bad(field, "expected a list of {\"role\", \"content\"} objects, got " + std::string(type_name(v)));
+  if (!v.is_array())
+    bad(field,
+        "expected a list of {\"role\", \"content\"} objects, got " + std::string(json_kind(v)));
   if (v.empty()) bad(field, "is empty");
   std::vector<ChatTurn> turns;
   for (size_t i = 0; i < v.size(); ++i) {
     std::string where = field + "[" + std::to_string(i) + "]";
     const json& m = v[i];
-    if (!m.is_object()) bad(where, "expected an object with role and content, got " + std::string(type_name(m)));
+    if (!m.is_object())
+      bad(where, "expected an object with role and content, got " + std::string(json_kind(m)));
     for (const auto& [k, _] : m.items())
       if (k != "role" && k != "content") bad(where, "unknown field \"" + k + "\" (expected: role, content)");
     if (!m.contains("role") || !m["role"].is_string() || m["role"].get_ref<const std::string&>().empty())
-      bad(where + ".role", "expected a non-empty string, got " + (m.contains("role") ? shown(m["role"]) : "nothing"));
+      bad(where + ".role", "expected a non-empty string, got " +
+                               (m.contains("role") ? json_shown(m["role"]) : "nothing"));
     ChatTurn turn{m["role"].get<std::string>(), ""};
     if (!m.contains("content")) bad(where + ".content", "missing");
     const json& c = m["content"];
@@ -197,11 +188,12 @@ std::vector<ChatTurn> messages_field(const json& v, const std::string& field) {
         const json& part = c[j];
         if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") ||
             !part["text"].is_string())
-          bad(pw, "expected a text part {\"type\": \"text\", \"text\": ...}, got " + shown(part));
+          bad(pw,
+              "expected a text part {\"type\": \"text\", \"text\": ...}, got " + json_shown(part));
         turn.content += part["text"].get<std::string>();
       }
     } else {
-      bad(where + ".content", "expected a string or a list of text parts, got " + shown(c));
+      bad(where + ".content", "expected a string or a list of text parts, got " + json_shown(c));
     }
     turns.push_back(std::move(turn));
   }
@@ -232,8 +224,9 @@ void set_prompt(BatchRequest& r, const json& obj, const std::string& prefix) {
       // OpenAI's completions API takes token ids in "prompt" too.
       r.prompt_token_ids = token_ids_field(p, prefix + "prompt", false);
     } else {
-      bad(prefix + "prompt", std::string("expected a string") + (r.openai_shape ? " or a list of token ids" : "") +
-                                 " (one prompt per line), got " + shown(p));
+      bad(prefix + "prompt", std::string("expected a string") +
+                                 (r.openai_shape ? " or a list of token ids" : "") +
+                                 " (one prompt per line), got " + json_shown(p));
     }
   } else if (obj.contains("prompt_token_ids")) {
     r.prompt_token_ids = token_ids_field(obj["prompt_token_ids"], prefix + "prompt_token_ids", false);
@@ -254,7 +247,8 @@ std::string read_id(const json& v, const std::string& field, bool& is_number,
     is_number = true;
     return v.dump();
   }
-  bad(field, std::string("expected ") + (strings_only ? "a string" : "a string or an integer") + ", got " + shown(v));
+  bad(field, std::string("expected ") + (strings_only ? "a string" : "a string or an integer") +
+                 ", got " + json_shown(v));
 }
 
 void parse_plain(BatchRequest& r, const json& obj) {
@@ -272,7 +266,7 @@ void parse_plain(BatchRequest& r, const json& obj) {
     if (k == "response_format" || k == "regex") continue;  // structured_fields()
     if (k == "lora") {
       if (!v.is_string() || v.get_ref<const std::string&>().empty())
-        bad(k, "expected the name of a LoRA adapter, got " + shown(v));
+        bad(k, "expected the name of a LoRA adapter, got " + json_shown(v));
       r.lora = v.get<std::string>();
       continue;
     }
@@ -287,17 +281,17 @@ void parse_openai(BatchRequest& r, const json& obj) {
     if (k != "custom_id" && k != "method" && k != "url" && k != "body")
       bad("", "unknown field \"" + k + "\" (an OpenAI batch line has custom_id, method, url, body)");
   if (obj.contains("method") && obj["method"] != "POST")
-    bad("method", "expected \"POST\", got " + shown(obj["method"]));
+    bad("method", "expected \"POST\", got " + json_shown(obj["method"]));
   std::string url;
   if (obj.contains("url")) {
     const json& u = obj["url"];
     if (!u.is_string() || (u != "/v1/completions" && u != "/v1/chat/completions"))
-      bad("url", "expected \"/v1/completions\" or \"/v1/chat/completions\", got " + shown(u));
+      bad("url", "expected \"/v1/completions\" or \"/v1/chat/completions\", got " + json_shown(u));
     url = u.get<std::string>();
   }
   if (!obj.contains("body")) bad("body", "missing");
   const json& body = obj["body"];
-  if (!body.is_object()) bad("body", "expected an object, got " + std::string(type_name(body)));
+  if (!body.is_object()) bad("body", "expected an object, got " + std::string(json_kind(body)));
 
   static const std::vector<std::string> supported = [] {
     std::vector<std::string> a = {"prompt", "messages", "max_completion_tokens", "model",
@@ -318,7 +312,8 @@ void parse_openai(BatchRequest& r, const json& obj) {
     // The deployment decides the model; the field is accepted because every OpenAI batch line has it.
     if (k == "model") continue;
     if (k == "stream") {
-      if (v != false) bad(field, "expected false (a batch job does not stream), got " + shown(v));
+      if (v != false)
+        bad(field, "expected false (a batch job does not stream), got " + json_shown(v));
       continue;
     }
     apply_sampling_field(r.sampling, k, v, field);
@@ -344,15 +339,14 @@ void structured_fields(BatchRequest& r, const std::string& line) {
   if (src.contains("response_format") && !src["response_format"].is_null()) {
     const ordered_json& rf = src["response_format"];
     if (!rf.is_object())
-      bad(r.response_format_field,
-          "expected an object like {\"type\": \"json_object\"}, got " +
-              shown(json::parse(rf.dump())));
+      bad(r.response_format_field, "expected an object like {\"type\": \"json_object\"}, got " +
+                                       json_shown(json::parse(rf.dump())));
     r.response_format = rf;
   }
   if (src.contains("regex") && !src["regex"].is_null()) {
     if (!src["regex"].is_string())
       bad(r.regex_field, "expected a string (a pattern the whole output must match), got " +
-                             shown(json::parse(src["regex"].dump())));
+                             json_shown(json::parse(src["regex"].dump())));
     r.regex = src["regex"].get<std::string>();
   }
 }
@@ -411,7 +405,7 @@ BatchInput parse_batch_input(const std::string& text, const SamplingDefaults& de
       } catch (const std::runtime_error& e) {
         bad("", e.what());
       }
-      if (!obj.is_object()) bad("", std::string("expected a JSON object, got ") + type_name(obj));
+      if (!obj.is_object()) bad("", std::string("expected a JSON object, got ") + json_kind(obj));
       r.openai_shape = obj.contains("body") || obj.contains("custom_id");
       if (r.openai_shape) {
         if (!obj.contains("custom_id")) bad("custom_id", "missing (the OpenAI batch shape needs one per line)");

@@ -5,6 +5,7 @@
 
 #include "runtime/bounded_json.h"
 #include "runtime/engine/sampling.h"
+#include "runtime/json_fields.h"
 
 namespace clshard::serve {
 
@@ -34,20 +35,6 @@ ApiError bad_field(const std::string& field, const std::string& what) {
 
 namespace {
 
-std::string shown(const json& v) {
-  std::string s = v.dump(-1, ' ', false, json::error_handler_t::replace);
-  return s.size() > 60 ? s.substr(0, 57) + "..." : s;
-}
-
-const char* type_name(const json& v) {
-  if (v.is_object()) return "an object";
-  if (v.is_array()) return "a list";
-  if (v.is_string()) return "a string";
-  if (v.is_boolean()) return "a boolean";
-  if (v.is_null()) return "null";
-  return "a number";
-}
-
 std::string join(const std::vector<std::string>& v) {
   std::string s;
   for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + v[i];
@@ -55,7 +42,7 @@ std::string join(const std::vector<std::string>& v) {
 }
 
 bool boolean_field(const json& v, const std::string& field) {
-  if (!v.is_boolean()) throw bad_field(field, "expected true or false, got " + shown(v));
+  if (!v.is_boolean()) throw bad_field(field, "expected true or false, got " + json_shown(v));
   return v.get<bool>();
 }
 
@@ -65,7 +52,7 @@ std::vector<int32_t> token_ids(const json& v, const std::string& field) {
     const json& t = v[i];
     if (!t.is_number_integer() || t.get<int64_t>() < 0 || t.get<int64_t>() > INT32_MAX)
       throw bad_field(field + "[" + std::to_string(i) + "]",
-                      "expected a token id (an integer >= 0), got " + shown(t));
+                      "expected a token id (an integer >= 0), got " + json_shown(t));
     ids.push_back(int32_t(t.get<int64_t>()));
   }
   return ids;
@@ -75,15 +62,15 @@ std::vector<int32_t> token_ids(const json& v, const std::string& field) {
 std::string message_content(const json& c, const std::string& field) {
   if (c.is_string()) return c.get<std::string>();
   if (!c.is_array())
-    throw bad_field(field, "expected a string or a list of text parts, got " + shown(c));
+    throw bad_field(field, "expected a string or a list of text parts, got " + json_shown(c));
   std::string text;
   for (size_t j = 0; j < c.size(); ++j) {
     const json& part = c[j];
     if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") ||
         !part["text"].is_string())
-      throw bad_field(field + "[" + std::to_string(j) + "]",
-                      "expected a text part {\"type\": \"text\", \"text\": ...}, got " +
-                          shown(part));
+      throw bad_field(
+          field + "[" + std::to_string(j) + "]",
+          "expected a text part {\"type\": \"text\", \"text\": ...}, got " + json_shown(part));
     text += part["text"].get<std::string>();
   }
   return text;
@@ -93,28 +80,29 @@ json messages_field(const json& v) {
   if (!v.is_array() || v.empty())
     throw bad_field("messages", std::string("expected a non-empty list of {\"role\", "
                                             "\"content\"} objects, got ") +
-                                    (v.is_array() ? "an empty list" : type_name(v)));
+                                    (v.is_array() ? "an empty list" : json_kind(v)));
   json out = json::array();
   for (size_t i = 0; i < v.size(); ++i) {
     const std::string where = "messages[" + std::to_string(i) + "]";
     const json& m = v[i];
     if (!m.is_object())
-      throw bad_field(where, std::string("expected an object with role and content, got ") +
-                                 type_name(m));
+      throw bad_field(where,
+                      std::string("expected an object with role and content, got ") + json_kind(m));
     for (const auto& [k, _] : m.items())
       if (k != "role" && k != "content" && k != "name")
         throw bad_field(where + "." + k, "unsupported field (supported: role, content, name)");
     if (!m.contains("role") || !m["role"].is_string() ||
         m["role"].get_ref<const std::string&>().empty())
-      throw bad_field(where + ".role", "expected a non-empty string, got " +
-                                           (m.contains("role") ? shown(m["role"]) : "nothing"));
+      throw bad_field(where + ".role",
+                      "expected a non-empty string, got " +
+                          (m.contains("role") ? json_shown(m["role"]) : "nothing"));
     json turn = {{"role", m["role"]}};
     if (!m.contains("content") || m["content"].is_null())
       throw bad_field(where + ".content", "missing");
     turn["content"] = message_content(m["content"], where + ".content");
     if (m.contains("name") && !m["name"].is_null()) {
       if (!m["name"].is_string())
-        throw bad_field(where + ".name", "expected a string, got " + shown(m["name"]));
+        throw bad_field(where + ".name", "expected a string, got " + json_shown(m["name"]));
       turn["name"] = m["name"];
     }
     out.push_back(std::move(turn));
@@ -130,12 +118,13 @@ void completion_prompt(ApiRequest& r, const json& p) {
     return;
   }
   if (!p.is_array() || p.empty())
-    throw bad_field("prompt", std::string(expected) + ", got " + shown(p));
+    throw bad_field("prompt", std::string(expected) + ", got " + json_shown(p));
   if (p.size() == 1 && (p[0].is_string() || p[0].is_array())) {
     completion_prompt(r, p[0]);
     return;
   }
-  if (!p[0].is_number()) throw bad_field("prompt", std::string(expected) + ", got " + shown(p));
+  if (!p[0].is_number())
+    throw bad_field("prompt", std::string(expected) + ", got " + json_shown(p));
   r.prompt_token_ids = token_ids(p, "prompt");
 }
 
@@ -159,7 +148,7 @@ ApiRequest parse_api_request(Endpoint endpoint, const std::string& body,
   }
   if (!obj.is_object())
     throw ApiError(400, "invalid_request_error",
-                   std::string("the body must be a JSON object, got ") + type_name(obj));
+                   std::string("the body must be a JSON object, got ") + json_kind(obj));
   ApiRequest r;
   r.endpoint = endpoint;
   r.sampling = defaults;
@@ -179,7 +168,7 @@ ApiRequest parse_api_request(Endpoint endpoint, const std::string& body,
 
   if (!given("model")) throw bad_field("model", "required (the served model's name)");
   if (!obj["model"].is_string())
-    throw bad_field("model", "expected a string, got " + shown(obj["model"]));
+    throw bad_field("model", "expected a string, got " + json_shown(obj["model"]));
   r.model = obj["model"].get<std::string>();
   if (chat) {
     if (!given("messages")) throw bad_field("messages", "required");
@@ -195,12 +184,14 @@ ApiRequest parse_api_request(Endpoint endpoint, const std::string& body,
   if (given("logprobs")) {
     const json& lp = obj["logprobs"];
     if (chat && !lp.is_boolean())
-      throw bad_field("logprobs", "expected true or false (the number of top tokens goes in "
-                                  "top_logprobs), got " + shown(lp));
+      throw bad_field("logprobs",
+                      "expected true or false (the number of top tokens goes in "
+                      "top_logprobs), got " +
+                          json_shown(lp));
     if (!chat && !lp.is_number_integer())
       throw bad_field("logprobs",
                       "expected the number of top tokens to return (an integer in [0, " +
-                          std::to_string(kMaxTopLogprobs) + "]), got " + shown(lp));
+                          std::to_string(kMaxTopLogprobs) + "]), got " + json_shown(lp));
   }
   for (const auto& [k, v] : obj.items()) {
     const bool is_sampling = std::find(sampling.begin(), sampling.end(), k) != sampling.end() ||
@@ -219,15 +210,16 @@ ApiRequest parse_api_request(Endpoint endpoint, const std::string& body,
     const ordered_json ordered = parse_ordered_json_bounded(body);
     if (given("response_format")) {
       if (!ordered["response_format"].is_object())
-        throw bad_field("response_format", "expected an object like {\"type\": "
-                                           "\"json_object\"}, got " +
-                                               shown(obj["response_format"]));
+        throw bad_field("response_format",
+                        "expected an object like {\"type\": "
+                        "\"json_object\"}, got " +
+                            json_shown(obj["response_format"]));
       r.response_format = ordered["response_format"];
     }
     if (given("regex")) {
       if (!obj["regex"].is_string())
         throw bad_field("regex", "expected a string (a pattern the whole output must match), got " +
-                                     shown(obj["regex"]));
+                                     json_shown(obj["regex"]));
       r.regex = obj["regex"].get<std::string>();
     }
   }
@@ -235,14 +227,14 @@ ApiRequest parse_api_request(Endpoint endpoint, const std::string& body,
     throw bad_field("echo",
                     "true is not supported (the completion is returned without its prompt)");
   if (given("user") && !obj["user"].is_string())
-    throw bad_field("user", "expected a string, got " + shown(obj["user"]));
+    throw bad_field("user", "expected a string, got " + json_shown(obj["user"]));
   if (given("stream")) r.stream = boolean_field(obj["stream"], "stream");
   if (given("return_token_ids"))
     r.return_token_ids = boolean_field(obj["return_token_ids"], "return_token_ids");
   if (given("stream_options")) {
     const json& so = obj["stream_options"];
     if (!so.is_object())
-      throw bad_field("stream_options", "expected an object, got " + shown(so));
+      throw bad_field("stream_options", "expected an object, got " + json_shown(so));
     if (!r.stream) throw bad_field("stream_options", "only allowed with stream: true");
     for (const auto& [k, v] : so.items()) {
       if (k != "include_usage")
