@@ -20,8 +20,6 @@
 //   D: where the checkpoints live (written with make-model's preset writer when missing;
 //      default $TMPDIR/clshard-bench), P: prefill length (512), C: context before decoding (128),
 //   N: decode steps timed (32), B: requests of the batched decode figure (8; 0: none).
-#include <sys/resource.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -48,28 +46,6 @@ using namespace clshard::bench;
 namespace {
 
 
-// A step that appends `n` tokens to each of `rows` requests that already hold `cached` tokens.
-StepInputs step_of(const std::vector<uint32_t>& table, uint32_t pages_per_row, uint32_t rows,
-                   uint32_t cached, uint32_t n, uint32_t vocab, std::mt19937& rng) {
-  StepInputs in;
-  in.lookup_table.assign(table.begin(), table.begin() + size_t(rows) * pages_per_row);
-  in.pages_per_row = pages_per_row;
-  in.input_row_offsets = {0};
-  std::uniform_int_distribution<int32_t> tok(0, int32_t(vocab) - 1);
-  for (uint32_t b = 0; b < rows; ++b) {
-    for (uint32_t i = 0; i < n; ++i) in.tokens.push_back(tok(rng));
-    in.input_row_offsets.push_back(uint32_t(in.tokens.size()));
-    in.cache_lengths.push_back(cached);
-  }
-  return in;
-}
-
-double cpu_seconds() {
-  rusage u{};
-  getrusage(RUSAGE_SELF, &u);
-  return double(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
-         1e-6 * double(u.ru_utime.tv_usec + u.ru_stime.tv_usec);
-}
 
 }  // namespace
 
@@ -129,15 +105,15 @@ int main(int argc, char** argv) {
     const uint32_t rows = std::max<uint32_t>(batch, 1);
     auto table = plan_static_pages(
         model, std::vector<uint32_t>(rows, std::max(prompt, context + n_decode + 1)), 128, &ppr);
-    const StepInputs pre = step_of(table, ppr, 1, 0, prompt, V, rng);
+    const StepInputs pre = random_step(table, ppr, 1, 0, prompt, V, rng);
     const double t_prefill = median_time(2, [&] { model.forward(pre).read_logits(); });
     const auto prefill_path = model.last_mla_path();
 
     // Decode: a `context`-token request, then one token per step (absorbed MLA path).
-    model.forward(step_of(table, ppr, 1, 0, context, V, rng)).read_logits();
+    model.forward(random_step(table, ppr, 1, 0, context, V, rng)).read_logits();
     std::vector<StepInputs> steps;
     for (uint32_t i = 0; i < n_decode; ++i)
-      steps.push_back(step_of(table, ppr, 1, context + i, 1, V, rng));
+      steps.push_back(random_step(table, ppr, 1, context + i, 1, V, rng));
     model.forward(steps[0]).read_logits();  // warm-up (kernel builds for one-row shapes)
     const double c0 = cpu_seconds();
     const auto t0 = Clock::now();
@@ -150,11 +126,11 @@ int main(int argc, char** argv) {
     if (batch > 0) {
       // `batch` requests of `context` tokens (one prefill step), then one token per request per
       // step; the pages are row b's of the same table.
-      StepInputs ctx = step_of(table, ppr, batch, 0, context, V, rng);
+      StepInputs ctx = random_step(table, ppr, batch, 0, context, V, rng);
       model.forward(ctx).read_logits();
       std::vector<StepInputs> bsteps;
       for (uint32_t i = 0; i < n_decode; ++i)
-        bsteps.push_back(step_of(table, ppr, batch, context + i, 1, V, rng));
+        bsteps.push_back(random_step(table, ppr, batch, context + i, 1, V, rng));
       model.forward(bsteps[0]).read_logits();  // warm-up (kernel builds for this batch's shapes)
       const auto tb = Clock::now();
       for (const auto& st : bsteps) model.forward(st).read_logits();

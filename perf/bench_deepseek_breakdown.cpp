@@ -10,7 +10,6 @@
 // so it is printed beside it.
 // Usage: bench_deepseek_breakdown [--dir D] [--dtypes bf16,fp8] [--context C] [--steps N] [--batch B]
 #include <dlfcn.h>
-#include <sys/resource.h>
 
 #include <algorithm>
 #include <chrono>
@@ -114,28 +113,6 @@ CL_API_ENTRY cl_int CL_API_CALL clEnqueueWriteBuffer(cl_command_queue q, cl_mem 
 
 namespace {
 
-double cpu_seconds() {
-  rusage u{};
-  getrusage(RUSAGE_SELF, &u);
-  return double(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
-         1e-6 * double(u.ru_utime.tv_usec + u.ru_stime.tv_usec);
-}
-
-// A step that appends `n` tokens to each of the table's requests, which hold `cached` tokens.
-StepInputs rows_step(const std::vector<uint32_t>& table, uint32_t pages_per_row, uint32_t cached,
-                     uint32_t n, uint32_t vocab, std::mt19937& rng) {
-  StepInputs in;
-  in.lookup_table = table;
-  in.pages_per_row = pages_per_row;
-  in.input_row_offsets = {0};
-  std::uniform_int_distribution<int32_t> tok(0, int32_t(vocab) - 1);
-  for (size_t r = 0; r < table.size() / pages_per_row; ++r) {
-    for (uint32_t i = 0; i < n; ++i) in.tokens.push_back(tok(rng));
-    in.input_row_offsets.push_back(uint32_t(in.tokens.size()));
-    in.cache_lengths.push_back(cached);
-  }
-  return in;
-}
 
 }  // namespace
 
@@ -170,22 +147,22 @@ int main(int argc, char** argv) {
     uint32_t ppr = 0;
     const auto table = plan_static_pages(
         model, std::vector<uint32_t>(batch, context + 2 * n_steps + 2), 128, &ppr);
-    model.forward(rows_step(table, ppr, 0, context, V, rng)).read_logits();
+    model.forward(random_step(table, ppr, batch, 0, context, V, rng)).read_logits();
     uint32_t pos = context;
-    model.forward(rows_step(table, ppr, pos++, 1, V, rng)).read_logits();  // kernel builds
+    model.forward(random_step(table, ppr, batch, pos++, 1, V, rng)).read_logits();  // kernel builds
 
     // Untouched steps first, then the same number timed launch by launch.
     const double c0 = cpu_seconds();
     const auto t0 = Clock::now();
     for (uint32_t i = 0; i < n_steps; ++i)
-      model.forward(rows_step(table, ppr, pos++, 1, V, rng)).read_logits();
+      model.forward(random_step(table, ppr, batch, pos++, 1, V, rng)).read_logits();
     const double t_step = seconds_since(t0) / n_steps;
     const double cpu_step = (cpu_seconds() - c0) / n_steps;
     g_tally.clear();
     g_timing = true;
     const auto t1 = Clock::now();
     for (uint32_t i = 0; i < n_steps; ++i)
-      model.forward(rows_step(table, ppr, pos++, 1, V, rng)).read_logits();
+      model.forward(random_step(table, ppr, batch, pos++, 1, V, rng)).read_logits();
     const double t_timed = seconds_since(t1) / n_steps;
     g_timing = false;
 

@@ -34,29 +34,6 @@ using namespace clshard::bench;
 
 namespace {
 
-// One decode step for `batch` requests spread over `replicas` in contiguous blocks (replica-major,
-// as MAX orders the flat batch), each request holding `cached` tokens; request i of a replica owns
-// pages [i * ppr, (i + 1) * ppr) of that replica's pool.
-StepInputs decode_step(uint32_t batch, uint32_t replicas, uint32_t cached, uint32_t ppr,
-                       uint32_t null_page, uint32_t vocab, std::mt19937& rng) {
-  std::uniform_int_distribution<int32_t> tok(0, int32_t(vocab) - 1);
-  std::vector<StepInputs> parts;
-  for (uint32_t r = 0; r < replicas; ++r) {
-    const uint32_t rows = batch / replicas + (r < batch % replicas ? 1 : 0);
-    StepInputs in;
-    in.pages_per_row = ppr;
-    in.input_row_offsets = {0};
-    for (uint32_t i = 0; i < rows; ++i) {
-      in.tokens.push_back(tok(rng));
-      in.input_row_offsets.push_back(uint32_t(in.tokens.size()));
-      in.cache_lengths.push_back(cached);
-      for (uint32_t p = 0; p < ppr; ++p) in.lookup_table.push_back(i * ppr + p);
-    }
-    parts.push_back(std::move(in));
-  }
-  return replicas == 1 ? parts[0] : merge_replica_steps(parts, null_page);
-}
-
 struct Result {
   double step_s = 0, tokens_per_s = 0, wait_share = 0, bytes_per_step = 0, phases_per_step = 0;
 };
@@ -69,12 +46,13 @@ Result run(deepseek_v3::DeepseekV3Model& model, uint32_t batch, uint32_t context
   std::mt19937 rng(7);
   const uint32_t V = model.info().vocab_size;
   // Warm-up: kernel builds for these shapes, buffer pools.
-  model.forward(decode_step(batch, R, context, ppr, model.kv_num_pages(), V, rng)).read_logits();
+  model.forward(replica_decode_step(batch, R, context, ppr, model.kv_num_pages(), V, rng))
+      .read_logits();
   const parallel::Communicator* comm = model.communicator();
   const auto before = comm ? comm->stats() : parallel::Communicator::Stats{};
   const auto t0 = Clock::now();
   for (uint32_t i = 0; i < steps; ++i)
-    model.forward(decode_step(batch, R, context + 1 + i, ppr, model.kv_num_pages(), V, rng))
+    model.forward(replica_decode_step(batch, R, context + 1 + i, ppr, model.kv_num_pages(), V, rng))
         .read_logits();
   const double t = seconds_since(t0);
   Result res;

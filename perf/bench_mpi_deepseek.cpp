@@ -35,29 +35,6 @@ using namespace clshard::bench;
 
 namespace {
 
-// One decode step of `batch` requests over 2 replicas in contiguous blocks, `cached` tokens each;
-// request i of a replica owns pages [i * ppr, (i + 1) * ppr) of its replica's pool. The tokens
-// come from a generator seeded alike in every process, so the processes run the same step.
-StepInputs decode_step(uint32_t batch, uint32_t cached, uint32_t ppr, uint32_t null_page,
-                       uint32_t vocab, std::mt19937& rng) {
-  std::uniform_int_distribution<int32_t> tok(0, int32_t(vocab) - 1);
-  std::vector<StepInputs> parts;
-  for (uint32_t r = 0; r < 2; ++r) {
-    const uint32_t rows = batch / 2 + (r < batch % 2 ? 1 : 0);
-    StepInputs in;
-    in.pages_per_row = ppr;
-    in.input_row_offsets = {0};
-    for (uint32_t i = 0; i < rows; ++i) {
-      in.tokens.push_back(tok(rng));
-      in.input_row_offsets.push_back(uint32_t(in.tokens.size()));
-      in.cache_lengths.push_back(cached);
-      for (uint32_t p = 0; p < ppr; ++p) in.lookup_table.push_back(i * ppr + p);
-    }
-    parts.push_back(std::move(in));
-  }
-  return merge_replica_steps(parts, null_page);
-}
-
 struct Result {
   double tokens_per_s = 0, wait_share = 0;
 };
@@ -67,14 +44,17 @@ Result run(deepseek_v3::DeepseekV3Model& model, uint32_t batch, uint32_t context
            uint32_t steps) {
   const uint32_t page = 64, ppr = (context + steps + 2 + page - 1) / page;
   model.allocate_kv_cache((batch + 1) / 2 * ppr, page);
+  // The tokens come from a generator seeded alike in every process, so the processes run the
+  // same steps (2 replicas, one per process).
   std::mt19937 rng(7);
   const uint32_t V = model.info().vocab_size;
-  model.forward(decode_step(batch, context, ppr, model.kv_num_pages(), V, rng)).read_logits();
+  model.forward(replica_decode_step(batch, 2, context, ppr, model.kv_num_pages(), V, rng))
+      .read_logits();
   const parallel::Communicator* comm = model.communicator();
   const double wait0 = comm->stats().host_wait_seconds;
   const auto t0 = Clock::now();
   for (uint32_t i = 0; i < steps; ++i)
-    model.forward(decode_step(batch, context + 1 + i, ppr, model.kv_num_pages(), V, rng))
+    model.forward(replica_decode_step(batch, 2, context + 1 + i, ppr, model.kv_num_pages(), V, rng))
         .read_logits();
   const double t = seconds_since(t0);
   return {double(batch) * steps / t, (comm->stats().host_wait_seconds - wait0) / t};

@@ -2,11 +2,15 @@
 // warm-up that also builds the kernels) and the device's read bandwidth, the decode roofline.
 #pragma once
 
+#include <sys/resource.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <numeric>
+#include <random>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -22,6 +26,7 @@
 #include "runtime/device.h"
 #include "runtime/engine/bench.h"
 #include "runtime/model.h"
+#include "runtime/step.h"
 
 namespace clshard::bench {
 
@@ -132,6 +137,15 @@ struct ComputePeaks {
   double f32_fma_gflops = 0, bf16_dot_gflops = 0;
 };
 #if defined(__x86_64__) && defined(__GNUC__)
+// The sum of a vector's lanes (GCC 12's _mm512_reduce_add_ps warns of an uninitialized variable
+// in its own header).
+__attribute__((target("avx512f"))) inline float lane_sum(__m512 v) {
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, v);
+  float sum = 0;
+  for (float x : lanes) sum += x;
+  return sum;
+}
 __attribute__((target("avx512f"))) inline float fma_chains(long iters, float seed) {
   __m512 acc[16];
   const __m512 a = _mm512_set1_ps(seed), b = _mm512_set1_ps(1.0f - seed);
@@ -140,7 +154,7 @@ __attribute__((target("avx512f"))) inline float fma_chains(long iters, float see
     for (int j = 0; j < 16; ++j) acc[j] = _mm512_fmadd_ps(a, b, acc[j]);
   __m512 s = acc[0];
   for (int j = 1; j < 16; ++j) s = _mm512_add_ps(s, acc[j]);
-  return _mm512_reduce_add_ps(s);
+  return lane_sum(s);
 }
 __attribute__((target("avx512f,avx512bf16"))) inline float dpbf16_chains(long iters, float seed) {
   __m512 acc[16];
@@ -151,7 +165,7 @@ __attribute__((target("avx512f,avx512bf16"))) inline float dpbf16_chains(long it
     for (int j = 0; j < 16; ++j) acc[j] = _mm512_dpbf16_ps(acc[j], a, b);
   __m512 s = acc[0];
   for (int j = 1; j < 16; ++j) s = _mm512_add_ps(s, acc[j]);
-  return _mm512_reduce_add_ps(s);
+  return lane_sum(s);
 }
 #endif
 inline ComputePeaks measure_compute_peaks(int reps = 5, long iters = 20000000) {
@@ -218,6 +232,48 @@ inline std::filesystem::path ensure_preset(const std::string& preset, const std:
   make_model(preset, dir, MakeModelOptions{dtype, 0});
   std::printf("  done in %.1f s\n", seconds_since(t0));
   return dir;
+}
+
+// A step that appends `n` random tokens to each of `rows` requests holding `cached` tokens each;
+// request i owns the pages table[i * pages_per_row, (i + 1) * pages_per_row).
+inline StepInputs random_step(const std::vector<uint32_t>& table, uint32_t pages_per_row,
+                              uint32_t rows, uint32_t cached, uint32_t n, uint32_t vocab,
+                              std::mt19937& rng) {
+  StepInputs in;
+  in.lookup_table.assign(table.begin(), table.begin() + size_t(rows) * pages_per_row);
+  in.pages_per_row = pages_per_row;
+  in.input_row_offsets = {0};
+  std::uniform_int_distribution<int32_t> tok(0, int32_t(vocab) - 1);
+  for (uint32_t b = 0; b < rows; ++b) {
+    for (uint32_t i = 0; i < n; ++i) in.tokens.push_back(tok(rng));
+    in.input_row_offsets.push_back(uint32_t(in.tokens.size()));
+    in.cache_lengths.push_back(cached);
+  }
+  return in;
+}
+
+// One decode step of `batch` requests spread over `replicas` in contiguous blocks (replica-major,
+// as MAX orders the flat batch), `cached` tokens each; request i of a replica owns pages
+// [i * ppr, (i + 1) * ppr) of that replica's pool (null_page: merge_replica_steps's).
+inline StepInputs replica_decode_step(uint32_t batch, uint32_t replicas, uint32_t cached,
+                                      uint32_t ppr, uint32_t null_page, uint32_t vocab,
+                                      std::mt19937& rng) {
+  std::vector<StepInputs> parts;
+  for (uint32_t r = 0; r < replicas; ++r) {
+    const uint32_t rows = batch / replicas + (r < batch % replicas ? 1 : 0);
+    std::vector<uint32_t> table(size_t(rows) * ppr);
+    std::iota(table.begin(), table.end(), 0u);
+    parts.push_back(random_step(table, ppr, rows, cached, 1, vocab, rng));
+  }
+  return replicas == 1 ? parts[0] : merge_replica_steps(parts, null_page);
+}
+
+// The process's CPU time so far (user and system, every thread), in seconds.
+inline double cpu_seconds() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return double(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
+         1e-6 * double(u.ru_utime.tv_usec + u.ru_stime.tv_usec);
 }
 
 }  // namespace clshard::bench
