@@ -93,6 +93,35 @@ struct FeatureCase {
   const char* expected;
 };
 
+// DeepSeek-V3's chat template (its tokenizer_config.json's), for the three ds_tool cases.
+const char* const kDeepseekToolsTemplate =
+    "{% if not add_generation_prompt is defined %}{% set add_generation_prompt = false %}{% endif "
+    "%}{% set ns = namespace(is_first=false, is_tool=false, is_output_first=true, "
+    "system_prompt='', is_first_sp=true) %}{%- for message in messages %}{%- if message['role'] "
+    "== 'system' %}{%- if ns.is_first_sp %}{% set ns.system_prompt = ns.system_prompt + "
+    "message['content'] %}{% set ns.is_first_sp = false %}{%- else %}{% set ns.system_prompt = "
+    "ns.system_prompt + '\n\n' + message['content'] %}{%- endif %}{%- endif %}{%- endfor "
+    "%}{{bos_token}}{{ns.system_prompt}}{%- for message in messages %}{%- if message['role'] == "
+    "'user' %}{%- set ns.is_tool = false -%}{{'<｜User｜>' + message['content']}}{%- endif %}{%- "
+    "if message['role'] == 'assistant' and message['content'] is none %}{%- set ns.is_tool = "
+    "false -%}{%- for tool in message['tool_calls']%}{%- if not ns.is_first "
+    "%}{{'<｜Assistant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['type'] + "
+    "'<｜tool▁sep｜>' + tool['function']['name'] + '\n' + '```json' + '\n' + "
+    "tool['function']['arguments'] + '\n' + '```' + '<｜tool▁call▁end｜>'}}{%- set ns.is_first = "
+    "true -%}{%- else %}{{'\n' + '<｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + "
+    "tool['function']['name'] + '\n' + '```json' + '\n' + tool['function']['arguments'] + '\n' + "
+    "'```' + '<｜tool▁call▁end｜>'}}{{'<｜tool▁calls▁end｜><｜end▁of▁sentence｜>'}}{%- endif "
+    "%}{%- endfor %}{%- endif %}{%- if message['role'] == 'assistant' and message['content'] is "
+    "not none %}{%- if ns.is_tool %}{{'<｜tool▁outputs▁end｜>' + message['content'] + "
+    "'<｜end▁of▁sentence｜>'}}{%- set ns.is_tool = false -%}{%- else %}{{'<｜Assistant｜>' + "
+    "message['content'] + '<｜end▁of▁sentence｜>'}}{%- endif %}{%- endif %}{%- if message['role'] "
+    "== 'tool' %}{%- set ns.is_tool = true -%}{%- if ns.is_output_first "
+    "%}{{'<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>' + message['content'] + "
+    "'<｜tool▁output▁end｜>'}}{%- set ns.is_output_first = false %}{%- else "
+    "%}{{'\n<｜tool▁output▁begin｜>' + message['content'] + '<｜tool▁output▁end｜>'}}{%- endif "
+    "%}{%- endif %}{%- endfor -%}{% if ns.is_tool %}{{'<｜tool▁outputs▁end｜>'}}{% endif %}{% if "
+    "add_generation_prompt and not ns.is_tool %}{{'<｜Assistant｜>'}}{% endif %}";
+
 // Expected outputs come from Jinja2 3.1.6 configured as transformers configures it
 // (ImmutableSandboxedEnvironment, trim_blocks, lstrip_blocks, loopcontrols, its tojson and
 // raise_exception). Dict contexts use sorted keys: nlohmann::json objects iterate sorted, where
@@ -302,32 +331,7 @@ const FeatureCase kFeatureCases[] = {
      "{'a': {'b': 1}}1"},
     {"in_tag_newlines", "{{\n  x\n  +\n  1\n}}{%\n if x\n%}ok{%\nendif\n%}", "{\"x\": 1}", "2ok"},
     {"ds_tools_gen",
-     "{% if not add_generation_prompt is defined %}{% set add_generation_prompt = false %}{% endif "
-     "%}{% set ns = namespace(is_first=false, is_tool=false, is_output_first=true, "
-     "system_prompt='', is_first_sp=true) %}{%- for message in messages %}{%- if message['role'] "
-     "== 'system' %}{%- if ns.is_first_sp %}{% set ns.system_prompt = ns.system_prompt + "
-     "message['content'] %}{% set ns.is_first_sp = false %}{%- else %}{% set ns.system_prompt = "
-     "ns.system_prompt + '\n\n' + message['content'] %}{%- endif %}{%- endif %}{%- endfor "
-     "%}{{bos_token}}{{ns.system_prompt}}{%- for message in messages %}{%- if message['role'] == "
-     "'user' %}{%- set ns.is_tool = false -%}{{'<｜User｜>' + message['content']}}{%- endif %}{%- "
-     "if message['role'] == 'assistant' and message['content'] is none %}{%- set ns.is_tool = "
-     "false -%}{%- for tool in message['tool_calls']%}{%- if not ns.is_first "
-     "%}{{'<｜Assistant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['type'] + "
-     "'<｜tool▁sep｜>' + tool['function']['name'] + '\n' + '```json' + '\n' + "
-     "tool['function']['arguments'] + '\n' + '```' + '<｜tool▁call▁end｜>'}}{%- set ns.is_first = "
-     "true -%}{%- else %}{{'\n' + '<｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + "
-     "tool['function']['name'] + '\n' + '```json' + '\n' + tool['function']['arguments'] + '\n' + "
-     "'```' + '<｜tool▁call▁end｜>'}}{{'<｜tool▁calls▁end｜><｜end▁of▁sentence｜>'}}{%- endif "
-     "%}{%- endfor %}{%- endif %}{%- if message['role'] == 'assistant' and message['content'] is "
-     "not none %}{%- if ns.is_tool %}{{'<｜tool▁outputs▁end｜>' + message['content'] + "
-     "'<｜end▁of▁sentence｜>'}}{%- set ns.is_tool = false -%}{%- else %}{{'<｜Assistant｜>' + "
-     "message['content'] + '<｜end▁of▁sentence｜>'}}{%- endif %}{%- endif %}{%- if message['role'] "
-     "== 'tool' %}{%- set ns.is_tool = true -%}{%- if ns.is_output_first "
-     "%}{{'<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>' + message['content'] + "
-     "'<｜tool▁output▁end｜>'}}{%- set ns.is_output_first = false %}{%- else "
-     "%}{{'\n<｜tool▁output▁begin｜>' + message['content'] + '<｜tool▁output▁end｜>'}}{%- endif "
-     "%}{%- endif %}{%- endfor -%}{% if ns.is_tool %}{{'<｜tool▁outputs▁end｜>'}}{% endif %}{% if "
-     "add_generation_prompt and not ns.is_tool %}{{'<｜Assistant｜>'}}{% endif %}",
+     kDeepseekToolsTemplate,
      "{\"add_generation_prompt\": true, \"bos_token\": \"<BOS>\", \"messages\": [{\"content\": "
      "\"sys A\", \"role\": \"system\"}, {\"content\": \"sys B\", \"role\": \"system\"}, "
      "{\"content\": \"Weather in Paris and Rome?\", \"role\": \"user\"}, {\"content\": null, "
@@ -347,32 +351,7 @@ const FeatureCase kFeatureCases[] = {
      "｜tool▁output▁begin｜>25C<｜tool▁output▁end｜><｜tool▁outputs▁end｜>Paris 22C, Rome "
      "25C.<｜end▁of▁sentence｜><｜User｜>Thanks<｜Assistant｜>"},
     {"ds_tools_nogen",
-     "{% if not add_generation_prompt is defined %}{% set add_generation_prompt = false %}{% endif "
-     "%}{% set ns = namespace(is_first=false, is_tool=false, is_output_first=true, "
-     "system_prompt='', is_first_sp=true) %}{%- for message in messages %}{%- if message['role'] "
-     "== 'system' %}{%- if ns.is_first_sp %}{% set ns.system_prompt = ns.system_prompt + "
-     "message['content'] %}{% set ns.is_first_sp = false %}{%- else %}{% set ns.system_prompt = "
-     "ns.system_prompt + '\n\n' + message['content'] %}{%- endif %}{%- endif %}{%- endfor "
-     "%}{{bos_token}}{{ns.system_prompt}}{%- for message in messages %}{%- if message['role'] == "
-     "'user' %}{%- set ns.is_tool = false -%}{{'<｜User｜>' + message['content']}}{%- endif %}{%- "
-     "if message['role'] == 'assistant' and message['content'] is none %}{%- set ns.is_tool = "
-     "false -%}{%- for tool in message['tool_calls']%}{%- if not ns.is_first "
-     "%}{{'<｜Assistant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['type'] + "
-     "'<｜tool▁sep｜>' + tool['function']['name'] + '\n' + '```json' + '\n' + "
-     "tool['function']['arguments'] + '\n' + '```' + '<｜tool▁call▁end｜>'}}{%- set ns.is_first = "
-     "true -%}{%- else %}{{'\n' + '<｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + "
-     "tool['function']['name'] + '\n' + '```json' + '\n' + tool['function']['arguments'] + '\n' + "
-     "'```' + '<｜tool▁call▁end｜>'}}{{'<｜tool▁calls▁end｜><｜end▁of▁sentence｜>'}}{%- endif "
-     "%}{%- endfor %}{%- endif %}{%- if message['role'] == 'assistant' and message['content'] is "
-     "not none %}{%- if ns.is_tool %}{{'<｜tool▁outputs▁end｜>' + message['content'] + "
-     "'<｜end▁of▁sentence｜>'}}{%- set ns.is_tool = false -%}{%- else %}{{'<｜Assistant｜>' + "
-     "message['content'] + '<｜end▁of▁sentence｜>'}}{%- endif %}{%- endif %}{%- if message['role'] "
-     "== 'tool' %}{%- set ns.is_tool = true -%}{%- if ns.is_output_first "
-     "%}{{'<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>' + message['content'] + "
-     "'<｜tool▁output▁end｜>'}}{%- set ns.is_output_first = false %}{%- else "
-     "%}{{'\n<｜tool▁output▁begin｜>' + message['content'] + '<｜tool▁output▁end｜>'}}{%- endif "
-     "%}{%- endif %}{%- endfor -%}{% if ns.is_tool %}{{'<｜tool▁outputs▁end｜>'}}{% endif %}{% if "
-     "add_generation_prompt and not ns.is_tool %}{{'<｜Assistant｜>'}}{% endif %}",
+     kDeepseekToolsTemplate,
      "{\"bos_token\": \"<BOS>\", \"messages\": [{\"content\": \"sys A\", \"role\": \"system\"}, "
      "{\"content\": \"sys B\", \"role\": \"system\"}, {\"content\": \"Weather in Paris and "
      "Rome?\", \"role\": \"user\"}, {\"content\": null, \"role\": \"assistant\", \"tool_calls\": "
@@ -389,32 +368,7 @@ const FeatureCase kFeatureCases[] = {
      "｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>22C<｜tool▁output▁end｜>\n<"
      "｜tool▁output▁begin｜>25C<｜tool▁output▁end｜><｜tool▁outputs▁end｜>"},
     {"ds_tool_last_gen",
-     "{% if not add_generation_prompt is defined %}{% set add_generation_prompt = false %}{% endif "
-     "%}{% set ns = namespace(is_first=false, is_tool=false, is_output_first=true, "
-     "system_prompt='', is_first_sp=true) %}{%- for message in messages %}{%- if message['role'] "
-     "== 'system' %}{%- if ns.is_first_sp %}{% set ns.system_prompt = ns.system_prompt + "
-     "message['content'] %}{% set ns.is_first_sp = false %}{%- else %}{% set ns.system_prompt = "
-     "ns.system_prompt + '\n\n' + message['content'] %}{%- endif %}{%- endif %}{%- endfor "
-     "%}{{bos_token}}{{ns.system_prompt}}{%- for message in messages %}{%- if message['role'] == "
-     "'user' %}{%- set ns.is_tool = false -%}{{'<｜User｜>' + message['content']}}{%- endif %}{%- "
-     "if message['role'] == 'assistant' and message['content'] is none %}{%- set ns.is_tool = "
-     "false -%}{%- for tool in message['tool_calls']%}{%- if not ns.is_first "
-     "%}{{'<｜Assistant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['type'] + "
-     "'<｜tool▁sep｜>' + tool['function']['name'] + '\n' + '```json' + '\n' + "
-     "tool['function']['arguments'] + '\n' + '```' + '<｜tool▁call▁end｜>'}}{%- set ns.is_first = "
-     "true -%}{%- else %}{{'\n' + '<｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + "
-     "tool['function']['name'] + '\n' + '```json' + '\n' + tool['function']['arguments'] + '\n' + "
-     "'```' + '<｜tool▁call▁end｜>'}}{{'<｜tool▁calls▁end｜><｜end▁of▁sentence｜>'}}{%- endif "
-     "%}{%- endfor %}{%- endif %}{%- if message['role'] == 'assistant' and message['content'] is "
-     "not none %}{%- if ns.is_tool %}{{'<｜tool▁outputs▁end｜>' + message['content'] + "
-     "'<｜end▁of▁sentence｜>'}}{%- set ns.is_tool = false -%}{%- else %}{{'<｜Assistant｜>' + "
-     "message['content'] + '<｜end▁of▁sentence｜>'}}{%- endif %}{%- endif %}{%- if message['role'] "
-     "== 'tool' %}{%- set ns.is_tool = true -%}{%- if ns.is_output_first "
-     "%}{{'<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>' + message['content'] + "
-     "'<｜tool▁output▁end｜>'}}{%- set ns.is_output_first = false %}{%- else "
-     "%}{{'\n<｜tool▁output▁begin｜>' + message['content'] + '<｜tool▁output▁end｜>'}}{%- endif "
-     "%}{%- endif %}{%- endfor -%}{% if ns.is_tool %}{{'<｜tool▁outputs▁end｜>'}}{% endif %}{% if "
-     "add_generation_prompt and not ns.is_tool %}{{'<｜Assistant｜>'}}{% endif %}",
+     kDeepseekToolsTemplate,
      "{\"add_generation_prompt\": true, \"bos_token\": \"<BOS>\", \"messages\": [{\"content\": "
      "\"sys A\", \"role\": \"system\"}, {\"content\": \"sys B\", \"role\": \"system\"}, "
      "{\"content\": \"Weather in Paris and Rome?\", \"role\": \"user\"}, {\"content\": null, "
