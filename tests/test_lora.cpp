@@ -23,6 +23,7 @@
 #include "runtime/device.h"
 #include "runtime/engine/engine.h"
 #include "runtime/safetensors.h"
+#include "tests/lora_adapters.h"
 #include "tests/test_util.h"
 
 namespace clshard {
@@ -33,9 +34,8 @@ namespace fs = std::filesystem;
 fs::path base_dir() { return test::reference_dir() / "ckpt" / "llama3-tiny-f32"; }
 
 // The tiny checkpoint's shapes: hidden 128, 4 heads of 32 (2 kv heads), FFN 384, 2 layers.
-struct Shape {
-  int64_t in, out;
-};
+using Shape = test::LoraShape;
+using test::TestAdapter;
 std::map<std::string, Shape> module_shapes() {
   return {{"q_proj", {128, 128}},   {"k_proj", {128, 64}}, {"v_proj", {128, 64}},
           {"o_proj", {128, 128}},   {"gate_proj", {128, 384}}, {"up_proj", {128, 384}},
@@ -46,52 +46,14 @@ std::string module_path(int layer, const std::string& m) {
   return "model.layers." + std::to_string(layer) + (attn ? ".self_attn." : ".mlp.") + m;
 }
 
-struct TestAdapter {
-  int rank = 4;
-  double alpha = 8;
-  std::vector<std::string> modules;
-  // By module path: A [rank, in], B [out, rank].
-  std::map<std::string, std::pair<std::vector<float>, std::vector<float>>> weights;
-};
-
-std::vector<uint8_t> bytes_of(const std::vector<float>& v) {
-  std::vector<uint8_t> b(v.size() * 4);
-  std::memcpy(b.data(), v.data(), b.size());
-  return b;
-}
-
-// Writes a PEFT adapter directory with random A and B for `modules` in every layer.
+// A PEFT adapter with random A and B for `modules` in every layer.
 TestAdapter write_adapter(const fs::path& dir, int rank, double alpha,
                           const std::vector<std::string>& modules, uint32_t seed,
                           std::map<std::string, Shape> shapes = module_shapes(), int layers = 2) {
-  TestAdapter a;
-  a.rank = rank;
-  a.alpha = alpha;
-  a.modules = modules;
-  fs::create_directories(dir);
-  nlohmann::json cfg = {{"r", rank},
-                        {"lora_alpha", alpha},
-                        {"target_modules", modules},
-                        {"peft_type", "LORA"},
-                        {"base_model_name_or_path", "llama3-tiny"}};
-  std::ofstream(dir / "adapter_config.json") << cfg.dump(2);
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> u(-0.15f, 0.15f);
-  std::vector<TensorToWrite> tensors;
+  std::vector<std::pair<std::string, Shape>> paths;
   for (int l = 0; l < layers; ++l)
-    for (const auto& m : modules) {
-      const Shape s = shapes.at(m);
-      std::vector<float> A(size_t(rank * s.in)), B(size_t(s.out * rank));
-      for (float& x : A) x = u(rng);
-      for (float& x : B) x = u(rng);
-      const std::string path = module_path(l, m);
-      const std::string name = "base_model.model." + path;
-      tensors.push_back({name + ".lora_A.weight", DType::F32, {rank, s.in}, bytes_of(A)});
-      tensors.push_back({name + ".lora_B.weight", DType::F32, {s.out, rank}, bytes_of(B)});
-      a.weights[path] = {A, B};
-    }
-  write_safetensors(dir / "adapter_model.safetensors", tensors);
-  return a;
+    for (const auto& m : modules) paths.push_back({module_path(l, m), shapes.at(m)});
+  return test::write_peft_adapter(dir, rank, alpha, modules, paths, seed, "llama3-tiny");
 }
 
 // A copy of the base checkpoint with the adapter merged: W + (alpha / r) B A, in double.
@@ -118,7 +80,7 @@ fs::path write_merged(const fs::path& dir, const TestAdapter& a) {
           w[o * n_in + i] = float(double(w[o * n_in + i]) + scale * d);
         }
     }
-    out.push_back({name, DType::F32, t.shape, bytes_of(w)});
+    out.push_back({name, DType::F32, t.shape, test::f32_bytes(w)});
   }
   write_safetensors(dir / "model.safetensors", out);
   return dir;
@@ -126,10 +88,7 @@ fs::path write_merged(const fs::path& dir, const TestAdapter& a) {
 
 std::unique_ptr<CausalLM> load_with(const std::vector<std::pair<std::string, fs::path>>& adapters,
                                     const fs::path& dir = base_dir(), uint32_t max_rank = 16) {
-  LoadOptions o{{&test::default_device()}, std::nullopt};
-  for (const auto& [n, d] : adapters) o.lora_adapters.push_back({n, d});
-  o.lora_max_rank = max_rank;
-  return load_model(dir, o);
+  return test::load_with_adapters(dir, adapters, max_rank);
 }
 
 using test::logits_of;

@@ -31,6 +31,7 @@
 #include "runtime/engine/engine.h"
 #include "runtime/ops_moe.h"
 #include "runtime/safetensors.h"
+#include "tests/lora_adapters.h"
 #include "tests/test_util.h"
 
 namespace clshard {
@@ -42,9 +43,8 @@ fs::path ckpt(const std::string& name) { return test::reference_dir() / "ckpt" /
 
 // deepseek-v3-tiny-grouped: hidden 128, q_lora 96, 4 heads of qk 48 and v 32, kv_lora 64 + rope
 // 16, dense FFN 256 on layer 0, one shared expert of 64 on layers 1 and 2.
-struct Shape {
-  int64_t in, out;
-};
+using Shape = test::LoraShape;
+using test::TestAdapter;
 std::map<std::string, Shape> module_shapes(int layer) {
   const int64_t F = layer == 0 ? 256 : 64;
   return {{"q_a_proj", {128, 96}},  {"q_b_proj", {96, 192}},  {"q_proj", {128, 192}},
@@ -57,52 +57,16 @@ std::string module_path(int layer, const std::string& m) {
          (!mlp ? ".self_attn." : layer == 0 ? ".mlp." : ".mlp.shared_experts.") + m;
 }
 
-struct TestAdapter {
-  int rank = 4;
-  double alpha = 8;
-  // By module path: A [rank, in], B [out, rank].
-  std::map<std::string, std::pair<std::vector<float>, std::vector<float>>> weights;
-};
-
-std::vector<uint8_t> bytes_of(const std::vector<float>& v) {
-  std::vector<uint8_t> b(v.size() * 4);
-  std::memcpy(b.data(), v.data(), b.size());
-  return b;
-}
-
-// A PEFT adapter directory with random A and B for `modules` in every layer of 3 (paths: the
-// layer's module_path, or `extra_paths` as given).
+// A PEFT adapter with random A and B for `modules` in every layer of 3 (paths: the layer's
+// module_path), or for `paths` as given.
 TestAdapter write_adapter(const fs::path& dir, int rank, double alpha,
                           const std::vector<std::string>& modules, uint32_t seed,
-                          const std::vector<std::pair<std::string, Shape>>& extra_paths = {}) {
-  TestAdapter a;
-  a.rank = rank;
-  a.alpha = alpha;
-  fs::create_directories(dir);
-  nlohmann::json cfg = {{"r", rank},
-                        {"lora_alpha", alpha},
-                        {"target_modules", modules},
-                        {"peft_type", "LORA"},
-                        {"base_model_name_or_path", "deepseek-v3-tiny-grouped"}};
-  std::ofstream(dir / "adapter_config.json") << cfg.dump(2);
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> u(-0.15f, 0.15f);
-  std::vector<TensorToWrite> tensors;
-  auto add = [&](const std::string& path, Shape s) {
-    std::vector<float> A(size_t(rank * s.in)), B(size_t(s.out * rank));
-    for (float& x : A) x = u(rng);
-    for (float& x : B) x = u(rng);
-    const std::string name = "base_model.model." + path;
-    tensors.push_back({name + ".lora_A.weight", DType::F32, {rank, s.in}, bytes_of(A)});
-    tensors.push_back({name + ".lora_B.weight", DType::F32, {s.out, rank}, bytes_of(B)});
-    a.weights[path] = {A, B};
-  };
-  if (extra_paths.empty())
+                          std::vector<std::pair<std::string, Shape>> paths = {}) {
+  if (paths.empty())
     for (int l = 0; l < 3; ++l)
-      for (const auto& m : modules) add(module_path(l, m), module_shapes(l).at(m));
-  for (const auto& [path, s] : extra_paths) add(path, s);
-  write_safetensors(dir / "adapter_model.safetensors", tensors);
-  return a;
+      for (const auto& m : modules) paths.push_back({module_path(l, m), module_shapes(l).at(m)});
+  return test::write_peft_adapter(dir, rank, alpha, modules, paths, seed,
+                                  "deepseek-v3-tiny-grouped");
 }
 
 // A tensor of the checkpoint as doubles: f32 and bf16 as stored, FP8 dequantized with its block
@@ -159,7 +123,7 @@ fs::path write_merged(const fs::path& base, const fs::path& dir, const TestAdapt
         }
     }
     std::vector<float> f(w.begin(), w.end());
-    out.push_back({name, DType::F32, t.shape, bytes_of(f)});
+    out.push_back({name, DType::F32, t.shape, test::f32_bytes(f)});
   }
   write_safetensors(dir / "model.safetensors", out);
   return dir;
@@ -168,11 +132,7 @@ fs::path write_merged(const fs::path& base, const fs::path& dir, const TestAdapt
 std::unique_ptr<CausalLM> load_with(const fs::path& dir,
                                     const std::vector<std::pair<std::string, fs::path>>& adapters,
                                     uint32_t max_loaded = 8, uint32_t max_rank = 16) {
-  LoadOptions o{{&test::default_device()}, std::nullopt};
-  for (const auto& [n, d] : adapters) o.lora_adapters.push_back({n, d});
-  o.lora_max_rank = max_rank;
-  o.lora_max_loaded = max_loaded;
-  return load_model(dir, o);
+  return test::load_with_adapters(dir, adapters, max_rank, max_loaded);
 }
 
 using test::logits_of;
@@ -253,7 +213,8 @@ TEST(LoraDeepseekV3, QProjWithoutQLoraEqualsTheMergedCheckpoint) {
   for (int l = 0; l < 3; ++l) {
     std::vector<float> q(192 * 128);
     for (float& x : q) x = u(rng);
-    out.push_back({module_path(l, "q_proj") + ".weight", DType::F32, {192, 128}, bytes_of(q)});
+    out.push_back(
+        {module_path(l, "q_proj") + ".weight", DType::F32, {192, 128}, test::f32_bytes(q)});
   }
   write_safetensors(plain / "model.safetensors", out);
   const TestAdapter a =
