@@ -429,9 +429,8 @@ TensorToWrite make_tensor(const std::string& name, DType dt, const std::vector<T
 // A draft vocabulary of 200 of the target's 512 ids (spread out, sorted as d2t >= 0 wants), lm_head
 // rows taken from the full draft: the logits at mapped ids are the full draft's, the rest -inf. In
 // both kernel shapes (the GPU shape forced on PoCL: draft_vocab.cl's draft_to_target_vocab_wg).
-class Eagle3DraftVocabulary : public ::testing::TestWithParam<KernelShape> {};
+class Eagle3DraftVocabulary : public test::BothShapes {};
 TEST_P(Eagle3DraftVocabulary, D2tSpreadsTheDraftLogitsOverTargetIds) {
-  test::ShapeScope shape(test::default_device(), GetParam());
   const DraftRefCase rc = test::load_draft_case("deepseek-v3-tiny-grouped-bf16/short.eagle3");
   std::vector<int64_t> ids;  // sorted target ids, as d2t = target - draft >= 0
   for (int64_t t = 0; t < 512 && ids.size() < 200; ++t)
@@ -506,8 +505,7 @@ TEST_P(Eagle3DraftVocabulary, D2tSpreadsTheDraftLogitsOverTargetIds) {
       "outside the target vocabulary");
 }
 INSTANTIATE_TEST_SUITE_P(Shapes, Eagle3DraftVocabulary,
-                         ::testing::Values(KernelShape::Chunks, KernelShape::WorkGroups),
-                         [](const auto& info) { return std::string(kernel_shape_name(info.param)); });
+                         test::both_shapes(), test::ShapeParamName());
 
 // ---- drafts that do not fit their target -------------------------------------------------------
 

@@ -426,17 +426,20 @@ TEST_P(Fp8Decodes, LinearRowBitsDoNotDependOnTheBatch) {
       for (uint32_t n = 0; n < N; ++n) {
         ASSERT_EQ(std::bit_cast<uint32_t>(alone[n]), std::bit_cast<uint32_t>(all[m * N + n]))
             << "row " << m << " feature " << n << " alone vs among " << M;
-        if (m < 9)
+        if (m < 9) {
           ASSERT_EQ(std::bit_cast<uint32_t>(alone[n]), std::bit_cast<uint32_t>(nine[m * N + n]))
               << "row " << m << " feature " << n << " alone vs among 9";
-        if (m >= 2 && m < 5)
+        }
+        if (m >= 2 && m < 5) {
           ASSERT_EQ(std::bit_cast<uint32_t>(alone[n]),
                     std::bit_cast<uint32_t>(three[(m - 2) * N + n]))
               << "row " << m << " feature " << n << " alone vs among 3";
-        if (m >= 5 && m < 7)
+        }
+        if (m >= 5 && m < 7) {
           ASSERT_EQ(std::bit_cast<uint32_t>(alone[n]),
                     std::bit_cast<uint32_t>(two[(m - 5) * N + n]))
               << "row " << m << " feature " << n << " alone vs among 2";
+        }
       }
     }
   }

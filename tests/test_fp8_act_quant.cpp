@@ -39,11 +39,10 @@ float nearest_e4m3(float v) {
 // Both kernel shapes (the GPU one on PoCL): each element equals the host's nearest e4m3 value
 // times the block's scale; a NaN in a block leaves its scale to the other elements (the amax
 // passes over it) and stays NaN itself.
-class Fp8ActQuant : public ::testing::TestWithParam<KernelShape> {};
+class Fp8ActQuant : public test::BothShapes {};
 
 TEST_P(Fp8ActQuant, KernelRoundsEachBlockToE4m3) {
   Device& dev = test::default_device();
-  test::ShapeScope scope(dev, GetParam());
   const uint32_t M = 3, K = 300;  // two full 128-column blocks and a partial one
   std::mt19937 rng(5);
   std::normal_distribution<float> d(0, 2);
@@ -76,8 +75,7 @@ TEST_P(Fp8ActQuant, KernelRoundsEachBlockToE4m3) {
   EXPECT_GT(changed, x.size() / 2) << "quantization should move most values";
 }
 INSTANTIATE_TEST_SUITE_P(Shapes, Fp8ActQuant,
-                         ::testing::Values(KernelShape::Chunks, KernelShape::WorkGroups),
-                         [](const auto& info) { return std::string(kernel_shape_name(info.param)); });
+                         test::both_shapes(), test::ShapeParamName());
 
 // Median over positions of the per-position max |logit difference| (the README's metric).
 float median_row_max(const std::vector<float>& a, const std::vector<float>& b, uint32_t vocab) {

@@ -227,10 +227,9 @@ INSTANTIATE_TEST_SUITE_P(Tiles, LinearPrefetch,
 
 // A strided view: x rows inside a wider buffer at an offset, y written into a column block — in
 // both kernel shapes.
-class LinearStrides : public ::testing::TestWithParam<KernelShape> {};
+class LinearStrides : public test::BothShapes {};
 TEST_P(LinearStrides, OffsetsAndStrides) {
   Device& dev = test::default_device();
-  ShapeScope scope(dev, GetParam());
   const uint32_t M = 6, N = 10, K = 20, ldx = 31, xoff = 5, ldy = 25, yoff = 7;
   auto xbig = random_vec(size_t(M) * ldx + xoff, 7);
   auto wv = random_vec(size_t(N) * K, 8);
@@ -253,8 +252,7 @@ TEST_P(LinearStrides, OffsetsAndStrides) {
     }
   EXPECT_EQ(y[0], -7.0f);
 }
-INSTANTIATE_TEST_SUITE_P(Shapes, LinearStrides,
-                         ::testing::Values(KernelShape::Chunks, KernelShape::WorkGroups));
+INSTANTIATE_TEST_SUITE_P(Shapes, LinearStrides, test::both_shapes(), test::ShapeParamName());
 
 // The GPU shape's lane steps of VW weights (KernelTuning::linear_vector, wg_dots.cl): linear_wg's
 // output equals, bit for bit, the host's emulation of its order: lane l's fma chain over the
@@ -469,13 +467,12 @@ INSTANTIATE_TEST_SUITE_P(Shapes, NormKernel,
                                   std::to_string(info.param.H);
                          });
 
-class RowKernels : public ::testing::TestWithParam<KernelShape> {};
+class RowKernels : public test::BothShapes {};
 
 // In both kernel shapes; H = 9 and 77 (more columns than the GPU shape's lanes, not a multiple);
 // ids of another vocabulary shard give zero rows.
 TEST_P(RowKernels, EmbeddingLooksUpAndScales) {
   Device& dev = test::default_device();
-  ShapeScope scope(dev, GetParam());
   for (const uint32_t H : {9u, 77u}) {
     const uint32_t V = 13, begin = 4;
     auto table = random_vec(size_t(V) * H, 21);
@@ -496,7 +493,6 @@ TEST_P(RowKernels, EmbeddingLooksUpAndScales) {
 
 TEST_P(RowKernels, SiluMulOverStackedGateUp) {
   Device& dev = test::default_device();
-  ShapeScope scope(dev, GetParam());
   const uint32_t T = 3, F = 300;  // F over one 256-column chunk, not a multiple of the lanes
   auto gu = random_vec(size_t(T) * 2 * F, 31, 4.0f);
   cl::Mem m = upload(dev, gu);
@@ -511,8 +507,7 @@ TEST_P(RowKernels, SiluMulOverStackedGateUp) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, RowKernels,
-                         ::testing::Values(KernelShape::Chunks, KernelShape::WorkGroups),
-                         [](const auto& info) { return std::string(kernel_shape_name(info.param)); });
+                         test::both_shapes(), test::ShapeParamName());
 
 // The shapes and tunings the attention kernels run under: the CPU shape, and the GPU shape with
 // the device's own tuning (one split for these short rows), with splits of 16 positions over

@@ -243,20 +243,9 @@ std::vector<int32_t> top_ids(const float* row, uint32_t vocab, uint32_t n, const
 
 // In both kernel shapes: row_logprobs (sampling.cl) and row_logprobs_wg (sampling_wg.cl, forced
 // on PoCL; DeviceSamplingShapes checks that the two agree bit for bit).
-class DeviceLogprobs : public ::testing::TestWithParam<KernelShape> {
- protected:
-  void SetUp() override {
-    saved_ = dev().kernel_shape();
-    dev().set_kernel_shape(GetParam());
-  }
-  void TearDown() override { dev().set_kernel_shape(saved_); }
-  KernelShape saved_ = KernelShape::Chunks;
-};
+class DeviceLogprobs : public test::BothShapes {};
 INSTANTIATE_TEST_SUITE_P(Shapes, DeviceLogprobs,
-                         ::testing::Values(KernelShape::Chunks, KernelShape::WorkGroups),
-                         [](const auto& info) {
-                           return std::string(kernel_shape_name(info.param));
-                         });
+                         test::both_shapes(), test::ShapeParamName());
 
 TEST_P(DeviceLogprobs, MatchTheDoubleReference) {
   for (uint32_t vocab : {7u, 1000u, 32001u, 128256u}) {

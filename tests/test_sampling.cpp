@@ -59,20 +59,9 @@ size_t support_size(const std::vector<float>& d) {
 
 // Every DeviceSampling test runs in both kernel shapes: the CPU shape (kernels_cl/sampling.cl, one
 // work-item per row) and the GPU shape (sampling_wg.cl, a work-group per row), forced on PoCL.
-class DeviceSampling : public ::testing::TestWithParam<KernelShape> {
- protected:
-  void SetUp() override {
-    saved_ = dev().kernel_shape();
-    dev().set_kernel_shape(GetParam());
-  }
-  void TearDown() override { dev().set_kernel_shape(saved_); }
-  KernelShape saved_ = KernelShape::Chunks;
-};
+class DeviceSampling : public test::BothShapes {};
 INSTANTIATE_TEST_SUITE_P(Shapes, DeviceSampling,
-                         ::testing::Values(KernelShape::Chunks, KernelShape::WorkGroups),
-                         [](const auto& info) {
-                           return std::string(kernel_shape_name(info.param));
-                         });
+                         test::both_shapes(), test::ShapeParamName());
 
 // Sets the test device's kernel shape for one scope.
 struct ShapeScope : test::ShapeScope {

@@ -4,9 +4,11 @@
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
 #include "runtime/cl.h"
@@ -61,6 +63,24 @@ class ShapeScope {
  private:
   Device& dev_;
   KernelShape saved_;
+};
+
+// A test suite run in both kernel shapes on default_device() (the GPU shape forced on PoCL):
+//   class Suite : public test::BothShapes {};
+//   INSTANTIATE_TEST_SUITE_P(Shapes, Suite, test::both_shapes(), test::ShapeParamName());
+class BothShapes : public ::testing::TestWithParam<KernelShape> {
+ protected:
+  void SetUp() override { scope_.emplace(default_device(), GetParam()); }
+  void TearDown() override { scope_.reset(); }
+
+ private:
+  std::optional<ShapeScope> scope_;
+};
+inline auto both_shapes() { return ::testing::Values(KernelShape::Chunks, KernelShape::WorkGroups); }
+struct ShapeParamName {
+  std::string operator()(const ::testing::TestParamInfo<KernelShape>& info) const {
+    return kernel_shape_name(info.param);
+  }
 };
 
 // Sets a device's kernel tuning row for one scope, and puts the device's own row back at the end.
