@@ -141,10 +141,11 @@ TEST_P(LinearRowsAgree, OneRowLaunchGivesTheBitsOfTheBatchedLaunch) {
         ASSERT_EQ(std::bit_cast<uint32_t>(one[op][n]), std::bit_cast<uint32_t>(batched))
             << names[op] << " row " << m << " column " << n << ": " << one[op][n] << " vs "
             << batched;
-        if (m == 3 || m == 4)
+        if (m == 3 || m == 4) {
           ASSERT_EQ(std::bit_cast<uint32_t>(two[op][size_t(m - 3) * widths[op] + n]),
                     std::bit_cast<uint32_t>(batched))
               << names[op] << " (2-row launch) row " << m << " column " << n;
+        }
       }
   }
 }
@@ -451,8 +452,11 @@ TEST_P(NormKernel, RmsNormWithAndWithoutGather) {
       for (uint32_t i = 0; i < H; ++i) {
         const double want = x[r * H + i] * inv * wcopy[i];
         ASSERT_NEAR(y[r * H + i], want, 1e-5);
-        for (size_t g = 0; g < rows.size(); ++g)
-          if (rows[g] == r) ASSERT_NEAR(yg[g * H + i], want, 1e-5);
+        for (size_t g = 0; g < rows.size(); ++g) {
+          if (rows[g] == r) {
+            ASSERT_NEAR(yg[g * H + i], want, 1e-5);
+          }
+        }
       }
     }
   }
@@ -556,7 +560,7 @@ TEST_P(AttentionKernels, RopeStoreAndPagedAttentionMatchCpp) {
     pagings.push_back({8, 5, {9, 2, 7, 0, 3, 8, 1, 6, 4, 5}});
     pagings.push_back({24, 2, {3, 1, 0, 2}});
   }
-  for (const auto [nh, nkv] : {std::pair<uint32_t, uint32_t>{4, 2}, {8, 2}, {6, 2}})
+  for (const auto& [nh, nkv] : {std::pair<uint32_t, uint32_t>{4, 2}, {8, 2}, {6, 2}})
   for (const Paging& paging : pagings) {
     SCOPED_TRACE("heads " + std::to_string(nh) + "/" + std::to_string(nkv) + ", page " +
                  std::to_string(paging.page));
@@ -673,9 +677,10 @@ TEST_P(AttentionKernels, RopeStoreAndPagedAttentionMatchCpp) {
               o += s[q] / sum * cached_value(h[size_t(q) * ld + (nh + nkv + kvh) * hd + i]);
             const size_t at = t * nh * hd + head * hd + i;
             ASSERT_NEAR(att[at], o, narrow ? 2e-3 : 1e-5) << "row " << b << " pos " << p;
-            if (narrow)
+            if (narrow) {
               ASSERT_NEAR(att[at], f32_att[at], cdt == DType::F8_E4M3 ? 6e-2 : 2e-2)
                   << "row " << b << " pos " << p;
+            }
           }
         }
       }

@@ -285,7 +285,9 @@ std::map<size_t, GenerationResult> run_trained(uint32_t K) {
     reqs.push_back(r);
   }
   const auto res = run_all(engine, reqs);
-  if (K > 0) EXPECT_GT(engine.stats().speculative.accepted, 0u) << "no draft was accepted";
+  if (K > 0) {
+    EXPECT_GT(engine.stats().speculative.accepted, 0u) << "no draft was accepted";
+  }
   std::map<size_t, GenerationResult> out;
   for (size_t i = 0; i < res.size(); ++i) out[i] = res[i];
   return out;

@@ -124,8 +124,9 @@ TEST(DeviceSamplingShapes, SameDrawsAndLogprobsInBothShapes) {
       EXPECT_EQ(std::memcmp(&g.logprob, &c.logprob, 4), 0)
           << "row " << r << ": " << g.logprob << " vs " << c.logprob;
       ASSERT_EQ(g.top.size(), c.top.size()) << "row " << r;
-      if (r != 0 && !req[r].use_bitmask)  // every token allowed
+      if (r != 0 && !req[r].use_bitmask) {  // every token allowed
         EXPECT_EQ(c.top.size(), std::min<size_t>(req[r].top_n, vocab)) << "row " << r;
+      }
       for (size_t k = 0; k < c.top.size(); ++k) {
         EXPECT_EQ(g.top[k].token, c.top[k].token) << "row " << r << " top " << k;
         EXPECT_EQ(std::memcmp(&g.top[k].logprob, &c.top[k].logprob, 4), 0)

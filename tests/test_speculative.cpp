@@ -104,7 +104,9 @@ TEST_P(SpeculativeGreedy, EqualsPlainGreedy) {
   EXPECT_EQ(got, want);
   const EngineStats& st = spec.engine->stats();
   EXPECT_GT(st.speculative.drafted, 0u);
-  if (n_devices == 1) EXPECT_GT(st.preemptions, 0u) << "the page budget should force preemption";
+  if (n_devices == 1) {
+    EXPECT_GT(st.preemptions, 0u) << "the page budget should force preemption";
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -263,7 +265,9 @@ TEST_P(SpeculativeEagle3, GreedyEqualsPlain) {
   const SpeculativeStats& s = spec.engine->stats().speculative;
   std::cout << target_name << " + " << draft_name << ": " << s.describe() << "\n";
   EXPECT_GT(s.drafted, 0u);
-  if (is_trained) EXPECT_GT(s.acceptance_rate(), 0.3) << s.describe();
+  if (is_trained) {
+    EXPECT_GT(s.acceptance_rate(), 0.3) << s.describe();
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(

@@ -213,7 +213,7 @@ StepOutputs Llama3Model::forward(const StepInputs& in) {
                    float(cfg_.embedding_multiplier), uint32_t(shards_[r].range.vocab.begin));
   if (comm_) allreduce(&Work::h, "embedding");
 
-  for (size_t l = 0; l < cfg_.num_hidden_layers; ++l) {
+  for (int64_t l = 0; l < cfg_.num_hidden_layers; ++l) {
     for (size_t r = 0; r < P; ++r) {
       Device& d = *shards_[r].dev;
       const LayerWeights& L = shards_[r].w.layers[l];
