@@ -135,38 +135,14 @@ inline global const wtype* fused_row(uint n, global const wtype* w0, uint ldw0, 
 }
 #endif
 
-// The norm weight of kernels that fold an RMSNorm into a GEMV, when it has its own type:
-// -DNORM_TYPE=0|1|2 as WEIGHT_TYPE. ntype defaults to wtype.
-#ifdef NORM_TYPE
-#if NORM_TYPE == 1
-typedef ushort ntype;
-#define LOADN16(i, p) bf16x16_to_f32(vload16((i), (p)))
-#define LOADN1(p) bf16_to_f32(*(p))
-#elif NORM_TYPE == 2
-typedef half ntype;
-#define LOADN16(i, p) vload_half16((i), (p))
-#define LOADN1(p) vload_half(0, (p))
-#else
-typedef float ntype;
-#define LOADN16(i, p) vload16((i), (p))
-#define LOADN1(p) (*(p))
-#endif
-#elif defined(WEIGHT_TYPE)
-typedef wtype ntype;
-#define LOADN16(i, p) LOADW16(i, p)
-#define LOADN1(p) LOADW1(p)
-#endif
-
 // SiLU of a GLU tile's gate sums, 16 at a time: act[i * cols + j] = silu(a), a = sums[i * ld + j]
-// (times scale[i] where scale is given), for i < rows, j < cols; act holds ROUND16(rows * cols)
-// floats. One float16 exp where a scalar exp per output had cost 5-7% of a prefill (the tile
+// for i < rows, j < cols; act holds ROUND16(rows * cols) floats. One float16 exp where a scalar exp per output had cost 5-7% of a prefill (the tile
 // kernels' epilogues). silu(a) = a / (1 + exp(-a)), as silu_mul computes it.
-inline void silu_tile(const float* sums, uint ld, const float* scale, uint rows, uint cols,
-                      float* act) {
+inline void silu_tile(const float* sums, uint ld, uint rows, uint cols, float* act) {
   const uint n = rows * cols;
 #pragma unroll  // constant indices: not a gather from computed ones
   for (uint c = 0; c < ROUND16(n); ++c)
-    act[c] = c < n ? sums[c / cols * ld + c % cols] * (scale ? scale[c / cols] : 1.0f) : 0.0f;
+    act[c] = c < n ? sums[c / cols * ld + c % cols] : 0.0f;
   for (uint c = 0; c < ROUND16(n); c += 16) {
     const float16 a = vload16(0, act + c);
     vstore16(a / (1.0f + exp(-a)), 0, act + c);

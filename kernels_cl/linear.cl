@@ -12,20 +12,16 @@
 // dimension 1 row blocks. Build options: -DTM=1|4 -DTN=2|4 -DWEIGHT_TYPE=0|1|2 (f32, bf16, f16; see common.cl),
 // -DCOLUMNS_IN_TURN=0|1 (one-row tiles: see tile_dots).
 //
-// linear_fused is the same tile with what decode runs around a GEMV folded in, so a layer takes
-// 7 launches instead of 12: up to three weights side by side as one output (q/k/v), RMSNorm of
-// the input rows in the prologue (-DNORM=1, norm weight type -DNORM_TYPE=0|1|2; the host folds
-// it into q/k/v and the lm_head, the MLP's runs apart: see ops::linear_swiglu), the SwiGLU of
-// gate and up in the epilogue (-DGLU=1), and the residual add (accumulate), already in linear.
+// linear_fused is the same tile with what decode runs around a GEMV folded in: up to three
+// weights side by side as one output (q/k/v), the SwiGLU of gate and up in the epilogue (-DGLU=1),
+// and the residual add (accumulate), already in linear. The RMSNorm before them is a launch of its
+// own (ops::linear_fused).
 
 #ifndef TM
 #define TM 1
 #endif
 #ifndef TN
 #define TN 4
-#endif
-#ifndef NORM
-#define NORM 0
 #endif
 #ifndef GLU
 #define GLU 0
@@ -50,7 +46,7 @@ inline void linear_tile(global const float* x, uint x_off, uint ldx, global cons
 #pragma unroll
   for (int j = 0; j < TN; ++j) wr[j] = w + (size_t)min(n0 + j, N - 1) * ldw;
   float out[TM][TN];
-  tile_dots(xr, wr, 0, K, pf_stride, out);
+  tile_dots(xr, wr, K, pf_stride, out);
 
 #pragma unroll
   for (int i = 0; i < TM; ++i) {
@@ -86,13 +82,10 @@ kernel void linear(global const float* x, uint x_off, uint ldx,
                   m0, n0, m0 == m_begin && n0 + TN < n_end ? TN * ldw : 0);
 }
 
-// y[m, :N] (+)= alpha * (norm(x[rows[m]]) [W0; W1; W2]^T), or with GLU y[m, n] =
-// silu(norm(x) . gate[n]) * (norm(x) . up[n]) for n < N. norm(x) = x / sqrt(mean(x^2) + eps) * g
-// (NORM=1), else x; rows: when use_rows, input row m is x row rows[m] (the rows that get logits).
-// Launch as linear: dimension 0 walks blocks of n_tiles column tiles (each tile TN output columns,
-// TN / 2 with GLU), dimension 1 blocks of m_rows rows.
-kernel void linear_fused(global const float* x, uint x_off, uint ldx, global const uint* rows,
-                         int use_rows, global const ntype* g, float eps,
+// y[m, :N] (+)= alpha * (x[m] [W0; W1; W2]^T), or with GLU y[m, n] = silu(x[m] . gate[n]) *
+// (x[m] . up[n]) for n < N. Launch as linear: dimension 0 walks blocks of n_tiles column tiles
+// (each tile TN output columns, TN / 2 with GLU), dimension 1 blocks of m_rows rows.
+kernel void linear_fused(global const float* x, uint x_off, uint ldx,
                          global const wtype* w0, uint w0_off, uint ldw0, uint n1,
                          global const wtype* w1, uint w1_off, uint ldw1, uint n2,
                          global const wtype* w2, uint w2_off, uint ldw2,
@@ -112,25 +105,8 @@ kernel void linear_fused(global const float* x, uint x_off, uint ldx, global con
   w2 += w2_off;
   for (uint m0 = m_begin; m0 < m_end; m0 += TM) {
     global const float* xr[TM];
-    float inv[TM];
 #pragma unroll
-    for (int i = 0; i < TM; ++i) {
-      const uint m = min(m0 + i, M - 1);
-      xr[i] = x + x_off + (size_t)(use_rows ? rows[m] : m) * ldx;
-      inv[i] = 1.0f;
-#if NORM
-      // Every work-item of the launch recomputes its rows' sums of squares (K floats from L1/L2,
-      // a few hundred cycles): cheaper than a launch, and no work-item waits for another.
-      float16 ss16 = (float16)(0.0f);
-      for (uint k = 0; k < K / 16; ++k) {
-        const float16 v = vload16(k, xr[i]);
-        ss16 = fma(v, v, ss16);
-      }
-      float ss = hsum16(ss16);
-      for (uint k = K / 16 * 16; k < K; ++k) ss = fma(xr[i][k], xr[i][k], ss);
-      inv[i] = 1.0f / sqrt(ss / (float)K + eps);
-#endif
-    }
+    for (int i = 0; i < TM; ++i) xr[i] = x + x_off + (size_t)min(m0 + i, M - 1) * ldx;
     for (uint n0 = n_begin; n0 < n_end; n0 += tile_cols) {
       global const wtype* wr[TN];
 #pragma unroll
@@ -144,10 +120,10 @@ kernel void linear_fused(global const float* x, uint x_off, uint ldx, global con
       }
       float out[TM][TN];
       // The next tile's rows (GLU: the next gate and up rows), while this one's stream.
-      tile_dots(xr, wr, g, K, m0 == m_begin && n0 + tile_cols < n_end ? tile_cols * ldw0 : 0, out);
+      tile_dots(xr, wr, K, m0 == m_begin && n0 + tile_cols < n_end ? tile_cols * ldw0 : 0, out);
 #if GLU
       float act[ROUND16(TM * (TN / 2))];
-      silu_tile(&out[0][0], TN, inv, TM, TN / 2, act);
+      silu_tile(&out[0][0], TN, TM, TN / 2, act);
 #endif
 #pragma unroll
       for (int i = 0; i < TM; ++i) {
@@ -158,9 +134,9 @@ kernel void linear_fused(global const float* x, uint x_off, uint ldx, global con
           const uint n = n0 + j;
           if (n >= N) break;
 #if GLU
-          float v = act[i * tile_cols + j] * (out[i][j + tile_cols] * inv[i]);
+          float v = act[i * tile_cols + j] * out[i][j + tile_cols];
 #else
-          float v = out[i][j] * inv[i];
+          float v = out[i][j];
 #endif
           v *= alpha;
           yr[n] = accumulate ? yr[n] + v : v;

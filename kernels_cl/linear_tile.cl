@@ -1,16 +1,13 @@
 // The dot products of one TM x TN tile of f32 / bf16 / f16 weights (tile_dots), shared by
 // linear.cl's tiles and moe.cl's grouped tile through #include, so a row's sums are the same
-// operations whichever launch computes them. The including file defines TM, TN, NORM and
-// COLUMNS_IN_TURN first (NORM and COLUMNS_IN_TURN default to 0 here).
+// operations whichever launch computes them. The including file defines TM, TN and
+// COLUMNS_IN_TURN first (COLUMNS_IN_TURN defaults to 0 here).
 
-#ifndef NORM
-#define NORM 0
-#endif
 #ifndef COLUMNS_IN_TURN
 #define COLUMNS_IN_TURN 0
 #endif
 
-// The dot products of one TM x TN tile: out[i][j] = sum_k x[i][k] (* g[k]) * w[j][k], each
+// The dot products of one TM x TN tile: out[i][j] = sum_k x[i][k] * w[j][k], each
 // column's sum in the same order whatever the tile around it, so a fused launch gives the same
 // bits as the separate ones. Rows and columns past the edge are clamped by the caller.
 // pf_stride (elements; 0: none): while a tile of several rows (TM > 1: batched decode, prefill)
@@ -27,7 +24,7 @@
 // --prefetch-ab, prefetcht1, off/on) ran gate/up 1.19-1.33x and the whole step 1.02-1.08x faster
 // in 3 runs, while q/k/v and o_proj, single runs of consecutive rows, were 17-24% slower with it.
 inline void tile_dots(global const float* xr[TM], global const wtype* wr[TN],
-                      global const ntype* g, uint K, uint pf_stride, float out[TM][TN]) {
+                      uint K, uint pf_stride, float out[TM][TN]) {
 #if TM == 1 && COLUMNS_IN_TURN
   // One row (decode): the columns one after another, so the work-item reads its weight rows as
   // one sequential run of addresses, which a CPU core streams faster than runs side by side. Each
@@ -37,11 +34,7 @@ inline void tile_dots(global const float* xr[TM], global const wtype* wr[TN],
   for (int j = 0; j < TN; ++j) {
     float16 acc = (float16)(0.0f);
     for (uint k = 0; k < K / 16; ++k) {
-#if NORM
-      acc = fma(vload16(k, xr[0]) * LOADN16(k, g), LOADW16(k, wr[j]), acc);
-#else
       acc = fma(vload16(k, xr[0]), LOADW16(k, wr[j]), acc);
-#endif
 #if PREFETCH_X86 && defined(GLU) && GLU
       // Gate/up (GLU) alternates page-long runs of two matrices, which the hardware prefetcher
       // does not follow: there the next tile's lines are prefetched too.
@@ -69,16 +62,9 @@ inline void tile_dots(global const float* xr[TM], global const wtype* wr[TN],
       for (int j = 0; j < TN; ++j) PREFETCH_LINE(wr[j] + pf_stride + k * 16);
     }
 #endif
-#if NORM
-    const float16 gv = LOADN16(k, g);
-#endif
 #pragma unroll
     for (int i = 0; i < TM; ++i) {
-#if NORM
-      const float16 xv = vload16(k, xr[i]) * gv;
-#else
       const float16 xv = vload16(k, xr[i]);
-#endif
 #pragma unroll
       for (int j = 0; j < TN; ++j) acc[i][j] = fma(xv, wv[j], acc[i][j]);
     }
@@ -110,11 +96,7 @@ inline void tile_dots(global const float* xr[TM], global const wtype* wr[TN],
   for (uint k = K / 16 * 16; k < K; ++k) {
 #pragma unroll
     for (int i = 0; i < TM; ++i) {
-#if NORM
-      const float xk = xr[i][k] * LOADN1(g + k);
-#else
       const float xk = xr[i][k];
-#endif
 #pragma unroll
       for (int j = 0; j < TN; ++j) out[i][j] = fma(xk, LOADW1(wr[j] + k), out[i][j]);
     }

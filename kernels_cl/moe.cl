@@ -465,7 +465,7 @@ inline void grouped_tile(global const gx_t* x, uint ldx, global const uint* x_ro
   bool row_has_nan[TN];
   fp8_tile_dots(xr, wr, srow, KB, K, sx, out, row_has_nan);
 #elif !GROUPED_BF16
-  tile_dots(xr, wr, 0, K, pf_stride, out);
+  tile_dots(xr, wr, K, pf_stride, out);
 #endif
 #pragma unroll
   for (int i = 0; i < TM; ++i) {

@@ -6,8 +6,8 @@
 // the weights, so the caches are as cold as in a real step. The whole step chained in one finish
 // is timed too: the sum of the stages should come close to it.
 // Both sequences are timed: the unfused launches (12 per layer) and the fused ones the model runs;
-// and the fused ones with q/k/v's norm as a launch of its own, and without the CPU shape's
-// next-tile weight prefetch (KernelTuning::weight_prefetch).
+// and the fused ones without the CPU shape's next-tile weight prefetch
+// (KernelTuning::weight_prefetch).
 // --prefetch-ab N compares the fused sequence with the next-tile weight prefetch on and off,
 // stage by stage, each repetition timing both in turn (N repetitions, medians): the machine's
 // bandwidth moves too much between tables for a 10-20% difference.
@@ -50,7 +50,7 @@ double weight_bytes(const Weight& w) { return double(w.dim(0)) * w.dim(1) * dtyp
 void time_sequence(Device& dev, const char* title, const std::vector<Stage>& stages,
                    size_t layers, const std::function<void()>& head, double head_bytes,
                    double roofline_gbs, int reps) {
-  std::printf("\n%s: %zu launches per layer\n", title, stages.size());
+  std::printf("\n%s: %zu stages per layer\n", title, stages.size());
   std::printf("  %-28s %10s %10s %9s %8s\n", "stage (x layers)", "ms/step", "us/launch", "GB/s",
               "share");
   std::vector<double> t(stages.size());
@@ -214,7 +214,7 @@ int main(int argc, char** argv) {
   };
   const double head_bytes = weight_bytes(w.lm_head);
   std::vector<Stage> fused = {
-      {"norm + q/k/v (one GEMV)",
+      {"norm, q/k/v (one GEMV)",
        [&](size_t l) {
          ops::linear_fused(dev, h, 0, H, nullptr, &lw(l).input_norm, eps,
                            {&lw(l).q, &lw(l).k, &lw(l).v}, qkv, 0, qkv_w, B, 1.0f, false, cdt);
@@ -235,18 +235,6 @@ int main(int argc, char** argv) {
        },
        weight_bytes(L0.down)},
   };
-  // The fused sequence with q/k/v's norm as a launch of its own too (ops::linear_swiglu already
-  // runs the MLP's apart): the folded norm multiplies every loaded x vector by the norm weight
-  // inside the GEMV, which this compares against one small launch.
-  std::vector<Stage> norms_apart = fused;
-  norms_apart[0] = {"q/k/v (norm apart)",
-                    [&](size_t l) {
-                      ops::rmsnorm(dev, h, 0, H, nullptr, lw(l).input_norm, xn, 0, H, B, H, eps);
-                      ops::linear_fused(dev, xn, 0, H, nullptr, nullptr, eps,
-                                        {&lw(l).q, &lw(l).k, &lw(l).v}, qkv, 0, qkv_w, B, 1.0f,
-                                        false, cdt);
-                    },
-                    weight_bytes(L0.q) + weight_bytes(L0.k) + weight_bytes(L0.v)};
   auto fused_head = [&] {
     ops::linear_fused(dev, h, 0, H, &st.logit_rows, &w.final_norm, eps, {&w.lm_head}, logits, 0,
                       V, B, 1.0f, false, cdt);
@@ -305,10 +293,6 @@ int main(int argc, char** argv) {
       time_sequence(dev, "fused (what Llama3Model runs)", fused, L, fused_head, head_bytes,
                     roofline, reps);
     };
-    auto apart_run = [&] {
-      time_sequence(dev, "fused, q/k/v's norm apart too", norms_apart, L, fused_head, head_bytes,
-                    roofline, reps);
-    };
     // The same launches without the next-tile weight prefetch (KernelTuning::weight_prefetch).
     auto no_prefetch_run = [&] {
       const KernelTuning saved = dev.tuning();
@@ -319,7 +303,7 @@ int main(int argc, char** argv) {
                     roofline, reps);
       dev.set_tuning(saved);
     };
-    std::vector<std::function<void()>> tables = {fused_run, no_prefetch_run, apart_run};
+    std::vector<std::function<void()>> tables = {fused_run, no_prefetch_run};
     if (round % 2 == 1) std::reverse(tables.begin(), tables.end());
     for (const auto& table : tables) table();
   }

@@ -311,18 +311,10 @@ uint32_t common_k(const std::vector<const Weight*>& ws, const char* op) {
   return uint32_t(ws[0]->dim(1));
 }
 
-// The fused kernel folds the norm only into one-row tiles (decode): with 4-row tiles (prefill)
-// the extra multiply per loaded x vector costs more than a separate launch parallel over rows.
-// linear_swiglu does not fold it at all (see there).
-bool fold_norm(const Device& dev, uint32_t M) {
-  return dev.kernel_shape() == KernelShape::Chunks && M < kTileRowsFrom;
-}
-
-// linear_fused's kernel over `ws` (1 to 3 weights; with glu, gate and up), norm folded or not.
-void launch_fused(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const cl::Mem* rows,
-                  const Weight* norm, float eps, const std::vector<const Weight*>& ws, bool glu,
-                  const cl::Mem& y, uint32_t y_off, uint32_t ldy, uint32_t M, float alpha,
-                  bool accumulate) {
+// linear_fused's kernel over `ws` (1 to 3 weights; with glu, gate and up).
+void launch_fused(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx,
+                  const std::vector<const Weight*>& ws, bool glu, const cl::Mem& y, uint32_t y_off,
+                  uint32_t ldy, uint32_t M, float alpha, bool accumulate) {
   const uint32_t K = common_k(ws, glu ? "linear_swiglu" : "linear_fused");
   uint32_t N = 0;
   uint32_t ends[3] = {0, 0, 0};
@@ -337,18 +329,13 @@ void launch_fused(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, c
   const uint32_t tn = glu && in_turn ? 2 : 4, tile_cols = glu ? tn / 2 : tn;
   const LinearBlocks b = linear_blocks(dev, M, N, tile_cols);
   std::string opts = weight_option(*ws[0]) + tile_options(dev, b, tn, in_turn);
-  if (norm) {
-    std::string n = weight_option(*norm);  // "-DWEIGHT_TYPE=d"
-    opts += " -DNORM=1 -DNORM_TYPE=" + n.substr(n.size() - 1);
-  }
   if (glu) opts += " -DGLU=1";
   cl::Kernel k = dev.kernel("linear.cl", "linear_fused", opts);
   const Weight& w0 = *ws[0];
   const Weight& w1 = *ws[std::min<size_t>(1, ws.size() - 1)];
   const Weight& w2 = *ws[std::min<size_t>(2, ws.size() - 1)];
   const uint32_t n1 = ws.size() > 1 ? ends[0] : N, n2 = ws.size() > 2 ? ends[1] : N;
-  cl::set_args(k, x, x_off, ldx, rows ? *rows : x, int(rows != nullptr),
-               norm ? norm->mem : w0.mem, eps, w0.mem, uint32_t(w0.offset),
+  cl::set_args(k, x, x_off, ldx, w0.mem, uint32_t(w0.offset),
                uint32_t(w0.row_stride()), n1, w1.mem, uint32_t(w1.offset),
                uint32_t(w1.row_stride()), n2, w2.mem, uint32_t(w2.offset),
                uint32_t(w2.row_stride()), y, y_off, ldy, M, N, K, alpha, int(accumulate),
@@ -406,6 +393,31 @@ bool all_blas(const Device& dev, uint32_t M, const std::vector<const Weight*>& w
 
 }  // namespace
 
+namespace {
+
+// The rows a fused GEMM reads: x as given, or with a norm its RMSNorm (over `rows` of x where
+// given) in `scratch`. The norm is a launch of its own in every shape: folded into the CPU
+// shape's decode tiles (x times the norm weight in the dot product, 1/rms at the end) it made the
+// GEMV slower by far more than a launch costs. On the 2-core EPYC, folded against apart: q/k/v of
+// llama3-1b (3072 x 2048, bf16) 1.19-1.36x slower at 1-3 rows and dsv3-mini's q_b (3072 x 768)
+// 1.27-1.33x (in-process A/B, 41 pairs each); gate/up slower in 8 of 9 pairs of
+// bench_decode_breakdown (22-33 ms against 18-27 ms a step). It also gives a row the same bits at
+// every batch size (prefill had the norm apart already).
+struct GemmInput {
+  const cl::Mem* x;
+  uint32_t off, ld;
+};
+GemmInput gemm_input(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx,
+                     const cl::Mem* rows, const Weight* norm, float eps, uint32_t M, uint32_t K,
+                     Scratch& scratch) {
+  if (!norm) return {&x, x_off, ldx};
+  scratch = Scratch(dev, size_t(M) * K * 4);
+  rmsnorm(dev, x, x_off, ldx, rows, *norm, scratch.mem(), 0, K, M, K, eps);
+  return {&scratch.mem(), 0, K};
+}
+
+}  // namespace
+
 void linear_fused(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx,
                   const cl::Mem* rows, const Weight* norm, float eps,
                   const std::vector<const Weight*>& weights, const cl::Mem& y, uint32_t y_off,
@@ -413,46 +425,32 @@ void linear_fused(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx,
   if (weights.empty() || weights.size() > 3)
     throw std::invalid_argument("linear_fused takes 1 to 3 weights, got " +
                                 std::to_string(weights.size()));
+  if (rows && !norm)
+    throw std::invalid_argument("linear_fused: a row gather needs the norm, which gathers them");
   if (M == 0) return;
   const uint32_t K = common_k(weights, "linear_fused");
-  if (bf16_gemm(compute, M, weights) && dev.kernel_shape() == KernelShape::Chunks &&
-      (norm || !rows)) {
-    Scratch xn(dev, norm ? size_t(M) * K * 4 : 4);
-    if (norm) rmsnorm(dev, x, x_off, ldx, rows, *norm, xn.mem(), 0, K, M, K, eps);
-    gemm_bf16(dev, norm ? xn.mem() : x, norm ? 0 : x_off, norm ? K : ldx, weights, false, nullptr,
-              y, y_off, ldy, M, alpha, accumulate);
+  Scratch normed;
+  const GemmInput in = gemm_input(dev, x, x_off, ldx, rows, norm, eps, M, K, normed);
+  if (bf16_gemm(compute, M, weights) && dev.kernel_shape() == KernelShape::Chunks) {
+    gemm_bf16(dev, *in.x, in.off, in.ld, weights, false, nullptr, y, y_off, ldy, M, alpha,
+              accumulate);
     return;
   }
   if (dev.kernel_shape() == KernelShape::WorkGroups) {
-    // The norm as a launch of its own into a normalised copy of the rows, then the weights side
-    // by side in one launch, or one CLBlast GEMM each where they take that route.
-    if (rows && !norm)
-      throw std::invalid_argument("linear_fused: a row gather without a norm needs the CPU kernel");
-    Scratch xn(dev, size_t(M) * K * 4);
-    if (norm) rmsnorm(dev, x, x_off, ldx, rows, *norm, xn.mem(), 0, K, M, K, eps);
-    const cl::Mem& in = norm ? xn.mem() : x;
+    // The weights side by side in one launch, or one CLBlast GEMM each where they take that route.
     if (!all_blas(dev, M, weights)) {
-      launch_fused_wg(dev, compute, in, norm ? 0 : x_off, norm ? K : ldx, weights, false, y,
-                      y_off, ldy, M, alpha, accumulate);
+      launch_fused_wg(dev, compute, *in.x, in.off, in.ld, weights, false, y, y_off, ldy, M, alpha,
+                      accumulate);
       return;
     }
     uint32_t col = y_off;
     for (const Weight* w : weights) {
-      linear(dev, in, norm ? 0 : x_off, norm ? K : ldx, *w, nullptr, y, col, ldy, M, alpha,
-             accumulate, compute);
+      linear(dev, *in.x, in.off, in.ld, *w, nullptr, y, col, ldy, M, alpha, accumulate, compute);
       col += uint32_t(w->dim(0));
     }
     return;
   }
-  if (norm && !fold_norm(dev, M)) {
-    Scratch xn(dev, size_t(M) * K * 4);
-    rmsnorm(dev, x, x_off, ldx, rows, *norm, xn.mem(), 0, K, M, K, eps);
-    launch_fused(dev, xn.mem(), 0, K, nullptr, nullptr, eps, weights, false, y, y_off, ldy, M,
-                 alpha, accumulate);
-    return;
-  }
-  launch_fused(dev, x, x_off, ldx, rows, norm, eps, weights, false, y, y_off, ldy, M, alpha,
-               accumulate);
+  launch_fused(dev, *in.x, in.off, in.ld, weights, false, y, y_off, ldy, M, alpha, accumulate);
 }
 
 void linear_swiglu(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const Weight* norm,
@@ -464,49 +462,28 @@ void linear_swiglu(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, 
                                 std::to_string(up.dim(0)));
   if (M == 0) return;
   const uint32_t K = common_k({&gate, &up}, "linear_swiglu"), F = uint32_t(gate.dim(0));
+  Scratch normed;
+  const GemmInput in = gemm_input(dev, x, x_off, ldx, nullptr, norm, eps, M, K, normed);
   if (bf16_gemm(compute, M, {&gate, &up}) && dev.kernel_shape() == KernelShape::Chunks) {
-    Scratch xn(dev, norm ? size_t(M) * K * 4 : 4);
-    if (norm) rmsnorm(dev, x, x_off, ldx, nullptr, *norm, xn.mem(), 0, K, M, K, eps);
-    gemm_bf16(dev, norm ? xn.mem() : x, norm ? 0 : x_off, norm ? K : ldx, {&gate, &up}, true,
-              nullptr, y, y_off, ldy, M, 1.0f, false);
+    gemm_bf16(dev, *in.x, in.off, in.ld, {&gate, &up}, true, nullptr, y, y_off, ldy, M, 1.0f,
+              false);
     return;
   }
   if (dev.kernel_shape() == KernelShape::WorkGroups) {
-    Scratch xn(dev, size_t(M) * K * 4), gu(dev, size_t(M) * 2 * F * 4);
-    const cl::Mem* in = &x;
-    uint32_t in_off = x_off, in_ld = ldx;
-    if (norm) {
-      rmsnorm(dev, x, x_off, ldx, nullptr, *norm, xn.mem(), 0, K, M, K, eps);
-      in = &xn.mem();
-      in_off = 0;
-      in_ld = K;
-    }
     if (!all_blas(dev, M, {&gate, &up})) {  // gate, up and SwiGLU in one launch
-      launch_fused_wg(dev, compute, *in, in_off, in_ld, {&gate, &up}, true, y, y_off, ldy, M, 1.0f,
-                      false);
+      launch_fused_wg(dev, compute, *in.x, in.off, in.ld, {&gate, &up}, true, y, y_off, ldy, M,
+                      1.0f, false);
       return;
     }
-    linear(dev, *in, in_off, in_ld, gate, nullptr, gu.mem(), 0, 2 * F, M, 1.0f, false, compute);
-    linear(dev, *in, in_off, in_ld, up, nullptr, gu.mem(), F, 2 * F, M, 1.0f, false, compute);
+    Scratch gu(dev, size_t(M) * 2 * F * 4);
+    linear(dev, *in.x, in.off, in.ld, gate, nullptr, gu.mem(), 0, 2 * F, M, 1.0f, false, compute);
+    linear(dev, *in.x, in.off, in.ld, up, nullptr, gu.mem(), F, 2 * F, M, 1.0f, false, compute);
     Scratch out(dev, size_t(M) * F * 4);
     silu_mul(dev, gu.mem(), 0, 2 * F, gu.mem(), F, 2 * F, out.mem(), F, M, F);
     copy_rows(dev, out.mem(), 0, F, y, y_off, ldy, M, F);
     return;
   }
-  // The norm as a launch of its own, at decode too: folded into the gate/up GEMV it made that
-  // stage slower in 8 of 9 interleaved A/B pairs (bench_decode_breakdown, llama3-1b bf16, batch 1:
-  // 22-33 ms folded against 18-27 ms apart per step, 16 layers), more than the extra launch costs.
-  Scratch xn;
-  const cl::Mem* in = &x;
-  if (norm) {
-    xn = Scratch(dev, size_t(M) * K * 4);
-    rmsnorm(dev, x, x_off, ldx, nullptr, *norm, xn.mem(), 0, K, M, K, eps);
-    in = &xn.mem();
-    x_off = 0;
-    ldx = K;
-  }
-  launch_fused(dev, *in, x_off, ldx, nullptr, nullptr, eps, {&gate, &up}, true, y, y_off, ldy, M,
-               1.0f, false);
+  launch_fused(dev, *in.x, in.off, in.ld, {&gate, &up}, true, y, y_off, ldy, M, 1.0f, false);
 }
 
 void rmsnorm(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const cl::Mem* rows,

@@ -43,12 +43,11 @@ void linear(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const W
             const Weight* bias, const cl::Mem& y, uint32_t y_off, uint32_t ldy, uint32_t M,
             float alpha = 1.0f, bool accumulate = false, ComputeDType compute = ComputeDType::F32);
 
-// One launch for what decode runs around a GEMV: y[m, :N] (+)= alpha * (n(x[m]) [W0; W1; ...]^T)
-// with the weights' rows side by side as one output of N = their total (q, k, v: up to three),
-// where n(x) = rmsnorm(x) * norm (eps) when `norm` is given, else x; with `rows`, input row m is
-// x row rows[m]. Weights share K and dtype. Batches of 4 rows and more (prefill) run the norm as
-// its own launch, and devices that want work-groups run the unfused ops: the results are the
-// same up to f32 rounding (the weights' concatenation alone gives the same bits as linear).
+// One GEMM over weights side by side: y[m, :N] (+)= alpha * (n(x[m]) [W0; W1; ...]^T) with the
+// weights' rows as one output of N = their total (q, k, v: up to three), where n(x) =
+// rmsnorm(x) * norm (eps) when `norm` is given (a launch of its own, before), else x; with `rows`
+// (only with a norm), input row m is x row rows[m]. Weights share K and dtype. The results are
+// the bits of ops::rmsnorm, then ops::linear per weight.
 void linear_fused(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx,
                   const cl::Mem* rows, const Weight* norm, float eps,
                   const std::vector<const Weight*>& weights, const cl::Mem& y, uint32_t y_off,

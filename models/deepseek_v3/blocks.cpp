@@ -40,9 +40,9 @@ void mla_attention(Device& dev, const MlaWeights& a, const MlaParams& p, const c
                     uint32_t off, uint32_t ldo, bool acc) {
     ops::linear_any(dev, in, 0, ld, l.w, &l.scale_inv, out, off, ldo, T, 1.0f, acc, aq, p.compute);
   };
-  // Without FP8 weights or adapters the low-rank query runs as two launches: q_a and kv_a side by
-  // side in one (the bits of two), then q_a_layernorm + q_b, the norm folded into the GEMV's tiles
-  // in decode (ops::linear_fused). dsv3-mini's decode step launches 12 kernels fewer.
+  // Without FP8 weights or adapters q_a and kv_a run side by side in one launch (the bits of two),
+  // then q_a_layernorm and q_b (ops::linear_fused). dsv3-mini's decode step launches 6 kernels
+  // fewer.
   const bool plain = !lora.active() && !a.q_a.fp8() && !a.kv_a.fp8() && !a.q_b.fp8() &&
                      a.q_a.w.dtype == a.kv_a.w.dtype;
   if (Lq > 0 && plain) {

@@ -159,7 +159,7 @@ void DecoderStack::moe_on_device(size_t layer, ReplicaWork& w) {
   Device& dev = *w.dev;
   const MoeWeights& m = replicas_[first_local_].layers[layer].moe;
   const ops::GroupedExperts& g = m.grouped;
-  const uint32_t H = uint32_t(cfg_.hidden_size), F = g.inter, E = router_.n_experts;
+  const uint32_t H = uint32_t(cfg_.hidden_size), E = router_.n_experts;
   const uint32_t k = router_.top_k, T = w.T;
   // The shared expert rides in the grouped launches unless a LoRA adapter may target it (the
   // adapters apply to dense_mlp's projections).
