@@ -401,8 +401,8 @@ namespace {
 // GEMV slower by far more than a launch costs. On the 2-core EPYC, folded against apart: q/k/v of
 // llama3-1b (3072 x 2048, bf16) 1.19-1.36x slower at 1-3 rows and dsv3-mini's q_b (3072 x 768)
 // 1.27-1.33x (in-process A/B, 41 pairs each); gate/up slower in 8 of 9 pairs of
-// bench_decode_breakdown (22-33 ms against 18-27 ms a step). It also gives a row the same bits at
-// every batch size (prefill had the norm apart already).
+// bench_decode_breakdown (22-33 ms against 18-27 ms a step). Decode and prefill now normalise a
+// row with the same launch (prefill had the norm apart already).
 struct GemmInput {
   const cl::Mem* x;
   uint32_t off, ld;
