@@ -493,6 +493,21 @@ class LiveServer {
   int port_ = 0;
 };
 
+// After a client went away mid-request: within 15 s the server has cancelled that one request and
+// holds no KV page.
+void expect_one_cancelled_and_pages_back(const LiveServer& s) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(15);
+  double used = -1, cancelled = 0;
+  while (std::chrono::steady_clock::now() < deadline) {
+    used = s.metric("clshard_kv_pages_used");
+    cancelled = s.metric("clshard_requests_finished_total{outcome=\"cancelled\"}");
+    if (used == 0 && cancelled == 1) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_EQ(used, 0) << "KV pages back within 15 s of the disconnect";
+  EXPECT_EQ(cancelled, 1);
+}
+
 // The data: events of a stream, parsed; [DONE] must come last.
 struct Sse {
   std::vector<json> chunks;
@@ -1093,16 +1108,7 @@ TEST(Server, ClientGoneBeforeTheWholeAnswerFreesItsPages) {
     auto r = cli.Post("/v1/completions", body.dump(), "application/json");
     EXPECT_FALSE(r) << "2000 tokens do not fit in 0.3 s on this model";
   }
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(15);
-  double used = -1, cancelled = 0;
-  while (std::chrono::steady_clock::now() < deadline) {
-    used = s.metric("clshard_kv_pages_used");
-    cancelled = s.metric("clshard_requests_finished_total{outcome=\"cancelled\"}");
-    if (used == 0 && cancelled == 1) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  EXPECT_EQ(used, 0) << "KV pages back within 15 s of the disconnect";
-  EXPECT_EQ(cancelled, 1);
+  expect_one_cancelled_and_pages_back(s);
   EXPECT_LT(s.metric("clshard_generation_tokens_total"), 2000) << "it did not run to the end";
   EXPECT_EQ(s.get("/health").status, 200);
 }
@@ -1167,16 +1173,7 @@ TEST(Server, ClientGoneMidStreamFreesItsPages) {
   });
   EXPECT_GE(chunks, 3);
   // The server notices at its next writes and cancels the request: its pages go back.
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(15);
-  double used = -1, cancelled = 0;
-  while (std::chrono::steady_clock::now() < deadline) {
-    used = s.metric("clshard_kv_pages_used");
-    cancelled = s.metric("clshard_requests_finished_total{outcome=\"cancelled\"}");
-    if (used == 0 && cancelled == 1) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  EXPECT_EQ(used, 0) << "KV pages back within 15 s of the disconnect";
-  EXPECT_EQ(cancelled, 1);
+  expect_one_cancelled_and_pages_back(s);
   EXPECT_LT(s.metric("clshard_generation_tokens_total"), 400) << "it did not run to the end";
 }
 
