@@ -391,10 +391,6 @@ bool all_blas(const Device& dev, uint32_t M, const std::vector<const Weight*>& w
   return true;
 }
 
-}  // namespace
-
-namespace {
-
 // The rows a fused GEMM reads: x as given, or with a norm its RMSNorm (over `rows` of x where
 // given) in `scratch`. The norm is a launch of its own in every shape: folded into the CPU
 // shape's decode tiles (x times the norm weight in the dot product, 1/rms at the end) it made the
