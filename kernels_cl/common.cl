@@ -136,8 +136,9 @@ inline global const wtype* fused_row(uint n, global const wtype* w0, uint ldw0, 
 #endif
 
 // SiLU of a GLU tile's gate sums, 16 at a time: act[i * cols + j] = silu(a), a = sums[i * ld + j]
-// for i < rows, j < cols; act holds ROUND16(rows * cols) floats. One float16 exp where a scalar exp per output had cost 5-7% of a prefill (the tile
-// kernels' epilogues). silu(a) = a / (1 + exp(-a)), as silu_mul computes it.
+// for i < rows, j < cols; act holds ROUND16(rows * cols) floats. One float16 exp where a scalar
+// exp per output had cost 5-7% of a prefill (the tile kernels' epilogues). silu(a) =
+// a / (1 + exp(-a)), as silu_mul computes it.
 inline void silu_tile(const float* sums, uint ld, uint rows, uint cols, float* act) {
   const uint n = rows * cols;
 #pragma unroll  // constant indices: not a gather from computed ones

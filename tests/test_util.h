@@ -76,7 +76,9 @@ class BothShapes : public ::testing::TestWithParam<KernelShape> {
  private:
   std::optional<ShapeScope> scope_;
 };
-inline auto both_shapes() { return ::testing::Values(KernelShape::Chunks, KernelShape::WorkGroups); }
+inline auto both_shapes() {
+  return ::testing::Values(KernelShape::Chunks, KernelShape::WorkGroups);
+}
 struct ShapeParamName {
   std::string operator()(const ::testing::TestParamInfo<KernelShape>& info) const {
     return kernel_shape_name(info.param);
