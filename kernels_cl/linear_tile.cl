@@ -1,7 +1,8 @@
 // The dot products of one TM x TN tile of f32 / bf16 / f16 weights (tile_dots), shared by
-// linear.cl's tiles and moe.cl's grouped tile through #include, so a row's sums are the same
-// operations whichever launch computes them. The including file defines TM, TN and
-// COLUMNS_IN_TURN first (COLUMNS_IN_TURN defaults to 0 here).
+// linear.cl's tiles, moe.cl's grouped tile and mla.cl's up-projection through #include, so a row's
+// sums are the same operations whichever launch computes them.
+// The including file defines TM, TN and COLUMNS_IN_TURN first (COLUMNS_IN_TURN defaults to 0
+// here).
 
 #ifndef COLUMNS_IN_TURN
 #define COLUMNS_IN_TURN 0

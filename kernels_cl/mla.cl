@@ -124,20 +124,45 @@ kernel void mla_rope_store(global float* q, uint q_off, uint ldq, uint n_heads, 
 
 // Query absorption: qf[t, h] = [ q_nope[t, h] . W_uk[h] (LKV) | q_pe[t, h] (DR) ], where
 // W_uk[h] = kv_b_proj rows h*(DN+DV) .. h*(DN+DV)+DN-1 (each LKV long). A work-item owns ABS_TM
-// tokens x one 64-column chunk of one head and streams the DN weight rows of that chunk once.
-// Build option -DABS_TM=1|4: one token for decode-sized steps, four to reuse each weight load.
-#define ABS_CHUNK 64
+// tokens (-DABS_TM=1..4) and ABS_CHUNK columns of one head (-DABS_CHUNK: LKV for one token, 128
+// or 64 for more, so that the sums stay in registers) and streams the DN weight rows of that chunk
+// once, adding each weight vector times every token's q_nope[d] to the tokens' sums. One token's
+// work-item reads the head's rows front to back; its LKV sums outgrow the registers and live in
+// L1, which cost less than reading the rows in pieces.
+// An fp8 block's scale multiplies the q value rather than each weight vector (one product per row
+// and 128 columns, where there had been one per 16 weights), and weights free of NaN codes
+// (-DKV_B_NAN_FREE=1, the load-time scan) take common.cl's short decode with its power-of-two
+// factors; with NaN codes the exact decode carries them into the sums.
+// Work-items had taken 64 columns of one token (or of four): a one-token step read each row in
+// 64-byte pieces, one cache miss per row, and a step of 2-3 tokens read the weights once per
+// token. On the 2-core EPYC (dsv3-mini's kv_b_proj, 24 launches in a row over 24 copies, processes
+// interleaved with the earlier kernels): 1 token fp8 0.15-0.22 -> 0.12-0.13 ms, bf16 0.12-0.14 ->
+// 0.10-0.12 ms; 2-3 tokens fp8 0.27-0.32 -> 0.15-0.20 ms, bf16 0.17-0.24 -> 0.17-0.18 ms; 4 and 8
+// tokens, which keep 64 columns, about even (0.16-0.27 ms either way).
 #ifndef ABS_TM
 #define ABS_TM 1
 #endif
+#ifndef ABS_CHUNK
+#define ABS_CHUNK LKV
+#endif
+#if WKIND == 2 && KV_B_NAN_FREE
+#define ABS_LOADW16(i, p) e4m3x16_decode_scaled(vload16((i), (p)))
+#define ABS_X_SCALE FP8_X_SCALE
+#define ABS_ACC_SCALE FP8_ACC_SCALE
+#else
+#define ABS_LOADW16(i, p) LOADW16((i), (p))
+#define ABS_X_SCALE 1.0f
+#define ABS_ACC_SCALE 1.0f
+#endif
+#define ABS_BLOCKS ((ABS_CHUNK + 127) / 128)
 kernel void mla_absorb_q(global const float* q, uint q_off, uint ldq, global const wtype* w,
                          global const float* wscale, uint ld_scale, uint T, uint n_heads,
                          global float* qf) {
   const uint n_chunks = (LKV + ABS_CHUNK - 1) / ABS_CHUNK;
   const uint h = get_global_id(0) / n_chunks;
   const uint c0 = (get_global_id(0) % n_chunks) * ABS_CHUNK;
+  const uint nv = min((uint)ABS_CHUNK, (uint)LKV - c0) / 16;
   const uint t0 = get_global_id(1) * ABS_TM;
-  const uint nv = min((uint)(ABS_CHUNK / 16), (uint)((LKV - c0) / 16));
   const uint qk = DN + DR;
   float16 acc[ABS_TM][ABS_CHUNK / 16];
 #pragma unroll
@@ -151,22 +176,27 @@ kernel void mla_absorb_q(global const float* q, uint q_off, uint ldq, global con
   for (uint d = 0; d < DN; ++d) {
     const uint r = h * (DN + DV) + d;
     global const wtype* wr = w + (size_t)r * LKV + c0;
-    const float s = WSCALE(wscale, ld_scale, r, c0);
-    float16 wv[ABS_CHUNK / 16];
+    // Each token's q_nope[d] times the scale of each 128-column block.
+    float qd[ABS_TM][ABS_BLOCKS];
 #pragma unroll
-    for (int v = 0; v < ABS_CHUNK / 16; ++v)
-      wv[v] = (uint)v < nv ? LOADW16(v, wr) * s : (float16)(0.0f);
+    for (int b = 0; b < ABS_BLOCKS; ++b) {
+      const float s = WSCALE(wscale, ld_scale, r, min(c0 + 128 * b, (uint)LKV - 1)) * ABS_X_SCALE;
 #pragma unroll
-    for (int i = 0; i < ABS_TM; ++i) {
-      const float16 qd = (float16)(qr[i][d]);
+      for (int i = 0; i < ABS_TM; ++i) qd[i][b] = qr[i][d] * s;
+    }
 #pragma unroll
-      for (int v = 0; v < ABS_CHUNK / 16; ++v) acc[i][v] = fma(qd, wv[v], acc[i][v]);
+    for (int v = 0; v < ABS_CHUNK / 16; ++v) {
+      if ((uint)v < nv) {  // a guard, not a break: the loop stays unrolled
+        const float16 wv = ABS_LOADW16(v, wr);
+#pragma unroll
+        for (int i = 0; i < ABS_TM; ++i) acc[i][v] = fma((float16)(qd[i][v / 8]), wv, acc[i][v]);
+      }
     }
   }
   for (int i = 0; i < ABS_TM; ++i) {
     if (t0 + i >= T) break;
     global float* o = qf + ((size_t)(t0 + i) * n_heads + h) * (LKV + DR);
-    for (uint v = 0; v < nv; ++v) vstore16(acc[i][v], 0, o + c0 + 16 * v);
+    for (uint v = 0; v < nv; ++v) vstore16(acc[i][v] * ABS_ACC_SCALE, 0, o + c0 + 16 * v);
     if (c0 == 0)
       for (uint j = 0; j < DR; ++j) o[LKV + j] = qr[i][DN + j];
   }
@@ -233,59 +263,81 @@ kernel void mla_decode_attention(global const float* qf, global const ctype* cac
 
 // Per-head linear with rows taken from a slice of each head's block of kv_b_proj:
 //   y[t, h*N + n] = sum_k x[t, h*LKV + k] * W[h*(DN+DV) + row0 + n, k],  k < LKV
-// (the output up-projection W_uv of the decode path: row0 = DN, N = DV). A work-item owns HL_TM
-// tokens x HL_TN output rows of one head, 16-wide loads along k.
-#define HL_TN 4
-#ifndef HL_TM
-#define HL_TM 1
+// (the output up-projection W_uv of the decode path: row0 = DN, N = DV). Per head a GEMM of
+// linear.cl's tiles: linear_tile.cl's tile_dots, fp8_tile.cl's fp8_tile_dots for fp8 (the same
+// operations as ops::linear's and ops::linear_fp8's tiles). A work-item owns n_tiles TN-row tiles
+// of one head (a tile never crosses a 128-row block: DN, DV and N are multiples of 8) for m_rows
+// tokens, as linear.cl's work-items do. Build options -DTM -DTN -DCOLUMNS_IN_TURN (chosen as
+// ops::linear and ops::linear_fp8 choose them) and for fp8 fp8_tile.cl's. A work-item per 4 rows,
+// reading them side by side (2 KB of fp8), had paid PoCL's cost per work-group 512 times a launch.
+// On the 2-core EPYC (as mla_absorb_q's
+// figures): 1 token fp8 0.18-0.19 -> 0.08 ms, bf16 0.16-0.17 -> 0.10-0.11 ms; 2-3 tokens fp8
+// 0.33-0.48 -> 0.10-0.11 ms, bf16 0.24-0.38 -> 0.13-0.19 ms; 4-8 tokens fp8 0.24-0.37 ->
+// 0.15-0.24 ms, bf16 about even (0.22-0.30 ms).
+#ifndef TM
+#define TM 1
+#endif
+#ifndef TN
+#define TN 4
+#endif
+#ifndef COLUMNS_IN_TURN
+#define COLUMNS_IN_TURN 0
+#endif
+#if WKIND == 2
+#include "fp8_tile.cl"
+#else
+#include "linear_tile.cl"
 #endif
 kernel void mla_head_linear(global const float* x, global const wtype* w,
                             global const float* wscale, uint ld_scale, uint row0, uint N,
-                            uint n_heads, uint M, global float* y, uint y_off, uint ldy) {
-  const uint tiles = (N + HL_TN - 1) / HL_TN;
-  const uint h = get_global_id(0) / tiles;
-  const uint n0 = (get_global_id(0) % tiles) * HL_TN;
-  const uint m0 = get_global_id(1) * HL_TM;
-  global const float* xr[HL_TM];
-  global const wtype* wr[HL_TN];
-  uint rows[HL_TN];
+                            uint n_heads, uint M, global float* y, uint y_off, uint ldy,
+                            uint n_tiles, uint m_rows) {
+  const uint col_blocks = ((N + TN - 1) / TN + n_tiles - 1) / n_tiles;
+  const uint h = get_global_id(0) / col_blocks;
+  const uint n_begin = (get_global_id(0) % col_blocks) * n_tiles * TN;
+  const uint n_end = min(n_begin + n_tiles * TN, N);
+  const uint m_begin = get_global_id(1) * m_rows, m_end = min(m_begin + m_rows, M);
+#if WKIND == 2
+  Fp8TileCache sx;
+  sx.row = 0;
+#endif
+#if COLUMNS_IN_TURN
+  for (uint m0 = m_begin; m0 < m_end; m0 += TM)
+    for (uint n0 = n_begin; n0 < n_end; n0 += TN) {
+#else
+  for (uint n0 = n_begin; n0 < n_end; n0 += TN)
+    for (uint m0 = m_begin; m0 < m_end; m0 += TM) {
+#endif
+      global const float* xr[TM];
+      global const wtype* wr[TN];
 #pragma unroll
-  for (int i = 0; i < HL_TM; ++i)
-    xr[i] = x + ((size_t)min(m0 + i, M - 1) * n_heads + h) * LKV;
+      for (int i = 0; i < TM; ++i) xr[i] = x + ((size_t)min(m0 + i, M - 1) * n_heads + h) * LKV;
+      const uint r0 = h * (DN + DV) + row0;
 #pragma unroll
-  for (int j = 0; j < HL_TN; ++j) {
-    rows[j] = h * (DN + DV) + row0 + min(n0 + j, N - 1);
-    wr[j] = w + (size_t)rows[j] * LKV;
-  }
-  float16 acc[HL_TM][HL_TN];
+      for (int j = 0; j < TN; ++j) wr[j] = w + (size_t)(r0 + min(n0 + j, N - 1)) * LKV;
+      float out[TM][TN];
+#if WKIND == 2
+      bool row_has_nan[TN];
+      fp8_tile_dots(xr, wr, fp8_scale_row(wscale, r0 + n0, ld_scale), ld_scale, LKV, &sx, out,
+                    row_has_nan);
+#else
+      tile_dots(xr, wr, LKV, 0, out);
+#endif
 #pragma unroll
-  for (int i = 0; i < HL_TM; ++i)
+      for (int i = 0; i < TM; ++i) {
+        if (m0 + i >= M) break;
+        global float* yr = y + y_off + (size_t)(m0 + i) * ldy + h * N;
 #pragma unroll
-    for (int j = 0; j < HL_TN; ++j) acc[i][j] = (float16)(0.0f);
-  for (uint k = 0; k < LKV / 16; ++k) {
-    float16 wv[HL_TN];
-#pragma unroll
-    for (int j = 0; j < HL_TN; ++j) wv[j] = LOADW16(k, wr[j]) * WSCALE(wscale, ld_scale, rows[j], k * 16);
-#pragma unroll
-    for (int i = 0; i < HL_TM; ++i) {
-      const float16 xv = vload16(k, xr[i]);
-#pragma unroll
-      for (int j = 0; j < HL_TN; ++j) acc[i][j] = fma(xv, wv[j], acc[i][j]);
+        for (int j = 0; j < TN; ++j) {
+          if (n0 + j >= N) break;
+#if WKIND == 2
+          yr[n0 + j] = row_has_nan[j] ? NAN : out[i][j];
+#else
+          yr[n0 + j] = out[i][j];
+#endif
+        }
+      }
     }
-  }
-#pragma unroll
-  for (int i = 0; i < HL_TM; ++i) {
-    if (m0 + i >= M) break;
-    global float* yr = y + y_off + (size_t)(m0 + i) * ldy + h * N;
-#pragma unroll
-    for (int j = 0; j < HL_TN; ++j) {
-      if (n0 + j >= N) break;
-      const float16 a = acc[i][j];
-      const float8 s8 = a.lo + a.hi;
-      const float4 s4 = s8.lo + s8.hi;
-      yr[n0 + j] = s4.x + s4.y + s4.z + s4.w;
-    }
-  }
 }
 
 // ---- prefill path: decompressed K and V ---------------------------------------------------------

@@ -66,6 +66,15 @@ void linear_swiglu(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, 
 void round_bf16(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, uint32_t M,
                 uint32_t K, const cl::Mem& xb, uint32_t ldxb, bool as_f32 = false);
 
+// The build options of fp8_tile.cl's users (linear_fp8.cl, moe.cl, mla.cl). fp8_decode_option:
+// the e4m3 decode the device takes (common.cl's FP8_DENORM). fp8_tile_options: the NaN-code watch,
+// left out where the load-time scan found no NaN code (Weight::fp8_nan_free); for tiles in turn
+// the bound on K of their private scaled x row (KernelTuning::gemv_stream_k); with `panel` the
+// decoded weight panel of K columns.
+std::string fp8_decode_option(const Device& dev);
+std::string fp8_tile_options(const Device& dev, bool nan_free, bool in_turn, bool panel = false,
+                             uint32_t K = 0);
+
 // The build options of bf16_tile.cl's FP8 panels (FP8 weights under bf16 compute: each column
 // tile's rows dequantized to bf16 once per work-item): -DFP8_BF16_PANEL=1, the panel's row length
 // for K, the e4m3 decode the device takes, and the NaN-code watch unless the weights' load-time

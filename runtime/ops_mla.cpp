@@ -4,6 +4,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "runtime/ops.h"
 #include "runtime/ops_blas.h"
 #include "runtime/ops_moe.h"
 
@@ -182,13 +183,14 @@ void mla_absorb_q(Device& dev, const cl::Mem& q, uint32_t q_off, uint32_t ldq,
                local);
     return;
   }
-  constexpr uint32_t chunk = 64;  // ABS_CHUNK in mla.cl
-  // As ops::linear: one token per work-item for decode-sized steps, four when the weight loads
-  // can be reused.
-  const uint32_t tm = T < 4 ? 1 : 4;
-  cl::Kernel k = dev.kernel("mla.cl", "mla_absorb_q",
-                            dims_option(s) + kv_b_option(kv_b, kv_b_scale) +
-                                " -DABS_TM=" + std::to_string(tm));
+  // Up to 4 tokens per work-item (mla.cl's ABS_TM), over a head's whole rows for one token (read
+  // front to back), over 128 or 64 columns for more (the sums kept in registers).
+  const uint32_t tm = std::min(T, 4u), chunk = tm == 1 ? s.kv_lora : tm == 2 ? 128 : 64;
+  std::string opts = dims_option(s) + kv_b_option(kv_b, kv_b_scale) +
+                     " -DABS_TM=" + std::to_string(tm) + " -DABS_CHUNK=" + std::to_string(chunk);
+  if (kv_b.dtype == DType::F8_E4M3)
+    opts += " " + fp8_decode_option(dev) + " -DKV_B_NAN_FREE=" + (kv_b.fp8_nan_free ? "1" : "0");
+  cl::Kernel k = dev.kernel("mla.cl", "mla_absorb_q", opts);
   cl::set_args(k, q, q_off, ldq, kv_b.mem, scale_mem(kv_b, kv_b_scale), scale_ld(kv_b_scale), T,
                s.n_heads, qf);
   dev.launch(k, {s.n_heads * ((s.kv_lora + chunk - 1) / chunk), (T + tm - 1) / tm, 1}, 2);
@@ -241,17 +243,29 @@ void mla_up_project(Device& dev, const cl::Mem& o_lat, const Weight& kv_b,
     dev.launch(k, {size_t(s.n_heads) * s.v * wg, (T + tm - 1) / tm, 1}, 2, local);
     return;
   }
-  constexpr uint32_t tn = 4;  // HL_TN in mla.cl
-  // As ops::linear: one token per work-item for decode-sized batches, four when the weight loads
-  // can be reused.
-  const uint32_t tm = T < 4 ? 1 : 4;
-  cl::Kernel k = dev.kernel("mla.cl", "mla_head_linear",
-                            dims_option(s) + kv_b_option(kv_b, kv_b_scale) +
-                                " -DHL_TM=" + std::to_string(tm));
+  // Per head ops::linear's GEMM over the V rows, with its tiles and split (linear_fp8's for fp8):
+  // one-row tiles (fp8: all of up to 3 tokens) reading their columns in turn, 4 x 4 from 4 tokens
+  // on; a work-item takes up to 64 tokens and enough tiles of one head that a launch is a few
+  // dozen work-items.
+  const bool fp8 = kv_b.dtype == DType::F8_E4M3;
+  const uint32_t tn = 4, tm = T < 4 ? (fp8 ? T : 1) : 4;
+  const bool in_turn = tm < 4 && s.kv_lora <= dev.tuning().gemv_stream_k;
+  std::string opts = dims_option(s) + kv_b_option(kv_b, kv_b_scale) +
+                     " -DTM=" + std::to_string(tm) + " -DTN=" + std::to_string(tn) +
+                     (in_turn ? " -DCOLUMNS_IN_TURN=1" : "");
+  if (fp8) opts += " " + fp8_decode_option(dev) + fp8_tile_options(dev, kv_b.fp8_nan_free, in_turn);
+  cl::Kernel k = dev.kernel("mla.cl", "mla_head_linear", opts);
+  const uint32_t m_rows = std::min((T + tm - 1) / tm * tm, 64u);
+  const uint32_t row_blocks = (T + m_rows - 1) / m_rows, head_tiles = (s.v + tn - 1) / tn;
+  const uint64_t min_items = in_turn ? stream_launch_items(dev) : 256;
+  uint32_t n_tiles = 1;
+  while (n_tiles < std::min(head_tiles, 16u) &&
+         uint64_t(s.n_heads) * head_tiles * row_blocks / (n_tiles * 2) >= min_items)
+    n_tiles *= 2;
   cl::set_args(k, o_lat, kv_b.mem, scale_mem(kv_b, kv_b_scale), scale_ld(kv_b_scale),
-               s.nope /*row0: V rows follow the K-nope rows*/, s.v, s.n_heads, T, out, out_off,
-               ldo);
-  dev.launch(k, {s.n_heads * ((s.v + tn - 1) / tn), (T + tm - 1) / tm, 1}, 2);
+               s.nope /*row0: V rows follow the K-nope rows*/, s.v, s.n_heads, T, out, out_off, ldo,
+               n_tiles, m_rows);
+  dev.launch(k, {s.n_heads * ((head_tiles + n_tiles - 1) / n_tiles), row_blocks, 1}, 2);
 }
 
 void mla_attention_decode(Device& dev, const cl::Mem& q, uint32_t q_off, uint32_t ldq,

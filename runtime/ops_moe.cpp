@@ -27,29 +27,6 @@ std::string shape_str(const std::vector<int64_t>& s) {
   return r + "]";
 }
 
-// Which e4m3 decode linear_fp8.cl compiles (see there): the shortest one builds f32 denormals and
-// needs a device that keeps them; others take the f16 route. CLSHARD_FP8_DECODE=f16 forces the
-// latter, so that it can be tested on devices where it would not be chosen.
-std::string fp8_decode_option(const Device& dev) {
-  const auto fp = cl::device_value<cl_device_fp_config>(dev.id(), CL_DEVICE_SINGLE_FP_CONFIG);
-  bool denorm = (fp & CL_FP_DENORM) != 0;
-  if (const char* force = std::getenv("CLSHARD_FP8_DECODE"); force && std::string(force) == "f16")
-    denorm = false;
-  return denorm ? "-DFP8_DENORM=1" : "-DFP8_DENORM=0";
-}
-
-// fp8_tile.cl's options past the decode: the NaN-code watch, left out where the load-time scan
-// found the weights free of those codes; for tiles in turn the bound on K of their private scaled
-// x row (KernelTuning::gemv_stream_k, which bounds the K of such tiles); with `panel` (4-row tiles
-// over enough rows: kFp8PanelRowsFrom) the decoded weight panel of K columns.
-std::string fp8_tile_options(const Device& dev, bool nan_free, bool in_turn, bool panel = false,
-                             uint32_t K = 0) {
-  std::string o = std::string(" -DFP8_NAN_WATCH=") + (nan_free ? "0" : "1");
-  if (in_turn) o += " -DFP8_XS_MAX=" + std::to_string(ceil_div(dev.tuning().gemv_stream_k, 16) * 16);
-  if (panel) o += " -DFP8_PANEL_K=" + std::to_string(ceil_div(K, 16) * 16);
-  return o;
-}
-
 // The rows per column tile from which FP8 4-row tiles decode the column tile's weight rows once
 // into a private panel (fp8_tile.cl's Fp8TileCache): ops::linear_fp8's M, the grouped experts'
 // average rows per expert. Measured in-process on the 2-core EPYC (bench_fp8, 2048 x 2048): 32
@@ -76,6 +53,26 @@ ops::GroupedPlan plan_shape(Device& dev, uint32_t rows, uint32_t n_experts) {
 }  // namespace
 
 namespace ops {
+
+// Which e4m3 decode linear_fp8.cl compiles (see there): the shortest one builds f32 denormals and
+// needs a device that keeps them; others take the f16 route. CLSHARD_FP8_DECODE=f16 forces the
+// latter, so that it can be tested on devices where it would not be chosen.
+std::string fp8_decode_option(const Device& dev) {
+  const auto fp = cl::device_value<cl_device_fp_config>(dev.id(), CL_DEVICE_SINGLE_FP_CONFIG);
+  bool denorm = (fp & CL_FP_DENORM) != 0;
+  if (const char* force = std::getenv("CLSHARD_FP8_DECODE"); force && std::string(force) == "f16")
+    denorm = false;
+  return denorm ? "-DFP8_DENORM=1" : "-DFP8_DENORM=0";
+}
+
+std::string fp8_tile_options(const Device& dev, bool nan_free, bool in_turn, bool panel,
+                             uint32_t K) {
+  std::string o = std::string(" -DFP8_NAN_WATCH=") + (nan_free ? "0" : "1");
+  if (in_turn)
+    o += " -DFP8_XS_MAX=" + std::to_string(ceil_div(dev.tuning().gemv_stream_k, 16) * 16);
+  if (panel) o += " -DFP8_PANEL_K=" + std::to_string(ceil_div(K, 16) * 16);
+  return o;
+}
 
 std::pair<uint32_t, uint32_t> check_fp8_weight(const char* op, const Weight& w,
                                                const Weight& scale_inv) {

@@ -76,6 +76,9 @@ KvB make_kv_b(Device& dev, DType dt, std::mt19937& rng) {
                               k.values.data());
     k.w.mem = dev.alloc(q.size());
     dev.write(k.w.mem, q.data(), q.size());
+    // As the loader's scan says of such codes: the kernels take their short decode
+    // (MlaNanCodes covers the exact one).
+    k.w.fp8_nan_free = fp8_nan_free(q.data(), q.size());
     k.scale = to_device_f32(dev, scale, {rb, cb}, "kv_b_proj.weight_scale_inv");
   }
   return k;
@@ -471,6 +474,49 @@ TEST_P(MlaNarrowCache, StoreRoundsAndBothPathsReadTheNarrowRows) {
                 dtype_name(narrow), max_abs(decode, want), max_abs(prefill, want));
   }
 }
+
+// FP8 NaN codes (0x7F, 0xFF) in kv_b_proj, which the load-time scan reports: a NaN in head 1's V
+// row 5 makes that head's output feature 5 NaN for every token; one in head 2's K-nope row 3 makes
+// a column of its absorbed query NaN, so every score and output of head 2 is NaN. Both paths; all
+// other outputs equal the reference over the codes as drawn (2e-5).
+class MlaNanCodes : public MlaPaths {};
+
+TEST_P(MlaNanCodes, NanCodesReachTheirHeadsOutputsOnly) {
+  KvB k = make_kv_b(dev, DType::F8_E4M3, rng);
+  const uint32_t L = kShape.kv_lora, head_rows = kShape.nope + kShape.v;
+  std::vector<uint8_t> codes(size_t(kShape.n_heads) * head_rows * L);
+  dev.read(k.w.mem, codes.data(), codes.size());
+  codes[size_t(1 * head_rows + kShape.nope + 5) * L + 7] = 0x7F;
+  codes[size_t(2 * head_rows + 3) * L + 100] = 0xFF;
+  dev.write(k.w.mem, codes.data(), codes.size());
+  k.w.fp8_nan_free = fp8_nan_free(codes.data(), codes.size());
+  ASSERT_FALSE(k.w.fp8_nan_free);
+  const float scale = 0.15f;
+  plan_pages({6, 11, 22});
+  Step history = make_step({0, 7, 19});
+  cl::Mem q_hist;
+  store(history, q_hist);
+  Step s = make_step({5, 3, 2});
+  cl::Mem q_dev;
+  DeviceStep st = store(s, q_dev);
+  const auto want = reference(s, k.values, scale);
+  for (MlaPath path : {MlaPath::Decode, MlaPath::Prefill}) {
+    const auto got = run_path(path, s, st, q_dev, k, scale);
+    for (size_t i = 0; i < got.size(); ++i) {
+      const uint32_t h = uint32_t(i / kShape.v % kShape.n_heads), d = uint32_t(i % kShape.v);
+      if (h == 2 || (h == 1 && d == 5))
+        ASSERT_TRUE(std::isnan(got[i])) << ops::mla_path_name(path) << " output " << i;
+      else
+        ASSERT_NEAR(got[i], want[i], 2e-5) << ops::mla_path_name(path) << " output " << i;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, MlaNanCodes,
+    ::testing::Combine(::testing::Values(DType::F8_E4M3),
+                       ::testing::Values(MlaShapeCase::Cpu, MlaShapeCase::Gpu)),
+    [](const auto& info) { return std::string(shape_case_name(std::get<1>(info.param))); });
 
 INSTANTIATE_TEST_SUITE_P(Shapes, MlaNarrowCache,
                          ::testing::Combine(::testing::Values(DType::BF16, DType::F8_E4M3),
