@@ -50,7 +50,8 @@ struct KernelTuning {
   uint32_t prefill_heads = 4;
   uint32_t mla_wg = 128;          // MLA decode: lanes per work-group
   uint32_t mla_tile = 8;          // MLA decode: cache rows per tile (576 floats each)
-  uint32_t mla_heads = 8;         // MLA decode: query heads per work-group, at most
+  // MLA decode: query heads per work-group (the CPU shape: per work-item), at most.
+  uint32_t mla_heads = 8;
   uint32_t route_wg = 64;         // MoE router: lanes per token (over the experts)
   // The per-row kernels (embedding, silu_mul, moe_combine, and mla.cl's *_wg: gather, RoPE +
   // cache store, query absorption, the per-head up-projection): lanes per work-group (a power of

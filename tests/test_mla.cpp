@@ -371,6 +371,13 @@ class MlaPaths : public MlaOps,
     saved_tuning_ = dev.tuning();
     const MlaShapeCase c = std::get<1>(GetParam());
     dev.set_kernel_shape(c == MlaShapeCase::Cpu ? KernelShape::Chunks : KernelShape::WorkGroups);
+    if (c == MlaShapeCase::Cpu) {
+      // Two heads per decode work-item: two of them per token, the second with a head past the
+      // last (computed on, not stored).
+      KernelTuning t = saved_tuning_;
+      t.mla_heads = 2;
+      dev.set_tuning(t);
+    }
     if (c == MlaShapeCase::GpuSplit8) {
       KernelTuning t = saved_tuning_;
       t.attn_split = 8;
