@@ -1,8 +1,8 @@
 // The dot products of one TM x TN tile of FP8 weights (e4m3fn, 128 x 128 block scales), shared by
 // linear_fp8.cl's tile, moe.cl's grouped FP8 tile and mla.cl's up-projection through #include, so
 // a row's sums are the same operations whichever launch computes them.
-// The including file defines TM, TN and COLUMNS_IN_TURN first (and FP8_DENORM for common.cl's
-// decode; FP8_NAN_WATCH and FP8_XS_MAX below).
+// The including file defines TM, TN and COLUMNS_IN_TURN first (tile_shape.cl), and FP8_DENORM for
+// common.cl's decode; FP8_NAN_WATCH and FP8_XS_MAX below.
 //
 // out[i][j] = x[i] . (W[j] * scale) over K, with K's blocks of 128 each under their scale
 // (srow: the scale row of the tile's weight rows; a TN-row tile never straddles two block rows,

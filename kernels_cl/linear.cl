@@ -17,20 +17,10 @@
 // and the residual add (accumulate), already in linear. The RMSNorm before them is a launch of its
 // own (ops::linear_fused).
 
-#ifndef TM
-#define TM 1
-#endif
-#ifndef TN
-#define TN 4
-#endif
+#include "tile_shape.cl"
 #ifndef GLU
 #define GLU 0
 #endif
-#ifndef COLUMNS_IN_TURN
-#define COLUMNS_IN_TURN 0
-#endif
-
-
 #include "linear_tile.cl"
 
 // One TM x TN tile at (m0, n0).

@@ -19,15 +19,7 @@
 // loop is the decode (common.cl's e4m3x16_decode_scaled, FP8_DENORM chosen per device) and one
 // FMA. The tile's sums and its NaN watch are fp8_tile.cl's, shared with moe.cl's grouped FP8 tile.
 
-#ifndef TM
-#define TM 1
-#endif
-#ifndef TN
-#define TN 4
-#endif
-#ifndef COLUMNS_IN_TURN
-#define COLUMNS_IN_TURN 0
-#endif
+#include "tile_shape.cl"
 #include "fp8_tile.cl"
 
 // One TM x TN tile at (m0, n0).

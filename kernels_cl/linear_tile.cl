@@ -1,12 +1,7 @@
 // The dot products of one TM x TN tile of f32 / bf16 / f16 weights (tile_dots), shared by
 // linear.cl's tiles, moe.cl's grouped tile and mla.cl's up-projection through #include, so a row's
 // sums are the same operations whichever launch computes them.
-// The including file defines TM, TN and COLUMNS_IN_TURN first (COLUMNS_IN_TURN defaults to 0
-// here).
-
-#ifndef COLUMNS_IN_TURN
-#define COLUMNS_IN_TURN 0
-#endif
+// The including file defines TM, TN and COLUMNS_IN_TURN first (tile_shape.cl).
 
 // The dot products of one TM x TN tile: out[i][j] = sum_k x[i][k] * w[j][k], each
 // column's sum in the same order whatever the tile around it, so a fused launch gives the same

@@ -304,21 +304,12 @@ kernel void mla_decode_attention(global const float* qf, global const ctype* cac
 // operations as ops::linear's and ops::linear_fp8's tiles). A work-item owns n_tiles TN-row tiles
 // of one head (a tile never crosses a 128-row block: DN, DV and N are multiples of 8) for m_rows
 // tokens, as linear.cl's work-items do. Build options -DTM -DTN -DCOLUMNS_IN_TURN (chosen as
-// ops::linear and ops::linear_fp8 choose them) and for fp8 fp8_tile.cl's. A work-item per 4 rows,
-// reading them side by side (2 KB of fp8), had paid PoCL's cost per work-group 512 times a launch.
-// On the 2-core EPYC (as mla_absorb_q's
-// figures): 1 token fp8 0.18-0.19 -> 0.08 ms, bf16 0.16-0.17 -> 0.10-0.11 ms; 2-3 tokens fp8
-// 0.33-0.48 -> 0.10-0.11 ms, bf16 0.24-0.38 -> 0.13-0.19 ms; 4-8 tokens fp8 0.24-0.37 ->
-// 0.15-0.24 ms, bf16 about even (0.22-0.30 ms).
-#ifndef TM
-#define TM 1
-#endif
-#ifndef TN
-#define TN 4
-#endif
-#ifndef COLUMNS_IN_TURN
-#define COLUMNS_IN_TURN 0
-#endif
+// ops::linear and ops::linear_fp8 choose them) and for fp8 fp8_tile.cl's. Where there had been 512
+// work-items a launch, each reading its 4 rows side by side (2 KB of fp8), on the 2-core EPYC (as
+// mla_absorb_q's figures): 1 token fp8 0.18-0.19 -> 0.08 ms, bf16 0.16-0.17 -> 0.10-0.11 ms;
+// 2-3 tokens fp8 0.33-0.48 -> 0.10-0.11 ms, bf16 0.24-0.38 -> 0.13-0.19 ms; 4-8 tokens fp8
+// 0.24-0.37 -> 0.15-0.24 ms, bf16 about even (0.22-0.30 ms).
+#include "tile_shape.cl"
 #if WKIND == 2
 #include "fp8_tile.cl"
 #else

@@ -351,15 +351,7 @@ kernel void moe_tiles(global const uint* expert_offsets, uint n_experts, uint ro
 // -DBF16_DOT and -DPAIRS_ALIGNED (bf16_tile.cl) takes x as bf16 rows (ldx their stride), and
 // with -DFP8_BF16_PANEL=1 -DBF16_PANEL_K (K rounded up to 16) FP8 experts (below).
 #if defined(WEIGHT_TYPE) || defined(GROUPED_FP8)
-#ifndef TM
-#define TM 1
-#endif
-#ifndef TN
-#define TN 4
-#endif
-#ifndef COLUMNS_IN_TURN
-#define COLUMNS_IN_TURN 0
-#endif
+#include "tile_shape.cl"
 #if GROUPED_FP8
 typedef uchar gw_t;
 typedef float gx_t;
