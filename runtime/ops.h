@@ -36,6 +36,10 @@ std::string weight_prefetch_option(const Device& dev);
 // many tiles (linear_fp8's GEMVs and the bf16 GEMM's batches of up to 16 rows).
 uint64_t stream_launch_items(const Device& dev);
 
+// Column tiles per work-item of a CPU-shape launch over `tiles` (column tiles times row blocks):
+// doubled from 1, up to max_per_item, while the launch keeps at least min_items work-items.
+uint32_t tiles_per_item(uint64_t tiles, uint64_t min_items, uint32_t max_per_item = 16);
+
 // y[M, N] (+)= alpha * (x[M, K] W^T + bias). W is [N, K], f32 or bf16. Offsets and row strides
 // are in elements. GPU-shape GEMMs of the device's blas_gemm_rows and more go to CLBlast
 // (ops_blas.h).

@@ -261,10 +261,8 @@ void mla_up_project(Device& dev, const cl::Mem& o_lat, const Weight& kv_b,
   const uint32_t m_rows = std::min((T + tm - 1) / tm * tm, 64u);
   const uint32_t row_blocks = (T + m_rows - 1) / m_rows, head_tiles = (s.v + tn - 1) / tn;
   const uint64_t min_items = in_turn ? stream_launch_items(dev) : 256;
-  uint32_t n_tiles = 1;
-  while (n_tiles < std::min(head_tiles, 16u) &&
-         uint64_t(s.n_heads) * head_tiles * row_blocks / (n_tiles * 2) >= min_items)
-    n_tiles *= 2;
+  const uint32_t n_tiles = tiles_per_item(uint64_t(s.n_heads) * head_tiles * row_blocks, min_items,
+                                          std::min(head_tiles, 16u));
   cl::set_args(k, o_lat, kv_b.mem, scale_mem(kv_b, kv_b_scale), scale_ld(kv_b_scale),
                s.nope /*row0: V rows follow the K-nope rows*/, s.v, s.n_heads, T, out, out_off, ldo,
                n_tiles, m_rows);

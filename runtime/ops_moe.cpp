@@ -132,9 +132,7 @@ void linear_fp8(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, con
   const uint32_t m_rows = std::min<uint32_t>(ceil_div(M, tm) * tm, 64);
   const uint32_t col_tiles = ceil_div(N, tn), row_blocks = ceil_div(M, m_rows);
   const uint64_t min_items = in_turn ? ops::stream_launch_items(dev) : 256;
-  uint32_t n_tiles = 1;
-  while (n_tiles < 16 && uint64_t(col_tiles) * row_blocks / (n_tiles * 2) >= min_items)
-    n_tiles *= 2;
+  const uint32_t n_tiles = ops::tiles_per_item(uint64_t(col_tiles) * row_blocks, min_items);
   cl::set_args(k, x, x_off, ldx, w.mem, scale_inv.mem, ceil_div(K, kQuantBlock), y, y_off, ldy, M,
                N, K, alpha, int(accumulate), n_tiles, m_rows);
   dev.launch(k, {ceil_div(col_tiles, n_tiles), row_blocks, 1}, 2);
@@ -340,10 +338,8 @@ void launch_grouped(Device& dev, cl::Kernel& k, const cl::Mem& x, uint32_t ldx,
   const uint32_t busy_tiles = std::min(plan.max_tiles, ceil_div(plan.rows, plan.rows_per_tile) +
                                                            std::min(plan.rows, plan.n_experts));
   const uint64_t min_items = in_turn ? ops::stream_launch_items(dev) : 256;
-  const uint32_t max_per_item = in_turn ? 64 : 16;
-  uint32_t per_item = 1;
-  while (per_item < max_per_item && uint64_t(col_tiles) * busy_tiles / (per_item * 2) >= min_items)
-    per_item *= 2;
+  const uint32_t per_item =
+      ops::tiles_per_item(uint64_t(col_tiles) * busy_tiles, min_items, in_turn ? 64 : 16);
   cl::set_args(k, x, ldx, x_rows ? *x_rows : x, int(x_rows != nullptr), g.mem, g.mem, g.table,
                slot0, n_mats, plan.tiles.mem(), plan.tile_count.mem(), plan.expert_offsets.mem(),
                plan.rows_per_tile, y, ldy, N, K, per_item);
