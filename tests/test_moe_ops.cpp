@@ -782,7 +782,12 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{DType::F8_E4M3, 60, 2, 3, 200, 137, false, KernelShape::Chunks, 0,
                            true, ComputeDType::BF16, false, true},
                       Case{DType::F8_E4M3, 100, 2, 3, 200, 136, false, KernelShape::Chunks, 0,
-                           false, ComputeDType::F32, false, true}),
+                           false, ComputeDType::F32, false, true},
+                      // An expert of more rows than a CPU tile takes (256; the shared expert's
+                      // 300 here): two tiles, in f32 and in bf16 compute (FP8 panels).
+                      Case{DType::BF16, 300, 2, 3, 48, 20, true},
+                      Case{DType::F8_E4M3, 300, 2, 3, 200, 136, true, KernelShape::Chunks, 0,
+                           false, ComputeDType::BF16}),
     [](const ::testing::TestParamInfo<Case>& i) {
       return std::string(dtype_name(i.param.dtype)) + "_T" + std::to_string(i.param.T) + "_E" +
              std::to_string(i.param.E) + (i.param.with_shared ? "_shared" : "") +
