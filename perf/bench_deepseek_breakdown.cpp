@@ -1,14 +1,17 @@
-// Where a DeepSeek-V3 decode step's time goes, kernel by kernel: dsv3-mini (bf16 and fp8) decodes
-// B requests at once (batch 1 unless --batch) as DeepseekV3Model::forward runs it, with every launch timed on its own. This program
-// defines clEnqueueNDRangeKernel, clEnqueueReadBuffer and clEnqueueWriteBuffer itself (the library
-// is linked in statically, so its calls bind here) and forwards each to the OpenCL loader's; while
-// timing is on, a launch waits for the queue before and after, and its wall time goes to its
-// kernel's name. Blocking reads and writes (the host round trips) are timed the same way. The
-// step is timed untouched as well: the per-launch waits add their own cost, so the table's sum
-// exceeds it a little. On a shared machine the wall time moves with the neighbours' load; the
-// CPU time the process spends per step (every thread, PoCL's workers included) moves much less,
-// so it is printed beside it.
-// Usage: bench_deepseek_breakdown [--dir D] [--dtypes bf16,fp8] [--context C] [--steps N] [--batch B]
+// Where a DeepSeek-V3 decode step's (or prefill's) time goes, kernel by kernel: dsv3-mini (bf16 and
+// fp8) decodes B requests at once (batch 1 unless --batch) as DeepseekV3Model::forward runs it,
+// with every launch timed on its own. This program defines clEnqueueNDRangeKernel,
+// clEnqueueReadBuffer and clEnqueueWriteBuffer itself (the library is linked in statically, so its
+// calls bind here) and forwards each to the OpenCL loader's; while timing is on, a launch waits for
+// the queue before and after, and its wall time goes to its kernel's name. Blocking reads and
+// writes (the host round trips) are timed the same way. The step is timed untouched as well: the
+// per-launch waits add their own cost, so the table's sum exceeds it a little. On a shared machine
+// the wall time moves with the neighbours' load; the CPU time the process spends per step (every
+// thread, PoCL's workers included) moves much less, so it is printed beside it.
+// --prefill N times a prefill of N tokens from an empty cache instead (one request, the step
+// repeated over the same pages); --compute-dtype bf16 runs the deployment's bf16 compute.
+// Usage: bench_deepseek_breakdown [--dir D] [--dtypes bf16,fp8] [--context C] [--steps N]
+//                                 [--batch B] [--prefill N] [--compute-dtype f32|bf16]
 #include <dlfcn.h>
 
 #include <algorithm>
@@ -117,12 +120,13 @@ namespace {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"Where a DeepSeek-V3 decode step's time goes, kernel by kernel: dsv3-mini (bf16, "
-               "fp8) at batch 1 or --batch B, every launch timed on its own",
+  CLI::App app{"Where a DeepSeek-V3 decode step's (or --prefill's) time goes, kernel by kernel: "
+               "dsv3-mini (bf16, fp8) at batch 1 or --batch B, every launch timed on its own",
                "bench_deepseek_breakdown"};
   std::string root_arg = (std::filesystem::temp_directory_path() / "clshard-bench").string();
   std::vector<std::string> dtypes = {"bf16", "fp8"};
-  uint32_t context = 128, n_steps = 16, batch = 1;
+  uint32_t context = 128, n_steps = 16, batch = 1, prefill = 0;
+  std::string compute_dtype = "f32";
   app.add_option("--dir", root_arg, "where the checkpoints live (written when missing)")
       ->capture_default_str();
   app.add_option("--dtypes", dtypes, "comma-separated checkpoint dtypes")
@@ -130,39 +134,52 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--context", context, "cached tokens before the timed steps")
       ->capture_default_str();
-  app.add_option("--steps", n_steps, "decode steps timed")->capture_default_str();
+  app.add_option("--steps", n_steps, "steps timed (decode steps, or prefills)")->capture_default_str();
   app.add_option("--batch", batch, "requests decoded together, each at the same context")
       ->capture_default_str()
       ->check(CLI::Range(1u, 256u));
+  app.add_option("--prefill", prefill, "time a prefill of this many tokens instead (0: decode)")
+      ->capture_default_str();
+  app.add_option("--compute-dtype", compute_dtype, "the deployment's model.compute_dtype")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"f32", "bf16"}));
   parse_args(app, argc, argv);
+  if (prefill > 0) batch = 1;
   const std::filesystem::path root = root_arg;
   DeviceManager mgr(DeviceSelection{});
   Device& dev = mgr[0];
   print_device(dev);
+  LoadOptions opts{{&dev}, std::nullopt};
+  opts.compute_dtype = compute_dtype == "bf16" ? ComputeDType::BF16 : ComputeDType::F32;
   for (const auto& dt : dtypes) {
     const auto dir = ensure_preset("dsv3-mini", dt, root / ("dsv3-mini-" + dt));
-    deepseek_v3::DeepseekV3Model model(dir, LoadOptions{{&dev}, std::nullopt});
+    deepseek_v3::DeepseekV3Model model(dir, opts);
     const uint32_t V = model.info().vocab_size;
     std::mt19937 rng(5);
     uint32_t ppr = 0;
-    const auto table = plan_static_pages(
-        model, std::vector<uint32_t>(batch, context + 2 * n_steps + 2), 128, &ppr);
-    model.forward(random_step(table, ppr, batch, 0, context, V, rng)).read_logits();
+    const uint32_t tokens_per_row = prefill > 0 ? prefill : context + 2 * n_steps + 2;
+    const auto table =
+        plan_static_pages(model, std::vector<uint32_t>(batch, tokens_per_row), 128, &ppr);
     uint32_t pos = context;
-    model.forward(random_step(table, ppr, batch, pos++, 1, V, rng)).read_logits();  // kernel builds
+    // A decode step at the next position, or the prefill again over the same pages.
+    auto step = [&] {
+      return prefill > 0 ? random_step(table, ppr, 1, 0, prefill, V, rng)
+                         : random_step(table, ppr, batch, pos++, 1, V, rng);
+    };
+    if (prefill == 0)
+      model.forward(random_step(table, ppr, batch, 0, context, V, rng)).read_logits();
+    model.forward(step()).read_logits();  // kernel builds
 
     // Untouched steps first, then the same number timed launch by launch.
     const double c0 = cpu_seconds();
     const auto t0 = Clock::now();
-    for (uint32_t i = 0; i < n_steps; ++i)
-      model.forward(random_step(table, ppr, batch, pos++, 1, V, rng)).read_logits();
+    for (uint32_t i = 0; i < n_steps; ++i) model.forward(step()).read_logits();
     const double t_step = seconds_since(t0) / n_steps;
     const double cpu_step = (cpu_seconds() - c0) / n_steps;
     g_tally.clear();
     g_timing = true;
     const auto t1 = Clock::now();
-    for (uint32_t i = 0; i < n_steps; ++i)
-      model.forward(random_step(table, ppr, batch, pos++, 1, V, rng)).read_logits();
+    for (uint32_t i = 0; i < n_steps; ++i) model.forward(step()).read_logits();
     const double t_timed = seconds_since(t1) / n_steps;
     g_timing = false;
 
@@ -175,10 +192,18 @@ int main(int argc, char** argv) {
       sum += t.seconds;
       if (name[0] != '(') launches += t.calls;
     }
-    std::printf("\ndsv3-mini %s, decode batch %u at context %u: %.2f ms per step untouched "
-                "(%.1f tok/s), CPU time %.2f ms per step; %.1f launches per step\n",
-                dt.c_str(), batch, context, t_step * 1e3, batch / t_step, cpu_step * 1e3,
-                double(launches) / n_steps);
+    if (prefill > 0)
+      std::printf(
+          "\ndsv3-mini %s, prefill of %u tokens (compute %s): %.2f ms per step untouched "
+          "(%.1f tok/s), CPU time %.2f ms per step; %.1f launches per step\n",
+          dt.c_str(), prefill, compute_dtype.c_str(), t_step * 1e3, prefill / t_step,
+          cpu_step * 1e3, double(launches) / n_steps);
+    else
+      std::printf(
+          "\ndsv3-mini %s, decode batch %u at context %u (compute %s): %.2f ms per step "
+          "untouched (%.1f tok/s), CPU time %.2f ms per step; %.1f launches per step\n",
+          dt.c_str(), batch, context, compute_dtype.c_str(), t_step * 1e3, batch / t_step,
+          cpu_step * 1e3, double(launches) / n_steps);
     std::printf("  %-28s %9s %10s %10s %8s\n", "kernel", "calls", "ms/step", "us/call", "share");
     for (const auto& [name, t] : rows)
       std::printf("  %-28s %9.1f %10.3f %10.1f %7.1f%%\n", name.c_str(),
