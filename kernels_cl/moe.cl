@@ -487,10 +487,10 @@ kernel void moe_grouped_linear(global const gx_t* x, uint ldx, global const uint
   // The tiles in reverse: the plan's unused slots (past tile_count, at the end) first, the last
   // tiles run being ordinary experts'. PoCL deals work-groups to its threads in runs of
   // consecutive ones (tens at a time, near the end half of what is left), and in plan order a
-  // launch had ended on the shared expert's tiles, every token's rows, one thread idle. In-process A/B
-  // on the 2-core EPYC (dsv3-mini's experts, 512 tokens, 64-row tiles), reversed against plan
-  // order: f32 compute, bf16 experts gate|up 1.14x and down 1.04x, FP8 1.17x and 1.06x; bf16
-  // compute 1.02x, 1.01x, 1.04x, 1.01x.
+  // launch had ended on the shared expert's tiles, every token's rows, one thread idle.
+  // In-process A/B on the 2-core EPYC (dsv3-mini's experts, 512 tokens, 64-row tiles), reversed
+  // against plan order: f32 compute, bf16 experts gate|up 1.14x and down 1.04x, FP8 1.17x and
+  // 1.06x; bf16 compute 1.02x, 1.01x, 1.04x, 1.01x.
   const uint tile = get_global_size(1) - 1 - get_global_id(1);
   if (tile >= *tile_count) return;
   const uint e = tiles[2 * tile], r_begin = tiles[2 * tile + 1];

@@ -134,7 +134,8 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--context", context, "cached tokens before the timed steps")
       ->capture_default_str();
-  app.add_option("--steps", n_steps, "steps timed (decode steps, or prefills)")->capture_default_str();
+  app.add_option("--steps", n_steps, "steps timed (decode steps, or prefills)")
+      ->capture_default_str();
   app.add_option("--batch", batch, "requests decoded together, each at the same context")
       ->capture_default_str()
       ->check(CLI::Range(1u, 256u));
