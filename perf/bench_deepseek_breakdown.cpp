@@ -136,16 +136,18 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--steps", n_steps, "steps timed (decode steps, or prefills)")
       ->capture_default_str();
-  app.add_option("--batch", batch, "requests decoded together, each at the same context")
+  CLI::Option* batch_opt =
+      app.add_option("--batch", batch, "requests decoded together, each at the same context")
+          ->capture_default_str()
+          ->check(CLI::Range(1u, 256u));
+  app.add_option("--prefill", prefill,
+                 "time a prefill of this many tokens (one request) instead (0: decode)")
       ->capture_default_str()
-      ->check(CLI::Range(1u, 256u));
-  app.add_option("--prefill", prefill, "time a prefill of this many tokens instead (0: decode)")
-      ->capture_default_str();
+      ->excludes(batch_opt);
   app.add_option("--compute-dtype", compute_dtype, "the deployment's model.compute_dtype")
       ->capture_default_str()
       ->check(CLI::IsMember({"f32", "bf16"}));
   parse_args(app, argc, argv);
-  if (prefill > 0) batch = 1;
   const std::filesystem::path root = root_arg;
   DeviceManager mgr(DeviceSelection{});
   Device& dev = mgr[0];
