@@ -175,3 +175,145 @@ kernel void linear_bf16(global const ushort* xb, uint ldxb,
 }
 
 #endif  // LINEAR_BF16
+
+#ifdef LINEAR_BF16_PACKED
+
+#include "bf16_packed.cl"
+
+#ifndef PANEL_ROWS
+#define PANEL_ROWS 0
+#endif
+
+// The tile's sums into y[m0 .., n0 ..] (rows below m_end, columns below N): with GLU
+// silu(gate) * up of the gate vectors v < PANEL_NV / 2 and the up vectors v + PANEL_NV / 2 (the
+// same columns), glu_act's expression; else the sum plus the bias. Then alpha, and y's value
+// added where accumulating.
+inline void panel_store(const float* sums, uint m0, uint m_end, uint n0, uint N,
+                        global const ushort* bias, int has_bias, global float* y, uint ldy,
+                        float alpha, int accumulate) {
+#if GLU
+  const int out_vectors = PANEL_NV / 2;
+#else
+  const int out_vectors = PANEL_NV;
+#endif
+  for (int i = 0; i < PANEL_TM; ++i) {
+    if (m0 + i >= m_end) break;
+    global float* yr = y + (size_t)(m0 + i) * ldy;
+#pragma unroll
+    for (int v = 0; v < out_vectors; ++v) {
+      const uint n = n0 + 16 * v;
+      if (n >= N) break;
+#if GLU
+      const float16 g = vload16(i * PANEL_NV + v, sums);
+      float16 s = g / (1.0f + exp(-g)) * vload16(i * PANEL_NV + v + PANEL_NV / 2, sums);
+#else
+      float16 s = vload16(i * PANEL_NV + v, sums);
+#endif
+      if (n + 16 <= N) {
+#if !GLU
+        if (has_bias) s += bf16x16_to_f32(vload16(0, bias + n));
+#endif
+        s *= alpha;
+        vstore16(accumulate ? vload16(0, yr + n) + s : s, 0, yr + n);
+      } else {
+        float o[16];
+        vstore16(s, 0, o);
+        for (uint l = 0; n + l < N; ++l) {
+          float e = o[l];
+#if !GLU
+          if (has_bias) e += bf16_to_f32(bias[n + l]);
+#endif
+          e *= alpha;
+          yr[n + l] = accumulate ? yr[n + l] + e : e;
+        }
+      }
+    }
+  }
+}
+
+// linear_bf16's product in bf16_panel.cl's form, for prefill-sized M. A work-item owns one
+// column tile (PANEL_NC weight rows side by side, fused_row's; with GLU the gate rows of
+// PANEL_NC / 2 columns, then their up rows) and rows [m_begin, m_begin + m_rows). It packs the
+// tile's panel PANEL_KP pair steps at a time and runs its row tiles over each chunk; with more
+// than one chunk (the host then builds with -DPANEL_ROWS, at least m_rows) the rows' partial sums
+// wait in local memory between chunks. Launch: global (column tiles, row blocks), local 1.
+kernel void linear_bf16_packed(global const ushort* xb, uint ldxb,
+                              global const ushort* w0, uint w0_off, uint ldw0, uint n1,
+                              global const ushort* w1, uint w1_off, uint ldw1, uint n2,
+                              global const ushort* w2, uint w2_off, uint ldw2,
+                              global const ushort* bias, uint b_off, int has_bias,
+                              global float* y, uint y_off, uint ldy, uint M, uint N, uint K,
+                              float alpha, int accumulate, uint m_rows) {
+  local uint panel[PANEL_KP * PANEL_NC] __attribute__((aligned(64)));
+#if PANEL_ROWS
+  local float partial[PANEL_ROWS * PANEL_NC] __attribute__((aligned(64)));
+#endif
+#if GLU
+  const uint tile_cols = PANEL_NC / 2;
+#else
+  const uint tile_cols = PANEL_NC;
+#endif
+  const uint n0 = get_global_id(0) * tile_cols;
+  const uint m_begin = get_global_id(1) * m_rows, m_end = min(M, m_begin + m_rows);
+  w0 += w0_off;
+  w1 += w1_off;
+  w2 += w2_off;
+  // The tile's weight rows (columns past N take the last: computed on, not stored).
+  global const ushort* rows[PANEL_NC];
+  for (int c = 0; c < PANEL_NC; ++c) {
+#if GLU
+    const uint n = min(n0 + c % (PANEL_NC / 2), N - 1);
+    rows[c] = c < PANEL_NC / 2 ? w0 + (size_t)n * ldw0 : w1 + (size_t)n * ldw1;
+#else
+    rows[c] = fused_row(min(n0 + c, N - 1), w0, ldw0, n1, w1, ldw1, n2, w2, ldw2);
+#endif
+  }
+  const uint steps = (K + 1) / 2;  // pair steps; with K odd the last holds one element
+  // The next work-item's weights (the next column tile), prefetched while this one's rows run
+  // when the panel takes one chunk (bf16_panel.cl's PanelPrefetch).
+  PanelPrefetch next;
+  const bool has_next = steps <= PANEL_KP && n0 + tile_cols < N;
+  if (has_next) {
+    const uint n_next = n0 + tile_cols, n_half = min(N - n_next, tile_cols / (GLU ? 1 : 2));
+#if GLU
+    next.base[0] = (global const uchar*)(w0 + (size_t)n_next * ldw0);
+    next.base[1] = (global const uchar*)(w1 + (size_t)n_next * ldw1);
+#else
+    next.base[0] = (global const uchar*)fused_row(n_next, w0, ldw0, n1, w1, ldw1, n2, w2, ldw2);
+    next.base[1] = (global const uchar*)fused_row(min(n_next + n_half, N - 1), w0, ldw0, n1, w1,
+                                                  ldw1, n2, w2, ldw2);
+#endif
+    next.half_lines = n_half * K * sizeof(ushort) / 64;
+    next.line = 0;
+  }
+  float sums[PANEL_TM * PANEL_NC] __attribute__((aligned(64)));
+  for (uint kc = 0; kc < steps; kc += PANEL_KP) {
+    const uint kc_end = min(steps, kc + PANEL_KP);
+    const bool first = kc == 0, last = kc_end == steps;
+    pack_panel(rows, K, kc, kc_end, panel);
+    for (uint m0 = m_begin; m0 < m_end; m0 += PANEL_TM, next.line += kc_end - kc) {
+      // Rows past the edge compute on the last row (clamped) and are not stored.
+      global const int* xr[PANEL_TM];
+#pragma unroll
+      for (int i = 0; i < PANEL_TM; ++i)
+        xr[i] = (global const int*)(xb + (size_t)min(m0 + i, m_end - 1) * ldxb) + kc;
+#if PANEL_ROWS
+      local float* part = partial + (size_t)(m0 - m_begin) * PANEL_NC;
+      if (!first)
+        for (int q = 0; q < PANEL_TM * PANEL_NV; ++q) vstore16(vload16(q, part), q, sums);
+#endif
+      panel_tile_sums(xr, panel, kc_end - kc, last && (K & 1), first, sums,
+                      has_next ? &next : 0);
+#if PANEL_ROWS
+      if (!last) {
+        for (int q = 0; q < PANEL_TM * PANEL_NV; ++q) vstore16(vload16(q, sums), q, part);
+        continue;
+      }
+#endif
+      panel_store(sums, m0, m_end, n0, N, bias + b_off, has_bias, y + y_off, ldy, alpha,
+                  accumulate);
+    }
+  }
+}
+
+#endif  // LINEAR_BF16_PACKED

@@ -4,8 +4,9 @@
 // register-only f32 FMA and vdpbf16ps peaks measured in the same run, and the prefill GEMMs next to
 // CLBlast's SGEMM and HGEMM on the same device (--clblast: only that).
 // Usage: bench_kernels [--quick] [--gemm-bf16 [--tiles] [--rows M]] [--clblast [--rows M]]
-//   --gemm-bf16: only the peaks and the bf16-compute GEMM; --tiles: over several tile shapes; --rows: the GEMM's M (512)
-//   (KernelTuning's gemm_bf16_tm x gemm_bf16_tn) too.
+//   --gemm-bf16: only the peaks and the bf16-compute GEMMs; --tiles: over several tile shapes too
+//   (KernelTuning's gemm_bf16_packed_tm x gemm_bf16_packed_nv and gemm_bf16_tm x gemm_bf16_tn);
+//   --rows: the GEMM's M (512).
 #include <cblas.h>
 #include <clblast.h>
 #include <clblast_half.h>
@@ -13,6 +14,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <functional>
 #include <random>
 #include <vector>
 
@@ -58,74 +60,102 @@ constexpr GemmShape kPrefillShapes[] = {{"q/k/v 3072x2048", 3072, 2048},
                                         {"gate|up 16384x2048", 16384, 2048},
                                         {"down 2048x8192", 2048, 8192}};
 
-// The bf16-compute GEMM at llama3-1b's prefill shapes (M = 512 tokens): vdpbf16ps where the
-// device selects it and the portable micro-kernel, GFLOP/s and the fraction of the bf16 peak.
+// The bf16-compute GEMM at llama3-1b's prefill shapes (M = 512 tokens): the packed GEMM
+// (bf16_packed.cl; what bf16 weights take from gemm_bf16_packed_rows rows) and linear_bf16's tiles
+// (bf16_tile.cl; below those rows, and FP8 weights), each with vdpbf16ps where the device selects
+// it and with the portable micro-kernel, and the f32-compute GEMM: GFLOP/s and the fraction of the
+// bf16 peak. --tiles adds rows over other packed tiles (rows x vectors of 16 columns) and other
+// tiles (rows x weight rows).
 void gemm_bf16_section(Device& dev, int reps, bool tiles, uint32_t M) {
   const ComputePeaks peaks = measure_compute_peaks();
-  auto pct = [&](double v) { return peaks.bf16_dot_gflops > 0 ? 100 * v / peaks.bf16_dot_gflops : 0; };
+  auto pct = [&](double v) {
+    return peaks.bf16_dot_gflops > 0 ? 100 * v / peaks.bf16_dot_gflops : 0;
+  };
   const KernelTuning own = dev.tuning();
-  std::vector<std::pair<uint32_t, uint32_t>> tile_shapes = {{own.gemm_bf16_tm, own.gemm_bf16_tn}};
-  if (tiles)
-    for (auto t : std::vector<std::pair<uint32_t, uint32_t>>{{4, 4}, {2, 8}, {8, 2}, {4, 6}, {6, 4},
-                                                             {3, 8}, {4, 2}, {2, 4}, {8, 3}, {8, 2}, {8, 1}, {4, 1}})
-      if (t != tile_shapes[0]) tile_shapes.push_back(t);
+  // A row of the table: the packed and the tiled GEMM's tiles (0 x 0: that GEMM not timed).
+  struct Row {
+    uint32_t ptm, pnv, tm, tn;
+  };
+  std::vector<Row> rows = {
+      {own.gemm_bf16_packed_tm, own.gemm_bf16_packed_nv, own.gemm_bf16_tm, own.gemm_bf16_tn}};
+  if (tiles) {
+    for (auto [a, b] : std::vector<std::pair<uint32_t, uint32_t>>{
+             {4, 2}, {4, 3}, {4, 4}, {6, 3}, {6, 4}, {8, 2}, {8, 3}})
+      if (a != own.gemm_bf16_packed_tm || b != own.gemm_bf16_packed_nv)
+        rows.push_back({a, b, 0, 0});
+    for (auto [a, b] : std::vector<std::pair<uint32_t, uint32_t>>{
+             {4, 4}, {2, 8}, {8, 2}, {4, 6}, {6, 4}, {3, 8}, {4, 2}, {2, 4}, {8, 3}})
+      if (a != own.gemm_bf16_tm || b != own.gemm_bf16_tn) rows.push_back({0, 0, a, b});
+  }
+  auto label = [](uint32_t a, uint32_t b) {
+    return a ? std::to_string(a) + "x" + std::to_string(b) : std::string("-");
+  };
   std::printf("\nbf16-compute GEMM (compute_dtype bf16), M=%u, GFLOP/s (%% of the bf16 peak):\n", M);
-  std::printf("  %-20s %-6s %12s %12s %12s\n", "N x K", "tile", "dot product", "portable",
-              "f32 compute");
+  std::printf("  %-20s %-6s %-6s %13s %13s %13s %13s %13s\n", "N x K", "packed", "tiles",
+              "packed dot", "tiles dot", "packed port.", "tiles port.", "f32 compute");
+  // One GEMM's GFLOP/s with the tuning t (packed_rows 1: the packed GEMM; 0: the tiles).
+  auto time_gemm = [&](const KernelTuning& t, double flops, const std::function<void()>& run) {
+    dev.set_tuning(t);
+    const double g = flops /
+                     median_time(reps,
+                                 [&] {
+                                   run();
+                                   dev.finish();
+                                 }) /
+                     1e9;
+    dev.set_tuning(own);
+    return g;
+  };
+  auto print_rows = [&](const char* name, double flops,
+                        const std::function<void(ComputeDType)>& gemm) {
+    for (size_t r = 0; r < rows.size(); ++r) {
+      const Row& row = rows[r];
+      double g[5] = {0, 0, 0, 0, 0};
+      for (int v = 0; v < 4; ++v) {
+        const bool is_packed = v % 2 == 0;
+        if (is_packed ? row.ptm == 0 : row.tm == 0) continue;
+        KernelTuning t = own;
+        t.gemm_bf16_dot = v < 2 ? 1 : 0;
+        t.gemm_bf16_packed_rows = is_packed ? 1 : 0;
+        t.gemm_bf16_packed_tm = is_packed ? row.ptm : own.gemm_bf16_packed_tm;
+        t.gemm_bf16_packed_nv = is_packed ? row.pnv : own.gemm_bf16_packed_nv;
+        t.gemm_bf16_tm = is_packed ? own.gemm_bf16_tm : row.tm;
+        t.gemm_bf16_tn = is_packed ? own.gemm_bf16_tn : row.tn;
+        g[v] = time_gemm(t, flops, [&] { gemm(ComputeDType::BF16); });
+      }
+      if (r == 0) g[4] = time_gemm(own, flops, [&] { gemm(ComputeDType::F32); });
+      std::printf("  %-20s %-6s %-6s", name, label(row.ptm, row.pnv).c_str(),
+                  label(row.tm, row.tn).c_str());
+      for (double v : g) {
+        if (v > 0)
+          std::printf(" %6.1f (%3.0f%%)", v, pct(v));
+        else
+          std::printf(" %13s", "-");
+      }
+      std::printf("\n");
+    }
+  };
   for (const GemmShape& s : kPrefillShapes) {
     Weight w = random_weight(dev, s.N, s.K, DType::BF16, 3);
     cl::Mem x = dev.alloc(size_t(M) * s.K * 4), y = dev.alloc(size_t(M) * s.N * 4);
     dev.fill_zero(x, size_t(M) * s.K * 4);
-    const double flops = 2.0 * M * s.N * s.K;
-    for (auto [tm, tn] : tile_shapes) {
-      double g[3];
-      for (int v = 0; v < 3; ++v) {
-        KernelTuning t = own;
-        t.gemm_bf16_tm = tm;
-        t.gemm_bf16_tn = tn;
-        t.gemm_bf16_dot = v == 0 ? 1 : 0;
-        dev.set_tuning(t);
-        const ComputeDType c = v == 2 ? ComputeDType::F32 : ComputeDType::BF16;
-        if (v == 2 && std::make_pair(tm, tn) != tile_shapes[0]) {  // f32: one tile shape
-          g[v] = 0;
-          continue;
-        }
-        g[v] = flops / median_time(reps, [&] {
-                 ops::linear(dev, x, 0, uint32_t(s.K), w, nullptr, y, 0, uint32_t(s.N), M, 1.0f,
-                             false, c);
-                 dev.finish();
-               }) / 1e9;
-      }
-      dev.set_tuning(own);
-      std::printf("  %-20s %ux%-4u %6.1f (%2.0f%%) %6.1f (%2.0f%%) %6.1f (%2.0f%%)\n", s.name, tm, tn,
-                  g[0], pct(g[0]), g[1], pct(g[1]), g[2], pct(g[2]));
-    }
+    print_rows(s.name, 2.0 * M * s.N * s.K, [&](ComputeDType c) {
+      ops::linear(dev, x, 0, uint32_t(s.K), w, nullptr, y, 0, uint32_t(s.N), M, 1.0f, false, c);
+    });
   }
-  // The model's gate/up: both weights in one launch with the SwiGLU epilogue (linear_bf16.cl's GLU
-  // tiles: TN / 2 gate rows and the same columns' up rows), 2 x 8192 x 2048 at M rows.
+  // The model's gate/up: both weights in one launch with the SwiGLU epilogue (GLU tiles: gate
+  // columns and the same columns' up rows), 2 x 8192 x 2048 at M rows.
   {
     const int64_t F = 8192, K = 2048;
     Weight gate = random_weight(dev, F, K, DType::BF16, 6), up = random_weight(dev, F, K, DType::BF16, 7);
     cl::Mem x = dev.alloc(size_t(M) * K * 4), y = dev.alloc(size_t(M) * F * 4);
     dev.fill_zero(x, size_t(M) * K * 4);
-    const double flops = 2.0 * M * 2 * F * K;
-    double g[3];
-    for (int v = 0; v < 3; ++v) {
-      KernelTuning t = own;
-      t.gemm_bf16_dot = v == 0 ? 1 : 0;
-      dev.set_tuning(t);
-      const ComputeDType c = v == 2 ? ComputeDType::F32 : ComputeDType::BF16;
-      g[v] = flops / median_time(reps, [&] {
-               ops::linear_swiglu(dev, x, 0, uint32_t(K), nullptr, 0.0f, gate, up, y, 0,
-                                  uint32_t(F), M, c);
-               dev.finish();
-             }) / 1e9;
-    }
-    dev.set_tuning(own);
-    std::printf("  %-20s %ux%-4u %6.1f (%2.0f%%) %6.1f (%2.0f%%) %6.1f (%2.0f%%)\n", "swiglu 2x8192x2048",
-                own.gemm_bf16_tm, own.gemm_bf16_tn, g[0], pct(g[0]), g[1], pct(g[1]), g[2], pct(g[2]));
+    print_rows("swiglu 2x8192x2048", 2.0 * M * 2 * F * K, [&](ComputeDType c) {
+      ops::linear_swiglu(dev, x, 0, uint32_t(K), nullptr, 0.0f, gate, up, y, 0, uint32_t(F), M, c);
+    });
   }
-  if (!ops::bf16_dot_product(dev)) std::printf("  (no vdpbf16ps on this device: both columns are the portable kernel)\n");
+  if (!ops::bf16_dot_product(dev))
+    std::printf("  (no vdpbf16ps on this device: the dot columns are the portable kernels)\n");
 }
 
 // llama3-1b's prefill GEMMs (M tokens) in our kernels (f32 and bf16 weights) next to CLBlast's
@@ -197,8 +227,9 @@ int main(int argc, char** argv) {
   uint32_t gemm_rows = 512;
   app.add_flag("--quick", quick, "fewer repeats");
   app.add_flag("--gemm-bf16", gemm_bf16_only, "only the peaks and the bf16-compute GEMM");
-  app.add_flag("--tiles", tiles, "with --gemm-bf16: over several tile shapes (KernelTuning's "
-                                 "gemm_bf16_tm x gemm_bf16_tn) too");
+  app.add_flag("--tiles", tiles,
+               "with --gemm-bf16: over several tile shapes (KernelTuning's gemm_bf16_packed_tm x "
+               "gemm_bf16_packed_nv and gemm_bf16_tm x gemm_bf16_tn) too");
   bool clblast_only = false;
   app.add_flag("--clblast", clblast_only, "only the prefill GEMMs next to CLBlast's SGEMM/HGEMM");
   app.add_option("--rows", gemm_rows, "the M of the bf16-compute GEMM and of --clblast")

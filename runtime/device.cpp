@@ -95,6 +95,7 @@ DeviceInfo query_device_info(cl_device_id id, cl_platform_id platform) {
   d.compute_units = cl::device_value<cl_uint>(id, CL_DEVICE_MAX_COMPUTE_UNITS);
   d.global_mem = cl::device_value<cl_ulong>(id, CL_DEVICE_GLOBAL_MEM_SIZE);
   d.max_alloc = cl::device_value<cl_ulong>(id, CL_DEVICE_MAX_MEM_ALLOC_SIZE);
+  d.local_mem = cl::device_value<cl_ulong>(id, CL_DEVICE_LOCAL_MEM_SIZE);
   d.host_unified_memory = cl::device_value<cl_bool>(id, CL_DEVICE_HOST_UNIFIED_MEMORY);
   std::string ext = cl::device_string(id, CL_DEVICE_EXTENSIONS);
   d.fp16 = ext.find("cl_khr_fp16") != std::string::npos;

@@ -75,6 +75,13 @@ struct KernelTuning {
   uint32_t gemm_bf16_batch_tn = 4;
   uint32_t gemm_bf16_rows = 64;
   uint32_t gemm_bf16_dot = 1;
+  // From gemm_bf16_packed_rows rows (0: never), bf16 weights take the packed GEMM instead
+  // (linear_bf16.cl's linear_bf16_packed, bf16_packed.cl): a work-item packs its column tile's
+  // weight pairs once and runs tiles of gemm_bf16_packed_tm rows x gemm_bf16_packed_nv vectors of
+  // 16 columns over them (with GLU an even number of vectors, half gate and half up).
+  uint32_t gemm_bf16_packed_rows = 128;
+  uint32_t gemm_bf16_packed_tm = 4;
+  uint32_t gemm_bf16_packed_nv = 3;
   // GPU-shape GEMMs of at least this many rows go to CLBlast's tuned SGEMM (ops_blas.h; bf16
   // weights widened to f32 first); 0: never. Set in the rows of devices where it measured faster.
   uint32_t blas_gemm_rows = 0;
@@ -100,6 +107,7 @@ struct DeviceInfo {
   uint32_t compute_units = 0;
   uint64_t global_mem = 0;
   uint64_t max_alloc = 0;
+  uint64_t local_mem = 0;            // CL_DEVICE_LOCAL_MEM_SIZE
   bool host_unified_memory = false;  // buffers can wrap host memory without a copy
   bool fp16 = false;
   bool fp64 = false;

@@ -191,21 +191,38 @@ TuneWorkload::TuneWorkload(Device& dev, bool quick) : buffers_(std::make_unique<
   }
 
   // Prefill GEMM in the bf16 compute dtype (model.compute_dtype: bf16): M rows, bf16 N x K (M at
-  // least every gemm_bf16_rows candidate, so the prefill tile runs).
+  // least every gemm_bf16_rows candidate, so the prefill tile runs). On the CPU shape twice: with
+  // the packed GEMM off, the tile it leaves to linear_bf16 (bf16 weights below
+  // gemm_bf16_packed_rows rows, FP8 weights), and at twice M, where the packed GEMM's fields
+  // decide whether it runs and its tile.
   {
     const uint32_t M = 128, N = quick ? 1024 : 2048, K = quick ? 1024 : 2048;
     const Weight& w = b.weights.emplace_back(bf16_weight(dev, {N, K}, 11));
-    cl::Mem x = keep(random_buffer(dev, size_t(M) * K, 12)), y = keep(dev.alloc(size_t(M) * N * 4));
-    ops_.push_back({"linear bf16 compute",
-                    "M=" + std::to_string(M) + " N=" + std::to_string(N) + " K=" +
-                        std::to_string(K),
-                    0.0,
-                    [&dev, x, y, &w, M, N, K] {
-                      ops::linear(dev, x, 0, K, w, nullptr, y, 0, N, M, 1.0f, false,
-                                  ComputeDType::BF16);
-                    },
-                    {"linear_wg", "linear_rows", "linear_vector"},
-                    {"gemm_bf16_tm", "gemm_bf16_tn", "gemm_bf16_rows"}});
+    cl::Mem x = keep(random_buffer(dev, size_t(2 * M) * K, 12)),
+            y = keep(dev.alloc(size_t(2 * M) * N * 4));
+    ops_.push_back(
+        {"linear bf16 compute",
+         "M=" + std::to_string(M) + " N=" + std::to_string(N) + " K=" + std::to_string(K),
+         0.0,
+         [&dev, x, y, &w, M, N, K] {
+           const KernelTuning own = dev.tuning();
+           KernelTuning tiled = own;
+           tiled.gemm_bf16_packed_rows = 0;
+           dev.set_tuning(tiled);
+           ops::linear(dev, x, 0, K, w, nullptr, y, 0, N, M, 1.0f, false, ComputeDType::BF16);
+           dev.set_tuning(own);
+         },
+         {"linear_wg", "linear_rows", "linear_vector"},
+         {"gemm_bf16_tm", "gemm_bf16_tn", "gemm_bf16_rows"}});
+    ops_.push_back(
+        {"linear bf16 compute packed",
+         "M=" + std::to_string(2 * M) + " N=" + std::to_string(N) + " K=" + std::to_string(K),
+         0.0,
+         [&dev, x, y, &w, M, N, K] {
+           ops::linear(dev, x, 0, K, w, nullptr, y, 0, N, 2 * M, 1.0f, false, ComputeDType::BF16);
+         },
+         {},
+         {"gemm_bf16_packed_rows", "gemm_bf16_packed_tm", "gemm_bf16_packed_nv"}});
   }
   // The same at a decode batch of 8 rows (the batch tile), over 3 copies of the weight (96 MB,
   // past a 32 MB last-level cache): decode streams its weights from memory, and a tile that
@@ -359,7 +376,7 @@ TuneWorkload::TuneWorkload(Device& dev, bool quick) : buffers_(std::make_unique<
 
 const std::vector<TuneField>& tunable_fields() {
   // gemm_bf16_dot is no timing choice: 1 uses vdpbf16ps where the host has it, and the tuning
-  // file holds positive values only (but blas_gemm_rows' 0, never, and weight_prefetch's 0, off).
+  // file holds positive values only (but kernel_tuning_zero_allowed's fields' 0).
   // split_scratch_bytes is a memory cap.
   using S = KernelShape;
   static const std::vector<TuneField> f = {
@@ -388,6 +405,9 @@ const std::vector<TuneField>& tunable_fields() {
       {"gemm_bf16_batch_tm", S::Chunks, {2, 4, 8}},
       {"gemm_bf16_batch_tn", S::Chunks, {2, 4, 6}},
       {"gemm_bf16_rows", S::Chunks, {32, 64, 128}},
+      {"gemm_bf16_packed_rows", S::Chunks, {0, 128, 256}},
+      {"gemm_bf16_packed_tm", S::Chunks, {4, 6, 8}},
+      {"gemm_bf16_packed_nv", S::Chunks, {2, 3, 4}},
   };
   return f;
 }

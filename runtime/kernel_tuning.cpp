@@ -130,6 +130,9 @@ const std::vector<std::pair<std::string, U32Field>>& u32_fields() {
       {"gemm_bf16_batch_tn", &KernelTuning::gemm_bf16_batch_tn},
       {"gemm_bf16_rows", &KernelTuning::gemm_bf16_rows},
       {"gemm_bf16_dot", &KernelTuning::gemm_bf16_dot},
+      {"gemm_bf16_packed_rows", &KernelTuning::gemm_bf16_packed_rows},
+      {"gemm_bf16_packed_tm", &KernelTuning::gemm_bf16_packed_tm},
+      {"gemm_bf16_packed_nv", &KernelTuning::gemm_bf16_packed_nv},
       {"blas_gemm_rows", &KernelTuning::blas_gemm_rows}};
   return f;
 }
@@ -169,16 +172,15 @@ void apply_file(const DeviceInfo& info, KernelTuning& t) {
     if (e["vendor"].get<std::string>() != info.vendor || e["name"].get<std::string>() != info.name)
       continue;
     for (const auto& [field, value] : e["tuning"].items()) {
-      // Every field is a count or size (positive) but blas_gemm_rows, whose 0 means never, and
-      // weight_prefetch, whose 0 means off.
-      const bool zero_allowed = field == "blas_gemm_rows" || field == "weight_prefetch";
-      if (!value.is_number_unsigned() || (value.get<uint64_t>() == 0 && !zero_allowed) ||
+      if (!value.is_number_unsigned() ||
+          (value.get<uint64_t>() == 0 && !kernel_tuning_zero_allowed(field)) ||
           !set_kernel_tuning_field(t, field, value.get<uint64_t>())) {
         std::string names;
         for (const std::string& n : kernel_tuning_fields()) names += (names.empty() ? "" : ", ") + n;
         throw std::runtime_error(where + ".tuning." + field + ": expected one of the fields (" +
-                                 names + ") with a positive integer (blas_gemm_rows: 0 for "
-                                 "never; weight_prefetch: 0 for off), got " + value.dump());
+                                 names + ") with a positive integer (blas_gemm_rows, "
+                                 "gemm_bf16_packed_rows: 0 for never; weight_prefetch: 0 for "
+                                 "off), got " + value.dump());
       }
     }
   }
@@ -197,6 +199,11 @@ KernelTuning lookup_kernel_tuning(const DeviceInfo& info) {
   KernelTuning t = builtin_kernel_tuning(info);
   apply_file(info, t);
   return t;
+}
+
+bool kernel_tuning_zero_allowed(const std::string& field) {
+  return field == "blas_gemm_rows" || field == "gemm_bf16_packed_rows" ||
+         field == "weight_prefetch";
 }
 
 const std::vector<std::string>& kernel_tuning_fields() {

@@ -67,9 +67,65 @@ bool bf16_gemm(ComputeDType compute, uint32_t M, const std::vector<const Weight*
   return true;
 }
 
+// The pair steps a packed panel holds at once (bf16_packed.cl): K up to 2048 in one chunk; longer
+// rows run in chunks, a work-item's rows then at most kPackedPartialRows, whose partial sums wait
+// in local memory between chunks (1024 steps x 48 columns: 192 KB, and 512 rows x 48: 96 KB).
+constexpr uint32_t kPackedSteps = 1024;
+constexpr uint32_t kPackedPartialRows = 512;
+
+// linear_bf16.cl's linear_bf16_packed over the rounded rows xb (row stride ldxb): bf16 weights
+// side by side (or gate and up with glu; n1, n2 where the second and third start), the tile
+// KernelTuning's gemm_bf16_packed_tm x gemm_bf16_packed_nv. False, launching nothing, where the
+// panel (and the partial sums of K past one chunk) would not fit the device's local memory.
+bool launch_bf16_packed(Device& dev, const cl::Mem& xb, uint32_t ldxb,
+                        const std::vector<const Weight*>& ws, bool glu, const Weight* bias,
+                        bool pairs_aligned, const cl::Mem& y, uint32_t y_off, uint32_t ldy,
+                        uint32_t M, uint32_t N, uint32_t K, uint32_t n1, uint32_t n2, float alpha,
+                        bool accumulate) {
+  const KernelTuning& t = dev.tuning();
+  const uint32_t tm = std::max(1u, t.gemm_bf16_packed_tm);
+  // With GLU the vectors split evenly into gate and up.
+  const uint32_t nv =
+      glu ? std::max(2u, (t.gemm_bf16_packed_nv + 1) / 2 * 2) : std::max(1u, t.gemm_bf16_packed_nv);
+  const uint32_t tile_cols = glu ? 8 * nv : 16 * nv;
+  const uint32_t col_tiles = (N + tile_cols - 1) / tile_cols;
+  // A work-item packs its column tile once for all its rows: all M where the column tiles alone
+  // make 8 work-items per compute unit, else M split until they do.
+  const uint32_t want = 8 * std::max(dev.info().compute_units, 1u);
+  const uint32_t row_blocks = std::max(1u, (want + col_tiles - 1) / col_tiles);
+  const uint32_t steps = (K + 1) / 2;
+  uint32_t m_rows = ((M + row_blocks - 1) / row_blocks + tm - 1) / tm * tm;
+  const uint32_t partial_rows = kPackedPartialRows / tm * tm;
+  const uint64_t local_bytes = uint64_t(std::min(steps, kPackedSteps)) * 16 * nv * 4 +
+                               (steps > kPackedSteps ? uint64_t(partial_rows) * 16 * nv * 4 : 0);
+  if (local_bytes > dev.info().local_mem) return false;
+  std::string opts =
+      "-DLINEAR_BF16_PACKED=1 -DWEIGHT_TYPE=1 -DPANEL_TM=" + std::to_string(tm) +
+      " -DPANEL_NV=" + std::to_string(nv) +
+      " -DPANEL_KP=" + std::to_string(std::min(steps, kPackedSteps)) +
+      " -DGLU=" + (glu ? "1" : "0") + " -DBF16_DOT=" + (bf16_dot_product(dev) ? "1" : "0") +
+      " -DPAIRS_ALIGNED=" + (pairs_aligned ? "1" : "0") + weight_prefetch_option(dev);
+  if (steps > kPackedSteps) {
+    m_rows = std::min(m_rows, partial_rows);
+    opts += " -DPANEL_ROWS=" + std::to_string(partial_rows);
+  }
+  cl::Kernel k = dev.kernel("linear_bf16.cl", "linear_bf16_packed", opts);
+  const Weight& w0 = *ws[0];
+  const Weight& w1 = *ws[std::min<size_t>(1, ws.size() - 1)];
+  const Weight& w2 = *ws[std::min<size_t>(2, ws.size() - 1)];
+  const int has_bias = bias != nullptr;
+  cl::set_args(k, xb, ldxb, w0.mem, uint32_t(w0.offset), uint32_t(w0.row_stride()), n1, w1.mem,
+               uint32_t(w1.offset), uint32_t(w1.row_stride()), n2, w2.mem, uint32_t(w2.offset),
+               uint32_t(w2.row_stride()), has_bias ? bias->mem : w0.mem,
+               uint32_t(has_bias ? bias->offset : 0), has_bias, y, y_off, ldy, M, N, K, alpha,
+               int(accumulate), m_rows);
+  dev.launch(k, {col_tiles, (M + m_rows - 1) / m_rows, 1}, 2);
+  return true;
+}
+
 // y[M, :N] (+)= alpha * (bf16(x) [ws...]^T (+ bias)) on the CPU shape (linear_bf16.cl): the rows
-// rounded once into a scratch of 32-aligned rows, then the tiled GEMM. With glu, ws = {gate, up}
-// and y gets silu(gate) * up.
+// rounded once into a scratch of 32-aligned rows, then the tiled GEMM, or for bf16 weights from
+// gemm_bf16_packed_rows rows the packed one. With glu, ws = {gate, up} and y gets silu(gate) * up.
 void gemm_bf16(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx,
                const std::vector<const Weight*>& ws, bool glu, const Weight* bias,
                const cl::Mem& y, uint32_t y_off, uint32_t ldy, uint32_t M, float alpha,
@@ -84,7 +140,17 @@ void gemm_bf16(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx,
     ends[i] = N;
   }
   if (glu) N = uint32_t(ws[0]->dim(0));
+  const uint32_t n1 = ws.size() > 1 ? ends[0] : N, n2 = ws.size() > 2 ? ends[1] : N;
+  // The portable micro-kernels load 4-byte words where every weight row starts on one (the
+  // rounded rows always do: their stride is a multiple of 32).
+  bool pairs_aligned = true;
+  for (const Weight* w : ws)
+    pairs_aligned &= fp8_scale || (w->row_stride() % 2 == 0 && w->offset % 2 == 0);
   const KernelTuning& t = dev.tuning();
+  if (!fp8_scale && t.gemm_bf16_packed_rows != 0 && M >= t.gemm_bf16_packed_rows &&
+      launch_bf16_packed(dev, xb.mem(), ldxb, ws, glu, bias, pairs_aligned, y, y_off, ldy, M, N, K,
+                         n1, n2, alpha, accumulate))
+    return;
   // Batches below one work-item's rows (decode) take their own tile (KernelTuning).
   const bool batch = M < t.gemm_bf16_rows;
   const uint32_t tm = batch ? t.gemm_bf16_batch_tm : t.gemm_bf16_tm;
@@ -108,13 +174,8 @@ void gemm_bf16(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx,
   // tile's rows (llama3-1b at batch 8: the whole step 10% faster); a prefill's row blocks are
   // compute-bound, and there the prefetched rows only took cache from the x rows (134.7-147.5
   // against 146.3-149.2 tok/s without, 3 interleaved pairs of a 512-token prefill).
-  // The portable micro-kernel loads 4-byte words where every weight row starts on one (the
-  // rounded rows always do: their stride is a multiple of 32).
   // An FP8 weight (one, no GLU, no bias) is dequantized per column tile into the work-item's
   // bf16 panel (bf16_tile.cl's FP8_BF16_PANEL), whose rows are aligned.
-  bool pairs_aligned = true;
-  for (const Weight* w : ws)
-    pairs_aligned &= fp8_scale || (w->row_stride() % 2 == 0 && w->offset % 2 == 0);
   std::string opts = "-DLINEAR_BF16=1 -DWEIGHT_TYPE=1 -DTM=" + std::to_string(tm) +
                      " -DTN=" + std::to_string(tn) + " -DGLU=" + (glu ? "1" : "0") +
                      " -DBF16_DOT=" + (bf16_dot_product(dev) ? "1" : "0") +
@@ -127,7 +188,6 @@ void gemm_bf16(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx,
   const Weight& w0 = *ws[0];
   const Weight& w1 = *ws[std::min<size_t>(1, ws.size() - 1)];
   const Weight& w2 = *ws[std::min<size_t>(2, ws.size() - 1)];
-  const uint32_t n1 = ws.size() > 1 ? ends[0] : N, n2 = ws.size() > 2 ? ends[1] : N;
   const int has_bias = bias != nullptr;
   cl::set_args(k, xb.mem(), ldxb, w0.mem, uint32_t(w0.offset), uint32_t(w0.row_stride()), n1,
                w1.mem, uint32_t(w1.offset), uint32_t(w1.row_stride()), n2, w2.mem,

@@ -1,13 +1,19 @@
 // bf16 compute (model.compute_dtype: bf16): the rounding kernel against the nearest bf16 found on
-// the host, and the bf16 GEMM (linear_bf16.cl, both micro-kernels: vdpbf16ps where the device
-// selects it, and the portable one forced through the tuning's gemm_bf16_dot = 0) against a
-// double-precision host reference computed on the bf16-rounded inputs, on sizes that are not
-// multiples of the tiles or of the 32-element steps: linear (bias, alpha, accumulate),
-// linear_fused (norm, q/k/v side by side) and linear_swiglu (norm, GLU epilogue).
+// the host, and the bf16 GEMMs (linear_bf16.cl's tiles and, from gemm_bf16_packed_rows rows, its
+// packed GEMM; both micro-kernels: vdpbf16ps where the device selects it, and the portable one
+// forced through the tuning's gemm_bf16_dot = 0) against a double-precision host reference
+// computed on the bf16-rounded inputs, on sizes that are not multiples of the tiles or of the
+// 32-element steps: linear (bias, alpha, accumulate), linear_fused (norm, q/k/v side by side) and
+// linear_swiglu (norm, GLU epilogue).
 //
 // Tolerance: the kernel's products of bf16 values are exact in f32, so its error is f32 rounding
-// of the sums: K / 16 pair-steps per lane (2 adds each), 4 adds across lanes and up to 31 tail adds.
-// The bound allows (K / 8 + 40) f32 epsilons of the sum of the products' magnitudes. Where the
+// of the sums. The tiles: K / 16 pair-steps per lane (2 adds each), 4 adds across lanes and up to
+// 31 tail adds; the bound allows (K / 8 + 40) f32 epsilons of the sum of the products'
+// magnitudes. The packed GEMM: one chain of K adds per output, each rounding once to within an
+// epsilon of its result, so the bound is an epsilon of the sum of the chain's partial sums'
+// magnitudes, taken on the host in the kernel's order (1% more for second-order terms): near
+// sqrt(K) epsilons of the products for random signs, where K epsilons would let an f32 product of
+// the unrounded x pass at K = 2101. Where the
 // input is normalised on the device first (linear_fused, linear_swiglu), an element of the
 // normalised row can round to the neighbouring bf16 on the device and not on the host (the f32
 // norm differs from the double one in its last bits): those cases add one bf16 step (2^-8) of
@@ -96,6 +102,7 @@ struct GemmCase {
   Variant variant;
   KernelShape shape = KernelShape::Chunks;
   uint32_t tm = 0, tn = 0;  // a tile forced for both the prefill and the batch tile; 0: the device's
+  uint32_t ptm = 0, pnv = 0;  // the packed GEMM's tile forced (rows x vectors); 0: the device's
 };
 
 std::string case_name(const ::testing::TestParamInfo<GemmCase>& p) {
@@ -103,7 +110,8 @@ std::string case_name(const ::testing::TestParamInfo<GemmCase>& p) {
   return "M" + std::to_string(c.M) + "_N" + std::to_string(c.N) + "_K" + std::to_string(c.K) +
          (c.variant == Variant::Selected ? "_selected" : "_portable") +
          (c.shape == KernelShape::Chunks ? "" : "_workgroups") +
-         (c.tm ? "_tile" + std::to_string(c.tm) + "x" + std::to_string(c.tn) : "");
+         (c.tm ? "_tile" + std::to_string(c.tm) + "x" + std::to_string(c.tn) : "") +
+         (c.ptm ? "_packed" + std::to_string(c.ptm) + "x" + std::to_string(c.pnv) : "");
 }
 
 // The device with the case's kernel shape and micro-kernel, restored afterwards.
@@ -114,6 +122,10 @@ KernelTuning case_tuning(const Device& d, const GemmCase& c) {
     t.gemm_bf16_tm = t.gemm_bf16_batch_tm = c.tm;
     t.gemm_bf16_tn = t.gemm_bf16_batch_tn = c.tn;
   }
+  if (c.ptm) {
+    t.gemm_bf16_packed_tm = c.ptm;
+    t.gemm_bf16_packed_nv = c.pnv;
+  }
   return t;
 }
 struct DeviceScope {
@@ -122,7 +134,43 @@ struct DeviceScope {
   DeviceScope(Device& d, const GemmCase& c) : shape(d, c.shape), tuning(d, case_tuning(d, c)) {}
 };
 
-double tolerance(uint32_t K, double abs_sum) { return (K / 8.0 + 40.0) * FLT_EPSILON * abs_sum; }
+// Whether a GEMM of M rows takes the packed GEMM (bf16_packed.cl) with the device's shape and
+// tuning, as ops::linear decides.
+bool packed(const Device& dev, uint32_t M) {
+  const KernelTuning& t = dev.tuning();
+  return dev.kernel_shape() == KernelShape::Chunks && t.gemm_bf16_packed_rows != 0 &&
+         M >= t.gemm_bf16_packed_rows;
+}
+
+// An output's K products p(k) summed exactly (in double), with the magnitudes the bound needs.
+struct Sums {
+  double sum = 0, abs = 0, big = 0;  // the sum, the sum of |p| and the largest |p|
+  double chain = 0;                  // the packed chain's partial sums' magnitudes, summed
+};
+template <class Product>
+Sums sums_of(uint32_t K, Product p) {
+  Sums r;
+  double partial = 0;
+  for (uint32_t k = 0; k < K; k += 2) {  // the packed GEMM's order: each pair's odd element first
+    for (const uint32_t e : {k + 1, k}) {
+      if (e >= K) continue;
+      const double v = p(e);
+      r.sum += v;
+      r.abs += std::abs(v);
+      r.big = std::max(r.big, std::abs(v));
+      partial += v;
+      r.chain += std::abs(partial);
+    }
+  }
+  return r;
+}
+
+// The f32 sum's error bound in the GEMM that ran (above); `extra`: a further term of the output
+// (the bias), added once.
+double tolerance(uint32_t K, const Sums& s, bool packed, double extra = 0) {
+  return packed ? 1.01 * FLT_EPSILON * (s.chain + std::abs(s.sum) + std::abs(extra))
+                : (K / 8.0 + 40.0) * FLT_EPSILON * (s.abs + std::abs(extra));
+}
 
 class GemmBf16 : public ::testing::TestWithParam<GemmCase> {};
 
@@ -156,15 +204,13 @@ TEST_P(GemmBf16, LinearMatchesDoubleReferenceOnRoundedInputs) {
     size_t moved = 0;
     for (uint32_t m = 0; m < M; ++m)
       for (uint32_t n = 0; n < N; ++n) {
-        double s = 0, a = 0;
-        for (uint32_t k = 0; k < K; ++k) {
-          const double p = double(round_bf16(x[m * ldx + 2 + k])) * wv[size_t(n) * K + k];
-          s += p;
-          a += std::abs(p);
-        }
-        const double want = alpha * (s + bv[n]) + (acc ? y0[m * ldy + 1 + n] : 0.0);
+        const Sums s = sums_of(K, [&](uint32_t k) {
+          return double(round_bf16(x[m * ldx + 2 + k])) * wv[size_t(n) * K + k];
+        });
+        const double want = alpha * (s.sum + bv[n]) + (acc ? y0[m * ldy + 1 + n] : 0.0);
         const size_t i = size_t(m) * ldy + 1 + n;
-        const double tol = alpha * tolerance(K, a + std::abs(bv[n])) + 2 * FLT_EPSILON * std::abs(want);
+        const double tol =
+            alpha * tolerance(K, s, packed(dev, M), bv[n]) + 2 * FLT_EPSILON * std::abs(want);
         ASSERT_NEAR(y[i], want, tol) << "m " << m << " n " << n << " accumulate " << acc;
         moved += std::abs(f32[i] - want) > tol;  // the f32 path does not round x
       }
@@ -207,15 +253,10 @@ TEST_P(GemmBf16, FusedQkvWithNormMatchesDoubleReference) {
     uint32_t col = 0;
     for (int i = 0; i < 3; ++i)
       for (uint32_t n = 0; n < Ns[i]; ++n, ++col) {
-        double s = 0, a = 0, big = 0;
-        for (uint32_t k = 0; k < K; ++k) {
-          const double p = double(xn[k]) * wv[i][size_t(n) * K + k];
-          s += p;
-          a += std::abs(p);
-          big = std::max(big, std::abs(p));
-        }
-        const double tol = alpha * (tolerance(K, a) + 2 * std::ldexp(big, -8));
-        ASSERT_NEAR(y[size_t(m) * ldy + col], alpha * s, tol) << "m " << m << " column " << col;
+        const Sums s =
+            sums_of(K, [&](uint32_t k) { return double(xn[k]) * wv[i][size_t(n) * K + k]; });
+        const double tol = alpha * (tolerance(K, s, packed(dev, M)) + 2 * std::ldexp(s.big, -8));
+        ASSERT_NEAR(y[size_t(m) * ldy + col], alpha * s.sum, tol) << "m " << m << " column " << col;
       }
   }
 }
@@ -240,15 +281,11 @@ TEST_P(GemmBf16, SwigluWithNormMatchesDoubleReference) {
     std::vector<float> xn(K);
     for (uint32_t k = 0; k < K; ++k) xn[k] = round_bf16(float(x[m * K + k] * inv * g[k]));
     for (uint32_t n = 0; n < F; ++n) {
-      double sg = 0, su = 0, ag = 0, au = 0, bg = 0, bu = 0;
-      for (uint32_t k = 0; k < K; ++k) {
-        const double pg = double(xn[k]) * gv[size_t(n) * K + k];
-        const double pu = double(xn[k]) * uv[size_t(n) * K + k];
-        sg += pg, su += pu, ag += std::abs(pg), au += std::abs(pu);
-        bg = std::max(bg, std::abs(pg)), bu = std::max(bu, std::abs(pu));
-      }
-      const double eg = tolerance(K, ag) + 2 * std::ldexp(bg, -8);
-      const double eu = tolerance(K, au) + 2 * std::ldexp(bu, -8);
+      const Sums g = sums_of(K, [&](uint32_t k) { return double(xn[k]) * gv[size_t(n) * K + k]; });
+      const Sums u = sums_of(K, [&](uint32_t k) { return double(xn[k]) * uv[size_t(n) * K + k]; });
+      const double sg = g.sum, su = u.sum;
+      const double eg = tolerance(K, g, packed(dev, M)) + 2 * std::ldexp(g.big, -8);
+      const double eu = tolerance(K, u, packed(dev, M)) + 2 * std::ldexp(u.big, -8);
       const double silu = sg / (1 + std::exp(-sg));
       // d silu / d g <= 1.1 everywhere; plus the epilogue's few f32 roundings.
       const double tol = 1.1 * eg * (std::abs(su) + eu) + std::abs(silu) * eu +
@@ -295,12 +332,82 @@ TEST(GemmBf16Variants, DotProductAndPortableAgreeToTheBit) {
   }
 }
 
+// The packed GEMM's two micro-kernels likewise: one chain per output in vdpbf16ps's order, so the
+// same bits on inputs without bf16 denormals. Odd and even K, one chunk and several (K = 2101: 1051
+// pair steps, whose partial sums wait in local memory between chunks), linear and the GLU
+// epilogue, and its tiles of 4 x 3 vectors of 16 columns (the default), 8 x 2 and 6 x 4.
+TEST(GemmBf16Variants, PackedDotProductAndPortableAgreeToTheBit) {
+  Device& dev = test::default_device();
+  const uint32_t M = 130, N = 37;
+  for (const uint32_t K : {333u, 334u, 2101u}) {
+    std::vector<float> x = random_vec(size_t(M) * K, 44, 4.0f), wv = random_vec(size_t(N) * K, 45),
+                       uv = random_vec(size_t(N) * K, 46);
+    Weight w = bf16_weight(dev, wv, {N, K}, "w"), u = bf16_weight(dev, uv, {N, K}, "u");
+    cl::Mem xm = test::upload_bytes(dev, x.data(), x.size() * 4);
+    for (const auto& [ptm, pnv] :
+         std::vector<std::pair<uint32_t, uint32_t>>{{4, 3}, {8, 2}, {6, 4}}) {
+      for (const bool glu : {false, true}) {
+        SCOPED_TRACE("K=" + std::to_string(K) + " packed tile " + std::to_string(ptm) + "x" +
+                     std::to_string(pnv) + (glu ? " glu" : ""));
+        std::vector<float> out[2];
+        for (Variant v : {Variant::Selected, Variant::Portable}) {
+          GemmCase c{M, N, K, v};
+          c.ptm = ptm;
+          c.pnv = pnv;
+          DeviceScope scope(dev, c);
+          ASSERT_TRUE(packed(dev, M));
+          cl::Mem ym = dev.alloc(size_t(M) * N * 4);
+          if (glu)
+            ops::linear_swiglu(dev, xm, 0, K, nullptr, 0.0f, w, u, ym, 0, N, M, ComputeDType::BF16);
+          else
+            ops::linear(dev, xm, 0, K, w, nullptr, ym, 0, N, M, 1.0f, false, ComputeDType::BF16);
+          out[int(v)] = download(dev, ym, size_t(M) * N);
+        }
+        for (size_t i = 0; i < out[0].size(); ++i)
+          ASSERT_EQ(std::memcmp(&out[0][i], &out[1][i], 4), 0) << i;
+      }
+    }
+  }
+}
+
+// The packed GEMM takes bf16 weights from gemm_bf16_packed_rows rows and not below, sums each row
+// alone (the first 130 rows of a 200-row product are a 130-row product's, bit for bit), and rounds
+// in its own order: some of its outputs differ from the tiles' (where a row takes which GEMM, it
+// gets that GEMM's bits).
+TEST(GemmBf16Packed, TakesItsRowsAndSumsEachRowAlone) {
+  Device& dev = test::default_device();
+  test::ShapeScope shape(dev, KernelShape::Chunks);
+  const uint32_t N = 50, K = 301;
+  std::vector<float> x = random_vec(size_t(200) * K, 47, 4.0f), wv = random_vec(size_t(N) * K, 48);
+  Weight w = bf16_weight(dev, wv, {N, K}, "w");
+  cl::Mem xm = test::upload_bytes(dev, x.data(), x.size() * 4);
+  auto run = [&](uint32_t M, uint32_t packed_rows) {
+    KernelTuning t = dev.tuning();
+    t.gemm_bf16_packed_rows = packed_rows;
+    test::TuningScope scope(dev, t);
+    cl::Mem ym = dev.alloc(size_t(M) * N * 4);
+    ops::linear(dev, xm, 0, K, w, nullptr, ym, 0, N, M, 1.0f, false, ComputeDType::BF16);
+    return download(dev, ym, size_t(M) * N);
+  };
+  const std::vector<float> packed130 = run(130, 128), packed200 = run(200, 128);
+  const std::vector<float> below = run(130, 131), never = run(130, 0);
+  size_t differ = 0;
+  for (size_t i = 0; i < packed130.size(); ++i) {
+    ASSERT_EQ(std::memcmp(&packed130[i], &packed200[i], 4), 0) << i;
+    ASSERT_EQ(std::memcmp(&below[i], &never[i], 4), 0) << i;
+    differ += std::memcmp(&packed130[i], &below[i], 4) != 0;
+  }
+  EXPECT_GT(differ, packed130.size() / 10) << "the packed GEMM must have run from its rows";
+}
+
 // The next column tile's weight prefetch (weight_prefetch, x86 PoCL) is a hint only: the same
 // bits with it on and off, for linear, fused q/k/v and the GLU epilogue, on work-items that own
-// several column tiles (N = 3100: 2 to 4 tiles each).
-TEST(GemmBf16Variants, WeightPrefetchLeavesTheBits) {
+// several column tiles (M = 9, N = 3100: 2 to 4 tiles each), and in the packed GEMM, whose
+// work-items prefetch the next one's weights (M = 130).
+class GemmBf16Prefetch : public ::testing::TestWithParam<uint32_t> {};
+TEST_P(GemmBf16Prefetch, WeightPrefetchLeavesTheBits) {
   Device& dev = test::default_device();
-  const uint32_t M = 9, N = 3100, K = 96;
+  const uint32_t M = GetParam(), N = 3100, K = 96;
   std::vector<float> x = random_vec(size_t(M) * K, 51, 4.0f);
   std::vector<float> g = random_vec(size_t(N) * K, 52), u = random_vec(size_t(N) * K, 53),
                      v = random_vec(size_t(N / 4) * K, 54);
@@ -312,6 +419,7 @@ TEST(GemmBf16Variants, WeightPrefetchLeavesTheBits) {
   for (uint32_t prefetch : {0u, 1u}) {
     KernelTuning t = dev.tuning();
     t.weight_prefetch = prefetch;
+    t.gemm_bf16_packed_rows = 128;  // M = 9 the tiles, M = 130 the packed GEMM
     test::TuningScope scope(dev, t);
     cl::Mem y = dev.alloc(size_t(M) * N * 4), q = dev.alloc(size_t(M) * qkv_n * 4),
             s = dev.alloc(size_t(M) * N * 4);
@@ -327,6 +435,8 @@ TEST(GemmBf16Variants, WeightPrefetchLeavesTheBits) {
     for (size_t i = 0; i < out[0][op].size(); ++i)
       ASSERT_EQ(std::memcmp(&out[0][op][i], &out[1][op][i], 4), 0) << "op " << op << " at " << i;
 }
+INSTANTIATE_TEST_SUITE_P(Rows, GemmBf16Prefetch, ::testing::Values(9u, 130u),
+                         [](const auto& info) { return "M" + std::to_string(info.param); });
 
 INSTANTIATE_TEST_SUITE_P(
     Sizes, GemmBf16,
@@ -350,7 +460,17 @@ INSTANTIATE_TEST_SUITE_P(
                       GemmCase{13, 3100, 333, Variant::Selected, KernelShape::Chunks, 8, 4},
                       GemmCase{67, 29, 97, Variant::Selected, KernelShape::Chunks, 8, 4},
                       GemmCase{13, 29, 333, Variant::Portable, KernelShape::Chunks, 8, 4},
-                      GemmCase{9, 3100, 70, Variant::Selected, KernelShape::Chunks, 4, 6}),
+                      GemmCase{9, 3100, 70, Variant::Selected, KernelShape::Chunks, 4, 6},
+                      // The packed GEMM (from gemm_bf16_packed_rows rows): rows and columns past
+                      // its tiles, odd K, and K of several chunks (1051 pair steps) whose partial
+                      // sums wait in local memory; the tiles the tuning table can name.
+                      GemmCase{129, 61, 333, Variant::Selected},
+                      GemmCase{129, 61, 333, Variant::Portable},
+                      GemmCase{131, 37, 2101, Variant::Selected},
+                      GemmCase{131, 37, 2101, Variant::Portable},
+                      GemmCase{130, 70, 97, Variant::Selected, KernelShape::Chunks, 0, 0, 8, 2},
+                      GemmCase{130, 70, 97, Variant::Selected, KernelShape::Chunks, 0, 0, 6, 4},
+                      GemmCase{133, 200, 97, Variant::Portable, KernelShape::Chunks, 0, 0, 8, 3}),
     case_name);
 
 }  // namespace

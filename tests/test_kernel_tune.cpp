@@ -118,7 +118,8 @@ TEST(KernelTune, DryRunWritesNothing) {
 TEST(KernelTune, UnknownAndUntunableFieldsAreRefusedWithTheirMessage) {
   const std::string cpu_fields =
       "gemv_stream_k, weight_prefetch, gemm_bf16_tm, gemm_bf16_tn, gemm_bf16_batch_tm, "
-      "gemm_bf16_batch_tn, gemm_bf16_rows";
+      "gemm_bf16_batch_tn, gemm_bf16_rows, gemm_bf16_packed_rows, gemm_bf16_packed_tm, "
+      "gemm_bf16_packed_nv";
   struct Case {
     std::vector<std::string> args;
     std::string message;
@@ -154,7 +155,7 @@ TEST(KernelTune, TunableFieldsAreKernelTuningFields) {
     EXPECT_NE(std::find(all.begin(), all.end(), f.field), all.end()) << f.field;
     EXPECT_FALSE(f.candidates.empty()) << f.field;
     for (uint64_t v : f.candidates)  // positive, as the tuning file holds them (0: never, off)
-      EXPECT_TRUE(v > 0 || f.field == "blas_gemm_rows" || f.field == "weight_prefetch") << f.field;
+      EXPECT_TRUE(v > 0 || kernel_tuning_zero_allowed(f.field)) << f.field;
   }
 }
 

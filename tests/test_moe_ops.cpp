@@ -621,7 +621,9 @@ TEST_P(GroupedExperts, MatchPerExpertOpsBitForBit) {
     // reference is ops::linear over all S rows, of which the expert's own are kept (an expert of
     // fewer than 4 rows would take the f32 GEMV by itself). FP8 experts: ops::linear of the
     // weight dequantized to bf16 by dequantize_fp8_bf16 (ops::linear_any's FP8 GEMM under bf16
-    // compute).
+    // compute). The grouped experts run linear_bf16's tiles at any row count, and so does the
+    // reference: the packed GEMM, which would take S rows from gemm_bf16_packed_rows on and sums
+    // in another order, is off.
     auto rows_of = [&](const cl::Mem& in, uint32_t ld_in, uint32_t mat, uint32_t N,
                        const cl::Mem& dst, uint32_t ld_dst, uint32_t col) {
       cl::Mem tmp = dev.alloc(size_t(S) * N * 4);
@@ -636,6 +638,9 @@ TEST_P(GroupedExperts, MatchPerExpertOpsBitForBit) {
           ops::dequantize_fp8_bf16(dev, ex.w[e][mat], ex.s[e][mat], w.mem);
           w.dtype = DType::BF16;
         }
+        KernelTuning tiled = dev.tuning();
+        tiled.gemm_bf16_packed_rows = 0;
+        test::TuningScope scope(dev, tiled);
         ops::linear(dev, in, 0, ld_in, w, nullptr, tmp, 0, N, S, 1.0f, false,
                     ComputeDType::BF16);
         const auto t = download<float>(dev, tmp, size_t(S) * N);

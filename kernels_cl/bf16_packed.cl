@@ -1,0 +1,239 @@
+// The packed bf16-compute GEMM (model.compute_dtype: bf16; CPU shape; linear_bf16.cl's
+// linear_bf16_packed), for prefill-sized M: an outer product, where bf16_tile.cl's tiles are dot
+// products. Build options: -DPANEL_TM (rows per tile), -DPANEL_NV (vectors of 16 columns per
+// tile), -DPANEL_KP (pair steps per panel), -DBF16_DOT=0|1 (the micro-kernel, below),
+// -DPAIRS_ALIGNED=0|1 (weight rows on 4-byte boundaries), -DPREFETCH_X86=1 (PanelPrefetch).
+//
+// A work-item owns a column tile of PANEL_NC = 16 PANEL_NV weight rows (output columns) and
+// packs them once into a panel in local memory: for each pair step kp (elements 2 kp and
+// 2 kp + 1) the tile's PANEL_NC weight pairs as 32-bit words (element 2 kp in the low half),
+// word c of step kp at panel[kp * PANEL_NC + c]. Its row tiles (PANEL_TM rows of x, bf16 rows
+// read as words) then keep PANEL_TM x PANEL_NV vectors of 16 sums, lane l of vector v the sum of
+// column 16 v + l: a step broadcasts each row's pair against the PANEL_NV panel vectors of the
+// step. No sum crosses lanes, so a tile ends without a reduction, and a step reads PANEL_NV
+// panel vectors and PANEL_TM 4-byte words of x for PANEL_TM x PANEL_NV products, where a dot
+// product tile reads a whole 64-byte line per row and per weight row. In-process A/B on the 2-core
+// EPYC against bf16_tile.cl's 4 x 6 tiles (M = 512; 4 x 3 here, with GLU 4 x 4): vdpbf16ps
+// 1.05x (3072 x 2048), 1.03x (2048 x 2048), 1.07x (2048 x 8192), 1.14x (gate|up with SwiGLU,
+// 2 x 8192 x 2048); the portable micro-kernel 1.9x, 1.9x and 2.1x, at 93% of the f32 FMA peak.
+// At M = 128 1.03x, at M = 64 and 96 no faster (the pack is a memory phase the rows no longer
+// cover), so the host takes it from KernelTuning's gemm_bf16_packed_rows rows.
+//
+// An output's sum is one f32 chain over the pairs in order of k, each pair's odd element first,
+// then its even one, each product exact in f32 and each add rounded once: vdpbf16ps's order, so
+// the two micro-kernels below agree up to bf16 denormals (which the instruction reads as zero).
+// (bf16_tile.cl's sums run in 16 lanes and meet at the end: the two GEMMs round differently, and
+// which one a row gets depends on M.) A K of odd length ends with the pair (x[K - 1], 0) against
+// (w[K - 1], 0), whose added zero leaves the sum as it is.
+//
+// Micro-kernels, chosen by the host per device (runtime/ops.cpp), as bf16_tile.cl's:
+// -DBF16_DOT=1: vdpbf16ps through clang's per-function target attribute, out of line and without
+//   OpenCL builtins; -DBF16_DOT=0: the same sums with f32 FMAs on the bf16 values widened by a
+//   shift, any device.
+//
+// Panels longer than PANEL_KP pairs are packed and run in chunks of PANEL_KP pairs; between
+// chunks a tile's sums wait in memory (partial sums: the same chain, stored and loaded as they
+// are).
+
+#define PANEL_NC (16 * PANEL_NV)
+
+// 16 x 16 words transposed: r[c] lane q becomes r[q] lane c. The usual four rounds, each of
+// 16 two-source shuffles that x86 has as single instructions (unpack of 32-bit and 64-bit
+// elements within 128-bit lanes, then 128-bit lane shuffles): 64 in all
+// (__builtin_shufflevector with constant indices, which the backend lowers to those single
+// instructions; OpenCL's shuffle2 went through PoCL's library as a general permute of a mask
+// loaded from memory.)
+__attribute__((always_inline)) inline void transpose16x16(uint16 r[16]) {
+  uint16 t[16], u[16];
+  // Rows 2k, 2k + 1 interleaved per 32-bit element, then rows of each group of 4 per 64-bit
+  // element: u[4 g + q]'s 128-bit lane L holds column 4 L + q of rows 4 g .. 4 g + 3.
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    t[2 * k] = __builtin_shufflevector(r[2 * k], r[2 * k + 1], 0, 16, 1, 17, 4, 20, 5, 21, 8, 24,
+                                       9, 25, 12, 28, 13, 29);
+    t[2 * k + 1] = __builtin_shufflevector(r[2 * k], r[2 * k + 1], 2, 18, 3, 19, 6, 22, 7, 23, 10,
+                                           26, 11, 27, 14, 30, 15, 31);
+  }
+#pragma unroll
+  for (int g = 0; g < 4; ++g)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint16 a = t[4 * g + h], b = t[4 * g + 2 + h];
+      u[4 * g + 2 * h] = __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25,
+                                                 12, 13, 28, 29);
+      u[4 * g + 2 * h + 1] = __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26,
+                                                     27, 14, 15, 30, 31);
+    }
+  // Column 4 L + q = (u[q], u[4 + q], u[8 + q], u[12 + q])'s lane L: two rounds of lane shuffles
+  // (even lanes 0, 2 of both sources; odd lanes 1, 3).
+#define PANEL_EVEN128(a, b) \
+  __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)
+#define PANEL_ODD128(a, b) \
+  __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31)
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const uint16 a = PANEL_EVEN128(u[q], u[4 + q]), b = PANEL_EVEN128(u[8 + q], u[12 + q]);
+    const uint16 c = PANEL_ODD128(u[q], u[4 + q]), d = PANEL_ODD128(u[8 + q], u[12 + q]);
+    r[q] = PANEL_EVEN128(a, b);
+    r[8 + q] = PANEL_ODD128(a, b);
+    r[4 + q] = PANEL_EVEN128(c, d);
+    r[12 + q] = PANEL_ODD128(c, d);
+  }
+#undef PANEL_EVEN128
+#undef PANEL_ODD128
+}
+
+// 32 bf16 values (a: elements 0-15, b: 16-31) as 16 pair words: their bytes as they are (little
+// endian: element 2 q is the low half of word q). (Through .even / .odd swizzles this had
+// compiled to a word insert per element.)
+inline uint16 bf16_pair_words(ushort16 a, ushort16 b) {
+  return (uint16)(as_uint8(a), as_uint8(b));
+}
+
+// The pair words kp0 .. kp0 + 15 of a weight row: panel_row_words where they lie within the row
+// (2 kp0 + 32 <= K), panel_row_tail where the row ends among them (words past it zero). Read as
+// words where every row starts on a 4-byte boundary (-DPAIRS_ALIGNED=1), else as ushorts (a GPU
+// would fault on the misaligned word; PoCL reads either).
+typedef uint panel_u16_u __attribute__((ext_vector_type(16), aligned(4)));
+inline uint16 panel_row_words(global const ushort* row, uint kp0) {
+#if PAIRS_ALIGNED
+  return *(global const panel_u16_u*)((global const uint*)row + kp0);
+#else
+  return bf16_pair_words(vload16(0, row + 2 * kp0), vload16(1, row + 2 * kp0));
+#endif
+}
+inline uint16 panel_row_tail(global const ushort* row, uint kp0, uint K) {
+  uint w[16];
+  for (int q = 0; q < 16; ++q) {
+    const uint k = 2 * (kp0 + q);
+    w[q] = (k < K ? (uint)row[k] : 0u) | (k + 1 < K ? (uint)row[k + 1] << 16 : 0u);
+  }
+  return vload16(0, w);
+}
+
+// Packs pair steps [kp_begin, kp_end) of the tile's PANEL_NC weight rows (rows[c]) into
+// panel[(kp - kp_begin) * PANEL_NC + c]: 16 rows x 16 steps at a time, transposed in registers,
+// so that each step's 16 words are one vector store.
+inline void pack_panel(global const ushort* const* rows, uint K, uint kp_begin, uint kp_end,
+                       local uint* panel) {
+  for (int g = 0; g < PANEL_NV; ++g)
+    for (uint kp0 = kp_begin; kp0 < kp_end; kp0 += 16) {
+      uint16 r[16];
+      if (2 * kp0 + 32 <= K) {
+#pragma unroll
+        for (int c = 0; c < 16; ++c) r[c] = panel_row_words(rows[16 * g + c], kp0);
+      } else {
+        for (int c = 0; c < 16; ++c) r[c] = panel_row_tail(rows[16 * g + c], kp0, K);
+      }
+      transpose16x16(r);
+      local uint* dst = panel + (size_t)(kp0 - kp_begin) * PANEL_NC + 16 * g;
+      const uint steps = min(16u, kp_end - kp0);
+      for (uint q = 0; q < steps; ++q) *(local uint16*)(dst + (size_t)q * PANEL_NC) = r[q];
+    }
+}
+
+// The weights of the work-item that packs next (its column tile's rows): two byte ranges of
+// half_lines 64-byte lines each (with GLU its gate rows and its up rows, else the two halves of
+// its rows). While a tile's sums run, panel_tile_sums prefetches one line per step (common.cl's
+// PREFETCH_LINE, -DPREFETCH_X86=1; lines `line` .. line + steps - 1 of the two ranges in turn),
+// so that the pack, which otherwise waits on memory with no work beside it, finds them in cache.
+typedef struct {
+  global const uchar* base[2];
+  uint half_lines, line;
+} PanelPrefetch;
+#define PANEL_PREFETCH(pf, l)                                                       \
+  {                                                                                 \
+    const uint l_ = (l), h_ = (pf)->half_lines;                                     \
+    PREFETCH_LINE(l_ < h_ ? (pf)->base[0] + (size_t)l_ * 64                         \
+                          : (pf)->base[1] + (size_t)(l_ - h_) * 64);                \
+  }
+// Of a call's steps, how many prefetch a line (none without pf or past its lines).
+inline uint panel_prefetches(const PanelPrefetch* pf, uint steps) {
+  if (!pf || pf->line >= 2 * pf->half_lines) return 0;
+  return min(steps, 2 * pf->half_lines - pf->line);
+}
+
+// The tile's sums over the panel's steps [0, steps): xr[i] are the tile's x rows as pair words,
+// from the panel's first step. sums: PANEL_TM x PANEL_NC floats (row-major, 64-byte aligned),
+// read as the starting sums unless from_zero. odd_tail: the last step is a K of odd length's
+// lone element: its x word keeps only the low half.
+#if BF16_DOT
+typedef int panel_v16i __attribute__((__vector_size__(64)));
+typedef float panel_v16f __attribute__((ext_vector_type(16)));
+
+__attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl"))) __attribute__((noinline))
+void panel_tile_sums(global const int* const* xr, local const uint* panel, uint steps,
+                     int odd_tail, int from_zero, float* sums, const PanelPrefetch* pf) {
+  panel_v16f acc[PANEL_TM][PANEL_NV];
+#pragma unroll
+  for (int i = 0; i < PANEL_TM; ++i)
+#pragma unroll
+    for (int v = 0; v < PANEL_NV; ++v)
+      acc[i][v] = from_zero ? (panel_v16f)(0.0f) : *(panel_v16f*)(sums + (i * PANEL_NV + v) * 16);
+  // One step: PANEL_NV panel vectors against each row's pair word (masked by keep).
+#define PANEL_DOT_STEP(kp, keep)                                                        \
+  {                                                                                     \
+    panel_v16i w[PANEL_NV];                                                             \
+    _Pragma("unroll") for (int v = 0; v < PANEL_NV; ++v) w[v] =                         \
+        *(local const panel_v16i*)(panel + (size_t)(kp) * PANEL_NC + 16 * v);           \
+    _Pragma("unroll") for (int i = 0; i < PANEL_TM; ++i) {                              \
+      const panel_v16i xb = (panel_v16i)((int16)(xr[i][kp] & (keep)));                  \
+      _Pragma("unroll") for (int v = 0; v < PANEL_NV; ++v) acc[i][v] =                  \
+          __builtin_ia32_dpbf16ps_512(acc[i][v], xb, w[v]);                             \
+    }                                                                                   \
+  }
+  const uint full = steps - (odd_tail ? 1 : 0), n_pf = panel_prefetches(pf, full);
+  for (uint kp = 0; kp < n_pf; ++kp) {
+    PANEL_PREFETCH(pf, pf->line + kp)
+    PANEL_DOT_STEP(kp, -1)
+  }
+  for (uint kp = n_pf; kp < full; ++kp) PANEL_DOT_STEP(kp, -1)
+  if (odd_tail) PANEL_DOT_STEP(full, 0xFFFF)
+#undef PANEL_DOT_STEP
+#pragma unroll
+  for (int i = 0; i < PANEL_TM; ++i)
+#pragma unroll
+    for (int v = 0; v < PANEL_NV; ++v) *(panel_v16f*)(sums + (i * PANEL_NV + v) * 16) = acc[i][v];
+}
+#else
+// The same chain with f32 FMAs on the bf16 halves widened by a shift: odd (high half) first.
+void panel_tile_sums(global const int* const* xr, local const uint* panel, uint steps,
+                     int odd_tail, int from_zero, float* sums, const PanelPrefetch* pf) {
+  float16 acc[PANEL_TM][PANEL_NV];
+#pragma unroll
+  for (int i = 0; i < PANEL_TM; ++i)
+#pragma unroll
+    for (int v = 0; v < PANEL_NV; ++v)
+      acc[i][v] = from_zero ? (float16)(0.0f) : vload16(i * PANEL_NV + v, sums);
+#define PANEL_FMA_STEP(kp, keep)                                                           \
+  {                                                                                        \
+    float16 w_even[PANEL_NV], w_odd[PANEL_NV];                                             \
+    _Pragma("unroll") for (int v = 0; v < PANEL_NV; ++v) {                                 \
+      const uint16 u = vload16(0, panel + (size_t)(kp) * PANEL_NC + 16 * v);               \
+      w_even[v] = as_float16(u << 16);                                                     \
+      w_odd[v] = as_float16(u & 0xffff0000u);                                              \
+    }                                                                                      \
+    _Pragma("unroll") for (int i = 0; i < PANEL_TM; ++i) {                                 \
+      const uint u = (uint)xr[i][kp] & (keep);                                             \
+      const float16 x_even = (float16)(as_float(u << 16));                                 \
+      const float16 x_odd = (float16)(as_float(u & 0xffff0000u));                          \
+      _Pragma("unroll") for (int v = 0; v < PANEL_NV; ++v) {                               \
+        acc[i][v] = fma(x_odd, w_odd[v], acc[i][v]);                                       \
+        acc[i][v] = fma(x_even, w_even[v], acc[i][v]);                                     \
+      }                                                                                    \
+    }                                                                                      \
+  }
+  const uint full = steps - (odd_tail ? 1 : 0), n_pf = panel_prefetches(pf, full);
+  for (uint kp = 0; kp < n_pf; ++kp) {
+    PANEL_PREFETCH(pf, pf->line + kp)
+    PANEL_FMA_STEP(kp, 0xFFFFFFFFu)
+  }
+  for (uint kp = n_pf; kp < full; ++kp) PANEL_FMA_STEP(kp, 0xFFFFFFFFu)
+  if (odd_tail) PANEL_FMA_STEP(full, 0xFFFFu)
+#undef PANEL_FMA_STEP
+#pragma unroll
+  for (int i = 0; i < PANEL_TM; ++i)
+#pragma unroll
+    for (int v = 0; v < PANEL_NV; ++v) vstore16(acc[i][v], i * PANEL_NV + v, sums);
+}
+#endif
