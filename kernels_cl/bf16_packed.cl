@@ -2,7 +2,9 @@
 // linear_bf16_packed), for prefill-sized M: an outer product, where bf16_tile.cl's tiles are dot
 // products. Build options: -DPANEL_TM (rows per tile), -DPANEL_NV (vectors of 16 columns per
 // tile), -DPANEL_KP (pair steps per panel), -DBF16_DOT=0|1 (the micro-kernel, below),
-// -DPAIRS_ALIGNED=0|1 (weight rows on 4-byte boundaries), -DPREFETCH_X86=1 (PanelPrefetch).
+// -DPAIRS_ALIGNED=0|1 (weight rows on 4-byte boundaries), -DPREFETCH_X86=1 (PanelPrefetch), and
+// -DPANEL_FP8=1 for FP8 weights, dequantized to bf16 as they are packed (with common.cl's
+// -DFP8_DENORM and -DFP8_NAN_WATCH).
 //
 // A work-item owns a column tile of PANEL_NC = 16 PANEL_NV weight rows (output columns) and
 // packs them once into a panel in local memory: for each pair step kp (elements 2 kp and
@@ -16,8 +18,11 @@
 // EPYC against bf16_tile.cl's 4 x 6 tiles (M = 512; 4 x 3 here, with GLU 4 x 4): vdpbf16ps
 // 1.05x (3072 x 2048), 1.03x (2048 x 2048), 1.07x (2048 x 8192), 1.14x (gate|up with SwiGLU,
 // 2 x 8192 x 2048); the portable micro-kernel 1.9x, 1.9x and 2.1x, at 93% of the f32 FMA peak.
-// At M = 128 1.03x, at M = 64 and 96 no faster (the pack is a memory phase the rows no longer
-// cover), so the host takes it from KernelTuning's gemm_bf16_packed_rows rows.
+// FP8 weights, dequantized as they are packed, against the tiles' private dequantized panels:
+// 1.27x (3072 x 2048, 2048 x 2048), 1.32x (2048 x 8192), 1.28x (16384 x 2048), and on dsv3-mini's
+// shapes 1.20-1.28x (bf16 weights there 1.06x). At M = 128 1.03-1.05x, at M = 64 and 96 no
+// faster (the pack is a memory phase the rows no longer cover), so the host takes it from
+// KernelTuning's gemm_bf16_packed_rows rows.
 //
 // An output's sum is one f32 chain over the pairs in order of k, each pair's odd element first,
 // then its even one, each product exact in f32 and each add rounded once: vdpbf16ps's order, so
@@ -91,18 +96,39 @@ inline uint16 bf16_pair_words(ushort16 a, ushort16 b) {
 }
 
 // The pair words kp0 .. kp0 + 15 of a weight row: panel_row_words where they lie within the row
-// (2 kp0 + 32 <= K), panel_row_tail where the row ends among them (words past it zero). Read as
-// words where every row starts on a 4-byte boundary (-DPAIRS_ALIGNED=1), else as ushorts (a GPU
-// would fault on the misaligned word; PoCL reads either).
+// (2 kp0 + 32 <= K), panel_row_tail where the row ends among them (words past it zero). A bf16
+// row is read as words where every row starts on a 4-byte boundary (-DPAIRS_ALIGNED=1), else as
+// ushorts (a GPU would fault on the misaligned word; PoCL reads either); an FP8 row (srow: its
+// block scales) is dequantized to bf16 (common.cl's e4m3x16_dequant_bf16, the bits that
+// dequantize_fp8_bf16 gives).
+#if PANEL_FP8
+typedef uchar panel_w_t;
+inline uint16 panel_row_words(global const uchar* row, global const float* srow, uint kp0) {
+  return bf16_pair_words(e4m3x16_dequant_bf16(row, srow, kp0 / 8),
+                         e4m3x16_dequant_bf16(row, srow, kp0 / 8 + 1));
+}
+inline uint16 panel_row_tail(global const uchar* row, global const float* srow, uint kp0,
+                             uint K) {
+  uint w[16];
+  for (int q = 0; q < 16; ++q) {
+    const uint k = 2 * (kp0 + q);
+    w[q] = (k < K ? (uint)e4m3_dequant_bf16(row, srow, k) : 0u) |
+           (k + 1 < K ? (uint)e4m3_dequant_bf16(row, srow, k + 1) << 16 : 0u);
+  }
+  return vload16(0, w);
+}
+#else
+typedef ushort panel_w_t;
 typedef uint panel_u16_u __attribute__((ext_vector_type(16), aligned(4)));
-inline uint16 panel_row_words(global const ushort* row, uint kp0) {
+inline uint16 panel_row_words(global const ushort* row, global const float* srow, uint kp0) {
 #if PAIRS_ALIGNED
   return *(global const panel_u16_u*)((global const uint*)row + kp0);
 #else
   return bf16_pair_words(vload16(0, row + 2 * kp0), vload16(1, row + 2 * kp0));
 #endif
 }
-inline uint16 panel_row_tail(global const ushort* row, uint kp0, uint K) {
+inline uint16 panel_row_tail(global const ushort* row, global const float* srow, uint kp0,
+                             uint K) {
   uint w[16];
   for (int q = 0; q < 16; ++q) {
     const uint k = 2 * (kp0 + q);
@@ -110,20 +136,23 @@ inline uint16 panel_row_tail(global const ushort* row, uint kp0, uint K) {
   }
   return vload16(0, w);
 }
+#endif
 
-// Packs pair steps [kp_begin, kp_end) of the tile's PANEL_NC weight rows (rows[c]) into
-// panel[(kp - kp_begin) * PANEL_NC + c]: 16 rows x 16 steps at a time, transposed in registers,
-// so that each step's 16 words are one vector store.
-inline void pack_panel(global const ushort* const* rows, uint K, uint kp_begin, uint kp_end,
-                       local uint* panel) {
+// Packs pair steps [kp_begin, kp_end) of the tile's PANEL_NC weight rows (rows[c]; FP8: their
+// block-scale rows srows[c]) into panel[(kp - kp_begin) * PANEL_NC + c]: 16 rows x 16 steps at a
+// time, transposed in registers, so that each step's 16 words are one vector store.
+inline void pack_panel(global const panel_w_t* const* rows, global const float* const* srows,
+                       uint K, uint kp_begin, uint kp_end, local uint* panel) {
   for (int g = 0; g < PANEL_NV; ++g)
     for (uint kp0 = kp_begin; kp0 < kp_end; kp0 += 16) {
       uint16 r[16];
       if (2 * kp0 + 32 <= K) {
 #pragma unroll
-        for (int c = 0; c < 16; ++c) r[c] = panel_row_words(rows[16 * g + c], kp0);
+        for (int c = 0; c < 16; ++c)
+          r[c] = panel_row_words(rows[16 * g + c], srows[16 * g + c], kp0);
       } else {
-        for (int c = 0; c < 16; ++c) r[c] = panel_row_tail(rows[16 * g + c], kp0, K);
+        for (int c = 0; c < 16; ++c)
+          r[c] = panel_row_tail(rows[16 * g + c], srows[16 * g + c], kp0, K);
       }
       transpose16x16(r);
       local uint* dst = panel + (size_t)(kp0 - kp_begin) * PANEL_NC + 16 * g;

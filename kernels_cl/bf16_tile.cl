@@ -189,25 +189,8 @@ inline void glu_act(const float* out, float* act) {
 // work-item dequantizes a column tile's TN weight rows to bf16 once (code x block scale in f32,
 // nearest even: dequantize_fp8's bf16 output, as DeepSeek's weight_dequant feeds its bf16 GEMMs)
 // into a private panel of rows of BF16_PANEL_K (K rounded up to 16), which the tile's row tiles
-// then read. Build options: -DBF16_PANEL_K, -DFP8_DENORM and
+// then read (common.cl's e4m3x16_dequant_bf16). Build options: -DBF16_PANEL_K, -DFP8_DENORM and
 // -DFP8_NAN_WATCH (common.cl, fp8_tile.cl).
-#ifndef FP8_NAN_WATCH
-#define FP8_NAN_WATCH 1
-#endif
-// 16 codes of a weight row from column 16 v dequantized to bf16. Weights the load-time scan found
-// free of NaN codes (-DFP8_NAN_WATCH=0) take common.cl's short decode, exact up to a power of two
-// that the first product takes back exactly, and a rounding without NaN: the same bits as
-// e4m3x16_dequant's, rounded, in about half the instructions (the panels had cost 0.7x the
-// experts' GEMM time in a profile of dsv3-mini's 512-token prefill).
-inline ushort16 fp8_panel_vector(global const uchar* row, global const float* srow, uint v) {
-#if FP8_NAN_WATCH
-  return f32x16_to_bf16_rne(e4m3x16_dequant(row, srow, v));
-#else
-  const float16 d = e4m3x16_decode_scaled(vload16(v, row)) * (FP8_X_SCALE * FP8_ACC_SCALE) *
-                    srow[v / VECS_PER_BLOCK];
-  return convert_ushort16(f32x16_round_bf16_bits(as_uint16(d)));
-#endif
-}
 
 // The panel: the column tile's TN rows of K codes (wr, their scale rows sr) dequantized to bf16.
 inline void fp8_panel(global const uchar* wr[TN], global const float* sr[TN], uint K,
@@ -216,9 +199,8 @@ inline void fp8_panel(global const uchar* wr[TN], global const float* sr[TN], ui
   for (int j = 0; j < TN; ++j) {
     // One 32-byte store per 16 (vstore16 to private memory became 16 two-byte stores).
     for (uint v = 0; v < K16; ++v)
-      *(private ushort16*)(panel[j] + 16 * v) = fp8_panel_vector(wr[j], sr[j], v);
-    for (uint k = K16 * 16; k < K; ++k)
-      panel[j][k] = f32_to_bf16_rne(e4m3_dequant(wr[j], sr[j], k));
+      *(private ushort16*)(panel[j] + 16 * v) = e4m3x16_dequant_bf16(wr[j], sr[j], v);
+    for (uint k = K16 * 16; k < K; ++k) panel[j][k] = e4m3_dequant_bf16(wr[j], sr[j], k);
   }
 }
 #endif

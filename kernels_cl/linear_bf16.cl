@@ -231,19 +231,22 @@ inline void panel_store(const float* sums, uint m0, uint m_end, uint n0, uint N,
   }
 }
 
-// linear_bf16's product in bf16_panel.cl's form, for prefill-sized M. A work-item owns one
+// linear_bf16's product in bf16_packed.cl's form, for prefill-sized M. A work-item owns one
 // column tile (PANEL_NC weight rows side by side, fused_row's; with GLU the gate rows of
 // PANEL_NC / 2 columns, then their up rows) and rows [m_begin, m_begin + m_rows). It packs the
 // tile's panel PANEL_KP pair steps at a time and runs its row tiles over each chunk; with more
 // than one chunk (the host then builds with -DPANEL_ROWS, at least m_rows) the rows' partial sums
-// wait in local memory between chunks. Launch: global (column tiles, row blocks), local 1.
+// wait in local memory between chunks. FP8 weights (-DPANEL_FP8=1: w0 with its block scales s0,
+// KB a row; one weight, no GLU) are dequantized to bf16 as they are packed.
+// Launch: global (column tiles, row blocks), local 1.
 kernel void linear_bf16_packed(global const ushort* xb, uint ldxb,
-                              global const ushort* w0, uint w0_off, uint ldw0, uint n1,
-                              global const ushort* w1, uint w1_off, uint ldw1, uint n2,
-                              global const ushort* w2, uint w2_off, uint ldw2,
-                              global const ushort* bias, uint b_off, int has_bias,
-                              global float* y, uint y_off, uint ldy, uint M, uint N, uint K,
-                              float alpha, int accumulate, uint m_rows) {
+                               global const panel_w_t* w0, uint w0_off, uint ldw0, uint n1,
+                               global const ushort* w1, uint w1_off, uint ldw1, uint n2,
+                               global const ushort* w2, uint w2_off, uint ldw2,
+                               global const ushort* bias, uint b_off, int has_bias,
+                               global const float* s0, uint KB, global float* y, uint y_off,
+                               uint ldy, uint M, uint N, uint K, float alpha, int accumulate,
+                               uint m_rows) {
   local uint panel[PANEL_KP * PANEL_NC] __attribute__((aligned(64)));
 #if PANEL_ROWS
   local float partial[PANEL_ROWS * PANEL_NC] __attribute__((aligned(64)));
@@ -259,9 +262,15 @@ kernel void linear_bf16_packed(global const ushort* xb, uint ldxb,
   w1 += w1_off;
   w2 += w2_off;
   // The tile's weight rows (columns past N take the last: computed on, not stored).
-  global const ushort* rows[PANEL_NC];
+  global const panel_w_t* rows[PANEL_NC];
+  global const float* srows[PANEL_NC];
   for (int c = 0; c < PANEL_NC; ++c) {
-#if GLU
+    srows[c] = s0;
+#if PANEL_FP8
+    const uint n = min(n0 + c, N - 1);
+    rows[c] = w0 + (size_t)n * ldw0;
+    srows[c] = fp8_scale_row(s0, n, KB);
+#elif GLU
     const uint n = min(n0 + c % (PANEL_NC / 2), N - 1);
     rows[c] = c < PANEL_NC / 2 ? w0 + (size_t)n * ldw0 : w1 + (size_t)n * ldw1;
 #else
@@ -270,12 +279,15 @@ kernel void linear_bf16_packed(global const ushort* xb, uint ldxb,
   }
   const uint steps = (K + 1) / 2;  // pair steps; with K odd the last holds one element
   // The next work-item's weights (the next column tile), prefetched while this one's rows run
-  // when the panel takes one chunk (bf16_panel.cl's PanelPrefetch).
+  // when the panel takes one chunk (bf16_packed.cl's PanelPrefetch).
   PanelPrefetch next;
   const bool has_next = steps <= PANEL_KP && n0 + tile_cols < N;
   if (has_next) {
     const uint n_next = n0 + tile_cols, n_half = min(N - n_next, tile_cols / (GLU ? 1 : 2));
-#if GLU
+#if PANEL_FP8
+    next.base[0] = (global const uchar*)(w0 + (size_t)n_next * ldw0);
+    next.base[1] = next.base[0] + (size_t)n_half * ldw0;
+#elif GLU
     next.base[0] = (global const uchar*)(w0 + (size_t)n_next * ldw0);
     next.base[1] = (global const uchar*)(w1 + (size_t)n_next * ldw1);
 #else
@@ -283,14 +295,14 @@ kernel void linear_bf16_packed(global const ushort* xb, uint ldxb,
     next.base[1] = (global const uchar*)fused_row(min(n_next + n_half, N - 1), w0, ldw0, n1, w1,
                                                   ldw1, n2, w2, ldw2);
 #endif
-    next.half_lines = n_half * K * sizeof(ushort) / 64;
+    next.half_lines = n_half * K * sizeof(panel_w_t) / 64;
     next.line = 0;
   }
   float sums[PANEL_TM * PANEL_NC] __attribute__((aligned(64)));
   for (uint kc = 0; kc < steps; kc += PANEL_KP) {
     const uint kc_end = min(steps, kc + PANEL_KP);
     const bool first = kc == 0, last = kc_end == steps;
-    pack_panel(rows, K, kc, kc_end, panel);
+    pack_panel(rows, srows, K, kc, kc_end, panel);
     for (uint m0 = m_begin; m0 < m_end; m0 += PANEL_TM, next.line += kc_end - kc) {
       // Rows past the edge compute on the last row (clamped) and are not stored.
       global const int* xr[PANEL_TM];

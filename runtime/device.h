@@ -75,7 +75,7 @@ struct KernelTuning {
   uint32_t gemm_bf16_batch_tn = 4;
   uint32_t gemm_bf16_rows = 64;
   uint32_t gemm_bf16_dot = 1;
-  // From gemm_bf16_packed_rows rows (0: never), bf16 weights take the packed GEMM instead
+  // From gemm_bf16_packed_rows rows (0: never), bf16 and FP8 weights take the packed GEMM instead
   // (linear_bf16.cl's linear_bf16_packed, bf16_packed.cl): a work-item packs its column tile's
   // weight pairs once and runs tiles of gemm_bf16_packed_tm rows x gemm_bf16_packed_nv vectors of
   // 16 columns over them (with GLU an even number of vectors, half gate and half up).

@@ -74,14 +74,15 @@ constexpr uint32_t kPackedSteps = 1024;
 constexpr uint32_t kPackedPartialRows = 512;
 
 // linear_bf16.cl's linear_bf16_packed over the rounded rows xb (row stride ldxb): bf16 weights
-// side by side (or gate and up with glu; n1, n2 where the second and third start), the tile
-// KernelTuning's gemm_bf16_packed_tm x gemm_bf16_packed_nv. False, launching nothing, where the
-// panel (and the partial sums of K past one chunk) would not fit the device's local memory.
+// side by side (or gate and up with glu; n1, n2 where the second and third start), or one FP8
+// weight with its block scales fp8_scale, dequantized as it is packed; the tile KernelTuning's
+// gemm_bf16_packed_tm x gemm_bf16_packed_nv. False, launching nothing, where the panel (and the
+// partial sums of K past one chunk) would not fit the device's local memory.
 bool launch_bf16_packed(Device& dev, const cl::Mem& xb, uint32_t ldxb,
                         const std::vector<const Weight*>& ws, bool glu, const Weight* bias,
-                        bool pairs_aligned, const cl::Mem& y, uint32_t y_off, uint32_t ldy,
-                        uint32_t M, uint32_t N, uint32_t K, uint32_t n1, uint32_t n2, float alpha,
-                        bool accumulate) {
+                        const Weight* fp8_scale, bool pairs_aligned, const cl::Mem& y,
+                        uint32_t y_off, uint32_t ldy, uint32_t M, uint32_t N, uint32_t K,
+                        uint32_t n1, uint32_t n2, float alpha, bool accumulate) {
   const KernelTuning& t = dev.tuning();
   const uint32_t tm = std::max(1u, t.gemm_bf16_packed_tm);
   // With GLU the vectors split evenly into gate and up.
@@ -109,6 +110,9 @@ bool launch_bf16_packed(Device& dev, const cl::Mem& xb, uint32_t ldxb,
     m_rows = std::min(m_rows, partial_rows);
     opts += " -DPANEL_ROWS=" + std::to_string(partial_rows);
   }
+  if (fp8_scale)
+    opts += " -DPANEL_FP8=1 " + fp8_decode_option(dev) +
+            fp8_tile_options(dev, ws[0]->fp8_nan_free, false);
   cl::Kernel k = dev.kernel("linear_bf16.cl", "linear_bf16_packed", opts);
   const Weight& w0 = *ws[0];
   const Weight& w1 = *ws[std::min<size_t>(1, ws.size() - 1)];
@@ -117,14 +121,14 @@ bool launch_bf16_packed(Device& dev, const cl::Mem& xb, uint32_t ldxb,
   cl::set_args(k, xb, ldxb, w0.mem, uint32_t(w0.offset), uint32_t(w0.row_stride()), n1, w1.mem,
                uint32_t(w1.offset), uint32_t(w1.row_stride()), n2, w2.mem, uint32_t(w2.offset),
                uint32_t(w2.row_stride()), has_bias ? bias->mem : w0.mem,
-               uint32_t(has_bias ? bias->offset : 0), has_bias, y, y_off, ldy, M, N, K, alpha,
-               int(accumulate), m_rows);
+               uint32_t(has_bias ? bias->offset : 0), has_bias, fp8_scale ? fp8_scale->mem : w0.mem,
+               (K + 127) / 128, y, y_off, ldy, M, N, K, alpha, int(accumulate), m_rows);
   dev.launch(k, {col_tiles, (M + m_rows - 1) / m_rows, 1}, 2);
   return true;
 }
 
 // y[M, :N] (+)= alpha * (bf16(x) [ws...]^T (+ bias)) on the CPU shape (linear_bf16.cl): the rows
-// rounded once into a scratch of 32-aligned rows, then the tiled GEMM, or for bf16 weights from
+// rounded once into a scratch of 32-aligned rows, then the tiled GEMM, or from
 // gemm_bf16_packed_rows rows the packed one. With glu, ws = {gate, up} and y gets silu(gate) * up.
 void gemm_bf16(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx,
                const std::vector<const Weight*>& ws, bool glu, const Weight* bias,
@@ -147,9 +151,9 @@ void gemm_bf16(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx,
   for (const Weight* w : ws)
     pairs_aligned &= fp8_scale || (w->row_stride() % 2 == 0 && w->offset % 2 == 0);
   const KernelTuning& t = dev.tuning();
-  if (!fp8_scale && t.gemm_bf16_packed_rows != 0 && M >= t.gemm_bf16_packed_rows &&
-      launch_bf16_packed(dev, xb.mem(), ldxb, ws, glu, bias, pairs_aligned, y, y_off, ldy, M, N, K,
-                         n1, n2, alpha, accumulate))
+  if (t.gemm_bf16_packed_rows != 0 && M >= t.gemm_bf16_packed_rows &&
+      launch_bf16_packed(dev, xb.mem(), ldxb, ws, glu, bias, fp8_scale, pairs_aligned, y, y_off,
+                         ldy, M, N, K, n1, n2, alpha, accumulate))
     return;
   // Batches below one work-item's rows (decode) take their own tile (KernelTuning).
   const bool batch = M < t.gemm_bf16_rows;

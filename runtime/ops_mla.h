@@ -35,12 +35,14 @@ struct MlaShape {
 void validate(const MlaShape& s);
 
 // y = alpha * x W^T (+ y) for a linear weight of any dtype the kernels read: F32/BF16 through
-// ops::linear, F8_E4M3 with its block scales through ops::linear_fp8 — with the activations
-// fake-quantized to fp8 first (act_quant_fp8) when quantize_fp8_activations. With ComputeDType::BF16
-// (and no activation quantization) an F8_E4M3 GEMM of 64 rows or more on the CPU shape dequantizes
-// the weight to bf16 and runs the bf16 GEMM, as ops::linear does for bf16 weights (fewer rows keep
-// linear_fp8: the dequantization would cost more than it saves). In the GPU shape, FP8 GEMMs of the
-// device's blas_gemm_rows and more go to CLBlast (ops_blas.h: blas_linear_fp8).
+// ops::linear, F8_E4M3 with its block scales through ops::linear_fp8, with the activations
+// fake-quantized to fp8 first (act_quant_fp8) when quantize_fp8_activations. With
+// ComputeDType::BF16 (and no activation quantization) an F8_E4M3 GEMM of 16 rows or more
+// (kFp8Bf16GemmRowsFrom) on the CPU shape runs the bf16 GEMM over the weight dequantized to bf16
+// as it goes (linear_fp8_bf16: the tiles' private panels, or from gemm_bf16_packed_rows rows the
+// packed GEMM's panels), the bits of ops::linear over dequantize_fp8_bf16's weight (fewer rows
+// keep linear_fp8: the dequantization would cost more than it saves). In the GPU shape, FP8 GEMMs
+// of the device's blas_gemm_rows and more go to CLBlast (ops_blas.h: blas_linear_fp8).
 void linear_any(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const Weight& w,
                 const Weight* scale_inv, const cl::Mem& y, uint32_t y_off, uint32_t ldy,
                 uint32_t M, float alpha = 1.0f, bool accumulate = false,
