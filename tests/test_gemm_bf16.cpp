@@ -295,6 +295,28 @@ TEST_P(GemmBf16, SwigluWithNormMatchesDoubleReference) {
   }
 }
 
+// Case c's GEMM at bf16 compute over x (linear with w, or with glu linear_swiglu with gate w and up
+// u), run with the selected micro-kernel and with the portable one: the same bits. With
+// expect_packed, both runs must take the packed GEMM.
+void expect_variants_agree(Device& dev, GemmCase c, bool glu, const cl::Mem& x, const Weight& w,
+                           const Weight& u, bool expect_packed) {
+  const uint32_t M = c.M, N = c.N, K = c.K;
+  std::vector<float> out[2];
+  for (Variant v : {Variant::Selected, Variant::Portable}) {
+    c.variant = v;
+    DeviceScope scope(dev, c);
+    if (expect_packed) ASSERT_TRUE(packed(dev, M));
+    cl::Mem y = dev.alloc(size_t(M) * N * 4);
+    if (glu)
+      ops::linear_swiglu(dev, x, 0, K, nullptr, 0.0f, w, u, y, 0, N, M, ComputeDType::BF16);
+    else
+      ops::linear(dev, x, 0, K, w, nullptr, y, 0, N, M, 1.0f, false, ComputeDType::BF16);
+    out[int(v)] = download(dev, y, size_t(M) * N);
+  }
+  for (size_t i = 0; i < out[0].size(); ++i)
+    ASSERT_EQ(std::memcmp(&out[0][i], &out[1][i], 4), 0) << i;
+}
+
 // The two micro-kernels add the same exact products in the same order (vdpbf16ps's: the odd
 // element of each pair, then the even one) and reduce the lanes in hsum16's order (the dot
 // product 16 accumulators at once, the portable kernel one by one): on inputs without bf16
@@ -315,18 +337,8 @@ TEST(GemmBf16Variants, DotProductAndPortableAgreeToTheBit) {
       for (const bool glu : {false, true}) {
         SCOPED_TRACE("K=" + std::to_string(K) + " tile " + std::to_string(tm) + "x" +
                      std::to_string(tn) + (glu ? " glu" : ""));
-        std::vector<float> out[2];
-        for (Variant v : {Variant::Selected, Variant::Portable}) {
-          DeviceScope scope(dev, GemmCase{M, N, K, v, KernelShape::Chunks, tm, tn});
-          cl::Mem ym = dev.alloc(size_t(M) * N * 4);
-          if (glu)
-            ops::linear_swiglu(dev, xm, 0, K, nullptr, 0.0f, w, u, ym, 0, N, M, ComputeDType::BF16);
-          else
-            ops::linear(dev, xm, 0, K, w, nullptr, ym, 0, N, M, 1.0f, false, ComputeDType::BF16);
-          out[int(v)] = download(dev, ym, size_t(M) * N);
-        }
-        for (size_t i = 0; i < out[0].size(); ++i)
-          ASSERT_EQ(std::memcmp(&out[0][i], &out[1][i], 4), 0) << i;
+        expect_variants_agree(dev, GemmCase{M, N, K, Variant::Selected, KernelShape::Chunks, tm, tn},
+                              glu, xm, w, u, false);
       }
     }
   }
@@ -349,22 +361,10 @@ TEST(GemmBf16Variants, PackedDotProductAndPortableAgreeToTheBit) {
       for (const bool glu : {false, true}) {
         SCOPED_TRACE("K=" + std::to_string(K) + " packed tile " + std::to_string(ptm) + "x" +
                      std::to_string(pnv) + (glu ? " glu" : ""));
-        std::vector<float> out[2];
-        for (Variant v : {Variant::Selected, Variant::Portable}) {
-          GemmCase c{M, N, K, v};
-          c.ptm = ptm;
-          c.pnv = pnv;
-          DeviceScope scope(dev, c);
-          ASSERT_TRUE(packed(dev, M));
-          cl::Mem ym = dev.alloc(size_t(M) * N * 4);
-          if (glu)
-            ops::linear_swiglu(dev, xm, 0, K, nullptr, 0.0f, w, u, ym, 0, N, M, ComputeDType::BF16);
-          else
-            ops::linear(dev, xm, 0, K, w, nullptr, ym, 0, N, M, 1.0f, false, ComputeDType::BF16);
-          out[int(v)] = download(dev, ym, size_t(M) * N);
-        }
-        for (size_t i = 0; i < out[0].size(); ++i)
-          ASSERT_EQ(std::memcmp(&out[0][i], &out[1][i], 4), 0) << i;
+        GemmCase c{M, N, K, Variant::Selected};
+        c.ptm = ptm;
+        c.pnv = pnv;
+        expect_variants_agree(dev, c, glu, xm, w, u, true);
       }
     }
   }
