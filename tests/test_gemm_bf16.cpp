@@ -305,7 +305,9 @@ void expect_variants_agree(Device& dev, GemmCase c, bool glu, const cl::Mem& x, 
   for (Variant v : {Variant::Selected, Variant::Portable}) {
     c.variant = v;
     DeviceScope scope(dev, c);
-    if (expect_packed) ASSERT_TRUE(packed(dev, M));
+    if (expect_packed) {
+      ASSERT_TRUE(packed(dev, M));
+    }
     cl::Mem y = dev.alloc(size_t(M) * N * 4);
     if (glu)
       ops::linear_swiglu(dev, x, 0, K, nullptr, 0.0f, w, u, y, 0, N, M, ComputeDType::BF16);
