@@ -58,25 +58,34 @@ kernel void widen_bf16_rows(global const ushort* w, uint w_off, uint ldw, global
   if (k < K) wf[(size_t)n * K + k] = bf16_to_f32(w[w_off + (size_t)n * ldw + k]);
 }
 
+#if defined(LINEAR_BF16) || defined(LINEAR_BF16_PACKED)
+// Weight row j of a tile of `rows` weight rows whose first output column is n0: the rows side by
+// side (fused_row), or with GLU the tile's rows / 2 gate rows, then the same columns' up rows.
+// Columns past N take the last row (computed on, not stored). Both GEMMs' tiles take their rows so.
+inline global const ushort* gemm_weight_row(uint j, uint rows, uint n0, uint N,
+                                            global const ushort* w0, uint ldw0, uint n1,
+                                            global const ushort* w1, uint ldw1, uint n2,
+                                            global const ushort* w2, uint ldw2) {
+#if GLU
+  const uint c = min(n0 + j % (rows / 2), N - 1);
+  return j < rows / 2 ? w0 + (size_t)c * ldw0 : w1 + (size_t)c * ldw1;
+#else
+  return fused_row(min(n0 + j, N - 1), w0, ldw0, n1, w1, ldw1, n2, w2, ldw2);
+#endif
+}
+#endif
+
 #ifdef LINEAR_BF16
 
 #include "bf16_tile.cl"
 
-// The TN weight rows of the column tile from n0: side by side (fused_row), or with GLU the
-// tile's TN / 2 gate rows, then the same columns' up rows. Columns past N take the last row
-// (computed on, not stored).
+// The TN weight rows of the column tile from n0 (gemm_weight_row).
 inline void tile_weight_rows(uint n0, uint N, global const ushort* w0, uint ldw0, uint n1,
                              global const ushort* w1, uint ldw1, uint n2,
                              global const ushort* w2, uint ldw2, global const ushort* wr[TN]) {
 #pragma unroll
-  for (int j = 0; j < TN; ++j) {
-#if GLU
-    const uint c = min(n0 + j % (TN / 2), N - 1);
-    wr[j] = j < TN / 2 ? w0 + (size_t)c * ldw0 : w1 + (size_t)c * ldw1;
-#else
-    wr[j] = fused_row(min(n0 + j, N - 1), w0, ldw0, n1, w1, ldw1, n2, w2, ldw2);
-#endif
-  }
+  for (int j = 0; j < TN; ++j)
+    wr[j] = gemm_weight_row(j, TN, n0, N, w0, ldw0, n1, w1, ldw1, n2, w2, ldw2);
 }
 
 #if FP8_BF16_PANEL
@@ -265,16 +274,13 @@ kernel void linear_bf16_packed(global const ushort* xb, uint ldxb,
   global const panel_w_t* rows[PANEL_NC];
   global const float* srows[PANEL_NC];
   for (int c = 0; c < PANEL_NC; ++c) {
-    srows[c] = s0;
 #if PANEL_FP8
     const uint n = min(n0 + c, N - 1);
     rows[c] = w0 + (size_t)n * ldw0;
     srows[c] = fp8_scale_row(s0, n, KB);
-#elif GLU
-    const uint n = min(n0 + c % (PANEL_NC / 2), N - 1);
-    rows[c] = c < PANEL_NC / 2 ? w0 + (size_t)n * ldw0 : w1 + (size_t)n * ldw1;
 #else
-    rows[c] = fused_row(min(n0 + c, N - 1), w0, ldw0, n1, w1, ldw1, n2, w2, ldw2);
+    rows[c] = gemm_weight_row(c, PANEL_NC, n0, N, w0, ldw0, n1, w1, ldw1, n2, w2, ldw2);
+    srows[c] = s0;  // unread: bf16 rows have no scales
 #endif
   }
   const uint steps = (K + 1) / 2;  // pair steps; with K odd the last holds one element
