@@ -1,121 +1,244 @@
-// Causal GQA attention of the new tokens over each row's paged KV cache (cached tokens and this
-// step's, which rope_store_kv wrote first). Prefill and decode rows mix freely: a token at
-// position p attends to positions 0..p of its row.
+// Causal attention of the new tokens over each row's paged KV cache (cached tokens and this
+// step's, which rope.cl's rope_store_kv or mla.cl's mla_rope_store wrote first). Prefill and
+// decode rows mix freely: a token at position p attends to positions 0..p of its row. Three
+// kernels: the CPU shape's tiles (paged_attention_tiles, every step), and the GPU shape's split-K
+// (paged_attention_wg, decode) and tiled prefill (paged_attention_prefill_wg). The cache layout
+// is rope.cl's; MLA's decompressed prefill and absorbed decode use the same kernels with their
+// own strides.
+
+#ifdef AT_TQ
+// ---- The CPU shape: a work-item per (AT_TQ consecutive tokens, AT_GH query heads of one KV head)
+// The arguments and both layouts are paged_attention_prefill_wg's (below): MHA's cache, and MLA's
+// decompressed prefill with -DAT_NOPE=DN (K-nope and V from kv, the roped key from the cache; one
+// head per work-item). The work-item walks its tokens' positions in blocks of 16. Each block's 16
+// keys are loaded once and transposed in registers (common.cl's transpose16x16) into kt, whose
+// row d holds dimension d of the 16 keys: a query row's 16 scores are then one vector, a chain of
+// FMAs over d of the query's element d (broadcast) and kt's row d, with no sum across lanes
+// (where a key at a time takes 16-lane partial sums and their reduction), and one transposed
+// block serves all AT_TQ x AT_GH query rows. The online softmax moves all rows at once
+// (common.cl's softmax_rows16: the rows' maxima, factors and sums as vectors); the values are
+// added position by position into each row's accumulators, AT_PG rows' at a time in registers.
+// Against one work-item per (token, up to 4 heads) with the scores one key at a time, in-process
+// on the 2-core EPYC (Zen 5), 9 pairs: llama3-1b's attention over a 512-token prefill 2.0x,
+// dsv3-mini's MLA prefill attention 2.1x, a 100-token prefill of 4 rows 1.6x; decode at 4096
+// positions 1.2x, 32 rows at 1024 positions 0.99x.
 //
-// One work-item per (token, QH query heads of one KV head); it streams the KV head's keys and
-// values through the page table in blocks of 16 positions with an online softmax (running max and
-// sum, rescaled once per block), so nothing of size context is stored. Its QH heads share each
-// key and value it loads (GQA): a prefill reads the cache QH times less, and each head's sums are
-// the same operations in the same order as alone. A head's 16 scores of a block come out as one
-// vector (16-lane partial dot products, then common.cl's hsum16_x16), where one score at a time
-// had taken a float8 sum and its reduction each: llama3-1b's attention over a 512-token prefill
-// ran 1.20x faster so, and 1.11x at 64 tokens (in-process A/B, 15 pairs, on the 2-core EPYC).
-// Build options: -DHEAD_DIM=d (a multiple of 8), -DQH (query heads per work-item, dividing the
-// GQA group), -DCACHE_TYPE (common.cl: the cache's element type, widened to f32 as it is read).
-// The cache layout is rope.cl's.
-
-#ifdef HEAD_DIM
-#define BLOCK 16
-#ifndef QH
-#define QH 1
+// A token's operations, and their order, do not depend on the tokens beside it: the tokens of
+// another row run apart (runs of equal rows), a run of one token (decode) takes a copy of the
+// code for one token, and the blocks and positions past a token's own (those of later tokens of
+// its run) give it weights of exactly 0, a rescaling by exactly 1. So a token's output has the
+// same bits in any step, whichever tokens share its tile.
+// Build options: -DAT_TQ, -DAT_GH; -DAT_DK, -DAT_DV (key and value widths); -DAT_NOPE (0 for MHA,
+// else MLA's K-nope width); each part of the key and the value a multiple of 8 wide; -DCACHE_TYPE.
+// Launch: global (ceil(T / AT_TQ), n_heads / AT_GH), local (1, 1).
+#ifndef AT_NOPE
+#define AT_NOPE 0
 #endif
+#define AT_KC (AT_DK - AT_NOPE)         // key dimensions read from the cache
+#define AT_RA ROUND16(AT_NOPE)          // kt's rows: K-nope's (padded to 16), then the cache's
+#define AT_KR (AT_RA + ROUND16(AT_KC))
+#define AT_VV ((AT_DV + 15) / 16)       // a value row's vectors
+#define AT_R (AT_TQ * AT_GH)            // query rows (token, head), token-major: at most 16
+#if AT_R > 16
+#error "attention.cl's tiles hold at most 16 query rows (softmax_rows16)"
+#endif
+// Query rows whose value accumulators are held in registers together (16 vectors).
+#define AT_PG (AT_VV >= 16 ? 1 : 16 / AT_VV)
 
-#define V16 ((HEAD_DIM + 15) / 16)
-kernel void paged_attention(global const float* q, uint ldq, global const ctype* cache,
-                            global const uint* token_row, global const uint* token_pos,
-                            global const uint* lookup, uint pages_per_row, uint page_size,
-                            uint n_heads, uint n_kv_heads, float scale, global float* out,
-                            uint ldo) {
-  const uint t = get_global_id(0);
-  const uint h0 = get_global_id(1) * QH;
-  const uint kvh = h0 / (n_heads / n_kv_heads);
-  const uint b = token_row[t];
-  const uint last = token_pos[t];
-  global const uint* lut = lookup + (size_t)b * pages_per_row;
-  const size_t kv_row = (size_t)n_kv_heads * HEAD_DIM;
-
-  float16 qv[QH][V16], acc[QH][V16];
-  float m[QH], l[QH];
-#pragma unroll
-  for (int g = 0; g < QH; ++g) {
-    global const float* qp = q + (size_t)t * ldq + (h0 + g) * HEAD_DIM;
-#pragma unroll
-    for (int i = 0; i < V16; ++i) {
-      qv[g][i] = CHUNK16(i, qp, HEAD_DIM, vload8, vload16) * scale;
-      acc[g][i] = (float16)(0.0f);
-    }
-    m[g] = -INFINITY;
-    l[g] = 0.0f;
+// Dimensions [0, W) of the 16 keys at base + at[j], transposed: kt[d] lane j = key j's element
+// d (rows past W up to a multiple of 16 are zeros).
+#define AT_KEYS_T(kt, base, at, W, LOAD8, LOAD16)                                         \
+  _Pragma("unroll") for (int c_ = 0; c_ < ((W) + 15) / 16; ++c_) {                      \
+    uint16 r_[16];                                                                       \
+    _Pragma("unroll") for (int j_ = 0; j_ < 16; ++j_)                                    \
+        r_[j_] = as_uint16(CHUNK16(c_, (base) + (at)[j_], (W), LOAD8, LOAD16));          \
+    transpose16x16(r_);                                                                  \
+    _Pragma("unroll") for (int i_ = 0; i_ < 16; ++i_) (kt)[16 * c_ + i_] =               \
+        as_float16(r_[i_]);                                                              \
   }
 
-  for (uint p0 = 0; p0 <= last; p0 += BLOCK) {
-    const uint n = min((uint)BLOCK, last + 1 - p0);
-    // The block's key offsets from one division: its positions are consecutive, so the slot moves
-    // to the next page only where the offset within the page reaches page_size (a division per
-    // key, twice, had been a tenth of the kernel's time). Past n the last key again: its scores
-    // are computed and masked.
-    size_t key_at[BLOCK];
+// One run of tokens t .. t + nt - 1 of one row, NQ (1 or AT_TQ) query tokens wide: slots past
+// nt repeat the run's last token, computed and not kept. Loops run to the constant AT_R and skip
+// the rows past NQ * AT_GH, so that both copies keep their rows' vectors in registers.
+__attribute__((always_inline)) inline void at_run(
+    const uint NQ, uint t, uint nt, uint h0, global const float* q, uint q_off, uint q_ldt,
+    uint q_ldh, global const ctype* cache, ulong page_stride, uint slot_stride, uint k_off,
+    uint v_off, uint kv_head_stride, uint heads_per_kv, global const float* kv, uint ldkv,
+    uint kv_head_ld, global const uint* ctx_start, global const uint* token_row,
+    global const uint* token_pos, global const uint* lookup, uint pages_per_row, uint page_size,
+    float scale, global float* out, uint o_ldt, uint o_ldh) {
+  const uint rows = NQ * AT_GH;
+  const uint row = token_row[t];
+  global const uint* lut = lookup + (size_t)row * pages_per_row;
+  global const ctype* keys = cache + k_off + (h0 / heads_per_kv) * kv_head_stride;
+#if AT_NOPE
+  global const float* kv_rows = kv + (size_t)ctx_start[row] * ldkv + (size_t)h0 * kv_head_ld;
+#else
+  global const ctype* values = cache + v_off + (h0 / heads_per_kv) * kv_head_stride;
+#endif
+  int pos[AT_TQ];
+  uint last = 0;
+#pragma unroll
+  for (uint i = 0; i < AT_TQ; ++i)
+    if (i < NQ) {
+      pos[i] = (int)token_pos[t + min(i, nt - 1)];
+      last = max(last, (uint)pos[i]);
+    }
+  float qs[AT_R][AT_KR];  // the queries times scale, in kt's rows
+  float16 acc[AT_R][AT_VV];
+  float16 m = (float16)(-INFINITY), l = (float16)(0.0f);  // lane r: row r's
+#pragma unroll
+  for (uint r = 0; r < AT_R; ++r) {
+    if (r >= rows) continue;
+    global const float* qp = q + q_off + (size_t)(t + min(r / AT_GH, nt - 1)) * q_ldt +
+                             (size_t)(h0 + r % AT_GH) * q_ldh;
+#if AT_NOPE
+    for (int c = 0; c < AT_RA / 16; ++c)
+      vstore16(CHUNK16(c, qp, AT_NOPE, vload8, vload16) * scale, c, qs[r]);
+#endif
+    for (int c = 0; c < ROUND16(AT_KC) / 16; ++c)
+      vstore16(CHUNK16(c, qp + AT_NOPE, AT_KC, vload8, vload16) * scale, c, qs[r] + AT_RA);
+#pragma unroll
+    for (int i = 0; i < AT_VV; ++i) acc[r][i] = (float16)(0.0f);
+  }
+  const int16 lane = (int16)(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (uint p0 = 0; p0 <= last; p0 += 16) {
+    const uint n = min(16u, last + 1 - p0);
+    // The block's slots from one division: its positions are consecutive, so a slot moves to the
+    // next page only where the offset within the page reaches page_size. Past n the last
+    // position again (its scores are masked, its values weighted 0).
+    size_t at[16];
     {
       uint page = p0 / page_size, off = p0 % page_size;
-      for (uint j = 0; j < BLOCK; ++j) {
-        key_at[j] = ((size_t)lut[page] * 2 * page_size + off) * kv_row + kvh * HEAD_DIM;
+      for (uint j = 0; j < 16; ++j) {
+        at[j] = (size_t)lut[page] * page_stride + (size_t)off * slot_stride;
         if (j + 1 < n && ++off == page_size) {
           off = 0;
           ++page;
         }
       }
     }
-    const size_t value_from_key = (size_t)page_size * kv_row;
-    // Each head's 16 scores as one vector: a 16-lane partial dot product per key, the 16 reduced
-    // together (common.cl's hsum16_x16); then the block's weights exp(s - max) as one vector exp
-    // (a scalar exp per score had been the kernel's largest cost). Past n: exp(-inf) = 0.
-    float w[QH][BLOCK];
+    float16 kt[AT_KR];
+#if AT_NOPE
+    size_t nope_at[16];
+    for (uint j = 0; j < 16; ++j) nope_at[j] = (size_t)(p0 + min(j, n - 1)) * ldkv;
+    AT_KEYS_T(kt, kv_rows, nope_at, AT_NOPE, vload8, vload16);
+#endif
+    AT_KEYS_T(kt + AT_RA, keys, at, AT_KC, LOADC8, LOADC16);
+    // Scores: row r's one chain over d, each row on its own (no row reads another's).
+    float16 s[16];
 #pragma unroll
-    for (int g = 0; g < QH; ++g) {
-      float16 dots[BLOCK];
+    for (uint r = 0; r < AT_R; ++r) s[r] = (float16)(0.0f);
+    for (uint d = 0; d < AT_NOPE; ++d) {
+      const float16 k = kt[d];
 #pragma unroll
-      for (int j = 0; j < BLOCK; ++j) {
-        global const ctype* k = cache + key_at[j];
-        float16 d = qv[g][0] * CHUNK16(0, k, HEAD_DIM, LOADC8, LOADC16);
-#pragma unroll
-        for (int i = 1; i < V16; ++i)
-          d = fma(qv[g][i], CHUNK16(i, k, HEAD_DIM, LOADC8, LOADC16), d);
-        dots[j] = d;
-      }
-      float16 e;
-      const float corr = softmax_block16(hsum16_x16(dots), n, &m[g], &l[g], &e);
-#pragma unroll
-      for (int i = 0; i < V16; ++i) acc[g][i] *= corr;
-      vstore16(e, 0, w[g]);
+      for (uint r = 0; r < AT_R; ++r)
+        if (r < rows) s[r] = fma((float16)(qs[r][d]), k, s[r]);
     }
-    for (uint j = 0; j < n; ++j) {
-      global const ctype* v = cache + key_at[j] + value_from_key;
-      float16 vv[V16];
+    for (uint d = AT_RA; d < AT_RA + AT_KC; ++d) {
+      const float16 k = kt[d];
 #pragma unroll
-      for (int i = 0; i < V16; ++i) vv[i] = CHUNK16(i, v, HEAD_DIM, LOADC8, LOADC16);
+      for (uint r = 0; r < AT_R; ++r)
+        if (r < rows) s[r] = fma((float16)(qs[r][d]), k, s[r]);
+    }
+    // Causal: row r counts the positions up to its token's own.
 #pragma unroll
-      for (int g = 0; g < QH; ++g)
+    for (uint r = 0; r < AT_R; ++r)
+      if (r < rows)
+        s[r] = select(s[r], (float16)(-INFINITY), lane > (int16)(pos[r / AT_GH] - (int)p0));
+    float corr[16], w[AT_R][16];
+    vstore16(softmax_rows16(s, rows, &m, &l), 0, corr);
 #pragma unroll
-        for (int i = 0; i < V16; ++i) acc[g][i] = fma((float16)(w[g][j]), vv[i], acc[g][i]);
+    for (uint r = 0; r < AT_R; ++r)
+      if (r < rows) vstore16(s[r], 0, w[r]);
+    // Values: AT_PG rows' accumulators at a time in registers, each position's value row read
+    // once per group.
+#pragma unroll
+    for (uint g0 = 0; g0 < AT_R; g0 += AT_PG) {
+      if (g0 >= rows) continue;
+      float16 a[AT_PG][AT_VV];
+#pragma unroll
+      for (uint k = 0; k < AT_PG; ++k)
+        if (g0 + k < rows)
+#pragma unroll
+          for (int i = 0; i < AT_VV; ++i) a[k][i] = acc[g0 + k][i] * corr[g0 + k];
+      for (uint j = 0; j < n; ++j) {
+        float16 v[AT_VV];
+#if AT_NOPE
+        global const float* vp = kv_rows + (size_t)(p0 + j) * ldkv + AT_NOPE;
+#pragma unroll
+        for (int i = 0; i < AT_VV; ++i) v[i] = CHUNK16(i, vp, AT_DV, vload8, vload16);
+#else
+        global const ctype* vp = values + at[j];
+#pragma unroll
+        for (int i = 0; i < AT_VV; ++i) v[i] = CHUNK16(i, vp, AT_DV, LOADC8, LOADC16);
+#endif
+#pragma unroll
+        for (uint k = 0; k < AT_PG; ++k)
+          if (g0 + k < rows)
+#pragma unroll
+            for (int i = 0; i < AT_VV; ++i) a[k][i] = fma((float16)(w[g0 + k][j]), v[i], a[k][i]);
+      }
+#pragma unroll
+      for (uint k = 0; k < AT_PG; ++k)
+        if (g0 + k < rows)
+#pragma unroll
+          for (int i = 0; i < AT_VV; ++i) acc[g0 + k][i] = a[k][i];
     }
   }
+  float inv_l[16];
+  vstore16(1.0f / l, 0, inv_l);
+  for (uint r = 0; r < nt * AT_GH; ++r) {
+    global float* o = out + (size_t)(t + r / AT_GH) * o_ldt + (size_t)(h0 + r % AT_GH) * o_ldh;
 #pragma unroll
-  for (int g = 0; g < QH; ++g) {
-    global float* o = out + (size_t)t * ldo + (h0 + g) * HEAD_DIM;
-    const float inv_l = 1.0f / l[g];
-#pragma unroll
-    for (int i = 0; i < V16; ++i) {
-#if HEAD_DIM % 16
-      if (i == V16 - 1) {
-        vstore8((acc[g][i] * inv_l).lo, 2 * i, o);
+    for (int i = 0; i < AT_VV; ++i) {
+#if AT_DV % 16
+      if (i == AT_VV - 1) {
+        vstore8((acc[r][i] * inv_l[r]).lo, 2 * i, o);
         continue;
       }
 #endif
-      vstore16(acc[g][i] * inv_l, i, o);
+      vstore16(acc[r][i] * inv_l[r], i, o);
     }
   }
 }
-#endif  // HEAD_DIM
+
+kernel void paged_attention_tiles(global const float* q, uint q_off, uint q_ldt, uint q_ldh,
+                                  global const ctype* cache, ulong page_stride, uint slot_stride,
+                                  uint k_off, uint v_off, uint kv_head_stride, uint heads_per_kv,
+                                  global const float* kv, uint ldkv, uint kv_head_ld,
+                                  global const uint* ctx_start, global const uint* token_row,
+                                  global const uint* token_pos, global const uint* lookup,
+                                  uint pages_per_row, uint page_size, uint n_tokens, float scale,
+                                  global float* out, uint o_ldt, uint o_ldh) {
+  const uint t0 = get_global_id(0) * AT_TQ, h0 = get_global_id(1) * AT_GH;
+  const uint nq = min((uint)AT_TQ, n_tokens - t0);
+#if PREFETCH_X86
+  // The next tile's queries (the work-item the same thread likely runs next), into L2: the
+  // first reads of a tile's queries had been a tenth of the kernel's profile; 1.03-1.04x.
+  for (uint i = 0; i < AT_TQ; ++i)
+    for (uint g = 0; g < AT_GH; ++g) {
+      global const float* qp =
+          q + q_off + (size_t)(t0 + AT_TQ + i) * q_ldt + (size_t)(h0 + g) * q_ldh;
+      for (uint c = 0; c < AT_DK; c += 16) PREFETCH_LINE(qp + c);
+    }
+#endif
+  for (uint run = 0; run < nq;) {
+    uint end = run + 1;
+    while (end < nq && token_row[t0 + end] == token_row[t0 + run]) ++end;
+    if (end - run == 1)
+      at_run(1, t0 + run, 1, h0, q, q_off, q_ldt, q_ldh, cache, page_stride, slot_stride, k_off,
+             v_off, kv_head_stride, heads_per_kv, kv, ldkv, kv_head_ld, ctx_start, token_row,
+             token_pos, lookup, pages_per_row, page_size, scale, out, o_ldt, o_ldh);
+    else
+      at_run(AT_TQ, t0 + run, end - run, h0, q, q_off, q_ldt, q_ldh, cache, page_stride,
+             slot_stride, k_off, v_off, kv_head_stride, heads_per_kv, kv, ldkv, kv_head_ld,
+             ctx_start, token_row, token_pos, lookup, pages_per_row, page_size, scale, out, o_ldt,
+             o_ldh);
+    run = end;
+  }
+}
+#endif  // AT_TQ
 
 #ifdef ATT_WG
 // ---- The GPU shape: split-K attention over the pages, then a reduction of the splits ----

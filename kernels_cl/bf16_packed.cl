@@ -42,52 +42,6 @@
 
 #define PANEL_NC (16 * PANEL_NV)
 
-// 16 x 16 words transposed: r[c] lane q becomes r[q] lane c. The usual four rounds, each of
-// 16 two-source shuffles that x86 has as single instructions (unpack of 32-bit and 64-bit
-// elements within 128-bit lanes, then 128-bit lane shuffles): 64 in all
-// (__builtin_shufflevector with constant indices, which the backend lowers to those single
-// instructions; OpenCL's shuffle2 went through PoCL's library as a general permute of a mask
-// loaded from memory.)
-__attribute__((always_inline)) inline void transpose16x16(uint16 r[16]) {
-  uint16 t[16], u[16];
-  // Rows 2k, 2k + 1 interleaved per 32-bit element, then rows of each group of 4 per 64-bit
-  // element: u[4 g + q]'s 128-bit lane L holds column 4 L + q of rows 4 g .. 4 g + 3.
-#pragma unroll
-  for (int k = 0; k < 8; ++k) {
-    t[2 * k] = __builtin_shufflevector(r[2 * k], r[2 * k + 1], 0, 16, 1, 17, 4, 20, 5, 21, 8, 24,
-                                       9, 25, 12, 28, 13, 29);
-    t[2 * k + 1] = __builtin_shufflevector(r[2 * k], r[2 * k + 1], 2, 18, 3, 19, 6, 22, 7, 23, 10,
-                                           26, 11, 27, 14, 30, 15, 31);
-  }
-#pragma unroll
-  for (int g = 0; g < 4; ++g)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const uint16 a = t[4 * g + h], b = t[4 * g + 2 + h];
-      u[4 * g + 2 * h] = __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25,
-                                                 12, 13, 28, 29);
-      u[4 * g + 2 * h + 1] = __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26,
-                                                     27, 14, 15, 30, 31);
-    }
-  // Column 4 L + q = (u[q], u[4 + q], u[8 + q], u[12 + q])'s lane L: two rounds of lane shuffles
-  // (even lanes 0, 2 of both sources; odd lanes 1, 3).
-#define PANEL_EVEN128(a, b) \
-  __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)
-#define PANEL_ODD128(a, b) \
-  __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31)
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    const uint16 a = PANEL_EVEN128(u[q], u[4 + q]), b = PANEL_EVEN128(u[8 + q], u[12 + q]);
-    const uint16 c = PANEL_ODD128(u[q], u[4 + q]), d = PANEL_ODD128(u[8 + q], u[12 + q]);
-    r[q] = PANEL_EVEN128(a, b);
-    r[8 + q] = PANEL_ODD128(a, b);
-    r[4 + q] = PANEL_EVEN128(c, d);
-    r[12 + q] = PANEL_ODD128(c, d);
-  }
-#undef PANEL_EVEN128
-#undef PANEL_ODD128
-}
-
 // 32 bf16 values (a: elements 0-15, b: 16-31) as 16 pair words: their bytes as they are (little
 // endian: element 2 q is the low half of word q). (Through .even / .odd swizzles this had
 // compiled to a word insert per element.)

@@ -27,12 +27,6 @@ inline float hsum16(float16 v) {
   return c.x + c.y;
 }
 
-// hsum16 of 16 vectors at once: lane p of the result is hsum16(a[p]), the same bits. Each step
-// adds the same two lanes of each vector as hsum16 does (halves, quarters, pairs, then x + y),
-// with the vectors packed side by side so that one vector add serves 2, 4, 8 and then 16 of them
-// (float addition commutes). Where the compiler has no __builtin_shufflevector, hsum16 one by one.
-// 16 sums take about 45 instructions so, against about 130 one by one (linear_bf16.cl's tiles,
-// attention.cl's scores).
 // n rounded up to a multiple of 16: arrays filled or read 16 floats at a time.
 #define ROUND16(n) (((n) + 15) / 16 * 16)
 
@@ -43,38 +37,108 @@ inline float hsum16(float16 v) {
   ((D) % 16 && (i) == (D) / 16 ? (float16)(LOAD8(2 * (i), p), (float8)(0.0f)) : LOAD16(i, p))
 
 #ifdef __clang__
-inline float16 sum_halves(float16 a, float16 b) {  // lanes 0-7: a's 8 partial sums, 8-15: b's
-  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-         __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-}
-inline float16 sum_quarters(float16 a, float16 b) {  // 4 lanes per vector: a's two, then b's two
-  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-         __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-}
-// Quarter q: lanes x, y of vector q of a's four, then of vector q of b's four.
-inline float16 sum_pairs(float16 a, float16 b) {
-  return __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
-         __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
-}
-// x + y of vector p (a holds 0-7: p % 4's quarter, the first pair for p < 4; b holds 8-15).
-inline float16 sum_last(float16 a, float16 b) {
-  return __builtin_shufflevector(a, b, 0, 4, 8, 12, 2, 6, 10, 14, 16, 20, 24, 28, 18, 22, 26, 30) +
-         __builtin_shufflevector(a, b, 1, 5, 9, 13, 3, 7, 11, 15, 17, 21, 25, 29, 19, 23, 27, 31);
-}
-inline float16 hsum16_x16(const float16* a) {
-  float16 h[8], q[4], p[2];
+// The tree's four rounds, each combining two shuffles of a and b by OP (+ or fmax).
+// Halves: lanes 0-7 a's 8 partial results, 8-15 b's.
+#define X16_HALVES(a, b, OP)                                                                  \
+  OP(__builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23),   \
+     __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31))
+// Quarters: 4 lanes per vector, a's two, then b's two.
+#define X16_QUARTERS(a, b, OP)                                                                \
+  OP(__builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27), \
+     __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31))
+// Pairs: quarter q holds lanes x, y of vector q of a's four, then of vector q of b's four.
+#define X16_PAIRS(a, b, OP)                                                                   \
+  OP(__builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29), \
+     __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31))
+// Last: x with y of vector p (a holds 0-7: p % 4's quarter, the first pair for p < 4; b 8-15).
+#define X16_LAST(a, b, OP)                                                                    \
+  OP(__builtin_shufflevector(a, b, 0, 4, 8, 12, 2, 6, 10, 14, 16, 20, 24, 28, 18, 22, 26, 30), \
+     __builtin_shufflevector(a, b, 1, 5, 9, 13, 3, 7, 11, 15, 17, 21, 25, 29, 19, 23, 27, 31))
+#define X16_ADD(x, y) ((x) + (y))
+#define X16_REDUCE(a, OP)                                                            \
+  float16 h[8], q[4], p[2];                                                          \
+  _Pragma("unroll") for (int i = 0; i < 8; ++i) h[i] =                               \
+      X16_HALVES(a[2 * i], a[2 * i + 1], OP);                                        \
+  _Pragma("unroll") for (int i = 0; i < 4; ++i) q[i] =                               \
+      X16_QUARTERS(h[2 * i], h[2 * i + 1], OP);                                      \
+  _Pragma("unroll") for (int i = 0; i < 2; ++i) p[i] = X16_PAIRS(q[2 * i], q[2 * i + 1], OP); \
+  return X16_LAST(p[0], p[1], OP)
+// hsum16 of 16 vectors at once: lane p of the result is hsum16(a[p]), the same bits. Each step
+// adds the same two lanes of each vector as hsum16 does (halves, quarters, pairs, then x + y),
+// with the vectors packed side by side so that one vector add serves 2, 4, 8 and then 16 of them
+// (float addition commutes). Where the compiler has no __builtin_shufflevector, hsum16 one by one.
+// 16 sums take about 45 instructions so, against about 130 one by one (linear_bf16.cl's tiles,
+// mla.cl's decode scores; attention.cl's tiles sum their softmax weights so).
+inline float16 hsum16_x16(const float16* a) { X16_REDUCE(a, X16_ADD); }
+// The same tree by fmax: lane p is the largest of a[p]'s lanes (attention.cl's tiles: 16 query
+// rows' maxima over a block of scores).
+inline float16 hmax16_x16(const float16* a) { X16_REDUCE(a, fmax); }
+
+// 16 x 16 words transposed: r[c] lane q becomes r[q] lane c (bf16_packed.cl's panels of weight
+// pairs, attention.cl's blocks of keys). The usual four rounds, each of 16 two-source shuffles
+// that x86 has as single instructions (unpack of 32-bit and 64-bit elements within 128-bit lanes,
+// then 128-bit lane shuffles): 64 in all (__builtin_shufflevector with constant indices, which
+// the backend lowers to those single instructions; OpenCL's shuffle2 went through PoCL's library
+// as a general permute of a mask loaded from memory). Without clang, element by element.
+__attribute__((always_inline)) inline void transpose16x16(uint16 r[16]) {
+  uint16 t[16], u[16];
+  // Rows 2k, 2k + 1 interleaved per 32-bit element, then rows of each group of 4 per 64-bit
+  // element: u[4 g + q]'s 128-bit lane L holds column 4 L + q of rows 4 g .. 4 g + 3.
 #pragma unroll
-  for (int i = 0; i < 8; ++i) h[i] = sum_halves(a[2 * i], a[2 * i + 1]);
+  for (int k = 0; k < 8; ++k) {
+    t[2 * k] = __builtin_shufflevector(r[2 * k], r[2 * k + 1], 0, 16, 1, 17, 4, 20, 5, 21, 8, 24,
+                                       9, 25, 12, 28, 13, 29);
+    t[2 * k + 1] = __builtin_shufflevector(r[2 * k], r[2 * k + 1], 2, 18, 3, 19, 6, 22, 7, 23, 10,
+                                           26, 11, 27, 14, 30, 15, 31);
+  }
 #pragma unroll
-  for (int i = 0; i < 4; ++i) q[i] = sum_quarters(h[2 * i], h[2 * i + 1]);
+  for (int g = 0; g < 4; ++g)
 #pragma unroll
-  for (int i = 0; i < 2; ++i) p[i] = sum_pairs(q[2 * i], q[2 * i + 1]);
-  return sum_last(p[0], p[1]);
+    for (int h = 0; h < 2; ++h) {
+      const uint16 a = t[4 * g + h], b = t[4 * g + 2 + h];
+      u[4 * g + 2 * h] = __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25,
+                                                 12, 13, 28, 29);
+      u[4 * g + 2 * h + 1] = __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26,
+                                                     27, 14, 15, 30, 31);
+    }
+  // Column 4 L + q = (u[q], u[4 + q], u[8 + q], u[12 + q])'s lane L: two rounds of lane shuffles
+  // (even lanes 0, 2 of both sources; odd lanes 1, 3).
+#define T16_EVEN128(a, b) \
+  __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)
+#define T16_ODD128(a, b) \
+  __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31)
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const uint16 a = T16_EVEN128(u[q], u[4 + q]), b = T16_EVEN128(u[8 + q], u[12 + q]);
+    const uint16 c = T16_ODD128(u[q], u[4 + q]), d = T16_ODD128(u[8 + q], u[12 + q]);
+    r[q] = T16_EVEN128(a, b);
+    r[8 + q] = T16_ODD128(a, b);
+    r[4 + q] = T16_EVEN128(c, d);
+    r[12 + q] = T16_ODD128(c, d);
+  }
+#undef T16_EVEN128
+#undef T16_ODD128
 }
 #else
+inline void transpose16x16(uint16 r[16]) {
+  uint t[16][16];
+  for (int c = 0; c < 16; ++c) vstore16(r[c], 0, t[c]);
+  for (int q = 0; q < 16; ++q)
+    r[q] = (uint16)(t[0][q], t[1][q], t[2][q], t[3][q], t[4][q], t[5][q], t[6][q], t[7][q],
+                    t[8][q], t[9][q], t[10][q], t[11][q], t[12][q], t[13][q], t[14][q], t[15][q]);
+}
 inline float16 hsum16_x16(const float16* a) {
   float s[16];
   for (int i = 0; i < 16; ++i) s[i] = hsum16(a[i]);
+  return vload16(0, s);
+}
+inline float16 hmax16_x16(const float16* a) {
+  float s[16];
+  for (int i = 0; i < 16; ++i) {
+    const float8 h = fmax(a[i].lo, a[i].hi);
+    const float4 q = fmax(h.lo, h.hi);
+    s[i] = fmax(fmax(q.x, q.y), fmax(q.z, q.w));
+  }
   return vload16(0, s);
 }
 #endif
@@ -320,9 +384,9 @@ inline float softmax_rescale(float m, float m_new) {
 }
 
 // The online softmax's step over a block of up to 16 scores held in one vector (the CPU shape's
-// attention kernels: attention.cl, mla.cl): lanes n and past are masked out, the running max *m
-// and sum *l move on, *w gets the block's weights exp(s - m_new) (0 past n), and the returned
-// softmax_rescale factor is what the caller multiplies its value accumulators by.
+// MLA decode, mla.cl): lanes n and past are masked out, the running max *m and sum *l move on,
+// *w gets the block's weights exp(s - m_new) (0 past n), and the returned softmax_rescale factor
+// is what the caller multiplies its value accumulators by.
 inline float softmax_block16(float16 s, uint n, float* m, float* l, float16* w) {
   const int16 lane = (int16)(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   s = select(s, (float16)(-INFINITY), lane >= (int16)(n));
@@ -332,6 +396,29 @@ inline float softmax_block16(float16 s, uint n, float* m, float* l, float16* w) 
   const float corr = softmax_rescale(*m, m_new);
   *w = exp(s - m_new);
   *l = *l * corr + hsum16(*w);
+  *m = m_new;
+  return corr;
+}
+
+// The same step for up to 16 query rows at once (attention.cl's tiles): s[r] lane j is row r's
+// score of position j of the block (-INFINITY where it does not count; rows past `rows` are
+// ignored), lane r of *m and *l row r's running max and sum. s[r] becomes row r's weights
+// exp(s - m_new), and lane r of the result is row r's factor for what it has summed so far. The
+// maxima, the factors and the sums of the 16 rows are one vector each (hmax16_x16, one vector
+// exp, hsum16_x16): what one row at a time takes as 16 scalar exps and 32 reductions. `rows` is
+// a constant where it is called, so rows past it compute nothing.
+__attribute__((always_inline)) inline float16 softmax_rows16(float16* s, const uint rows,
+                                                            float16* m, float16* l) {
+#pragma unroll
+  for (uint r = rows; r < 16; ++r) s[r] = (float16)(0.0f);
+  const float16 m_new = fmax(*m, hmax16_x16(s));
+  const float16 corr = select(exp(*m - m_new), (float16)(0.0f), *m == (float16)(-INFINITY));
+  float mn[16];
+  vstore16(m_new, 0, mn);
+#pragma unroll
+  for (uint r = 0; r < 16; ++r)
+    if (r < rows) s[r] = exp(s[r] - mn[r]);
+  *l = *l * corr + hsum16_x16(s);
   *m = m_new;
   return corr;
 }

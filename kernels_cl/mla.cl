@@ -378,78 +378,8 @@ kernel void mla_gather_latent(global const ctype* cache, global const uint* src_
   for (uint k = 0; k < LKV / 16; ++k) vstore16(LOADC16(k, src), k, dst);
 }
 
-// Causal attention of each new token (one work-item per token x head) with K and V decompressed:
-// kv[ctx_start[b] + j] holds, per head, [K-nope (DN) | V (DV)] of position j of row b; the roped
-// key part (shared by all heads) comes from the cache row. score = scale * (q_nope . k_nope +
-// q_pe . k_pe). Online softmax over blocks of 16 positions, as attention.cl's paged_attention: a
-// block's 16 scores come out as one vector (16-lane partial dot products, then common.cl's
-// hsum16_x16) and their weights as one vector exp, where each score had taken a float8 sum, its
-// reduction and a scalar exp. dsv3-mini's 512-token MLA prefill (the latent gather, kv_b_proj's
-// decompression and this kernel) ran 1.17x faster so (in-process A/B, 9 pairs, on the 2-core EPYC).
-kernel void mla_prefill_attention(global const float* q, uint q_off, uint ldq,
-                                  global const float* kv, uint ldkv, global const uint* ctx_start,
-                                  global const ctype* cache, global const uint* token_row,
-                                  global const uint* token_pos, global const uint* lookup,
-                                  uint pages_per_row, uint page_size, uint n_heads, float scale,
-                                  global float* out, uint ldo) {
-  const uint t = get_global_id(0);
-  const uint h = get_global_id(1);
-  const uint b = token_row[t];
-  const uint last = token_pos[t];
-  global const uint* lut = lookup + (size_t)b * pages_per_row;
-  global const float* kv0 = kv + (size_t)ctx_start[b] * ldkv + h * (DN + DV);
-  global const float* qp = q + q_off + (size_t)t * ldq + h * (DN + DR);
-  float16 qn[(DN + 15) / 16], qr[DR / 16], acc[(DV + 15) / 16];
-#pragma unroll
-  for (int i = 0; i < (DN + 15) / 16; ++i) qn[i] = CHUNK16(i, qp, DN, vload8, vload16) * scale;
-#pragma unroll
-  for (int i = 0; i < DR / 16; ++i) qr[i] = vload16(i, qp + DN) * scale;
-#pragma unroll
-  for (int i = 0; i < (DV + 15) / 16; ++i) acc[i] = (float16)(0.0f);
-  float m = -INFINITY, l = 0.0f;
-  for (uint p0 = 0; p0 <= last; p0 += ATT_BLOCK) {
-    const uint n = min((uint)ATT_BLOCK, last + 1 - p0);
-    // Past n the block's last key again: its scores are computed, then masked.
-    float16 dots[ATT_BLOCK];
-#pragma unroll
-    for (int j = 0; j < ATT_BLOCK; ++j) {
-      const uint pos = p0 + min((uint)j, n - 1);
-      global const float* k = kv0 + (size_t)pos * ldkv;
-      global const ctype* kpe = cache + cache_row_index(lut, pos, page_size) * (LKV + DR) + LKV;
-      float16 d = qr[0] * LOADC16(0, kpe);
-#pragma unroll
-      for (int i = 1; i < DR / 16; ++i) d = fma(qr[i], LOADC16(i, kpe), d);
-#pragma unroll
-      for (int i = 0; i < (DN + 15) / 16; ++i)
-        d = fma(qn[i], CHUNK16(i, k, DN, vload8, vload16), d);
-      dots[j] = d;
-    }
-    float16 e;
-    const float corr = softmax_block16(hsum16_x16(dots), n, &m, &l, &e);
-#pragma unroll
-    for (int i = 0; i < (DV + 15) / 16; ++i) acc[i] *= corr;
-    float w[ATT_BLOCK];
-    vstore16(e, 0, w);
-    for (uint j = 0; j < n; ++j) {
-      global const float* v = kv0 + (size_t)(p0 + j) * ldkv + DN;
-#pragma unroll
-      for (int i = 0; i < (DV + 15) / 16; ++i)
-        acc[i] = fma((float16)(w[j]), CHUNK16(i, v, DV, vload8, vload16), acc[i]);
-    }
-  }
-  global float* o = out + (size_t)t * ldo + h * DV;
-  const float inv_l = 1.0f / l;
-#pragma unroll
-  for (int i = 0; i < (DV + 15) / 16; ++i) {
-#if DV % 16
-    if (i == DV / 16) {
-      vstore8((acc[i] * inv_l).lo, 2 * i, o);
-      continue;
-    }
-#endif
-    vstore16(acc[i] * inv_l, i, o);
-  }
-}
+// The attention over the decompressed keys and values is attention.cl's (paged_attention_tiles on
+// the CPU shape, paged_attention_prefill_wg on the GPU shape; ops::paged_attention_prefill).
 
 #ifdef MLA_WG
 // ---- The GPU shape (-DMLA_WG lanes, a power of two): work-groups whose neighbouring lanes touch

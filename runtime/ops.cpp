@@ -656,53 +656,68 @@ void paged_attention(Device& dev, const cl::Mem& q, uint32_t ldq, const cl::Mem&
   if (head_dim % 8 != 0)
     throw std::runtime_error("paged_attention: head_dim " + std::to_string(head_dim) +
                              " is not a multiple of 8");
-  if (dev.kernel_shape() == KernelShape::WorkGroups && st.max_query_len > kPrefillAttentionFrom) {
-    const uint32_t kv_row = n_kv_heads * head_dim;
-    PagedKvLayout lay;
-    lay.page_stride = uint64_t(2) * st.page_size * kv_row;
-    lay.slot_stride = kv_row;
-    lay.v_off = st.page_size * kv_row;
-    lay.kv_head_stride = head_dim;
-    lay.heads_per_kv = n_heads / n_kv_heads;
-    lay.dk = lay.dv = head_dim;
-    lay.cache_dtype = cache_dtype;
+  // rope.cl's cache: [page][K, V][slot][kv head][head_dim].
+  const uint32_t kv_row = n_kv_heads * head_dim;
+  PagedKvLayout lay;
+  lay.page_stride = uint64_t(2) * st.page_size * kv_row;
+  lay.slot_stride = kv_row;
+  lay.v_off = st.page_size * kv_row;
+  lay.kv_head_stride = head_dim;
+  lay.heads_per_kv = n_heads / n_kv_heads;
+  lay.dk = lay.dv = head_dim;
+  lay.cache_dtype = cache_dtype;
+  if (dev.kernel_shape() != KernelShape::WorkGroups || st.max_query_len > kPrefillAttentionFrom) {
     paged_attention_prefill(dev, q, 0, ldq, head_dim, cache_layer, st, n_heads, lay, nullptr, scale,
                             out, ldo, head_dim);
     return;
   }
-  if (dev.kernel_shape() == KernelShape::WorkGroups) {
-    const KernelTuning& tu = dev.tuning();
-    PagedKvLayout lay;
-    const uint32_t kv_row = n_kv_heads * head_dim;
-    lay.page_stride = uint64_t(2) * st.page_size * kv_row;
-    lay.slot_stride = kv_row;
-    lay.k_off = 0;
-    lay.v_off = st.page_size * kv_row;
-    lay.kv_head_stride = head_dim;
-    lay.heads_per_kv = n_heads / n_kv_heads;
-    lay.dk = lay.dv = head_dim;
-    lay.wg = tu.attn_wg;
-    lay.tile = tu.attn_tile;
-    lay.max_heads = tu.attn_heads;
-    lay.cache_dtype = cache_dtype;
-    paged_attention_split_k(dev, q, ldq, head_dim, cache_layer, st, n_heads, lay, scale, out, ldo,
-                            head_dim);
-    return;
-  }
-  // Query heads per work-item: up to 4 of one GQA group share its key and value loads. Measured
-  // on llama3-1b's prefill of 512 (PoCL, 2 AVX-512 cores): the attention's share of the prefill
-  // went from 15% to 10% with 4; with the scores 16 at a time (attention.cl), 4 ran 1.17x faster
-  // than 2 (in-process A/B, 15 pairs).
-  const uint32_t group = n_heads / n_kv_heads;
-  uint32_t qh = 4;
-  while (group % qh != 0) qh /= 2;
-  cl::Kernel k = dev.kernel("attention.cl", "paged_attention",
-                            "-DHEAD_DIM=" + std::to_string(head_dim) + " -DQH=" +
-                                std::to_string(qh) + cache_type_option(cache_dtype));
-  cl::set_args(k, q, ldq, cache_layer, st.token_row, st.token_pos, st.lookup, st.pages_per_row,
-               st.page_size, n_heads, n_kv_heads, scale, out, ldo);
-  dev.launch(k, {st.T, n_heads / qh, 1}, 2);
+  const KernelTuning& tu = dev.tuning();
+  lay.wg = tu.attn_wg;
+  lay.tile = tu.attn_tile;
+  lay.max_heads = tu.attn_heads;
+  paged_attention_split_k(dev, q, ldq, head_dim, cache_layer, st, n_heads, lay, scale, out, ldo,
+                          head_dim);
 }
+
+namespace {
+
+// Query rows (token, head) per work-item of attention.cl's tiles: at most 16, which its softmax
+// takes as one vector per block (softmax_rows16). Against 8, 16 ran llama3-1b's 512-token
+// prefill attention 1.2x and dsv3-mini's MLA prefill 1.3x faster (in-process, 7 pairs, on the
+// 2-core EPYC).
+constexpr uint32_t kAttentionTileRows = 16;
+
+// The CPU shape of paged_attention_prefill: attention.cl's paged_attention_tiles, up to 4 query
+// heads of one KV head per work-item (one with MLA's decompressed keys, which differ per head)
+// and kAttentionTileRows / heads tokens.
+void paged_attention_tiles(Device& dev, const cl::Mem& q, uint32_t q_off, uint32_t q_ldt,
+                           uint32_t q_ldh, const cl::Mem& cache_layer, const StepTokens& st,
+                           uint32_t n_heads, const PagedKvLayout& lay, const DecompressedKv* dense,
+                           float scale, const cl::Mem& out, uint32_t o_ldt, uint32_t o_ldh) {
+  const uint32_t nope = dense ? dense->nope : 0;
+  if (nope % 8 != 0 || (lay.dk - nope) % 8 != 0 || lay.dv % 8 != 0)
+    throw std::invalid_argument("paged_attention_prefill: the CPU shape needs keys (" +
+                                std::to_string(nope) + " + " + std::to_string(lay.dk - nope) +
+                                ") and values (" + std::to_string(lay.dv) +
+                                ") in multiples of 8 floats");
+  uint32_t gh = dense ? 1 : std::min<uint32_t>(4, lay.heads_per_kv);
+  while (lay.heads_per_kv % gh != 0) --gh;
+  const uint32_t tq = std::max<uint32_t>(1, kAttentionTileRows / gh);
+  cl::Kernel k =
+      dev.kernel("attention.cl", "paged_attention_tiles",
+                 "-DAT_TQ=" + std::to_string(tq) + " -DAT_GH=" + std::to_string(gh) +
+                     " -DAT_DK=" + std::to_string(lay.dk) + " -DAT_DV=" + std::to_string(lay.dv) +
+                     " -DAT_NOPE=" + std::to_string(nope) + cache_type_option(lay.cache_dtype) +
+                     weight_prefetch_option(dev));
+  cl::set_args(k, q, q_off, q_ldt, q_ldh, cache_layer, lay.page_stride, lay.slot_stride, lay.k_off,
+               lay.v_off, lay.kv_head_stride, lay.heads_per_kv, dense ? *dense->kv : out,
+               dense ? dense->ldkv : 0u, dense ? dense->head_ld : 0u,
+               dense ? *dense->ctx_start : st.token_row, st.token_row, st.token_pos, st.lookup,
+               st.pages_per_row, st.page_size, st.T, scale, out, o_ldt, o_ldh);
+  dev.launch(k, {size_t((st.T + tq - 1) / tq), n_heads / gh, 1}, 2);
+}
+
+}  // namespace
 
 void paged_attention_prefill(Device& dev, const cl::Mem& q, uint32_t q_off, uint32_t q_ldt,
                              uint32_t q_ldh,
@@ -710,6 +725,11 @@ void paged_attention_prefill(Device& dev, const cl::Mem& q, uint32_t q_off, uint
                              const PagedKvLayout& lay, const DecompressedKv* dense, float scale,
                              const cl::Mem& out, uint32_t o_ldt, uint32_t o_ldh) {
   if (st.T == 0 || n_heads == 0) return;
+  if (dev.kernel_shape() != KernelShape::WorkGroups) {
+    paged_attention_tiles(dev, q, q_off, q_ldt, q_ldh, cache_layer, st, n_heads, lay, dense, scale,
+                          out, o_ldt, o_ldh);
+    return;
+  }
   if (lay.dk % 2 != 0 || lay.dv % 2 != 0)
     throw std::invalid_argument("paged_attention_prefill: key width " + std::to_string(lay.dk) +
                                 " and value width " + std::to_string(lay.dv) + " must be even");

@@ -134,8 +134,9 @@ void rope_store_kv(Device& dev, const cl::Mem& qkv, uint32_t ld, uint32_t n_head
                    const cl::Mem& cache_layer, DType cache_dtype = DType::F32);
 
 // Causal GQA attention of the T new tokens over the paged cache: out[t, h*hd:(h+1)*hd].
-// On the WorkGroups shape, steps whose longest row brings more than kPrefillAttentionFrom new
-// tokens take the tiled prefill kernel (query tiles share each K/V tile), others split-K.
+// The CPU shape takes attention.cl's tiles for every step (paged_attention_prefill). On the
+// WorkGroups shape, steps whose longest row brings more than kPrefillAttentionFrom new tokens take
+// the tiled prefill kernel (query tiles share each K/V tile), others split-K.
 constexpr uint32_t kPrefillAttentionFrom = 8;
 void paged_attention(Device& dev, const cl::Mem& q, uint32_t ldq, const cl::Mem& cache_layer,
                      const StepTokens& st, uint32_t n_heads, uint32_t n_kv_heads,
@@ -181,11 +182,15 @@ struct DecompressedKv {
   uint32_t ldkv = 0, head_ld = 0, nope = 0;
 };
 
-// The same causal attention as paged_attention_split_k (q at q + q_off), tiled for prefill
-// (attention.cl's paged_attention_prefill_wg, the GPU shape): a work-group per (prefill_q query
-// tokens, up to prefill_heads query heads of one KV head; one head with `dense`), each K/V tile
-// of prefill_tile positions loaded once into local memory for all of them. No split over
-// positions.
+// The same causal attention as paged_attention_split_k (q at q + q_off), tiled: on the
+// WorkGroups shape for prefill (attention.cl's paged_attention_prefill_wg): a work-group per
+// (prefill_q query tokens, up to prefill_heads query heads of one KV head; one head with
+// `dense`), each K/V tile of prefill_tile positions loaded once into local memory for all of
+// them, no split over positions. On the CPU shape for any step (paged_attention_tiles): a
+// work-item per (up to 16 query rows: tokens x heads of one KV head), each block of 16 keys
+// loaded and transposed once for all of them; a token's output has the same bits whichever
+// tokens share its step. The CPU shape needs each part of the key (the cache's, K-nope) and the
+// value in multiples of 8 floats.
 void paged_attention_prefill(Device& dev, const cl::Mem& q, uint32_t q_off, uint32_t q_ldt,
                              uint32_t q_ldh, const cl::Mem& cache_layer, const StepTokens& st,
                              uint32_t n_heads,

@@ -333,32 +333,25 @@ void mla_attention_prefill(Device& dev, const cl::Mem& q, uint32_t q_off, uint32
   // decompression, attention) ran 1.29x faster than with this GEMM in f32 (in-process A/B).
   linear_any(dev, latent.mem(), 0, s.kv_lora, kv_b, kv_b_scale, kv.mem(), 0, ldkv, L, 1.0f, false,
              false, compute);
-  if (wg) {
-    // attention.cl's tiled prefill kernel over the decompressed keys and values: K-nope and V
-    // from kv, the roped key from the cache rows, one head per work-group.
-    PagedKvLayout lay;
-    lay.page_stride = uint64_t(st.page_size) * s.row();
-    lay.slot_stride = s.row();
-    lay.k_off = s.kv_lora;
-    lay.heads_per_kv = 1;
-    lay.dk = s.qk();
-    lay.dv = s.v;
-    lay.cache_dtype = s.cache_dtype;
-    DecompressedKv dense;
-    dense.kv = &kv.mem();
-    dense.ctx_start = &plan.ctx_start.mem();
-    dense.ldkv = ldkv;
-    dense.head_ld = s.nope + s.v;
-    dense.nope = s.nope;
-    paged_attention_prefill(dev, q, q_off, ldq, s.qk(), cache_layer, st, s.n_heads, lay, &dense,
-                            scale, out, ldo, s.v);
-    return;
-  }
-  cl::Kernel a = dev.kernel("mla.cl", "mla_prefill_attention", opts);
-  cl::set_args(a, q, q_off, ldq, kv.mem(), ldkv, plan.ctx_start.mem(), cache_layer, st.token_row,
-               st.token_pos, st.lookup, st.pages_per_row, st.page_size, s.n_heads, scale, out,
-               ldo);
-  dev.launch(a, {st.T, s.n_heads, 1}, 2);
+  // attention.cl's attention over the decompressed keys and values (the CPU shape's tiles or the
+  // GPU shape's tiled prefill): K-nope and V from kv, the roped key from the cache rows, one head
+  // per work-item or work-group.
+  PagedKvLayout lay;
+  lay.page_stride = uint64_t(st.page_size) * s.row();
+  lay.slot_stride = s.row();
+  lay.k_off = s.kv_lora;
+  lay.heads_per_kv = 1;
+  lay.dk = s.qk();
+  lay.dv = s.v;
+  lay.cache_dtype = s.cache_dtype;
+  DecompressedKv dense;
+  dense.kv = &kv.mem();
+  dense.ctx_start = &plan.ctx_start.mem();
+  dense.ldkv = ldkv;
+  dense.head_ld = s.nope + s.v;
+  dense.nope = s.nope;
+  paged_attention_prefill(dev, q, q_off, ldq, s.qk(), cache_layer, st, s.n_heads, lay, &dense,
+                          scale, out, ldo, s.v);
 }
 
 }  // namespace clshard::ops

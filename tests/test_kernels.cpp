@@ -820,6 +820,11 @@ TEST_P(PrefillAttention, MatchesDoubleReferenceWithCachedPrefix) {
 INSTANTIATE_TEST_SUITE_P(
     Shapes, PrefillAttention,
     ::testing::Values(PrefillCase{"cpu_gqa3", KernelShape::Chunks, 6, 2},
+                      PrefillCase{"cpu_gqa4", KernelShape::Chunks, 8, 2},
+                      PrefillCase{"cpu_gqa5_bf16_cache", KernelShape::Chunks, 5, 1, 0, 0, 0, 0,
+                                  DType::BF16},
+                      PrefillCase{"cpu_gqa2_fp8_cache", KernelShape::Chunks, 4, 2, 0, 0, 0, 0,
+                                  DType::F8_E4M3},
                       PrefillCase{"gpu_gqa3", KernelShape::WorkGroups, 6, 2},
                       PrefillCase{"gpu_gqa5_q5_kv7_wg32", KernelShape::WorkGroups, 5, 1, 5, 7, 32, 5},
                       PrefillCase{"gpu_gqa3_q3_kv16_heads1", KernelShape::WorkGroups, 6, 2, 3, 16, 64, 1},
@@ -830,6 +835,67 @@ INSTANTIATE_TEST_SUITE_P(
                       PrefillCase{"gpu_gqa5_split_k", KernelShape::WorkGroups, 5, 1, 0, 0, 0, 0,
                                   DType::F32, true}),
     [](const auto& info) { return std::string(info.param.name); });
+
+// The CPU shape's tiles (attention.cl's paged_attention_tiles) give a token's output the same bits
+// in any step: the step of all new tokens of three rows (19 after 21 cached, 13 from position 0,
+// one decode token after 30), each token alone, and the rows in reverse order (tiles cut
+// elsewhere, other tokens beside each one). GQA groups of 4 (4 heads per work-item, 4 tokens)
+// and 3 (3 heads, 5 tokens); head_dim 24 (a half vector); pages of 16 scattered.
+TEST(AttentionTiles, ATokensOutputHasTheSameBitsInAnyStep) {
+  Device& dev = test::default_device();
+  ShapeScope scope(dev, KernelShape::Chunks);
+  const uint32_t hd = 24, page = 16, ppr = 3;
+  const std::vector<uint32_t> cached = {21, 0, 30}, fresh = {19, 13, 1};
+  const std::vector<uint32_t> lut = {7, 2, 10, 4, 0, 11, 9, 1, 5};
+  for (const auto& [nh, nkv] : {std::pair<uint32_t, uint32_t>{8, 2}, {6, 2}}) {
+    SCOPED_TRACE("heads " + std::to_string(nh) + "/" + std::to_string(nkv));
+    const size_t kv_row = size_t(nkv) * hd;
+    cl::Mem cache = upload(dev, random_vec(size_t(12) * 2 * page * kv_row, 90));
+    cl::Mem lm = upload(dev, lut);
+    std::vector<uint32_t> all_rows, all_pos;
+    for (uint32_t b = 0; b < 3; ++b)
+      for (uint32_t j = 0; j < fresh[b]; ++j) {
+        all_rows.push_back(b);
+        all_pos.push_back(cached[b] + j);
+      }
+    const uint32_t T = uint32_t(all_rows.size()), ldq = nh * hd;
+    const auto q = random_vec(size_t(T) * ldq, 91, 2.0f);
+    // The outputs of the given tokens (indexes into all_rows) as one step, in that order.
+    auto step = [&](const std::vector<uint32_t>& tokens) {
+      std::vector<uint32_t> row, pos;
+      std::vector<float> qs;
+      for (uint32_t t : tokens) {
+        row.push_back(all_rows[t]);
+        pos.push_back(all_pos[t]);
+        qs.insert(qs.end(), q.begin() + size_t(t) * ldq, q.begin() + size_t(t + 1) * ldq);
+      }
+      const uint32_t n = uint32_t(tokens.size());
+      cl::Mem qm = upload(dev, qs), rm = upload(dev, row), pm = upload(dev, pos),
+              om = dev.alloc(size_t(n) * ldq * 4);
+      ops::StepTokens st{rm, pm, lm, n, ppr, page};
+      st.max_query_len = 19;
+      ops::paged_attention(dev, qm, ldq, cache, st, nh, nkv, hd, 0.3f, om, ldq);
+      return download(dev, om, size_t(n) * ldq);
+    };
+    std::vector<uint32_t> in_order(T), reversed;
+    for (uint32_t t = 0; t < T; ++t) in_order[t] = t;
+    for (uint32_t b = 3; b-- > 0;)
+      for (uint32_t t = 0; t < T; ++t)
+        if (all_rows[t] == b) reversed.push_back(t);
+    const auto whole = step(in_order), other = step(reversed);
+    for (uint32_t i = 0; i < T; ++i) {
+      const uint32_t t = reversed[i];
+      const auto alone = step({t});
+      for (uint32_t k = 0; k < ldq; ++k) {
+        ASSERT_EQ(std::memcmp(&whole[size_t(t) * ldq + k], &alone[k], 4), 0)
+            << "token " << t << " (row " << all_rows[t] << " pos " << all_pos[t] << ") element "
+            << k << ": " << whole[size_t(t) * ldq + k] << " in the step, " << alone[k] << " alone";
+        ASSERT_EQ(std::memcmp(&whole[size_t(t) * ldq + k], &other[size_t(i) * ldq + k], 4), 0)
+            << "token " << t << " element " << k << " in reversed order";
+      }
+    }
+  }
+}
 
 }  // namespace
 }  // namespace clshard
