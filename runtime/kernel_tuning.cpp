@@ -86,8 +86,14 @@ KernelTuning amd_epyc_avx512() {
   // each weight row once, 4 side by side (in-process A/B at M = 8, 2026-11-27, 8x4 against 4x6:
   // the GLU launch 2 x 8192 x 2048 1.28x, 2048 x 2048 1.05x, 2048 x 8192 1.04x; 16384 x 2048 at
   // M = 16 1.16x, at M = 32 1.03x), and `clshard tune` keeps 8x4.
+  // The packed GEMM (prefill) in tiles of 4 rows x 4 vectors of 16 columns: on Zen 5 here
+  // (2026-11-28, bench_kernels --gemm-bf16, 2 runs, each against the dot-product tiles of the same
+  // run) 1.07-1.31x 4x3's speed on q/k/v, o, gate|up and down, the GLU launch (4x4 in both)
+  // unchanged; 8x3 between the two; llama3-1b's 512-token bf16 prefill 1.07-1.09x (3 interleaved
+  // pairs). On Zen 4 (2026-11-27) tiles of 8x2 to 6x4 had been within 2-4% of 4x3.
   KernelTuning t = cpu_forced();
   t.gemm_bf16_tn = 6;
+  t.gemm_bf16_packed_nv = 4;
   t.gemm_bf16_batch_tm = 8;
   t.gemm_bf16_batch_tn = 4;
   return t;
