@@ -6,6 +6,18 @@
 // is rope.cl's; MLA's decompressed prefill and absorbed decode use the same kernels with their
 // own strides.
 
+// The arguments of both prefill kernels (paged_attention_tiles, paged_attention_prefill_wg), which
+// the host sets alike (ops::paged_attention_prefill): q (from q_off, strides per token and head),
+// the cache and where a position's key and value sit in it, MLA's decompressed rows (kv; unread
+// for MHA), the step's tokens and page tables, and out (strides per token and head).
+#define PAGED_PREFILL_PARAMS                                                                   \
+  global const float *q, uint q_off, uint q_ldt, uint q_ldh, global const ctype *cache,        \
+      ulong page_stride, uint slot_stride, uint k_off, uint v_off, uint kv_head_stride,        \
+      uint heads_per_kv, global const float *kv, uint ldkv, uint kv_head_ld,                   \
+      global const uint *ctx_start, global const uint *token_row, global const uint *token_pos, \
+      global const uint *lookup, uint pages_per_row, uint page_size, uint n_tokens, float scale, \
+      global float *out, uint o_ldt, uint o_ldh
+
 #ifdef AT_TQ
 // ---- The CPU shape: a work-item per (AT_TQ consecutive tokens, AT_GH query heads of one KV head)
 // The arguments and both layouts are paged_attention_prefill_wg's (below): MHA's cache, and MLA's
@@ -203,14 +215,7 @@ __attribute__((always_inline)) inline void at_run(
   }
 }
 
-kernel void paged_attention_tiles(global const float* q, uint q_off, uint q_ldt, uint q_ldh,
-                                  global const ctype* cache, ulong page_stride, uint slot_stride,
-                                  uint k_off, uint v_off, uint kv_head_stride, uint heads_per_kv,
-                                  global const float* kv, uint ldkv, uint kv_head_ld,
-                                  global const uint* ctx_start, global const uint* token_row,
-                                  global const uint* token_pos, global const uint* lookup,
-                                  uint pages_per_row, uint page_size, uint n_tokens, float scale,
-                                  global float* out, uint o_ldt, uint o_ldh) {
+kernel void paged_attention_tiles(PAGED_PREFILL_PARAMS) {
   const uint t0 = get_global_id(0) * AT_TQ, h0 = get_global_id(1) * AT_GH;
   const uint nq = min((uint)AT_TQ, n_tokens - t0);
 #if PREFETCH_X86
@@ -435,14 +440,7 @@ void attention_merge_splits(global const float* part, global const float* part_m
 #define PF_EPL ((PF_R * PF_DV + PF_WG - 1) / PF_WG)        // output elements per lane
 #define PF_KS (PF_DK + 1)  // a padded local row: lanes reading one column of many rows spread banks
 kernel __attribute__((reqd_work_group_size(PF_WG, 1, 1)))
-void paged_attention_prefill_wg(global const float* q, uint q_off, uint q_ldt, uint q_ldh,
-                                global const ctype* cache, ulong page_stride, uint slot_stride,
-                                uint k_off, uint v_off, uint kv_head_stride, uint heads_per_kv,
-                                global const float* kv, uint ldkv, uint kv_head_ld,
-                                global const uint* ctx_start, global const uint* token_row,
-                                global const uint* token_pos, global const uint* lookup,
-                                uint pages_per_row, uint page_size, uint n_tokens, float scale,
-                                global float* out, uint o_ldt, uint o_ldh) {
+void paged_attention_prefill_wg(PAGED_PREFILL_PARAMS) {
   local float qs[PF_R * PF_KS];   // the queries, row r = token (r / PF_GH), head h0 + r % PF_GH
   local float kt[PF_KT * PF_KS];
   local float vt[PF_KT * PF_DV];

@@ -36,11 +36,32 @@
 //   OpenCL builtins; -DBF16_DOT=0: the same sums with f32 FMAs on the bf16 values widened by a
 //   shift, any device.
 //
+// With -DPANEL_XF32=1 (compute_dtype f32 over bf16 weights, which f32 holds exactly) the x rows
+// are f32 as they are, not rounded, and the portable micro-kernel adds their products with the
+// widened weights in the same order: the f32 product as one chain per output, where linear.cl's
+// f32 tiles sum 16 lanes and reduce them. llama3-1b's 512-token prefill at f32 compute ran
+// 1.41-1.47x faster so (3 interleaved pairs, 2-core EPYC, Zen 5), its GEMMs at 90-92% of the
+// register-only f32 FMA peak (bench_kernels --gemm-bf16).
+//
 // Panels longer than PANEL_KP pairs are packed and run in chunks of PANEL_KP pairs; between
 // chunks a tile's sums wait in memory (partial sums: the same chain, stored and loaded as they
 // are).
 
 #define PANEL_NC (16 * PANEL_NV)
+
+// The x rows: bf16, rounded once and read as pair words (compute_dtype bf16), or with
+// -DPANEL_XF32=1 the f32 rows as they are (compute_dtype f32 over bf16 weights, whose values f32
+// holds exactly: the portable micro-kernel's f32 FMAs on the unrounded rows).
+#if PANEL_XF32
+#if BF16_DOT
+#error "f32 rows take the portable micro-kernel (-DBF16_DOT=0)"
+#endif
+typedef float panel_x_t;
+typedef float panel_xr_t;  // an element
+#else
+typedef ushort panel_x_t;
+typedef int panel_xr_t;  // a pair word
+#endif
 
 // 32 bf16 values (a: elements 0-15, b: 16-31) as 16 pair words: their bytes as they are (little
 // endian: element 2 q is the low half of word q). (Through .even / .odd swizzles this had
@@ -136,8 +157,8 @@ inline uint panel_prefetches(const PanelPrefetch* pf, uint steps) {
   return min(steps, 2 * pf->half_lines - pf->line);
 }
 
-// The tile's sums over the panel's steps [0, steps): xr[i] are the tile's x rows as pair words,
-// from the panel's first step. sums: PANEL_TM x PANEL_NC floats (row-major, 64-byte aligned),
+// The tile's sums over the panel's steps [0, steps): xr[i] are the tile's x rows from the panel's
+// first step (pair words, or with PANEL_XF32 f32 elements). sums: PANEL_TM x PANEL_NC floats (row-major, 64-byte aligned),
 // read as the starting sums unless from_zero. odd_tail: the last step is a K of odd length's
 // lone element: its x word keeps only the low half.
 #if BF16_DOT
@@ -145,7 +166,7 @@ typedef int panel_v16i __attribute__((__vector_size__(64)));
 typedef float panel_v16f __attribute__((ext_vector_type(16)));
 
 __attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl"))) __attribute__((noinline))
-void panel_tile_sums(global const int* const* xr, local const uint* panel, uint steps,
+void panel_tile_sums(global const panel_xr_t* const* xr, local const uint* panel, uint steps,
                      int odd_tail, int from_zero, float* sums, const PanelPrefetch* pf) {
   panel_v16f acc[PANEL_TM][PANEL_NV];
 #pragma unroll
@@ -180,7 +201,8 @@ void panel_tile_sums(global const int* const* xr, local const uint* panel, uint 
 }
 #else
 // The same chain with f32 FMAs on the bf16 halves widened by a shift: odd (high half) first.
-void panel_tile_sums(global const int* const* xr, local const uint* panel, uint steps,
+// With f32 rows, their elements 2 kp + 1 and 2 kp (the odd tail's missing one read as 0).
+void panel_tile_sums(global const panel_xr_t* const* xr, local const uint* panel, uint steps,
                      int odd_tail, int from_zero, float* sums, const PanelPrefetch* pf) {
   float16 acc[PANEL_TM][PANEL_NV];
 #pragma unroll
@@ -188,6 +210,16 @@ void panel_tile_sums(global const int* const* xr, local const uint* panel, uint 
 #pragma unroll
     for (int v = 0; v < PANEL_NV; ++v)
       acc[i][v] = from_zero ? (float16)(0.0f) : vload16(i * PANEL_NV + v, sums);
+#if PANEL_XF32
+#define PANEL_X_PAIR(row, kp, keep)                                                        \
+  const float16 x_even = (float16)((row)[2 * (kp)]);                                       \
+  const float16 x_odd = (float16)((keep) == 0xFFFFu ? 0.0f : (row)[2 * (kp) + 1]);
+#else
+#define PANEL_X_PAIR(row, kp, keep)                                                        \
+  const uint u = (uint)(row)[kp] & (keep);                                                 \
+  const float16 x_even = (float16)(as_float(u << 16));                                     \
+  const float16 x_odd = (float16)(as_float(u & 0xffff0000u));
+#endif
 #define PANEL_FMA_STEP(kp, keep)                                                           \
   {                                                                                        \
     float16 w_even[PANEL_NV], w_odd[PANEL_NV];                                             \
@@ -197,9 +229,7 @@ void panel_tile_sums(global const int* const* xr, local const uint* panel, uint 
       w_odd[v] = as_float16(u & 0xffff0000u);                                              \
     }                                                                                      \
     _Pragma("unroll") for (int i = 0; i < PANEL_TM; ++i) {                                 \
-      const uint u = (uint)xr[i][kp] & (keep);                                             \
-      const float16 x_even = (float16)(as_float(u << 16));                                 \
-      const float16 x_odd = (float16)(as_float(u & 0xffff0000u));                          \
+      PANEL_X_PAIR(xr[i], kp, keep)                                                        \
       _Pragma("unroll") for (int v = 0; v < PANEL_NV; ++v) {                               \
         acc[i][v] = fma(x_odd, w_odd[v], acc[i][v]);                                       \
         acc[i][v] = fma(x_even, w_even[v], acc[i][v]);                                     \
@@ -214,6 +244,7 @@ void panel_tile_sums(global const int* const* xr, local const uint* panel, uint 
   for (uint kp = n_pf; kp < full; ++kp) PANEL_FMA_STEP(kp, 0xFFFFFFFFu)
   if (odd_tail) PANEL_FMA_STEP(full, 0xFFFFu)
 #undef PANEL_FMA_STEP
+#undef PANEL_X_PAIR
 #pragma unroll
   for (int i = 0; i < PANEL_TM; ++i)
 #pragma unroll

@@ -246,9 +246,10 @@ inline void panel_store(const float* sums, uint m0, uint m_end, uint n0, uint N,
 // tile's panel PANEL_KP pair steps at a time and runs its row tiles over each chunk; with more
 // than one chunk (the host then builds with -DPANEL_ROWS, at least m_rows) the rows' partial sums
 // wait in local memory between chunks. FP8 weights (-DPANEL_FP8=1: w0 with its block scales s0,
-// KB a row; one weight, no GLU) are dequantized to bf16 as they are packed.
+// KB a row; one weight, no GLU) are dequantized to bf16 as they are packed. xb: the rounded rows
+// (bf16), or with -DPANEL_XF32=1 the f32 rows (bf16 weights only), from element xb_off.
 // Launch: global (column tiles, row blocks), local 1.
-kernel void linear_bf16_packed(global const ushort* xb, uint ldxb,
+kernel void linear_bf16_packed(global const panel_x_t* xb, uint xb_off, uint ldxb,
                                global const panel_w_t* w0, uint w0_off, uint ldw0, uint n1,
                                global const ushort* w1, uint w1_off, uint ldw1, uint n2,
                                global const ushort* w2, uint w2_off, uint ldw2,
@@ -311,10 +312,16 @@ kernel void linear_bf16_packed(global const ushort* xb, uint ldxb,
     pack_panel(rows, srows, K, kc, kc_end, panel);
     for (uint m0 = m_begin; m0 < m_end; m0 += PANEL_TM, next.line += kc_end - kc) {
       // Rows past the edge compute on the last row (clamped) and are not stored.
-      global const int* xr[PANEL_TM];
+      global const panel_xr_t* xr[PANEL_TM];
 #pragma unroll
-      for (int i = 0; i < PANEL_TM; ++i)
-        xr[i] = (global const int*)(xb + (size_t)min(m0 + i, m_end - 1) * ldxb) + kc;
+      for (int i = 0; i < PANEL_TM; ++i) {
+        global const panel_x_t* row = xb + xb_off + (size_t)min(m0 + i, m_end - 1) * ldxb;
+#if PANEL_XF32
+        xr[i] = row + 2 * kc;
+#else
+        xr[i] = (global const int*)row + kc;
+#endif
+      }
 #if PANEL_ROWS
       local float* part = partial + (size_t)(m0 - m_begin) * PANEL_NC;
       if (!first)

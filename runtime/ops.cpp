@@ -73,12 +73,13 @@ bool bf16_gemm(ComputeDType compute, uint32_t M, const std::vector<const Weight*
 constexpr uint32_t kPackedSteps = 1024;
 constexpr uint32_t kPackedPartialRows = 512;
 
-// linear_bf16.cl's linear_bf16_packed over the rounded rows xb (row stride ldxb): bf16 weights
+// linear_bf16.cl's linear_bf16_packed over the rounded rows xb (from element xb_off, row stride
+// ldxb), or with x_f32 over f32 rows as they are (bf16 weights only): bf16 weights
 // side by side (or gate and up with glu; n1, n2 where the second and third start), or one FP8
 // weight with its block scales fp8_scale, dequantized as it is packed; the tile KernelTuning's
 // gemm_bf16_packed_tm x gemm_bf16_packed_nv. False, launching nothing, where the panel (and the
 // partial sums of K past one chunk) would not fit the device's local memory.
-bool launch_bf16_packed(Device& dev, const cl::Mem& xb, uint32_t ldxb,
+bool launch_bf16_packed(Device& dev, const cl::Mem& xb, uint32_t xb_off, uint32_t ldxb, bool x_f32,
                         const std::vector<const Weight*>& ws, bool glu, const Weight* bias,
                         const Weight* fp8_scale, bool pairs_aligned, const cl::Mem& y,
                         uint32_t y_off, uint32_t ldy, uint32_t M, uint32_t N, uint32_t K,
@@ -100,12 +101,14 @@ bool launch_bf16_packed(Device& dev, const cl::Mem& xb, uint32_t ldxb,
   const uint64_t local_bytes = uint64_t(std::min(steps, kPackedSteps)) * 16 * nv * 4 +
                                (steps > kPackedSteps ? uint64_t(partial_rows) * 16 * nv * 4 : 0);
   if (local_bytes > dev.info().local_mem) return false;
-  std::string opts =
-      "-DLINEAR_BF16_PACKED=1 -DWEIGHT_TYPE=1 -DPANEL_TM=" + std::to_string(tm) +
-      " -DPANEL_NV=" + std::to_string(nv) +
-      " -DPANEL_KP=" + std::to_string(std::min(steps, kPackedSteps)) +
-      " -DGLU=" + (glu ? "1" : "0") + " -DBF16_DOT=" + (bf16_dot_product(dev) ? "1" : "0") +
-      " -DPAIRS_ALIGNED=" + (pairs_aligned ? "1" : "0") + weight_prefetch_option(dev);
+  std::string opts = "-DLINEAR_BF16_PACKED=1 -DWEIGHT_TYPE=1 -DPANEL_TM=" + std::to_string(tm) +
+                     " -DPANEL_NV=" + std::to_string(nv) +
+                     " -DPANEL_KP=" + std::to_string(std::min(steps, kPackedSteps)) +
+                     " -DGLU=" + (glu ? "1" : "0") +
+                     " -DBF16_DOT=" + (!x_f32 && bf16_dot_product(dev) ? "1" : "0") +
+                     " -DPAIRS_ALIGNED=" + (pairs_aligned ? "1" : "0") +
+                     weight_prefetch_option(dev);
+  if (x_f32) opts += " -DPANEL_XF32=1";
   if (steps > kPackedSteps) {
     m_rows = std::min(m_rows, partial_rows);
     opts += " -DPANEL_ROWS=" + std::to_string(partial_rows);
@@ -118,13 +121,56 @@ bool launch_bf16_packed(Device& dev, const cl::Mem& xb, uint32_t ldxb,
   const Weight& w1 = *ws[std::min<size_t>(1, ws.size() - 1)];
   const Weight& w2 = *ws[std::min<size_t>(2, ws.size() - 1)];
   const int has_bias = bias != nullptr;
-  cl::set_args(k, xb, ldxb, w0.mem, uint32_t(w0.offset), uint32_t(w0.row_stride()), n1, w1.mem,
-               uint32_t(w1.offset), uint32_t(w1.row_stride()), n2, w2.mem, uint32_t(w2.offset),
-               uint32_t(w2.row_stride()), has_bias ? bias->mem : w0.mem,
+  cl::set_args(k, xb, xb_off, ldxb, w0.mem, uint32_t(w0.offset), uint32_t(w0.row_stride()), n1,
+               w1.mem, uint32_t(w1.offset), uint32_t(w1.row_stride()), n2, w2.mem,
+               uint32_t(w2.offset), uint32_t(w2.row_stride()), has_bias ? bias->mem : w0.mem,
                uint32_t(has_bias ? bias->offset : 0), has_bias, fp8_scale ? fp8_scale->mem : w0.mem,
                (K + 127) / 128, y, y_off, ldy, M, N, K, alpha, int(accumulate), m_rows);
   dev.launch(k, {col_tiles, (M + m_rows - 1) / m_rows, 1}, 2);
   return true;
+}
+
+// The output columns of weights side by side (with glu, gate and up: N is one's rows), where the
+// second and third start (n1, n2; N where absent), and whether every weight row starts on a
+// 4-byte word: the portable micro-kernels load words there (the rounded rows always do: their
+// stride is a multiple of 32; FP8 rows are read as bytes).
+struct WeightColumns {
+  uint32_t N = 0, n1 = 0, n2 = 0;
+  bool pairs_aligned = true;
+};
+WeightColumns weight_columns(const std::vector<const Weight*>& ws, bool glu, bool fp8) {
+  WeightColumns c;
+  uint32_t ends[3] = {0, 0, 0};
+  for (size_t i = 0; i < ws.size(); ++i) {
+    if (!glu) c.N += uint32_t(ws[i]->dim(0));
+    ends[i] = c.N;
+  }
+  if (glu) c.N = uint32_t(ws[0]->dim(0));
+  c.n1 = ws.size() > 1 ? ends[0] : c.N;
+  c.n2 = ws.size() > 2 ? ends[1] : c.N;
+  for (const Weight* w : ws)
+    c.pairs_aligned &= fp8 || (w->row_stride() % 2 == 0 && w->offset % 2 == 0);
+  return c;
+}
+
+// compute_dtype f32 over bf16 weights on the CPU shape, from gemm_bf16_packed_rows rows: the
+// packed GEMM on the f32 rows as they are (bf16_packed.cl's PANEL_XF32; bf16 weights are exact
+// in f32, so this is the f32 product, summed as one chain per output). False, launching nothing,
+// where it does not apply (another shape, another dtype, fewer rows, too little local memory).
+bool packed_f32_rows(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx,
+                     const std::vector<const Weight*>& ws, bool glu, const Weight* bias,
+                     const cl::Mem& y, uint32_t y_off, uint32_t ldy, uint32_t M, float alpha,
+                     bool accumulate) {
+  const KernelTuning& t = dev.tuning();
+  if (dev.kernel_shape() != KernelShape::Chunks || t.gemm_bf16_packed_rows == 0 ||
+      M < t.gemm_bf16_packed_rows || (bias && bias->dtype != DType::BF16))
+    return false;
+  for (const Weight* w : ws)
+    if (w->dtype != DType::BF16) return false;
+  const WeightColumns wc = weight_columns(ws, glu, false);
+  return launch_bf16_packed(dev, x, x_off, ldx, true, ws, glu, bias, nullptr, wc.pairs_aligned, y,
+                            y_off, ldy, M, wc.N, uint32_t(ws[0]->dim(1)), wc.n1, wc.n2, alpha,
+                            accumulate);
 }
 
 // y[M, :N] (+)= alpha * (bf16(x) [ws...]^T (+ bias)) on the CPU shape (linear_bf16.cl): the rows
@@ -138,22 +184,13 @@ void gemm_bf16(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx,
   const uint32_t ldxb = bf16_gemm_row_stride(K);
   Scratch xb(dev, size_t(M) * ldxb * 2);
   round_bf16(dev, x, x_off, ldx, M, K, xb.mem(), ldxb);
-  uint32_t N = 0, ends[3] = {0, 0, 0};
-  for (size_t i = 0; i < ws.size(); ++i) {
-    if (!glu) N += uint32_t(ws[i]->dim(0));
-    ends[i] = N;
-  }
-  if (glu) N = uint32_t(ws[0]->dim(0));
-  const uint32_t n1 = ws.size() > 1 ? ends[0] : N, n2 = ws.size() > 2 ? ends[1] : N;
-  // The portable micro-kernels load 4-byte words where every weight row starts on one (the
-  // rounded rows always do: their stride is a multiple of 32).
-  bool pairs_aligned = true;
-  for (const Weight* w : ws)
-    pairs_aligned &= fp8_scale || (w->row_stride() % 2 == 0 && w->offset % 2 == 0);
+  const WeightColumns wc = weight_columns(ws, glu, fp8_scale != nullptr);
+  const uint32_t N = wc.N, n1 = wc.n1, n2 = wc.n2;
+  const bool pairs_aligned = wc.pairs_aligned;
   const KernelTuning& t = dev.tuning();
   if (t.gemm_bf16_packed_rows != 0 && M >= t.gemm_bf16_packed_rows &&
-      launch_bf16_packed(dev, xb.mem(), ldxb, ws, glu, bias, fp8_scale, pairs_aligned, y, y_off,
-                         ldy, M, N, K, n1, n2, alpha, accumulate))
+      launch_bf16_packed(dev, xb.mem(), 0, ldxb, false, ws, glu, bias, fp8_scale, pairs_aligned, y,
+                         y_off, ldy, M, N, K, n1, n2, alpha, accumulate))
     return;
   // Batches below one work-item's rows (decode) take their own tile (KernelTuning).
   const bool batch = M < t.gemm_bf16_rows;
@@ -338,6 +375,9 @@ void linear(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const W
     linear(dev, xr.mem(), 0, K, w, bias, y, y_off, ldy, M, alpha, accumulate);
     return;
   }
+  if (compute == ComputeDType::F32 &&
+      packed_f32_rows(dev, x, x_off, ldx, {&w}, false, bias, y, y_off, ldy, M, alpha, accumulate))
+    return;
   if (blas_linear_applies(dev, M, w, bias)) {
     blas_linear(dev, x, x_off, ldx, w, y, y_off, ldy, M, alpha, accumulate);
     return;
@@ -379,11 +419,14 @@ uint32_t common_k(const std::vector<const Weight*>& ws, const char* op) {
   return uint32_t(ws[0]->dim(1));
 }
 
-// linear_fused's kernel over `ws` (1 to 3 weights; with glu, gate and up).
+// linear_fused's kernel over `ws` (1 to 3 weights; with glu, gate and up), or from
+// gemm_bf16_packed_rows rows of bf16 weights the packed GEMM (packed_f32_rows).
 void launch_fused(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx,
                   const std::vector<const Weight*>& ws, bool glu, const cl::Mem& y, uint32_t y_off,
                   uint32_t ldy, uint32_t M, float alpha, bool accumulate) {
   const uint32_t K = common_k(ws, glu ? "linear_swiglu" : "linear_fused");
+  if (packed_f32_rows(dev, x, x_off, ldx, ws, glu, nullptr, y, y_off, ldy, M, alpha, accumulate))
+    return;
   uint32_t N = 0;
   uint32_t ends[3] = {0, 0, 0};
   for (size_t i = 0; i < ws.size(); ++i) {

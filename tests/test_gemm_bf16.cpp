@@ -295,6 +295,82 @@ TEST_P(GemmBf16, SwigluWithNormMatchesDoubleReference) {
   }
 }
 
+// compute_dtype f32 over the same bf16 weights: the rows are not rounded. From
+// gemm_bf16_packed_rows rows on the CPU shape the packed GEMM runs on the f32 rows as they are
+// (bf16_packed.cl's PANEL_XF32, one chain per output in the order sums_of takes), else the f32
+// tiles: linear (bias, alpha, accumulate, an offset and padded rows), linear_fused (three weights
+// side by side) and linear_swiglu, each against the double reference on the unrounded rows within
+// the bound of the GEMM that ran. Where the packed GEMM runs, the tiles (packed GEMM off) must give
+// other bits for over a tenth of the outputs: the cases do reach it.
+TEST_P(GemmBf16, F32RowsOverBf16WeightsMatchDoubleReference) {
+  const GemmCase& c = GetParam();
+  Device& dev = test::default_device();
+  DeviceScope scope(dev, c);
+  const uint32_t M = c.M, N = c.N, K = c.K, ldx = K + 3, ldy = 4 * N + 10;
+  const bool pk = packed(dev, M);
+  std::vector<float> x = random_vec(size_t(M) * ldx, 41, 2.0f);
+  std::vector<float> wv = random_vec(size_t(N) * K, 42), uv = random_vec(size_t(N) * K, 43),
+                     vv = random_vec(size_t(7) * K, 44), bv = random_vec(N, 45);
+  std::vector<float> y0 = random_vec(size_t(M) * ldy, 46);
+  Weight w = bf16_weight(dev, wv, {N, K}, "w"), u = bf16_weight(dev, uv, {N, K}, "u"),
+         v = bf16_weight(dev, vv, {7, K}, "v"), b = bf16_weight(dev, bv, {N}, "b");
+  cl::Mem xm = test::upload_bytes(dev, x.data(), x.size() * 4);
+  const float alpha = 0.75f;
+  auto product = [&](const std::vector<float>& wt, uint32_t m, uint32_t n) {
+    return sums_of(K,
+                   [&](uint32_t k) { return double(x[m * ldx + 2 + k]) * wt[size_t(n) * K + k]; });
+  };
+  // The three launches into y: linear at column 1, linear_fused's w|u|v from N + 1, swiglu from
+  // 3 N + 8.
+  auto run = [&](bool acc) {
+    cl::Mem ym = test::upload_bytes(dev, y0.data(), y0.size() * 4);
+    ops::linear(dev, xm, 2, ldx, w, &b, ym, 1, ldy, M, alpha, acc, ComputeDType::F32);
+    ops::linear_fused(dev, xm, 2, ldx, nullptr, nullptr, 0.0f, {&w, &u, &v}, ym, N + 1, ldy, M,
+                      1.0f, false, ComputeDType::F32);
+    ops::linear_swiglu(dev, xm, 2, ldx, nullptr, 0.0f, w, u, ym, 3 * N + 8, ldy, M,
+                       ComputeDType::F32);
+    return download(dev, ym, y0.size());
+  };
+  for (bool acc : {false, true}) {
+    const std::vector<float> y = run(acc);
+    for (uint32_t m = 0; m < M; ++m) {
+      const float* row = &y[size_t(m) * ldy];
+      for (uint32_t n = 0; n < N; ++n) {
+        const Sums s = product(wv, m, n), su = product(uv, m, n);
+        const double want = alpha * (s.sum + bv[n]) + (acc ? y0[m * ldy + 1 + n] : 0.0);
+        ASSERT_NEAR(row[1 + n], want,
+                    alpha * tolerance(K, s, pk, bv[n]) + 2 * FLT_EPSILON * std::abs(want))
+            << "linear m " << m << " n " << n << " accumulate " << acc;
+        if (acc) continue;
+        ASSERT_NEAR(row[N + 1 + n], s.sum, tolerance(K, s, pk)) << "fused w m " << m << " n " << n;
+        ASSERT_NEAR(row[2 * N + 1 + n], su.sum, tolerance(K, su, pk)) << "fused u m " << m;
+        const double eg = tolerance(K, s, pk), eu = tolerance(K, su, pk);
+        const double silu = s.sum / (1 + std::exp(-s.sum));
+        ASSERT_NEAR(row[3 * N + 8 + n], silu * su.sum,
+                    1.1 * eg * (std::abs(su.sum) + eu) + std::abs(silu) * eu +
+                        8 * FLT_EPSILON * std::abs(silu * su.sum))
+            << "swiglu m " << m << " n " << n;
+      }
+      for (uint32_t n = 0; n < 7; ++n) {
+        const Sums s = product(vv, m, n);
+        ASSERT_NEAR(row[3 * N + 1 + n], s.sum, tolerance(K, s, pk)) << "fused v m " << m;
+      }
+    }
+  }
+  if (!pk) return;
+  std::vector<float> packed_out = run(false), tiles_out;
+  {
+    KernelTuning t = dev.tuning();
+    t.gemm_bf16_packed_rows = 0;
+    test::TuningScope off(dev, t);
+    tiles_out = run(false);
+  }
+  size_t differ = 0;
+  for (size_t i = 0; i < packed_out.size(); ++i)
+    differ += std::memcmp(&packed_out[i], &tiles_out[i], 4) != 0;
+  EXPECT_GT(differ, size_t(M) * N / 10);
+}
+
 // Case c's GEMM at bf16 compute over x (linear with w, or with glu linear_swiglu with gate w and up
 // u), run with the selected micro-kernel and with the portable one: the same bits. With
 // expect_packed, both runs must take the packed GEMM.
