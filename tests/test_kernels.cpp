@@ -836,6 +836,28 @@ INSTANTIATE_TEST_SUITE_P(
                                   DType::F32, true}),
     [](const auto& info) { return std::string(info.param.name); });
 
+// The CPU shape's tiles read keys and values 8 floats at a time at least: other widths are an
+// error that names them (the GPU shape takes any even width).
+TEST(AttentionTiles, KeyWidthsOfNoMultipleOf8AreAnError) {
+  Device& dev = test::default_device();
+  ShapeScope scope(dev, KernelShape::Chunks);
+  cl::Mem buf = dev.alloc(4096), rows = upload(dev, std::vector<uint32_t>{0});
+  ops::StepTokens st{rows, rows, rows, 1, 1, 16};
+  ops::PagedKvLayout lay;
+  lay.page_stride = 2 * 16 * 20;
+  lay.slot_stride = 20;
+  lay.v_off = 16 * 20;
+  lay.dk = lay.dv = 20;
+  try {
+    ops::paged_attention_prefill(dev, buf, 0, 20, 20, buf, st, 1, lay, nullptr, 1.0f, buf, 20, 20);
+    FAIL() << "no error for keys of 20 floats";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("keys (0 + 20) and values (20) in multiples of 8 floats"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 // The CPU shape's tiles (attention.cl's paged_attention_tiles) give a token's output the same bits
 // in any step: the step of all new tokens of three rows (19 after 21 cached, 13 from position 0,
 // one decode token after 30), each token alone, and the rows in reverse order (tiles cut
