@@ -725,9 +725,9 @@ void paged_attention(Device& dev, const cl::Mem& q, uint32_t ldq, const cl::Mem&
 namespace {
 
 // Query rows (token, head) per work-item of attention.cl's tiles: at most 16, which its softmax
-// takes as one vector per block (softmax_rows16). Against 8, 16 ran llama3-1b's 512-token
-// prefill attention 1.2x and dsv3-mini's MLA prefill 1.3x faster (in-process, 7 pairs, on the
-// 2-core EPYC).
+// takes as one vector per block (softmax_rows16). Against 8 (each measured in-process against the
+// former kernel, 7-9 pairs, on the 2-core EPYC): llama3-1b's 512-token prefill attention 1.21x,
+// dsv3-mini's 512-token MLA prefill attention 1.17x, its 64-token one 0.87x.
 constexpr uint32_t kAttentionTileRows = 16;
 
 // The CPU shape of paged_attention_prefill: attention.cl's paged_attention_tiles, up to 4 query
