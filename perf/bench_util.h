@@ -2,6 +2,7 @@
 // warm-up that also builds the kernels) and the device's read bandwidth, the decode roofline.
 #pragma once
 
+#include <sys/mman.h>
 #include <sys/resource.h>
 
 #include <algorithm>
@@ -100,11 +101,22 @@ inline double measure_bandwidth(Device& dev, int reps = 7) {
 // Read bandwidth in GB/s of a native STREAM-style loop: one std::thread per hardware thread, each
 // summing its contiguous share of a 512 MiB buffer (16x the 32 MiB L3 here) once per repeat. It
 // bounds what any kernel can stream, so decode rooflines take the higher of this and the OpenCL
-// read kernel: on some runs PoCL's kernel measures well below what the memory gives.
+// read kernel: on some runs PoCL's kernel measures well below what the memory gives. The buffer
+// asks for huge pages, as big checkpoints are mapped (runtime/file_mapping.h).
 inline double stream_read_gbs(int reps = 7, size_t bytes = size_t(512) << 20) {
   const unsigned nthreads = std::max(1u, std::thread::hardware_concurrency());
   const size_t n = bytes / sizeof(float), share = n / nthreads / 64 * 64;
-  std::vector<float> buf(n, 1.0f);  // touched here, so no page faults inside the timed loop
+  void* mem = ::mmap(nullptr, n * sizeof(float), PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (mem == MAP_FAILED) return 0;
+  ::madvise(mem, n * sizeof(float), MADV_HUGEPAGE);
+  struct Unmap {
+    void* p;
+    size_t bytes;
+    ~Unmap() { ::munmap(p, bytes); }
+  } unmap{mem, n * sizeof(float)};
+  float* const data = static_cast<float*>(mem);
+  std::fill(data, data + n, 1.0f);  // touched here, so no page faults inside the timed loop
   std::vector<double> sums(nthreads);
   const double t = median_time(reps, [&] {
     std::vector<std::thread> threads;
@@ -113,7 +125,7 @@ inline double stream_read_gbs(int reps = 7, size_t bytes = size_t(512) << 20) {
         // 32 independent accumulators: the adds vectorise and never wait on each other, so the
         // loop is bound by the loads alone.
         float acc[32] = {};
-        const float* p = buf.data() + i * share;
+        const float* p = data + i * share;
         for (size_t j = 0; j < share; j += 32)
           for (int k = 0; k < 32; ++k) acc[k] += p[j + k];
         double s = 0;
@@ -127,6 +139,20 @@ inline double stream_read_gbs(int reps = 7, size_t bytes = size_t(512) << 20) {
   if (total != double(share) * nthreads)  // all ones: a wrong sum means a wrong loop
     std::fprintf(stderr, "stream_read_gbs: sum %.0f, expected %zu\n", total, share * nthreads);
   return double(share * nthreads * sizeof(float)) / t / 1e9;
+}
+
+// MB of file mappings this process has in huge pages now (/proc/self/smaps_rollup's
+// FilePmdMapped; 0 where the file cannot be read): how much of a checkpoint its mapping got in
+// huge pages (runtime/file_mapping.h).
+inline double file_huge_mapped_mb() {
+  FILE* f = std::fopen("/proc/self/smaps_rollup", "r");
+  if (!f) return 0;
+  char line[256];
+  size_t kib = 0;
+  while (std::fgets(line, sizeof line, f))
+    if (std::sscanf(line, "FilePmdMapped: %zu kB", &kib) == 1) break;
+  std::fclose(f);
+  return double(kib) * 1024 / 1e6;
 }
 
 // Register-only compute peaks of the host CPU (native threads, one per hardware thread): 16

@@ -1,8 +1,5 @@
 #include "runtime/safetensors.h"
 
-#include "runtime/bounded_json.h"
-#include "runtime/mapped_file_guard.h"
-
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -15,6 +12,10 @@
 #include <set>
 #include <sstream>
 #include <stdexcept>
+
+#include "runtime/bounded_json.h"
+#include "runtime/file_mapping.h"
+#include "runtime/mapped_file_guard.h"
 
 namespace clshard {
 
@@ -133,12 +134,10 @@ SafetensorsFile::SafetensorsFile(const std::filesystem::path& path) : path_(path
     fail(path, "truncated: " + std::to_string(map_size_) + " bytes, not even the 8-byte header "
                                                              "length");
   }
-  map_ = ::mmap(nullptr, map_size_, PROT_READ, MAP_PRIVATE, fd, 0);
+  map_ = map_checkpoint_file(fd, map_size_);
+  const int map_errno = errno;
   ::close(fd);
-  if (map_ == MAP_FAILED) {
-    map_ = nullptr;
-    fail(path, std::string("cannot mmap: ") + std::strerror(errno));
-  }
+  if (!map_) fail(path, std::string("cannot mmap: ") + std::strerror(map_errno));
   try {
     auto header = parse_safetensors(static_cast<const uint8_t*>(map_), map_size_, path);
     tensors_ = std::move(header.tensors);

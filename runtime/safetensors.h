@@ -40,7 +40,7 @@ inline constexpr uint64_t kMaxSafetensorsHeaderBytes = 100ull << 20;
 SafetensorsHeader parse_safetensors(const uint8_t* bytes, size_t size,
                                     const std::filesystem::path& path_for_errors);
 
-// One mmapped .safetensors file. Validation on open: header length inside the file, header JSON,
+// One mmapped .safetensors file (in huge pages where the kernel can: file_mapping.h). Validation on open: header length inside the file, header JSON,
 // dtype names, shape x dtype size == byte span, spans inside the data section and not overlapping.
 class SafetensorsFile {
  public:

@@ -1,0 +1,77 @@
+#include "runtime/file_mapping.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+
+#include <cinttypes>
+#include <cstdint>
+#include <cstdio>
+
+namespace clshard {
+namespace {
+
+constexpr size_t kHugePage = size_t(2) << 20;
+
+// KiB of the mapping that starts at `base` mapped in huge pages now (smaps' FilePmdMapped).
+size_t huge_mapped_kib(const void* base) {
+  FILE* f = std::fopen("/proc/self/smaps", "r");
+  if (!f) return 0;
+  char line[512];
+  bool in_vma = false;
+  size_t kib = 0;
+  const auto want = uintptr_t(base);
+  while (std::fgets(line, sizeof line, f)) {
+    uintptr_t start = 0, end = 0;
+    if (std::sscanf(line, "%" SCNxPTR "-%" SCNxPTR " ", &start, &end) == 2) {  // a VMA's first line
+      if (in_vma) break;
+      in_vma = start == want;
+      continue;
+    }
+    if (in_vma && std::sscanf(line, "FilePmdMapped: %zu kB", &kib) == 1) break;
+  }
+  std::fclose(f);
+  return in_vma ? kib : 0;
+}
+
+// Whether the mapping's first 2 MiB are mapped as one huge page once read.
+bool first_huge_page_is_huge(const uint8_t* base) {
+  volatile uint8_t first = base[0];  // the fault reads the folio and maps it
+  (void)first;
+  return huge_mapped_kib(base) >= kHugePage / 1024;
+}
+
+}  // namespace
+
+void* map_checkpoint_file(int fd, size_t size) {
+  if (size < kHugeMappingMinBytes) {
+    void* map = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
+    return map == MAP_FAILED ? nullptr : map;
+  }
+  // A 2 MiB-aligned address: reserve 2 MiB more than the file, map the file over the aligned part
+  // and give back the rest.
+  void* reserved = ::mmap(nullptr, size + kHugePage, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (reserved == MAP_FAILED) return nullptr;
+  const auto lo = reinterpret_cast<uintptr_t>(reserved);
+  const uintptr_t at = (lo + kHugePage - 1) & ~uintptr_t(kHugePage - 1);
+  void* map = ::mmap(reinterpret_cast<void*>(at), size, PROT_READ, MAP_PRIVATE | MAP_FIXED, fd, 0);
+  if (map == MAP_FAILED) {
+    ::munmap(reserved, size + kHugePage);
+    return nullptr;
+  }
+  if (at > lo) ::munmap(reserved, at - lo);
+  const uintptr_t end = at + ((size + 4095) & ~size_t(4095)), reserved_end = lo + size + kHugePage;
+  if (reserved_end > end) ::munmap(reinterpret_cast<void*>(end), reserved_end - end);
+  if (::madvise(map, size, MADV_HUGEPAGE) != 0) return map;  // no THP here: small pages
+  const auto* bytes = static_cast<const uint8_t*>(map);
+  if (first_huge_page_is_huge(bytes)) return map;
+  // Small folios: read the first 2 MiB again. Still small: this kernel or filesystem keeps small
+  // pages, and the rest of the cache stays. Huge now: the file sat in the small folios it was
+  // written in; drop the rest, so the reads to come fill it in huge ones.
+  ::madvise(map, kHugePage, MADV_DONTNEED);
+  ::posix_fadvise(fd, 0, off_t(kHugePage), POSIX_FADV_DONTNEED);
+  if (first_huge_page_is_huge(bytes))
+    ::posix_fadvise(fd, off_t(kHugePage), off_t(size - kHugePage), POSIX_FADV_DONTNEED);
+  return map;
+}
+
+}  // namespace clshard

@@ -1,0 +1,30 @@
+// Read-only mappings of checkpoint files, in 2 MiB pages where the kernel can.
+//
+// Devices that compute from host memory (the CPU driver) read a checkpoint's weights where it is
+// mapped (runtime/device.h, wrap_host), so the mapping's pages are the decode's pages. On this
+// machine (a 2-core VM), in 4 KiB pages one llama3-1b decode step in 5-8 took 100-300 ms against
+// 54 at times, and a plain two-thread read loop over the same mapping stalled the same way (a
+// 2.4 GB pass in 100-240 ms against 41) where over anonymous memory it did not; the first touch
+// of the 2.4 GB took 0.7-1 s. Mapped as huge pages the first touch takes 0.05 s and the stalls
+// were not seen. A copy into fresh anonymous huge pages would do as well for the steps, but cost
+// 2-5 s here, the hypervisor backing each new page.
+//
+// Linux maps a file in huge pages when the mapping is 2 MiB-aligned and its page cache holds 2 MiB
+// folios, which reads through an MADV_HUGEPAGE mapping create (ext4 from Linux 6.16; other kernels
+// and filesystems keep small pages, and nothing changes). A file just written sits in small
+// folios until they are dropped: a big file whose first 2 MiB come back small is dropped from the
+// page cache once (its clean pages that no process maps), so later reads fill it in huge folios.
+#pragma once
+
+#include <cstddef>
+
+namespace clshard {
+
+// Files from this size on are mapped for huge pages.
+inline constexpr size_t kHugeMappingMinBytes = size_t(64) << 20;
+
+// Maps `size` bytes of `fd` read-only and private; nullptr (errno set) on failure. Unmap with
+// munmap(base, size).
+void* map_checkpoint_file(int fd, size_t size);
+
+}  // namespace clshard
