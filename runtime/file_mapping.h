@@ -14,6 +14,10 @@
 // and filesystems keep small pages, and nothing changes). A file just written sits in small
 // folios until they are dropped: a big file whose first 2 MiB come back small is dropped from the
 // page cache once (its clean pages that no process maps), so later reads fill it in huge folios.
+// Parts of a file also come back in small folios over time, spread over it (here, 45 minutes after
+// the drop, 1998 of 2356 MB were still huge; right after a second drop, 2308). Only the first
+// 2 MiB are checked at load: checking more would drop the whole file on every load wherever some
+// 2 MiB pages cannot be had in one piece.
 #pragma once
 
 #include <cstddef>
