@@ -10,8 +10,9 @@
 // 2-5 s here, the hypervisor backing each new page.
 //
 // Linux maps a file in huge pages when the mapping is 2 MiB-aligned and its page cache holds 2 MiB
-// folios, which reads through an MADV_HUGEPAGE mapping create (ext4 from Linux 6.16; other kernels
-// and filesystems keep small pages, and nothing changes). A file just written sits in small
+// folios, which reads through an MADV_HUGEPAGE mapping create (seen here on Linux 6.18, ext4, whose
+// page cache has large folios from 6.16; elsewhere the pages stay small, and each load drops and
+// re-reads only the first 2 MiB). A file just written sits in small
 // folios until they are dropped: a big file whose first 2 MiB come back small is dropped from the
 // page cache once (its clean pages that no process maps), so later reads fill it in huge folios.
 // Parts of a file also come back in small folios over time, spread over it (here, 45 minutes after
