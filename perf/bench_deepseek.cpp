@@ -16,16 +16,19 @@
 // beside it.
 //
 // Usage: bench_deepseek [--dir D] [--dtypes bf16,fp8] [--prompt P] [--context C] [--decode N]
-//                       [--batch B]
+//                       [--batch B] [--tuning-ab FIELD=VALUE [--ab-rounds R]]
 //   D: where the checkpoints live (written with make-model's preset writer when missing;
 //      default $TMPDIR/clshard-bench), P: prefill length (512), C: context before decoding (128),
 //   N: decode steps timed (32), B: requests of the batched decode figure (8; 0: none).
+//   --tuning-ab: the batch-1 decode also timed with one tuning field changed, the two in turn R
+//   times (bench_util.h's TuningAB): what a tuning entry gives the whole step.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -70,7 +73,15 @@ int main(int argc, char** argv) {
   app.add_option("--compute-dtype", compute_dtype, "the deployment's model.compute_dtype")
       ->capture_default_str()
       ->check(CLI::IsMember({"f32", "bf16"}));
+  std::string ab_arg;
+  int ab_rounds = 9;
+  app.add_option("--tuning-ab", ab_arg,
+                 "FIELD=VALUE: also time the batch-1 decode with that tuning field against the "
+                 "device's, in turn (bench_util.h's TuningAB)");
+  app.add_option("--ab-rounds", ab_rounds, "rounds of --tuning-ab")->capture_default_str();
   parse_args(app, argc, argv);
+  std::optional<TuningAB> ab;
+  if (!ab_arg.empty()) ab = parse_tuning_ab(ab_arg);
   LoadOptions opts{{nullptr}, std::nullopt};
   opts.compute_dtype = compute_dtype == "bf16" ? ComputeDType::BF16 : ComputeDType::F32;
   const std::filesystem::path root = root_arg;
@@ -121,6 +132,18 @@ int main(int argc, char** argv) {
     const double t_token = seconds_since(t0) / n_decode;
     const double cpu_token = (cpu_seconds() - c0) / n_decode;
     const auto decode_path = model.last_mla_path();
+    if (ab) {
+      run_tuning_ab(dev, *ab, ab_rounds, [&] {
+        const auto ts = Clock::now();
+        for (const auto& s : steps) model.forward(s).read_logits();
+        return seconds_since(ts) / n_decode;
+      });
+      std::printf(
+          "%s decode, %s=%lu against the device's tuning (%d rounds in turn): %.2f -> "
+          "%.2f ms per token, A/B %.3f [%.3f, %.3f]\n",
+          dt.c_str(), ab->field.c_str(), (unsigned long)ab->value, ab_rounds, ab->a_median * 1e3,
+          ab->b_median * 1e3, ab->ratio_median, ab->ratio_low, ab->ratio_high);
+    }
 
     double t_step = 0;  // the batched decode's, when asked for
     if (batch > 0) {

@@ -26,6 +26,7 @@
 #include "models/registry.h"
 #include "runtime/device.h"
 #include "runtime/engine/bench.h"
+#include "runtime/kernel_tuning.h"
 #include "runtime/model.h"
 #include "runtime/step.h"
 
@@ -292,6 +293,76 @@ inline StepInputs replica_decode_step(uint32_t batch, uint32_t replicas, uint32_
     parts.push_back(random_step(table, ppr, rows, cached, 1, vocab, rng));
   }
   return replicas == 1 ? parts[0] : merge_replica_steps(parts, null_page);
+}
+
+// An in-process A/B of one tuning field: --tuning-ab FIELD=VALUE runs the same work under the
+// device's tuning (A) and with FIELD set to VALUE (B), the two in turn `rounds` times, A first
+// in even rounds and B first in odd ones, so that the machine's load, which moves by tens of
+// percent between runs here, falls on both alike. Medians of each side and of the per-round
+// ratios A/B (above 1: B is faster).
+struct TuningAB {
+  std::string field;
+  uint64_t value = 0;
+  double a_median = 0, b_median = 0, ratio_median = 0, ratio_low = 0, ratio_high = 0;
+};
+
+// Parses FIELD=VALUE against the tuning fields (a usage error naming the fields otherwise).
+inline TuningAB parse_tuning_ab(const std::string& arg) {
+  const size_t eq = arg.find('=');
+  TuningAB ab;
+  if (eq != std::string::npos) {
+    ab.field = arg.substr(0, eq);
+    const std::string v = arg.substr(eq + 1);
+    if (!v.empty() && v.find_first_not_of("0123456789") == std::string::npos)
+      ab.value = std::stoull(v);
+    else
+      ab.field.clear();
+  }
+  const auto& fields = kernel_tuning_fields();
+  if (ab.field.empty() || std::find(fields.begin(), fields.end(), ab.field) == fields.end()) {
+    std::string names;
+    for (const std::string& n : fields) names += (names.empty() ? "" : ", ") + n;
+    std::fprintf(stderr,
+                 "--tuning-ab %s: expected FIELD=VALUE with a non-negative integer VALUE "
+                 "and FIELD one of %s\n",
+                 arg.c_str(), names.c_str());
+    std::exit(2);
+  }
+  return ab;
+}
+
+// Times fn() (seconds, as it measures them) under both tunings; `dev`'s tuning is A again after.
+template <typename F>
+void run_tuning_ab(Device& dev, TuningAB& ab, int rounds, F fn) {
+  const KernelTuning a = dev.tuning();
+  KernelTuning b = a;
+  set_kernel_tuning_field(b, ab.field, ab.value);
+  dev.set_tuning(b);
+  fn();  // builds B's kernels
+  dev.set_tuning(a);
+  std::vector<double> ta, tb, ratio;
+  for (int r = 0; r < rounds; ++r) {
+    double t[2];
+    for (int k = 0; k < 2; ++k) {
+      const bool side_b = (k == 0) == (r % 2 == 1);
+      dev.set_tuning(side_b ? b : a);
+      t[side_b] = fn();
+    }
+    ta.push_back(t[0]);
+    tb.push_back(t[1]);
+    ratio.push_back(t[0] / t[1]);
+  }
+  dev.set_tuning(a);
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  ab.a_median = median(ta);
+  ab.b_median = median(tb);
+  ab.ratio_median = median(ratio);
+  std::sort(ratio.begin(), ratio.end());
+  ab.ratio_low = ratio.front();
+  ab.ratio_high = ratio.back();
 }
 
 // The process's CPU time so far (user and system, every thread), in seconds.

@@ -183,11 +183,12 @@ TuneWorkload::TuneWorkload(Device& dev, bool quick) : buffers_(std::make_unique<
     const Weight& w = b.weights.emplace_back(std::move(w8));
     const Weight& s = b.weights.emplace_back(std::move(s8));
     cl::Mem x = keep(random_buffer(dev, K, 10)), y = keep(dev.alloc(N * 4));
-    ops_.push_back({"linear M=1 fp8", "N=" + std::to_string(N) + " K=" + std::to_string(K),
+    ops_.push_back({"linear M=1 fp8",
+                    "N=" + std::to_string(N) + " K=" + std::to_string(K),
                     double(N) * K,
                     [&dev, x, y, &w, &s, N, K] { ops::linear_fp8(dev, x, 0, K, w, s, y, 0, N, 1); },
                     {"linear_wg", "linear_rows"},
-                    {"gemv_stream_k"}});
+                    {"gemv_stream_k", "stream_prefetch"}});
   }
 
   // Prefill GEMM in the bf16 compute dtype (model.compute_dtype: bf16): M rows, bf16 N x K (M at
@@ -400,6 +401,7 @@ const std::vector<TuneField>& tunable_fields() {
       {"blas_gemm_rows", S::WorkGroups, {0, 128, 512}},  // 0: never (the linear prefill ops' M)
       {"gemv_stream_k", S::Chunks, {1024, 2048, 4096, 8192, 16384}},
       {"weight_prefetch", S::Chunks, {0, 1}},
+      {"stream_prefetch", S::Chunks, {0, 2048, 4096, 8192, 16384}},
       {"gemm_bf16_tm", S::Chunks, {2, 4, 6}},
       {"gemm_bf16_tn", S::Chunks, {2, 4, 6}},
       {"gemm_bf16_batch_tm", S::Chunks, {2, 4, 8}},

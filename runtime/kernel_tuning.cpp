@@ -91,7 +91,12 @@ KernelTuning amd_epyc_avx512() {
   // run) 1.07-1.31x 4x3's speed on q/k/v, o, gate|up and down, the GLU launch (4x4 in both)
   // unchanged; 8x3 between the two; llama3-1b's 512-token bf16 prefill 1.07-1.09x (3 interleaved
   // pairs). On Zen 4 (2026-11-27) tiles of 8x2 to 6x4 had been within 2-4% of 4x3.
+  // FP8 decode GEMVs prefetch 8 KiB ahead in their weight stream: dsv3-mini fp8's whole decode
+  // step (bench_deepseek --tuning-ab, 9 rounds in turn, 2026-11-28) 1.26x [1.00, 1.44] at 8192
+  // bytes, 1.22x at 4096, 1.20x at 16384; bench_fp8's M = 1 GEMVs 1.4-2.1x at 8192 (one run). The
+  // bf16 one-row tiles gained nothing from it (dsv3-mini bf16 0.95-1.00x) and do not prefetch.
   KernelTuning t = cpu_forced();
+  t.stream_prefetch = 8192;
   t.gemm_bf16_tn = 6;
   t.gemm_bf16_packed_nv = 4;
   t.gemm_bf16_batch_tm = 8;
@@ -118,20 +123,30 @@ bool contains(const std::string& s, const char* part) {
 using U32Field = uint32_t KernelTuning::*;
 const std::vector<std::pair<std::string, U32Field>>& u32_fields() {
   static const std::vector<std::pair<std::string, U32Field>> f = {
-      {"norm_wg", &KernelTuning::norm_wg},       {"rope_wg", &KernelTuning::rope_wg},
-      {"linear_wg", &KernelTuning::linear_wg},   {"linear_rows", &KernelTuning::linear_rows},
+      {"norm_wg", &KernelTuning::norm_wg},
+      {"rope_wg", &KernelTuning::rope_wg},
+      {"linear_wg", &KernelTuning::linear_wg},
+      {"linear_rows", &KernelTuning::linear_rows},
       {"linear_vector", &KernelTuning::linear_vector},
-      {"attn_wg", &KernelTuning::attn_wg},       {"attn_tile", &KernelTuning::attn_tile},
-      {"attn_heads", &KernelTuning::attn_heads}, {"attn_split", &KernelTuning::attn_split},
-      {"prefill_wg", &KernelTuning::prefill_wg}, {"prefill_q", &KernelTuning::prefill_q},
+      {"attn_wg", &KernelTuning::attn_wg},
+      {"attn_tile", &KernelTuning::attn_tile},
+      {"attn_heads", &KernelTuning::attn_heads},
+      {"attn_split", &KernelTuning::attn_split},
+      {"prefill_wg", &KernelTuning::prefill_wg},
+      {"prefill_q", &KernelTuning::prefill_q},
       {"prefill_tile", &KernelTuning::prefill_tile},
       {"prefill_heads", &KernelTuning::prefill_heads},
-      {"mla_wg", &KernelTuning::mla_wg},         {"mla_tile", &KernelTuning::mla_tile},
-      {"mla_heads", &KernelTuning::mla_heads},   {"route_wg", &KernelTuning::route_wg},
-      {"row_wg", &KernelTuning::row_wg}, {"mla_row_tokens", &KernelTuning::mla_row_tokens},
+      {"mla_wg", &KernelTuning::mla_wg},
+      {"mla_tile", &KernelTuning::mla_tile},
+      {"mla_heads", &KernelTuning::mla_heads},
+      {"route_wg", &KernelTuning::route_wg},
+      {"row_wg", &KernelTuning::row_wg},
+      {"mla_row_tokens", &KernelTuning::mla_row_tokens},
       {"gemv_stream_k", &KernelTuning::gemv_stream_k},
       {"weight_prefetch", &KernelTuning::weight_prefetch},
-      {"gemm_bf16_tm", &KernelTuning::gemm_bf16_tm}, {"gemm_bf16_tn", &KernelTuning::gemm_bf16_tn},
+      {"stream_prefetch", &KernelTuning::stream_prefetch},
+      {"gemm_bf16_tm", &KernelTuning::gemm_bf16_tm},
+      {"gemm_bf16_tn", &KernelTuning::gemm_bf16_tn},
       {"gemm_bf16_batch_tm", &KernelTuning::gemm_bf16_batch_tm},
       {"gemm_bf16_batch_tn", &KernelTuning::gemm_bf16_batch_tn},
       {"gemm_bf16_rows", &KernelTuning::gemm_bf16_rows},
@@ -184,9 +199,11 @@ void apply_file(const DeviceInfo& info, KernelTuning& t) {
         std::string names;
         for (const std::string& n : kernel_tuning_fields()) names += (names.empty() ? "" : ", ") + n;
         throw std::runtime_error(where + ".tuning." + field + ": expected one of the fields (" +
-                                 names + ") with a positive integer (blas_gemm_rows, "
-                                 "gemm_bf16_packed_rows: 0 for never; weight_prefetch: 0 for "
-                                 "off), got " + value.dump());
+                                 names +
+                                 ") with a positive integer (blas_gemm_rows, "
+                                 "gemm_bf16_packed_rows: 0 for never; weight_prefetch, "
+                                 "stream_prefetch: 0 for off), got " +
+                                 value.dump());
       }
     }
   }
@@ -209,7 +226,7 @@ KernelTuning lookup_kernel_tuning(const DeviceInfo& info) {
 
 bool kernel_tuning_zero_allowed(const std::string& field) {
   return field == "blas_gemm_rows" || field == "gemm_bf16_packed_rows" ||
-         field == "weight_prefetch";
+         field == "weight_prefetch" || field == "stream_prefetch";
 }
 
 const std::vector<std::string>& kernel_tuning_fields() {

@@ -56,7 +56,7 @@ bool columns_in_turn(const Device& dev, uint32_t M, uint32_t K) {
 // linear.cl's tile options: TM x TN, columns in turn, the next tile's prefetch.
 std::string tile_options(const Device& dev, const LinearBlocks& b, uint32_t tn, bool in_turn) {
   return " -DTM=" + std::to_string(b.tm) + " -DTN=" + std::to_string(tn) +
-         (in_turn ? " -DCOLUMNS_IN_TURN=1" : "") + weight_prefetch_option(dev);
+         (in_turn ? columns_in_turn_option(dev) : "") + weight_prefetch_option(dev);
 }
 
 // Whether a GEMM over `ws` runs in bf16 (ComputeDType in ops.h).
@@ -309,6 +309,15 @@ uint32_t tiles_per_item(uint64_t tiles, uint64_t min_items, uint32_t max_per_ite
   uint32_t n = 1;
   while (n < max_per_item && tiles / (n * 2) >= min_items) n *= 2;
   return n;
+}
+
+std::string columns_in_turn_option(const Device& dev) {
+  std::string o = " -DCOLUMNS_IN_TURN=1";
+#if defined(__x86_64__)
+  if (pocl_cpu(dev) && dev.tuning().stream_prefetch != 0)
+    o += " -DPREFETCH_X86=1 -DSTREAM_PREFETCH=" + std::to_string(dev.tuning().stream_prefetch);
+#endif
+  return o;
 }
 
 std::string weight_prefetch_option(const Device& dev) {

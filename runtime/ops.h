@@ -29,6 +29,10 @@ bool bf16_dot_product(const Device& dev);
 // (common.cl's PREFETCH_LINE, an x86 instruction): " -DPREFETCH_X86=1" for PoCL's CPU device on
 // an x86 host whose tuning has weight_prefetch, else "".
 std::string weight_prefetch_option(const Device& dev);
+// The options of CPU-shape tiles that read their columns in turn (one-row tiles, linear_tile.cl
+// and fp8_tile.cl): " -DCOLUMNS_IN_TURN=1", and where weight_prefetch_option applies and the
+// tuning's stream_prefetch is not 0, " -DPREFETCH_X86=1 -DSTREAM_PREFETCH=<bytes>".
+std::string columns_in_turn_option(const Device& dev);
 
 // The fewest work-items a CPU-shape launch bound by its weights' stream is split into: 16 per
 // compute unit (at least 32), each taking up to 16 column tiles, so that a work-item's fixed

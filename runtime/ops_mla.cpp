@@ -255,7 +255,7 @@ void mla_up_project(Device& dev, const cl::Mem& o_lat, const Weight& kv_b,
   const bool in_turn = tm < 4 && s.kv_lora <= dev.tuning().gemv_stream_k;
   std::string opts = dims_option(s) + kv_b_option(kv_b, kv_b_scale) +
                      " -DTM=" + std::to_string(tm) + " -DTN=" + std::to_string(tn) +
-                     (in_turn ? " -DCOLUMNS_IN_TURN=1" : "");
+                     (in_turn ? ops::columns_in_turn_option(dev) : "");
   if (fp8) opts += " " + fp8_decode_option(dev) + fp8_tile_options(dev, kv_b.fp8_nan_free, in_turn);
   cl::Kernel k = dev.kernel("mla.cl", "mla_head_linear", opts);
   const uint32_t m_rows = std::min((T + tm - 1) / tm * tm, 64u);

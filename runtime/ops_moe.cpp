@@ -126,12 +126,11 @@ void linear_fp8(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, con
   // tiles from 4 rows on, which reuse every decoded weight vector four times.
   const uint32_t tm = M < 4 ? M : 4, tn = 4;
   const bool in_turn = tm < 4 && K <= dev.tuning().gemv_stream_k;
-  cl::Kernel k = dev.kernel("linear_fp8.cl", "linear_fp8",
-                            fp8_decode_option(dev) + " -DTM=" + std::to_string(tm) +
-                                " -DTN=" + std::to_string(tn) +
-                                (in_turn ? " -DCOLUMNS_IN_TURN=1" : "") +
-                                fp8_tile_options(dev, w.fp8_nan_free, in_turn,
-                                                 tm == 4 && M >= kFp8PanelRowsFrom, K));
+  cl::Kernel k = dev.kernel(
+      "linear_fp8.cl", "linear_fp8",
+      fp8_decode_option(dev) + " -DTM=" + std::to_string(tm) + " -DTN=" + std::to_string(tn) +
+          (in_turn ? ops::columns_in_turn_option(dev) : "") +
+          fp8_tile_options(dev, w.fp8_nan_free, in_turn, tm == 4 && M >= kFp8PanelRowsFrom, K));
   // Work per work-item as ops::linear: up to 64 rows, and enough column tiles that a launch is a
   // few hundred work-items rather than thousands. Tiles in turn are split as
   // ops::stream_launch_items says: each work-item scales its x rows first, which at 2 tiles
@@ -455,7 +454,7 @@ void moe_grouped_linear(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::M
   // kernels have no such tiles, and their program need not hold the private x row.
   const bool in_turn = dev.kernel_shape() == KernelShape::Chunks && plan.tm == 1 &&
                        K <= dev.tuning().gemv_stream_k;
-  if (in_turn) opts += " -DCOLUMNS_IN_TURN=1";
+  if (in_turn) opts += ops::columns_in_turn_option(dev);
   if (g.dtype == DType::F8_E4M3)
     opts += fp8_tile_options(dev, g.fp8_nan_free, in_turn,
                              dev.kernel_shape() == KernelShape::Chunks && plan.tm == 4 &&

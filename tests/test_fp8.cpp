@@ -10,18 +10,17 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <random>
 #include <tuple>
 
-#include <nlohmann/json.hpp>
-
 #include "runtime/device.h"
 #include "runtime/device_manager.h"
+#include "runtime/ops.h"
 #include "runtime/ops_mla.h"
 #include "runtime/ops_moe.h"
 #include "runtime/safetensors.h"
 #include "runtime/tensor.h"
-
 #include "tests/test_util.h"
 
 namespace clshard {
@@ -294,6 +293,56 @@ TEST_P(Fp8Decodes, LinearLongRowsInTurnAtTheLargestStreamK) {
   test::TuningScope tuned(dev, t);
   check_linear_fp8(1, 40, 16376, 1.0f, false, 61);
   check_linear_fp8(3, 40, 16376, 1.0f, true, 62);
+}
+
+// The stream prefetch of tiles in turn (KernelTuning::stream_prefetch, fp8_tile.cl) is a hint
+// only: with it off, at 8192 bytes ahead and at 64 (the block's own next line), one to three rows
+// give the same bits, over several work-items (N = 515) whose streams run past the weight's end,
+// on whole blocks (K = 2048), a partial last block with a tail (K = 300) and one whole block with
+// a tail past it (K = 136). On PoCL's CPU device on x86 the option is built in.
+TEST_P(Fp8Decodes, LinearStreamPrefetchChangesNoBit) {
+  Device& dev = device();
+  test::ShapeScope scope(dev, KernelShape::Chunks);
+  const KernelTuning saved = dev.tuning();
+  test::TuningScope restore(dev, saved);
+  const uint32_t N = 515;
+  for (const uint32_t K : {2048u, 300u, 136u}) {
+    const Fp8Problem p = random_problem(N, K, 70 + K);
+    Weight wq = fp8_weight(dev, p.w, N, K);
+    Weight sc = to_device_f32(dev, p.scales, {ceil128(N), ceil128(K)}, "test.scale_inv");
+    const std::vector<float> x = random_vec(size_t(3) * K, 71 + K);
+    cl::Mem xb = upload(dev, x);
+    for (const uint32_t M : {1u, 2u, 3u}) {
+      SCOPED_TRACE("K=" + std::to_string(K) + " M=" + std::to_string(M));
+      auto run = [&](uint32_t ahead) {
+        KernelTuning t = saved;
+        t.stream_prefetch = ahead;
+        dev.set_tuning(t);
+        const bool x86_pocl =
+#if defined(__x86_64__)
+            dev.info().platform.find("Portable Computing Language") != std::string::npos &&
+            dev.info().kind == DeviceKind::Cpu;
+#else
+            false;
+#endif
+        EXPECT_EQ(
+            ops::columns_in_turn_option(dev),
+            std::string(" -DCOLUMNS_IN_TURN=1") +
+                (ahead && x86_pocl ? " -DPREFETCH_X86=1 -DSTREAM_PREFETCH=" + std::to_string(ahead)
+                                   : ""));
+        cl::Mem yb = dev.alloc(size_t(M) * N * sizeof(float));
+        ops::linear_fp8(dev, xb, 0, K, wq, sc, yb, 0, N, M);
+        return download(dev, yb, size_t(M) * N);
+      };
+      const std::vector<float> off = run(0);
+      for (const uint32_t ahead : {8192u, 64u}) {
+        const std::vector<float> on = run(ahead);
+        for (size_t i = 0; i < off.size(); ++i)
+          ASSERT_EQ(std::bit_cast<uint32_t>(on[i]), std::bit_cast<uint32_t>(off[i]))
+              << "element " << i << " with the prefetch " << ahead << " bytes ahead";
+      }
+    }
+  }
 }
 
 TEST_P(Fp8Decodes, LinearAlphaAndAccumulate) {
