@@ -3,13 +3,17 @@
 // roofline (weight bytes read per token / measured bandwidth) and prefill's GFLOP/s in the linear
 // layers as a fraction of the CPU's register-only f32 FMA and bf16 dot-product peaks.
 // Usage: bench_llama [MODEL_DIR] [--compute-dtype f32|bf16] [--prefill-only]
+//                    [--tuning-ab FIELD=VALUE [--ab-rounds R]]
 //   (MODEL_DIR default: .cache/models/llama3-1b-bf16, made if missing; --compute-dtype as the
-//   deployment's model.compute_dtype, default f32)
+//   deployment's model.compute_dtype, default f32; --tuning-ab times the batch-1 decode, a batch
+//   of 8 and the 512-token prefill also with one tuning field changed, the two in turn R times:
+//   bench_util.h's TuningAB)
 #include <algorithm>
 #include <array>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <optional>
 #include <vector>
 
 #include "models/registry.h"
@@ -44,7 +48,15 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"f32", "bf16"}));
   app.add_option("--context", context, "the phase split also decodes after N cached positions")
       ->capture_default_str();
+  std::string ab_arg;
+  int ab_rounds = 9;
+  app.add_option("--tuning-ab", ab_arg,
+                 "FIELD=VALUE: also time the batch-1 decode with that tuning field against the "
+                 "device's, in turn (bench_util.h's TuningAB)");
+  app.add_option("--ab-rounds", ab_rounds, "rounds of --tuning-ab")->capture_default_str();
   parse_args(app, argc, argv);
+  std::optional<TuningAB> ab;
+  if (!ab_arg.empty()) ab = parse_tuning_ab(ab_arg);
   const std::filesystem::path dir = dir_arg;
   LoadOptions opts;
   opts.compute_dtype = compute_dtype == "bf16" ? ComputeDType::BF16 : ComputeDType::F32;
@@ -89,6 +101,33 @@ int main(int argc, char** argv) {
     const uint32_t n = 33;
     greedy_generate(*model, {prompt}, n, 128);
     const double per_token = (seconds_since(t0) - prefill16) / (n - 1);
+    if (ab) {
+      // The same 33-token generation less the 16-token prefill timed above (prefill's tiles are
+      // not one-row tiles; what a decode field changes is the decode).
+      run_tuning_ab(dev, *ab, ab_rounds, [&] {
+        const auto ts = Clock::now();
+        greedy_generate(*model, {prompt}, n, 128);
+        return (seconds_since(ts) - prefill16) / (n - 1);
+      });
+      std::printf(
+          "decode, %s=%lu against the device's tuning (%d rounds in turn): %.2f -> %.2f "
+          "ms per token, A/B %.3f [%.3f, %.3f]\n",
+          ab->field.c_str(), (unsigned long)ab->value, ab_rounds, ab->a_median * 1e3,
+          ab->b_median * 1e3, ab->ratio_median, ab->ratio_low, ab->ratio_high);
+      // Eight requests of 16 tokens, 17 tokens each: one prefill step of 128 tokens and 16 decode
+      // steps of 8 rows; the figure is the whole generation's time per step.
+      const std::vector<std::vector<int32_t>> prompts(8, prompt);
+      run_tuning_ab(dev, *ab, ab_rounds, [&] {
+        const auto ts = Clock::now();
+        greedy_generate(*model, prompts, 17, 128);
+        return seconds_since(ts) / 17;
+      });
+      std::printf(
+          "batch 8 (8 x 16-token prompts, 17 tokens each), %s=%lu: %.2f -> %.2f ms per "
+          "step, A/B %.3f [%.3f, %.3f]\n",
+          ab->field.c_str(), (unsigned long)ab->value, ab->a_median * 1e3, ab->b_median * 1e3,
+          ab->ratio_median, ab->ratio_low, ab->ratio_high);
+    }
 
   // Where a decode step's wall time goes on the host side: the step driven by hand at batch 1
     // (the same inputs greedy_generate builds), split into forward() (uploads and kernel enqueues,
@@ -171,6 +210,18 @@ int main(int argc, char** argv) {
   const double gflops = flops / tp / 1e9;
   std::printf("prefill, 512 tokens: %.2f s, %.1f tokens/s, %.1f GFLOP/s in the linear layers",
               tp, 512 / tp, gflops);
+  if (ab) {
+    run_tuning_ab(dev, *ab, std::max(ab_rounds / 3, 3), [&] {
+      const auto ts = Clock::now();
+      greedy_generate(*model, {long_prompt}, 1, 128);
+      return seconds_since(ts);
+    });
+    std::printf(
+        "\nprefill, %s=%lu against the device's tuning: %.3f -> %.3f s, A/B %.3f "
+        "[%.3f, %.3f]",
+        ab->field.c_str(), (unsigned long)ab->value, ab->a_median, ab->b_median, ab->ratio_median,
+        ab->ratio_low, ab->ratio_high);
+  }
   if (peaks.f32_fma_gflops > 0)
     std::printf(" = %.0f%% of the f32 FMA peak", 100 * gflops / peaks.f32_fma_gflops);
   if (peaks.bf16_dot_gflops > 0)
