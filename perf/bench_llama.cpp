@@ -48,15 +48,11 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"f32", "bf16"}));
   app.add_option("--context", context, "the phase split also decodes after N cached positions")
       ->capture_default_str();
-  std::string ab_arg;
-  int ab_rounds = 9;
-  app.add_option("--tuning-ab", ab_arg,
-                 "FIELD=VALUE: also time the batch-1 decode with that tuning field against the "
-                 "device's, in turn (bench_util.h's TuningAB)");
-  app.add_option("--ab-rounds", ab_rounds, "rounds of --tuning-ab")->capture_default_str();
+  TuningABOptions ab_opts;
+  add_tuning_ab_options(app, ab_opts);
   parse_args(app, argc, argv);
-  std::optional<TuningAB> ab;
-  if (!ab_arg.empty()) ab = parse_tuning_ab(ab_arg);
+  std::optional<TuningAB> ab = ab_opts.parse();
+  const int ab_rounds = ab_opts.rounds;
   const std::filesystem::path dir = dir_arg;
   LoadOptions opts;
   opts.compute_dtype = compute_dtype == "bf16" ? ComputeDType::BF16 : ComputeDType::F32;

@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <string>
@@ -329,6 +330,22 @@ inline TuningAB parse_tuning_ab(const std::string& arg) {
     std::exit(2);
   }
   return ab;
+}
+
+// The two options of a benchmark that offers the A/B: --tuning-ab FIELD=VALUE and --ab-rounds R.
+struct TuningABOptions {
+  std::string arg;
+  int rounds = 9;
+  std::optional<TuningAB> parse() const {
+    if (arg.empty()) return std::nullopt;
+    return parse_tuning_ab(arg);
+  }
+};
+inline void add_tuning_ab_options(CLI::App& app, TuningABOptions& o) {
+  app.add_option("--tuning-ab", o.arg,
+                 "FIELD=VALUE: also time the decode with that tuning field against the device's, "
+                 "in turn (bench_util.h's TuningAB)");
+  app.add_option("--ab-rounds", o.rounds, "rounds of --tuning-ab")->capture_default_str();
 }
 
 // Times fn() (seconds, as it measures them) under both tunings; `dev`'s tuning is A again after.

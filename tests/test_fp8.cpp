@@ -318,18 +318,11 @@ TEST_P(Fp8Decodes, LinearStreamPrefetchChangesNoBit) {
         KernelTuning t = saved;
         t.stream_prefetch = ahead;
         dev.set_tuning(t);
-        const bool x86_pocl =
-#if defined(__x86_64__)
-            dev.info().platform.find("Portable Computing Language") != std::string::npos &&
-            dev.info().kind == DeviceKind::Cpu;
-#else
-            false;
-#endif
-        EXPECT_EQ(
-            ops::columns_in_turn_option(dev),
-            std::string(" -DCOLUMNS_IN_TURN=1") +
-                (ahead && x86_pocl ? " -DPREFETCH_X86=1 -DSTREAM_PREFETCH=" + std::to_string(ahead)
-                                   : ""));
+        const std::string prefetch =
+            ahead && test::x86_pocl(dev)
+                ? " -DPREFETCH_X86=1 -DSTREAM_PREFETCH=" + std::to_string(ahead)
+                : "";
+        EXPECT_EQ(ops::columns_in_turn_option(dev), " -DCOLUMNS_IN_TURN=1" + prefetch);
         cl::Mem yb = dev.alloc(size_t(M) * N * sizeof(float));
         ops::linear_fp8(dev, xb, 0, K, wq, sc, yb, 0, N, M);
         return download(dev, yb, size_t(M) * N);

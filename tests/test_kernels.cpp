@@ -189,14 +189,8 @@ TEST_P(LinearPrefetch, NextTilePrefetchChangesNoBit) {
     KernelTuning t = saved;
     t.weight_prefetch = prefetch;
     dev.set_tuning(t);
-    const bool x86_pocl =
-#if defined(__x86_64__)
-        dev.info().platform.find("Portable Computing Language") != std::string::npos &&
-        dev.info().kind == DeviceKind::Cpu;
-#else
-        false;
-#endif
-    EXPECT_EQ(ops::weight_prefetch_option(dev), prefetch && x86_pocl ? " -DPREFETCH_X86=1" : "");
+    EXPECT_EQ(ops::weight_prefetch_option(dev),
+              prefetch && test::x86_pocl(dev) ? " -DPREFETCH_X86=1" : "");
     cl::Mem y = upload(dev, y0), q = dev.alloc(size_t(M) * Q * 4), g = dev.alloc(size_t(M) * F * 4);
     ops::linear(dev, xm, 0, K, w, nullptr, y, 0, N, M, 0.5f, true);
     ops::linear_fused(dev, xm, 0, K, nullptr, &norm, 1e-5f, {&w, &wk}, q, 0, Q, M);

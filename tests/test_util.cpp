@@ -100,6 +100,16 @@ DeviceSelection cpu_devices(const std::string& split, bool all) {
   return sel;
 }
 
+bool x86_pocl(const Device& dev) {
+#if defined(__x86_64__)
+  return dev.info().platform.find("Portable Computing Language") != std::string::npos &&
+         dev.info().kind == DeviceKind::Cpu;
+#else
+  (void)dev;
+  return false;
+#endif
+}
+
 Device& default_device() {
   static DeviceManager manager(DeviceSelection{});
   return manager[0];

@@ -100,6 +100,10 @@ class TuningScope {
   KernelTuning saved_;
 };
 
+// Whether the prefetch hints apply to `dev` (ops::weight_prefetch_option): PoCL's CPU device on an
+// x86 host.
+bool x86_pocl(const Device& dev);
+
 // Runs the clshard executable with args; returns its exit code, stdout and stderr in out/err.
 int run_clshard(const std::vector<std::string>& args, std::string* out = nullptr,
                 std::string* err = nullptr);
