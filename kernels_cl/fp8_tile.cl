@@ -95,35 +95,42 @@ inline void fp8_tile_dots(global const float* xr[TM], global const uchar* wr[TN]
       for (uint v = 0; v < K16; ++v) sx->x[i][v] = vload16(v, xr[i]) * FP8_X_SCALE;
     sx->row = xr[0];
   }
-  // Whole blocks, then the partial last one (K % 128): the weight and x pointers step a block at a
-  // time, so the unrolled block is loads, decodes and FMAs at constant offsets with no per-vector
-  // index arithmetic.
+  // Whole blocks, then the partial last one (K % 128) with its V_TAIL vectors: the weight and x
+  // pointers step a block at a time, so a whole block is loads, decodes and FMAs at constant
+  // offsets with no per-vector index arithmetic.
   const uint KB_FULL = K16 / VECS_PER_BLOCK, V_TAIL = K16 - KB_FULL * VECS_PER_BLOCK;
+  // One vector of row j's block: 16 codes decoded and summed into every x row's block sums.
+#define FP8_IN_TURN_VECTOR(u)                                                          \
+  {                                                                                    \
+    const uchar16 b = vload16((u), wb);                                                \
+    FP8_WATCH(j, b)                                                                    \
+    const float16 wv = e4m3x16_decode_scaled(b);                                       \
+    _Pragma("unroll") for (int i = 0; i < TM; ++i) blk[i] = fma(xb[i][(u)], wv, blk[i]); \
+  }
 #pragma unroll
   for (int j = 0; j < TN; ++j) {
     global const uchar* wb = wr[j];
     const float16* xb[TM];
 #pragma unroll
     for (int i = 0; i < TM; ++i) xb[i] = sx->x[i];
-    for (uint kb = 0; kb < KB_FULL; ++kb) {
+    for (uint kb = 0; kb < KB_FULL + (V_TAIL ? 1 : 0); ++kb) {
       float16 blk[TM];
-#ifdef STREAM_PREFETCH
-      // The block's two lines STREAM_PREFETCH bytes ahead (ops::columns_in_turn_option): with the
-      // hardware prefetcher alone, a block's first load held most of the tile's profile samples,
-      // and a thread of the kernel read 12-14 GB/s where a native loop of the same instructions
-      // read 22 (bench_fp8, M = 1, 7168 x 2048, one PoCL thread); 8 KiB ahead, 23-27.
-      PREFETCH_LINE(wb + STREAM_PREFETCH);
-      PREFETCH_LINE(wb + STREAM_PREFETCH + 64);
-#endif
 #pragma unroll
       for (int i = 0; i < TM; ++i) blk[i] = (float16)(0.0f);
+      if (kb < KB_FULL) {
+#ifdef STREAM_PREFETCH
+        // The block's two lines STREAM_PREFETCH bytes ahead (ops::columns_in_turn_option): with
+        // the hardware prefetcher alone, a block's first load held most of the tile's profile
+        // samples, and a thread of the kernel read 12-14 GB/s where a native loop of the same
+        // instructions read 22 (bench_fp8, M = 1, 7168 x 2048, one PoCL thread); 8 KiB ahead,
+        // 23-27.
+        PREFETCH_LINE(wb + STREAM_PREFETCH);
+        PREFETCH_LINE(wb + STREAM_PREFETCH + 64);
+#endif
 #pragma unroll
-      for (uint u = 0; u < VECS_PER_BLOCK; ++u) {
-        const uchar16 b = vload16(u, wb);
-        FP8_WATCH(j, b)
-        const float16 wv = e4m3x16_decode_scaled(b);
-#pragma unroll
-        for (int i = 0; i < TM; ++i) blk[i] = fma(xb[i][u], wv, blk[i]);
+        for (uint u = 0; u < VECS_PER_BLOCK; ++u) FP8_IN_TURN_VECTOR(u)
+      } else {
+        for (uint u = 0; u < V_TAIL; ++u) FP8_IN_TURN_VECTOR(u)
       }
       const float16 s = (float16)(srow[kb]);
 #pragma unroll
@@ -133,22 +140,8 @@ inline void fp8_tile_dots(global const float* xr[TM], global const uchar* wr[TN]
       }
       wb += QBLOCK;
     }
-    if (V_TAIL) {
-      float16 blk[TM];
-#pragma unroll
-      for (int i = 0; i < TM; ++i) blk[i] = (float16)(0.0f);
-      for (uint u = 0; u < V_TAIL; ++u) {
-        const uchar16 b = vload16(u, wb);
-        FP8_WATCH(j, b)
-        const float16 wv = e4m3x16_decode_scaled(b);
-#pragma unroll
-        for (int i = 0; i < TM; ++i) blk[i] = fma(xb[i][u], wv, blk[i]);
-      }
-      const float16 s = (float16)(srow[KB_FULL]);
-#pragma unroll
-      for (int i = 0; i < TM; ++i) acc[i][j] = fma(blk[i], s, acc[i][j]);
-    }
   }
+#undef FP8_IN_TURN_VECTOR
 #else
 #ifdef FP8_PANEL_K
   if (sx->panel_row != wr[0]) {
