@@ -67,7 +67,7 @@ struct KernelTuning {
   uint32_t weight_prefetch = 1;
   // FP8 decode GEMVs on the CPU shape (fp8_tile.cl's tiles in turn) prefetch the line this many
   // bytes ahead in their weight stream (0: off); as weight_prefetch, only on PoCL's CPU device on
-  // an x86 host (ops::stream_prefetch_option).
+  // an x86 host (ops::columns_in_turn_option).
   uint32_t stream_prefetch = 0;
   // The bf16-compute GEMM (linear_bf16.cl, model.compute_dtype: bf16; CPU shape): tile rows and
   // weight rows (even: GLU splits them into gate and up), the same for batches below one
