@@ -134,11 +134,7 @@ int main(int argc, char** argv) {
         for (const auto& s : steps) model.forward(s).read_logits();
         return seconds_since(ts) / n_decode;
       });
-      std::printf(
-          "%s decode, %s=%lu against the device's tuning (%d rounds in turn): %.2f -> "
-          "%.2f ms per token, A/B %.3f [%.3f, %.3f]\n",
-          dt.c_str(), ab->field.c_str(), (unsigned long)ab->value, ab_rounds, ab->a_median * 1e3,
-          ab->b_median * 1e3, ab->ratio_median, ab->ratio_low, ab->ratio_high);
+      print_tuning_ab(dt + " decode", *ab, ab_rounds, 1e3, "ms per token");
     }
 
     double t_step = 0;  // the batched decode's, when asked for

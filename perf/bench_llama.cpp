@@ -105,11 +105,7 @@ int main(int argc, char** argv) {
         greedy_generate(*model, {prompt}, n, 128);
         return (seconds_since(ts) - prefill16) / (n - 1);
       });
-      std::printf(
-          "decode, %s=%lu against the device's tuning (%d rounds in turn): %.2f -> %.2f "
-          "ms per token, A/B %.3f [%.3f, %.3f]\n",
-          ab->field.c_str(), (unsigned long)ab->value, ab_rounds, ab->a_median * 1e3,
-          ab->b_median * 1e3, ab->ratio_median, ab->ratio_low, ab->ratio_high);
+      print_tuning_ab("decode", *ab, ab_rounds, 1e3, "ms per token");
       // Eight requests of 16 tokens, 17 tokens each: one prefill step of 128 tokens and 16 decode
       // steps of 8 rows; the figure is the whole generation's time per step.
       const std::vector<std::vector<int32_t>> prompts(8, prompt);
@@ -118,11 +114,8 @@ int main(int argc, char** argv) {
         greedy_generate(*model, prompts, 17, 128);
         return seconds_since(ts) / 17;
       });
-      std::printf(
-          "batch 8 (8 x 16-token prompts, 17 tokens each), %s=%lu: %.2f -> %.2f ms per "
-          "step, A/B %.3f [%.3f, %.3f]\n",
-          ab->field.c_str(), (unsigned long)ab->value, ab->a_median * 1e3, ab->b_median * 1e3,
-          ab->ratio_median, ab->ratio_low, ab->ratio_high);
+      print_tuning_ab("batch 8 (8 x 16-token prompts, 17 tokens each)", *ab, ab_rounds, 1e3,
+                      "ms per step");
     }
 
   // Where a decode step's wall time goes on the host side: the step driven by hand at batch 1
@@ -206,22 +199,19 @@ int main(int argc, char** argv) {
   const double gflops = flops / tp / 1e9;
   std::printf("prefill, 512 tokens: %.2f s, %.1f tokens/s, %.1f GFLOP/s in the linear layers",
               tp, 512 / tp, gflops);
-  if (ab) {
-    run_tuning_ab(dev, *ab, std::max(ab_rounds / 3, 3), [&] {
-      const auto ts = Clock::now();
-      greedy_generate(*model, {long_prompt}, 1, 128);
-      return seconds_since(ts);
-    });
-    std::printf(
-        "\nprefill, %s=%lu against the device's tuning: %.3f -> %.3f s, A/B %.3f "
-        "[%.3f, %.3f]",
-        ab->field.c_str(), (unsigned long)ab->value, ab->a_median, ab->b_median, ab->ratio_median,
-        ab->ratio_low, ab->ratio_high);
-  }
   if (peaks.f32_fma_gflops > 0)
     std::printf(" = %.0f%% of the f32 FMA peak", 100 * gflops / peaks.f32_fma_gflops);
   if (peaks.bf16_dot_gflops > 0)
     std::printf(", %.0f%% of the bf16 dot-product peak", 100 * gflops / peaks.bf16_dot_gflops);
   std::printf("\n");
+  if (ab) {
+    const int rounds = std::max(ab_rounds / 3, 3);
+    run_tuning_ab(dev, *ab, rounds, [&] {
+      const auto ts = Clock::now();
+      greedy_generate(*model, {long_prompt}, 1, 128);
+      return seconds_since(ts);
+    });
+    print_tuning_ab("prefill, 512 tokens", *ab, rounds, 1.0, "s");
+  }
   return 0;
 }

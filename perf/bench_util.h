@@ -345,7 +345,20 @@ inline void add_tuning_ab_options(CLI::App& app, TuningABOptions& o) {
   app.add_option("--tuning-ab", o.arg,
                  "FIELD=VALUE: also time the decode with that tuning field against the device's, "
                  "in turn (bench_util.h's TuningAB)");
-  app.add_option("--ab-rounds", o.rounds, "rounds of --tuning-ab")->capture_default_str();
+  app.add_option("--ab-rounds", o.rounds, "rounds of --tuning-ab")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1000));
+}
+
+// One line of an A/B's figures: "<what>, FIELD=VALUE against the device's tuning (R rounds in
+// turn): A -> B <unit>, A/B median [lowest, highest]", the times multiplied by `scale`.
+inline void print_tuning_ab(const std::string& what, const TuningAB& ab, int rounds, double scale,
+                            const char* unit) {
+  std::printf(
+      "%s, %s=%lu against the device's tuning (%d rounds in turn): %.3f -> %.3f %s, A/B "
+      "%.3f [%.3f, %.3f]\n",
+      what.c_str(), ab.field.c_str(), (unsigned long)ab.value, rounds, ab.a_median * scale,
+      ab.b_median * scale, unit, ab.ratio_median, ab.ratio_low, ab.ratio_high);
 }
 
 // Times fn() (seconds, as it measures them) under both tunings; `dev`'s tuning is A again after.
