@@ -220,6 +220,93 @@ INSTANTIATE_TEST_SUITE_P(Tiles, LinearPrefetch,
                                   std::to_string(i.param.K) + "_" + dtype_name(i.param.dt);
                          });
 
+// Batches of 5-8 rows through linear.cl's chunked 8-row tiles (KernelTuning::batch_chunk_k) give
+// the 4-row tiles' bits: linear (alpha, accumulating), q/k/v side by side and gate/up + SiLU,
+// where a work-item owns several column tiles (N = 2051: past the weight's end at the last tile),
+// over K of whole chunks, a partial last chunk and a K % 16 tail, with the prefetch on and off;
+// f32 / bf16 / f16 weights. ops::batch_chunk_k says which batches take them.
+struct ChunkCase {
+  uint32_t M, K, chunk;
+  DType dt;
+};
+class LinearChunked : public ::testing::TestWithParam<ChunkCase> {};
+
+TEST_P(LinearChunked, ChunkedTilesChangeNoBit) {
+  const auto [M, K, chunk, dt] = GetParam();
+  Device& dev = test::default_device();
+  ShapeScope scope(dev, KernelShape::Chunks);
+  const KernelTuning saved = dev.tuning();
+  test::TuningScope restore(dev, saved);
+  const uint32_t N = 2051, Nk = 5, F = 1027;
+  auto x = random_vec(size_t(M) * K, 31), wv = random_vec(size_t(N) * K, 32),
+       kv = random_vec(size_t(Nk) * K, 33), gv = random_vec(size_t(F) * K, 34),
+       uv = random_vec(size_t(F) * K, 35), y0 = random_vec(size_t(M) * N, 36);
+  Weight w = make_weight(dev, wv, {N, K}, dt), wk = make_weight(dev, kv, {Nk, K}, dt),
+         gate = make_weight(dev, gv, {F, K}, dt), up = make_weight(dev, uv, {F, K}, dt);
+  cl::Mem xm = upload(dev, x);
+  const uint32_t Q = N + Nk;
+  auto run = [&](uint32_t chunk_k, uint32_t prefetch) {
+    KernelTuning t = saved;
+    t.batch_chunk_k = chunk_k;
+    t.weight_prefetch = prefetch;
+    dev.set_tuning(t);
+    cl::Mem y = upload(dev, y0), q = dev.alloc(size_t(M) * Q * 4), g = dev.alloc(size_t(M) * F * 4);
+    ops::linear(dev, xm, 0, K, w, nullptr, y, 0, N, M, 0.5f, true);
+    ops::linear_fused(dev, xm, 0, K, nullptr, nullptr, 1e-5f, {&w, &wk}, q, 0, Q, M);
+    ops::linear_swiglu(dev, xm, 0, K, nullptr, 1e-5f, gate, up, g, 0, F, M);
+    return std::array<std::vector<float>, 3>{download(dev, y, size_t(M) * N),
+                                             download(dev, q, size_t(M) * Q),
+                                             download(dev, g, size_t(M) * F)};
+  };
+  const auto four_row = run(0, 1);
+  EXPECT_EQ(ops::batch_chunk_k(dev, M), 0u);
+  const auto chunked = run(chunk, 1);
+  EXPECT_EQ(ops::batch_chunk_k(dev, M), chunk);
+  const auto unprefetched = run(chunk + 15, 0);  // rounded down to the same chunk
+  EXPECT_EQ(ops::batch_chunk_k(dev, M), chunk);
+  const char* names[3] = {"linear", "q/k/v", "gate/up"};
+  for (const auto* other : {&chunked, &unprefetched})
+    for (int op = 0; op < 3; ++op) {
+      ASSERT_EQ((*other)[op].size(), four_row[op].size());
+      for (size_t i = 0; i < four_row[op].size(); ++i)
+        ASSERT_EQ(std::bit_cast<uint32_t>((*other)[op][i]),
+                  std::bit_cast<uint32_t>(four_row[op][i]))
+            << names[op] << " element " << i << " (prefetch " << (other == &chunked)
+            << "): " << (*other)[op][i] << " vs " << four_row[op][i];
+    }
+}
+
+INSTANTIATE_TEST_SUITE_P(Tiles, LinearChunked,
+                         ::testing::Values(ChunkCase{8, 300, 64, DType::BF16},
+                                           ChunkCase{5, 1030, 512, DType::BF16},
+                                           ChunkCase{7, 77, 16, DType::F32},
+                                           ChunkCase{6, 130, 48, DType::F16}),
+                         [](const ::testing::TestParamInfo<ChunkCase>& i) {
+                           return "M" + std::to_string(i.param.M) + "_K" +
+                                  std::to_string(i.param.K) + "_chunk" +
+                                  std::to_string(i.param.chunk) + "_" + dtype_name(i.param.dt);
+                         });
+
+// Which batches the chunked tiles take: 5-8 rows on the CPU shape, whole vectors of the field.
+TEST(LinearChunked, BatchesItTakes) {
+  Device& dev = test::default_device();
+  const KernelTuning saved = dev.tuning();
+  test::TuningScope restore(dev, saved);
+  KernelTuning t = saved;
+  t.batch_chunk_k = 1000;
+  dev.set_tuning(t);
+  {
+    ShapeScope scope(dev, KernelShape::Chunks);
+    for (uint32_t M : {1u, 4u, 9u, 64u}) EXPECT_EQ(ops::batch_chunk_k(dev, M), 0u) << M;
+    for (uint32_t M : {5u, 8u}) EXPECT_EQ(ops::batch_chunk_k(dev, M), 992u) << M;
+    t.batch_chunk_k = 15;
+    dev.set_tuning(t);
+    EXPECT_EQ(ops::batch_chunk_k(dev, 8), 0u);
+  }
+  ShapeScope gpu(dev, KernelShape::WorkGroups);
+  EXPECT_EQ(ops::batch_chunk_k(dev, 8), 0u);
+}
+
 // A strided view: x rows inside a wider buffer at an offset, y written into a column block — in
 // both kernel shapes.
 class LinearStrides : public test::BothShapes {};
