@@ -3,47 +3,6 @@
 // sums are the same operations whichever launch computes them.
 // The including file defines TM, TN and COLUMNS_IN_TURN first (tile_shape.cl).
 
-// A tile's lane sums (acc[i][j]: 16 lanes of x[i] . w[j] over K's whole vectors) reduced to its
-// dot products: tile_dots' end, shared with linear.cl's chunked tiles, which sum their lanes in
-// the same order, so that either tile gives the same bits.
-inline void tile_reduce(float16 acc[TM][TN], float out[TM][TN]) {
-#if TM * TN >= 8
-  // 16 sums at a time (common.cl's hsum16_x16, hsum16's bits), row-major; from 8 sums on it takes
-  // fewer instructions than hsum16 one by one. With silu_tile's copy unrolled, the 512-row f32
-  // compute GEMMs ran 1.00-1.01x (q/k/v, o, down) and 1.03x (gate|up with SwiGLU) faster, and
-  // batches of 1 and 8 alike (in-process A/B, 11-25 pairs, on the 2-core EPYC).
-  float16 flat[ROUND16(TM * TN)];
-#pragma unroll
-  for (int p = 0; p < ROUND16(TM * TN); ++p)
-    flat[p] = p < TM * TN ? acc[p / TN][p % TN] : (float16)(0.0f);
-#pragma unroll
-  for (int p = 0; p < TM * TN; p += 16) {
-    float sums[16];
-    vstore16(hsum16_x16(flat + p), 0, sums);
-#pragma unroll
-    for (int q = 0; q < 16 && p + q < TM * TN; ++q) out[(p + q) / TN][(p + q) % TN] = sums[q];
-  }
-#else
-#pragma unroll
-  for (int i = 0; i < TM; ++i)
-#pragma unroll
-    for (int j = 0; j < TN; ++j) out[i][j] = hsum16(acc[i][j]);
-#endif
-}
-
-// The K % 16 last products of each dot product, added to out in order.
-inline void tile_tail(global const float* xr[TM], global const wtype* wr[TN], uint K,
-                      float out[TM][TN]) {
-  for (uint k = K / 16 * 16; k < K; ++k) {
-#pragma unroll
-    for (int i = 0; i < TM; ++i) {
-      const float xk = xr[i][k];
-#pragma unroll
-      for (int j = 0; j < TN; ++j) out[i][j] = fma(xk, LOADW1(wr[j] + k), out[i][j]);
-    }
-  }
-}
-
 // The dot products of one TM x TN tile: out[i][j] = sum_k x[i][k] * w[j][k], each
 // column's sum in the same order whatever the tile around it, so a fused launch gives the same
 // bits as the separate ones. Rows and columns past the edge are clamped by the caller.
@@ -107,7 +66,35 @@ inline void tile_dots(global const float* xr[TM], global const wtype* wr[TN],
     }
   }
 
-  tile_reduce(acc, out);
+#if TM * TN >= 8
+  // 16 sums at a time (common.cl's hsum16_x16, hsum16's bits), row-major; from 8 sums on it takes
+  // fewer instructions than hsum16 one by one. With silu_tile's copy unrolled, the 512-row f32
+  // compute GEMMs ran 1.00-1.01x (q/k/v, o, down) and 1.03x (gate|up with SwiGLU) faster, and
+  // batches of 1 and 8 alike (in-process A/B, 11-25 pairs, on the 2-core EPYC).
+  float16 flat[ROUND16(TM * TN)];
+#pragma unroll
+  for (int p = 0; p < ROUND16(TM * TN); ++p)
+    flat[p] = p < TM * TN ? acc[p / TN][p % TN] : (float16)(0.0f);
+#pragma unroll
+  for (int p = 0; p < TM * TN; p += 16) {
+    float sums[16];
+    vstore16(hsum16_x16(flat + p), 0, sums);
+#pragma unroll
+    for (int q = 0; q < 16 && p + q < TM * TN; ++q) out[(p + q) / TN][(p + q) % TN] = sums[q];
+  }
+#else
+#pragma unroll
+  for (int i = 0; i < TM; ++i)
+#pragma unroll
+    for (int j = 0; j < TN; ++j) out[i][j] = hsum16(acc[i][j]);
 #endif
-  tile_tail(xr, wr, K, out);
+#endif
+  for (uint k = K / 16 * 16; k < K; ++k) {
+#pragma unroll
+    for (int i = 0; i < TM; ++i) {
+      const float xk = xr[i][k];
+#pragma unroll
+      for (int j = 0; j < TN; ++j) out[i][j] = fma(xk, LOADW1(wr[j] + k), out[i][j]);
+    }
+  }
 }

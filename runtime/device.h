@@ -69,11 +69,6 @@ struct KernelTuning {
   // bytes ahead in their weight stream (0: off); as weight_prefetch, only on PoCL's CPU device on
   // an x86 host (ops::columns_in_turn_option).
   uint32_t stream_prefetch = 0;
-  // Batches of 5-8 rows (batched decode) through the CPU shape's f32 GEMMs of f32 / bf16 / f16
-  // weights (linear.cl's linear_fused_chunked): one 8-row tile, a work-item's column tiles walking
-  // K in chunks of this many elements (rounded down to a multiple of 16), so that the rows' chunk
-  // stays in L1; below 16 (0): off, the 4-row tiles.
-  uint32_t batch_chunk_k = 512;
   // The bf16-compute GEMM (linear_bf16.cl, model.compute_dtype: bf16; CPU shape): tile rows and
   // weight rows (even: GLU splits them into gate and up), the same for batches below one
   // work-item's rows (decode, which streams the weights), rows per work-item, and whether PoCL

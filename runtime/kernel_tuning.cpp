@@ -145,7 +145,6 @@ const std::vector<std::pair<std::string, U32Field>>& u32_fields() {
       {"gemv_stream_k", &KernelTuning::gemv_stream_k},
       {"weight_prefetch", &KernelTuning::weight_prefetch},
       {"stream_prefetch", &KernelTuning::stream_prefetch},
-      {"batch_chunk_k", &KernelTuning::batch_chunk_k},
       {"gemm_bf16_tm", &KernelTuning::gemm_bf16_tm},
       {"gemm_bf16_tn", &KernelTuning::gemm_bf16_tn},
       {"gemm_bf16_batch_tm", &KernelTuning::gemm_bf16_batch_tm},
@@ -203,7 +202,7 @@ void apply_file(const DeviceInfo& info, KernelTuning& t) {
                                  names +
                                  ") with a positive integer (blas_gemm_rows, "
                                  "gemm_bf16_packed_rows: 0 for never; weight_prefetch, "
-                                 "stream_prefetch, batch_chunk_k: 0 for off), got " +
+                                 "stream_prefetch: 0 for off), got " +
                                  value.dump());
       }
     }
@@ -227,7 +226,7 @@ KernelTuning lookup_kernel_tuning(const DeviceInfo& info) {
 
 bool kernel_tuning_zero_allowed(const std::string& field) {
   return field == "blas_gemm_rows" || field == "gemm_bf16_packed_rows" ||
-         field == "weight_prefetch" || field == "stream_prefetch" || field == "batch_chunk_k";
+         field == "weight_prefetch" || field == "stream_prefetch";
 }
 
 const std::vector<std::string>& kernel_tuning_fields() {

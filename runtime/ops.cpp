@@ -299,16 +299,7 @@ std::string wg_vector_options(const Device& dev, const cl::Mem& x, uint32_t x_of
              : opts;
 }
 
-void launch_fused(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx,
-                  const std::vector<const Weight*>& ws, bool glu, const cl::Mem& y, uint32_t y_off,
-                  uint32_t ldy, uint32_t M, float alpha, bool accumulate);
-
 }  // namespace
-
-uint32_t batch_chunk_k(const Device& dev, uint32_t M) {
-  if (dev.kernel_shape() != KernelShape::Chunks || M < 5 || M > 8) return 0;
-  return dev.tuning().batch_chunk_k / 16 * 16;
-}
 
 uint64_t stream_launch_items(const Device& dev) {
   return std::max<uint64_t>(16ull * std::max(dev.info().compute_units, 1u), 32);
@@ -413,10 +404,6 @@ void linear(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const W
     dev.launch(k, {size_t(N) * wg, (M + rb - 1) / rb, 1}, 2, local);
     return;
   }
-  if (!has_bias && batch_chunk_k(dev, M) != 0) {
-    launch_fused(dev, x, x_off, ldx, {&w}, false, y, y_off, ldy, M, alpha, accumulate);
-    return;
-  }
   const LinearBlocks b = linear_blocks(dev, M, N, 4);
   cl::Kernel k = dev.kernel("linear.cl", "linear",
                             weight_option(w) + tile_options(dev, b, 4, columns_in_turn(dev, M, K)));
@@ -441,11 +428,8 @@ uint32_t common_k(const std::vector<const Weight*>& ws, const char* op) {
   return uint32_t(ws[0]->dim(1));
 }
 
-constexpr uint32_t kChunkedRows = 8;  // linear_fused_chunked's TM
-
-// linear_fused's kernel over `ws` (1 to 3 weights; with glu, gate and up), from
-// gemm_bf16_packed_rows rows of bf16 weights the packed GEMM (packed_f32_rows), and for batches
-// that batch_chunk_k takes linear_fused_chunked (the same bits).
+// linear_fused's kernel over `ws` (1 to 3 weights; with glu, gate and up), or from
+// gemm_bf16_packed_rows rows of bf16 weights the packed GEMM (packed_f32_rows).
 void launch_fused(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx,
                   const std::vector<const Weight*>& ws, bool glu, const cl::Mem& y, uint32_t y_off,
                   uint32_t ldy, uint32_t M, float alpha, bool accumulate) {
@@ -459,26 +443,6 @@ void launch_fused(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx,
     ends[i] = N;
   }
   if (glu) N = uint32_t(ws[0]->dim(0));
-  const Weight& w0 = *ws[0];
-  const Weight& w1 = *ws[std::min<size_t>(1, ws.size() - 1)];
-  const Weight& w2 = *ws[std::min<size_t>(2, ws.size() - 1)];
-  const uint32_t n1 = ws.size() > 1 ? ends[0] : N, n2 = ws.size() > 2 ? ends[1] : N;
-  if (const uint32_t k_chunk = batch_chunk_k(dev, M)) {
-    const uint32_t tn = 4, tile_cols = glu ? 2 : 4;
-    const uint32_t col_tiles = (N + tile_cols - 1) / tile_cols;
-    const uint32_t n_tiles = tiles_per_item(col_tiles, stream_launch_items(dev), 16);
-    cl::Kernel k =
-        dev.kernel("linear.cl", "linear_fused_chunked",
-                   weight_option(w0) + " -DTM=" + std::to_string(kChunkedRows) +
-                       " -DTN=" + std::to_string(tn) + " -DK_CHUNK=" + std::to_string(k_chunk) +
-                       (glu ? " -DGLU=1" : "") + weight_prefetch_option(dev));
-    cl::set_args(k, x, x_off, ldx, w0.mem, uint32_t(w0.offset), uint32_t(w0.row_stride()), n1,
-                 w1.mem, uint32_t(w1.offset), uint32_t(w1.row_stride()), n2, w2.mem,
-                 uint32_t(w2.offset), uint32_t(w2.row_stride()), y, y_off, ldy, M, N, K, alpha,
-                 int(accumulate), n_tiles);
-    dev.launch(k, {(col_tiles + n_tiles - 1) / n_tiles, 1, 1}, 1);
-    return;
-  }
   // TN = 4 dot products per row, with glu gate/up pairs; columns in turn, glu reads one gate row
   // then its up row (two runs side by side would halve the stream rate, see linear.cl).
   const bool in_turn = columns_in_turn(dev, M, K);
@@ -487,6 +451,10 @@ void launch_fused(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx,
   std::string opts = weight_option(*ws[0]) + tile_options(dev, b, tn, in_turn);
   if (glu) opts += " -DGLU=1";
   cl::Kernel k = dev.kernel("linear.cl", "linear_fused", opts);
+  const Weight& w0 = *ws[0];
+  const Weight& w1 = *ws[std::min<size_t>(1, ws.size() - 1)];
+  const Weight& w2 = *ws[std::min<size_t>(2, ws.size() - 1)];
+  const uint32_t n1 = ws.size() > 1 ? ends[0] : N, n2 = ws.size() > 2 ? ends[1] : N;
   cl::set_args(k, x, x_off, ldx, w0.mem, uint32_t(w0.offset),
                uint32_t(w0.row_stride()), n1, w1.mem, uint32_t(w1.offset),
                uint32_t(w1.row_stride()), n2, w2.mem, uint32_t(w2.offset),

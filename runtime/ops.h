@@ -40,12 +40,6 @@ std::string columns_in_turn_option(const Device& dev);
 // many tiles (linear_fp8's GEMVs and the bf16 GEMM's batches of up to 16 rows).
 uint64_t stream_launch_items(const Device& dev);
 
-// The K chunk (elements) of linear.cl's linear_fused_chunked, which ops::linear (without a bias),
-// linear_fused and linear_swiglu take for an M-row GEMM of f32 / bf16 / f16 weights at f32
-// compute: batches of 5-8 rows on the CPU shape, KernelTuning::batch_chunk_k rounded down to whole
-// 16-element vectors; 0 where the 4-row tiles take them.
-uint32_t batch_chunk_k(const Device& dev, uint32_t M);
-
 // Column tiles per work-item of a CPU-shape launch over `tiles` (column tiles times row blocks):
 // doubled from 1, up to max_per_item, while the launch keeps at least min_items work-items.
 uint32_t tiles_per_item(uint64_t tiles, uint64_t min_items, uint32_t max_per_item = 16);

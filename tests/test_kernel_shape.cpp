@@ -153,12 +153,11 @@ TEST(KernelTuningFile, AnEntryOverridesTheBuiltInRowForItsDeviceOnly) {
   write({{"attn_wg", 0}});
   EXPECT_EQ(error_of().rfind(prefix + "attn_wg: expected one of the fields (norm_wg, ", 0), 0u)
       << error_of();
-  EXPECT_NE(error_of().find(
-                "with a positive integer (blas_gemm_rows, gemm_bf16_packed_rows: 0 "
-                "for never; weight_prefetch, stream_prefetch, batch_chunk_k: 0 for off), got 0"),
+  EXPECT_NE(error_of().find("with a positive integer (blas_gemm_rows, gemm_bf16_packed_rows: 0 "
+                            "for never; weight_prefetch, stream_prefetch: 0 for off), got 0"),
             std::string::npos)
       << error_of();
-  write({{"blas_gemm_rows", 0}});  // the five fields whose 0 is a value (never, off)
+  write({{"blas_gemm_rows", 0}});  // the four fields whose 0 is a value (never, off)
   want = builtin_kernel_tuning(info);
   want.blas_gemm_rows = 0;
   EXPECT_EQ(lookup_kernel_tuning(info), want);
@@ -173,10 +172,6 @@ TEST(KernelTuningFile, AnEntryOverridesTheBuiltInRowForItsDeviceOnly) {
   write({{"stream_prefetch", 0}});
   want = builtin_kernel_tuning(info);
   want.stream_prefetch = 0;
-  EXPECT_EQ(lookup_kernel_tuning(info), want);
-  write({{"batch_chunk_k", 0}});
-  want = builtin_kernel_tuning(info);
-  want.batch_chunk_k = 0;
   EXPECT_EQ(lookup_kernel_tuning(info), want);
   write({{"warp_size", 32}});
   EXPECT_EQ(error_of().rfind(prefix + "warp_size: expected one of the fields", 0), 0u) << error_of();
