@@ -179,10 +179,11 @@ TuneWorkload::TuneWorkload(Device& dev, bool quick) : buffers_(std::make_unique<
   // The FP8 GEMV (DeepSeek-V3's block-scaled e4m3 weights), one byte per weight: 64 MiB, past a
   // last-level cache, so that it streams from memory as a decode step's weights do (with 8 MiB,
   // which stayed in the 32 MiB L3 of the EPYC here, stream_prefetch's candidates timed 0.26-0.37
-  // ms in an order unrelated to the decode's).
-  {
-    const uint32_t N = quick ? 4096 : 32768, K = 2048;
-    auto [w8, s8] = fp8_weight(dev, N, K, 9);
+  // ms in an order unrelated to the decode's). K on both sides of fp8_stream_k's 4096 (7168:
+  // DeepSeek-V3's hidden size).
+  for (uint32_t K : {2048u, 7168u}) {
+    const uint32_t N = K == 2048 ? (quick ? 4096 : 32768) : (quick ? 1024 : 8192);
+    auto [w8, s8] = fp8_weight(dev, N, K, 9 + K);
     const Weight& w = b.weights.emplace_back(std::move(w8));
     const Weight& s = b.weights.emplace_back(std::move(s8));
     cl::Mem x = keep(random_buffer(dev, K, 10)), y = keep(dev.alloc(N * 4));
@@ -191,7 +192,7 @@ TuneWorkload::TuneWorkload(Device& dev, bool quick) : buffers_(std::make_unique<
                     double(N) * K,
                     [&dev, x, y, &w, &s, N, K] { ops::linear_fp8(dev, x, 0, K, w, s, y, 0, N, 1); },
                     {"linear_wg", "linear_rows"},
-                    {"gemv_stream_k", "stream_prefetch"}});
+                    {"fp8_stream_k", "stream_prefetch"}});
   }
 
   // Prefill GEMM in the bf16 compute dtype (model.compute_dtype: bf16): M rows, bf16 N x K (M at
@@ -403,6 +404,7 @@ const std::vector<TuneField>& tunable_fields() {
       {"route_wg", S::WorkGroups, {32, 64, 128, 256}},
       {"blas_gemm_rows", S::WorkGroups, {0, 128, 512}},  // 0: never (the linear prefill ops' M)
       {"gemv_stream_k", S::Chunks, {1024, 2048, 4096, 8192, 16384}},
+      {"fp8_stream_k", S::Chunks, {2048, 4096, 8192, 16384}},
       {"weight_prefetch", S::Chunks, {0, 1}},
       {"stream_prefetch", S::Chunks, {0, 2048, 4096, 8192, 16384}},
       {"gemm_bf16_tm", S::Chunks, {2, 4, 6}},

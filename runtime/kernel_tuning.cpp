@@ -95,8 +95,14 @@ KernelTuning amd_epyc_avx512() {
   // step (bench_deepseek --tuning-ab, 9 rounds in turn, 2026-11-28) 1.26x [1.00, 1.44] at 8192
   // bytes, 1.22x at 4096, 1.20x at 16384; bench_fp8's M = 1 GEMVs 1.4-2.1x at 8192 (one run). The
   // bf16 one-row tiles gained nothing from it (dsv3-mini bf16 0.95-1.00x) and do not prefetch.
+  // FP8 tiles read their columns in turn up to K = 8192 (bf16 ones to 4096): in-process A/B on
+  // linear_fp8 at M = 1, weights streamed from a 96 MB ring (2026-11-28), 2048 x 4608 (dsv3-mini's
+  // dense down_proj) 1.70-1.80x, 1536 x 7168 1.61x, 576 x 7168 1.45x, K <= 4096 unchanged, 2048 x
+  // 16384 0.99x at 8192 and 0.77x at 16384 (a 64 KiB x row is past L1); bf16 GEMVs in turn at
+  // 1536 x 7168 and 576 x 7168 0.82x and 0.89x, hence the two fields.
   KernelTuning t = cpu_forced();
   t.stream_prefetch = 8192;
+  t.fp8_stream_k = 8192;
   t.gemm_bf16_tn = 6;
   t.gemm_bf16_packed_nv = 4;
   t.gemm_bf16_batch_tm = 8;
@@ -143,6 +149,7 @@ const std::vector<std::pair<std::string, U32Field>>& u32_fields() {
       {"row_wg", &KernelTuning::row_wg},
       {"mla_row_tokens", &KernelTuning::mla_row_tokens},
       {"gemv_stream_k", &KernelTuning::gemv_stream_k},
+      {"fp8_stream_k", &KernelTuning::fp8_stream_k},
       {"weight_prefetch", &KernelTuning::weight_prefetch},
       {"stream_prefetch", &KernelTuning::stream_prefetch},
       {"gemm_bf16_tm", &KernelTuning::gemm_bf16_tm},

@@ -311,6 +311,10 @@ uint32_t tiles_per_item(uint64_t tiles, uint64_t min_items, uint32_t max_per_ite
   return n;
 }
 
+uint32_t in_turn_max_k(const Device& dev, DType dtype) {
+  return dtype == DType::F8_E4M3 ? dev.tuning().fp8_stream_k : dev.tuning().gemv_stream_k;
+}
+
 std::string columns_in_turn_option(const Device& dev) {
   std::string o = " -DCOLUMNS_IN_TURN=1";
 #if defined(__x86_64__)

@@ -33,6 +33,10 @@ std::string weight_prefetch_option(const Device& dev);
 // and fp8_tile.cl): " -DCOLUMNS_IN_TURN=1", and where weight_prefetch_option applies and the
 // tuning's stream_prefetch is not 0, " -DPREFETCH_X86=1 -DSTREAM_PREFETCH=<bytes>".
 std::string columns_in_turn_option(const Device& dev);
+// The longest K whose one-row tiles read their columns in turn over weights of `dtype`:
+// KernelTuning::fp8_stream_k for FP8 (fp8_tile.cl's private x row is that long), gemv_stream_k
+// for the others.
+uint32_t in_turn_max_k(const Device& dev, DType dtype);
 
 // The fewest work-items a CPU-shape launch bound by its weights' stream is split into: 16 per
 // compute unit (at least 32), each taking up to 16 column tiles, so that a work-item's fixed
@@ -77,7 +81,7 @@ void round_bf16(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, uin
 // The build options of fp8_tile.cl's users (linear_fp8.cl, moe.cl, mla.cl). fp8_decode_option:
 // the e4m3 decode the device takes (common.cl's FP8_DENORM). fp8_tile_options: the NaN-code watch,
 // left out where the load-time scan found no NaN code (Weight::fp8_nan_free); for tiles in turn
-// the bound on K of their private scaled x row (KernelTuning::gemv_stream_k); with `panel` the
+// the bound on K of their private scaled x row (KernelTuning::fp8_stream_k); with `panel` the
 // decoded weight panel of K columns.
 std::string fp8_decode_option(const Device& dev);
 std::string fp8_tile_options(const Device& dev, bool nan_free, bool in_turn, bool panel = false,

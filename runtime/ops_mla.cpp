@@ -252,7 +252,7 @@ void mla_up_project(Device& dev, const cl::Mem& o_lat, const Weight& kv_b,
   // dozen work-items.
   const bool fp8 = kv_b.dtype == DType::F8_E4M3;
   const uint32_t tn = 4, tm = T < 4 ? (fp8 ? T : 1) : 4;
-  const bool in_turn = tm < 4 && s.kv_lora <= dev.tuning().gemv_stream_k;
+  const bool in_turn = tm < 4 && s.kv_lora <= ops::in_turn_max_k(dev, kv_b.dtype);
   std::string opts = dims_option(s) + kv_b_option(kv_b, kv_b_scale) +
                      " -DTM=" + std::to_string(tm) + " -DTN=" + std::to_string(tn) +
                      (in_turn ? ops::columns_in_turn_option(dev) : "");

@@ -75,8 +75,7 @@ std::string fp8_decode_option(const Device& dev) {
 std::string fp8_tile_options(const Device& dev, bool nan_free, bool in_turn, bool panel,
                              uint32_t K) {
   std::string o = std::string(" -DFP8_NAN_WATCH=") + (nan_free ? "0" : "1");
-  if (in_turn)
-    o += " -DFP8_XS_MAX=" + std::to_string(ceil_div(dev.tuning().gemv_stream_k, 16) * 16);
+  if (in_turn) o += " -DFP8_XS_MAX=" + std::to_string(ceil_div(dev.tuning().fp8_stream_k, 16) * 16);
   if (panel) o += " -DFP8_PANEL_K=" + std::to_string(ceil_div(K, 16) * 16);
   return o;
 }
@@ -119,13 +118,13 @@ void linear_fp8(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, con
     return;
   }
   // Below 4 rows (decode, a speculative verify of 1-2 drafts) one tile of all M rows, which reads
-  // its columns in turn (KernelTuning::gemv_stream_k, see linear.cl) and decodes each weight vector
+  // its columns in turn (KernelTuning::fp8_stream_k, see linear.cl) and decodes each weight vector
   // once for every row: against one-row tiles per row, in-process A/B on the 2-core EPYC (e4m3 of
   // normal weights) 2 x 2048 x 2048 1.24x, 3 rows 1.11x, 2 x 7168 x 2048 1.15x, 2 x 2048 x 512
-  // 1.22x, 2 x 2048 x 7168 (past gemv_stream_k) 1.28x, 3 x 512 x 2048 1.03x; the same bits. 4x4
-  // tiles from 4 rows on, which reuse every decoded weight vector four times.
+  // 1.22x, 2 x 2048 x 7168 (past the then stream bound, 4096) 1.28x, 3 x 512 x 2048 1.03x; the same
+  // bits. 4x4 tiles from 4 rows on, which reuse every decoded weight vector four times.
   const uint32_t tm = M < 4 ? M : 4, tn = 4;
-  const bool in_turn = tm < 4 && K <= dev.tuning().gemv_stream_k;
+  const bool in_turn = tm < 4 && K <= ops::in_turn_max_k(dev, w.dtype);
   cl::Kernel k = dev.kernel(
       "linear_fp8.cl", "linear_fp8",
       fp8_decode_option(dev) + " -DTM=" + std::to_string(tm) + " -DTN=" + std::to_string(tn) +
@@ -449,11 +448,11 @@ void moe_grouped_linear(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::M
       throw std::invalid_argument(std::string("moe_grouped_linear: expert weights of dtype ") +
                                   dtype_name(g.dtype));
   }
-  // One-row tiles read their columns in turn, as ops::linear's (KernelTuning::gemv_stream_k);
+  // One-row tiles read their columns in turn, as ops::linear's (ops::in_turn_max_k);
   // tiles prefetch their next tile's rows as ops::linear's. CPU shape only: the GPU shape's
   // kernels have no such tiles, and their program need not hold the private x row.
   const bool in_turn = dev.kernel_shape() == KernelShape::Chunks && plan.tm == 1 &&
-                       K <= dev.tuning().gemv_stream_k;
+                       K <= ops::in_turn_max_k(dev, g.dtype);
   if (in_turn) opts += ops::columns_in_turn_option(dev);
   if (g.dtype == DType::F8_E4M3)
     opts += fp8_tile_options(dev, g.fp8_nan_free, in_turn,

@@ -283,13 +283,13 @@ TEST_P(Fp8Decodes, LinearEdgeShapes) {
   check_linear_fp8(6, 256, 384, 1.0f, false, 5);  // whole blocks only
 }
 
-// Tiles in turn keep their x rows in private memory, up to gemv_stream_k codes each: at the
+// Tiles in turn keep their x rows in private memory, up to fp8_stream_k codes each: at the
 // largest candidate of `clshard tune` (16384), a K of 16,376 (the last block 120 codes, 8 of
 // them the tail), one row and a tile of three (192 KiB of private rows).
 TEST_P(Fp8Decodes, LinearLongRowsInTurnAtTheLargestStreamK) {
   Device& dev = device();
   KernelTuning t = dev.tuning();
-  t.gemv_stream_k = 16384;
+  t.fp8_stream_k = 16384;
   test::TuningScope tuned(dev, t);
   check_linear_fp8(1, 40, 16376, 1.0f, false, 61);
   check_linear_fp8(3, 40, 16376, 1.0f, true, 62);
@@ -334,6 +334,44 @@ TEST_P(Fp8Decodes, LinearStreamPrefetchChangesNoBit) {
           ASSERT_EQ(std::bit_cast<uint32_t>(on[i]), std::bit_cast<uint32_t>(off[i]))
               << "element " << i << " with the prefetch " << ahead << " bytes ahead";
       }
+    }
+  }
+}
+
+// fp8_stream_k decides whether one to three rows read their columns in turn (K at most it) or
+// four weight rows side by side; both give the same bits. K = 4608 (dsv3-mini's dense
+// down_proj) and 7160 (a partial last block, 8 codes of tail), between the default 4096 and
+// 8192, so that one of the two launches takes each path; gemv_stream_k (the bf16 bound) left at
+// 4096 changes neither.
+TEST_P(Fp8Decodes, LinearFp8StreamKChangesNoBit) {
+  Device& dev = device();
+  test::ShapeScope scope(dev, KernelShape::Chunks);
+  const KernelTuning saved = dev.tuning();
+  test::TuningScope restore(dev, saved);
+  const uint32_t N = 37;
+  for (const uint32_t K : {4608u, 7160u}) {
+    const Fp8Problem p = random_problem(N, K, 80 + K);
+    Weight wq = fp8_weight(dev, p.w, N, K);
+    Weight sc = to_device_f32(dev, p.scales, {ceil128(N), ceil128(K)}, "test.scale_inv");
+    const std::vector<float> x = random_vec(size_t(3) * K, 81 + K);
+    cl::Mem xb = upload(dev, x);
+    for (const uint32_t M : {1u, 2u, 3u}) {
+      SCOPED_TRACE("K=" + std::to_string(K) + " M=" + std::to_string(M));
+      auto run = [&](uint32_t stream_k) {
+        KernelTuning t = saved;
+        t.gemv_stream_k = 4096;
+        t.fp8_stream_k = stream_k;
+        dev.set_tuning(t);
+        EXPECT_EQ(ops::in_turn_max_k(dev, DType::F8_E4M3), stream_k);
+        EXPECT_EQ(ops::in_turn_max_k(dev, DType::BF16), 4096u);
+        cl::Mem yb = dev.alloc(size_t(M) * N * sizeof(float));
+        ops::linear_fp8(dev, xb, 0, K, wq, sc, yb, 0, N, M);
+        return download(dev, yb, size_t(M) * N);
+      };
+      const std::vector<float> side_by_side = run(4096), in_turn = run(8192);
+      for (size_t i = 0; i < in_turn.size(); ++i)
+        ASSERT_EQ(std::bit_cast<uint32_t>(in_turn[i]), std::bit_cast<uint32_t>(side_by_side[i]))
+            << "element " << i;
     }
   }
 }
