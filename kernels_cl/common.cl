@@ -165,10 +165,14 @@ inline void wg_tree_sum(local float* partial, uint rows, uint wg, uint lane) {
 // OpenCL C's prefetch() compiles to nothing there, and clang's __builtin_prefetch takes no
 // global pointer in OpenCL C 1.2. A prefetch never faults, so a line past a buffer's end is
 // harmless.
+// PREFETCH_LINE_L1: the same hint into L1 (prefetcht0), for a line wanted within a few hundred
+// cycles whose wait the hardware prefetchers leave exposed (mla.cl's decode rows).
 #if PREFETCH_X86
 #define PREFETCH_LINE(p) __asm__ volatile("prefetcht1 (%0)" ::"r"(p))
+#define PREFETCH_LINE_L1(p) __asm__ volatile("prefetcht0 (%0)" ::"r"(p))
 #else
 #define PREFETCH_LINE(p)
+#define PREFETCH_LINE_L1(p)
 #endif
 
 // The weight element type of kernels built with -DWEIGHT_TYPE=0|1|2 (f32 | bf16 | f16): wtype,

@@ -247,6 +247,19 @@ kernel void mla_decode_attention(global const float* qf, global const ctype* cac
       row[j] = cache + cache_row_index(lut, p0 + min(j, n - 1), page_size) * (LKV + DR);
     float16 dots[DEC_G][ATT_BLOCK];
     for (uint j = 0; j < ATT_BLOCK; ++j) {
+#if PREFETCH_X86
+      // The row two positions on into L1 while this one is scored. The scores had waited on the
+      // rows' loads (most of the kernel's samples in a perf profile; a work-item scored a row in
+      // about the same time from DRAM as from L3), and prefetching into L2 (prefetcht1, one block
+      // ahead or two rows) gained nothing. On the 2-core EPYC, dsv3-mini's shape with 8 heads per
+      // work-item (6 layers' caches in turn, in-process, ahead / not): context 1024 1.08-1.51x,
+      // 4096 1.21-1.37x (1 to 3 rows ahead alike), 128 even.
+      if (p0 + j + 2 <= last) {
+        global const uchar* ahead = (global const uchar*)(
+            cache + cache_row_index(lut, p0 + j + 2, page_size) * (LKV + DR));
+        for (uint c = 0; c < (LKV + DR) * sizeof(ctype); c += 64) PREFETCH_LINE_L1(ahead + c);
+      }
+#endif
       // Two accumulators per head halve the FMA dependency chain (36 vectors long for V3).
       float16 d0[DEC_G], d1[DEC_G];
 #pragma unroll

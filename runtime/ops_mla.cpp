@@ -222,8 +222,9 @@ void mla_decode_attention(Device& dev, const cl::Mem& qf, const cl::Mem& cache_l
   }
   // KernelTuning::mla_heads heads per work-item, as per work-group in the GPU shape.
   const uint32_t g = std::max(1u, std::min(s.n_heads, dev.tuning().mla_heads));
-  cl::Kernel k = dev.kernel("mla.cl", "mla_decode_attention",
-                            dims_option(s) + " -DDEC_G=" + std::to_string(g));
+  cl::Kernel k = dev.kernel(
+      "mla.cl", "mla_decode_attention",
+      dims_option(s) + " -DDEC_G=" + std::to_string(g) + ops::weight_prefetch_option(dev));
   cl::set_args(k, qf, cache_layer, st.token_row, st.token_pos, st.lookup, st.pages_per_row,
                st.page_size, s.n_heads, scale, o_lat);
   dev.launch(k, {st.T, (s.n_heads + g - 1) / g, 1}, 2);

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdio>
 #include <numeric>
@@ -428,6 +429,39 @@ TEST_P(MlaPaths, DecodeAndPrefillPathsMatchTheReference) {
     EXPECT_LT(max_abs(decode, want), 2e-5) << dtype_name(dtype());
     EXPECT_LT(max_abs(prefill, want), 2e-5) << dtype_name(dtype());
     EXPECT_LT(d_dp, 2e-5) << dtype_name(dtype());
+  }
+}
+
+// The CPU shape's decode prefetches the cache row two positions on (KernelTuning::weight_prefetch,
+// mla.cl; on x86 PoCL): a hint only, so with it and without, tokens over 1 to 22 cached positions
+// on 4-token pages (the row ahead often on the next page) give the same bits, 1 and 2 heads per
+// work-item.
+TEST_F(MlaOps, DecodeRowPrefetchChangesNoBit) {
+  test::ShapeScope scope(dev, KernelShape::Chunks);
+  const KernelTuning saved = dev.tuning();
+  test::TuningScope restore(dev, saved);
+  const KvB k = make_kv_b(dev, DType::BF16, rng);
+  plan_pages({6, 11, 22});
+  Step history = make_step({0, 7, 19});
+  cl::Mem q_hist;
+  store(history, q_hist);
+  Step s = make_step({1, 1, 1});
+  cl::Mem q_dev;
+  DeviceStep st = store(s, q_dev);
+  for (const uint32_t heads : {1u, 2u}) {
+    auto run = [&](uint32_t prefetch) {
+      KernelTuning t = saved;
+      t.weight_prefetch = prefetch;
+      t.mla_heads = heads;
+      dev.set_tuning(t);
+      EXPECT_EQ(ops::weight_prefetch_option(dev),
+                prefetch && test::x86_pocl(dev) ? " -DPREFETCH_X86=1" : "");
+      return run_path(MlaPath::Decode, s, st, q_dev, k, 0.15f);
+    };
+    const std::vector<float> off = run(0), on = run(1);
+    for (size_t i = 0; i < off.size(); ++i)
+      ASSERT_EQ(std::bit_cast<uint32_t>(on[i]), std::bit_cast<uint32_t>(off[i]))
+          << "element " << i << ", " << heads << " heads per work-item";
   }
 }
 
