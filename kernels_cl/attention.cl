@@ -130,6 +130,28 @@ __attribute__((always_inline)) inline void at_run(
         }
       }
     }
+#if PREFETCH_X86 && !AT_NOPE
+    // The next block's keys and values into L1 while this block is summed: a work-item reads one
+    // KV head's rows, 4 lines of every slot's kv_row (2 KB in llama3-1b), and waited on them.
+    // llama3-1b's decode attention alone (16 layers' caches in turn, in-process, 2-core EPYC,
+    // ahead / not, 5 runs): context 4096 1.09-1.20x, 2048 0.98-1.10x, 1024 0.95-1.09x, 128
+    // even; into L2 about the same; the 512-token prefill 1.00x.
+    if (p0 + 16 <= last) {
+      uint page = (p0 + 16) / page_size, off = (p0 + 16) % page_size;
+      const uint ahead = min(16u, last + 1 - (p0 + 16));
+      for (uint j = 0; j < ahead; ++j) {
+        const size_t a = (size_t)lut[page] * page_stride + (size_t)off * slot_stride;
+        global const uchar* kp = (global const uchar*)(keys + a);
+        global const uchar* vp = (global const uchar*)(values + a);
+        for (uint c = 0; c < AT_KC * sizeof(ctype); c += 64) PREFETCH_LINE_L1(kp + c);
+        for (uint c = 0; c < AT_DV * sizeof(ctype); c += 64) PREFETCH_LINE_L1(vp + c);
+        if (++off == page_size) {
+          off = 0;
+          ++page;
+        }
+      }
+    }
+#endif
     float16 kt[AT_KR];
 #if AT_NOPE
     size_t nope_at[16];

@@ -220,6 +220,62 @@ INSTANTIATE_TEST_SUITE_P(Tiles, LinearPrefetch,
                                   std::to_string(i.param.K) + "_" + dtype_name(i.param.dt);
                          });
 
+// The CPU-shape attention tiles prefetch the next 16-position block's keys and values
+// (weight_prefetch, attention.cl; on x86 PoCL): a hint only, so with it and without, decode tokens
+// of three rows at positions 5, 40 and 70 over 16-slot pages (blocks ahead on the next page, and
+// a last block shorter than 16), and one row's 30-token prefill, give the same bits, f32 and bf16
+// caches.
+TEST(AttentionPrefetch, NextBlockPrefetchChangesNoBit) {
+  Device& dev = test::default_device();
+  ShapeScope scope(dev, KernelShape::Chunks);
+  const KernelTuning saved = dev.tuning();
+  test::TuningScope restore(dev, saved);
+  const uint32_t nh = 8, nkv = 2, hd = 64, page = 16, ppr = 5, npages = 16;
+  const std::vector<uint32_t> lut = {3, 9, 1, 14, 6, 0, 11, 4, 15, 7, 2, 13, 5, 10, 8};
+  for (const DType cdt : {DType::F32, DType::BF16}) {
+    const size_t esz = dtype_size(cdt), elems = size_t(npages + 1) * 2 * page * nkv * hd;
+    const std::vector<float> v = random_vec(elems, 90);
+    std::vector<uint8_t> bytes(elems * esz);
+    for (size_t i = 0; i < elems; ++i) {
+      if (cdt == DType::F32) {
+        std::memcpy(bytes.data() + i * 4, &v[i], 4);
+      } else {
+        const uint16_t h = uint16_t(test::cache_code(cdt, v[i]));
+        std::memcpy(bytes.data() + i * 2, &h, 2);
+      }
+    }
+    cl::Mem cm = dev.alloc(bytes.size()), lm = upload(dev, lut);
+    dev.write(cm, bytes.data(), bytes.size());
+    for (const bool prefill : {false, true}) {
+      SCOPED_TRACE(std::string(dtype_name(cdt)) + (prefill ? " prefill" : " decode"));
+      std::vector<uint32_t> row, pos;
+      if (prefill) {
+        for (uint32_t p = 0; p < 30; ++p) row.push_back(1), pos.push_back(p);
+      } else {
+        row = {0, 1, 2};
+        pos = {5, 40, 70};
+      }
+      const uint32_t T = uint32_t(row.size()), ld = nh * hd;
+      cl::Mem qm = upload(dev, random_vec(size_t(T) * ld, 91)), rm = upload(dev, row),
+              pm = upload(dev, pos);
+      ops::StepTokens st{rm, pm, lm, T, ppr, page};
+      st.max_query_len = prefill ? T : 1;
+      auto run = [&](uint32_t prefetch) {
+        KernelTuning t = saved;
+        t.weight_prefetch = prefetch;
+        dev.set_tuning(t);
+        cl::Mem om = dev.alloc(size_t(T) * ld * 4);
+        ops::paged_attention(dev, qm, ld, cm, st, nh, nkv, hd, 0.125f, om, ld, cdt);
+        return download(dev, om, size_t(T) * ld);
+      };
+      const std::vector<float> off = run(0), on = run(1);
+      for (size_t i = 0; i < off.size(); ++i)
+        ASSERT_EQ(std::bit_cast<uint32_t>(on[i]), std::bit_cast<uint32_t>(off[i]))
+            << "element " << i;
+    }
+  }
+}
+
 // A strided view: x rows inside a wider buffer at an offset, y written into a column block — in
 // both kernel shapes.
 class LinearStrides : public test::BothShapes {};
