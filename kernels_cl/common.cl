@@ -166,7 +166,8 @@ inline void wg_tree_sum(local float* partial, uint rows, uint wg, uint lane) {
 // global pointer in OpenCL C 1.2. A prefetch never faults, so a line past a buffer's end is
 // harmless.
 // PREFETCH_LINE_L1: the same hint into L1 (prefetcht0), for a line wanted within a few hundred
-// cycles whose wait the hardware prefetchers leave exposed (mla.cl's decode rows).
+// cycles whose wait the hardware prefetchers leave exposed (mla.cl's decode rows, attention.cl's
+// next block of keys and values).
 #if PREFETCH_X86
 #define PREFETCH_LINE(p) __asm__ volatile("prefetcht1 (%0)" ::"r"(p))
 #define PREFETCH_LINE_L1(p) __asm__ volatile("prefetcht0 (%0)" ::"r"(p))

@@ -67,9 +67,10 @@ struct KernelTuning {
   // 0.82-0.89x at K = 7168 in bf16.
   uint32_t fp8_stream_k = 4096;
   // CPU-shape GEMMs (linear.cl, moe.cl's grouped tile) prefetch the rows of a work-item's next
-  // column tile while the current one streams (linear_tile.cl's tile_dots), and MLA's decode
-  // attention the cache row two positions on (mla.cl): 1 on, 0 off. Takes effect only on PoCL's
-  // CPU device on an x86 host (ops::weight_prefetch_option).
+  // column tile while the current one streams (linear_tile.cl's tile_dots); MLA's decode
+  // attention the cache row two positions on (mla.cl) and the attention tiles the next block's
+  // keys and values (attention.cl): 1 on, 0 off. Takes effect only on PoCL's CPU device on an x86
+  // host (ops::weight_prefetch_option).
   uint32_t weight_prefetch = 1;
   // FP8 decode GEMVs on the CPU shape (fp8_tile.cl's tiles in turn) prefetch the line this many
   // bytes ahead in their weight stream (0: off); as weight_prefetch, only on PoCL's CPU device on
