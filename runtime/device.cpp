@@ -190,6 +190,13 @@ void Device::write(const cl::Mem& m, const void* src, size_t bytes, size_t offse
             "writing a buffer on " + label());
 }
 
+void Device::write_queued(const cl::Mem& m, const void* src, size_t bytes, size_t offset) const {
+  if (bytes == 0) return;
+  cl::check(clEnqueueWriteBuffer(queue_.get(), m.get(), CL_FALSE, offset, bytes, src, 0, nullptr,
+                                 nullptr),
+            "writing a buffer on " + label());
+}
+
 void Device::read(const cl::Mem& m, void* dst, size_t bytes, size_t offset) const {
   if (bytes == 0) return;
   cl::check(clEnqueueReadBuffer(queue_.get(), m.get(), CL_TRUE, offset, bytes, dst, 0, nullptr,

@@ -182,6 +182,10 @@ class Device {
   // memory (no copy), uploads it otherwise.
   cl::Mem wrap_host(const void* data, size_t bytes) const;
   void write(const cl::Mem& m, const void* src, size_t bytes, size_t offset = 0) const;
+  // Queues the write and returns at once: `src` must stay as it is until a later blocking call on
+  // this queue (write, read, finish) has returned. Saves a round trip per buffer where several go
+  // up together (upload_step: one wait for five buffers).
+  void write_queued(const cl::Mem& m, const void* src, size_t bytes, size_t offset = 0) const;
   void read(const cl::Mem& m, void* dst, size_t bytes, size_t offset = 0) const;
   void fill_zero(const cl::Mem& m, size_t bytes, size_t offset = 0) const;
   void finish() const;

@@ -7,9 +7,10 @@
 namespace clshard {
 
 namespace {
+// Queued, not waited for: the last of a step's uploads waits for all of them (upload_step).
 Scratch upload(Device& dev, const void* data, size_t bytes) {
   Scratch s(dev, bytes ? bytes : 4);
-  dev.write(s.mem(), data, bytes);
+  dev.write_queued(s.mem(), data, bytes);
   return s;
 }
 }  // namespace
@@ -48,6 +49,10 @@ DeviceStep upload_step(Device& dev, const StepInputs& in, uint32_t page_size, ui
   s.lookup_buf = upload(dev, in.lookup_table.data(), in.lookup_table.size() * sizeof(uint32_t));
   s.logit_rows_buf = upload(dev, s.logit_token_indices.data(),
                             s.logit_token_indices.size() * sizeof(uint32_t));
+  // One wait for the five writes, not one each: every wait is a round trip to the device's
+  // threads (about 25 us on PoCL on the 2-core EPYC VM), and row and pos go out of scope here.
+  // upload_step alone, one decode row: 34-71 us against 144-177 us with five blocking writes.
+  dev.finish();
   s.token_ids = s.tokens_buf.mem();
   s.logit_rows = s.logit_rows_buf.mem();
   s.tokens.token_row = s.row_buf.mem();

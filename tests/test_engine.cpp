@@ -12,6 +12,7 @@
 #include "runtime/engine/deployment.h"
 #include "runtime/engine/engine.h"
 #include "runtime/engine/generation.h"
+#include "runtime/step_device.h"
 #include "tests/reference_cases.h"
 #include "tests/test_util.h"
 
@@ -254,6 +255,31 @@ TEST_F(KvPoolRefused, ARefusedPoolIsALoadErrorNamingItsKey) {
   EXPECT_NE(set.find("deploy.yaml:4: kv_cache.pages: the device refused 64 KV pages per replica"),
             std::string::npos)
       << set;
+}
+
+// upload_step queues its five writes and waits once: each buffer holds the step when it returns
+// (two rows, one a 3-token prefill chunk after 5 cached tokens, one a decode token after 17).
+TEST(UploadStep, EveryBufferHoldsTheStepWhenItReturns) {
+  Device& dev = test::default_device();
+  StepInputs in;
+  in.tokens = {11, 12, 13, 40};
+  in.input_row_offsets = {0, 3, 4};
+  in.cache_lengths = {5, 17};
+  in.pages_per_row = 3;
+  in.lookup_table = {4, 9, 0, 2, 7, 8};
+  const DeviceStep st = upload_step(dev, in, 8, 10, 100);
+  auto u32 = [&](const cl::Mem& m, size_t n) {
+    std::vector<uint32_t> v(n);
+    dev.read(m, v.data(), n * 4);
+    return v;
+  };
+  EXPECT_EQ(u32(st.token_ids, 4), (std::vector<uint32_t>{11, 12, 13, 40}));
+  EXPECT_EQ(u32(st.tokens.token_row, 4), (std::vector<uint32_t>{0, 0, 0, 1}));
+  EXPECT_EQ(u32(st.tokens.token_pos, 4), (std::vector<uint32_t>{5, 6, 7, 17}));
+  EXPECT_EQ(u32(st.tokens.lookup, 6), in.lookup_table);
+  EXPECT_EQ(u32(st.logit_rows, 2), (std::vector<uint32_t>{2, 3}));  // each row's last token
+  EXPECT_EQ(st.tokens.T, 4u);
+  EXPECT_EQ(st.tokens.max_query_len, 3u);
 }
 
 }  // namespace
