@@ -10,7 +10,15 @@ kernel void silu_mul(global const float* gate, uint gate_off, uint ldg, global c
   global const float* g = gate + gate_off + (size_t)t * ldg;
   global const float* u = up + up_off + (size_t)t * ldu;
   global float* yr = y + (size_t)t * ldy;
-  for (uint i = c0; i < c1; ++i) {
+  // 16 columns at a time, as silu_tile (common.cl): the loop of scalar exps had cost about 4-8 ns a
+  // column on PoCL (dsv3-mini's MoE rows on the 2-core EPYC: 8 x 512 in 35-38 us, now 17-19 us;
+  // 64 x 512 in 151-155 us, now 17-29 us). A chunk's last F % 16 columns go one at a time.
+  uint i = c0;
+  for (; i + 16 <= c1; i += 16) {
+    const float16 a = vload16(0, g + i);
+    vstore16(a / (1.0f + exp(-a)) * vload16(0, u + i), 0, yr + i);
+  }
+  for (; i < c1; ++i) {
     const float a = g[i];
     yr[i] = a / (1.0f + exp(-a)) * u[i];
   }

@@ -144,7 +144,8 @@ TEST_P(FusedKernels, SwigluGemvEqualsGateUpThenSiluMul) {
     ops::linear_swiglu(dev, xm, 0, c.K, norm_first ? &norm : nullptr, eps, gate, up, got_m, off,
                        ld, c.M);
     // gate and up have the separate GEMVs' bits; silu's exp runs 16 wide in the fused epilogue
-    // and one at a time in silu_mul, which may round the last bit differently.
+    // and in silu_mul but for a row's last F % 16 columns, one at a time there, which may round
+    // the last bit differently.
     const auto got = download(dev, got_m, y0.size()), want = download(dev, want_m, y0.size());
     for (size_t i = 0; i < got.size(); ++i)
       ASSERT_NEAR(got[i], want[i], 4 * FLT_EPSILON * std::fabs(want[i])) << "element " << i;
