@@ -124,6 +124,7 @@ struct GroupedPlan {
 };
 GroupedPlan plan_experts(Device& dev, const cl::Mem& topk_ids, uint32_t T, uint32_t top_k,
                          uint32_t n_experts, bool with_shared = false);
+// Uploads expert_offsets with a blocking write: the device's queue has drained when it returns.
 GroupedPlan plan_expert_tiles(Device& dev, const std::vector<uint32_t>& expert_offsets);
 
 // y[r, mat * N + n] = x[row(r)] . W_{e(r), slot0 + mat}[n] for mat < n_mats over every grouped row

@@ -261,11 +261,12 @@ void DecoderStack::moe(size_t layer, std::vector<ReplicaWork>& work) {
   const auto& regroup = plan.regroup;
 
   // The plan's index tables go up now, while every device is idle after the ids were read:
-  // Device::write blocks until its queue drains, so a write between enqueued kernels would hold
+  // a blocking write waits until its queue drains, so one between enqueued kernels would hold
   // the host (and every other device) until that device caught up.
   // So does each rank's tile plan of its grouped experts over the rows it will receive, in
   // expert order (the shared expert, last in the buffer, gets none: it runs on the tokens'
-  // devices after the combine).
+  // devices after the combine). The tables are queued and a device waited for once, not once a
+  // table (each wait a round trip to the device's threads, as upload_step's).
   std::vector<Scratch> src_token(N), slot_row(N), fwd(N), back(N);
   std::vector<ops::GroupedPlan> plans(N);
   for (size_t r = 0; r < N; ++r) {
@@ -274,18 +275,21 @@ void DecoderStack::moe(size_t layer, std::vector<ReplicaWork>& work) {
     const size_t S = size_t(work[r].T) * k, M = perm[r].size();
     src_token[r] = Scratch(dev, rows(S) * 4);
     slot_row[r] = Scratch(dev, rows(S) * 4);
-    dev.write(src_token[r].mem(), eb[r].src_token.data(), S * 4);
-    dev.write(slot_row[r].mem(), eb[r].slot_row.data(), S * 4);
+    dev.write_queued(src_token[r].mem(), eb[r].src_token.data(), S * 4);
+    dev.write_queued(slot_row[r].mem(), eb[r].slot_row.data(), S * 4);
+    if (regroup[r]) {
+      fwd[r] = Scratch(dev, M * 4);
+      back[r] = Scratch(dev, M * 4);
+      dev.write_queued(fwd[r].mem(), perm[r].data(), M * 4);
+      dev.write_queued(back[r].mem(), inv[r].data(), M * 4);
+    }
     if (const ops::GroupedExperts& g = moe_of(r).grouped; g && expert_rows[r].back() > 0) {
       std::vector<uint32_t> offsets = expert_rows[r];
       offsets.resize(g.n_experts + 1, offsets.back());
-      plans[r] = ops::plan_expert_tiles(dev, offsets);
+      plans[r] = ops::plan_expert_tiles(dev, offsets);  // its blocking write waits for the above
+    } else {
+      dev.finish();
     }
-    if (!regroup[r]) continue;
-    fwd[r] = Scratch(dev, M * 4);
-    back[r] = Scratch(dev, M * 4);
-    dev.write(fwd[r].mem(), perm[r].data(), M * 4);
-    dev.write(back[r].mem(), inv[r].data(), M * 4);
   }
 
   // Dispatch: each source gathers its rows in send order, then they travel to the experts' ranks
