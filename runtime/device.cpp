@@ -190,13 +190,6 @@ void Device::write(const cl::Mem& m, const void* src, size_t bytes, size_t offse
             "writing a buffer on " + label());
 }
 
-void Device::write_queued(const cl::Mem& m, const void* src, size_t bytes, size_t offset) const {
-  if (bytes == 0) return;
-  cl::check(clEnqueueWriteBuffer(queue_.get(), m.get(), CL_FALSE, offset, bytes, src, 0, nullptr,
-                                 nullptr),
-            "writing a buffer on " + label());
-}
-
 void Device::read(const cl::Mem& m, void* dst, size_t bytes, size_t offset) const {
   if (bytes == 0) return;
   cl::check(clEnqueueReadBuffer(queue_.get(), m.get(), CL_TRUE, offset, bytes, dst, 0, nullptr,
@@ -228,6 +221,25 @@ void Device::launch(const cl::Kernel& k, std::array<size_t, 3> global, int dims,
     clGetKernelInfo(k.get(), CL_KERNEL_FUNCTION_NAME, sizeof name - 1, name, nullptr);
     throw cl::Error(err, std::string("launching kernel ") + name + " on " + label());
   }
+}
+
+WriteBatch::~WriteBatch() {
+  if (!queued_) return;
+  clFinish(dev_.queue());  // no throw here: the sources go next, whatever the status
+}
+
+void WriteBatch::write(const cl::Mem& m, const void* src, size_t bytes, size_t offset) {
+  if (bytes == 0) return;
+  cl::check(clEnqueueWriteBuffer(dev_.queue(), m.get(), CL_FALSE, offset, bytes, src, 0, nullptr,
+                                 nullptr),
+            "writing a buffer on " + dev_.label());
+  queued_ = true;
+}
+
+void WriteBatch::wait() {
+  if (!queued_) return;
+  queued_ = false;
+  dev_.finish();
 }
 
 }  // namespace clshard

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <map>
+#include <numeric>
 
 #include "models/registry.h"
 #include "runtime/device.h"
@@ -255,6 +256,31 @@ TEST_F(KvPoolRefused, ARefusedPoolIsALoadErrorNamingItsKey) {
   EXPECT_NE(set.find("deploy.yaml:4: kv_cache.pages: the device refused 64 KV pages per replica"),
             std::string::npos)
       << set;
+}
+
+// A WriteBatch's writes have all completed when it goes out of scope without wait(): the sources
+// are overwritten right after (a 32 MB write, long enough that an unfinished one would read the
+// zeros), and both buffers hold what was written. An empty write queues nothing.
+TEST(WriteBatch, SourcesMayGoWhenTheBatchDoes) {
+  Device& dev = test::default_device();
+  std::vector<uint32_t> a(size_t(8) << 20), b(1000);
+  std::iota(a.begin(), a.end(), 1u);
+  std::iota(b.begin(), b.end(), 7u);
+  const std::vector<uint32_t> a0 = a, b0 = b;
+  cl::Mem ma = dev.alloc(a.size() * 4), mb = dev.alloc(b.size() * 4);
+  {
+    WriteBatch batch(dev);
+    batch.write(ma, a.data(), a.size() * 4);
+    batch.write(mb, b.data(), b.size() * 4);
+    batch.write(mb, nullptr, 0);
+  }
+  std::fill(a.begin(), a.end(), 0u);
+  std::fill(b.begin(), b.end(), 0u);
+  std::vector<uint32_t> ga(a.size()), gb(b.size());
+  dev.read(ma, ga.data(), ga.size() * 4);
+  dev.read(mb, gb.data(), gb.size() * 4);
+  EXPECT_EQ(ga, a0);
+  EXPECT_EQ(gb, b0);
 }
 
 // upload_step queues its five writes and waits once: each buffer holds the step when it returns

