@@ -3,7 +3,8 @@
 // with every launch timed on its own. This program defines clEnqueueNDRangeKernel,
 // clEnqueueReadBuffer and clEnqueueWriteBuffer itself (the library is linked in statically, so its
 // calls bind here) and forwards each to the OpenCL loader's; while timing is on, a launch waits for
-// the queue before and after, and its wall time goes to its kernel's name. Blocking reads and
+// the queue before and after, and its wall time goes to its kernel's name and grid (the global
+// size, "linear_fp8/48x1": launches of one kernel over different weights apart). Blocking reads and
 // writes (the host round trips) are timed the same way. The step is timed untouched as well: the
 // per-launch waits add their own cost, so the table's sum exceeds it a little. On a shared machine
 // the wall time moves with the neighbours' load; the CPU time the process spends per step (every
@@ -61,6 +62,11 @@ std::string kernel_name(cl_kernel k) {
   return name;
 }
 
+// "48x1": the global size in dimensions 0 and 1.
+std::string grid(cl_uint dims, const size_t* global) {
+  return std::to_string(global[0]) + "x" + std::to_string(dims > 1 ? global[1] : 1);
+}
+
 // Runs `enqueue` between two waits on `q` and adds its wall time to `what`.
 template <typename F>
 cl_int timed(cl_command_queue q, const std::string& what, F enqueue) {
@@ -86,7 +92,7 @@ CL_API_ENTRY cl_int CL_API_CALL clEnqueueNDRangeKernel(
                                   const size_t*, const size_t*, cl_uint, const cl_event*,
                                   cl_event*);
   static const Fn fn = real<Fn>("clEnqueueNDRangeKernel");
-  return timed(q, g_timing ? kernel_name(k) : std::string(),
+  return timed(q, g_timing ? kernel_name(k) + "/" + grid(dims, global) : std::string(),
                [&] { return fn(q, k, dims, offset, global, local, n_wait, wait, ev); });
 }
 
@@ -207,11 +213,12 @@ int main(int argc, char** argv) {
           "untouched (%.1f tok/s), CPU time %.2f ms per step; %.1f launches per step\n",
           dt.c_str(), batch, context, compute_dtype.c_str(), t_step * 1e3, batch / t_step,
           cpu_step * 1e3, double(launches) / n_steps);
-    std::printf("  %-28s %9s %10s %10s %8s\n", "kernel", "calls", "ms/step", "us/call", "share");
+    std::printf("  %-32s %9s %10s %10s %8s\n", "kernel/grid", "calls", "ms/step", "us/call",
+                "share");
     for (const auto& [name, t] : rows)
-      std::printf("  %-28s %9.1f %10.3f %10.1f %7.1f%%\n", name.c_str(),
-                  double(t.calls) / n_steps, t.seconds / n_steps * 1e3,
-                  t.seconds / double(t.calls) * 1e6, 100.0 * t.seconds / sum);
+      std::printf("  %-32s %9.1f %10.3f %10.1f %7.1f%%\n", name.c_str(), double(t.calls) / n_steps,
+                  t.seconds / n_steps * 1e3, t.seconds / double(t.calls) * 1e6,
+                  100.0 * t.seconds / sum);
     std::printf("  sum of the timed calls %.2f ms per step; the timed steps took %.2f ms (host "
                 "work between calls %.2f ms)\n",
                 sum / n_steps * 1e3, t_timed * 1e3, (t_timed - sum / n_steps) * 1e3);
