@@ -672,8 +672,8 @@ TEST_P(GroupedExperts, MatchPerExpertOpsBitForBit) {
     if (n > 0) linear_of(dev, gu, b * F2, F2, ex.w[e][2], ex.s[e][2], out_ref, b * c.H, c.H, n);
   }
   // The experts' SwiGLU in one op against the gate|up rows above followed by silu_mul: bit for
-  // bit where the op runs those two itself; on the bf16-compute path, whose one launch takes
-  // exp 16 lanes at a time (as linear_bf16's GLU tiles), within 4 x FLT_EPSILON (relative).
+  // bit where the op runs those two itself; on the bf16-compute path, one launch with the SwiGLU
+  // in its epilogue (as linear_bf16's GLU tiles), within 4 x FLT_EPSILON (relative).
   {
     cl::Mem act = dev.alloc(size_t(S) * c.F * 4), act_ref = dev.alloc(size_t(S) * c.F * 4);
     ops::moe_grouped_swiglu(dev, xb, c.H, &plan.src_token.mem(), ex.grouped, plan, act, c.F,
