@@ -199,6 +199,15 @@ class MlaOps : public ::testing::Test {
     return st;
   }
 
+  // The history the path tests run over: pages for rows that will reach 6, 11 and 22 tokens, of
+  // which rows 1 and 2 already hold 7 and 19 in the cache (written by an earlier step).
+  void store_history() {
+    plan_pages({6, 11, 22});
+    Step history = make_step({0, 7, 19});
+    cl::Mem q_hist;
+    store(history, q_hist);
+  }
+
   // The normalised latent of one raw kv row (double).
   std::vector<double> latent(const float* raw) const {
     double ss = 0;
@@ -410,11 +419,7 @@ class MlaPaths : public MlaOps,
 TEST_P(MlaPaths, DecodeAndPrefillPathsMatchTheReference) {
   const KvB k = make_kv_b(dev, dtype(), rng);
   const float scale = 0.15f;
-  plan_pages({6, 11, 22});
-  // History: rows 1 and 2 already hold 7 and 19 tokens.
-  Step history = make_step({0, 7, 19});
-  cl::Mem q_hist;
-  store(history, q_hist);
+  store_history();
   for (const std::vector<uint32_t>& new_tokens : {std::vector<uint32_t>{5, 3, 2},
                                                  std::vector<uint32_t>{1, 1, 1}}) {
     Step s = make_step(new_tokens);
@@ -441,10 +446,7 @@ TEST_F(MlaOps, DecodeRowPrefetchChangesNoBit) {
   const KernelTuning saved = dev.tuning();
   test::TuningScope restore(dev, saved);
   const KvB k = make_kv_b(dev, DType::BF16, rng);
-  plan_pages({6, 11, 22});
-  Step history = make_step({0, 7, 19});
-  cl::Mem q_hist;
-  store(history, q_hist);
+  store_history();
   Step s = make_step({1, 1, 1});
   cl::Mem q_dev;
   DeviceStep st = store(s, q_dev);
@@ -533,10 +535,7 @@ TEST_P(MlaNanCodes, NanCodesReachTheirHeadsOutputsOnly) {
   k.w.fp8_nan_free = fp8_nan_free(codes.data(), codes.size());
   ASSERT_FALSE(k.w.fp8_nan_free);
   const float scale = 0.15f;
-  plan_pages({6, 11, 22});
-  Step history = make_step({0, 7, 19});
-  cl::Mem q_hist;
-  store(history, q_hist);
+  store_history();
   Step s = make_step({5, 3, 2});
   cl::Mem q_dev;
   DeviceStep st = store(s, q_dev);
