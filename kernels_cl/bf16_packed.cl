@@ -131,7 +131,11 @@ inline void pack_panel(global const panel_w_t* const* rows, global const float* 
       }
       transpose16x16(r);
       local uint* dst = panel + (size_t)(kp0 - kp_begin) * PANEL_NC + 16 * g;
+#if BF16_AMX
+      const uint steps = 16;  // whole groups: words past K are zero (panel_row_tail)
+#else
       const uint steps = min(16u, kp_end - kp0);
+#endif
       for (uint q = 0; q < steps; ++q) *(local uint16*)(dst + (size_t)q * PANEL_NC) = r[q];
     }
 }
@@ -161,6 +165,84 @@ inline uint panel_prefetches(const PanelPrefetch* pf, uint steps) {
 // first step (pair words, or with PANEL_XF32 f32 elements). sums: PANEL_TM x PANEL_NC floats (row-major, 64-byte aligned),
 // read as the starting sums unless from_zero. odd_tail: the last step is a K of odd length's
 // lone element: its x word keeps only the low half.
+#if BF16_AMX
+// -DBF16_AMX=1 (PANEL_TM 16, PANEL_NV at most 5): Intel AMX's tdpbf16ps through the same
+// per-function target attribute. A tile register holds 16 rows of 64 bytes: the tile's 16 x rows
+// over 16 pair steps (tile 5, A), 16 pair steps of one panel vector's 16 columns (tiles 6 and 7 in
+// turn, B: the panel's layout as it is), and each vector's 16 x 16 sums (tiles 0 .. PANEL_NV - 1,
+// C). tdpbf16ps adds each pair's odd product, then its even one, to an output in f32 (rounding
+// each add, bf16 denormals read as zero): the chain of the micro-kernels above, 16 steps per
+// instruction. It reads whole groups of 16 steps: the panel is packed to a multiple of 16 steps
+// with zero words past K, and the rounded x rows hold zeros from K to the next multiple of 32
+// elements (round_bf16), so a group past the last step adds products of zero, and an odd K's
+// last pair needs no mask. The host grants the process the tile state first (ops.cpp: Linux
+// faults a thread's first tile instruction without arch_prctl's permission).
+typedef struct {
+  uchar palette, start_row;
+  uchar reserved[14];
+  ushort colsb[16];
+  uchar rows[16];
+} AmxTileConfig;
+
+#if PANEL_NV == 1
+#define AMX_EACH_C(OP) OP(0)
+#elif PANEL_NV == 2
+#define AMX_EACH_C(OP) OP(0) OP(1)
+#elif PANEL_NV == 3
+#define AMX_EACH_C(OP) OP(0) OP(1) OP(2)
+#elif PANEL_NV == 4
+#define AMX_EACH_C(OP) OP(0) OP(1) OP(2) OP(3)
+#elif PANEL_NV == 5
+#define AMX_EACH_C(OP) OP(0) OP(1) OP(2) OP(3) OP(4)
+#else
+#error "AMX tiles: PANEL_NV from 1 to 5"
+#endif
+
+// The sums of `rows` x rows (x: the first one's word at the panel's first step, ldx bytes
+// apart) over the panel's steps [0, steps): as panel_tile_sums, with the pointers as addresses
+// (the builtins take unqualified ones; PoCL's CPU device has one address space).
+__attribute__((target("amx-tile,amx-bf16"))) __attribute__((noinline))
+void panel_tile_sums_amx(ulong x, ulong ldx, uint rows, ulong panel, uint steps, int from_zero,
+                         float* sums, const PanelPrefetch* pf) {
+  AmxTileConfig cfg;
+  for (int i = 0; i < 64; ++i) ((uchar*)&cfg)[i] = 0;
+  cfg.palette = 1;
+  for (int t = 0; t < PANEL_NV; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = rows;
+  }
+  cfg.colsb[5] = 64;
+  cfg.rows[5] = rows;
+  cfg.colsb[6] = cfg.colsb[7] = 64;
+  cfg.rows[6] = cfg.rows[7] = 16;
+  __builtin_ia32_tile_loadconfig(&cfg);
+  const ulong ld_sums = PANEL_NC * 4;
+#define AMX_START(v)                                                         \
+  if (from_zero)                                                             \
+    __builtin_ia32_tilezero(v);                                              \
+  else                                                                       \
+    __builtin_ia32_tileloadd64(v, sums + 16 * (v), ld_sums);
+  AMX_EACH_C(AMX_START)
+#undef AMX_START
+  const uint groups = (steps + 15) / 16;
+  const uint n_pf = panel_prefetches(pf, steps);
+  for (uint g = 0; g < groups; ++g) {
+    for (uint l = 16 * g; l < min(16 * g + 16, n_pf); ++l) PANEL_PREFETCH(pf, pf->line + l)
+    __builtin_ia32_tileloadd64(5, (const void*)(x + 64ul * g), ldx);
+    const ulong b = panel + (ulong)g * 16 * PANEL_NC * 4;
+#define AMX_STEP(v)                                                                          \
+  __builtin_ia32_tileloadd64(6 + ((v) & 1), (const void*)(b + 64 * (v)), (ulong)PANEL_NC * 4); \
+  __builtin_ia32_tdpbf16ps(v, 5, 6 + ((v) & 1));
+    AMX_EACH_C(AMX_STEP)
+#undef AMX_STEP
+  }
+#define AMX_STORE(v) __builtin_ia32_tilestored64(v, sums + 16 * (v), ld_sums);
+  AMX_EACH_C(AMX_STORE)
+#undef AMX_STORE
+  __builtin_ia32_tilerelease();
+}
+#endif
+
 #if BF16_DOT
 typedef int panel_v16i __attribute__((__vector_size__(64)));
 typedef float panel_v16f __attribute__((ext_vector_type(16)));

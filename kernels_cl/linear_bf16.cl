@@ -21,6 +21,9 @@
 #ifndef GLU
 #define GLU 0
 #endif
+#ifndef BF16_AMX
+#define BF16_AMX 0
+#endif
 #ifndef BF16_DOT
 #define BF16_DOT 0
 #endif
@@ -47,6 +50,12 @@ kernel void round_bf16(global const float* x, uint x_off, uint ldx,
     xb[(size_t)m * ldxb + k] = b;
 #endif
   }
+#if !OUT_F32
+  // Zeros from K to the next 32 elements: AMX's packed GEMM reads whole 32-element groups, and
+  // a zero there adds nothing to its sums (bf16_packed.cl).
+  if (k1 == K)
+    for (uint k = K; k < (K + 31) / 32 * 32; ++k) xb[(size_t)m * ldxb + k] = 0;
+#endif
 }
 
 // wf[n, k] = the bf16 weight w[w_off + n * ldw + k] as f32, for rows of K (wf's row stride K):
@@ -257,7 +266,8 @@ kernel void linear_bf16_packed(global const panel_x_t* xb, uint xb_off, uint ldx
                                global const float* s0, uint KB, global float* y, uint y_off,
                                uint ldy, uint M, uint N, uint K, float alpha, int accumulate,
                                uint m_rows) {
-  local uint panel[PANEL_KP * PANEL_NC] __attribute__((aligned(64)));
+  // (AMX reads whole groups of 16 steps: the panel holds the last one whole.)
+  local uint panel[(PANEL_KP + 15) / 16 * 16 * PANEL_NC] __attribute__((aligned(64)));
 #if PANEL_ROWS
   local float partial[PANEL_ROWS * PANEL_NC] __attribute__((aligned(64)));
 #endif
@@ -311,6 +321,17 @@ kernel void linear_bf16_packed(global const panel_x_t* xb, uint xb_off, uint ldx
     const bool first = kc == 0, last = kc_end == steps;
     pack_panel(rows, srows, K, kc, kc_end, panel);
     for (uint m0 = m_begin; m0 < m_end; m0 += PANEL_TM, next.line += kc_end - kc) {
+#if PANEL_ROWS
+      local float* part = partial + (size_t)(m0 - m_begin) * PANEL_NC;
+      if (!first)
+        for (int q = 0; q < PANEL_TM * PANEL_NV; ++q) vstore16(vload16(q, part), q, sums);
+#endif
+#if BF16_AMX
+      // The tile's rows as they lie (a last tile of fewer rows configures fewer).
+      panel_tile_sums_amx((ulong)((global const uint*)(xb + xb_off + (size_t)m0 * ldxb) + kc),
+                          (ulong)ldxb * sizeof(panel_x_t), min((uint)PANEL_TM, m_end - m0),
+                          (ulong)panel, kc_end - kc, first, sums, has_next ? &next : 0);
+#else
       // Rows past the edge compute on the last row (clamped) and are not stored.
       global const panel_xr_t* xr[PANEL_TM];
 #pragma unroll
@@ -322,13 +343,9 @@ kernel void linear_bf16_packed(global const panel_x_t* xb, uint xb_off, uint ldx
         xr[i] = (global const int*)row + kc;
 #endif
       }
-#if PANEL_ROWS
-      local float* part = partial + (size_t)(m0 - m_begin) * PANEL_NC;
-      if (!first)
-        for (int q = 0; q < PANEL_TM * PANEL_NV; ++q) vstore16(vload16(q, part), q, sums);
-#endif
       panel_tile_sums(xr, panel, kc_end - kc, last && (K & 1), first, sums,
                       has_next ? &next : 0);
+#endif
 #if PANEL_ROWS
       if (!last) {
         for (int q = 0; q < PANEL_TM * PANEL_NV; ++q) vstore16(vload16(q, sums), q, part);

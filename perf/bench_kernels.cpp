@@ -91,8 +91,10 @@ void gemm_bf16_section(Device& dev, int reps, bool tiles, uint32_t M) {
     return a ? std::to_string(a) + "x" + std::to_string(b) : std::string("-");
   };
   std::printf("\nbf16-compute GEMM (compute_dtype bf16), M=%u, GFLOP/s (%% of the bf16 peak):\n", M);
-  std::printf("  %-20s %-6s %-6s %13s %13s %13s %13s %13s\n", "N x K", "packed", "tiles",
-              "packed dot", "tiles dot", "packed port.", "tiles port.", "f32 compute");
+  std::printf("  %-20s %-6s %-6s %13s %13s %13s %13s %13s %13s\n", "N x K", "packed", "tiles",
+              "packed AMX", "packed dot", "tiles dot", "packed port.", "tiles port.",
+              "f32 compute");
+  const bool amx = ops::bf16_amx(dev);
   // One GEMM's GFLOP/s with the tuning t (packed_rows 1: the packed GEMM; 0: the tiles).
   auto time_gemm = [&](const KernelTuning& t, double flops, const std::function<void()>& run) {
     dev.set_tuning(t);
@@ -110,12 +112,16 @@ void gemm_bf16_section(Device& dev, int reps, bool tiles, uint32_t M) {
                         const std::function<void(ComputeDType)>& gemm) {
     for (size_t r = 0; r < rows.size(); ++r) {
       const Row& row = rows[r];
-      double g[5] = {0, 0, 0, 0, 0};
-      for (int v = 0; v < 4; ++v) {
-        const bool is_packed = v % 2 == 0;
+      // The columns: packed with AMX's tiles (16 rows, where the device has them), packed and
+      // tiled with vdpbf16ps, packed and tiled with the portable micro-kernel, f32 compute.
+      double g[6] = {0, 0, 0, 0, 0, 0};
+      for (int v = 0; v < 5; ++v) {
+        const bool is_packed = v != 2 && v != 4;
         if (is_packed ? row.ptm == 0 : row.tm == 0) continue;
+        if (v == 0 && !amx) continue;
         KernelTuning t = own;
-        t.gemm_bf16_dot = v < 2 ? 1 : 0;
+        t.gemm_bf16_amx = v == 0 ? 1 : 0;
+        t.gemm_bf16_dot = v < 3 ? 1 : 0;
         t.gemm_bf16_packed_rows = is_packed ? 1 : 0;
         t.gemm_bf16_packed_tm = is_packed ? row.ptm : own.gemm_bf16_packed_tm;
         t.gemm_bf16_packed_nv = is_packed ? row.pnv : own.gemm_bf16_packed_nv;
@@ -123,7 +129,7 @@ void gemm_bf16_section(Device& dev, int reps, bool tiles, uint32_t M) {
         t.gemm_bf16_tn = is_packed ? own.gemm_bf16_tn : row.tn;
         g[v] = time_gemm(t, flops, [&] { gemm(ComputeDType::BF16); });
       }
-      if (r == 0) g[4] = time_gemm(own, flops, [&] { gemm(ComputeDType::F32); });
+      if (r == 0) g[5] = time_gemm(own, flops, [&] { gemm(ComputeDType::F32); });
       std::printf("  %-20s %-6s %-6s", name, label(row.ptm, row.pnv).c_str(),
                   label(row.tm, row.tn).c_str());
       for (double v : g) {

@@ -93,6 +93,10 @@ struct KernelTuning {
   uint32_t gemm_bf16_packed_rows = 128;
   uint32_t gemm_bf16_packed_tm = 4;
   uint32_t gemm_bf16_packed_nv = 3;
+  // Whether the packed GEMM takes AMX's bf16 tiles where the host has them (ops::bf16_amx): 1, or
+  // 0 for gemm_bf16_dot's micro-kernel. With AMX its tile is 16 rows (one tile register) x at
+  // most 5 of gemm_bf16_packed_nv's vectors (4 with GLU).
+  uint32_t gemm_bf16_amx = 1;
   // GPU-shape GEMMs of at least this many rows go to CLBlast's tuned SGEMM (ops_blas.h; bf16
   // weights widened to f32 first); 0: never. Set in the rows of devices where it measured faster.
   uint32_t blas_gemm_rows = 0;

@@ -158,6 +158,7 @@ const std::vector<std::pair<std::string, U32Field>>& u32_fields() {
       {"gemm_bf16_batch_tn", &KernelTuning::gemm_bf16_batch_tn},
       {"gemm_bf16_rows", &KernelTuning::gemm_bf16_rows},
       {"gemm_bf16_dot", &KernelTuning::gemm_bf16_dot},
+      {"gemm_bf16_amx", &KernelTuning::gemm_bf16_amx},
       {"gemm_bf16_packed_rows", &KernelTuning::gemm_bf16_packed_rows},
       {"gemm_bf16_packed_tm", &KernelTuning::gemm_bf16_packed_tm},
       {"gemm_bf16_packed_nv", &KernelTuning::gemm_bf16_packed_nv},

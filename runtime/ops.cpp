@@ -4,6 +4,12 @@
 #include <stdexcept>
 #include <string>
 
+#if defined(__x86_64__) && defined(__linux__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #include "runtime/device.h"
 #include "runtime/ops_blas.h"
 #include "runtime/ops_moe.h"
@@ -85,10 +91,13 @@ bool launch_bf16_packed(Device& dev, const cl::Mem& xb, uint32_t xb_off, uint32_
                         uint32_t y_off, uint32_t ldy, uint32_t M, uint32_t N, uint32_t K,
                         uint32_t n1, uint32_t n2, float alpha, bool accumulate) {
   const KernelTuning& t = dev.tuning();
-  const uint32_t tm = std::max(1u, t.gemm_bf16_packed_tm);
+  // AMX tiles (bf16 rows only): 16 rows, and at most 5 vectors beside the x and weight tiles.
+  const bool amx = !x_f32 && bf16_amx(dev);
+  const uint32_t tm = amx ? 16 : std::max(1u, t.gemm_bf16_packed_tm);
   // With GLU the vectors split evenly into gate and up.
-  const uint32_t nv =
+  uint32_t nv =
       glu ? std::max(2u, (t.gemm_bf16_packed_nv + 1) / 2 * 2) : std::max(1u, t.gemm_bf16_packed_nv);
+  if (amx) nv = std::min(nv, glu ? 4u : 5u);
   const uint32_t tile_cols = glu ? 8 * nv : 16 * nv;
   const uint32_t col_tiles = (N + tile_cols - 1) / tile_cols;
   // A work-item packs its column tile once for all its rows: all M where the column tiles alone
@@ -98,14 +107,16 @@ bool launch_bf16_packed(Device& dev, const cl::Mem& xb, uint32_t xb_off, uint32_
   const uint32_t steps = (K + 1) / 2;
   uint32_t m_rows = ((M + row_blocks - 1) / row_blocks + tm - 1) / tm * tm;
   const uint32_t partial_rows = kPackedPartialRows / tm * tm;
-  const uint64_t local_bytes = uint64_t(std::min(steps, kPackedSteps)) * 16 * nv * 4 +
-                               (steps > kPackedSteps ? uint64_t(partial_rows) * 16 * nv * 4 : 0);
+  const uint64_t local_bytes =
+      uint64_t((std::min(steps, kPackedSteps) + 15) / 16 * 16) * 16 * nv * 4 +
+      (steps > kPackedSteps ? uint64_t(partial_rows) * 16 * nv * 4 : 0);
   if (local_bytes > dev.info().local_mem) return false;
   std::string opts = "-DLINEAR_BF16_PACKED=1 -DWEIGHT_TYPE=1 -DPANEL_TM=" + std::to_string(tm) +
                      " -DPANEL_NV=" + std::to_string(nv) +
                      " -DPANEL_KP=" + std::to_string(std::min(steps, kPackedSteps)) +
                      " -DGLU=" + (glu ? "1" : "0") +
-                     " -DBF16_DOT=" + (!x_f32 && bf16_dot_product(dev) ? "1" : "0") +
+                     " -DBF16_DOT=" + (!x_f32 && !amx && bf16_dot_product(dev) ? "1" : "0") +
+                     " -DBF16_AMX=" + (amx ? "1" : "0") +
                      " -DPAIRS_ALIGNED=" + (pairs_aligned ? "1" : "0") +
                      weight_prefetch_option(dev);
   if (x_f32) opts += " -DPANEL_XF32=1";
@@ -241,6 +252,25 @@ void gemm_bf16(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx,
   dev.launch(k, {row_blocks, col_blocks, 1}, 2);
 }
 
+// Whether this process may run AMX's bf16 tiles: the CPU has them (CPUID leaf 7: AMX-TILE, EDX
+// bit 24, and AMX-BF16, bit 22) and Linux granted the process the tile data state
+// (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA; without it a thread's first tile
+// instruction faults). Asked once, before any kernel that uses them is built.
+bool host_amx_bf16_permitted() {
+#if defined(__x86_64__) && defined(__linux__)
+  static const bool permitted = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 22)))
+      return false;
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return permitted;
+#else
+  return false;
+#endif
+}
+
 bool host_cpu_has_avx512_bf16() {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
   static const bool has = __builtin_cpu_supports("avx512bf16");
@@ -266,6 +296,10 @@ bool pocl_cpu(const Device& dev) {
 bool bf16_dot_product(const Device& dev) {
   // The target attribute reaches the instruction there, and only a host that has it may run it.
   return pocl_cpu(dev) && dev.tuning().gemm_bf16_dot != 0 && host_cpu_has_avx512_bf16();
+}
+
+bool bf16_amx(const Device& dev) {
+  return pocl_cpu(dev) && dev.tuning().gemm_bf16_amx != 0 && host_amx_bf16_permitted();
 }
 
 namespace {

@@ -24,6 +24,10 @@ constexpr uint32_t kGemmRowsFrom = 4;
 // Whether linear_bf16.cl runs vdpbf16ps on this device: PoCL on a host CPU that reports
 // AVX-512 BF16, and the device's tuning allows it (gemm_bf16_dot; 0 forces the portable kernel).
 bool bf16_dot_product(const Device& dev);
+// Whether the packed bf16-compute GEMM (bf16_packed.cl) takes Intel AMX's bf16 tiles: PoCL's CPU
+// device on a host whose CPU has AMX-BF16 and whose kernel grants the process the tile state, and
+// the device's tuning allows it (gemm_bf16_amx; 0 leaves it to bf16_dot_product's choice).
+bool bf16_amx(const Device& dev);
 
 // The build option of the CPU-shape GEMM kernels that turns on their next-tile weight prefetch
 // (common.cl's PREFETCH_LINE, an x86 instruction): " -DPREFETCH_X86=1" for PoCL's CPU device on

@@ -602,7 +602,7 @@ TEST_P(Fp8Decodes, LinearAnyBf16ComputeIsTheBf16GemmOfTheDequantizedWeight) {
   for (const bool portable : {false, true}) {
     dev.set_kernel_shape(shape);
     KernelTuning t = tuning;
-    if (portable) t.gemm_bf16_dot = 0;
+    if (portable) t.gemm_bf16_dot = t.gemm_bf16_amx = 0;
     test::TuningScope tuned(dev, t);
     const bool bf16_route = M >= 16 && shape == KernelShape::Chunks;
     SCOPED_TRACE("M=" + std::to_string(M) + " N=" + std::to_string(N) + " K=" + std::to_string(K) +

@@ -13,7 +13,9 @@
 // epsilon of its result, so the bound is an epsilon of the sum of the chain's partial sums'
 // magnitudes, taken on the host in the kernel's order (1% more for second-order terms): near
 // sqrt(K) epsilons of the products for random signs, where K epsilons would let an f32 product of
-// the unrounded x pass at K = 2101. Where the
+// the unrounded x pass at K = 2101. Where the device selects AMX's tiles for the packed GEMM
+// (a Xeon with AMX), they round in their own order (PackedAmxRunsWhereSelected), and the cases
+// hold them to the same bound. Where the
 // input is normalised on the device first (linear_fused, linear_swiglu), an element of the
 // normalised row can round to the neighbouring bf16 on the device and not on the host (the f32
 // norm differs from the double one in its last bits): those cases add one bf16 step (2^-8) of
@@ -23,7 +25,9 @@
 #include <cfloat>
 #include <cmath>
 #include <cstring>
+#include <fstream>
 #include <random>
+#include <string>
 
 #include "runtime/device.h"
 #include "runtime/dtype.h"
@@ -117,7 +121,7 @@ std::string case_name(const ::testing::TestParamInfo<GemmCase>& p) {
 // The device with the case's kernel shape and micro-kernel, restored afterwards.
 KernelTuning case_tuning(const Device& d, const GemmCase& c) {
   KernelTuning t = d.tuning();
-  if (c.variant == Variant::Portable) t.gemm_bf16_dot = 0;
+  if (c.variant == Variant::Portable) t.gemm_bf16_dot = t.gemm_bf16_amx = 0;
   if (c.tm) {
     t.gemm_bf16_tm = t.gemm_bf16_batch_tm = c.tm;
     t.gemm_bf16_tn = t.gemm_bf16_batch_tn = c.tn;
@@ -181,6 +185,27 @@ TEST_P(GemmBf16, SelectsTheDotProductWhereTheHostHasIt) {
   const bool pocl = dev.info().platform.find("Portable Computing Language") != std::string::npos;
   const bool host = __builtin_cpu_supports("avx512bf16");
   EXPECT_EQ(ops::bf16_dot_product(dev),
+            c.variant == Variant::Selected && pocl && host && dev.info().kind == DeviceKind::Cpu);
+}
+
+// Whether /proc/cpuinfo lists a flag of the first CPU (Linux names AMX's as amx_tile, amx_bf16
+// where the kernel supports them).
+bool cpuinfo_flag(const std::string& flag) {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line))
+    if (line.rfind("flags", 0) == 0)
+      return (line + " ").find(" " + flag + " ") != std::string::npos;
+  return false;
+}
+
+TEST_P(GemmBf16, SelectsAmxWhereTheHostHasIt) {
+  const GemmCase& c = GetParam();
+  Device& dev = test::default_device();
+  DeviceScope scope(dev, c);
+  const bool pocl = dev.info().platform.find("Portable Computing Language") != std::string::npos;
+  const bool host = cpuinfo_flag("amx_tile") && cpuinfo_flag("amx_bf16");
+  EXPECT_EQ(ops::bf16_amx(dev),
             c.variant == Variant::Selected && pocl && host && dev.info().kind == DeviceKind::Cpu);
 }
 
@@ -428,6 +453,9 @@ TEST(GemmBf16Variants, DotProductAndPortableAgreeToTheBit) {
 // epilogue, and its tiles of 4 x 3 vectors of 16 columns (the default), 8 x 2 and 6 x 4.
 TEST(GemmBf16Variants, PackedDotProductAndPortableAgreeToTheBit) {
   Device& dev = test::default_device();
+  KernelTuning no_amx = dev.tuning();
+  no_amx.gemm_bf16_amx = 0;  // AMX's tiles round otherwise (PackedAmxRunsWhereSelected)
+  test::TuningScope scope(dev, no_amx);
   const uint32_t M = 130, N = 37;
   for (const uint32_t K : {333u, 334u, 2101u}) {
     std::vector<float> x = random_vec(size_t(M) * K, 44, 4.0f), wv = random_vec(size_t(N) * K, 45),
@@ -443,6 +471,51 @@ TEST(GemmBf16Variants, PackedDotProductAndPortableAgreeToTheBit) {
         c.ptm = ptm;
         c.pnv = pnv;
         expect_variants_agree(dev, c, glu, xm, w, u, true);
+      }
+    }
+  }
+}
+
+// AMX's tdpbf16ps (bf16_packed.cl, where the host has it) does not round as the chain of the
+// other micro-kernels: against host emulations of 16 x 16 outputs over K = 320 it matched
+// vdpbf16ps's order in 86, the even-first order in 88 and each 32-element group summed exactly,
+// then added, in 143 (2026-11-29, Xeon with AMX). So where the device selects it, some outputs of
+// the packed GEMM differ from the dot product's bits (the Sizes cases hold both to the double
+// reference), and where it does not, the two runs are the same kernel: linear and the GLU
+// epilogue, a partial last row tile, odd K and K of several chunks.
+TEST(GemmBf16Variants, PackedAmxRunsWhereSelected) {
+  Device& dev = test::default_device();
+  test::ShapeScope shape(dev, KernelShape::Chunks);
+  const uint32_t M = 133, N = 90;
+  for (const uint32_t K : {333u, 2101u}) {
+    std::vector<float> x = random_vec(size_t(M) * K, 61, 4.0f), wv = random_vec(size_t(N) * K, 62),
+                       uv = random_vec(size_t(N) * K, 63);
+    Weight w = bf16_weight(dev, wv, {N, K}, "w"), u = bf16_weight(dev, uv, {N, K}, "u");
+    cl::Mem xm = test::upload_bytes(dev, x.data(), x.size() * 4);
+    for (const bool glu : {false, true}) {
+      SCOPED_TRACE("K=" + std::to_string(K) + (glu ? " glu" : ""));
+      std::vector<float> out[2];
+      bool selected = false;
+      for (const uint32_t amx : {0u, 1u}) {
+        KernelTuning t = dev.tuning();
+        t.gemm_bf16_amx = amx;
+        t.gemm_bf16_packed_rows = 128;
+        test::TuningScope scope(dev, t);
+        if (amx) selected = ops::bf16_amx(dev);
+        cl::Mem y = dev.alloc(size_t(M) * N * 4);
+        if (glu)
+          ops::linear_swiglu(dev, xm, 0, K, nullptr, 0.0f, w, u, y, 0, N, M, ComputeDType::BF16);
+        else
+          ops::linear(dev, xm, 0, K, w, nullptr, y, 0, N, M, 1.0f, false, ComputeDType::BF16);
+        out[amx] = download(dev, y, size_t(M) * N);
+      }
+      size_t differ = 0;
+      for (size_t i = 0; i < out[0].size(); ++i)
+        differ += std::memcmp(&out[0][i], &out[1][i], 4) != 0;
+      if (selected) {
+        EXPECT_GT(differ, out[0].size() / 10) << "AMX's tiles must have run";
+      } else {
+        EXPECT_EQ(differ, 0u);
       }
     }
   }
