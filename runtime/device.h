@@ -95,8 +95,12 @@ struct KernelTuning {
   uint32_t gemm_bf16_packed_nv = 3;
   // Whether the packed GEMM takes AMX's bf16 tiles where the host has them (ops::bf16_amx): 1, or
   // 0 for gemm_bf16_dot's micro-kernel. With AMX its tile is 16 rows (one tile register) x at
-  // most 5 of gemm_bf16_packed_nv's vectors (4 with GLU).
+  // most 5 of gemm_bf16_packed_nv's vectors (4 with GLU). With AMX the packed GEMM takes bf16
+  // compute from gemm_bf16_amx_rows rows where that is fewer than gemm_bf16_packed_rows (0 there
+  // still turns the packed GEMM off): its tiles leave even batched decode bound by the weight
+  // reads, where the dot-product tiles were bound by their products.
   uint32_t gemm_bf16_amx = 1;
+  uint32_t gemm_bf16_amx_rows = 8;
   // GPU-shape GEMMs of at least this many rows go to CLBlast's tuned SGEMM (ops_blas.h; bf16
   // weights widened to f32 first); 0: never. Set in the rows of devices where it measured faster.
   uint32_t blas_gemm_rows = 0;

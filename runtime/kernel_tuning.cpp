@@ -159,6 +159,7 @@ const std::vector<std::pair<std::string, U32Field>>& u32_fields() {
       {"gemm_bf16_rows", &KernelTuning::gemm_bf16_rows},
       {"gemm_bf16_dot", &KernelTuning::gemm_bf16_dot},
       {"gemm_bf16_amx", &KernelTuning::gemm_bf16_amx},
+      {"gemm_bf16_amx_rows", &KernelTuning::gemm_bf16_amx_rows},
       {"gemm_bf16_packed_rows", &KernelTuning::gemm_bf16_packed_rows},
       {"gemm_bf16_packed_tm", &KernelTuning::gemm_bf16_packed_tm},
       {"gemm_bf16_packed_nv", &KernelTuning::gemm_bf16_packed_nv},
@@ -210,7 +211,8 @@ void apply_file(const DeviceInfo& info, KernelTuning& t) {
                                  names +
                                  ") with a positive integer (blas_gemm_rows, "
                                  "gemm_bf16_packed_rows: 0 for never; weight_prefetch, "
-                                 "stream_prefetch: 0 for off), got " +
+                                 "stream_prefetch, gemm_bf16_dot, gemm_bf16_amx: 0 for off), "
+                                 "got " +
                                  value.dump());
       }
     }
@@ -234,7 +236,8 @@ KernelTuning lookup_kernel_tuning(const DeviceInfo& info) {
 
 bool kernel_tuning_zero_allowed(const std::string& field) {
   return field == "blas_gemm_rows" || field == "gemm_bf16_packed_rows" ||
-         field == "weight_prefetch" || field == "stream_prefetch";
+         field == "weight_prefetch" || field == "stream_prefetch" || field == "gemm_bf16_dot" ||
+         field == "gemm_bf16_amx";
 }
 
 const std::vector<std::string>& kernel_tuning_fields() {

@@ -199,7 +199,8 @@ void gemm_bf16(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx,
   const uint32_t N = wc.N, n1 = wc.n1, n2 = wc.n2;
   const bool pairs_aligned = wc.pairs_aligned;
   const KernelTuning& t = dev.tuning();
-  if (t.gemm_bf16_packed_rows != 0 && M >= t.gemm_bf16_packed_rows &&
+  const uint32_t packed_from = bf16_packed_rows_from(dev);
+  if (packed_from != 0 && M >= packed_from &&
       launch_bf16_packed(dev, xb.mem(), 0, ldxb, false, ws, glu, bias, fp8_scale, pairs_aligned, y,
                          y_off, ldy, M, N, K, n1, n2, alpha, accumulate))
     return;
@@ -300,6 +301,12 @@ bool bf16_dot_product(const Device& dev) {
 
 bool bf16_amx(const Device& dev) {
   return pocl_cpu(dev) && dev.tuning().gemm_bf16_amx != 0 && host_amx_bf16_permitted();
+}
+
+uint32_t bf16_packed_rows_from(const Device& dev) {
+  const KernelTuning& t = dev.tuning();
+  if (t.gemm_bf16_packed_rows == 0 || !bf16_amx(dev)) return t.gemm_bf16_packed_rows;
+  return std::max(1u, std::min(t.gemm_bf16_packed_rows, t.gemm_bf16_amx_rows));
 }
 
 namespace {

@@ -28,6 +28,9 @@ bool bf16_dot_product(const Device& dev);
 // device on a host whose CPU has AMX-BF16 and whose kernel grants the process the tile state, and
 // the device's tuning allows it (gemm_bf16_amx; 0 leaves it to bf16_dot_product's choice).
 bool bf16_amx(const Device& dev);
+// From how many rows the bf16-compute GEMM over bf16 or FP8 weights takes the packed GEMM on this
+// device (0: never): gemm_bf16_packed_rows, or with AMX gemm_bf16_amx_rows where fewer.
+uint32_t bf16_packed_rows_from(const Device& dev);
 
 // The build option of the CPU-shape GEMM kernels that turns on their next-tile weight prefetch
 // (common.cl's PREFETCH_LINE, an x86 instruction): " -DPREFETCH_X86=1" for PoCL's CPU device on

@@ -22,6 +22,7 @@
 // the largest product per output.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cfloat>
 #include <cmath>
 #include <cstring>
@@ -123,6 +124,7 @@ KernelTuning case_tuning(const Device& d, const GemmCase& c) {
   KernelTuning t = d.tuning();
   if (c.variant == Variant::Portable) t.gemm_bf16_dot = t.gemm_bf16_amx = 0;
   if (c.tm) {
+    t.gemm_bf16_amx = 0;  // the tiles, which AMX's packed GEMM would take from 8 rows
     t.gemm_bf16_tm = t.gemm_bf16_batch_tm = c.tm;
     t.gemm_bf16_tn = t.gemm_bf16_batch_tn = c.tn;
   }
@@ -141,9 +143,8 @@ struct DeviceScope {
 // Whether a GEMM of M rows takes the packed GEMM (bf16_packed.cl) with the device's shape and
 // tuning, as ops::linear decides.
 bool packed(const Device& dev, uint32_t M) {
-  const KernelTuning& t = dev.tuning();
-  return dev.kernel_shape() == KernelShape::Chunks && t.gemm_bf16_packed_rows != 0 &&
-         M >= t.gemm_bf16_packed_rows;
+  const uint32_t from = ops::bf16_packed_rows_from(dev);
+  return dev.kernel_shape() == KernelShape::Chunks && from != 0 && M >= from;
 }
 
 // An output's K products p(k) summed exactly (in double), with the magnitudes the bound needs.
@@ -199,14 +200,15 @@ bool cpuinfo_flag(const std::string& flag) {
   return false;
 }
 
+// (The forced-tile cases turn AMX off: it would take their rows.)
 TEST_P(GemmBf16, SelectsAmxWhereTheHostHasIt) {
   const GemmCase& c = GetParam();
   Device& dev = test::default_device();
   DeviceScope scope(dev, c);
   const bool pocl = dev.info().platform.find("Portable Computing Language") != std::string::npos;
   const bool host = cpuinfo_flag("amx_tile") && cpuinfo_flag("amx_bf16");
-  EXPECT_EQ(ops::bf16_amx(dev),
-            c.variant == Variant::Selected && pocl && host && dev.info().kind == DeviceKind::Cpu);
+  EXPECT_EQ(ops::bf16_amx(dev), c.variant == Variant::Selected && c.tm == 0 && pocl && host &&
+                                    dev.info().kind == DeviceKind::Cpu);
 }
 
 TEST_P(GemmBf16, LinearMatchesDoubleReferenceOnRoundedInputs) {
@@ -332,7 +334,9 @@ TEST_P(GemmBf16, F32RowsOverBf16WeightsMatchDoubleReference) {
   Device& dev = test::default_device();
   DeviceScope scope(dev, c);
   const uint32_t M = c.M, N = c.N, K = c.K, ldx = K + 3, ldy = 4 * N + 10;
-  const bool pk = packed(dev, M);
+  // f32 rows take the packed GEMM from gemm_bf16_packed_rows rows (AMX's threshold is bf16's).
+  const uint32_t from = dev.tuning().gemm_bf16_packed_rows;
+  const bool pk = dev.kernel_shape() == KernelShape::Chunks && from != 0 && M >= from;
   std::vector<float> x = random_vec(size_t(M) * ldx, 41, 2.0f);
   std::vector<float> wv = random_vec(size_t(N) * K, 42), uv = random_vec(size_t(N) * K, 43),
                      vv = random_vec(size_t(7) * K, 44), bv = random_vec(N, 45);
@@ -429,6 +433,9 @@ void expect_variants_agree(Device& dev, GemmCase c, bool glu, const cl::Mem& x, 
 // groups of 16, whole and padded) besides the device's own.
 TEST(GemmBf16Variants, DotProductAndPortableAgreeToTheBit) {
   Device& dev = test::default_device();
+  KernelTuning no_amx = dev.tuning();
+  no_amx.gemm_bf16_amx = 0;  // the tiles, which AMX's packed GEMM would take from 8 rows
+  test::TuningScope scope(dev, no_amx);
   const uint32_t M = 9, N = 23;
   for (const uint32_t K : {333u, 334u}) {
     std::vector<float> x = random_vec(size_t(M) * K, 41, 4.0f), wv = random_vec(size_t(N) * K, 42),
@@ -534,6 +541,7 @@ TEST(GemmBf16Packed, TakesItsRowsAndSumsEachRowAlone) {
   cl::Mem xm = test::upload_bytes(dev, x.data(), x.size() * 4);
   auto run = [&](uint32_t M, uint32_t packed_rows) {
     KernelTuning t = dev.tuning();
+    t.gemm_bf16_amx = 0;  // AMX's own threshold: AmxTakesThePackedGemmFromItsRows
     t.gemm_bf16_packed_rows = packed_rows;
     test::TuningScope scope(dev, t);
     cl::Mem ym = dev.alloc(size_t(M) * N * 4);
@@ -549,6 +557,44 @@ TEST(GemmBf16Packed, TakesItsRowsAndSumsEachRowAlone) {
     differ += std::memcmp(&packed130[i], &below[i], 4) != 0;
   }
   EXPECT_GT(differ, packed130.size() / 10) << "the packed GEMM must have run from its rows";
+}
+
+// Where the device selects AMX, the packed GEMM takes bf16 compute from gemm_bf16_amx_rows rows
+// when that is fewer than gemm_bf16_packed_rows (0 there: never): 9 rows with the threshold at 8
+// are AMX's bits (a tenth of the outputs or more differ from the tiles'), with it at 10 and with
+// the packed GEMM off the tiles' bits. Where it does not, all three are the tiles'.
+TEST(GemmBf16Packed, AmxTakesThePackedGemmFromItsRows) {
+  Device& dev = test::default_device();
+  test::ShapeScope shape(dev, KernelShape::Chunks);
+  const uint32_t M = 9, N = 70, K = 301;
+  std::vector<float> x = random_vec(size_t(M) * K, 71, 4.0f), wv = random_vec(size_t(N) * K, 72);
+  Weight w = bf16_weight(dev, wv, {N, K}, "w");
+  cl::Mem xm = test::upload_bytes(dev, x.data(), x.size() * 4);
+  bool amx = false;
+  auto run = [&](uint32_t packed_rows, uint32_t amx_rows) {
+    KernelTuning t = dev.tuning();
+    t.gemm_bf16_packed_rows = packed_rows;
+    t.gemm_bf16_amx_rows = amx_rows;
+    test::TuningScope scope(dev, t);
+    amx = ops::bf16_amx(dev);
+    EXPECT_EQ(ops::bf16_packed_rows_from(dev), packed_rows == 0 ? 0u
+                                               : amx            ? std::min(packed_rows, amx_rows)
+                                                                : packed_rows);
+    cl::Mem ym = dev.alloc(size_t(M) * N * 4);
+    ops::linear(dev, xm, 0, K, w, nullptr, ym, 0, N, M, 1.0f, false, ComputeDType::BF16);
+    return download(dev, ym, size_t(M) * N);
+  };
+  const std::vector<float> at8 = run(128, 8), at10 = run(128, 10), off = run(0, 8);
+  size_t differ = 0;
+  for (size_t i = 0; i < off.size(); ++i) {
+    ASSERT_EQ(std::memcmp(&at10[i], &off[i], 4), 0) << i;
+    differ += std::memcmp(&at8[i], &off[i], 4) != 0;
+  }
+  if (amx) {
+    EXPECT_GT(differ, off.size() / 10) << "AMX's tiles must have run at 9 rows";
+  } else {
+    EXPECT_EQ(differ, 0u);
+  }
 }
 
 // The next column tile's weight prefetch (weight_prefetch, x86 PoCL) is a hint only: the same
@@ -570,7 +616,7 @@ TEST_P(GemmBf16Prefetch, WeightPrefetchLeavesTheBits) {
   for (uint32_t prefetch : {0u, 1u}) {
     KernelTuning t = dev.tuning();
     t.weight_prefetch = prefetch;
-    t.gemm_bf16_packed_rows = 128;  // M = 9 the tiles, M = 130 the packed GEMM
+    t.gemm_bf16_packed_rows = t.gemm_bf16_amx_rows = 128;  // M = 9 the tiles, 130 the packed
     test::TuningScope scope(dev, t);
     cl::Mem y = dev.alloc(size_t(M) * N * 4), q = dev.alloc(size_t(M) * qkv_n * 4),
             s = dev.alloc(size_t(M) * N * 4);

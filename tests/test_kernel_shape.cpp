@@ -154,10 +154,11 @@ TEST(KernelTuningFile, AnEntryOverridesTheBuiltInRowForItsDeviceOnly) {
   EXPECT_EQ(error_of().rfind(prefix + "attn_wg: expected one of the fields (norm_wg, ", 0), 0u)
       << error_of();
   EXPECT_NE(error_of().find("with a positive integer (blas_gemm_rows, gemm_bf16_packed_rows: 0 "
-                            "for never; weight_prefetch, stream_prefetch: 0 for off), got 0"),
+                            "for never; weight_prefetch, stream_prefetch, gemm_bf16_dot, "
+                            "gemm_bf16_amx: 0 for off), got 0"),
             std::string::npos)
       << error_of();
-  write({{"blas_gemm_rows", 0}});  // the four fields whose 0 is a value (never, off)
+  write({{"blas_gemm_rows", 0}});  // the six fields whose 0 is a value (never, off)
   want = builtin_kernel_tuning(info);
   want.blas_gemm_rows = 0;
   EXPECT_EQ(lookup_kernel_tuning(info), want);
@@ -172,6 +173,10 @@ TEST(KernelTuningFile, AnEntryOverridesTheBuiltInRowForItsDeviceOnly) {
   write({{"stream_prefetch", 0}});
   want = builtin_kernel_tuning(info);
   want.stream_prefetch = 0;
+  EXPECT_EQ(lookup_kernel_tuning(info), want);
+  write({{"gemm_bf16_dot", 0}, {"gemm_bf16_amx", 0}});
+  want = builtin_kernel_tuning(info);
+  want.gemm_bf16_dot = want.gemm_bf16_amx = 0;
   EXPECT_EQ(lookup_kernel_tuning(info), want);
   write({{"warp_size", 32}});
   EXPECT_EQ(error_of().rfind(prefix + "warp_size: expected one of the fields", 0), 0u) << error_of();
