@@ -424,6 +424,20 @@ void expect_variants_agree(Device& dev, GemmCase c, bool glu, const cl::Mem& x, 
     ASSERT_EQ(std::memcmp(&out[0][i], &out[1][i], 4), 0) << i;
 }
 
+// The operands of the micro-kernel comparisons below: x rows [M, K] (f32, up to 4 in magnitude)
+// and a bf16 weight w and a second one u (GLU's up) [N, K], random from seed, seed + 1, seed + 2.
+struct GluOperands {
+  cl::Mem x;
+  Weight w, u;
+};
+GluOperands glu_operands(Device& dev, uint32_t M, uint32_t N, uint32_t K, uint32_t seed) {
+  std::vector<float> x = random_vec(size_t(M) * K, seed, 4.0f),
+                     wv = random_vec(size_t(N) * K, seed + 1),
+                     uv = random_vec(size_t(N) * K, seed + 2);
+  return {test::upload_bytes(dev, x.data(), x.size() * 4), bf16_weight(dev, wv, {N, K}, "w"),
+          bf16_weight(dev, uv, {N, K}, "u")};
+}
+
 // The two micro-kernels add the same exact products in the same order (vdpbf16ps's: the odd
 // element of each pair, then the even one) and reduce the lanes in hsum16's order (the dot
 // product 16 accumulators at once, the portable kernel one by one): on inputs without bf16
@@ -438,10 +452,9 @@ TEST(GemmBf16Variants, DotProductAndPortableAgreeToTheBit) {
   test::TuningScope scope(dev, no_amx);
   const uint32_t M = 9, N = 23;
   for (const uint32_t K : {333u, 334u}) {
-    std::vector<float> x = random_vec(size_t(M) * K, 41, 4.0f), wv = random_vec(size_t(N) * K, 42),
-                       uv = random_vec(size_t(N) * K, 43);
-    Weight w = bf16_weight(dev, wv, {N, K}, "w"), u = bf16_weight(dev, uv, {N, K}, "u");
-    cl::Mem xm = test::upload_bytes(dev, x.data(), x.size() * 4);
+    const GluOperands ops_in = glu_operands(dev, M, N, K, 41);
+    const cl::Mem& xm = ops_in.x;
+    const Weight &w = ops_in.w, &u = ops_in.u;
     for (const auto& [tm, tn] : std::vector<std::pair<uint32_t, uint32_t>>{
              {0, 0}, {4, 6}, {8, 4}, {4, 1}, {3, 2}}) {
       for (const bool glu : {false, true}) {
@@ -465,10 +478,9 @@ TEST(GemmBf16Variants, PackedDotProductAndPortableAgreeToTheBit) {
   test::TuningScope scope(dev, no_amx);
   const uint32_t M = 130, N = 37;
   for (const uint32_t K : {333u, 334u, 2101u}) {
-    std::vector<float> x = random_vec(size_t(M) * K, 44, 4.0f), wv = random_vec(size_t(N) * K, 45),
-                       uv = random_vec(size_t(N) * K, 46);
-    Weight w = bf16_weight(dev, wv, {N, K}, "w"), u = bf16_weight(dev, uv, {N, K}, "u");
-    cl::Mem xm = test::upload_bytes(dev, x.data(), x.size() * 4);
+    const GluOperands ops_in = glu_operands(dev, M, N, K, 44);
+    const cl::Mem& xm = ops_in.x;
+    const Weight &w = ops_in.w, &u = ops_in.u;
     for (const auto& [ptm, pnv] :
          std::vector<std::pair<uint32_t, uint32_t>>{{4, 3}, {8, 2}, {6, 4}}) {
       for (const bool glu : {false, true}) {
@@ -495,10 +507,9 @@ TEST(GemmBf16Variants, PackedAmxRunsWhereSelected) {
   test::ShapeScope shape(dev, KernelShape::Chunks);
   const uint32_t M = 133, N = 90;
   for (const uint32_t K : {333u, 2101u}) {
-    std::vector<float> x = random_vec(size_t(M) * K, 61, 4.0f), wv = random_vec(size_t(N) * K, 62),
-                       uv = random_vec(size_t(N) * K, 63);
-    Weight w = bf16_weight(dev, wv, {N, K}, "w"), u = bf16_weight(dev, uv, {N, K}, "u");
-    cl::Mem xm = test::upload_bytes(dev, x.data(), x.size() * 4);
+    const GluOperands ops_in = glu_operands(dev, M, N, K, 61);
+    const cl::Mem& xm = ops_in.x;
+    const Weight &w = ops_in.w, &u = ops_in.u;
     for (const bool glu : {false, true}) {
       SCOPED_TRACE("K=" + std::to_string(K) + (glu ? " glu" : ""));
       std::vector<float> out[2];
