@@ -170,9 +170,10 @@ inline uint panel_prefetches(const PanelPrefetch* pf, uint steps) {
 // per-function target attribute. A tile register holds 16 rows of 64 bytes: the tile's 16 x rows
 // over 16 pair steps (tile 5, A), 16 pair steps of one panel vector's 16 columns (tiles 6 and 7 in
 // turn, B: the panel's layout as it is), and each vector's 16 x 16 sums (tiles 0 .. PANEL_NV - 1,
-// C). tdpbf16ps adds each pair's odd product, then its even one, to an output in f32 (rounding
-// each add, bf16 denormals read as zero): the chain of the micro-kernels above, 16 steps per
-// instruction. It reads whole groups of 16 steps: the panel is packed to a multiple of 16 steps
+// C). tdpbf16ps adds 16 steps' products to each output in f32, but not rounded as the chain of
+// the micro-kernels above (measured against host emulations: neither vdpbf16ps's order nor an
+// exact sum per group matched every output), so its bits are its own; each output's do not depend
+// on the other rows of its tile (test_gemm_bf16). It reads whole groups of 16 steps: the panel is packed to a multiple of 16 steps
 // with zero words past K, and the rounded x rows hold zeros from K to the next multiple of 32
 // elements (round_bf16), so a group past the last step adds products of zero, and an odd K's
 // last pair needs no mask. The host grants the process the tile state first (ops.cpp: Linux

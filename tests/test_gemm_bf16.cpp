@@ -542,7 +542,9 @@ TEST(GemmBf16Variants, PackedAmxRunsWhereSelected) {
 // The packed GEMM takes bf16 weights from gemm_bf16_packed_rows rows and not below, sums each row
 // alone (the first 130 rows of a 200-row product are a 130-row product's, bit for bit), and rounds
 // in its own order: some of its outputs differ from the tiles' (where a row takes which GEMM, it
-// gets that GEMM's bits).
+// gets that GEMM's bits). With AMX (where the device selects it) each row is summed alone too:
+// its first 9 and 130 rows of a 200-row product are those of the 9- and 130-row products (9 rows
+// take the packed GEMM with AMX only; elsewhere the tiles, so only the 130 rows are compared).
 TEST(GemmBf16Packed, TakesItsRowsAndSumsEachRowAlone) {
   Device& dev = test::default_device();
   test::ShapeScope shape(dev, KernelShape::Chunks);
@@ -550,11 +552,13 @@ TEST(GemmBf16Packed, TakesItsRowsAndSumsEachRowAlone) {
   std::vector<float> x = random_vec(size_t(200) * K, 47, 4.0f), wv = random_vec(size_t(N) * K, 48);
   Weight w = bf16_weight(dev, wv, {N, K}, "w");
   cl::Mem xm = test::upload_bytes(dev, x.data(), x.size() * 4);
-  auto run = [&](uint32_t M, uint32_t packed_rows) {
+  bool amx_selected = false;
+  auto run = [&](uint32_t M, uint32_t packed_rows, uint32_t amx = 0) {
     KernelTuning t = dev.tuning();
-    t.gemm_bf16_amx = 0;  // AMX's own threshold: AmxTakesThePackedGemmFromItsRows
+    t.gemm_bf16_amx = amx;  // off: AMX's own threshold is AmxTakesThePackedGemmFromItsRows'
     t.gemm_bf16_packed_rows = packed_rows;
     test::TuningScope scope(dev, t);
+    amx_selected = ops::bf16_amx(dev);
     cl::Mem ym = dev.alloc(size_t(M) * N * 4);
     ops::linear(dev, xm, 0, K, w, nullptr, ym, 0, N, M, 1.0f, false, ComputeDType::BF16);
     return download(dev, ym, size_t(M) * N);
@@ -568,6 +572,12 @@ TEST(GemmBf16Packed, TakesItsRowsAndSumsEachRowAlone) {
     differ += std::memcmp(&packed130[i], &below[i], 4) != 0;
   }
   EXPECT_GT(differ, packed130.size() / 10) << "the packed GEMM must have run from its rows";
+  const std::vector<float> amx9 = run(9, 128, 1), amx130 = run(130, 128, 1),
+                           amx200 = run(200, 128, 1);
+  for (size_t i = 0; i < amx130.size(); ++i) {
+    ASSERT_EQ(std::memcmp(&amx130[i], &amx200[i], 4), 0) << i;
+    if (amx_selected && i < amx9.size()) ASSERT_EQ(std::memcmp(&amx9[i], &amx200[i], 4), 0) << i;
+  }
 }
 
 // Where the device selects AMX, the packed GEMM takes bf16 compute from gemm_bf16_amx_rows rows
