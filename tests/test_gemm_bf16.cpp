@@ -576,7 +576,9 @@ TEST(GemmBf16Packed, TakesItsRowsAndSumsEachRowAlone) {
                            amx200 = run(200, 128, 1);
   for (size_t i = 0; i < amx130.size(); ++i) {
     ASSERT_EQ(std::memcmp(&amx130[i], &amx200[i], 4), 0) << i;
-    if (amx_selected && i < amx9.size()) ASSERT_EQ(std::memcmp(&amx9[i], &amx200[i], 4), 0) << i;
+    if (amx_selected && i < amx9.size()) {
+      ASSERT_EQ(std::memcmp(&amx9[i], &amx200[i], 4), 0) << i;
+    }
   }
 }
 
