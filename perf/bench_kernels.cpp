@@ -63,7 +63,8 @@ constexpr GemmShape kPrefillShapes[] = {{"q/k/v 3072x2048", 3072, 2048},
 // The bf16-compute GEMM at llama3-1b's prefill shapes (M = 512 tokens): the packed GEMM
 // (bf16_packed.cl; what bf16 weights take from gemm_bf16_packed_rows rows) and linear_bf16's tiles
 // (bf16_tile.cl; below those rows, and FP8 weights), each with vdpbf16ps where the device selects
-// it and with the portable micro-kernel, and the f32-compute GEMM: GFLOP/s and the fraction of the
+// it and with the portable micro-kernel, the packed GEMM with AMX's tiles where the device selects
+// them (ops::bf16_amx), and the f32-compute GEMM: GFLOP/s and the fraction of the
 // bf16 peak. --tiles adds rows over other packed tiles (rows x vectors of 16 columns) and other
 // tiles (rows x weight rows).
 void gemm_bf16_section(Device& dev, int reps, bool tiles, uint32_t M) {
