@@ -334,3 +334,110 @@ void panel_tile_sums(global const panel_xr_t* const* xr, local const uint* panel
     for (int v = 0; v < PANEL_NV; ++v) vstore16(acc[i][v], i * PANEL_NV + v, sums);
 }
 #endif
+#ifndef PANEL_ROWS
+#define PANEL_ROWS 0
+#endif
+
+// The tile's sums into y[m0 .., n0 ..] (rows below m_end, columns below N): with GLU
+// silu(gate) * up of the gate vectors v < PANEL_NV / 2 and the up vectors v + PANEL_NV / 2 (the
+// same columns), glu_act's expression; else the sum plus the bias. Then alpha, and y's value
+// added where accumulating.
+inline void panel_store(const float* sums, uint m0, uint m_end, uint n0, uint N,
+                        global const ushort* bias, int has_bias, global float* y, uint ldy,
+                        float alpha, int accumulate) {
+#if GLU
+  const int out_vectors = PANEL_NV / 2;
+#else
+  const int out_vectors = PANEL_NV;
+#endif
+  for (int i = 0; i < PANEL_TM; ++i) {
+    if (m0 + i >= m_end) break;
+    global float* yr = y + (size_t)(m0 + i) * ldy;
+#pragma unroll
+    for (int v = 0; v < out_vectors; ++v) {
+      const uint n = n0 + 16 * v;
+      if (n >= N) break;
+#if GLU
+      const float16 g = vload16(i * PANEL_NV + v, sums);
+      float16 s = g / (1.0f + exp(-g)) * vload16(i * PANEL_NV + v + PANEL_NV / 2, sums);
+#else
+      float16 s = vload16(i * PANEL_NV + v, sums);
+#endif
+      if (n + 16 <= N) {
+#if !GLU
+        if (has_bias) s += bf16x16_to_f32(vload16(0, bias + n));
+#endif
+        s *= alpha;
+        vstore16(accumulate ? vload16(0, yr + n) + s : s, 0, yr + n);
+      } else {
+        float o[16];
+        vstore16(s, 0, o);
+        for (uint l = 0; n + l < N; ++l) {
+          float e = o[l];
+#if !GLU
+          if (has_bias) e += bf16_to_f32(bias[n + l]);
+#endif
+          e *= alpha;
+          yr[n + l] = accumulate ? yr[n + l] + e : e;
+        }
+      }
+    }
+  }
+}
+
+// One work-item's column tile of the packed GEMM over rows [m_begin, m_end) of xb (row stride
+// ldxb; the rounded bf16 rows, or with PANEL_XF32 the f32 ones): packs the tile's weight rows
+// (rows[c], FP8: with their block-scale rows srows[c]) PANEL_KP pair steps at a time into panel,
+// and runs its row tiles over each chunk; with more than one chunk (built with -DPANEL_ROWS, at
+// least m_end - m_begin) the rows' partial sums wait in `partial` between chunks. The outputs go
+// to y's rows m_begin .. m_end - 1, columns n0 .. (panel_store). next: the weights to prefetch
+// while the rows run (null for none). linear_bf16.cl's dense GEMM and moe.cl's grouped experts
+// run their tiles through it, so a row gets the same sums in either.
+inline void packed_column_tile(global const panel_x_t* xb, uint ldxb,
+                               global const panel_w_t* const* rows,
+                               global const float* const* srows, uint K, uint m_begin, uint m_end,
+                               uint n0, uint N, PanelPrefetch* next, local uint* panel,
+                               local float* partial, global const ushort* bias, int has_bias,
+                               global float* y, uint ldy, float alpha, int accumulate) {
+  const uint steps = (K + 1) / 2;  // pair steps; with K odd the last holds one element
+  float sums[PANEL_TM * PANEL_NC] __attribute__((aligned(64)));
+  for (uint kc = 0; kc < steps; kc += PANEL_KP) {
+    const uint kc_end = min(steps, kc + PANEL_KP);
+    const bool first = kc == 0, last = kc_end == steps;
+    pack_panel(rows, srows, K, kc, kc_end, panel);
+    for (uint m0 = m_begin; m0 < m_end; m0 += PANEL_TM) {
+#if PANEL_ROWS
+      local float* part = partial + (size_t)(m0 - m_begin) * PANEL_NC;
+      if (!first)
+        for (int q = 0; q < PANEL_TM * PANEL_NV; ++q) vstore16(vload16(q, part), q, sums);
+#endif
+#if BF16_AMX
+      // The tile's rows as they lie (a last tile of fewer rows configures fewer).
+      panel_tile_sums_amx((ulong)((global const uint*)(xb + (size_t)m0 * ldxb) + kc),
+                          (ulong)ldxb * sizeof(panel_x_t), min((uint)PANEL_TM, m_end - m0),
+                          (ulong)panel, kc_end - kc, first, sums, next);
+#else
+      // Rows past the edge compute on the last row (clamped) and are not stored.
+      global const panel_xr_t* xr[PANEL_TM];
+#pragma unroll
+      for (int i = 0; i < PANEL_TM; ++i) {
+        global const panel_x_t* row = xb + (size_t)min(m0 + i, m_end - 1) * ldxb;
+#if PANEL_XF32
+        xr[i] = row + 2 * kc;
+#else
+        xr[i] = (global const int*)row + kc;
+#endif
+      }
+      panel_tile_sums(xr, panel, kc_end - kc, last && (K & 1), first, sums, next);
+#endif
+      if (next) next->line += kc_end - kc;
+#if PANEL_ROWS
+      if (!last) {
+        for (int q = 0; q < PANEL_TM * PANEL_NV; ++q) vstore16(vload16(q, sums), q, part);
+        continue;
+      }
+#endif
+      panel_store(sums, m0, m_end, n0, N, bias, has_bias, y, ldy, alpha, accumulate);
+    }
+  }
+}

@@ -28,10 +28,12 @@
 #define BF16_DOT 0
 #endif
 
-// xb[m, k] = bf16(x[m, k]) for M rows of K (row strides ldx, ldxb in elements); with -DOUT_F32=1
-// the rounded values are written back as f32 (xf), for devices that multiply them in the f32
-// kernels. Launch: global (ceil(K / 64), M).
-kernel void round_bf16(global const float* x, uint x_off, uint ldx,
+// xb[m, k] = bf16(x[row(m), k]) for M rows of K (row strides ldx, ldxb in elements), row(m) =
+// x_rows[m] when indirect (the tokens of the grouped experts' rows, in plan order), else m; with
+// -DOUT_F32=1 the rounded values are written back as f32 (xf), for devices that multiply them in
+// the f32 kernels. Launch: global (ceil(K / 64), M).
+kernel void round_bf16(global const float* x, uint x_off, uint ldx, global const uint* x_rows,
+                       int indirect,
 #if OUT_F32
                        global float* xf,
 #else
@@ -41,7 +43,7 @@ kernel void round_bf16(global const float* x, uint x_off, uint ldx,
   const uint m = get_global_id(1);
   const uint k0 = get_global_id(0) * 64;
   const uint k1 = min(k0 + 64, K);
-  global const float* xr = x + x_off + (size_t)m * ldx;
+  global const float* xr = x + x_off + (size_t)(indirect ? x_rows[m] : m) * ldx;
   for (uint k = k0; k < k1; ++k) {
     const ushort b = f32_to_bf16_rne(xr[k]);
 #if OUT_F32
@@ -198,57 +200,6 @@ kernel void linear_bf16(global const ushort* xb, uint ldxb,
 
 #include "bf16_packed.cl"
 
-#ifndef PANEL_ROWS
-#define PANEL_ROWS 0
-#endif
-
-// The tile's sums into y[m0 .., n0 ..] (rows below m_end, columns below N): with GLU
-// silu(gate) * up of the gate vectors v < PANEL_NV / 2 and the up vectors v + PANEL_NV / 2 (the
-// same columns), glu_act's expression; else the sum plus the bias. Then alpha, and y's value
-// added where accumulating.
-inline void panel_store(const float* sums, uint m0, uint m_end, uint n0, uint N,
-                        global const ushort* bias, int has_bias, global float* y, uint ldy,
-                        float alpha, int accumulate) {
-#if GLU
-  const int out_vectors = PANEL_NV / 2;
-#else
-  const int out_vectors = PANEL_NV;
-#endif
-  for (int i = 0; i < PANEL_TM; ++i) {
-    if (m0 + i >= m_end) break;
-    global float* yr = y + (size_t)(m0 + i) * ldy;
-#pragma unroll
-    for (int v = 0; v < out_vectors; ++v) {
-      const uint n = n0 + 16 * v;
-      if (n >= N) break;
-#if GLU
-      const float16 g = vload16(i * PANEL_NV + v, sums);
-      float16 s = g / (1.0f + exp(-g)) * vload16(i * PANEL_NV + v + PANEL_NV / 2, sums);
-#else
-      float16 s = vload16(i * PANEL_NV + v, sums);
-#endif
-      if (n + 16 <= N) {
-#if !GLU
-        if (has_bias) s += bf16x16_to_f32(vload16(0, bias + n));
-#endif
-        s *= alpha;
-        vstore16(accumulate ? vload16(0, yr + n) + s : s, 0, yr + n);
-      } else {
-        float o[16];
-        vstore16(s, 0, o);
-        for (uint l = 0; n + l < N; ++l) {
-          float e = o[l];
-#if !GLU
-          if (has_bias) e += bf16_to_f32(bias[n + l]);
-#endif
-          e *= alpha;
-          yr[n + l] = accumulate ? yr[n + l] + e : e;
-        }
-      }
-    }
-  }
-}
-
 // linear_bf16's product in bf16_packed.cl's form, for prefill-sized M. A work-item owns one
 // column tile (PANEL_NC weight rows side by side, fused_row's; with GLU the gate rows of
 // PANEL_NC / 2 columns, then their up rows) and rows [m_begin, m_begin + m_rows). It packs the
@@ -270,6 +221,9 @@ kernel void linear_bf16_packed(global const panel_x_t* xb, uint xb_off, uint ldx
   local uint panel[(PANEL_KP + 15) / 16 * 16 * PANEL_NC] __attribute__((aligned(64)));
 #if PANEL_ROWS
   local float partial[PANEL_ROWS * PANEL_NC] __attribute__((aligned(64)));
+#define PACKED_PARTIAL partial
+#else
+#define PACKED_PARTIAL 0
 #endif
 #if GLU
   const uint tile_cols = PANEL_NC / 2;
@@ -315,47 +269,9 @@ kernel void linear_bf16_packed(global const panel_x_t* xb, uint xb_off, uint ldx
     next.half_lines = n_half * K * sizeof(panel_w_t) / 64;
     next.line = 0;
   }
-  float sums[PANEL_TM * PANEL_NC] __attribute__((aligned(64)));
-  for (uint kc = 0; kc < steps; kc += PANEL_KP) {
-    const uint kc_end = min(steps, kc + PANEL_KP);
-    const bool first = kc == 0, last = kc_end == steps;
-    pack_panel(rows, srows, K, kc, kc_end, panel);
-    for (uint m0 = m_begin; m0 < m_end; m0 += PANEL_TM, next.line += kc_end - kc) {
-#if PANEL_ROWS
-      local float* part = partial + (size_t)(m0 - m_begin) * PANEL_NC;
-      if (!first)
-        for (int q = 0; q < PANEL_TM * PANEL_NV; ++q) vstore16(vload16(q, part), q, sums);
-#endif
-#if BF16_AMX
-      // The tile's rows as they lie (a last tile of fewer rows configures fewer).
-      panel_tile_sums_amx((ulong)((global const uint*)(xb + xb_off + (size_t)m0 * ldxb) + kc),
-                          (ulong)ldxb * sizeof(panel_x_t), min((uint)PANEL_TM, m_end - m0),
-                          (ulong)panel, kc_end - kc, first, sums, has_next ? &next : 0);
-#else
-      // Rows past the edge compute on the last row (clamped) and are not stored.
-      global const panel_xr_t* xr[PANEL_TM];
-#pragma unroll
-      for (int i = 0; i < PANEL_TM; ++i) {
-        global const panel_x_t* row = xb + xb_off + (size_t)min(m0 + i, m_end - 1) * ldxb;
-#if PANEL_XF32
-        xr[i] = row + 2 * kc;
-#else
-        xr[i] = (global const int*)row + kc;
-#endif
-      }
-      panel_tile_sums(xr, panel, kc_end - kc, last && (K & 1), first, sums,
-                      has_next ? &next : 0);
-#endif
-#if PANEL_ROWS
-      if (!last) {
-        for (int q = 0; q < PANEL_TM * PANEL_NV; ++q) vstore16(vload16(q, sums), q, part);
-        continue;
-      }
-#endif
-      panel_store(sums, m0, m_end, n0, N, bias + b_off, has_bias, y + y_off, ldy, alpha,
-                  accumulate);
-    }
-  }
+  packed_column_tile(xb + xb_off, ldxb, rows, srows, K, m_begin, m_end, n0, N,
+                     has_next ? &next : 0, panel, PACKED_PARTIAL, bias + b_off, has_bias,
+                     y + y_off, ldy, alpha, accumulate);
 }
 
 #endif  // LINEAR_BF16_PACKED

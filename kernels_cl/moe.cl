@@ -345,7 +345,8 @@ kernel void moe_tiles(global const uint* expert_offsets, uint n_experts, uint ro
 // buffer `w`; table[6 e + s] is the element offset of matrix s of expert e, table[6 e + 3 + s] that
 // of its block scales in `scales` (FP8). Each row's sums run in the order linear.cl /
 // linear_fp8.cl use for it, whichever rows share its tile. Dimension 0 walks blocks of
-// col_tiles_per_item column tiles (TN features each, within one matrix).
+// col_tiles_per_item column tiles (TN features each, within one matrix). Tiles of experts with
+// packed_from rows or more return at once (moe_grouped_packed takes them; 0: none).
 // Build options: -DTM -DTN, -DWEIGHT_TYPE=0|1|2 (common.cl) or -DGROUPED_FP8=1 -DFP8_DENORM, and
 // -DCOLUMNS_IN_TURN=0|1 (one-row tiles, as linear.cl); -DGROUPED_BF16=1 with -DWEIGHT_TYPE=1,
 // -DBF16_DOT and -DPAIRS_ALIGNED (bf16_tile.cl) takes x as bf16 rows (ldx their stride), and
@@ -483,7 +484,7 @@ kernel void moe_grouped_linear(global const gx_t* x, uint ldx, global const uint
                                global const uint* tiles, global const uint* tile_count,
                                global const uint* expert_offsets, uint rows_per_tile,
                                global float* y, uint ldy, uint N, uint K,
-                               uint col_tiles_per_item) {
+                               uint col_tiles_per_item, uint packed_from) {
   // The tiles in reverse: the plan's unused slots (past tile_count, at the end) first, the last
   // tiles run being ordinary experts'. PoCL deals work-groups to its threads in runs of
   // consecutive ones (tens at a time, near the end half of what is left), and in plan order a
@@ -495,6 +496,8 @@ kernel void moe_grouped_linear(global const gx_t* x, uint ldx, global const uint
   if (tile >= *tile_count) return;
   const uint e = tiles[2 * tile], r_begin = tiles[2 * tile + 1];
   const uint r_end = min(r_begin + rows_per_tile, expert_offsets[e + 1]);
+  // Experts of packed_from rows or more: moe_grouped_packed's (0: none).
+  if (packed_from != 0 && expert_offsets[e + 1] - expert_offsets[e] >= packed_from) return;
 #if GLU
   const uint tile_cols = TN / 2;  // the gate and up rows of TN / 2 columns: one output each
   n_mats = 1;
@@ -664,3 +667,84 @@ void moe_grouped_linear_fp8_wg(global const float* x, uint ldx, global const uin
   }
 }
 #endif  // GROUPED_FP8 && GROUPED_WG
+
+#ifdef GROUPED_PACKED
+// moe_grouped_packed: the grouped experts' bf16-compute products in the packed GEMM's form
+// (bf16_packed.cl), for the experts of rows_from rows or more: the sums ops::linear's bf16 GEMM
+// gives an expert's rows from ops::bf16_packed_rows_from rows on (AMX's tiles where the host has
+// them), since both run packed_column_tile with the same build options. Experts of fewer rows
+// return here; moe_grouped_linear's dot-product tiles take them. xb: the rounded rows in plan
+// order (round_bf16 through src_token, or rows already grouped), ldxb their stride. Work-item
+// (c, slot): column tile c (PANEL_NC weight rows of one matrix of slot0 .. slot0 + n_mats - 1;
+// with GLU PANEL_NC / 2 gate rows then the same columns' up rows, y getting silu(gate) * up) of
+// the plan's tile `slot` (reversed, as moe_grouped_linear's), y[r, mat * N + n] for its rows r.
+// Build options: packed_gemm_shape's (-DPANEL_TM, -DPANEL_NV, -DPANEL_KP, -DGLU, -DBF16_DOT,
+// -DBF16_AMX, -DPANEL_ROWS, -DPANEL_FP8 ...). Launch: global (column tiles, plan tiles), local 1.
+#include "bf16_packed.cl"
+
+kernel void moe_grouped_packed(global const panel_x_t* xb, uint ldxb, global const panel_w_t* w,
+                               global const float* scales, global const ulong* table, uint slot0,
+                               uint n_mats, global const uint* tiles,
+                               global const uint* tile_count, global const uint* expert_offsets,
+                               uint rows_per_tile, uint rows_from, global float* y, uint ldy,
+                               uint N, uint K) {
+  // (AMX reads whole groups of 16 steps: the panel holds the last one whole.)
+  local uint panel[(PANEL_KP + 15) / 16 * 16 * PANEL_NC] __attribute__((aligned(64)));
+#if PANEL_ROWS
+  local float partial[PANEL_ROWS * PANEL_NC] __attribute__((aligned(64)));
+#define PACKED_PARTIAL partial
+#else
+#define PACKED_PARTIAL 0
+#endif
+  const uint tile = get_global_size(1) - 1 - get_global_id(1);
+  if (tile >= *tile_count) return;
+  const uint e = tiles[2 * tile], r_begin = tiles[2 * tile + 1], e_end = expert_offsets[e + 1];
+  if (e_end - expert_offsets[e] < rows_from) return;
+  const uint r_end = min(r_begin + rows_per_tile, e_end);
+#if GLU
+  const uint tile_cols = PANEL_NC / 2;
+  n_mats = 1;
+#else
+  const uint tile_cols = PANEL_NC;
+#endif
+  const uint per_mat = (N + tile_cols - 1) / tile_cols, c = get_global_id(0);
+  if (c >= per_mat * n_mats) return;
+  const uint mat = c / per_mat, n0 = (c % per_mat) * tile_cols;
+  const uint s0 = slot0 + mat, s1 = slot0 + (GLU ? 1 : mat);
+  global const panel_w_t* w0 = w + table[6 * e + s0];
+  global const panel_w_t* w1 = w + table[6 * e + s1];
+  const uint KB = (K + 127) / 128;
+  // The tile's weight rows (columns past N take the last: computed on, not stored), as
+  // linear_bf16_packed's.
+  global const panel_w_t* rows[PANEL_NC];
+  global const float* srows[PANEL_NC];
+  for (int j = 0; j < PANEL_NC; ++j) {
+#if GLU
+    const bool up = j >= PANEL_NC / 2;
+    const uint n = min(n0 + j % (PANEL_NC / 2), N - 1);
+#else
+    const bool up = false;
+    const uint n = min(n0 + j, N - 1);
+#endif
+    rows[j] = (up ? w1 : w0) + (size_t)n * K;
+#if PANEL_FP8
+    srows[j] = fp8_scale_row(scales + table[6 * e + 3 + (up ? s1 : s0)], n, KB);
+#else
+    srows[j] = scales;  // unread: bf16 rows have no scales
+#endif
+  }
+  // The next column tile's weights (within the matrix), prefetched while this one's rows run.
+  PanelPrefetch next;
+  const bool has_next = (K + 1) / 2 <= PANEL_KP && n0 + tile_cols < N;
+  if (has_next) {
+    const uint n_next = n0 + tile_cols, n_half = min(N - n_next, tile_cols / (GLU ? 1 : 2));
+    next.base[0] = (global const uchar*)(w0 + (size_t)n_next * K);
+    next.base[1] = GLU ? (global const uchar*)(w1 + (size_t)n_next * K)
+                       : (global const uchar*)(w0 + (size_t)min(n_next + n_half, N - 1) * K);
+    next.half_lines = n_half * K * sizeof(panel_w_t) / 64;
+    next.line = 0;
+  }
+  packed_column_tile(xb, ldxb, rows, srows, K, r_begin, r_end, n0, N, has_next ? &next : 0, panel,
+                     PACKED_PARTIAL, xb, 0, y + mat * N, ldy, 1.0f, 0);
+}
+#endif  // GROUPED_PACKED

@@ -79,54 +79,64 @@ bool bf16_gemm(ComputeDType compute, uint32_t M, const std::vector<const Weight*
 constexpr uint32_t kPackedSteps = 1024;
 constexpr uint32_t kPackedPartialRows = 512;
 
+}  // namespace
+
+PackedGemmShape packed_gemm_shape(const Device& dev, bool x_f32, bool glu, bool fp8,
+                                  bool fp8_nan_free, bool pairs_aligned, uint32_t K) {
+  const KernelTuning& t = dev.tuning();
+  PackedGemmShape p;
+  // AMX tiles (bf16 rows only): 16 rows, and at most 5 vectors beside the x and weight tiles.
+  const bool amx = !x_f32 && bf16_amx(dev);
+  p.tm = amx ? 16 : std::max(1u, t.gemm_bf16_packed_tm);
+  // With GLU the vectors split evenly into gate and up.
+  p.nv =
+      glu ? std::max(2u, (t.gemm_bf16_packed_nv + 1) / 2 * 2) : std::max(1u, t.gemm_bf16_packed_nv);
+  if (amx) p.nv = std::min(p.nv, glu ? 4u : 5u);
+  p.tile_cols = glu ? 8 * p.nv : 16 * p.nv;
+  const uint32_t steps = (K + 1) / 2;
+  p.chunk_steps = std::min(steps, kPackedSteps);
+  p.partial_rows = steps > kPackedSteps ? kPackedPartialRows / p.tm * p.tm : 0;
+  const uint64_t local_bytes = uint64_t((p.chunk_steps + 15) / 16 * 16) * 16 * p.nv * 4 +
+                               uint64_t(p.partial_rows) * 16 * p.nv * 4;
+  p.fits = local_bytes <= dev.info().local_mem;
+  p.options = " -DPANEL_TM=" + std::to_string(p.tm) + " -DPANEL_NV=" + std::to_string(p.nv) +
+              " -DPANEL_KP=" + std::to_string(p.chunk_steps) + " -DGLU=" + (glu ? "1" : "0") +
+              " -DBF16_DOT=" + (!x_f32 && !amx && bf16_dot_product(dev) ? "1" : "0") +
+              " -DBF16_AMX=" + (amx ? "1" : "0") +
+              " -DPAIRS_ALIGNED=" + (pairs_aligned ? "1" : "0") + weight_prefetch_option(dev);
+  if (x_f32) p.options += " -DPANEL_XF32=1";
+  if (p.partial_rows) p.options += " -DPANEL_ROWS=" + std::to_string(p.partial_rows);
+  if (fp8)
+    p.options +=
+        " -DPANEL_FP8=1 " + fp8_decode_option(dev) + fp8_tile_options(dev, fp8_nan_free, false);
+  return p;
+}
+
+namespace {
+
 // linear_bf16.cl's linear_bf16_packed over the rounded rows xb (from element xb_off, row stride
 // ldxb), or with x_f32 over f32 rows as they are (bf16 weights only): bf16 weights
 // side by side (or gate and up with glu; n1, n2 where the second and third start), or one FP8
-// weight with its block scales fp8_scale, dequantized as it is packed; the tile KernelTuning's
-// gemm_bf16_packed_tm x gemm_bf16_packed_nv. False, launching nothing, where the panel (and the
-// partial sums of K past one chunk) would not fit the device's local memory.
+// weight with its block scales fp8_scale, dequantized as it is packed; the tile
+// packed_gemm_shape's. False, launching nothing, where the panel (and the partial sums of K past
+// one chunk) would not fit the device's local memory.
 bool launch_bf16_packed(Device& dev, const cl::Mem& xb, uint32_t xb_off, uint32_t ldxb, bool x_f32,
                         const std::vector<const Weight*>& ws, bool glu, const Weight* bias,
                         const Weight* fp8_scale, bool pairs_aligned, const cl::Mem& y,
                         uint32_t y_off, uint32_t ldy, uint32_t M, uint32_t N, uint32_t K,
                         uint32_t n1, uint32_t n2, float alpha, bool accumulate) {
-  const KernelTuning& t = dev.tuning();
-  // AMX tiles (bf16 rows only): 16 rows, and at most 5 vectors beside the x and weight tiles.
-  const bool amx = !x_f32 && bf16_amx(dev);
-  const uint32_t tm = amx ? 16 : std::max(1u, t.gemm_bf16_packed_tm);
-  // With GLU the vectors split evenly into gate and up.
-  uint32_t nv =
-      glu ? std::max(2u, (t.gemm_bf16_packed_nv + 1) / 2 * 2) : std::max(1u, t.gemm_bf16_packed_nv);
-  if (amx) nv = std::min(nv, glu ? 4u : 5u);
-  const uint32_t tile_cols = glu ? 8 * nv : 16 * nv;
-  const uint32_t col_tiles = (N + tile_cols - 1) / tile_cols;
+  const PackedGemmShape shape = packed_gemm_shape(dev, x_f32, glu, fp8_scale != nullptr,
+                                                  ws[0]->fp8_nan_free, pairs_aligned, K);
+  if (!shape.fits) return false;
+  const uint32_t col_tiles = (N + shape.tile_cols - 1) / shape.tile_cols;
   // A work-item packs its column tile once for all its rows: all M where the column tiles alone
-  // make 8 work-items per compute unit, else M split until they do.
+  // make 8 work-items per compute unit, else M split until they do (rows that wait between
+  // chunks: at most partial_rows).
   const uint32_t want = 8 * std::max(dev.info().compute_units, 1u);
   const uint32_t row_blocks = std::max(1u, (want + col_tiles - 1) / col_tiles);
-  const uint32_t steps = (K + 1) / 2;
-  uint32_t m_rows = ((M + row_blocks - 1) / row_blocks + tm - 1) / tm * tm;
-  const uint32_t partial_rows = kPackedPartialRows / tm * tm;
-  const uint64_t local_bytes =
-      uint64_t((std::min(steps, kPackedSteps) + 15) / 16 * 16) * 16 * nv * 4 +
-      (steps > kPackedSteps ? uint64_t(partial_rows) * 16 * nv * 4 : 0);
-  if (local_bytes > dev.info().local_mem) return false;
-  std::string opts = "-DLINEAR_BF16_PACKED=1 -DWEIGHT_TYPE=1 -DPANEL_TM=" + std::to_string(tm) +
-                     " -DPANEL_NV=" + std::to_string(nv) +
-                     " -DPANEL_KP=" + std::to_string(std::min(steps, kPackedSteps)) +
-                     " -DGLU=" + (glu ? "1" : "0") +
-                     " -DBF16_DOT=" + (!x_f32 && !amx && bf16_dot_product(dev) ? "1" : "0") +
-                     " -DBF16_AMX=" + (amx ? "1" : "0") +
-                     " -DPAIRS_ALIGNED=" + (pairs_aligned ? "1" : "0") +
-                     weight_prefetch_option(dev);
-  if (x_f32) opts += " -DPANEL_XF32=1";
-  if (steps > kPackedSteps) {
-    m_rows = std::min(m_rows, partial_rows);
-    opts += " -DPANEL_ROWS=" + std::to_string(partial_rows);
-  }
-  if (fp8_scale)
-    opts += " -DPANEL_FP8=1 " + fp8_decode_option(dev) +
-            fp8_tile_options(dev, ws[0]->fp8_nan_free, false);
+  uint32_t m_rows = ((M + row_blocks - 1) / row_blocks + shape.tm - 1) / shape.tm * shape.tm;
+  if (shape.partial_rows) m_rows = std::min(m_rows, shape.partial_rows);
+  const std::string opts = "-DLINEAR_BF16_PACKED=1 -DWEIGHT_TYPE=1" + shape.options;
   cl::Kernel k = dev.kernel("linear_bf16.cl", "linear_bf16_packed", opts);
   const Weight& w0 = *ws[0];
   const Weight& w1 = *ws[std::min<size_t>(1, ws.size() - 1)];
@@ -373,11 +383,11 @@ std::string weight_prefetch_option(const Device& dev) {
   return "";
 }
 
-void round_bf16(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, uint32_t M,
-                uint32_t K, const cl::Mem& xb, uint32_t ldxb, bool as_f32) {
+void round_bf16(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, uint32_t M, uint32_t K,
+                const cl::Mem& xb, uint32_t ldxb, bool as_f32, const cl::Mem* x_rows) {
   if (M == 0 || K == 0) return;
   cl::Kernel k = dev.kernel("linear_bf16.cl", "round_bf16", as_f32 ? "-DOUT_F32=1" : "");
-  cl::set_args(k, x, x_off, ldx, xb, ldxb, K);
+  cl::set_args(k, x, x_off, ldx, x_rows ? *x_rows : x, int(x_rows != nullptr), xb, ldxb, K);
   dev.launch(k, {(K + 63) / 64, M, 1}, 2);
 }
 

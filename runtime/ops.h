@@ -32,6 +32,21 @@ bool bf16_amx(const Device& dev);
 // device (0: never): gemm_bf16_packed_rows, or with AMX gemm_bf16_amx_rows where fewer.
 uint32_t bf16_packed_rows_from(const Device& dev);
 
+// The packed GEMM's shape on this device for rows of K (bf16_packed.cl), which the dense GEMM and
+// the grouped experts share so that a row gets the same sums from either: the tile (tm rows x nv
+// vectors of 16 columns, tile_cols output columns; with glu half gate, half up), the pair steps
+// of a panel chunk, the rows a work-item may keep between chunks (0 with one chunk), its build
+// options, and whether the panel and those rows fit the device's local memory.
+struct PackedGemmShape {
+  uint32_t tm = 0, nv = 0, tile_cols = 0, chunk_steps = 0, partial_rows = 0;
+  bool fits = false;
+  std::string options;
+};
+// x_f32: f32 rows as they are (bf16 weights; the portable micro-kernel), else the rounded rows;
+// fp8: FP8 weights dequantized as they are packed (the NaN-code watch unless fp8_nan_free).
+PackedGemmShape packed_gemm_shape(const Device& dev, bool x_f32, bool glu, bool fp8,
+                                  bool fp8_nan_free, bool pairs_aligned, uint32_t K);
+
 // The build option of the CPU-shape GEMM kernels that turns on their next-tile weight prefetch
 // (common.cl's PREFETCH_LINE, an x86 instruction): " -DPREFETCH_X86=1" for PoCL's CPU device on
 // an x86 host whose tuning has weight_prefetch, else "".
@@ -81,9 +96,11 @@ void linear_swiglu(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, 
                    ComputeDType compute = ComputeDType::F32);
 
 // x[M, K] rounded to bf16 (nearest even): into xb (ushort, row stride ldxb), or with as_f32 into
-// an f32 buffer as the rounded values (row stride ldxb).
-void round_bf16(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, uint32_t M,
-                uint32_t K, const cl::Mem& xb, uint32_t ldxb, bool as_f32 = false);
+// an f32 buffer as the rounded values (row stride ldxb). With x_rows (uint32 [M]) row m is x's
+// row x_rows[m].
+void round_bf16(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, uint32_t M, uint32_t K,
+                const cl::Mem& xb, uint32_t ldxb, bool as_f32 = false,
+                const cl::Mem* x_rows = nullptr);
 
 // The build options of fp8_tile.cl's users (linear_fp8.cl, moe.cl, mla.cl). fp8_decode_option:
 // the e4m3 decode the device takes (common.cl's FP8_DENORM). fp8_tile_options: the NaN-code watch,

@@ -335,10 +335,12 @@ namespace {
 //                3 tokens 0.83-0.96x and 1.04-1.14x, 8 tokens 1.24x and 1.11x,
 //                16 tokens 0.99x and 1.06x;
 //   bf16 experts: 1 token 0.98x and 1.01x, 8 tokens 1.00x and 1.26x.
+// packed_from: the tiles of experts with that many rows or more return at once (the packed GEMM
+// takes them; 0: none).
 void launch_grouped(Device& dev, cl::Kernel& k, const cl::Mem& x, uint32_t ldx,
                     const cl::Mem* x_rows, const GroupedExperts& g, uint32_t slot0, uint32_t n_mats,
                     const GroupedPlan& plan, const cl::Mem& y, uint32_t ldy, uint32_t N, uint32_t K,
-                    uint32_t tn, bool in_turn) {
+                    uint32_t tn, bool in_turn, uint32_t packed_from = 0) {
   const uint32_t col_tiles = ceil_div(N, tn) * n_mats;
   const uint32_t busy_tiles = std::min(plan.max_tiles, ceil_div(plan.rows, plan.rows_per_tile) +
                                                            std::min(plan.rows, plan.n_experts));
@@ -347,7 +349,7 @@ void launch_grouped(Device& dev, cl::Kernel& k, const cl::Mem& x, uint32_t ldx,
       ops::tiles_per_item(uint64_t(col_tiles) * busy_tiles, min_items, in_turn ? 64 : 16);
   cl::set_args(k, x, ldx, x_rows ? *x_rows : x, int(x_rows != nullptr), g.mem, g.mem, g.table,
                slot0, n_mats, plan.tiles.mem(), plan.tile_count.mem(), plan.expert_offsets.mem(),
-               plan.rows_per_tile, y, ldy, N, K, per_item);
+               plan.rows_per_tile, y, ldy, N, K, per_item, packed_from);
   dev.launch(k, {ceil_div(col_tiles, per_item), plan.max_tiles, 1}, 2);
 }
 
@@ -381,29 +383,52 @@ bool grouped_bf16(const Device& dev, const GroupedExperts& g, const GroupedPlan&
          dev.kernel_shape() == KernelShape::Chunks;
 }
 
-// The bf16-compute grouped launch (moe.cl with -DGROUPED_BF16=1): the rows of x rounded once, then
-// the tiles of linear_bf16.cl's micro-kernels; with glu gate and up in one tile (TN / 2 columns
-// of each), y getting silu(gate) * up.
+// The bf16-compute grouped launches: the experts of ops::bf16_packed_rows_from rows or more in the
+// packed GEMM (moe.cl's moe_grouped_packed; AMX where the host has it), the others in the tiles
+// of linear_bf16.cl's micro-kernels (moe.cl with -DGROUPED_BF16=1): each expert's rows get the
+// sums ops::linear's bf16 GEMM gives them at that expert's row count. The rows of x are rounded
+// once; where the packed GEMM runs, in plan order (its row tiles read rows one stride apart),
+// else the tokens as they are, read through x_rows. With glu gate and up in one tile, y getting
+// silu(gate) * up.
+// dsv3-mini bf16, 512-token prefill at bf16 compute on the 2-core Xeon with AMX
+// (bench_deepseek_breakdown, one run each): the grouped experts took 340 ms per step so, against
+// 1272 ms in the dot-product tiles alone (FP8 experts 401 against 1299).
 void grouped_bf16_launch(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::Mem* x_rows,
                          uint32_t x_count, const GroupedExperts& g, uint32_t slot0,
                          uint32_t n_mats, bool glu, const GroupedPlan& plan, const cl::Mem& y,
                          uint32_t ldy) {
   const bool down = slot0 == 2;
   const uint32_t N = down ? g.hidden : g.inter, K = down ? g.inter : g.hidden;
-  const uint32_t rows = x_rows ? x_count : plan.rows;
   if (x_rows && x_count == 0)
     throw std::invalid_argument("moe_grouped_linear: bf16 compute over token rows needs x_count");
+  const bool fp8 = g.dtype == DType::F8_E4M3;
+  const uint32_t packed_from = bf16_packed_rows_from(dev);
+  const PackedGemmShape shape =
+      packed_from != 0 ? packed_gemm_shape(dev, false, glu, fp8, g.fp8_nan_free, false, K)
+                       : PackedGemmShape{};
+  const bool packed = packed_from != 0 && shape.fits;
+  const bool gather = packed && x_rows != nullptr;
+  const uint32_t rows = x_rows && !gather ? x_count : plan.rows;
   const uint32_t ldxb = bf16_gemm_row_stride(K);
   Scratch xb(dev, size_t(rows) * ldxb * 2);
-  round_bf16(dev, x, 0, ldx, rows, K, xb.mem(), ldxb);
+  round_bf16(dev, x, 0, ldx, rows, K, xb.mem(), ldxb, false, gather ? x_rows : nullptr);
+  const cl::Mem* tile_rows = gather ? nullptr : x_rows;
+  if (packed) {
+    cl::Kernel k = dev.kernel("moe.cl", "moe_grouped_packed", "-DGROUPED_PACKED=1" + shape.options);
+    cl::set_args(k, xb.mem(), ldxb, g.mem, g.mem, g.table, slot0, n_mats, plan.tiles.mem(),
+                 plan.tile_count.mem(), plan.expert_offsets.mem(), plan.rows_per_tile, packed_from,
+                 y, ldy, N, K);
+    const uint32_t col_tiles = ceil_div(N, shape.tile_cols) * (glu ? 1 : n_mats);
+    dev.launch(k, {col_tiles, plan.max_tiles, 1}, 2);
+  }
   const uint32_t tn_any = dev.tuning().gemm_bf16_tn, tn = glu ? (tn_any + 1) / 2 * 2 : tn_any;
   std::string opts = " -DTM=" + std::to_string(plan.tm) + " -DTN=" + std::to_string(tn) +
                      " -DGROUPED_BF16=1 -DWEIGHT_TYPE=1 -DPAIRS_ALIGNED=0 -DGLU=" +
                      (glu ? "1" : "0") + " -DBF16_DOT=" + (bf16_dot_product(dev) ? "1" : "0");
-  if (g.dtype == DType::F8_E4M3) opts += fp8_bf16_panel_options(dev, K, g.fp8_nan_free);
+  if (fp8) opts += fp8_bf16_panel_options(dev, K, g.fp8_nan_free);
   cl::Kernel k = dev.kernel("moe.cl", "moe_grouped_linear", opts);
-  launch_grouped(dev, k, xb.mem(), ldxb, x_rows, g, slot0, glu ? 1 : n_mats, plan, y, ldy, N, K,
-                 glu ? tn / 2 : tn, false);
+  launch_grouped(dev, k, xb.mem(), ldxb, tile_rows, g, slot0, glu ? 1 : n_mats, plan, y, ldy, N, K,
+                 glu ? tn / 2 : tn, false, packed ? packed_from : 0);
 }
 
 }  // namespace

@@ -132,8 +132,10 @@ GroupedPlan plan_expert_tiles(Device& dev, const std::vector<uint32_t>& expert_o
 // dense_mlp's [gate | up] rows. row(r) = src_token[r] when x_rows is given (tokens read in place),
 // else r. Each row's sums are those ops::linear / linear_fp8 form for it in the device's kernel
 // shape (linear_wg's order in the WorkGroups shape for f32 / bf16 / f16). With
-// ComputeDType::BF16, bf16 experts and the plan's 4-row tiles (prefill), on the CPU shape, the rows
-// are rounded to bf16 and take ops::linear's bf16-compute sums (linear_bf16.cl's, bit for bit);
+// ComputeDType::BF16, bf16 or FP8 experts averaging 8 rows or more (prefill), on the CPU shape,
+// the rows are rounded to bf16 and each expert's rows take the sums ops::linear's bf16 GEMM gives
+// that many rows, bit for bit: the packed GEMM (moe_grouped_packed; AMX where the host has it)
+// for experts of ops::bf16_packed_rows_from rows or more, linear_bf16.cl's tiles for the others;
 // x_count is then the number of rows of x (the tokens, when x_rows is given).
 void moe_grouped_linear(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::Mem* x_rows,
                         const GroupedExperts& experts, uint32_t slot0, uint32_t n_mats,

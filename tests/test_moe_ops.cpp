@@ -552,6 +552,9 @@ struct Case {
   ComputeDType compute = ComputeDType::F32;
   bool portable = false;  // bf16 compute: the portable micro-kernel (gemm_bf16_dot 0)
   bool f16_decode = false;  // FP8: the f16-based e4m3 decode (CLSHARD_FP8_DECODE=f16) in both paths
+  // bf16 compute: KernelTuning::gemm_bf16_packed_rows (0: the device's), and the experts must then
+  // fall on both sides of ops::bf16_packed_rows_from (the packed GEMM and the dot-product tiles).
+  uint32_t packed_rows = 0;
 };
 
 class GroupedExperts : public ::testing::TestWithParam<Case> {};
@@ -575,7 +578,8 @@ TEST_P(GroupedExperts, MatchPerExpertOpsBitForBit) {
   } decode(c.f16_decode);
   KernelTuning tuning = dev.tuning();
   if (c.vector) tuning.linear_vector = c.vector;
-  if (c.portable) tuning.gemm_bf16_dot = 0;
+  if (c.portable) tuning.gemm_bf16_dot = tuning.gemm_bf16_amx = 0;
+  if (c.packed_rows) tuning.gemm_bf16_packed_rows = c.packed_rows;
   test::TuningScope tuned(dev, tuning);
   const uint32_t routed = c.with_shared ? c.E - 1 : c.E, slots = c.k + (c.with_shared ? 1 : 0);
   const auto ids = random_ids(c.T, c.k, routed, 11 + c.T);
@@ -616,14 +620,25 @@ TEST_P(GroupedExperts, MatchPerExpertOpsBitForBit) {
   if (c.compute == ComputeDType::BF16) {
     ASSERT_EQ(plan.tm, 4u) << "the case must plan 4-row tiles";
   }
+  // The experts the packed GEMM takes (ops::bf16_packed_rows_from rows or more; these shapes'
+  // panels fit any device's local memory).
+  const uint32_t packed_from = ops::bf16_packed_rows_from(dev);
+  if (bf16_path && c.packed_rows) {
+    uint32_t packed = 0, tiled = 0;
+    for (uint32_t e = 0; e < c.E; ++e) {
+      const uint32_t n = host.expert_offsets[e + 1] - host.expert_offsets[e];
+      if (n > 0) ++(n >= packed_from ? packed : tiled);
+    }
+    ASSERT_GT(packed, 0u) << "no expert of " << packed_from << " rows or more";
+    ASSERT_GT(tiled, 0u) << "no expert of fewer than " << packed_from << " rows";
+  }
   if (bf16_path) {
-    // The bf16-compute GEMM's row sums do not depend on the rows around them, so each expert's
-    // reference is ops::linear over all S rows, of which the expert's own are kept (an expert of
-    // fewer than 4 rows would take the f32 GEMV by itself). FP8 experts: ops::linear of the
-    // weight dequantized to bf16 by dequantize_fp8_bf16 (ops::linear_any's FP8 GEMM under bf16
-    // compute). The grouped experts run linear_bf16's tiles at any row count, and so does the
-    // reference: the packed GEMM, which would take S rows from gemm_bf16_packed_rows on and sums
-    // in another order, is off.
+    // Each expert's reference is ops::linear under bf16 compute; FP8 experts: of the weight
+    // dequantized to bf16 by dequantize_fp8_bf16 (ops::linear_any's FP8 GEMM under bf16
+    // compute). An expert of packed_from rows or more: ops::linear over its own rows, the
+    // packed GEMM. Fewer: the bf16 GEMM's tile sums, which do not depend on the rows around
+    // them, so ops::linear over all S rows with the packed GEMM off, of which the expert's own
+    // are kept (an expert of fewer than 4 rows would take the f32 GEMV by itself).
     auto rows_of = [&](const cl::Mem& in, uint32_t ld_in, uint32_t mat, uint32_t N,
                        const cl::Mem& dst, uint32_t ld_dst, uint32_t col) {
       cl::Mem tmp = dev.alloc(size_t(S) * N * 4);
@@ -638,14 +653,16 @@ TEST_P(GroupedExperts, MatchPerExpertOpsBitForBit) {
           ops::dequantize_fp8_bf16(dev, ex.w[e][mat], ex.s[e][mat], w.mem);
           w.dtype = DType::BF16;
         }
+        const bool packed = packed_from != 0 && n >= packed_from;
         KernelTuning tiled = dev.tuning();
-        tiled.gemm_bf16_packed_rows = 0;
+        if (!packed) tiled.gemm_bf16_packed_rows = 0;
         test::TuningScope scope(dev, tiled);
-        ops::linear(dev, in, 0, ld_in, w, nullptr, tmp, 0, N, S, 1.0f, false,
-                    ComputeDType::BF16);
+        ops::linear(dev, in, packed ? b * ld_in : 0, ld_in, w, nullptr, tmp, 0, N, packed ? n : S,
+                    1.0f, false, ComputeDType::BF16);
         const auto t = download<float>(dev, tmp, size_t(S) * N);
         for (uint32_t r = b; r < b + n; ++r)
-          std::copy_n(t.begin() + size_t(r) * N, N, all.begin() + size_t(r) * ld_dst + col);
+          std::copy_n(t.begin() + size_t(packed ? r - b : r) * N, N,
+                      all.begin() + size_t(r) * ld_dst + col);
       }
       dev.write(dst, all.data(), all.size() * 4);
     };
@@ -658,18 +675,20 @@ TEST_P(GroupedExperts, MatchPerExpertOpsBitForBit) {
   // The f32 path: the grouped experts run the f32 tiles at any row count, and so does the
   // reference (the packed GEMM, which ops::linear takes for bf16 weights from
   // gemm_bf16_packed_rows rows, sums in another order: off).
-  KernelTuning f32_tiles = dev.tuning();
-  f32_tiles.gemm_bf16_packed_rows = 0;
-  test::TuningScope f32_scope(dev, f32_tiles);
-  for (uint32_t e = 0; e < c.E && !bf16_path; ++e) {
-    const uint32_t b = host.expert_offsets[e], n = host.expert_offsets[e + 1] - b;
-    if (n == 0) continue;
-    linear_of(dev, xg, b * c.H, c.H, ex.w[e][0], ex.s[e][0], gu_ref, b * F2, F2, n);
-    linear_of(dev, xg, b * c.H, c.H, ex.w[e][1], ex.s[e][1], gu_ref, b * F2 + c.F, F2, n);
-  }
-  for (uint32_t e = 0; e < c.E && !bf16_path; ++e) {
-    const uint32_t b = host.expert_offsets[e], n = host.expert_offsets[e + 1] - b;
-    if (n > 0) linear_of(dev, gu, b * F2, F2, ex.w[e][2], ex.s[e][2], out_ref, b * c.H, c.H, n);
+  if (!bf16_path) {
+    KernelTuning f32_tiles = dev.tuning();
+    f32_tiles.gemm_bf16_packed_rows = 0;
+    test::TuningScope f32_scope(dev, f32_tiles);
+    for (uint32_t e = 0; e < c.E; ++e) {
+      const uint32_t b = host.expert_offsets[e], n = host.expert_offsets[e + 1] - b;
+      if (n == 0) continue;
+      linear_of(dev, xg, b * c.H, c.H, ex.w[e][0], ex.s[e][0], gu_ref, b * F2, F2, n);
+      linear_of(dev, xg, b * c.H, c.H, ex.w[e][1], ex.s[e][1], gu_ref, b * F2 + c.F, F2, n);
+    }
+    for (uint32_t e = 0; e < c.E; ++e) {
+      const uint32_t b = host.expert_offsets[e], n = host.expert_offsets[e + 1] - b;
+      if (n > 0) linear_of(dev, gu, b * F2, F2, ex.w[e][2], ex.s[e][2], out_ref, b * c.H, c.H, n);
+    }
   }
   // The experts' SwiGLU in one op against the gate|up rows above followed by silu_mul: bit for
   // bit where the op runs those two itself; on the bf16-compute path, one launch with the SwiGLU
@@ -745,8 +764,7 @@ INSTANTIATE_TEST_SUITE_P(
     MoeOps, GroupedExperts,
     ::testing::Values(Case{DType::BF16, 1, 3, 7, 200, 70}, Case{DType::BF16, 13, 3, 5, 200, 70},
                       Case{DType::F32, 5, 2, 6, 72, 34}, Case{DType::F16, 9, 2, 3, 40, 18},
-                      Case{DType::BF16, 100, 2, 3, 48, 20},
-                      Case{DType::F8_E4M3, 1, 4, 9, 300, 150},
+                      Case{DType::BF16, 100, 2, 3, 48, 20}, Case{DType::F8_E4M3, 1, 4, 9, 300, 150},
                       Case{DType::F8_E4M3, 30, 2, 4, 200, 136},
                       // Enough rows per expert for the decoded weight panels (fp8_tile.cl).
                       Case{DType::F8_E4M3, 100, 2, 3, 200, 136},
@@ -776,29 +794,47 @@ INSTANTIATE_TEST_SUITE_P(
                            ComputeDType::BF16},
                       Case{DType::BF16, 40, 3, 5, 70, 45, true, KernelShape::Chunks, 0, false,
                            ComputeDType::BF16, true},
+                      // Experts on both sides of the packed GEMM's row count (from 10 rows here,
+                      // or AMX's 8 where the host has it; 60 routed rows over 7 experts):
+                      // moe_grouped_packed for some, the dot-product tiles for the others; AMX
+                      // or the dot product, and the portable micro-kernels.
+                      Case{DType::BF16, 20, 3, 8, 70, 45, true, KernelShape::Chunks, 0, false,
+                           ComputeDType::BF16, false, false, 10},
+                      Case{DType::BF16, 20, 3, 8, 70, 45, true, KernelShape::Chunks, 0, false,
+                           ComputeDType::BF16, true, false, 10},
+                      // gate|up over K = 2101: the packed panels in two chunks, the rows'
+                      // partial sums between them.
+                      Case{DType::BF16, 20, 3, 8, 2101, 45, true, KernelShape::Chunks, 0, false,
+                           ComputeDType::BF16, false, false, 10},
+                      // FP8 experts on both sides (dequantized as they are packed; the NaN-free
+                      // decode and the watched one).
+                      Case{DType::F8_E4M3, 20, 3, 8, 300, 150, true, KernelShape::Chunks, 0, false,
+                           ComputeDType::BF16, false, false, 10},
+                      Case{DType::F8_E4M3, 20, 3, 8, 300, 150, true, KernelShape::Chunks, 0, true,
+                           ComputeDType::BF16, false, false, 10},
                       // FP8 experts under bf16 compute (bf16 panels of the dequantized rows):
                       // the K % 16 and K % 32 tails and a partial last scale block on both GEMMs,
                       // N not a multiple of the tile; both micro-kernels; the NaN-free decode
                       // and (watch) the exact one.
-                      Case{DType::F8_E4M3, 40, 3, 5, 300, 150, true, KernelShape::Chunks, 0,
-                           false, ComputeDType::BF16},
-                      Case{DType::F8_E4M3, 40, 3, 5, 300, 150, true, KernelShape::Chunks, 0,
-                           false, ComputeDType::BF16, true},
-                      Case{DType::F8_E4M3, 60, 2, 3, 200, 137, false, KernelShape::Chunks, 0,
-                           true, ComputeDType::BF16},
+                      Case{DType::F8_E4M3, 40, 3, 5, 300, 150, true, KernelShape::Chunks, 0, false,
+                           ComputeDType::BF16},
+                      Case{DType::F8_E4M3, 40, 3, 5, 300, 150, true, KernelShape::Chunks, 0, false,
+                           ComputeDType::BF16, true},
+                      Case{DType::F8_E4M3, 60, 2, 3, 200, 137, false, KernelShape::Chunks, 0, true,
+                           ComputeDType::BF16},
                       // The f16-based decode: the bf16 panels (NaN-free and watched) and the
                       // f32 tiles' panels.
-                      Case{DType::F8_E4M3, 40, 3, 5, 300, 150, true, KernelShape::Chunks, 0,
-                           false, ComputeDType::BF16, false, true},
-                      Case{DType::F8_E4M3, 60, 2, 3, 200, 137, false, KernelShape::Chunks, 0,
-                           true, ComputeDType::BF16, false, true},
+                      Case{DType::F8_E4M3, 40, 3, 5, 300, 150, true, KernelShape::Chunks, 0, false,
+                           ComputeDType::BF16, false, true},
+                      Case{DType::F8_E4M3, 60, 2, 3, 200, 137, false, KernelShape::Chunks, 0, true,
+                           ComputeDType::BF16, false, true},
                       Case{DType::F8_E4M3, 100, 2, 3, 200, 136, false, KernelShape::Chunks, 0,
                            false, ComputeDType::F32, false, true},
                       // An expert of more rows than a CPU tile takes (256; the shared expert's
                       // 300 here): two tiles, in f32 and in bf16 compute (FP8 panels).
                       Case{DType::BF16, 300, 2, 3, 48, 20, true},
-                      Case{DType::F8_E4M3, 300, 2, 3, 200, 136, true, KernelShape::Chunks, 0,
-                           false, ComputeDType::BF16}),
+                      Case{DType::F8_E4M3, 300, 2, 3, 200, 136, true, KernelShape::Chunks, 0, false,
+                           ComputeDType::BF16}),
     [](const ::testing::TestParamInfo<Case>& i) {
       return std::string(dtype_name(i.param.dtype)) + "_T" + std::to_string(i.param.T) + "_E" +
              std::to_string(i.param.E) + (i.param.with_shared ? "_shared" : "") +
@@ -806,7 +842,9 @@ INSTANTIATE_TEST_SUITE_P(
              (i.param.vector ? "_vw" + std::to_string(i.param.vector) : "") +
              (i.param.nan_watch ? "_watch" : "") +
              (i.param.compute == ComputeDType::BF16 ? "_bf16compute" : "") +
-             (i.param.portable ? "_portable" : "") + (i.param.f16_decode ? "_f16decode" : "");
+             (i.param.portable ? "_portable" : "") + (i.param.f16_decode ? "_f16decode" : "") +
+             (i.param.packed_rows ? "_packed" + std::to_string(i.param.packed_rows) : "") +
+             (i.param.H > 1024 ? "_H" + std::to_string(i.param.H) : "");
     });
 
 }  // namespace grouped
