@@ -29,6 +29,14 @@ KernelTuning cpu_forced() {
   KernelTuning t;
   t.norm_wg = 64;
   t.mla_wg = 64;
+  // FP8 decode GEMVs prefetch 8 KiB ahead in their weight stream (x86 hosts only,
+  // ops::columns_in_turn_option). dsv3-mini fp8's whole decode step (bench_deepseek --tuning-ab,
+  // 9 rounds in turn): on the Zen 5 EPYC (2026-11-28) 1.26x [1.00, 1.44] at 8192 bytes, 1.22x at
+  // 4096, 1.20x at 16384; on a Xeon with AMX (2026-11-29) 1.29x [1.19, 1.44] at 8192, and against
+  // 8192 0.97x at 4096 and 1.01x at 16384; bench_fp8's M = 1 GEMVs 1.4-2.1x at 8192 (Zen 5, one
+  // run). The bf16 one-row tiles gained nothing from it (dsv3-mini bf16 0.95-1.00x on Zen 5,
+  // 1.02x [0.92, 1.17] on the Xeon) and do not prefetch.
+  t.stream_prefetch = 8192;
   return t;
 }
 
@@ -91,17 +99,12 @@ KernelTuning amd_epyc_avx512() {
   // run) 1.07-1.31x 4x3's speed on q/k/v, o, gate|up and down, the GLU launch (4x4 in both)
   // unchanged; 8x3 between the two; llama3-1b's 512-token bf16 prefill 1.07-1.09x (3 interleaved
   // pairs). On Zen 4 (2026-11-27) tiles of 8x2 to 6x4 had been within 2-4% of 4x3.
-  // FP8 decode GEMVs prefetch 8 KiB ahead in their weight stream: dsv3-mini fp8's whole decode
-  // step (bench_deepseek --tuning-ab, 9 rounds in turn, 2026-11-28) 1.26x [1.00, 1.44] at 8192
-  // bytes, 1.22x at 4096, 1.20x at 16384; bench_fp8's M = 1 GEMVs 1.4-2.1x at 8192 (one run). The
-  // bf16 one-row tiles gained nothing from it (dsv3-mini bf16 0.95-1.00x) and do not prefetch.
   // FP8 tiles read their columns in turn up to K = 8192 (bf16 ones to 4096): in-process A/B on
   // linear_fp8 at M = 1, weights streamed from a 96 MB ring (2026-11-28), 2048 x 4608 (dsv3-mini's
   // dense down_proj) 1.70-1.80x, 1536 x 7168 1.61x, 576 x 7168 1.45x, K <= 4096 unchanged, 2048 x
   // 16384 0.99x at 8192 and 0.77x at 16384 (a 64 KiB x row is past L1); bf16 GEMVs in turn at
   // 1536 x 7168 and 576 x 7168 0.82x and 0.89x, hence the two fields.
   KernelTuning t = cpu_forced();
-  t.stream_prefetch = 8192;
   t.fp8_stream_k = 8192;
   t.gemm_bf16_tn = 6;
   t.gemm_bf16_packed_nv = 4;

@@ -227,7 +227,7 @@ TEST(KernelTuningTable, TheHopperRowWinsOverNvidiasDefault) {
 
 // The CPU rows: PoCL on an AVX-512 EPYC that its LLVM calls skylake-avx512 takes 4x6 bf16 GEMM
 // tiles (8x4 at decode batches) on top of the CPU default; another EPYC (no AVX-512 BF16: the
-// portable micro-kernel, which 4x6 slows) keeps 4x4 for both.
+// portable micro-kernel, which 4x6 slows) keeps 4x4 for both; both prefetch FP8 streams.
 TEST(KernelTuningTable, TheAvx512EpycRowWidensTheBf16GemmTile) {
   DeviceInfo zen5;
   zen5.kind = DeviceKind::Cpu;
@@ -244,6 +244,10 @@ TEST(KernelTuningTable, TheAvx512EpycRowWidensTheBf16GemmTile) {
   EXPECT_EQ(b.gemm_bf16_tn, 4u);
   EXPECT_EQ(b.gemm_bf16_batch_tm, 4u);
   EXPECT_EQ(b.gemm_bf16_batch_tn, 4u);
+  // The FP8 stream prefetch is the CPU default's (measured on Zen 5 and on a Xeon), so every CPU
+  // row has it.
+  EXPECT_EQ(b.stream_prefetch, 8192u);
+  EXPECT_EQ(a.stream_prefetch, 8192u);
 }
 
 }  // namespace
