@@ -46,6 +46,12 @@ inline void tile_dots(global const float* xr_in[TM], global const wtype* wr_in[T
       // Gate/up (GLU) alternates page-long runs of two matrices, which the hardware prefetcher
       // does not follow: there the next tile's lines are prefetched too.
       if (pf_stride && (k * 16 * sizeof(wtype)) % 64 == 0) PREFETCH_LINE(wr[j] + pf_stride + k * 16);
+#elif defined(GEMV_STREAM_PREFETCH)
+      // The line GEMV_STREAM_PREFETCH bytes ahead in the work-item's run of rows
+      // (KernelTuning::gemv_stream_prefetch): on the Xeon with AMX the hardware prefetcher alone
+      // left a bf16 decode step 1.19-1.45x slower (kernel_tuning.cpp).
+      if ((k * 16 * sizeof(wtype)) % 64 == 0)
+        PREFETCH_LINE((global const uchar*)(wr[j] + k * 16) + GEMV_STREAM_PREFETCH);
 #endif
     }
     out[0][j] = hsum16(acc);

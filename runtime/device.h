@@ -76,6 +76,10 @@ struct KernelTuning {
   // bytes ahead in their weight stream (0: off); as weight_prefetch, only on PoCL's CPU device on
   // an x86 host (ops::columns_in_turn_option).
   uint32_t stream_prefetch = 0;
+  // The same for the decode GEMVs over f32, bf16 and f16 weights (linear_tile.cl's one-row tiles
+  // in turn, but for gate/up, which prefetch their next tile): bytes ahead, 0 off. Apart from
+  // stream_prefetch because the two CPUs measured here differ on it (kernel_tuning.cpp).
+  uint32_t gemv_stream_prefetch = 0;
   // The bf16-compute GEMM (linear_bf16.cl, model.compute_dtype: bf16; CPU shape): tile rows and
   // weight rows (even: GLU splits them into gate and up), the same for batches below one
   // work-item's rows (decode, which streams the weights), rows per work-item, and whether PoCL

@@ -34,9 +34,14 @@ KernelTuning cpu_forced() {
   // 9 rounds in turn): on the Zen 5 EPYC (2026-11-28) 1.26x [1.00, 1.44] at 8192 bytes, 1.22x at
   // 4096, 1.20x at 16384; on a Xeon with AMX (2026-11-29) 1.29x [1.19, 1.44] at 8192, and against
   // 8192 0.97x at 4096 and 1.01x at 16384; bench_fp8's M = 1 GEMVs 1.4-2.1x at 8192 (Zen 5, one
-  // run). The bf16 one-row tiles gained nothing from it (dsv3-mini bf16 0.95-1.00x on Zen 5,
-  // 1.02x [0.92, 1.17] on the Xeon) and do not prefetch.
+  // run).
   t.stream_prefetch = 8192;
+  // The f32 / bf16 / f16 decode GEMVs the same (linear_tile.cl's one-row tiles in turn): on the
+  // Xeon with AMX (2026-11-29, bench_deepseek / bench_llama --tuning-ab, 9 rounds in turn, against
+  // none) dsv3-mini bf16's whole decode step 1.45x [1.34, 1.64] and 1.47x [1.33, 1.60] (two
+  // runs), dsv3-mini fp8's 1.18x [0.96, 1.34] (its lm_head and the bf16 parts), llama3-1b bf16's
+  // 1.16x [0.87, 1.32]. (The EPYC row turns it off.)
+  t.gemv_stream_prefetch = 8192;
   return t;
 }
 
@@ -105,6 +110,9 @@ KernelTuning amd_epyc_avx512() {
   // 16384 0.99x at 8192 and 0.77x at 16384 (a 64 KiB x row is past L1); bf16 GEMVs in turn at
   // 1536 x 7168 and 576 x 7168 0.82x and 0.89x, hence the two fields.
   KernelTuning t = cpu_forced();
+  // The bf16 one-row tiles' stream prefetch gained nothing on Zen 5 here (dsv3-mini bf16
+  // 0.95-1.00x, llama3-1b 0.98-1.02x, 2026-11-28).
+  t.gemv_stream_prefetch = 0;
   t.fp8_stream_k = 8192;
   t.gemm_bf16_tn = 6;
   t.gemm_bf16_packed_nv = 4;
@@ -155,6 +163,7 @@ const std::vector<std::pair<std::string, U32Field>>& u32_fields() {
       {"fp8_stream_k", &KernelTuning::fp8_stream_k},
       {"weight_prefetch", &KernelTuning::weight_prefetch},
       {"stream_prefetch", &KernelTuning::stream_prefetch},
+      {"gemv_stream_prefetch", &KernelTuning::gemv_stream_prefetch},
       {"gemm_bf16_tm", &KernelTuning::gemm_bf16_tm},
       {"gemm_bf16_tn", &KernelTuning::gemm_bf16_tn},
       {"gemm_bf16_batch_tm", &KernelTuning::gemm_bf16_batch_tm},
@@ -214,7 +223,8 @@ void apply_file(const DeviceInfo& info, KernelTuning& t) {
                                  names +
                                  ") with a positive integer (blas_gemm_rows, "
                                  "gemm_bf16_packed_rows: 0 for never; weight_prefetch, "
-                                 "stream_prefetch, gemm_bf16_dot, gemm_bf16_amx: 0 for off), "
+                                 "stream_prefetch, gemv_stream_prefetch, gemm_bf16_dot, "
+                                 "gemm_bf16_amx: 0 for off), "
                                  "got " +
                                  value.dump());
       }
@@ -239,8 +249,8 @@ KernelTuning lookup_kernel_tuning(const DeviceInfo& info) {
 
 bool kernel_tuning_zero_allowed(const std::string& field) {
   return field == "blas_gemm_rows" || field == "gemm_bf16_packed_rows" ||
-         field == "weight_prefetch" || field == "stream_prefetch" || field == "gemm_bf16_dot" ||
-         field == "gemm_bf16_amx";
+         field == "weight_prefetch" || field == "stream_prefetch" ||
+         field == "gemv_stream_prefetch" || field == "gemm_bf16_dot" || field == "gemm_bf16_amx";
 }
 
 const std::vector<std::string>& kernel_tuning_fields() {

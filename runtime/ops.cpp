@@ -369,8 +369,13 @@ uint32_t in_turn_max_k(const Device& dev, DType dtype) {
 std::string columns_in_turn_option(const Device& dev) {
   std::string o = " -DCOLUMNS_IN_TURN=1";
 #if defined(__x86_64__)
-  if (pocl_cpu(dev) && dev.tuning().stream_prefetch != 0)
-    o += " -DPREFETCH_X86=1 -DSTREAM_PREFETCH=" + std::to_string(dev.tuning().stream_prefetch);
+  const KernelTuning& t = dev.tuning();
+  if (pocl_cpu(dev) && (t.stream_prefetch != 0 || t.gemv_stream_prefetch != 0)) {
+    o += " -DPREFETCH_X86=1";
+    if (t.stream_prefetch) o += " -DSTREAM_PREFETCH=" + std::to_string(t.stream_prefetch);
+    if (t.gemv_stream_prefetch)
+      o += " -DGEMV_STREAM_PREFETCH=" + std::to_string(t.gemv_stream_prefetch);
+  }
 #endif
   return o;
 }

@@ -317,6 +317,7 @@ TEST_P(Fp8Decodes, LinearStreamPrefetchChangesNoBit) {
       auto run = [&](uint32_t ahead) {
         KernelTuning t = saved;
         t.stream_prefetch = ahead;
+        t.gemv_stream_prefetch = 0;
         dev.set_tuning(t);
         const std::string prefetch =
             ahead && test::x86_pocl(dev)

@@ -154,11 +154,11 @@ TEST(KernelTuningFile, AnEntryOverridesTheBuiltInRowForItsDeviceOnly) {
   EXPECT_EQ(error_of().rfind(prefix + "attn_wg: expected one of the fields (norm_wg, ", 0), 0u)
       << error_of();
   EXPECT_NE(error_of().find("with a positive integer (blas_gemm_rows, gemm_bf16_packed_rows: 0 "
-                            "for never; weight_prefetch, stream_prefetch, gemm_bf16_dot, "
-                            "gemm_bf16_amx: 0 for off), got 0"),
+                            "for never; weight_prefetch, stream_prefetch, gemv_stream_prefetch, "
+                            "gemm_bf16_dot, gemm_bf16_amx: 0 for off), got 0"),
             std::string::npos)
       << error_of();
-  write({{"blas_gemm_rows", 0}});  // the six fields whose 0 is a value (never, off)
+  write({{"blas_gemm_rows", 0}});  // the seven fields whose 0 is a value (never, off)
   want = builtin_kernel_tuning(info);
   want.blas_gemm_rows = 0;
   EXPECT_EQ(lookup_kernel_tuning(info), want);
@@ -173,6 +173,10 @@ TEST(KernelTuningFile, AnEntryOverridesTheBuiltInRowForItsDeviceOnly) {
   write({{"stream_prefetch", 0}});
   want = builtin_kernel_tuning(info);
   want.stream_prefetch = 0;
+  EXPECT_EQ(lookup_kernel_tuning(info), want);
+  write({{"gemv_stream_prefetch", 0}});
+  want = builtin_kernel_tuning(info);
+  want.gemv_stream_prefetch = 0;
   EXPECT_EQ(lookup_kernel_tuning(info), want);
   write({{"gemm_bf16_dot", 0}, {"gemm_bf16_amx", 0}});
   want = builtin_kernel_tuning(info);
@@ -248,6 +252,9 @@ TEST(KernelTuningTable, TheAvx512EpycRowWidensTheBf16GemmTile) {
   // row has it.
   EXPECT_EQ(b.stream_prefetch, 8192u);
   EXPECT_EQ(a.stream_prefetch, 8192u);
+  // The bf16 / f32 GEMVs' stream prefetch: the CPU default, which the Zen 5 row turns off.
+  EXPECT_EQ(b.gemv_stream_prefetch, 8192u);
+  EXPECT_EQ(a.gemv_stream_prefetch, 0u);
 }
 
 }  // namespace

@@ -163,14 +163,16 @@ INSTANTIATE_TEST_SUITE_P(Widths, LinearRowsAgree,
 // where a work-item owns several column tiles (N = 2051: the prefetch runs, and past the weight's
 // end at the last tile), in 4-row tiles (where it runs), one-row tiles side by side (K = 4103 >
 // gemv_stream_k; built with the option, not prefetching) and one-row tiles in turn (K = 300,
-// where gate/up prefetches), f32 / bf16 / f16 weights.
+// where gate/up prefetches), f32 / bf16 / f16 weights. So is the stream prefetch of one-row tiles
+// in turn (KernelTuning::gemv_stream_prefetch): 8 KiB ahead and 64 bytes (the next line) give
+// the bits of neither prefetch.
 struct PrefetchCase {
   uint32_t M, K;
   DType dt;
 };
 class LinearPrefetch : public ::testing::TestWithParam<PrefetchCase> {};
 
-TEST_P(LinearPrefetch, NextTilePrefetchChangesNoBit) {
+TEST_P(LinearPrefetch, PrefetchesChangeNoBit) {
   const auto [M, K, dt] = GetParam();
   Device& dev = test::default_device();
   ShapeScope scope(dev, KernelShape::Chunks);
@@ -185,12 +187,19 @@ TEST_P(LinearPrefetch, NextTilePrefetchChangesNoBit) {
          norm = make_weight(dev, nv, {K}, dt);
   cl::Mem xm = upload(dev, x);
   const uint32_t Q = N + Nk;
-  auto run = [&](uint32_t prefetch) {
+  auto run = [&](uint32_t prefetch, uint32_t ahead) {
     KernelTuning t = saved;
     t.weight_prefetch = prefetch;
+    t.stream_prefetch = 0;
+    t.gemv_stream_prefetch = ahead;
     dev.set_tuning(t);
     EXPECT_EQ(ops::weight_prefetch_option(dev),
               prefetch && test::x86_pocl(dev) ? " -DPREFETCH_X86=1" : "");
+    EXPECT_EQ(ops::columns_in_turn_option(dev),
+              std::string(" -DCOLUMNS_IN_TURN=1") +
+                  (ahead && test::x86_pocl(dev)
+                       ? " -DPREFETCH_X86=1 -DGEMV_STREAM_PREFETCH=" + std::to_string(ahead)
+                       : ""));
     cl::Mem y = upload(dev, y0), q = dev.alloc(size_t(M) * Q * 4), g = dev.alloc(size_t(M) * F * 4);
     ops::linear(dev, xm, 0, K, w, nullptr, y, 0, N, M, 0.5f, true);
     ops::linear_fused(dev, xm, 0, K, nullptr, &norm, 1e-5f, {&w, &wk}, q, 0, Q, M);
@@ -199,13 +208,17 @@ TEST_P(LinearPrefetch, NextTilePrefetchChangesNoBit) {
                                              download(dev, q, size_t(M) * Q),
                                              download(dev, g, size_t(M) * F)};
   };
-  const auto on = run(1), off = run(0);
+  const auto off = run(0, 0);
   const char* names[3] = {"linear", "q/k/v", "gate/up"};
-  for (int op = 0; op < 3; ++op) {
-    ASSERT_EQ(on[op].size(), off[op].size());
-    for (size_t i = 0; i < on[op].size(); ++i)
-      ASSERT_EQ(std::bit_cast<uint32_t>(on[op][i]), std::bit_cast<uint32_t>(off[op][i]))
-          << names[op] << " element " << i << ": " << on[op][i] << " vs " << off[op][i];
+  for (const auto [prefetch, ahead] : {std::pair{1u, 0u}, {1u, 8192u}, {0u, 8192u}, {1u, 64u}}) {
+    const auto on = run(prefetch, ahead);
+    for (int op = 0; op < 3; ++op) {
+      ASSERT_EQ(on[op].size(), off[op].size());
+      for (size_t i = 0; i < on[op].size(); ++i)
+        ASSERT_EQ(std::bit_cast<uint32_t>(on[op][i]), std::bit_cast<uint32_t>(off[op][i]))
+            << names[op] << " element " << i << ": " << on[op][i] << " vs " << off[op][i]
+            << " (weight_prefetch " << prefetch << ", gemv_stream_prefetch " << ahead << ")";
+    }
   }
 }
 
