@@ -385,6 +385,20 @@ inline void panel_store(const float* sums, uint m0, uint m_end, uint n0, uint N,
   }
 }
 
+// The packed GEMM's local memory, declared at a kernel's scope (where OpenCL C allows local
+// variables): packed_panel (whole groups of 16 steps: AMX reads the last one whole) and, with
+// PANEL_ROWS, the rows' partial sums between chunks, which PACKED_PARTIAL names (0 without).
+#if PANEL_ROWS
+#define PACKED_LOCALS                                                                        \
+  local uint packed_panel[(PANEL_KP + 15) / 16 * 16 * PANEL_NC] __attribute__((aligned(64))); \
+  local float packed_partial[PANEL_ROWS * PANEL_NC] __attribute__((aligned(64)));
+#define PACKED_PARTIAL packed_partial
+#else
+#define PACKED_LOCALS \
+  local uint packed_panel[(PANEL_KP + 15) / 16 * 16 * PANEL_NC] __attribute__((aligned(64)));
+#define PACKED_PARTIAL 0
+#endif
+
 // One work-item's column tile of the packed GEMM over rows [m_begin, m_end) of xb (row stride
 // ldxb; the rounded bf16 rows, or with PANEL_XF32 the f32 ones): packs the tile's weight rows
 // (rows[c], FP8: with their block-scale rows srows[c]) PANEL_KP pair steps at a time into panel,

@@ -217,14 +217,7 @@ kernel void linear_bf16_packed(global const panel_x_t* xb, uint xb_off, uint ldx
                                global const float* s0, uint KB, global float* y, uint y_off,
                                uint ldy, uint M, uint N, uint K, float alpha, int accumulate,
                                uint m_rows) {
-  // (AMX reads whole groups of 16 steps: the panel holds the last one whole.)
-  local uint panel[(PANEL_KP + 15) / 16 * 16 * PANEL_NC] __attribute__((aligned(64)));
-#if PANEL_ROWS
-  local float partial[PANEL_ROWS * PANEL_NC] __attribute__((aligned(64)));
-#define PACKED_PARTIAL partial
-#else
-#define PACKED_PARTIAL 0
-#endif
+  PACKED_LOCALS
 #if GLU
   const uint tile_cols = PANEL_NC / 2;
 #else
@@ -270,7 +263,7 @@ kernel void linear_bf16_packed(global const panel_x_t* xb, uint xb_off, uint ldx
     next.line = 0;
   }
   packed_column_tile(xb + xb_off, ldxb, rows, srows, K, m_begin, m_end, n0, N,
-                     has_next ? &next : 0, panel, PACKED_PARTIAL, bias + b_off, has_bias,
+                     has_next ? &next : 0, packed_panel, PACKED_PARTIAL, bias + b_off, has_bias,
                      y + y_off, ldy, alpha, accumulate);
 }
 

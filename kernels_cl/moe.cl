@@ -688,14 +688,7 @@ kernel void moe_grouped_packed(global const panel_x_t* xb, uint ldxb, global con
                                global const uint* tile_count, global const uint* expert_offsets,
                                uint rows_per_tile, uint rows_from, global float* y, uint ldy,
                                uint N, uint K) {
-  // (AMX reads whole groups of 16 steps: the panel holds the last one whole.)
-  local uint panel[(PANEL_KP + 15) / 16 * 16 * PANEL_NC] __attribute__((aligned(64)));
-#if PANEL_ROWS
-  local float partial[PANEL_ROWS * PANEL_NC] __attribute__((aligned(64)));
-#define PACKED_PARTIAL partial
-#else
-#define PACKED_PARTIAL 0
-#endif
+  PACKED_LOCALS
   const uint tile = get_global_size(1) - 1 - get_global_id(1);
   if (tile >= *tile_count) return;
   const uint e = tiles[2 * tile], r_begin = tiles[2 * tile + 1], e_end = expert_offsets[e + 1];
@@ -744,7 +737,7 @@ kernel void moe_grouped_packed(global const panel_x_t* xb, uint ldxb, global con
     next.half_lines = n_half * K * sizeof(panel_w_t) / 64;
     next.line = 0;
   }
-  packed_column_tile(xb, ldxb, rows, srows, K, r_begin, r_end, n0, N, has_next ? &next : 0, panel,
-                     PACKED_PARTIAL, xb, 0, y + mat * N, ldy, 1.0f, 0);
+  packed_column_tile(xb, ldxb, rows, srows, K, r_begin, r_end, n0, N, has_next ? &next : 0,
+                     packed_panel, PACKED_PARTIAL, xb, 0, y + mat * N, ldy, 1.0f, 0);
 }
 #endif  // GROUPED_PACKED
