@@ -539,6 +539,40 @@ TEST(GemmBf16Variants, PackedAmxRunsWhereSelected) {
   }
 }
 
+// A packed GEMM output's bits do not depend on the tile around it: 2 vectors of 16 columns against
+// 3 (with GLU 2 against 4), with AMX where the device selects it and with the micro-kernels
+// elsewhere: linear and the GLU epilogue, 45 rows (a partial last row tile), K of one chunk and of
+// two (the partial sums between them).
+TEST(GemmBf16Packed, OutputBitsDoNotDependOnTheTile) {
+  Device& dev = test::default_device();
+  test::ShapeScope shape(dev, KernelShape::Chunks);
+  const uint32_t M = 45, N = 90;
+  for (const uint32_t K : {333u, 2101u}) {
+    const GluOperands ops_in = glu_operands(dev, M, N, K, 81);
+    for (const bool glu : {false, true}) {
+      SCOPED_TRACE("K=" + std::to_string(K) + (glu ? " glu" : ""));
+      std::vector<float> out[2];
+      for (const uint32_t nv : {2u, 3u}) {
+        KernelTuning t = dev.tuning();
+        t.gemm_bf16_packed_rows = 8;
+        t.gemm_bf16_packed_nv = glu && nv == 3 ? 4 : nv;
+        test::TuningScope scope(dev, t);
+        ASSERT_TRUE(packed(dev, M));
+        cl::Mem y = dev.alloc(size_t(M) * N * 4);
+        if (glu)
+          ops::linear_swiglu(dev, ops_in.x, 0, K, nullptr, 0.0f, ops_in.w, ops_in.u, y, 0, N, M,
+                             ComputeDType::BF16);
+        else
+          ops::linear(dev, ops_in.x, 0, K, ops_in.w, nullptr, y, 0, N, M, 1.0f, false,
+                      ComputeDType::BF16);
+        out[nv - 2] = download(dev, y, size_t(M) * N);
+      }
+      for (size_t i = 0; i < out[0].size(); ++i)
+        ASSERT_EQ(std::memcmp(&out[0][i], &out[1][i], 4), 0) << i;
+    }
+  }
+}
+
 // The packed GEMM takes bf16 weights from gemm_bf16_packed_rows rows and not below, sums each row
 // alone (the first 130 rows of a 200-row product are a 130-row product's, bit for bit), and rounds
 // in its own order: some of its outputs differ from the tiles' (where a row takes which GEMM, it

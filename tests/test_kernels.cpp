@@ -210,7 +210,7 @@ TEST_P(LinearPrefetch, PrefetchesChangeNoBit) {
   };
   const auto off = run(0, 0);
   const char* names[3] = {"linear", "q/k/v", "gate/up"};
-  for (const auto [prefetch, ahead] : {std::pair{1u, 0u}, {1u, 8192u}, {0u, 8192u}, {1u, 64u}}) {
+  for (const auto& [prefetch, ahead] : {std::pair{1u, 0u}, {1u, 8192u}, {0u, 8192u}, {1u, 64u}}) {
     const auto on = run(prefetch, ahead);
     for (int op = 0; op < 3; ++op) {
       ASSERT_EQ(on[op].size(), off[op].size());
