@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <random>
 #include <string>
 
@@ -400,6 +401,18 @@ TEST_P(GemmBf16, F32RowsOverBf16WeightsMatchDoubleReference) {
   EXPECT_GT(differ, size_t(M) * N / 10);
 }
 
+// The M x N outputs of the bf16-compute GEMM over x [M, K] under the device's present tuning:
+// linear with w, or with glu linear_swiglu with gate w and up u.
+std::vector<float> bf16_product(Device& dev, bool glu, const cl::Mem& x, const Weight& w,
+                                const Weight& u, uint32_t M, uint32_t N, uint32_t K) {
+  cl::Mem y = dev.alloc(size_t(M) * N * 4);
+  if (glu)
+    ops::linear_swiglu(dev, x, 0, K, nullptr, 0.0f, w, u, y, 0, N, M, ComputeDType::BF16);
+  else
+    ops::linear(dev, x, 0, K, w, nullptr, y, 0, N, M, 1.0f, false, ComputeDType::BF16);
+  return download(dev, y, size_t(M) * N);
+}
+
 // Case c's GEMM at bf16 compute over x (linear with w, or with glu linear_swiglu with gate w and up
 // u), run with the selected micro-kernel and with the portable one: the same bits. With
 // expect_packed, both runs must take the packed GEMM.
@@ -413,12 +426,7 @@ void expect_variants_agree(Device& dev, GemmCase c, bool glu, const cl::Mem& x, 
     if (expect_packed) {
       ASSERT_TRUE(packed(dev, M));
     }
-    cl::Mem y = dev.alloc(size_t(M) * N * 4);
-    if (glu)
-      ops::linear_swiglu(dev, x, 0, K, nullptr, 0.0f, w, u, y, 0, N, M, ComputeDType::BF16);
-    else
-      ops::linear(dev, x, 0, K, w, nullptr, y, 0, N, M, 1.0f, false, ComputeDType::BF16);
-    out[int(v)] = download(dev, y, size_t(M) * N);
+    out[int(v)] = bf16_product(dev, glu, x, w, u, M, N, K);
   }
   for (size_t i = 0; i < out[0].size(); ++i)
     ASSERT_EQ(std::memcmp(&out[0][i], &out[1][i], 4), 0) << i;
@@ -495,6 +503,19 @@ TEST(GemmBf16Variants, PackedDotProductAndPortableAgreeToTheBit) {
   }
 }
 
+// body(operands, K, glu) over K of one panel chunk and of two (333 and 2101, both odd) and over
+// linear and the GLU epilogue, with M x N operands from seed (glu_operands).
+void over_chunks_and_glu(Device& dev, uint32_t M, uint32_t N, uint32_t seed,
+                         const std::function<void(const GluOperands&, uint32_t, bool)>& body) {
+  for (const uint32_t K : {333u, 2101u}) {
+    const GluOperands ops_in = glu_operands(dev, M, N, K, seed);
+    for (const bool glu : {false, true}) {
+      SCOPED_TRACE("K=" + std::to_string(K) + (glu ? " glu" : ""));
+      body(ops_in, K, glu);
+    }
+  }
+}
+
 // AMX's tdpbf16ps (bf16_packed.cl, where the host has it) does not round as the chain of the
 // other micro-kernels: against host emulations of 16 x 16 outputs over K = 320 it matched
 // vdpbf16ps's order in 86, the even-first order in 88 and each 32-element group summed exactly,
@@ -506,37 +527,26 @@ TEST(GemmBf16Variants, PackedAmxRunsWhereSelected) {
   Device& dev = test::default_device();
   test::ShapeScope shape(dev, KernelShape::Chunks);
   const uint32_t M = 133, N = 90;
-  for (const uint32_t K : {333u, 2101u}) {
-    const GluOperands ops_in = glu_operands(dev, M, N, K, 61);
-    const cl::Mem& xm = ops_in.x;
-    const Weight &w = ops_in.w, &u = ops_in.u;
-    for (const bool glu : {false, true}) {
-      SCOPED_TRACE("K=" + std::to_string(K) + (glu ? " glu" : ""));
-      std::vector<float> out[2];
-      bool selected = false;
-      for (const uint32_t amx : {0u, 1u}) {
-        KernelTuning t = dev.tuning();
-        t.gemm_bf16_amx = amx;
-        t.gemm_bf16_packed_rows = 128;
-        test::TuningScope scope(dev, t);
-        if (amx) selected = ops::bf16_amx(dev);
-        cl::Mem y = dev.alloc(size_t(M) * N * 4);
-        if (glu)
-          ops::linear_swiglu(dev, xm, 0, K, nullptr, 0.0f, w, u, y, 0, N, M, ComputeDType::BF16);
-        else
-          ops::linear(dev, xm, 0, K, w, nullptr, y, 0, N, M, 1.0f, false, ComputeDType::BF16);
-        out[amx] = download(dev, y, size_t(M) * N);
-      }
-      size_t differ = 0;
-      for (size_t i = 0; i < out[0].size(); ++i)
-        differ += std::memcmp(&out[0][i], &out[1][i], 4) != 0;
-      if (selected) {
-        EXPECT_GT(differ, out[0].size() / 10) << "AMX's tiles must have run";
-      } else {
-        EXPECT_EQ(differ, 0u);
-      }
+  over_chunks_and_glu(dev, M, N, 61, [&](const GluOperands& o, uint32_t K, bool glu) {
+    std::vector<float> out[2];
+    bool selected = false;
+    for (const uint32_t amx : {0u, 1u}) {
+      KernelTuning t = dev.tuning();
+      t.gemm_bf16_amx = amx;
+      t.gemm_bf16_packed_rows = 128;
+      test::TuningScope scope(dev, t);
+      if (amx) selected = ops::bf16_amx(dev);
+      out[amx] = bf16_product(dev, glu, o.x, o.w, o.u, M, N, K);
     }
-  }
+    size_t differ = 0;
+    for (size_t i = 0; i < out[0].size(); ++i)
+      differ += std::memcmp(&out[0][i], &out[1][i], 4) != 0;
+    if (selected) {
+      EXPECT_GT(differ, out[0].size() / 10) << "AMX's tiles must have run";
+    } else {
+      EXPECT_EQ(differ, 0u);
+    }
+  });
 }
 
 // A packed GEMM output's bits do not depend on the tile around it: 2 vectors of 16 columns against
@@ -547,30 +557,19 @@ TEST(GemmBf16Packed, OutputBitsDoNotDependOnTheTile) {
   Device& dev = test::default_device();
   test::ShapeScope shape(dev, KernelShape::Chunks);
   const uint32_t M = 45, N = 90;
-  for (const uint32_t K : {333u, 2101u}) {
-    const GluOperands ops_in = glu_operands(dev, M, N, K, 81);
-    for (const bool glu : {false, true}) {
-      SCOPED_TRACE("K=" + std::to_string(K) + (glu ? " glu" : ""));
-      std::vector<float> out[2];
-      for (const uint32_t nv : {2u, 3u}) {
-        KernelTuning t = dev.tuning();
-        t.gemm_bf16_packed_rows = 8;
-        t.gemm_bf16_packed_nv = glu && nv == 3 ? 4 : nv;
-        test::TuningScope scope(dev, t);
-        ASSERT_TRUE(packed(dev, M));
-        cl::Mem y = dev.alloc(size_t(M) * N * 4);
-        if (glu)
-          ops::linear_swiglu(dev, ops_in.x, 0, K, nullptr, 0.0f, ops_in.w, ops_in.u, y, 0, N, M,
-                             ComputeDType::BF16);
-        else
-          ops::linear(dev, ops_in.x, 0, K, ops_in.w, nullptr, y, 0, N, M, 1.0f, false,
-                      ComputeDType::BF16);
-        out[nv - 2] = download(dev, y, size_t(M) * N);
-      }
-      for (size_t i = 0; i < out[0].size(); ++i)
-        ASSERT_EQ(std::memcmp(&out[0][i], &out[1][i], 4), 0) << i;
+  over_chunks_and_glu(dev, M, N, 81, [&](const GluOperands& o, uint32_t K, bool glu) {
+    std::vector<float> out[2];
+    for (const uint32_t nv : {2u, 3u}) {
+      KernelTuning t = dev.tuning();
+      t.gemm_bf16_packed_rows = 8;
+      t.gemm_bf16_packed_nv = glu && nv == 3 ? 4 : nv;
+      test::TuningScope scope(dev, t);
+      ASSERT_TRUE(packed(dev, M));
+      out[nv - 2] = bf16_product(dev, glu, o.x, o.w, o.u, M, N, K);
     }
-  }
+    for (size_t i = 0; i < out[0].size(); ++i)
+      ASSERT_EQ(std::memcmp(&out[0][i], &out[1][i], 4), 0) << i;
+  });
 }
 
 // The packed GEMM takes bf16 weights from gemm_bf16_packed_rows rows and not below, sums each row
