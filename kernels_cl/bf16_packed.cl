@@ -176,14 +176,8 @@ inline uint panel_prefetches(const PanelPrefetch* pf, uint steps) {
 // on the other rows of its tile (test_gemm_bf16). It reads whole groups of 16 steps: the panel is packed to a multiple of 16 steps
 // with zero words past K, and the rounded x rows hold zeros from K to the next multiple of 32
 // elements (round_bf16), so a group past the last step adds products of zero, and an odd K's
-// last pair needs no mask. The host grants the process the tile state first (ops.cpp: Linux
-// faults a thread's first tile instruction without arch_prctl's permission).
-typedef struct {
-  uchar palette, start_row;
-  uchar reserved[14];
-  ushort colsb[16];
-  uchar rows[16];
-} AmxTileConfig;
+// last pair needs no mask (amx.cl: the tile configuration).
+#include "amx.cl"
 
 #if PANEL_NV == 1
 #define AMX_EACH_C(OP) OP(0)
@@ -206,8 +200,7 @@ __attribute__((target("amx-tile,amx-bf16"))) __attribute__((noinline))
 void panel_tile_sums_amx(ulong x, ulong ldx, uint rows, ulong panel, uint steps, int from_zero,
                          float* sums, const PanelPrefetch* pf) {
   AmxTileConfig cfg;
-  for (int i = 0; i < 64; ++i) ((uchar*)&cfg)[i] = 0;
-  cfg.palette = 1;
+  amx_config_clear(&cfg);
   for (int t = 0; t < PANEL_NV; ++t) {
     cfg.colsb[t] = 64;
     cfg.rows[t] = rows;

@@ -49,18 +49,17 @@ void build(cl_program p, cl_device_id d, const std::string& options, const std::
 
 }  // namespace
 
-std::string kernel_source(const std::string& file) {
-  const auto& all = embedded_kernels();
-  auto common = all.find("common.cl");
-  auto it = all.find(file);
-  if (it == all.end()) throw std::runtime_error("no embedded kernel file kernels_cl/" + file);
-  std::string src;
-  if (common != all.end() && file != "common.cl") src.append(common->second);
+namespace {
+
+// Appends kernels_cl/`file` (text) to src, each line `#include "name.cl"` replaced by that
+// embedded file, expanded the same way (its own includes too, at most kMaxIncludeDepth deep: a
+// file that includes itself stops there with its chain), so that files share helpers without
+// either program compiling the other's kernels. An included file guards itself against a second
+// inclusion (#ifndef), as a C header does.
+constexpr int kMaxIncludeDepth = 4;
+void append_expanded(const std::map<std::string, std::string_view>& all, const std::string& file,
+                     std::string_view text, const std::string& chain, int depth, std::string& src) {
   src.append("\n#line 1 \"" + file + "\"\n");
-  // A line `#include "name.cl"` is replaced by that embedded file (one level: the included file's
-  // own #include lines are not followed), so two files can share helpers without either program
-  // compiling the other's kernels.
-  std::string_view text = it->second;
   size_t line_no = 1;
   while (!text.empty()) {
     const size_t eol = text.find('\n');
@@ -69,19 +68,35 @@ std::string kernel_source(const std::string& file) {
     constexpr std::string_view kInclude = "#include \"";
     if (line.starts_with(kInclude)) {
       const size_t close = line.find('"', kInclude.size());
+      const std::string where = "kernels_cl/" + file + ":" + std::to_string(line_no);
       const std::string name(line.substr(kInclude.size(), close - kInclude.size()));
       auto inc = all.find(name);
       if (close == std::string_view::npos || inc == all.end())
-        throw std::runtime_error("kernels_cl/" + file + ":" + std::to_string(line_no) +
-                                 ": no embedded kernel file kernels_cl/" + name + " to include");
-      src.append("#line 1 \"" + name + "\"\n");
-      src.append(inc->second);
+        throw std::runtime_error(where + ": no embedded kernel file kernels_cl/" + name +
+                                 " to include");
+      if (depth + 1 > kMaxIncludeDepth)
+        throw std::runtime_error(where + ": includes nest deeper than " +
+                                 std::to_string(kMaxIncludeDepth) + " (" + chain + " -> " + name +
+                                 ")");
+      append_expanded(all, name, inc->second, chain + " -> " + name, depth + 1, src);
       src.append("\n#line " + std::to_string(line_no + 1) + " \"" + file + "\"\n");
     } else {
       src.append(line);
     }
     ++line_no;
   }
+}
+
+}  // namespace
+
+std::string kernel_source(const std::string& file) {
+  const auto& all = embedded_kernels();
+  auto common = all.find("common.cl");
+  auto it = all.find(file);
+  if (it == all.end()) throw std::runtime_error("no embedded kernel file kernels_cl/" + file);
+  std::string src;
+  if (common != all.end() && file != "common.cl") src.append(common->second);
+  append_expanded(all, file, it->second, file, 0, src);
   return src;
 }
 
