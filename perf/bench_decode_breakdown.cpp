@@ -8,13 +8,15 @@
 // Both sequences are timed: the unfused launches (12 per layer) and the fused ones the model runs;
 // and the fused ones without the CPU shape's next-tile weight prefetch
 // (KernelTuning::weight_prefetch).
-// --prefetch-ab N compares the fused sequence with the next-tile weight prefetch on and off,
-// stage by stage, each repetition timing both in turn (N repetitions, medians): the machine's
-// bandwidth moves too much between tables for a 10-20% difference.
+// --tuning-ab FIELD=VALUE compares the fused sequence under the device's tuning and with that
+// field changed (weight_prefetch=0: the next-tile weight prefetch off), stage by stage, each of
+// --ab-rounds repetitions timing both in turn (medians): the machine's bandwidth moves too much
+// between tables for a 10-20% difference.
 // --compute-dtype bf16 runs the fused sequence's GEMMs, and o_proj and down_proj in both, as
 // model.compute_dtype: bf16 does (batches of 4 rows and more: linear_bf16.cl).
 // Usage: bench_decode_breakdown [MODEL_DIR] [--batch B] [--reps N] [--fused-only] [--rounds R]
-//                               [--prefetch-ab N] [--compute-dtype f32|bf16]
+//                               [--tuning-ab FIELD=VALUE [--ab-rounds N]]
+//                               [--compute-dtype f32|bf16]
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -110,11 +112,10 @@ int main(int argc, char** argv) {
                  "(bf16: batches of 4 rows and more on bf16 activations, linear_bf16.cl)")
       ->check(CLI::IsMember({"f32", "bf16"}))
       ->capture_default_str();
-  int prefetch_ab = 0;
-  app.add_option("--prefetch-ab", prefetch_ab,
-                 "only compare the fused step with the weight prefetch on and off, interleaved "
-                 "over N repetitions");
+  TuningABOptions ab_opts;
+  add_tuning_ab_options(app, ab_opts);
   parse_args(app, argc, argv);
+  const std::optional<TuningAB> ab = ab_opts.parse();
   const ComputeDType cdt = compute_arg == "bf16" ? ComputeDType::BF16 : ComputeDType::F32;
   const std::filesystem::path dir = dir_arg;
   ensure_preset("llama3-1b", "bf16", dir);
@@ -239,12 +240,14 @@ int main(int argc, char** argv) {
     ops::linear_fused(dev, h, 0, H, &st.logit_rows, &w.final_norm, eps, {&w.lm_head}, logits, 0,
                       V, B, 1.0f, false, cdt);
   };
-  if (prefetch_ab > 0) {
-    // Per repetition: every stage (all layers) and the whole step, prefetch on then off or off
-    // then on (alternating), so both see the same moment of the machine.
+  if (ab) {
+    // Per repetition: every stage (all layers) and the whole step, the device's tuning (A) then
+    // the changed one (B) or B then A (alternating), so both see the same moment of the machine.
     const KernelTuning saved = dev.tuning();
+    KernelTuning changed = saved;
+    set_kernel_tuning_field(changed, ab->field, ab->value);
     const size_t S = fused.size();
-    std::vector<std::vector<double>> t[2];  // [off, on][stage S = head, S + 1 = whole step]
+    std::vector<std::vector<double>> t[2];  // [A, B][stage S = head, S + 1 = whole step]
     for (auto& v : t) v.assign(S + 2, {});
     auto time_once = [&](const std::function<void()>& f) {
       const auto t0 = std::chrono::steady_clock::now();
@@ -252,12 +255,10 @@ int main(int argc, char** argv) {
       dev.finish();
       return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     };
-    for (int r = 0; r < prefetch_ab + 1; ++r)
+    for (int r = 0; r < ab_opts.rounds + 1; ++r)
       for (int k = 0; k < 2; ++k) {
-        const int on = (r + k) % 2;
-        KernelTuning tu = saved;
-        tu.weight_prefetch = uint32_t(on);
-        dev.set_tuning(tu);
+        const int side_b = (r + k) % 2;
+        dev.set_tuning(side_b ? changed : saved);
         std::vector<double> row;
         for (const auto& st : fused)
           row.push_back(time_once([&] { for (size_t l = 0; l < L; ++l) st.run(l); }));
@@ -268,20 +269,22 @@ int main(int argc, char** argv) {
           fused_head();
         }));
         if (r == 0) continue;  // the first round builds the kernels
-        for (size_t s = 0; s < row.size(); ++s) t[on][s].push_back(row[s]);
+        for (size_t s = 0; s < row.size(); ++s) t[side_b][s].push_back(row[s]);
       }
     dev.set_tuning(saved);
     auto median = [](std::vector<double> v) {
       std::sort(v.begin(), v.end());
       return v[v.size() / 2];
     };
-    std::printf("\nnext-tile weight prefetch, on vs off, interleaved over %d repetitions "
-                "(medians, ms per step)\n  %-28s %10s %10s %8s\n",
-                prefetch_ab, "stage (x layers)", "on", "off", "off/on");
+    std::printf(
+        "\nthe device's tuning (A) against %s=%lu (B), in turn over %d repetitions "
+        "(medians, ms per step)\n  %-28s %10s %10s %8s\n",
+        ab->field.c_str(), (unsigned long)ab->value, ab_opts.rounds, "stage (x layers)", "A", "B",
+        "A/B");
     for (size_t s = 0; s < S + 2; ++s) {
       const std::string name = s < S ? fused[s].name : s == S ? "final norm + lm_head" : "whole step chained";
-      const double a = median(t[1][s]), b = median(t[0][s]);
-      std::printf("  %-28s %10.3f %10.3f %8.3f\n", name.c_str(), a * 1e3, b * 1e3, b / a);
+      const double a = median(t[0][s]), b = median(t[1][s]);
+      std::printf("  %-28s %10.3f %10.3f %8.3f\n", name.c_str(), a * 1e3, b * 1e3, a / b);
     }
     return 0;
   }
