@@ -31,7 +31,8 @@
 // xb[m, k] = bf16(x[row(m), k]) for M rows of K (row strides ldx, ldxb in elements), row(m) =
 // x_rows[m] when indirect (the tokens of the grouped experts' rows, in plan order), else m; with
 // -DOUT_F32=1 the rounded values are written back as f32 (xf), for devices that multiply them in
-// the f32 kernels. Launch: global (ceil(K / 64), M).
+// the f32 kernels, or with -DOUT_VNNI=1 as AMX's B operand (below; global (ceil(K / 64), 16)).
+// Launch: global (ceil(K / 64), M).
 kernel void round_bf16(global const float* x, uint x_off, uint ldx, global const uint* x_rows,
                        int indirect,
 #if OUT_F32
@@ -43,6 +44,16 @@ kernel void round_bf16(global const float* x, uint x_off, uint ldx, global const
   const uint m = get_global_id(1);
   const uint k0 = get_global_id(0) * 64;
   const uint k1 = min(k0 + 64, K);
+#if OUT_VNNI
+  // The rows as AMX's B operand (bf16_amx_stream.cl): element k of row m in word
+  // (k / 32) * 256 + (k / 2 % 16) * 16 + m, the low half for k even; rows m from M (the launch's
+  // 16th) and elements from K to the next 32 zero. ldxb is M here.
+  const uint M = ldxb, mr = min(m, M - 1);
+  global const float* xr = x + x_off + (size_t)(indirect ? x_rows[mr] : mr) * ldx;
+  for (uint k = k0; k < min(k0 + 64, (K + 31) / 32 * 32); ++k)
+    xb[((k / 32 * 256 + k / 2 % 16 * 16 + m) << 1) + (k & 1)] =
+        m < M && k < K ? f32_to_bf16_rne(xr[k]) : (ushort)0;
+#else
   global const float* xr = x + x_off + (size_t)(indirect ? x_rows[m] : m) * ldx;
   for (uint k = k0; k < k1; ++k) {
     const ushort b = f32_to_bf16_rne(xr[k]);
@@ -58,6 +69,7 @@ kernel void round_bf16(global const float* x, uint x_off, uint ldx, global const
   if (k1 == K)
     for (uint k = K; k < (K + 31) / 32 * 32; ++k) xb[(size_t)m * ldxb + k] = 0;
 #endif
+#endif  // OUT_VNNI
 }
 
 // wf[n, k] = the bf16 weight w[w_off + n * ldw + k] as f32, for rows of K (wf's row stride K):
@@ -195,6 +207,45 @@ kernel void linear_bf16(global const ushort* xb, uint ldxb,
 }
 
 #endif  // LINEAR_BF16
+
+#ifdef LINEAR_BF16_AMX_STREAM
+
+#include "bf16_amx_stream.cl"
+
+// linear_bf16's product for decode batches (M <= 16) over bf16 weights with AMX, the weights read
+// where they lie (bf16_amx_stream.cl): xp the rows packed by round_bf16 -DOUT_VNNI=1. A unit is
+// AMX_NA groups of 16 output columns side by side (fused_row's), or with GLU AMX_NA / 2 groups
+// of gate rows and the same columns' up rows; a work-item runs units_per_item units in turn.
+// Launch: global (work-items), local 1.
+kernel void linear_bf16_amx_stream(global const uint* xp, global const ushort* w0, uint w0_off,
+                                   uint ldw0, uint n1, global const ushort* w1, uint w1_off,
+                                   uint ldw1, uint n2, global const ushort* w2, uint w2_off,
+                                   uint ldw2, global const ushort* bias, uint b_off, int has_bias,
+                                   global float* y, uint y_off, uint ldy, uint M, uint N, uint K,
+                                   float alpha, int accumulate, uint units_per_item) {
+  w0 += w0_off;
+  w1 += w1_off;
+  w2 += w2_off;
+  const uint unit_cols = GLU ? 8 * AMX_NA : 16 * AMX_NA;
+  const uint units = (N + unit_cols - 1) / unit_cols;
+  const uint u0 = get_global_id(0) * units_per_item, u1 = min(units, u0 + units_per_item);
+  float sums[AMX_NA * 256] __attribute__((aligned(64)));
+  for (uint u = u0; u < u1; ++u) {
+    const uint n0 = u * unit_cols;
+    AmxSource src[AMX_NA];
+    // Without GLU the sources past N are left out; with it each gate source has its up source.
+    uint n_a = AMX_NA;
+    for (uint s = 0; s < AMX_NA; ++s)
+      src[s] = amx_source(s, n0, N, w0, ldw0, n1, w1, ldw1, n2, w2, ldw2);
+#if !GLU
+    n_a = min((uint)AMX_NA, (N - n0 + 15) / 16);
+#endif
+    amx_unit_sums(src, n_a, xp, K, sums);
+    amx_unit_store(sums, n0, N, M, bias + b_off, has_bias, y + y_off, ldy, alpha, accumulate);
+  }
+}
+
+#endif  // LINEAR_BF16_AMX_STREAM
 
 #ifdef LINEAR_BF16_PACKED
 

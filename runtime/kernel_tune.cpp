@@ -240,16 +240,38 @@ TuneWorkload::TuneWorkload(Device& dev, bool quick) : buffers_(std::make_unique<
       ws.push_back(&b.weights.emplace_back(bf16_weight(dev, {N, K}, 19 + c)));
     cl::Mem x = keep(random_buffer(dev, size_t(M) * K, 23)), y = keep(dev.alloc(size_t(M) * N * 4));
     ops_.push_back({"linear bf16 compute batch",
-                    "M=" + std::to_string(M) + " N=" + std::to_string(N) + " K=" +
-                        std::to_string(K) + " x" + std::to_string(copies),
+                    "M=" + std::to_string(M) + " N=" + std::to_string(N) +
+                        " K=" + std::to_string(K) + " x" + std::to_string(copies),
                     double(N) * K * 2 * copies,
+                    [&dev, x, y, ws, M, N, K] {
+                      // The tiles: AMX (where the host has it) would take these rows.
+                      const KernelTuning own = dev.tuning();
+                      KernelTuning tiled = own;
+                      tiled.gemm_bf16_amx = 0;
+                      dev.set_tuning(tiled);
+                      for (const Weight* w : ws)
+                        ops::linear(dev, x, 0, K, *w, nullptr, y, 0, N, M, 1.0f, false,
+                                    ComputeDType::BF16);
+                      dev.set_tuning(own);
+                    },
+                    {},
+                    {"gemm_bf16_batch_tm", "gemm_bf16_batch_tn"}});
+    // As the device runs them: with AMX the streaming GEMM (bf16_amx_stream.cl), and its gate/up
+    // GLU launch too, whose units pair gate and up rows.
+    ops_.push_back({"linear bf16 compute batch AMX",
+                    "M=" + std::to_string(M) + " N=" + std::to_string(N) +
+                        " K=" + std::to_string(K) + " x" + std::to_string(copies) + ", GLU",
+                    double(N) * K * 2 * (copies + copies / 2 * 2),
                     [&dev, x, y, ws, M, N, K] {
                       for (const Weight* w : ws)
                         ops::linear(dev, x, 0, K, *w, nullptr, y, 0, N, M, 1.0f, false,
                                     ComputeDType::BF16);
+                      for (size_t c = 0; c + 1 < ws.size(); c += 2)
+                        ops::linear_swiglu(dev, x, 0, K, nullptr, 0.0f, *ws[c], *ws[c + 1], y, 0, N,
+                                           M, ComputeDType::BF16);
                     },
                     {},
-                    {"gemm_bf16_batch_tm", "gemm_bf16_batch_tn"}});
+                    {"gemm_bf16_amx_stream_na"}});
   }
 
   // Prefill GEMMs in f32 (bf16 weight N x K) at M = 128 and 512 rows: in the GPU shape the
@@ -416,6 +438,7 @@ const std::vector<TuneField>& tunable_fields() {
       {"gemm_bf16_packed_rows", S::Chunks, {0, 128, 256}},
       {"gemm_bf16_packed_tm", S::Chunks, {4, 6, 8}},
       {"gemm_bf16_packed_nv", S::Chunks, {2, 3, 4}},
+      {"gemm_bf16_amx_stream_na", S::Chunks, {1, 2, 4}},
   };
   return f;
 }

@@ -172,6 +172,8 @@ const std::vector<std::pair<std::string, U32Field>>& u32_fields() {
       {"gemm_bf16_dot", &KernelTuning::gemm_bf16_dot},
       {"gemm_bf16_amx", &KernelTuning::gemm_bf16_amx},
       {"gemm_bf16_amx_rows", &KernelTuning::gemm_bf16_amx_rows},
+      {"gemm_bf16_amx_stream_rows", &KernelTuning::gemm_bf16_amx_stream_rows},
+      {"gemm_bf16_amx_stream_na", &KernelTuning::gemm_bf16_amx_stream_na},
       {"gemm_bf16_packed_rows", &KernelTuning::gemm_bf16_packed_rows},
       {"gemm_bf16_packed_tm", &KernelTuning::gemm_bf16_packed_tm},
       {"gemm_bf16_packed_nv", &KernelTuning::gemm_bf16_packed_nv},
@@ -222,7 +224,8 @@ void apply_file(const DeviceInfo& info, KernelTuning& t) {
         throw std::runtime_error(where + ".tuning." + field + ": expected one of the fields (" +
                                  names +
                                  ") with a positive integer (blas_gemm_rows, "
-                                 "gemm_bf16_packed_rows: 0 for never; weight_prefetch, "
+                                 "gemm_bf16_packed_rows, gemm_bf16_amx_stream_rows: 0 for "
+                                 "never; weight_prefetch, "
                                  "stream_prefetch, gemv_stream_prefetch, gemm_bf16_dot, "
                                  "gemm_bf16_amx: 0 for off), "
                                  "got " +
@@ -249,8 +252,9 @@ KernelTuning lookup_kernel_tuning(const DeviceInfo& info) {
 
 bool kernel_tuning_zero_allowed(const std::string& field) {
   return field == "blas_gemm_rows" || field == "gemm_bf16_packed_rows" ||
-         field == "weight_prefetch" || field == "stream_prefetch" ||
-         field == "gemv_stream_prefetch" || field == "gemm_bf16_dot" || field == "gemm_bf16_amx";
+         field == "gemm_bf16_amx_stream_rows" || field == "weight_prefetch" ||
+         field == "stream_prefetch" || field == "gemv_stream_prefetch" ||
+         field == "gemm_bf16_dot" || field == "gemm_bf16_amx";
 }
 
 const std::vector<std::string>& kernel_tuning_fields() {

@@ -194,13 +194,68 @@ bool packed_f32_rows(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx
                             accumulate);
 }
 
+// Whether a bf16-compute GEMM of M rows over `ws` takes linear_bf16_amx_stream
+// (bf16_amx_stream.cl): AMX, bf16 weights (and bias), at most gemm_bf16_amx_stream_rows rows.
+bool amx_stream_gemm(const Device& dev, const std::vector<const Weight*>& ws, const Weight* bias,
+                     const Weight* fp8_scale, uint32_t M) {
+  if (fp8_scale || M > bf16_amx_stream_rows(dev) || (bias && bias->dtype != DType::BF16))
+    return false;
+  for (const Weight* w : ws)
+    if (w->dtype != DType::BF16) return false;
+  return true;
+}
+
+// linear_bf16_amx_stream over x's M rows (amx_stream_gemm): the rows packed as AMX's B operand
+// (round_bf16's OUT_VNNI), then units of gemm_bf16_amx_stream_na groups of 16 weight rows split
+// over stream_launch_items work-items, as the streaming GEMVs are.
+void gemm_bf16_amx_stream(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx,
+                          const std::vector<const Weight*>& ws, bool glu, const Weight* bias,
+                          const cl::Mem& y, uint32_t y_off, uint32_t ldy, uint32_t M, float alpha,
+                          bool accumulate) {
+  const uint32_t K = uint32_t(ws[0]->dim(1));
+  const uint32_t groups = (K + 31) / 32;
+  Scratch xp(dev, size_t(groups) * 1024);
+  {
+    cl::Kernel k = dev.kernel("linear_bf16.cl", "round_bf16", "-DOUT_VNNI=1");
+    cl::set_args(k, x, x_off, ldx, x, 0, xp.mem(), M, K);
+    dev.launch(k, {(K + 63) / 64, 16, 1}, 2);
+  }
+  const WeightColumns wc = weight_columns(ws, glu, false);
+  uint32_t na = dev.tuning().gemm_bf16_amx_stream_na >= 4   ? 4
+                : dev.tuning().gemm_bf16_amx_stream_na >= 2 ? 2
+                                                            : 1;
+  const bool in_turn = na == 1;
+  if (glu) na = std::max(na, 2u);
+  const uint32_t unit_cols = glu ? 8 * na : 16 * na;
+  const uint32_t units = (wc.N + unit_cols - 1) / unit_cols;
+  const uint32_t per_item = tiles_per_item(units, stream_launch_items(dev));
+  const std::string opts =
+      "-DLINEAR_BF16_AMX_STREAM=1 -DWEIGHT_TYPE=1 -DAMX_NA=" + std::to_string(na) +
+      " -DGLU=" + (glu ? "1" : "0") + " -DAMX_IN_TURN=" + (in_turn ? "1" : "0");
+  cl::Kernel k = dev.kernel("linear_bf16.cl", "linear_bf16_amx_stream", opts);
+  const Weight& w0 = *ws[0];
+  const Weight& w1 = *ws[std::min<size_t>(1, ws.size() - 1)];
+  const Weight& w2 = *ws[std::min<size_t>(2, ws.size() - 1)];
+  const int has_bias = bias != nullptr;
+  cl::set_args(k, xp.mem(), w0.mem, uint32_t(w0.offset), uint32_t(w0.row_stride()), wc.n1, w1.mem,
+               uint32_t(w1.offset), uint32_t(w1.row_stride()), wc.n2, w2.mem, uint32_t(w2.offset),
+               uint32_t(w2.row_stride()), has_bias ? bias->mem : w0.mem,
+               uint32_t(has_bias ? bias->offset : 0), has_bias, y, y_off, ldy, M, wc.N, K, alpha,
+               int(accumulate), per_item);
+  dev.launch(k, {(units + per_item - 1) / per_item, 1, 1}, 2);
+}
+
 // y[M, :N] (+)= alpha * (bf16(x) [ws...]^T (+ bias)) on the CPU shape (linear_bf16.cl): the rows
 // rounded once into a scratch of 32-aligned rows, then the tiled GEMM, or from
-// gemm_bf16_packed_rows rows the packed one. With glu, ws = {gate, up} and y gets silu(gate) * up.
+// gemm_bf16_packed_rows rows the packed one; batches with AMX stream their weights
+// (amx_stream_gemm). With glu, ws = {gate, up} and y gets silu(gate) * up.
 void gemm_bf16(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx,
                const std::vector<const Weight*>& ws, bool glu, const Weight* bias,
                const cl::Mem& y, uint32_t y_off, uint32_t ldy, uint32_t M, float alpha,
                bool accumulate, const Weight* fp8_scale = nullptr) {
+  if (amx_stream_gemm(dev, ws, bias, fp8_scale, M))
+    return gemm_bf16_amx_stream(dev, x, x_off, ldx, ws, glu, bias, y, y_off, ldy, M, alpha,
+                                accumulate);
   const uint32_t K = uint32_t(ws[0]->dim(1));
   const uint32_t ldxb = bf16_gemm_row_stride(K);
   Scratch xb(dev, size_t(M) * ldxb * 2);
@@ -317,6 +372,10 @@ uint32_t bf16_packed_rows_from(const Device& dev) {
   const KernelTuning& t = dev.tuning();
   if (t.gemm_bf16_packed_rows == 0 || !bf16_amx(dev)) return t.gemm_bf16_packed_rows;
   return std::max(1u, std::min(t.gemm_bf16_packed_rows, t.gemm_bf16_amx_rows));
+}
+
+uint32_t bf16_amx_stream_rows(const Device& dev) {
+  return bf16_amx(dev) ? std::min(dev.tuning().gemm_bf16_amx_stream_rows, 16u) : 0;
 }
 
 namespace {

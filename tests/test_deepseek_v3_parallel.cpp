@@ -138,12 +138,14 @@ INSTANTIATE_TEST_SUITE_P(
 // the logits agree as the f32 ones do and the greedy tokens are equal. On a host with AMX the
 // packed GEMM takes bf16 compute from gemm_bf16_amx_rows rows (8), one more boundary, which these
 // sequences do not keep (max |diff| 0.0049 there, 0.0242 with it at 64; AMX's rows are their own
-// bits at any M, GemmBf16Packed), so the test holds it at gemm_bf16_packed_rows (128) on every
-// device: AMX then runs no GEMM here, as before the lower threshold.
+// bits at any M, GemmBf16Packed), so the test holds it at gemm_bf16_packed_rows (128) and turns
+// the streaming AMX GEMM of decode batches off (gemm_bf16_amx_stream_rows 0) on every device:
+// AMX then runs no GEMM here, as before the lower threshold.
 TEST(DeepseekV3DataExpertParallelBf16, TwoSubDevicesGiveSingleDeviceLogits) {
   auto amx_at_packed_rows = [](const Device& d) {
     KernelTuning t = d.tuning();
     t.gemm_bf16_amx_rows = t.gemm_bf16_packed_rows;
+    t.gemm_bf16_amx_stream_rows = 0;
     return t;
   };
   test::TuningScope held(test::default_device(), amx_at_packed_rows(test::default_device()));

@@ -618,7 +618,8 @@ TEST(GemmBf16Packed, TakesItsRowsAndSumsEachRowAlone) {
 // Where the device selects AMX, the packed GEMM takes bf16 compute from gemm_bf16_amx_rows rows
 // when that is fewer than gemm_bf16_packed_rows (0 there: never): 9 rows with the threshold at 8
 // are AMX's bits (a tenth of the outputs or more differ from the tiles'), with it at 10 and with
-// the packed GEMM off the tiles' bits. Where it does not, all three are the tiles'.
+// the packed GEMM off the tiles' bits. Where it does not, all three are the tiles'. (The streaming
+// GEMM, which would take the 9 rows first, is off: AmxStreamGetsThePackedGemmsBits.)
 TEST(GemmBf16Packed, AmxTakesThePackedGemmFromItsRows) {
   Device& dev = test::default_device();
   test::ShapeScope shape(dev, KernelShape::Chunks);
@@ -631,6 +632,7 @@ TEST(GemmBf16Packed, AmxTakesThePackedGemmFromItsRows) {
     KernelTuning t = dev.tuning();
     t.gemm_bf16_packed_rows = packed_rows;
     t.gemm_bf16_amx_rows = amx_rows;
+    t.gemm_bf16_amx_stream_rows = 0;
     test::TuningScope scope(dev, t);
     amx = ops::bf16_amx(dev);
     EXPECT_EQ(ops::bf16_packed_rows_from(dev), packed_rows == 0 ? 0u
@@ -650,6 +652,84 @@ TEST(GemmBf16Packed, AmxTakesThePackedGemmFromItsRows) {
     EXPECT_GT(differ, off.size() / 10) << "AMX's tiles must have run at 9 rows";
   } else {
     EXPECT_EQ(differ, 0u);
+  }
+}
+
+// Decode batches with AMX (up to gemm_bf16_amx_stream_rows rows) read the bf16 weights where they
+// lie as AMX's A operand (bf16_amx_stream.cl): each output gets the bits of the packed GEMM's AMX
+// tiles over the same rows, whose operands it exchanges (tdpbf16ps adds a group's products in the
+// same order either way round on the Xeon with AMX here), with 1, 2 and 4 groups of 16 weight
+// rows per unit. Over 4, 9 and 16 rows: linear with a bias, alpha and accumulation into a strided
+// y, q/k/v side by side whose second and third weights start off a 16-row group (the staged
+// sources), and the GLU epilogue; N = 90 (a partial last unit, staged) and K = 333 (odd: the last
+// group staged, zero past K) and 2048 (whole groups only; the packed GEMM in two chunks there).
+// That the streaming GEMM ran: the packed GEMM off, its bits still AMX's (a tenth or more of the
+// outputs differ from the tiles'). Where the device does not select AMX it never runs: the tiles'
+// bits with it on and off.
+TEST(GemmBf16Packed, AmxStreamGetsThePackedGemmsBits) {
+  Device& dev = test::default_device();
+  test::ShapeScope shape(dev, KernelShape::Chunks);
+  const uint32_t N = 90, ldy = N + 3;
+  const uint32_t Ns[3] = {37, 19, 34};  // q/k/v: k starts at 37, v at 56
+  for (const uint32_t K : {333u, 2048u}) {
+    std::vector<float> x = random_vec(size_t(16) * K, 91, 4.0f), wv = random_vec(size_t(N) * K, 92),
+                       uv = random_vec(size_t(N) * K, 93), bv = random_vec(N, 94),
+                       y0 = random_vec(size_t(16) * ldy, 95);
+    Weight w = bf16_weight(dev, wv, {N, K}, "w"), u = bf16_weight(dev, uv, {N, K}, "u"),
+           b = bf16_weight(dev, bv, {N}, "b");
+    std::vector<Weight> qkv;
+    for (int i = 0; i < 3; ++i) {
+      std::vector<float> v = random_vec(size_t(Ns[i]) * K, 96 + i);
+      qkv.push_back(bf16_weight(dev, v, {Ns[i], K}, "qkv" + std::to_string(i)));
+    }
+    cl::Mem xm = test::upload_bytes(dev, x.data(), x.size() * 4);
+    for (const uint32_t M : {4u, 9u, 16u}) {
+      // 0: linear (bias, alpha 0.5, accumulating), 1: q/k/v, 2: GLU; each [M, ldy].
+      auto run = [&](uint32_t stream_rows, uint32_t packed_rows, uint32_t na) {
+        KernelTuning t = dev.tuning();
+        t.gemm_bf16_amx_stream_rows = stream_rows;
+        t.gemm_bf16_amx_stream_na = na;
+        t.gemm_bf16_packed_rows = packed_rows;
+        t.gemm_bf16_amx_rows = 1;
+        test::TuningScope scope(dev, t);
+        std::vector<std::vector<float>> out;
+        for (int op = 0; op < 3; ++op) {
+          cl::Mem y = test::upload_bytes(dev, y0.data(), size_t(M) * ldy * 4);
+          if (op == 0)
+            ops::linear(dev, xm, 0, K, w, &b, y, 0, ldy, M, 0.5f, true, ComputeDType::BF16);
+          else if (op == 1)
+            ops::linear_fused(dev, xm, 0, K, nullptr, nullptr, 0.0f, {&qkv[0], &qkv[1], &qkv[2]}, y,
+                              0, ldy, M, 1.0f, false, ComputeDType::BF16);
+          else
+            ops::linear_swiglu(dev, xm, 0, K, nullptr, 0.0f, w, u, y, 0, ldy, M,
+                               ComputeDType::BF16);
+          out.push_back(download(dev, y, size_t(M) * ldy));
+        }
+        return out;
+      };
+      const bool amx = ops::bf16_amx(dev);
+      {
+        KernelTuning t = dev.tuning();
+        t.gemm_bf16_amx_stream_rows = 16;
+        test::TuningScope scope(dev, t);
+        EXPECT_EQ(ops::bf16_amx_stream_rows(dev), amx ? 16u : 0u);
+      }
+      const auto packed_amx = run(0, 128, 2), tiles = run(0, 0, 2);
+      for (const uint32_t na : {1u, 2u, 4u}) {
+        const auto streamed = run(16, 0, na);
+        for (int op = 0; op < 3; ++op) {
+          SCOPED_TRACE("K=" + std::to_string(K) + " M=" + std::to_string(M) +
+                       " na=" + std::to_string(na) + " op " + std::to_string(op));
+          size_t differ = 0;
+          for (size_t i = 0; i < streamed[op].size(); ++i) {
+            ASSERT_EQ(std::memcmp(&streamed[op][i], &(amx ? packed_amx : tiles)[op][i], 4), 0)
+                << "row " << i / ldy << " column " << i % ldy;
+            differ += std::memcmp(&streamed[op][i], &tiles[op][i], 4) != 0;
+          }
+          if (amx) EXPECT_GT(differ, streamed[op].size() / 10) << "AMX must have run";
+        }
+      }
+    }
   }
 }
 
