@@ -15,6 +15,7 @@
 #include "runtime/engine/deployment.h"
 #include "runtime/engine/generation.h"
 #include "runtime/kernel_tuning.h"
+#include "runtime/program_cache.h"
 #include "tests/reference_cases.h"
 #include "tests/test_util.h"
 
@@ -104,6 +105,22 @@ struct EnvScope {
 // The tuning file in the kernel cache directory: an entry for a device replaces the built-in
 // row's fields it names, for that device only; saving twice keeps one entry; bad entries are
 // errors naming the file, the entry and the field.
+// A kernel file's #include lines are replaced by the embedded files, theirs too: linear_bf16.cl
+// includes bf16_packed.cl and bf16_amx_stream.cl, which both include amx.cl (its guard keeps one
+// definition per program). The program text keeps no #include line, and each file is named by a
+// #line directive where its text begins.
+TEST(KernelSource, IncludesNestAndLeaveNoIncludeLine) {
+  const std::string src = kernel_source("linear_bf16.cl");
+  EXPECT_EQ(src.find("\n#include \""), std::string::npos);
+  for (const char* file : {"bf16_tile.cl", "bf16_packed.cl", "bf16_amx_stream.cl", "amx.cl"})
+    EXPECT_NE(src.find(std::string("#line 1 \"") + file + "\""), std::string::npos) << file;
+  const size_t first = src.find("} AmxTileConfig;");
+  ASSERT_NE(first, std::string::npos);
+  EXPECT_NE(src.find("} AmxTileConfig;", first + 1), std::string::npos)
+      << "amx.cl's text is in both includes; its #ifndef guard keeps one definition";
+  EXPECT_THROW(kernel_source("no_such_file.cl"), std::runtime_error);
+}
+
 TEST(KernelTuningFile, AnEntryOverridesTheBuiltInRowForItsDeviceOnly) {
   const auto dir = test::temp_dir("kernel_tuning_file");
   EnvScope env("CLSHARD_KERNEL_CACHE", dir.string());
