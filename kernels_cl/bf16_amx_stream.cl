@@ -1,4 +1,4 @@
-// The bf16-compute GEMM of decode batches (model.compute_dtype: bf16, at most 16 rows) over bf16
+// The bf16-compute GEMM of decode batches (model.compute_dtype: bf16, at most 32 rows) over bf16
 // weights with Intel AMX, the weights read where they lie: linear_bf16.cl's linear_bf16_amx_stream.
 //
 // Why: at a decode batch the GEMM is bound by reading the weights once. The packed GEMM
@@ -7,7 +7,8 @@
 // the product is taken the other way round, y^T = W x^T: 16 weight rows of 32 elements, one row
 // stride apart, are AMX's A operand exactly as they lie in memory (tileloadd reads them there),
 // and the batch's rows are the B operand, packed once per GEMM by round_bf16 (-DOUT_VNNI=1) into
-// groups of 16 pair steps x 16 columns (pair words, columns past M zero). Each weight is read once
+// groups of 16 pair steps x 16 columns (pair words, columns past M zero; AMX_NB such blocks per
+// group, batch rows 0-15 and 16-31). Each weight is read once
 // by one tile load, with no copy and no transpose.
 //
 // Sums: C[n][m] of 16 weight rows x 16 batch rows per tile register. A unit of work is AMX_NA
@@ -20,7 +21,8 @@
 // not a multiple of 32, are staged: copied into a private block of 16 x 32 elements, zero past the
 // rows and past K, and loaded from there, so no load reads past a weight row it owns.
 //
-// Build options: -DAMX_NA (sources per unit: 1, 2 or 4; with GLU even), -DAMX_IN_TURN=1 (a
+// Build options: -DAMX_NB (tiles of 16 batch rows: 1 or 2, so M up to 32), -DAMX_NA (sources per
+// unit: 1, 2 or 4; with GLU even), -DAMX_IN_TURN=1 (a
 // unit's sources one after another, each against its own loads of B: 16 weight rows streaming at
 // a time instead of 16 AMX_NA), -DGLU=0|1, -DWEIGHT_TYPE=1 (common.cl's fused_row over bf16 rows).
 
@@ -32,17 +34,27 @@
 #ifndef AMX_NA
 #define AMX_NA 2
 #endif
+#ifndef AMX_NB
+#define AMX_NB 1
+#endif
 #if AMX_NA != 1 && AMX_NA != 2 && AMX_NA != 4
 #error "AMX_NA: 1, 2 or 4 sources per unit"
+#endif
+#if AMX_NB != 1 && AMX_NB != 2
+#error "AMX_NB: 1 or 2 tiles of 16 batch rows"
+#endif
+#if AMX_NA * AMX_NB > 4 && !AMX_IN_TURN
+#error "at most 4 C tiles: AMX_NA sources x AMX_NB batch tiles read together"
 #endif
 #if GLU && AMX_NA == 1
 #error "GLU units take a gate and an up source (AMX_NA 2 or 4)"
 #endif
 
-// C[s] += A[s] B over `groups` groups of 16 pair steps for the sources s < n_a (tile registers:
-// C 0-3, A 4 and 5 in turn, B 6): a[s] the address of source s's first element of its first row,
-// lda[s] its row stride in bytes, xp the packed rows' first group (1 KB a group). sums: n_a
-// tiles of 16 x 16 floats, read as the starting sums unless from_zero, written at the end.
+// C[s][b] += A[s] B[b] over `groups` groups of 16 pair steps for the sources s < n_a and the
+// AMX_NB tiles of batch rows b (tile registers: C s * AMX_NB + b of 0-3, A 4 and 5 in turn, B 6
+// and 7): a[s] the address of source s's first element of its first row, lda[s] its row stride in
+// bytes, xp the packed rows' first group (AMX_NB KB a group). sums: the n_a x AMX_NB tiles of 16
+// x 16 floats in that order, read as the starting sums unless from_zero, written at the end.
 // (A software prefetch of each row 1 or 4 groups ahead was no faster: llama3-1b's batch-8 step
 // 1.00-1.13x without, in-process A/B.)
 __attribute__((target("amx-tile,amx-bf16"))) __attribute__((noinline))
@@ -50,17 +62,18 @@ void amx_stream_sums(const ulong* a, const ulong* lda, uint n_a, ulong xp, uint 
                      int from_zero, float* sums) {
   AmxTileConfig cfg;
   amx_config_clear(&cfg);
-  for (int t = 0; t < 7; ++t) {
+  for (int t = 0; t < 8; ++t) {
     cfg.colsb[t] = 64;
     cfg.rows[t] = 16;
   }
   __builtin_ia32_tile_loadconfig(&cfg);
-#define AMX_STREAM_START(s)                                   \
-  if ((s) < n_a) {                                            \
-    if (from_zero)                                            \
-      __builtin_ia32_tilezero(s);                             \
-    else                                                      \
-      __builtin_ia32_tileloadd64(s, sums + 256 * (s), 64);    \
+  // C tile c belongs to source c / AMX_NB.
+#define AMX_STREAM_START(c)                                \
+  if ((c) < n_a * AMX_NB) {                                \
+    if (from_zero)                                         \
+      __builtin_ia32_tilezero(c);                          \
+    else                                                   \
+      __builtin_ia32_tileloadd64(c, sums + 256 * (c), 64); \
   }
   AMX_STREAM_START(0)
   AMX_STREAM_START(1)
@@ -68,20 +81,32 @@ void amx_stream_sums(const ulong* a, const ulong* lda, uint n_a, ulong xp, uint 
   AMX_STREAM_START(3)
 #undef AMX_STREAM_START
   for (uint g = 0; g < groups; ++g) {
-    __builtin_ia32_tileloadd64(6, (const void*)(xp + 1024ul * g), 64);
-#define AMX_STREAM_STEP(s)                                                                  \
-  if ((s) < n_a) {                                                                          \
-    __builtin_ia32_tileloadd64(4 + ((s) & 1), (const void*)(a[s] + 64ul * g), lda[s]);      \
-    __builtin_ia32_tdpbf16ps(s, 4 + ((s) & 1), 6);                                          \
+    __builtin_ia32_tileloadd64(6, (const void*)(xp + 1024ul * AMX_NB * g), 64);
+#if AMX_NB == 2
+    __builtin_ia32_tileloadd64(7, (const void*)(xp + 1024ul * (2 * g + 1)), 64);
+#define AMX_STREAM_STEP(s)                                                             \
+  if ((s) < n_a) {                                                                     \
+    __builtin_ia32_tileloadd64(4 + ((s) & 1), (const void*)(a[s] + 64ul * g), lda[s]); \
+    __builtin_ia32_tdpbf16ps(2 * (s), 4 + ((s) & 1), 6);                               \
+    __builtin_ia32_tdpbf16ps(2 * (s) + 1, 4 + ((s) & 1), 7);                           \
+  }
+    AMX_STREAM_STEP(0)
+    AMX_STREAM_STEP(1)
+#else
+#define AMX_STREAM_STEP(s)                                                             \
+  if ((s) < n_a) {                                                                     \
+    __builtin_ia32_tileloadd64(4 + ((s) & 1), (const void*)(a[s] + 64ul * g), lda[s]); \
+    __builtin_ia32_tdpbf16ps(s, 4 + ((s) & 1), 6);                                     \
   }
     AMX_STREAM_STEP(0)
     AMX_STREAM_STEP(1)
     AMX_STREAM_STEP(2)
     AMX_STREAM_STEP(3)
+#endif
 #undef AMX_STREAM_STEP
   }
-#define AMX_STREAM_STORE(s) \
-  if ((s) < n_a) __builtin_ia32_tilestored64(s, sums + 256 * (s), 64);
+#define AMX_STREAM_STORE(c) \
+  if ((c) < n_a * AMX_NB) __builtin_ia32_tilestored64(c, sums + 256 * (c), 64);
   AMX_STREAM_STORE(0)
   AMX_STREAM_STORE(1)
   AMX_STREAM_STORE(2)
@@ -148,7 +173,7 @@ inline void amx_unit_sums(const AmxSource* src, uint n_a, global const uint* xp,
     done = K / 32;
 #if AMX_IN_TURN
     for (uint s = 0; s < n_a; ++s)
-      amx_stream_sums(a + s, lda + s, 1, (ulong)xp, done, 1, sums + 256 * s);
+      amx_stream_sums(a + s, lda + s, 1, (ulong)xp, done, 1, sums + 256 * AMX_NB * s);
 #else
     amx_stream_sums(a, lda, n_a, (ulong)xp, done, 1, sums);
 #endif
@@ -161,7 +186,13 @@ inline void amx_unit_sums(const AmxSource* src, uint n_a, global const uint* xp,
       a[s] = (ulong)stage[s];
       lda[s] = 64;
     }
-    amx_stream_sums(a, lda, n_a, (ulong)(xp + 256 * g), 1, g == 0, sums);
+#if AMX_IN_TURN
+    for (uint s = 0; s < n_a; ++s)
+      amx_stream_sums(a + s, lda + s, 1, (ulong)(xp + 256 * AMX_NB * g), 1, g == 0,
+                      sums + 256 * AMX_NB * s);
+#else
+    amx_stream_sums(a, lda, n_a, (ulong)(xp + 256 * AMX_NB * g), 1, g == 0, sums);
+#endif
   }
 }
 
@@ -178,37 +209,41 @@ inline void amx_unit_store(const float* sums, uint n0, uint N, uint M, global co
   for (int j = 0; j < out_groups; ++j) {
     const uint n = n0 + 16 * j;
     if (n >= N) break;
-    // Row r of the tile is column n + r: transposed, t[m] holds row m's 16 columns.
-    uint16 t[16];
-    for (int r = 0; r < 16; ++r) {
+    for (uint b = 0; b < AMX_NB && 16 * b < M; ++b) {
+      // Row r of tile (j, b) is column n + r: transposed, t[i] holds batch row 16 b + i's 16
+      // columns.
+      const float* tile = sums + 256 * (AMX_NB * j + b);
+      uint16 t[16];
+      for (int r = 0; r < 16; ++r) {
 #if GLU
-      const float16 g = vload16(r, sums + 256 * j);
-      const float16 s = g / (1.0f + exp(-g)) * vload16(r, sums + 256 * (j + AMX_NA / 2));
+        const float16 g = vload16(r, tile);
+        const float16 s = g / (1.0f + exp(-g)) * vload16(r, tile + 256 * AMX_NB * (AMX_NA / 2));
 #else
-      const float16 s = vload16(r, sums + 256 * j);
+        const float16 s = vload16(r, tile);
 #endif
-      t[r] = as_uint16(s);
-    }
-    transpose16x16(t);
-    for (uint m = 0; m < M; ++m) {
-      global float* yr = y + (size_t)m * ldy + n;
-      float16 s = as_float16(t[m]);
-      if (n + 16 <= N) {
+        t[r] = as_uint16(s);
+      }
+      transpose16x16(t);
+      for (uint i = 0; i < 16 && 16 * b + i < M; ++i) {
+        global float* yr = y + (size_t)(16 * b + i) * ldy + n;
+        float16 s = as_float16(t[i]);
+        if (n + 16 <= N) {
 #if !GLU
-        if (has_bias) s += bf16x16_to_f32(vload16(0, bias + n));
+          if (has_bias) s += bf16x16_to_f32(vload16(0, bias + n));
 #endif
-        s *= alpha;
-        vstore16(accumulate ? vload16(0, yr) + s : s, 0, yr);
-      } else {
-        float o[16];
-        vstore16(s, 0, o);
-        for (uint l = 0; n + l < N; ++l) {
-          float e = o[l];
+          s *= alpha;
+          vstore16(accumulate ? vload16(0, yr) + s : s, 0, yr);
+        } else {
+          float o[16];
+          vstore16(s, 0, o);
+          for (uint l = 0; n + l < N; ++l) {
+            float e = o[l];
 #if !GLU
-          if (has_bias) e += bf16_to_f32(bias[n + l]);
+            if (has_bias) e += bf16_to_f32(bias[n + l]);
 #endif
-          e *= alpha;
-          yr[l] = accumulate ? yr[l] + e : e;
+            e *= alpha;
+            yr[l] = accumulate ? yr[l] + e : e;
+          }
         }
       }
     }

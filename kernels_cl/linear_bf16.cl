@@ -31,7 +31,8 @@
 // xb[m, k] = bf16(x[row(m), k]) for M rows of K (row strides ldx, ldxb in elements), row(m) =
 // x_rows[m] when indirect (the tokens of the grouped experts' rows, in plan order), else m; with
 // -DOUT_F32=1 the rounded values are written back as f32 (xf), for devices that multiply them in
-// the f32 kernels, or with -DOUT_VNNI=1 as AMX's B operand (below; global (ceil(K / 64), 16)).
+// the f32 kernels, or with -DOUT_VNNI=1 as AMX's B operand (below; global (ceil(K / 64), 16 or
+// 32)).
 // Launch: global (ceil(K / 64), M).
 kernel void round_bf16(global const float* x, uint x_off, uint ldx, global const uint* x_rows,
                        int indirect,
@@ -45,13 +46,14 @@ kernel void round_bf16(global const float* x, uint x_off, uint ldx, global const
   const uint k0 = get_global_id(0) * 64;
   const uint k1 = min(k0 + 64, K);
 #if OUT_VNNI
-  // The rows as AMX's B operand (bf16_amx_stream.cl): element k of row m in word
-  // (k / 32) * 256 + (k / 2 % 16) * 16 + m, the low half for k even; rows m from M (the launch's
-  // 16th) and elements from K to the next 32 zero. ldxb is M here.
-  const uint M = ldxb, mr = min(m, M - 1);
+  // The rows as AMX's B operand (bf16_amx_stream.cl), nb = ceil(M / 16) blocks of 16 rows per
+  // group of 32 elements: element k of row m in word ((k / 32) * nb + m / 16) * 256 +
+  // (k / 2 % 16) * 16 + m % 16, the low half for k even; rows m from M (to the launch's 16 nb)
+  // and elements from K to the next 32 zero. ldxb is M here.
+  const uint M = ldxb, mr = min(m, M - 1), nb = (M + 15) / 16;
   global const float* xr = x + x_off + (size_t)(indirect ? x_rows[mr] : mr) * ldx;
   for (uint k = k0; k < min(k0 + 64, (K + 31) / 32 * 32); ++k)
-    xb[((k / 32 * 256 + k / 2 % 16 * 16 + m) << 1) + (k & 1)] =
+    xb[((((k / 32) * nb + m / 16) * 256 + k / 2 % 16 * 16 + m % 16) << 1) + (k & 1)] =
         m < M && k < K ? f32_to_bf16_rne(xr[k]) : (ushort)0;
 #else
   global const float* xr = x + x_off + (size_t)(indirect ? x_rows[m] : m) * ldx;
@@ -212,7 +214,7 @@ kernel void linear_bf16(global const ushort* xb, uint ldxb,
 
 #include "bf16_amx_stream.cl"
 
-// linear_bf16's product for decode batches (M <= 16) over bf16 weights with AMX, the weights read
+// linear_bf16's product for decode batches (M <= 32) over bf16 weights with AMX, the weights read
 // where they lie (bf16_amx_stream.cl): xp the rows packed by round_bf16 -DOUT_VNNI=1. A unit is
 // AMX_NA groups of 16 output columns side by side (fused_row's), or with GLU AMX_NA / 2 groups
 // of gate rows and the same columns' up rows; a work-item runs units_per_item units in turn.
@@ -229,7 +231,7 @@ kernel void linear_bf16_amx_stream(global const uint* xp, global const ushort* w
   const uint unit_cols = GLU ? 8 * AMX_NA : 16 * AMX_NA;
   const uint units = (N + unit_cols - 1) / unit_cols;
   const uint u0 = get_global_id(0) * units_per_item, u1 = min(units, u0 + units_per_item);
-  float sums[AMX_NA * 256] __attribute__((aligned(64)));
+  float sums[AMX_NA * AMX_NB * 256] __attribute__((aligned(64)));
   for (uint u = u0; u < u1; ++u) {
     const uint n0 = u * unit_cols;
     AmxSource src[AMX_NA];

@@ -105,13 +105,13 @@ struct KernelTuning {
   // reads, where the dot-product tiles were bound by their products.
   uint32_t gemm_bf16_amx = 1;
   uint32_t gemm_bf16_amx_rows = 8;
-  // With AMX, batches of at most gemm_bf16_amx_stream_rows rows (0: none; at most 16) over bf16
+  // With AMX, batches of at most gemm_bf16_amx_stream_rows rows (0: none; at most 32) over bf16
   // weights take the GEMM that reads the weights where they lie as AMX's A operand
   // (bf16_amx_stream.cl) instead of packing them: units of gemm_bf16_amx_stream_na groups of 16
   // weight rows (2 or 4: read together against each load of the batch's rows; 1: one group at a
   // time, with GLU its gate rows, then its up rows). One group at a time streams 16 rows at once,
   // and llama3-1b's batch-8 step ran 1.19x faster so than with 2 (4: 0.81x of 2).
-  uint32_t gemm_bf16_amx_stream_rows = 16;
+  uint32_t gemm_bf16_amx_stream_rows = 32;
   uint32_t gemm_bf16_amx_stream_na = 1;
   // GPU-shape GEMMs of at least this many rows go to CLBlast's tuned SGEMM (ops_blas.h; bf16
   // weights widened to f32 first); 0: never. Set in the rows of devices where it measured faster.

@@ -213,12 +213,12 @@ void gemm_bf16_amx_stream(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_
                           const cl::Mem& y, uint32_t y_off, uint32_t ldy, uint32_t M, float alpha,
                           bool accumulate) {
   const uint32_t K = uint32_t(ws[0]->dim(1));
-  const uint32_t groups = (K + 31) / 32;
-  Scratch xp(dev, size_t(groups) * 1024);
+  const uint32_t groups = (K + 31) / 32, nb = (M + 15) / 16;
+  Scratch xp(dev, size_t(groups) * nb * 1024);
   {
     cl::Kernel k = dev.kernel("linear_bf16.cl", "round_bf16", "-DOUT_VNNI=1");
     cl::set_args(k, x, x_off, ldx, x, 0, xp.mem(), M, K);
-    dev.launch(k, {(K + 63) / 64, 16, 1}, 2);
+    dev.launch(k, {(K + 63) / 64, 16 * nb, 1}, 2);
   }
   const WeightColumns wc = weight_columns(ws, glu, false);
   uint32_t na = dev.tuning().gemm_bf16_amx_stream_na >= 4   ? 4
@@ -226,12 +226,14 @@ void gemm_bf16_amx_stream(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_
                                                             : 1;
   const bool in_turn = na == 1;
   if (glu) na = std::max(na, 2u);
+  if (nb == 2 && !in_turn) na = 2;  // at most 4 C tiles read together
   const uint32_t unit_cols = glu ? 8 * na : 16 * na;
   const uint32_t units = (wc.N + unit_cols - 1) / unit_cols;
   const uint32_t per_item = tiles_per_item(units, stream_launch_items(dev));
   const std::string opts =
       "-DLINEAR_BF16_AMX_STREAM=1 -DWEIGHT_TYPE=1 -DAMX_NA=" + std::to_string(na) +
-      " -DGLU=" + (glu ? "1" : "0") + " -DAMX_IN_TURN=" + (in_turn ? "1" : "0");
+      " -DGLU=" + (glu ? "1" : "0") + " -DAMX_IN_TURN=" + (in_turn ? "1" : "0") +
+      " -DAMX_NB=" + std::to_string(nb);
   cl::Kernel k = dev.kernel("linear_bf16.cl", "linear_bf16_amx_stream", opts);
   const Weight& w0 = *ws[0];
   const Weight& w1 = *ws[std::min<size_t>(1, ws.size() - 1)];
@@ -375,7 +377,7 @@ uint32_t bf16_packed_rows_from(const Device& dev) {
 }
 
 uint32_t bf16_amx_stream_rows(const Device& dev) {
-  return bf16_amx(dev) ? std::min(dev.tuning().gemm_bf16_amx_stream_rows, 16u) : 0;
+  return bf16_amx(dev) ? std::min(dev.tuning().gemm_bf16_amx_stream_rows, 32u) : 0;
 }
 
 namespace {

@@ -33,7 +33,7 @@ bool bf16_amx(const Device& dev);
 uint32_t bf16_packed_rows_from(const Device& dev);
 // Up to how many rows the bf16-compute GEMM over bf16 weights reads them where they lie as AMX's
 // A operand (bf16_amx_stream.cl) on this device, before bf16_packed_rows_from applies: with AMX
-// gemm_bf16_amx_stream_rows (at most 16), else 0. Each output gets the packed GEMM's AMX bits.
+// gemm_bf16_amx_stream_rows (at most 32), else 0. Each output gets the packed GEMM's AMX bits.
 uint32_t bf16_amx_stream_rows(const Device& dev);
 
 // The packed GEMM's shape on this device for rows of K (bf16_packed.cl), which the dense GEMM and

@@ -659,22 +659,22 @@ TEST(GemmBf16Packed, AmxTakesThePackedGemmFromItsRows) {
 // lie as AMX's A operand (bf16_amx_stream.cl): each output gets the bits of the packed GEMM's AMX
 // tiles over the same rows, whose operands it exchanges (tdpbf16ps adds a group's products in the
 // same order either way round on the Xeon with AMX here), with 1, 2 and 4 groups of 16 weight
-// rows per unit. Over 4, 9 and 16 rows: linear with a bias, alpha and accumulation into a strided
-// y, q/k/v side by side whose second and third weights start off a 16-row group (the staged
-// sources), and the GLU epilogue; N = 90 (a partial last unit, staged) and K = 333 (odd: the last
-// group staged, zero past K) and 2048 (whole groups only; the packed GEMM in two chunks there).
-// That the streaming GEMM ran: the packed GEMM off, its bits still AMX's (a tenth or more of the
-// outputs differ from the tiles'). Where the device does not select AMX it never runs: the tiles'
-// bits with it on and off.
+// rows per unit. Over 4, 9, 16, 23 and 32 rows (one and two tiles of batch rows): linear with a
+// bias, alpha and accumulation into a strided y, q/k/v side by side whose second and third weights
+// start off a 16-row group (the staged sources), and the GLU epilogue; N = 90 (a partial last unit,
+// staged) and K = 333 (odd: the last group staged, zero past K) and 2048 (whole groups only; the
+// packed GEMM in two chunks there). That the streaming GEMM ran: the packed GEMM off, its bits
+// still AMX's (a tenth or more of the outputs differ from the tiles'). Where the device does not
+// select AMX it never runs: the tiles' bits with it on and off.
 TEST(GemmBf16Packed, AmxStreamGetsThePackedGemmsBits) {
   Device& dev = test::default_device();
   test::ShapeScope shape(dev, KernelShape::Chunks);
   const uint32_t N = 90, ldy = N + 3;
   const uint32_t Ns[3] = {37, 19, 34};  // q/k/v: k starts at 37, v at 56
   for (const uint32_t K : {333u, 2048u}) {
-    std::vector<float> x = random_vec(size_t(16) * K, 91, 4.0f), wv = random_vec(size_t(N) * K, 92),
+    std::vector<float> x = random_vec(size_t(32) * K, 91, 4.0f), wv = random_vec(size_t(N) * K, 92),
                        uv = random_vec(size_t(N) * K, 93), bv = random_vec(N, 94),
-                       y0 = random_vec(size_t(16) * ldy, 95);
+                       y0 = random_vec(size_t(32) * ldy, 95);
     Weight w = bf16_weight(dev, wv, {N, K}, "w"), u = bf16_weight(dev, uv, {N, K}, "u"),
            b = bf16_weight(dev, bv, {N}, "b");
     std::vector<Weight> qkv;
@@ -683,7 +683,7 @@ TEST(GemmBf16Packed, AmxStreamGetsThePackedGemmsBits) {
       qkv.push_back(bf16_weight(dev, v, {Ns[i], K}, "qkv" + std::to_string(i)));
     }
     cl::Mem xm = test::upload_bytes(dev, x.data(), x.size() * 4);
-    for (const uint32_t M : {4u, 9u, 16u}) {
+    for (const uint32_t M : {4u, 9u, 16u, 23u, 32u}) {
       // 0: linear (bias, alpha 0.5, accumulating), 1: q/k/v, 2: GLU; each [M, ldy].
       auto run = [&](uint32_t stream_rows, uint32_t packed_rows, uint32_t na) {
         KernelTuning t = dev.tuning();
@@ -710,13 +710,13 @@ TEST(GemmBf16Packed, AmxStreamGetsThePackedGemmsBits) {
       const bool amx = ops::bf16_amx(dev);
       {
         KernelTuning t = dev.tuning();
-        t.gemm_bf16_amx_stream_rows = 16;
+        t.gemm_bf16_amx_stream_rows = 40;
         test::TuningScope scope(dev, t);
-        EXPECT_EQ(ops::bf16_amx_stream_rows(dev), amx ? 16u : 0u);
+        EXPECT_EQ(ops::bf16_amx_stream_rows(dev), amx ? 32u : 0u) << "at most 32 rows";
       }
       const auto packed_amx = run(0, 128, 2), tiles = run(0, 0, 2);
       for (const uint32_t na : {1u, 2u, 4u}) {
-        const auto streamed = run(16, 0, na);
+        const auto streamed = run(32, 0, na);
         for (int op = 0; op < 3; ++op) {
           SCOPED_TRACE("K=" + std::to_string(K) + " M=" + std::to_string(M) +
                        " na=" + std::to_string(na) + " op " + std::to_string(op));
