@@ -20,8 +20,9 @@
 //   D: where the checkpoints live (written with make-model's preset writer when missing;
 //      default $TMPDIR/clshard-bench), P: prefill length (512), C: context before decoding (128),
 //   N: decode steps timed (32), B: requests of the batched decode figure (8; 0: none).
-//   --tuning-ab: the batch-1 decode also timed with one tuning field changed, the two in turn R
-//   times (bench_util.h's TuningAB): what a tuning entry gives the whole step.
+//   --tuning-ab: the batch-1 decode, and the batched one with B > 0, also timed with one tuning
+//   field changed, the two in turn R times (bench_util.h's TuningAB): what a tuning entry gives
+//   the whole step.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -150,6 +151,15 @@ int main(int argc, char** argv) {
       const auto tb = Clock::now();
       for (const auto& st : bsteps) model.forward(st).read_logits();
       t_step = seconds_since(tb) / n_decode;
+      if (ab) {
+        run_tuning_ab(dev, *ab, ab_rounds, [&] {
+          const auto ts = Clock::now();
+          for (const auto& st : bsteps) model.forward(st).read_logits();
+          return seconds_since(ts) / n_decode;
+        });
+        print_tuning_ab(dt + " batch " + std::to_string(batch) + " decode", *ab, ab_rounds, 1e3,
+                        "ms per step");
+      }
     }
     // Bytes one decode token streams: active weights + the cache rows it reads (mid-run context).
     const double bytes = double(plan.active_weight_bytes_per_token) +
