@@ -459,7 +459,19 @@ void moe_grouped_linear(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::M
   const bool down = slot0 == 2;
   const uint32_t N = down ? g.hidden : g.inter, K = down ? g.inter : g.hidden;
   const uint32_t tn = 4;
-  std::string opts = " -DTM=" + std::to_string(plan.tm) + " -DTN=" + std::to_string(tn);
+  // The row tile: the plan's (4 rows from 4 rows per expert on average), and on the CPU shape 4
+  // rows for f32, bf16 and f16 experts from one row per expert (batched decode), where the 4-row
+  // tiles read their weight rows side by side with the next tile's prefetched and the one-row
+  // tiles in turn had streamed them slower; each output's sum is the same in either tile. bench_moe
+  // (dsv3-mini's layer, bf16 experts, 2-core Xeon with AMX, 2026-11-29): 8 tokens (43 experts)
+  // 15.6-18.4 -> 20.0-22.8 GB/s, 16 tokens (56) 11.3-12.8 -> 17.7-22.3; dsv3-mini bf16's decode
+  // at batch 8 (bench_deepseek, 3 interleaved pairs) 1.00, 1.07, 1.04x, at batch 16 1.16, 1.00x.
+  // FP8 experts keep one-row tiles there (their 4-row tiles: 0.6x at 8 tokens, 1.0x at 16).
+  const uint32_t tm = dev.kernel_shape() == KernelShape::Chunks && g.dtype != DType::F8_E4M3 &&
+                              plan.rows >= plan.n_experts
+                          ? 4
+                          : plan.tm;
+  std::string opts = " -DTM=" + std::to_string(tm) + " -DTN=" + std::to_string(tn);
   if (grouped_bf16(dev, g, plan, compute)) {
     grouped_bf16_launch(dev, x, ldx, x_rows, x_count, g, slot0, n_mats, false, plan, y, ldy);
     return;
@@ -476,8 +488,8 @@ void moe_grouped_linear(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::M
   // One-row tiles read their columns in turn, as ops::linear's (ops::in_turn_max_k);
   // tiles prefetch their next tile's rows as ops::linear's. CPU shape only: the GPU shape's
   // kernels have no such tiles, and their program need not hold the private x row.
-  const bool in_turn = dev.kernel_shape() == KernelShape::Chunks && plan.tm == 1 &&
-                       K <= ops::in_turn_max_k(dev, g.dtype);
+  const bool in_turn =
+      dev.kernel_shape() == KernelShape::Chunks && tm == 1 && K <= ops::in_turn_max_k(dev, g.dtype);
   if (in_turn) opts += ops::columns_in_turn_option(dev);
   if (g.dtype == DType::F8_E4M3)
     opts += fp8_tile_options(dev, g.fp8_nan_free, in_turn,

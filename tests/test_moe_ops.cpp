@@ -763,6 +763,9 @@ constexpr KernelShape kWg = KernelShape::WorkGroups;
 INSTANTIATE_TEST_SUITE_P(
     MoeOps, GroupedExperts,
     ::testing::Values(Case{DType::BF16, 1, 3, 7, 200, 70}, Case{DType::BF16, 13, 3, 5, 200, 70},
+                      // Between one and four rows per expert (batched decode): 4-row tiles on the
+                      // CPU shape for bf16 / f32 / f16 experts, one-row tiles for FP8 ones.
+                      Case{DType::BF16, 4, 3, 7, 200, 70}, Case{DType::F8_E4M3, 4, 3, 7, 300, 150},
                       Case{DType::F32, 5, 2, 6, 72, 34}, Case{DType::F16, 9, 2, 3, 40, 18},
                       Case{DType::BF16, 100, 2, 3, 48, 20}, Case{DType::F8_E4M3, 1, 4, 9, 300, 150},
                       Case{DType::F8_E4M3, 30, 2, 4, 200, 136},
