@@ -226,25 +226,7 @@ inline void amx_unit_store(const float* sums, uint n0, uint N, uint M, global co
       transpose16x16(t);
       for (uint i = 0; i < 16 && 16 * b + i < M; ++i) {
         global float* yr = y + (size_t)(16 * b + i) * ldy + n;
-        float16 s = as_float16(t[i]);
-        if (n + 16 <= N) {
-#if !GLU
-          if (has_bias) s += bf16x16_to_f32(vload16(0, bias + n));
-#endif
-          s *= alpha;
-          vstore16(accumulate ? vload16(0, yr) + s : s, 0, yr);
-        } else {
-          float o[16];
-          vstore16(s, 0, o);
-          for (uint l = 0; n + l < N; ++l) {
-            float e = o[l];
-#if !GLU
-            if (has_bias) e += bf16_to_f32(bias[n + l]);
-#endif
-            e *= alpha;
-            yr[l] = accumulate ? yr[l] + e : e;
-          }
-        }
+        store_row16(yr, as_float16(t[i]), n, N, bias, !GLU && has_bias, alpha, accumulate);
       }
     }
   }

@@ -356,24 +356,7 @@ inline void panel_store(const float* sums, uint m0, uint m_end, uint n0, uint N,
 #else
       float16 s = vload16(i * PANEL_NV + v, sums);
 #endif
-      if (n + 16 <= N) {
-#if !GLU
-        if (has_bias) s += bf16x16_to_f32(vload16(0, bias + n));
-#endif
-        s *= alpha;
-        vstore16(accumulate ? vload16(0, yr + n) + s : s, 0, yr + n);
-      } else {
-        float o[16];
-        vstore16(s, 0, o);
-        for (uint l = 0; n + l < N; ++l) {
-          float e = o[l];
-#if !GLU
-          if (has_bias) e += bf16_to_f32(bias[n + l]);
-#endif
-          e *= alpha;
-          yr[n + l] = accumulate ? yr[n + l] + e : e;
-        }
-      }
+      store_row16(yr + n, s, n, N, bias, !GLU && has_bias, alpha, accumulate);
     }
   }
 }

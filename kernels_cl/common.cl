@@ -4,6 +4,27 @@
 inline float bf16_to_f32(ushort b) { return as_float(((uint)b) << 16); }
 inline float8 bf16x8_to_f32(ushort8 b) { return as_float8(convert_uint8(b) << 16); }
 inline float16 bf16x16_to_f32(ushort16 b) { return as_float16(convert_uint16(b) << 16); }
+
+// 16 outputs of one row into yr[0 .. 16) (yr: the row's column n), those below column N only:
+// (s + the bf16 bias[n ..] where has_bias) * alpha, y's values added where accumulating. The
+// epilogue of bf16_packed.cl's and bf16_amx_stream.cl's GEMMs, one set of operations for both.
+inline void store_row16(global float* yr, float16 s, uint n, uint N, global const ushort* bias,
+                        int has_bias, float alpha, int accumulate) {
+  if (n + 16 <= N) {
+    if (has_bias) s += bf16x16_to_f32(vload16(0, bias + n));
+    s *= alpha;
+    vstore16(accumulate ? vload16(0, yr) + s : s, 0, yr);
+    return;
+  }
+  float o[16];
+  vstore16(s, 0, o);
+  for (uint l = 0; n + l < N; ++l) {
+    float e = o[l];
+    if (has_bias) e += bf16_to_f32(bias[n + l]);
+    e *= alpha;
+    yr[l] = accumulate ? yr[l] + e : e;
+  }
+}
 // f32 -> bf16, round to nearest, ties to even, as torch's cast does; NaN stays a quiet NaN.
 inline ushort f32_to_bf16_rne(float f) {
   const uint u = as_uint(f);
