@@ -1,5 +1,6 @@
 // The bf16-compute GEMM of decode batches (model.compute_dtype: bf16, at most 32 rows) over bf16
 // weights with Intel AMX, the weights read where they lie: linear_bf16.cl's linear_bf16_amx_stream.
+// With -DX_SPLIT=3 it is compute_dtype f32's too, on the rows' exact bf16 terms (below).
 //
 // Why: at a decode batch the GEMM is bound by reading the weights once. The packed GEMM
 // (bf16_packed.cl) first transposes each column tile's weights into a local panel, AMX's B
@@ -37,6 +38,9 @@
 #ifndef AMX_NB
 #define AMX_NB 1
 #endif
+#ifndef X_SPLIT
+#define X_SPLIT 1
+#endif
 #if AMX_NA != 1 && AMX_NA != 2 && AMX_NA != 4
 #error "AMX_NA: 1, 2 or 4 sources per unit"
 #endif
@@ -45,6 +49,9 @@
 #endif
 #if AMX_NA * AMX_NB > 4 && !AMX_IN_TURN
 #error "at most 4 C tiles: AMX_NA sources x AMX_NB batch tiles read together"
+#endif
+#if X_SPLIT > 1 && AMX_NA > 2
+#error "X_SPLIT: at most 2 sources per unit (A tiles 4 and 5 held across the terms)"
 #endif
 #if GLU && AMX_NA == 1
 #error "GLU units take a gate and an up source (AMX_NA 2 or 4)"
@@ -81,6 +88,29 @@ void amx_stream_sums(const ulong* a, const ulong* lda, uint n_a, ulong xp, uint 
   AMX_STREAM_START(3)
 #undef AMX_STREAM_START
   for (uint g = 0; g < groups; ++g) {
+#if X_SPLIT > 1
+    // The sources' A tiles once (at most 2: registers 4 and 5), then the B tiles of the rows'
+    // X_SPLIT terms in turn against them.
+    const ulong xg = xp + 1024ul * AMX_NB * X_SPLIT * g;
+    __builtin_ia32_tileloadd64(4, (const void*)(a[0] + 64ul * g), lda[0]);
+    if (n_a > 1) __builtin_ia32_tileloadd64(5, (const void*)(a[1] + 64ul * g), lda[1]);
+    for (uint t = 0; t < X_SPLIT; ++t) {
+#if AMX_NB == 2
+      __builtin_ia32_tileloadd64(6, (const void*)(xg + 2048ul * t), 64);
+      __builtin_ia32_tileloadd64(7, (const void*)(xg + 2048ul * t + 1024), 64);
+      __builtin_ia32_tdpbf16ps(0, 4, 6);
+      __builtin_ia32_tdpbf16ps(1, 4, 7);
+      if (n_a > 1) {
+        __builtin_ia32_tdpbf16ps(2, 5, 6);
+        __builtin_ia32_tdpbf16ps(3, 5, 7);
+      }
+#else
+      __builtin_ia32_tileloadd64(6, (const void*)(xg + 1024ul * t), 64);
+      __builtin_ia32_tdpbf16ps(0, 4, 6);
+      if (n_a > 1) __builtin_ia32_tdpbf16ps(1, 5, 6);
+#endif
+    }
+#else
     __builtin_ia32_tileloadd64(6, (const void*)(xp + 1024ul * AMX_NB * g), 64);
 #if AMX_NB == 2
     __builtin_ia32_tileloadd64(7, (const void*)(xp + 1024ul * (2 * g + 1)), 64);
@@ -103,6 +133,7 @@ void amx_stream_sums(const ulong* a, const ulong* lda, uint n_a, ulong xp, uint 
     AMX_STREAM_STEP(2)
     AMX_STREAM_STEP(3)
 #endif
+#endif  // X_SPLIT
 #undef AMX_STREAM_STEP
   }
 #define AMX_STREAM_STORE(c) \
@@ -188,10 +219,10 @@ inline void amx_unit_sums(const AmxSource* src, uint n_a, global const uint* xp,
     }
 #if AMX_IN_TURN
     for (uint s = 0; s < n_a; ++s)
-      amx_stream_sums(a + s, lda + s, 1, (ulong)(xp + 256 * AMX_NB * g), 1, g == 0,
+      amx_stream_sums(a + s, lda + s, 1, (ulong)(xp + 256 * AMX_NB * X_SPLIT * g), 1, g == 0,
                       sums + 256 * AMX_NB * s);
 #else
-    amx_stream_sums(a, lda, n_a, (ulong)(xp + 256 * AMX_NB * g), 1, g == 0, sums);
+    amx_stream_sums(a, lda, n_a, (ulong)(xp + 256 * AMX_NB * X_SPLIT * g), 1, g == 0, sums);
 #endif
   }
 }

@@ -177,7 +177,15 @@ inline uint panel_prefetches(const PanelPrefetch* pf, uint steps) {
 // with zero words past K, and the rounded x rows hold zeros from K to the next multiple of 32
 // elements (round_bf16), so a group past the last step adds products of zero, and an odd K's
 // last pair needs no mask (amx.cl: the tile configuration).
+// With -DX_SPLIT=3 (compute_dtype f32) the x rows are the f32 rows' three bf16 terms
+// (linear_bf16.cl's bf16_terms, rows X_SPLIT m + t): each group runs the panel's B tiles against
+// the three terms' A tiles in turn, so each output adds the weights' exact products with the f32
+// rows, in f32.
 #include "amx.cl"
+
+#ifndef X_SPLIT
+#define X_SPLIT 1
+#endif
 
 #if PANEL_NV == 1
 #define AMX_EACH_C(OP) OP(0)
@@ -222,12 +230,15 @@ void panel_tile_sums_amx(ulong x, ulong ldx, uint rows, ulong panel, uint steps,
   const uint n_pf = panel_prefetches(pf, steps);
   for (uint g = 0; g < groups; ++g) {
     for (uint l = 16 * g; l < min(16 * g + 16, n_pf); ++l) PANEL_PREFETCH(pf, pf->line + l)
-    __builtin_ia32_tileloadd64(5, (const void*)(x + 64ul * g), ldx);
     const ulong b = panel + (ulong)g * 16 * PANEL_NC * 4;
 #define AMX_STEP(v)                                                                          \
   __builtin_ia32_tileloadd64(6 + ((v) & 1), (const void*)(b + 64 * (v)), (ulong)PANEL_NC * 4); \
   __builtin_ia32_tdpbf16ps(v, 5, 6 + ((v) & 1));
-    AMX_EACH_C(AMX_STEP)
+    // With X_SPLIT terms, the rows of term t lie t / X_SPLIT of ldx after term 0's (round_bf16).
+    for (uint t = 0; t < X_SPLIT; ++t) {
+      __builtin_ia32_tileloadd64(5, (const void*)(x + ldx / X_SPLIT * t + 64ul * g), ldx);
+      AMX_EACH_C(AMX_STEP)
+    }
 #undef AMX_STEP
   }
 #define AMX_STORE(v) __builtin_ia32_tilestored64(v, sums + 16 * (v), ld_sums);
@@ -235,6 +246,10 @@ void panel_tile_sums_amx(ulong x, ulong ldx, uint rows, ulong panel, uint steps,
 #undef AMX_STORE
   __builtin_ia32_tilerelease();
 }
+#endif
+
+#if X_SPLIT > 1 && !BF16_AMX
+#error "X_SPLIT: the three terms run on AMX's tiles (-DBF16_AMX=1)"
 #endif
 
 #if BF16_DOT

@@ -28,11 +28,47 @@
 #define BF16_DOT 0
 #endif
 
+#ifndef X_SPLIT
+#define X_SPLIT 1
+#endif
+#if X_SPLIT != 1 && X_SPLIT != 3
+#error "X_SPLIT: 1 (bf16(x)) or 3 (x as three bf16 terms)"
+#endif
+#if X_SPLIT != 1 && OUT_F32
+#error "X_SPLIT: the terms are bf16 rows (OUT_F32 writes one rounded f32 row)"
+#endif
+
+// x as X_SPLIT bf16 terms: one, bf16(x) rounded to nearest even; or three whose sum is x exactly
+// (compute_dtype f32 with AMX, -DX_SPLIT=3): each term the truncation of what the ones before it
+// leave. f32's 24-bit significand is three bf16 significands of 8 bits, each remainder is exact
+// in f32, so a bf16 weight times the three terms gives the f32 product in three exact parts.
+// Truncation, not rounding: a rounded first term can overflow to infinity near FLT_MAX. Values
+// below 2^-110 or so lose their last terms to AMX's flush of bf16 denormals; a value that is not
+// finite is its first term alone.
+inline void bf16_terms(float x, ushort term[X_SPLIT]) {
+#if X_SPLIT == 1
+  term[0] = f32_to_bf16_rne(x);
+#else
+  if (!isfinite(x)) {
+    term[0] = f32_to_bf16_rne(x);
+    term[1] = term[2] = 0;
+    return;
+  }
+  float rest = x;
+  for (int t = 0; t < 3; ++t) {
+    term[t] = (ushort)(as_uint(rest) >> 16);
+    rest -= bf16_to_f32(term[t]);
+  }
+#endif
+}
+
 // xb[m, k] = bf16(x[row(m), k]) for M rows of K (row strides ldx, ldxb in elements), row(m) =
 // x_rows[m] when indirect (the tokens of the grouped experts' rows, in plan order), else m; with
 // -DOUT_F32=1 the rounded values are written back as f32 (xf), for devices that multiply them in
 // the f32 kernels, or with -DOUT_VNNI=1 as AMX's B operand (below; global (ceil(K / 64), 16 or
-// 32)).
+// 32)). With -DX_SPLIT=3 (not with OUT_F32) each row becomes its three bf16 terms (bf16_terms):
+// rows 3 m + t of xb hold row m's term t, and in the B operand each group of 32 elements becomes
+// three groups in a row, one per term.
 // Launch: global (ceil(K / 64), M).
 kernel void round_bf16(global const float* x, uint x_off, uint ldx, global const uint* x_rows,
                        int indirect,
@@ -45,31 +81,36 @@ kernel void round_bf16(global const float* x, uint x_off, uint ldx, global const
   const uint m = get_global_id(1);
   const uint k0 = get_global_id(0) * 64;
   const uint k1 = min(k0 + 64, K);
+  ushort term[X_SPLIT];
 #if OUT_VNNI
   // The rows as AMX's B operand (bf16_amx_stream.cl), nb = ceil(M / 16) blocks of 16 rows per
-  // group of 32 elements: element k of row m in word ((k / 32) * nb + m / 16) * 256 +
-  // (k / 2 % 16) * 16 + m % 16, the low half for k even; rows m from M (to the launch's 16 nb)
-  // and elements from K to the next 32 zero. ldxb is M here.
+  // group of 32 elements and term: element k of row m's term t in word (((k / 32) * X_SPLIT + t)
+  // * nb + m / 16) * 256 + (k / 2 % 16) * 16 + m % 16, the low half for k even; rows m from M (to
+  // the launch's 16 nb) and elements from K to the next 32 zero. ldxb is M here.
   const uint M = ldxb, mr = min(m, M - 1), nb = (M + 15) / 16;
   global const float* xr = x + x_off + (size_t)(indirect ? x_rows[mr] : mr) * ldx;
-  for (uint k = k0; k < min(k0 + 64, (K + 31) / 32 * 32); ++k)
-    xb[((((k / 32) * nb + m / 16) * 256 + k / 2 % 16 * 16 + m % 16) << 1) + (k & 1)] =
-        m < M && k < K ? f32_to_bf16_rne(xr[k]) : (ushort)0;
+  for (uint k = k0; k < min(k0 + 64, (K + 31) / 32 * 32); ++k) {
+    bf16_terms(m < M && k < K ? xr[k] : 0.0f, term);
+    for (int t = 0; t < X_SPLIT; ++t)
+      xb[(((((k / 32) * X_SPLIT + t) * nb + m / 16) * 256 + k / 2 % 16 * 16 + m % 16) << 1) +
+         (k & 1)] = term[t];
+  }
 #else
   global const float* xr = x + x_off + (size_t)(indirect ? x_rows[m] : m) * ldx;
   for (uint k = k0; k < k1; ++k) {
-    const ushort b = f32_to_bf16_rne(xr[k]);
+    bf16_terms(xr[k], term);
 #if OUT_F32
-    xf[(size_t)m * ldxb + k] = bf16_to_f32(b);
+    xf[(size_t)m * ldxb + k] = bf16_to_f32(term[0]);
 #else
-    xb[(size_t)m * ldxb + k] = b;
+    for (int t = 0; t < X_SPLIT; ++t) xb[(size_t)(X_SPLIT * m + t) * ldxb + k] = term[t];
 #endif
   }
 #if !OUT_F32
   // Zeros from K to the next 32 elements: AMX's packed GEMM reads whole 32-element groups, and
   // a zero there adds nothing to its sums (bf16_packed.cl).
   if (k1 == K)
-    for (uint k = K; k < (K + 31) / 32 * 32; ++k) xb[(size_t)m * ldxb + k] = 0;
+    for (int t = 0; t < X_SPLIT; ++t)
+      for (uint k = K; k < (K + 31) / 32 * 32; ++k) xb[(size_t)(X_SPLIT * m + t) * ldxb + k] = 0;
 #endif
 #endif  // OUT_VNNI
 }

@@ -113,6 +113,14 @@ struct KernelTuning {
   // and llama3-1b's batch-8 step ran 1.19x faster so than with 2 (4: 0.81x of 2).
   uint32_t gemm_bf16_amx_stream_rows = 32;
   uint32_t gemm_bf16_amx_stream_na = 1;
+  // With AMX (gemm_bf16_amx), compute_dtype f32 GEMMs over bf16 weights of gemm_f32_amx_rows rows
+  // and more (0: never) run on AMX's bf16 tiles with each f32 row as three bf16 terms whose sum is
+  // the row exactly (linear_bf16.cl's bf16_terms): each product exact, the sums in f32, as the f32
+  // FMA kernels give them but in AMX's order. Up to gemm_bf16_amx_stream_rows rows the streaming
+  // GEMM, the packed one beyond. On the 2-core Xeon with AMX, llama3-1b's decode step
+  // (bench_decode_breakdown --tuning-ab, 4-6 rounds in turn) at 16 rows 1.9x and at 32 2.1x the
+  // f32 tiles' speed, at 8 0.95-1.06x and at 4 0.55x, hence 16.
+  uint32_t gemm_f32_amx_rows = 16;
   // GPU-shape GEMMs of at least this many rows go to CLBlast's tuned SGEMM (ops_blas.h; bf16
   // weights widened to f32 first); 0: never. Set in the rows of devices where it measured faster.
   uint32_t blas_gemm_rows = 0;

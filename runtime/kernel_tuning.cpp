@@ -174,6 +174,7 @@ const std::vector<std::pair<std::string, U32Field>>& u32_fields() {
       {"gemm_bf16_amx_rows", &KernelTuning::gemm_bf16_amx_rows},
       {"gemm_bf16_amx_stream_rows", &KernelTuning::gemm_bf16_amx_stream_rows},
       {"gemm_bf16_amx_stream_na", &KernelTuning::gemm_bf16_amx_stream_na},
+      {"gemm_f32_amx_rows", &KernelTuning::gemm_f32_amx_rows},
       {"gemm_bf16_packed_rows", &KernelTuning::gemm_bf16_packed_rows},
       {"gemm_bf16_packed_tm", &KernelTuning::gemm_bf16_packed_tm},
       {"gemm_bf16_packed_nv", &KernelTuning::gemm_bf16_packed_nv},
@@ -221,15 +222,16 @@ void apply_file(const DeviceInfo& info, KernelTuning& t) {
           !set_kernel_tuning_field(t, field, value.get<uint64_t>())) {
         std::string names;
         for (const std::string& n : kernel_tuning_fields()) names += (names.empty() ? "" : ", ") + n;
-        throw std::runtime_error(where + ".tuning." + field + ": expected one of the fields (" +
-                                 names +
-                                 ") with a positive integer (blas_gemm_rows, "
-                                 "gemm_bf16_packed_rows, gemm_bf16_amx_stream_rows: 0 for "
-                                 "never; weight_prefetch, "
-                                 "stream_prefetch, gemv_stream_prefetch, gemm_bf16_dot, "
-                                 "gemm_bf16_amx: 0 for off), "
-                                 "got " +
-                                 value.dump());
+        throw std::runtime_error(
+            where + ".tuning." + field + ": expected one of the fields (" + names +
+            ") with a positive integer (blas_gemm_rows, "
+            "gemm_bf16_packed_rows, gemm_bf16_amx_stream_rows, gemm_f32_amx_rows: 0 "
+            "for "
+            "never; weight_prefetch, "
+            "stream_prefetch, gemv_stream_prefetch, gemm_bf16_dot, "
+            "gemm_bf16_amx: 0 for off), "
+            "got " +
+            value.dump());
       }
     }
   }
@@ -254,7 +256,7 @@ bool kernel_tuning_zero_allowed(const std::string& field) {
   return field == "blas_gemm_rows" || field == "gemm_bf16_packed_rows" ||
          field == "gemm_bf16_amx_stream_rows" || field == "weight_prefetch" ||
          field == "stream_prefetch" || field == "gemv_stream_prefetch" ||
-         field == "gemm_bf16_dot" || field == "gemm_bf16_amx";
+         field == "gemm_bf16_dot" || field == "gemm_bf16_amx" || field == "gemm_f32_amx_rows";
 }
 
 const std::vector<std::string>& kernel_tuning_fields() {

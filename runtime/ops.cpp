@@ -81,12 +81,16 @@ constexpr uint32_t kPackedPartialRows = 512;
 
 }  // namespace
 
-PackedGemmShape packed_gemm_shape(const Device& dev, bool x_f32, bool glu, bool fp8,
+PackedGemmShape packed_gemm_shape(const Device& dev, PackedRows x, bool glu, bool fp8,
                                   bool fp8_nan_free, bool pairs_aligned, uint32_t K) {
   const KernelTuning& t = dev.tuning();
   PackedGemmShape p;
-  // AMX tiles (bf16 rows only): 16 rows, and at most 5 vectors beside the x and weight tiles.
+  const bool x_f32 = x == PackedRows::F32;
+  // AMX tiles (bf16 rows, or their terms): 16 rows, and at most 5 vectors beside the x and
+  // weight tiles.
   const bool amx = !x_f32 && bf16_amx(dev);
+  if (x == PackedRows::F32Terms && !amx)
+    throw std::logic_error("packed_gemm_shape: f32 rows as bf16 terms need AMX");
   p.tm = amx ? 16 : std::max(1u, t.gemm_bf16_packed_tm);
   // With GLU the vectors split evenly into gate and up.
   p.nv =
@@ -105,6 +109,7 @@ PackedGemmShape packed_gemm_shape(const Device& dev, bool x_f32, bool glu, bool 
               " -DBF16_AMX=" + (amx ? "1" : "0") +
               " -DPAIRS_ALIGNED=" + (pairs_aligned ? "1" : "0") + weight_prefetch_option(dev);
   if (x_f32) p.options += " -DPANEL_XF32=1";
+  if (x == PackedRows::F32Terms) p.options += " -DX_SPLIT=3";
   if (p.partial_rows) p.options += " -DPANEL_ROWS=" + std::to_string(p.partial_rows);
   if (fp8)
     p.options +=
@@ -115,18 +120,19 @@ PackedGemmShape packed_gemm_shape(const Device& dev, bool x_f32, bool glu, bool 
 namespace {
 
 // linear_bf16.cl's linear_bf16_packed over the rounded rows xb (from element xb_off, row stride
-// ldxb), or with x_f32 over f32 rows as they are (bf16 weights only): bf16 weights
+// ldxb), or over f32 rows as they are or as their bf16 terms (PackedRows; bf16 weights only;
+// with terms ldxb is three rows of terms, round_bf16's -DX_SPLIT=3): bf16 weights
 // side by side (or gate and up with glu; n1, n2 where the second and third start), or one FP8
 // weight with its block scales fp8_scale, dequantized as it is packed; the tile
 // packed_gemm_shape's. False, launching nothing, where the panel (and the partial sums of K past
 // one chunk) would not fit the device's local memory.
-bool launch_bf16_packed(Device& dev, const cl::Mem& xb, uint32_t xb_off, uint32_t ldxb, bool x_f32,
-                        const std::vector<const Weight*>& ws, bool glu, const Weight* bias,
-                        const Weight* fp8_scale, bool pairs_aligned, const cl::Mem& y,
-                        uint32_t y_off, uint32_t ldy, uint32_t M, uint32_t N, uint32_t K,
-                        uint32_t n1, uint32_t n2, float alpha, bool accumulate) {
-  const PackedGemmShape shape = packed_gemm_shape(dev, x_f32, glu, fp8_scale != nullptr,
-                                                  ws[0]->fp8_nan_free, pairs_aligned, K);
+bool launch_bf16_packed(Device& dev, const cl::Mem& xb, uint32_t xb_off, uint32_t ldxb,
+                        PackedRows x, const std::vector<const Weight*>& ws, bool glu,
+                        const Weight* bias, const Weight* fp8_scale, bool pairs_aligned,
+                        const cl::Mem& y, uint32_t y_off, uint32_t ldy, uint32_t M, uint32_t N,
+                        uint32_t K, uint32_t n1, uint32_t n2, float alpha, bool accumulate) {
+  const PackedGemmShape shape =
+      packed_gemm_shape(dev, x, glu, fp8_scale != nullptr, ws[0]->fp8_nan_free, pairs_aligned, K);
   if (!shape.fits) return false;
   const uint32_t col_tiles = (N + shape.tile_cols - 1) / shape.tile_cols;
   // A work-item packs its column tile once for all its rows: all M where the column tiles alone
@@ -189,9 +195,9 @@ bool packed_f32_rows(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx
   for (const Weight* w : ws)
     if (w->dtype != DType::BF16) return false;
   const WeightColumns wc = weight_columns(ws, glu, false);
-  return launch_bf16_packed(dev, x, x_off, ldx, true, ws, glu, bias, nullptr, wc.pairs_aligned, y,
-                            y_off, ldy, M, wc.N, uint32_t(ws[0]->dim(1)), wc.n1, wc.n2, alpha,
-                            accumulate);
+  return launch_bf16_packed(dev, x, x_off, ldx, PackedRows::F32, ws, glu, bias, nullptr,
+                            wc.pairs_aligned, y, y_off, ldy, M, wc.N, uint32_t(ws[0]->dim(1)),
+                            wc.n1, wc.n2, alpha, accumulate);
 }
 
 // Whether a bf16-compute GEMM of M rows over `ws` takes linear_bf16_amx_stream
@@ -206,17 +212,19 @@ bool amx_stream_gemm(const Device& dev, const std::vector<const Weight*>& ws, co
 }
 
 // linear_bf16_amx_stream over x's M rows (amx_stream_gemm): the rows packed as AMX's B operand
-// (round_bf16's OUT_VNNI), then units of gemm_bf16_amx_stream_na groups of 16 weight rows split
-// over stream_launch_items work-items, as the streaming GEMVs are.
+// (round_bf16's OUT_VNNI; with terms = 3 as their three bf16 terms, X_SPLIT), then units of
+// gemm_bf16_amx_stream_na groups of 16 weight rows split over stream_launch_items work-items, as
+// the streaming GEMVs are.
 void gemm_bf16_amx_stream(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx,
                           const std::vector<const Weight*>& ws, bool glu, const Weight* bias,
                           const cl::Mem& y, uint32_t y_off, uint32_t ldy, uint32_t M, float alpha,
-                          bool accumulate) {
+                          bool accumulate, uint32_t terms = 1) {
   const uint32_t K = uint32_t(ws[0]->dim(1));
   const uint32_t groups = (K + 31) / 32, nb = (M + 15) / 16;
-  Scratch xp(dev, size_t(groups) * nb * 1024);
+  const std::string split = " -DX_SPLIT=" + std::to_string(terms);
+  Scratch xp(dev, size_t(groups) * terms * nb * 1024);
   {
-    cl::Kernel k = dev.kernel("linear_bf16.cl", "round_bf16", "-DOUT_VNNI=1");
+    cl::Kernel k = dev.kernel("linear_bf16.cl", "round_bf16", "-DOUT_VNNI=1" + split);
     cl::set_args(k, x, x_off, ldx, x, 0, xp.mem(), M, K);
     dev.launch(k, {(K + 63) / 64, 16 * nb, 1}, 2);
   }
@@ -227,13 +235,14 @@ void gemm_bf16_amx_stream(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_
   const bool in_turn = na == 1;
   if (glu) na = std::max(na, 2u);
   if (nb == 2 && !in_turn) na = 2;  // at most 4 C tiles read together
+  if (terms > 1) na = std::min(na, 2u);  // the A tiles held across the terms: 2 registers
   const uint32_t unit_cols = glu ? 8 * na : 16 * na;
   const uint32_t units = (wc.N + unit_cols - 1) / unit_cols;
   const uint32_t per_item = tiles_per_item(units, stream_launch_items(dev));
   const std::string opts =
       "-DLINEAR_BF16_AMX_STREAM=1 -DWEIGHT_TYPE=1 -DAMX_NA=" + std::to_string(na) +
       " -DGLU=" + (glu ? "1" : "0") + " -DAMX_IN_TURN=" + (in_turn ? "1" : "0") +
-      " -DAMX_NB=" + std::to_string(nb);
+      " -DAMX_NB=" + std::to_string(nb) + split;
   cl::Kernel k = dev.kernel("linear_bf16.cl", "linear_bf16_amx_stream", opts);
   const Weight& w0 = *ws[0];
   const Weight& w1 = *ws[std::min<size_t>(1, ws.size() - 1)];
@@ -245,6 +254,39 @@ void gemm_bf16_amx_stream(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_
                uint32_t(has_bias ? bias->offset : 0), has_bias, y, y_off, ldy, M, wc.N, K, alpha,
                int(accumulate), per_item);
   dev.launch(k, {(units + per_item - 1) / per_item, 1, 1}, 2);
+}
+
+// compute_dtype f32 over bf16 weights with AMX, from KernelTuning's gemm_f32_amx_rows rows: each
+// f32 row as its three bf16 terms (linear_bf16.cl's bf16_terms), whose
+// products with a bf16 weight are exact in f32, on AMX's tiles: up to bf16_amx_stream_rows rows
+// the streaming GEMM, beyond them the packed one (rows 3 m + t of the terms). False, launching
+// nothing, where it does not apply (no AMX, the field 0, another dtype, fewer rows, a panel that
+// does not fit).
+bool gemm_f32_amx_terms(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx,
+                        const std::vector<const Weight*>& ws, bool glu, const Weight* bias,
+                        const cl::Mem& y, uint32_t y_off, uint32_t ldy, uint32_t M, float alpha,
+                        bool accumulate) {
+  const uint32_t from = dev.tuning().gemm_f32_amx_rows;
+  if (dev.kernel_shape() != KernelShape::Chunks || from == 0 || M < from || !bf16_amx(dev) ||
+      (bias && bias->dtype != DType::BF16))
+    return false;
+  for (const Weight* w : ws)
+    if (w->dtype != DType::BF16) return false;
+  if (M <= bf16_amx_stream_rows(dev)) {
+    gemm_bf16_amx_stream(dev, x, x_off, ldx, ws, glu, bias, y, y_off, ldy, M, alpha, accumulate, 3);
+    return true;
+  }
+  const uint32_t K = uint32_t(ws[0]->dim(1)), ldr = bf16_gemm_row_stride(K);
+  Scratch terms(dev, size_t(M) * 3 * ldr * 2);
+  {
+    cl::Kernel k = dev.kernel("linear_bf16.cl", "round_bf16", "-DX_SPLIT=3");
+    cl::set_args(k, x, x_off, ldx, x, 0, terms.mem(), ldr, K);
+    dev.launch(k, {(K + 63) / 64, M, 1}, 2);
+  }
+  const WeightColumns wc = weight_columns(ws, glu, false);
+  return launch_bf16_packed(dev, terms.mem(), 0, 3 * ldr, PackedRows::F32Terms, ws, glu, bias,
+                            nullptr, wc.pairs_aligned, y, y_off, ldy, M, wc.N, K, wc.n1, wc.n2,
+                            alpha, accumulate);
 }
 
 // y[M, :N] (+)= alpha * (bf16(x) [ws...]^T (+ bias)) on the CPU shape (linear_bf16.cl): the rows
@@ -268,8 +310,8 @@ void gemm_bf16(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx,
   const KernelTuning& t = dev.tuning();
   const uint32_t packed_from = bf16_packed_rows_from(dev);
   if (packed_from != 0 && M >= packed_from &&
-      launch_bf16_packed(dev, xb.mem(), 0, ldxb, false, ws, glu, bias, fp8_scale, pairs_aligned, y,
-                         y_off, ldy, M, N, K, n1, n2, alpha, accumulate))
+      launch_bf16_packed(dev, xb.mem(), 0, ldxb, PackedRows::Bf16, ws, glu, bias, fp8_scale,
+                         pairs_aligned, y, y_off, ldy, M, N, K, n1, n2, alpha, accumulate))
     return;
   // Batches below one work-item's rows (decode) take their own tile (KernelTuning).
   const bool batch = M < t.gemm_bf16_rows;
@@ -506,7 +548,9 @@ void linear(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const W
     return;
   }
   if (compute == ComputeDType::F32 &&
-      packed_f32_rows(dev, x, x_off, ldx, {&w}, false, bias, y, y_off, ldy, M, alpha, accumulate))
+      (gemm_f32_amx_terms(dev, x, x_off, ldx, {&w}, false, bias, y, y_off, ldy, M, alpha,
+                          accumulate) ||
+       packed_f32_rows(dev, x, x_off, ldx, {&w}, false, bias, y, y_off, ldy, M, alpha, accumulate)))
     return;
   if (blas_linear_applies(dev, M, w, bias)) {
     blas_linear(dev, x, x_off, ldx, w, y, y_off, ldy, M, alpha, accumulate);
@@ -549,13 +593,16 @@ uint32_t common_k(const std::vector<const Weight*>& ws, const char* op) {
   return uint32_t(ws[0]->dim(1));
 }
 
-// linear_fused's kernel over `ws` (1 to 3 weights; with glu, gate and up), or from
-// gemm_bf16_packed_rows rows of bf16 weights the packed GEMM (packed_f32_rows).
+// linear_fused's kernel over `ws` (1 to 3 weights; with glu, gate and up), or for bf16 weights
+// AMX's with the rows as bf16 terms (gemm_f32_amx_terms, from gemm_f32_amx_rows rows) or from
+// gemm_bf16_packed_rows rows the packed GEMM (packed_f32_rows).
 void launch_fused(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx,
                   const std::vector<const Weight*>& ws, bool glu, const cl::Mem& y, uint32_t y_off,
                   uint32_t ldy, uint32_t M, float alpha, bool accumulate) {
   const uint32_t K = common_k(ws, glu ? "linear_swiglu" : "linear_fused");
-  if (packed_f32_rows(dev, x, x_off, ldx, ws, glu, nullptr, y, y_off, ldy, M, alpha, accumulate))
+  if (gemm_f32_amx_terms(dev, x, x_off, ldx, ws, glu, nullptr, y, y_off, ldy, M, alpha,
+                         accumulate) ||
+      packed_f32_rows(dev, x, x_off, ldx, ws, glu, nullptr, y, y_off, ldy, M, alpha, accumulate))
     return;
   uint32_t N = 0;
   uint32_t ends[3] = {0, 0, 0};

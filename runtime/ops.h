@@ -46,9 +46,12 @@ struct PackedGemmShape {
   bool fits = false;
   std::string options;
 };
-// x_f32: f32 rows as they are (bf16 weights; the portable micro-kernel), else the rounded rows;
+// The x rows of the packed GEMM: rounded to bf16 (compute_dtype bf16), f32 as they are (f32
+// compute over bf16 weights: the portable micro-kernel), or f32 as three bf16 terms each (f32
+// compute on AMX: linear_bf16.cl's bf16_terms, KernelTuning's gemm_f32_amx_rows).
+enum class PackedRows { Bf16, F32, F32Terms };
 // fp8: FP8 weights dequantized as they are packed (the NaN-code watch unless fp8_nan_free).
-PackedGemmShape packed_gemm_shape(const Device& dev, bool x_f32, bool glu, bool fp8,
+PackedGemmShape packed_gemm_shape(const Device& dev, PackedRows x, bool glu, bool fp8,
                                   bool fp8_nan_free, bool pairs_aligned, uint32_t K);
 
 // The build option of the CPU-shape GEMM kernels that turns on their next-tile weight prefetch

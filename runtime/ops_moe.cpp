@@ -403,9 +403,9 @@ void grouped_bf16_launch(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::
     throw std::invalid_argument("moe_grouped_linear: bf16 compute over token rows needs x_count");
   const bool fp8 = g.dtype == DType::F8_E4M3;
   const uint32_t packed_from = bf16_packed_rows_from(dev);
-  const PackedGemmShape shape =
-      packed_from != 0 ? packed_gemm_shape(dev, false, glu, fp8, g.fp8_nan_free, false, K)
-                       : PackedGemmShape{};
+  const PackedGemmShape shape = packed_from != 0 ? packed_gemm_shape(dev, PackedRows::Bf16, glu,
+                                                                     fp8, g.fp8_nan_free, false, K)
+                                                 : PackedGemmShape{};
   const bool packed = packed_from != 0 && shape.fits;
   const bool gather = packed && x_rows != nullptr;
   const uint32_t rows = x_rows && !gather ? x_count : plan.rows;

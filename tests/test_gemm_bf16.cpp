@@ -329,11 +329,15 @@ TEST_P(GemmBf16, SwigluWithNormMatchesDoubleReference) {
 // tiles: linear (bias, alpha, accumulate, an offset and padded rows), linear_fused (three weights
 // side by side) and linear_swiglu, each against the double reference on the unrounded rows within
 // the bound of the GEMM that ran. Where the packed GEMM runs, the tiles (packed GEMM off) must give
-// other bits for over a tenth of the outputs: the cases do reach it.
+// other bits for over a tenth of the outputs: the cases do reach it. (AMX's f32 terms, which would
+// take these rows on a host with AMX, are off: GemmF32AmxTerms.)
 TEST_P(GemmBf16, F32RowsOverBf16WeightsMatchDoubleReference) {
   const GemmCase& c = GetParam();
   Device& dev = test::default_device();
   DeviceScope scope(dev, c);
+  KernelTuning no_terms = dev.tuning();
+  no_terms.gemm_f32_amx_rows = 0;
+  test::TuningScope fma_kernels(dev, no_terms);
   const uint32_t M = c.M, N = c.N, K = c.K, ldx = K + 3, ldy = 4 * N + 10;
   // f32 rows take the packed GEMM from gemm_bf16_packed_rows rows (AMX's threshold is bf16's).
   const uint32_t from = dev.tuning().gemm_bf16_packed_rows;
@@ -728,6 +732,148 @@ TEST(GemmBf16Packed, AmxStreamGetsThePackedGemmsBits) {
           }
           if (amx) EXPECT_GT(differ, streamed[op].size() / 10) << "AMX must have run";
         }
+      }
+    }
+  }
+}
+
+// compute_dtype f32 over bf16 weights with AMX (from KernelTuning's gemm_f32_amx_rows rows, here
+// set to 4): each f32 row as three bf16 terms whose sum is the row exactly (linear_bf16.cl's
+// bf16_terms), each term's products with the bf16 weights exact in f32. Through identity weights (N
+// = K; and q/k/v, the identity's rows over three weights starting at rows 37 and 56) every output
+// is one element of x times 1 plus zeros, so its terms add without rounding: y must equal x bit for
+// bit, where one term gives bf16(x) and two lose x's last 8 significand bits. Over 4, 9, 17 and 32
+// rows (the streaming GEMM, one and two tiles of batch rows) and 33 and 70 (the packed one), K =
+// 333 (staged last groups) and 2100 (the packed GEMM in two panel chunks). The rows: random values
+// with all 24 significand bits in use and exponents over [2^-27, 2^24], and +-3e38 (a rounded
+// first term would overflow) and +-1e-30. (Values below 2^-110 or so would lose their last terms
+// to AMX's flush of bf16 denormals, and -0.0 comes back +0.0, as from every f32 kernel: sums start
+// at +0.) Where the device does not select AMX, the f32 kernels give x too.
+TEST(GemmF32AmxTerms, IdentityWeightsGiveTheRowsBackBitForBit) {
+  Device& dev = test::default_device();
+  test::ShapeScope shape(dev, KernelShape::Chunks);
+  KernelTuning t = dev.tuning();
+  t.gemm_f32_amx_rows = 4;
+  test::TuningScope from4(dev, t);
+  std::mt19937 rng(7);
+  for (const uint32_t K : {333u, 2100u}) {
+    std::vector<float> eye(size_t(K) * K, 0.0f);
+    for (uint32_t k = 0; k < K; ++k) eye[size_t(k) * K + k] = 1.0f;
+    const Weight w = bf16_weight(dev, eye, {K, K}, "eye");
+    std::vector<Weight> qkv;
+    const uint32_t starts[4] = {0, 37, 56, K};
+    for (int i = 0; i < 3; ++i) {
+      std::vector<float> part(eye.begin() + size_t(starts[i]) * K,
+                              eye.begin() + size_t(starts[i + 1]) * K);
+      qkv.push_back(bf16_weight(dev, part, {starts[i + 1] - starts[i], K}, "qkv"));
+    }
+    for (const uint32_t M : {4u, 9u, 17u, 32u, 33u, 70u}) {
+      std::vector<float> x(size_t(M) * K);
+      for (float& v : x) {
+        const uint32_t bits = (uint32_t(rng()) & 0x807FFFFFu) | 1u | ((100u + rng() % 51) << 23);
+        std::memcpy(&v, &bits, 4);
+      }
+      const float special[] = {3e38f, -3e38f, 1e-30f, -1e-30f};
+      for (size_t i = 0; i < std::size(special); ++i) x[i * (K + 1) % x.size()] = special[i];
+      cl::Mem xm = test::upload_bytes(dev, x.data(), x.size() * 4);
+      cl::Mem y = dev.alloc(x.size() * 4), q = dev.alloc(x.size() * 4);
+      ops::linear(dev, xm, 0, K, w, nullptr, y, 0, K, M, 1.0f, false, ComputeDType::F32);
+      ops::linear_fused(dev, xm, 0, K, nullptr, nullptr, 0.0f, {&qkv[0], &qkv[1], &qkv[2]}, q, 0, K,
+                        M, 1.0f, false, ComputeDType::F32);
+      const std::vector<float> yl = download(dev, y, x.size()), yq = download(dev, q, x.size());
+      for (size_t i = 0; i < x.size(); ++i) {
+        ASSERT_EQ(std::memcmp(&yl[i], &x[i], 4), 0)
+            << "linear K " << K << " M " << M << " at " << i << ": " << yl[i] << " for " << x[i];
+        ASSERT_EQ(std::memcmp(&yq[i], &x[i], 4), 0)
+            << "q/k/v K " << K << " M " << M << " at " << i << ": " << yq[i] << " for " << x[i];
+      }
+    }
+  }
+}
+
+// The same GEMMs on random rows against the double reference on the unrounded rows: linear with a
+// bias, alpha 0.5 and accumulation into a strided y, q/k/v whose second and third weights start
+// off a 16-row group, and GLU, N = 90, over the rows and K of the test above. The bound: three
+// times the packed chain's (tolerance), since each group of 16 pair steps adds three terms'
+// products (the second and third 2^-8 and 2^-16 of the first), each tdpbf16ps rounding in its own
+// order. That AMX ran: over a tenth of the outputs differ from the f32 kernels'
+// (gemm_f32_amx_rows 0); without AMX the bits are the f32 kernels' with the field 4 and 0.
+TEST(GemmF32AmxTerms, RandomRowsMatchDoubleReferenceAndRunWhereSelected) {
+  Device& dev = test::default_device();
+  test::ShapeScope shape(dev, KernelShape::Chunks);
+  const bool amx = ops::bf16_amx(dev);
+  const uint32_t N = 90, ldy = N + 3;
+  const uint32_t Ns[3] = {37, 19, 34};
+  for (const uint32_t K : {333u, 2100u}) {
+    std::vector<float> x = random_vec(size_t(70) * K, 81, 4.0f), wv = random_vec(size_t(N) * K, 82),
+                       uv = random_vec(size_t(N) * K, 83), bv = random_vec(N, 84),
+                       y0 = random_vec(size_t(70) * ldy, 85);
+    Weight w = bf16_weight(dev, wv, {N, K}, "w"), u = bf16_weight(dev, uv, {N, K}, "u"),
+           b = bf16_weight(dev, bv, {N}, "b");
+    std::vector<std::vector<float>> qv;
+    std::vector<Weight> qkv;
+    for (int i = 0; i < 3; ++i) {
+      qv.push_back(random_vec(size_t(Ns[i]) * K, 86 + i));
+      qkv.push_back(bf16_weight(dev, qv.back(), {Ns[i], K}, "qkv" + std::to_string(i)));
+    }
+    cl::Mem xm = test::upload_bytes(dev, x.data(), x.size() * 4);
+    for (const uint32_t M : {4u, 9u, 17u, 32u, 33u, 70u}) {
+      SCOPED_TRACE("K " + std::to_string(K) + " M " + std::to_string(M));
+      // 0: linear (bias, alpha 0.5, accumulating), 1: q/k/v, 2: GLU; each [M, ldy].
+      auto run = [&](uint32_t from) {
+        KernelTuning t = dev.tuning();
+        t.gemm_f32_amx_rows = from;
+        test::TuningScope scope(dev, t);
+        std::vector<std::vector<float>> out;
+        for (int op = 0; op < 3; ++op) {
+          cl::Mem y = test::upload_bytes(dev, y0.data(), size_t(M) * ldy * 4);
+          if (op == 0)
+            ops::linear(dev, xm, 0, K, w, &b, y, 0, ldy, M, 0.5f, true, ComputeDType::F32);
+          else if (op == 1)
+            ops::linear_fused(dev, xm, 0, K, nullptr, nullptr, 0.0f, {&qkv[0], &qkv[1], &qkv[2]}, y,
+                              0, ldy, M, 1.0f, false, ComputeDType::F32);
+          else
+            ops::linear_swiglu(dev, xm, 0, K, nullptr, 0.0f, w, u, y, 0, ldy, M, ComputeDType::F32);
+          out.push_back(download(dev, y, size_t(M) * ldy));
+        }
+        return out;
+      };
+      const auto terms = run(4), fma = run(0);
+      auto product = [&](const std::vector<float>& wt, uint32_t m, uint32_t n) {
+        return sums_of(K, [&](uint32_t k) { return double(x[m * K + k]) * wt[size_t(n) * K + k]; });
+      };
+      auto bound = [&](const Sums& s, double extra = 0) {
+        return 3 * tolerance(K, s, true, extra);
+      };
+      for (uint32_t m = 0; m < M; ++m) {
+        const float* y = &terms[0][size_t(m) * ldy];
+        const float* q = &terms[1][size_t(m) * ldy];
+        const float* g = &terms[2][size_t(m) * ldy];
+        for (uint32_t n = 0; n < N; ++n) {
+          const Sums s = product(wv, m, n), su = product(uv, m, n);
+          const double want = 0.5 * (s.sum + bv[n]) + y0[size_t(m) * ldy + n];
+          ASSERT_NEAR(y[n], want, 0.5 * bound(s, bv[n]) + 2 * FLT_EPSILON * std::abs(want))
+              << "linear m " << m << " n " << n;
+          const double eg = bound(s), eu = bound(su), silu = s.sum / (1 + std::exp(-s.sum));
+          ASSERT_NEAR(g[n], silu * su.sum,
+                      1.1 * eg * (std::abs(su.sum) + eu) + std::abs(silu) * eu +
+                          8 * FLT_EPSILON * std::abs(silu * su.sum))
+              << "swiglu m " << m << " n " << n;
+        }
+        for (uint32_t i = 0, col = 0; i < 3; ++i)
+          for (uint32_t n = 0; n < Ns[i]; ++n, ++col) {
+            const Sums s = product(qv[i], m, n);
+            ASSERT_NEAR(q[col], s.sum, bound(s)) << "q/k/v m " << m << " column " << col;
+          }
+      }
+      for (int op = 0; op < 3; ++op) {
+        size_t differ = 0;
+        for (size_t i = 0; i < terms[op].size(); ++i)
+          differ += std::memcmp(&terms[op][i], &fma[op][i], 4) != 0;
+        if (amx)
+          EXPECT_GT(differ, terms[op].size() / 10) << "AMX must have run, op " << op;
+        else
+          EXPECT_EQ(differ, 0u) << "op " << op;
       }
     }
   }

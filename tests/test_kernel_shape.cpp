@@ -171,7 +171,8 @@ TEST(KernelTuningFile, AnEntryOverridesTheBuiltInRowForItsDeviceOnly) {
   EXPECT_EQ(error_of().rfind(prefix + "attn_wg: expected one of the fields (norm_wg, ", 0), 0u)
       << error_of();
   EXPECT_NE(error_of().find("with a positive integer (blas_gemm_rows, gemm_bf16_packed_rows, "
-                            "gemm_bf16_amx_stream_rows: 0 for never; weight_prefetch, "
+                            "gemm_bf16_amx_stream_rows, gemm_f32_amx_rows: 0 for never; "
+                            "weight_prefetch, "
                             "stream_prefetch, gemv_stream_prefetch, "
                             "gemm_bf16_dot, gemm_bf16_amx: 0 for off), got 0"),
             std::string::npos)
@@ -196,8 +197,9 @@ TEST(KernelTuningFile, AnEntryOverridesTheBuiltInRowForItsDeviceOnly) {
   want = builtin_kernel_tuning(info);
   want.gemv_stream_prefetch = 0;
   EXPECT_EQ(lookup_kernel_tuning(info), want);
-  write({{"gemm_bf16_dot", 0}, {"gemm_bf16_amx", 0}});
+  write({{"gemm_bf16_dot", 0}, {"gemm_bf16_amx", 0}, {"gemm_f32_amx_rows", 0}});
   want = builtin_kernel_tuning(info);
+  want.gemm_f32_amx_rows = 0;
   want.gemm_bf16_dot = want.gemm_bf16_amx = 0;
   EXPECT_EQ(lookup_kernel_tuning(info), want);
   write({{"warp_size", 32}});

@@ -674,10 +674,12 @@ TEST_P(GroupedExperts, MatchPerExpertOpsBitForBit) {
   }
   // The f32 path: the grouped experts run the f32 tiles at any row count, and so does the
   // reference (the packed GEMM, which ops::linear takes for bf16 weights from
-  // gemm_bf16_packed_rows rows, sums in another order: off).
+  // gemm_bf16_packed_rows rows, and AMX's f32 terms, from gemm_f32_amx_rows rows, sum in other
+  // orders: off).
   if (!bf16_path) {
     KernelTuning f32_tiles = dev.tuning();
     f32_tiles.gemm_bf16_packed_rows = 0;
+    f32_tiles.gemm_f32_amx_rows = 0;
     test::TuningScope f32_scope(dev, f32_tiles);
     for (uint32_t e = 0; e < c.E; ++e) {
       const uint32_t b = host.expert_offsets[e], n = host.expert_offsets[e + 1] - b;
