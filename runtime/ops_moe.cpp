@@ -431,6 +431,40 @@ void grouped_bf16_launch(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::
                  glu ? tn / 2 : tn, false, packed ? packed_from : 0);
 }
 
+// compute_dtype f32 over bf16 experts with AMX, as ops::linear's GEMMs from gemm_f32_amx_rows
+// rows (ops.cpp's gemm_f32_amx_terms): the experts of that many rows or more in
+// moe_grouped_packed over their rows' three bf16 terms (round_bf16 -DX_SPLIT=3, in plan order),
+// each expert's rows getting the bits ops::linear gives that many rows. Returns the row count
+// from which it took the experts, for the f32 tiles to leave them (0: none, launching nothing:
+// another dtype or shape, no AMX, the field 0, a panel that does not fit).
+uint32_t grouped_f32_amx_terms(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::Mem* x_rows,
+                               const GroupedExperts& g, uint32_t slot0, uint32_t n_mats,
+                               const GroupedPlan& plan, const cl::Mem& y, uint32_t ldy,
+                               ComputeDType compute) {
+  const uint32_t from = dev.tuning().gemm_f32_amx_rows;
+  if (compute != ComputeDType::F32 || g.dtype != DType::BF16 || from == 0 ||
+      dev.kernel_shape() != KernelShape::Chunks || !bf16_amx(dev))
+    return 0;
+  const bool down = slot0 == 2;
+  const uint32_t N = down ? g.hidden : g.inter, K = down ? g.inter : g.hidden;
+  const PackedGemmShape shape =
+      packed_gemm_shape(dev, PackedRows::F32Terms, false, false, false, false, K);
+  if (!shape.fits) return 0;
+  const uint32_t ldr = bf16_gemm_row_stride(K);
+  Scratch terms(dev, size_t(plan.rows) * 3 * ldr * 2);
+  {
+    cl::Kernel k = dev.kernel("linear_bf16.cl", "round_bf16", "-DX_SPLIT=3");
+    cl::set_args(k, x, 0, ldx, x_rows ? *x_rows : x, int(x_rows != nullptr), terms.mem(), ldr, K);
+    dev.launch(k, {(K + 63) / 64, plan.rows, 1}, 2);
+  }
+  cl::Kernel k = dev.kernel("moe.cl", "moe_grouped_packed", "-DGROUPED_PACKED=1" + shape.options);
+  cl::set_args(k, terms.mem(), 3 * ldr, g.mem, g.mem, g.table, slot0, n_mats, plan.tiles.mem(),
+               plan.tile_count.mem(), plan.expert_offsets.mem(), plan.rows_per_tile, from, y, ldy,
+               N, K);
+  dev.launch(k, {ceil_div(N, shape.tile_cols) * n_mats, plan.max_tiles, 1}, 2);
+  return from;
+}
+
 }  // namespace
 
 void moe_grouped_swiglu(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::Mem* x_rows,
@@ -476,6 +510,8 @@ void moe_grouped_linear(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::M
     grouped_bf16_launch(dev, x, ldx, x_rows, x_count, g, slot0, n_mats, false, plan, y, ldy);
     return;
   }
+  const uint32_t terms_from =
+      grouped_f32_amx_terms(dev, x, ldx, x_rows, g, slot0, n_mats, plan, y, ldy, compute);
   switch (g.dtype) {
     case DType::F32: opts += " -DWEIGHT_TYPE=0"; break;
     case DType::BF16: opts += " -DWEIGHT_TYPE=1"; break;
@@ -519,7 +555,8 @@ void moe_grouped_linear(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::M
     return;
   }
   cl::Kernel k = dev.kernel("moe.cl", "moe_grouped_linear", opts);
-  launch_grouped(dev, k, x, ldx, x_rows, g, slot0, n_mats, plan, y, ldy, N, K, tn, in_turn);
+  launch_grouped(dev, k, x, ldx, x_rows, g, slot0, n_mats, plan, y, ldy, N, K, tn, in_turn,
+                 terms_from);
 }
 
 }  // namespace ops

@@ -555,6 +555,9 @@ struct Case {
   // bf16 compute: KernelTuning::gemm_bf16_packed_rows (0: the device's), and the experts must then
   // fall on both sides of ops::bf16_packed_rows_from (the packed GEMM and the dot-product tiles).
   uint32_t packed_rows = 0;
+  // f32 compute over bf16 experts where the device selects AMX: experts must fall on both sides of
+  // gemm_f32_amx_rows (AMX's f32 terms and the f32 tiles).
+  bool f32_terms_both = false;
 };
 
 class GroupedExperts : public ::testing::TestWithParam<Case> {};
@@ -674,22 +677,33 @@ TEST_P(GroupedExperts, MatchPerExpertOpsBitForBit) {
   }
   // The f32 path: the grouped experts run the f32 tiles at any row count, and so does the
   // reference (the packed GEMM, which ops::linear takes for bf16 weights from
-  // gemm_bf16_packed_rows rows, and AMX's f32 terms, from gemm_f32_amx_rows rows, sum in other
-  // orders: off).
+  // gemm_bf16_packed_rows rows, sums in another order: off), but for bf16 experts of
+  // gemm_f32_amx_rows rows or more where the device selects AMX, which run on their rows' bf16
+  // terms (moe_grouped_packed, -DX_SPLIT=3): their reference is ops::linear over their own rows
+  // with AMX's terms, the streaming GEMM up to 32 rows and the packed one beyond.
   if (!bf16_path) {
-    KernelTuning f32_tiles = dev.tuning();
-    f32_tiles.gemm_bf16_packed_rows = 0;
-    f32_tiles.gemm_f32_amx_rows = 0;
-    test::TuningScope f32_scope(dev, f32_tiles);
+    const uint32_t terms_from =
+        c.dtype == DType::BF16 && c.shape == KernelShape::Chunks && ops::bf16_amx(dev)
+            ? dev.tuning().gemm_f32_amx_rows
+            : 0;
+    uint32_t with_terms = 0, without = 0;
     for (uint32_t e = 0; e < c.E; ++e) {
       const uint32_t b = host.expert_offsets[e], n = host.expert_offsets[e + 1] - b;
       if (n == 0) continue;
+      const bool terms = terms_from != 0 && n >= terms_from;
+      ++(terms ? with_terms : without);
+      KernelTuning f32_tiles = dev.tuning();
+      f32_tiles.gemm_bf16_packed_rows = 0;
+      if (!terms) f32_tiles.gemm_f32_amx_rows = 0;
+      test::TuningScope f32_scope(dev, f32_tiles);
       linear_of(dev, xg, b * c.H, c.H, ex.w[e][0], ex.s[e][0], gu_ref, b * F2, F2, n);
       linear_of(dev, xg, b * c.H, c.H, ex.w[e][1], ex.s[e][1], gu_ref, b * F2 + c.F, F2, n);
+      // down reads the grouped gate|up rows, as the grouped down did.
+      linear_of(dev, gu, b * F2, F2, ex.w[e][2], ex.s[e][2], out_ref, b * c.H, c.H, n);
     }
-    for (uint32_t e = 0; e < c.E; ++e) {
-      const uint32_t b = host.expert_offsets[e], n = host.expert_offsets[e + 1] - b;
-      if (n > 0) linear_of(dev, gu, b * F2, F2, ex.w[e][2], ex.s[e][2], out_ref, b * c.H, c.H, n);
+    if (c.f32_terms_both && terms_from != 0) {
+      EXPECT_GT(with_terms, 0u) << "no expert of " << terms_from << " rows or more";
+      EXPECT_GT(without, 0u) << "no expert of fewer than " << terms_from << " rows";
     }
   }
   // The experts' SwiGLU in one op against the gate|up rows above followed by silu_mul: bit for
@@ -838,6 +852,13 @@ INSTANTIATE_TEST_SUITE_P(
                       // An expert of more rows than a CPU tile takes (256; the shared expert's
                       // 300 here): two tiles, in f32 and in bf16 compute (FP8 panels).
                       Case{DType::BF16, 300, 2, 3, 48, 20, true},
+                      // f32 compute with AMX: experts below gemm_f32_amx_rows (16: 8-15 rows),
+                      // at it, between it and 32 rows (18, 19: ops::linear's streaming GEMM) and
+                      // past 32 (the shared expert's 40: the packed one); K = 70 and 45.
+                      Case{DType::BF16, 40, 2, 7, 70, 45, true, KernelShape::Chunks, 0, false,
+                           ComputeDType::F32, false, false, 0, true},
+                      Case{DType::BF16, 28, 2, 4, 70, 45, false, KernelShape::Chunks, 0, false,
+                           ComputeDType::F32, false, false, 0, true},
                       Case{DType::F8_E4M3, 300, 2, 3, 200, 136, true, KernelShape::Chunks, 0, false,
                            ComputeDType::BF16}),
     [](const ::testing::TestParamInfo<Case>& i) {
@@ -849,7 +870,8 @@ INSTANTIATE_TEST_SUITE_P(
              (i.param.compute == ComputeDType::BF16 ? "_bf16compute" : "") +
              (i.param.portable ? "_portable" : "") + (i.param.f16_decode ? "_f16decode" : "") +
              (i.param.packed_rows ? "_packed" + std::to_string(i.param.packed_rows) : "") +
-             (i.param.H > 1024 ? "_H" + std::to_string(i.param.H) : "");
+             (i.param.H > 1024 ? "_H" + std::to_string(i.param.H) : "") +
+             (i.param.f32_terms_both ? "_f32terms" : "");
     });
 
 }  // namespace grouped
