@@ -659,6 +659,58 @@ TEST(GemmBf16Packed, AmxTakesThePackedGemmFromItsRows) {
   }
 }
 
+// The inputs of the AMX tests below, drawn from seeds seed .. seed + 7: x [rows, K] (scale 4), w
+// and u [N, K], bias b [N], q/k/v's three weights of Ns rows and y0 [rows, ldy]; wv, uv, bv and qv
+// the weights' values as the kernels see them (rounded to bf16).
+struct AmxInputs {
+  std::vector<float> x, wv, uv, bv, y0;
+  std::vector<std::vector<float>> qv;
+  Weight w, u, b;
+  std::vector<Weight> qkv;
+  cl::Mem xm;
+};
+AmxInputs amx_inputs(Device& dev, uint32_t rows, uint32_t K, uint32_t N, uint32_t ldy,
+                     const uint32_t (&Ns)[3], uint32_t seed) {
+  AmxInputs in;
+  in.x = random_vec(size_t(rows) * K, seed, 4.0f);
+  in.wv = random_vec(size_t(N) * K, seed + 1);
+  in.uv = random_vec(size_t(N) * K, seed + 2);
+  in.bv = random_vec(N, seed + 3);
+  in.y0 = random_vec(size_t(rows) * ldy, seed + 4);
+  in.w = bf16_weight(dev, in.wv, {N, K}, "w");
+  in.u = bf16_weight(dev, in.uv, {N, K}, "u");
+  in.b = bf16_weight(dev, in.bv, {N}, "b");
+  for (uint32_t i = 0; i < 3; ++i) {
+    in.qv.push_back(random_vec(size_t(Ns[i]) * K, seed + 5 + i));
+    in.qkv.push_back(bf16_weight(dev, in.qv.back(), {Ns[i], K}, "qkv" + std::to_string(i)));
+  }
+  in.xm = test::upload_bytes(dev, in.x.data(), in.x.size() * 4);
+  return in;
+}
+
+// The three GEMMs of the AMX tests below over x's M rows at `compute`, each into a copy of y0's
+// first M rows [M, ldy]: 0, linear with w and bias b, alpha 0.5, accumulating; 1, q/k/v's three
+// weights side by side; 2, GLU with gate w and up u.
+std::vector<std::vector<float>> three_products(Device& dev, ComputeDType compute, const cl::Mem& xm,
+                                               uint32_t K, const Weight& w, const Weight& b,
+                                               const Weight& u, const std::vector<Weight>& qkv,
+                                               const std::vector<float>& y0, uint32_t M,
+                                               uint32_t ldy) {
+  std::vector<std::vector<float>> out;
+  for (int op = 0; op < 3; ++op) {
+    cl::Mem y = test::upload_bytes(dev, y0.data(), size_t(M) * ldy * 4);
+    if (op == 0)
+      ops::linear(dev, xm, 0, K, w, &b, y, 0, ldy, M, 0.5f, true, compute);
+    else if (op == 1)
+      ops::linear_fused(dev, xm, 0, K, nullptr, nullptr, 0.0f, {&qkv[0], &qkv[1], &qkv[2]}, y, 0,
+                        ldy, M, 1.0f, false, compute);
+    else
+      ops::linear_swiglu(dev, xm, 0, K, nullptr, 0.0f, w, u, y, 0, ldy, M, compute);
+    out.push_back(download(dev, y, size_t(M) * ldy));
+  }
+  return out;
+}
+
 // Decode batches with AMX (up to gemm_bf16_amx_stream_rows rows) read the bf16 weights where they
 // lie as AMX's A operand (bf16_amx_stream.cl): each output gets the bits of the packed GEMM's AMX
 // tiles over the same rows, whose operands it exchanges (tdpbf16ps adds a group's products in the
@@ -676,17 +728,7 @@ TEST(GemmBf16Packed, AmxStreamGetsThePackedGemmsBits) {
   const uint32_t N = 90, ldy = N + 3;
   const uint32_t Ns[3] = {37, 19, 34};  // q/k/v: k starts at 37, v at 56
   for (const uint32_t K : {333u, 2048u}) {
-    std::vector<float> x = random_vec(size_t(32) * K, 91, 4.0f), wv = random_vec(size_t(N) * K, 92),
-                       uv = random_vec(size_t(N) * K, 93), bv = random_vec(N, 94),
-                       y0 = random_vec(size_t(32) * ldy, 95);
-    Weight w = bf16_weight(dev, wv, {N, K}, "w"), u = bf16_weight(dev, uv, {N, K}, "u"),
-           b = bf16_weight(dev, bv, {N}, "b");
-    std::vector<Weight> qkv;
-    for (int i = 0; i < 3; ++i) {
-      std::vector<float> v = random_vec(size_t(Ns[i]) * K, 96 + i);
-      qkv.push_back(bf16_weight(dev, v, {Ns[i], K}, "qkv" + std::to_string(i)));
-    }
-    cl::Mem xm = test::upload_bytes(dev, x.data(), x.size() * 4);
+    const AmxInputs in = amx_inputs(dev, 32, K, N, ldy, Ns, 91);
     for (const uint32_t M : {4u, 9u, 16u, 23u, 32u}) {
       // 0: linear (bias, alpha 0.5, accumulating), 1: q/k/v, 2: GLU; each [M, ldy].
       auto run = [&](uint32_t stream_rows, uint32_t packed_rows, uint32_t na) {
@@ -696,20 +738,8 @@ TEST(GemmBf16Packed, AmxStreamGetsThePackedGemmsBits) {
         t.gemm_bf16_packed_rows = packed_rows;
         t.gemm_bf16_amx_rows = 1;
         test::TuningScope scope(dev, t);
-        std::vector<std::vector<float>> out;
-        for (int op = 0; op < 3; ++op) {
-          cl::Mem y = test::upload_bytes(dev, y0.data(), size_t(M) * ldy * 4);
-          if (op == 0)
-            ops::linear(dev, xm, 0, K, w, &b, y, 0, ldy, M, 0.5f, true, ComputeDType::BF16);
-          else if (op == 1)
-            ops::linear_fused(dev, xm, 0, K, nullptr, nullptr, 0.0f, {&qkv[0], &qkv[1], &qkv[2]}, y,
-                              0, ldy, M, 1.0f, false, ComputeDType::BF16);
-          else
-            ops::linear_swiglu(dev, xm, 0, K, nullptr, 0.0f, w, u, y, 0, ldy, M,
-                               ComputeDType::BF16);
-          out.push_back(download(dev, y, size_t(M) * ldy));
-        }
-        return out;
+        return three_products(dev, ComputeDType::BF16, in.xm, K, in.w, in.b, in.u, in.qkv, in.y0, M,
+                              ldy);
       };
       const bool amx = ops::bf16_amx(dev);
       {
@@ -805,18 +835,8 @@ TEST(GemmF32AmxTerms, RandomRowsMatchDoubleReferenceAndRunWhereSelected) {
   const uint32_t N = 90, ldy = N + 3;
   const uint32_t Ns[3] = {37, 19, 34};
   for (const uint32_t K : {333u, 2100u}) {
-    std::vector<float> x = random_vec(size_t(70) * K, 81, 4.0f), wv = random_vec(size_t(N) * K, 82),
-                       uv = random_vec(size_t(N) * K, 83), bv = random_vec(N, 84),
-                       y0 = random_vec(size_t(70) * ldy, 85);
-    Weight w = bf16_weight(dev, wv, {N, K}, "w"), u = bf16_weight(dev, uv, {N, K}, "u"),
-           b = bf16_weight(dev, bv, {N}, "b");
-    std::vector<std::vector<float>> qv;
-    std::vector<Weight> qkv;
-    for (int i = 0; i < 3; ++i) {
-      qv.push_back(random_vec(size_t(Ns[i]) * K, 86 + i));
-      qkv.push_back(bf16_weight(dev, qv.back(), {Ns[i], K}, "qkv" + std::to_string(i)));
-    }
-    cl::Mem xm = test::upload_bytes(dev, x.data(), x.size() * 4);
+    const AmxInputs in = amx_inputs(dev, 70, K, N, ldy, Ns, 81);
+    const std::vector<float>&x = in.x, &wv = in.wv, &uv = in.uv, &bv = in.bv, &y0 = in.y0;
     for (const uint32_t M : {4u, 9u, 17u, 32u, 33u, 70u}) {
       SCOPED_TRACE("K " + std::to_string(K) + " M " + std::to_string(M));
       // 0: linear (bias, alpha 0.5, accumulating), 1: q/k/v, 2: GLU; each [M, ldy].
@@ -824,19 +844,8 @@ TEST(GemmF32AmxTerms, RandomRowsMatchDoubleReferenceAndRunWhereSelected) {
         KernelTuning t = dev.tuning();
         t.gemm_f32_amx_rows = from;
         test::TuningScope scope(dev, t);
-        std::vector<std::vector<float>> out;
-        for (int op = 0; op < 3; ++op) {
-          cl::Mem y = test::upload_bytes(dev, y0.data(), size_t(M) * ldy * 4);
-          if (op == 0)
-            ops::linear(dev, xm, 0, K, w, &b, y, 0, ldy, M, 0.5f, true, ComputeDType::F32);
-          else if (op == 1)
-            ops::linear_fused(dev, xm, 0, K, nullptr, nullptr, 0.0f, {&qkv[0], &qkv[1], &qkv[2]}, y,
-                              0, ldy, M, 1.0f, false, ComputeDType::F32);
-          else
-            ops::linear_swiglu(dev, xm, 0, K, nullptr, 0.0f, w, u, y, 0, ldy, M, ComputeDType::F32);
-          out.push_back(download(dev, y, size_t(M) * ldy));
-        }
-        return out;
+        return three_products(dev, ComputeDType::F32, in.xm, K, in.w, in.b, in.u, in.qkv, in.y0, M,
+                              ldy);
       };
       const auto terms = run(4), fma = run(0);
       auto product = [&](const std::vector<float>& wt, uint32_t m, uint32_t n) {
@@ -862,7 +871,7 @@ TEST(GemmF32AmxTerms, RandomRowsMatchDoubleReferenceAndRunWhereSelected) {
         }
         for (uint32_t i = 0, col = 0; i < 3; ++i)
           for (uint32_t n = 0; n < Ns[i]; ++n, ++col) {
-            const Sums s = product(qv[i], m, n);
+            const Sums s = product(in.qv[i], m, n);
             ASSERT_NEAR(q[col], s.sum, bound(s)) << "q/k/v m " << m << " column " << col;
           }
       }
