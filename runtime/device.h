@@ -118,8 +118,9 @@ struct KernelTuning {
   // the row exactly (linear_bf16.cl's bf16_terms): each product exact, the sums in f32, as the f32
   // FMA kernels give them but in AMX's order. Up to gemm_bf16_amx_stream_rows rows the streaming
   // GEMM, the packed one beyond. On the 2-core Xeon with AMX, llama3-1b's decode step
-  // (bench_decode_breakdown --tuning-ab, 4-6 rounds in turn) at 16 rows 1.9x and at 32 2.1x the
-  // f32 tiles' speed, at 8 0.95-1.06x and at 4 0.55x, hence 16.
+  // (bench_decode_breakdown --tuning-ab, 4-6 rounds in turn) took at 32 rows 314 against 655 ms
+  // with the f32 kernels, at 16 193 against 369, at 8 197 against 209 and at 4 207 against 113
+  // (AMX bound by its products there, not by the weight reads), hence 16.
   uint32_t gemm_f32_amx_rows = 16;
   // GPU-shape GEMMs of at least this many rows go to CLBlast's tuned SGEMM (ops_blas.h; bf16
   // weights widened to f32 first); 0: never. Set in the rows of devices where it measured faster.
