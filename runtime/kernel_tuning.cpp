@@ -224,12 +224,9 @@ void apply_file(const DeviceInfo& info, KernelTuning& t) {
         for (const std::string& n : kernel_tuning_fields()) names += (names.empty() ? "" : ", ") + n;
         throw std::runtime_error(
             where + ".tuning." + field + ": expected one of the fields (" + names +
-            ") with a positive integer (blas_gemm_rows, "
-            "gemm_bf16_packed_rows, gemm_bf16_amx_stream_rows, gemm_f32_amx_rows: 0 "
-            "for "
-            "never; weight_prefetch, "
-            "stream_prefetch, gemv_stream_prefetch, gemm_bf16_dot, "
-            "gemm_bf16_amx: 0 for off), "
+            ") with a positive integer (blas_gemm_rows, gemm_bf16_packed_rows, "
+            "gemm_bf16_amx_stream_rows, gemm_f32_amx_rows: 0 for never; weight_prefetch, "
+            "stream_prefetch, gemv_stream_prefetch, gemm_bf16_dot, gemm_bf16_amx: 0 for off), "
             "got " +
             value.dump());
       }

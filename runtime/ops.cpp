@@ -278,11 +278,7 @@ bool gemm_f32_amx_terms(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t 
   }
   const uint32_t K = uint32_t(ws[0]->dim(1)), ldr = bf16_gemm_row_stride(K);
   Scratch terms(dev, size_t(M) * 3 * ldr * 2);
-  {
-    cl::Kernel k = dev.kernel("linear_bf16.cl", "round_bf16", "-DX_SPLIT=3");
-    cl::set_args(k, x, x_off, ldx, x, 0, terms.mem(), ldr, K);
-    dev.launch(k, {(K + 63) / 64, M, 1}, 2);
-  }
+  bf16_terms(dev, x, x_off, ldx, M, K, terms.mem(), ldr);
   const WeightColumns wc = weight_columns(ws, glu, false);
   return launch_bf16_packed(dev, terms.mem(), 0, 3 * ldr, PackedRows::F32Terms, ws, glu, bias,
                             nullptr, wc.pairs_aligned, y, y_off, ldy, M, wc.N, K, wc.n1, wc.n2,
@@ -491,12 +487,25 @@ std::string weight_prefetch_option(const Device& dev) {
   return "";
 }
 
-void round_bf16(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, uint32_t M, uint32_t K,
-                const cl::Mem& xb, uint32_t ldxb, bool as_f32, const cl::Mem* x_rows) {
+namespace {
+void launch_round_bf16(Device& dev, const std::string& options, const cl::Mem& x, uint32_t x_off,
+                       uint32_t ldx, uint32_t M, uint32_t K, const cl::Mem& xb, uint32_t ldxb,
+                       const cl::Mem* x_rows) {
   if (M == 0 || K == 0) return;
-  cl::Kernel k = dev.kernel("linear_bf16.cl", "round_bf16", as_f32 ? "-DOUT_F32=1" : "");
+  cl::Kernel k = dev.kernel("linear_bf16.cl", "round_bf16", options);
   cl::set_args(k, x, x_off, ldx, x_rows ? *x_rows : x, int(x_rows != nullptr), xb, ldxb, K);
   dev.launch(k, {(K + 63) / 64, M, 1}, 2);
+}
+}  // namespace
+
+void round_bf16(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, uint32_t M, uint32_t K,
+                const cl::Mem& xb, uint32_t ldxb, bool as_f32, const cl::Mem* x_rows) {
+  launch_round_bf16(dev, as_f32 ? "-DOUT_F32=1" : "", x, x_off, ldx, M, K, xb, ldxb, x_rows);
+}
+
+void bf16_terms(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, uint32_t M, uint32_t K,
+                const cl::Mem& xt, uint32_t ldxt, const cl::Mem* x_rows) {
+  launch_round_bf16(dev, "-DX_SPLIT=3", x, x_off, ldx, M, K, xt, ldxt, x_rows);
 }
 
 uint32_t bf16_gemm_row_stride(uint32_t K) {

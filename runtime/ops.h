@@ -109,6 +109,11 @@ void linear_swiglu(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, 
 void round_bf16(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, uint32_t M, uint32_t K,
                 const cl::Mem& xb, uint32_t ldxb, bool as_f32 = false,
                 const cl::Mem* x_rows = nullptr);
+// x[M, K] as three bf16 terms per element whose sum is the element exactly (linear_bf16.cl's
+// bf16_terms, compute_dtype f32 on AMX): row m's term t into row 3 m + t of xt (ushort, row stride
+// ldxt, zero from K to the next 32 elements). With x_rows row m is x's row x_rows[m].
+void bf16_terms(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, uint32_t M, uint32_t K,
+                const cl::Mem& xt, uint32_t ldxt, const cl::Mem* x_rows = nullptr);
 
 // The build options of fp8_tile.cl's users (linear_fp8.cl, moe.cl, mla.cl). fp8_decode_option:
 // the e4m3 decode the device takes (common.cl's FP8_DENORM). fp8_tile_options: the NaN-code watch,

@@ -298,6 +298,7 @@ GroupedPlan plan_experts(Device& dev, const cl::Mem& topk_ids, uint32_t T, uint3
     throw std::invalid_argument("plan_experts: a shared expert needs n_experts >= 2 (the routed "
                                 "ones and the shared one last), got " + std::to_string(n_experts));
   GroupedPlan p = plan_shape(dev, T * (top_k + uint32_t(with_shared)), n_experts);
+  p.max_expert_rows = T;  // a token's top-k experts are distinct, the shared one once
   p.src_token = Scratch(dev, size_t(std::max(p.rows, 1u)) * 4);
   p.slot_row = Scratch(dev, size_t(std::max(p.rows, 1u)) * 4);
   p.cursor = Scratch(dev, size_t(n_experts) * 4);
@@ -315,6 +316,8 @@ GroupedPlan plan_expert_tiles(Device& dev, const std::vector<uint32_t>& expert_o
     throw std::invalid_argument("plan_expert_tiles: no expert offsets");
   const uint32_t E = uint32_t(expert_offsets.size() - 1);
   GroupedPlan p = plan_shape(dev, expert_offsets.back(), E);
+  for (uint32_t e = 0; e < E; ++e)
+    p.max_expert_rows = std::max(p.max_expert_rows, expert_offsets[e + 1] - expert_offsets[e]);
   dev.write(p.expert_offsets.mem(), expert_offsets.data(), expert_offsets.size() * 4);
   cl::Kernel k = dev.kernel("moe.cl", "moe_tiles");
   cl::set_args(k, p.expert_offsets.mem(), E, p.rows_per_tile, p.tiles.mem(), p.tile_count.mem());
@@ -442,8 +445,10 @@ uint32_t grouped_f32_amx_terms(Device& dev, const cl::Mem& x, uint32_t ldx, cons
                                const GroupedPlan& plan, const cl::Mem& y, uint32_t ldy,
                                ComputeDType compute) {
   const uint32_t from = dev.tuning().gemm_f32_amx_rows;
+  // No expert has more rows than plan.max_expert_rows (decode batches: the tokens), so such
+  // steps round nothing and launch nothing here.
   if (compute != ComputeDType::F32 || g.dtype != DType::BF16 || from == 0 ||
-      dev.kernel_shape() != KernelShape::Chunks || !bf16_amx(dev))
+      plan.max_expert_rows < from || dev.kernel_shape() != KernelShape::Chunks || !bf16_amx(dev))
     return 0;
   const bool down = slot0 == 2;
   const uint32_t N = down ? g.hidden : g.inter, K = down ? g.inter : g.hidden;
@@ -452,11 +457,7 @@ uint32_t grouped_f32_amx_terms(Device& dev, const cl::Mem& x, uint32_t ldx, cons
   if (!shape.fits) return 0;
   const uint32_t ldr = bf16_gemm_row_stride(K);
   Scratch terms(dev, size_t(plan.rows) * 3 * ldr * 2);
-  {
-    cl::Kernel k = dev.kernel("linear_bf16.cl", "round_bf16", "-DX_SPLIT=3");
-    cl::set_args(k, x, 0, ldx, x_rows ? *x_rows : x, int(x_rows != nullptr), terms.mem(), ldr, K);
-    dev.launch(k, {(K + 63) / 64, plan.rows, 1}, 2);
-  }
+  bf16_terms(dev, x, 0, ldx, plan.rows, K, terms.mem(), ldr, x_rows);
   cl::Kernel k = dev.kernel("moe.cl", "moe_grouped_packed", "-DGROUPED_PACKED=1" + shape.options);
   cl::set_args(k, terms.mem(), 3 * ldr, g.mem, g.mem, g.table, slot0, n_mats, plan.tiles.mem(),
                plan.tile_count.mem(), plan.expert_offsets.mem(), plan.rows_per_tile, from, y, ldy,

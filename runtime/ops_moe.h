@@ -121,6 +121,7 @@ struct GroupedExperts {
 struct GroupedPlan {
   Scratch expert_offsets, src_token, slot_row, cursor, tiles, tile_count;
   uint32_t rows = 0, n_experts = 0, tm = 1, rows_per_tile = 0, max_tiles = 0;
+  uint32_t max_expert_rows = 0;  // no expert has more rows (plan_experts: the tokens)
 };
 GroupedPlan plan_experts(Device& dev, const cl::Mem& topk_ids, uint32_t T, uint32_t top_k,
                          uint32_t n_experts, bool with_shared = false);
