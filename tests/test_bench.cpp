@@ -85,6 +85,33 @@ TEST(DeviceReadBandwidth, BothShapesReadTheWholeBuffer) {
   }
 }
 
+// The host read loop (`bench --roofline`, perf/'s STREAM figure) in both its forms reads every
+// 64-bit word of every thread's part once per pass (word i holds i + 1: the sum is W (W + 1) / 2
+// only when each is read once), for
+// thread counts that do and do not divide the size, and the size rounds down to whole 128-byte
+// blocks per thread. The rate is only checked to be a rate: positive and below 10 TB/s.
+TEST(HostReadBandwidth, BothLoopsReadEveryWord) {
+  const size_t asked = (size_t(4) << 20) + 1000;
+  for (const HostReadLoop loop : {HostReadLoop::Fastest, HostReadLoop::Portable})
+    for (const unsigned threads : {1u, 2u, 3u}) {
+      const HostReadBandwidth r = measure_read_bandwidth(threads, asked, 2, loop);
+      const std::string what =
+          std::string(loop == HostReadLoop::Portable ? "portable" : "fastest") + ", " +
+          std::to_string(threads) + " threads";
+      EXPECT_EQ(r.bytes, asked / threads / 128 * 128 * threads) << what;
+      const uint64_t words = r.bytes / 8;
+      EXPECT_EQ(r.sum, words * (words + 1) / 2) << what;
+      EXPECT_GT(r.gb_s, 0.0) << what;
+      EXPECT_LT(r.gb_s, 1e4) << what;
+#if defined(__x86_64__) && defined(__GNUC__)
+      const bool avx512 = loop == HostReadLoop::Fastest && __builtin_cpu_supports("avx512f");
+#else
+      const bool avx512 = false;
+#endif
+      EXPECT_EQ(r.avx512, avx512) << what;
+    }
+}
+
 TEST(Bench, TinyPresetWritesTheRecordsAndTheTable) {
   auto dir = test::temp_dir("bench_tiny");
   std::string out, err;

@@ -93,9 +93,19 @@ nlohmann::ordered_json bench_environment(const Deployment& d, const std::string&
 // The results as an aligned text table, one line per configuration.
 std::string format_bench_table(const std::vector<BenchResult>& results);
 
-// STREAM-style read bandwidth of host memory: `threads` threads each summing their part of a
-// `bytes` buffer, best of `repeats` passes, in GB/s (1e9 bytes per second).
-double measure_read_bandwidth(unsigned threads, size_t bytes, int repeats = 5);
+// STREAM-style read bandwidth of host memory: `threads` threads each summing the 64-bit words of
+// their part of a `bytes` buffer (rounded down to 128-byte blocks per thread), best of `repeats`
+// passes, in GB/s (1e9 bytes per second). The fastest loop uses AVX-512 loads with a prefetch
+// where the CPU has them; HostReadLoop::Portable forces the 16-byte vector loop.
+enum class HostReadLoop { Fastest, Portable };
+struct HostReadBandwidth {
+  double gb_s = 0;      // 0 where the buffer could not be mapped
+  size_t bytes = 0;     // bytes read per pass
+  uint64_t sum = 0;     // the last pass's sum: word i is i + 1, so W (W + 1) / 2 of W = bytes / 8
+  bool avx512 = false;  // the AVX-512 loop ran
+};
+HostReadBandwidth measure_read_bandwidth(unsigned threads, size_t bytes, int repeats = 5,
+                                         HostReadLoop loop = HostReadLoop::Fastest);
 
 // Read bandwidth of an OpenCL device over a `bytes` buffer (rounded down to whole slabs) by the
 // probe of its kernel shape (kernels_cl/bandwidth.cl): on the CPU shape 64 work-items with 16-wide
