@@ -32,7 +32,34 @@ inline void tile_dots(global const float* xr_in[TM], global const wtype* wr_in[T
   for (int i = 0; i < TM; ++i) xr[i] = xr_in[i];
 #pragma unroll
   for (int j = 0; j < TN; ++j) wr[j] = wr_in[j];
-#if TM == 1 && COLUMNS_IN_TURN
+#if TM == 1 && COLUMNS_IN_TURN && GEMV_ROW_PAIRS && TN % 2 == 0
+  // One row (decode), the columns two at a time (KernelTuning::gemv_row_pairs): each column's sum
+  // is the same FMAs in the same order as below, but two independent chains are in flight, where
+  // one chain (an FMA's latency per 16 weights) had bounded the stream. The prefetches are those
+  // below, for both rows.
+#pragma unroll
+  for (int j = 0; j < TN; j += 2) {
+    float16 acc0 = (float16)(0.0f), acc1 = (float16)(0.0f);
+    for (uint k = 0; k < K / 16; ++k) {
+      const float16 xv = vload16(k, xr[0]);
+      acc0 = fma(xv, LOADW16(k, wr[j]), acc0);
+      acc1 = fma(xv, LOADW16(k, wr[j + 1]), acc1);
+#if PREFETCH_X86 && defined(GLU) && GLU
+      if (pf_stride && (k * 16 * sizeof(wtype)) % 64 == 0) {
+        PREFETCH_LINE(wr[j] + pf_stride + k * 16);
+        PREFETCH_LINE(wr[j + 1] + pf_stride + k * 16);
+      }
+#elif defined(GEMV_STREAM_PREFETCH)
+      if ((k * 16 * sizeof(wtype)) % 64 == 0) {
+        PREFETCH_LINE((global const uchar*)(wr[j] + k * 16) + GEMV_STREAM_PREFETCH);
+        PREFETCH_LINE((global const uchar*)(wr[j + 1] + k * 16) + GEMV_STREAM_PREFETCH);
+      }
+#endif
+    }
+    out[0][j] = hsum16(acc0);
+    out[0][j + 1] = hsum16(acc1);
+  }
+#elif TM == 1 && COLUMNS_IN_TURN
   // One row (decode): the columns one after another, so the work-item reads its weight rows as
   // one sequential run of addresses, which a CPU core streams faster than runs side by side. Each
   // column's sum is the same as in the tile below. The host picks it while the x row fits in L1

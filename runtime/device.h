@@ -80,6 +80,11 @@ struct KernelTuning {
   // in turn, but for gate/up, which prefetch their next tile): bytes ahead, 0 off. Apart from
   // stream_prefetch because the two CPUs measured here differ on it (kernel_tuning.cpp).
   uint32_t gemv_stream_prefetch = 0;
+  // Whether those one-row tiles read their weight rows two at a time (1) or one after another (0):
+  // each row's sum is the same FMAs in the same order either way, but two rows keep two
+  // independent FMA chains in flight, where one row's chain (4 cycles per 16 weights) had bounded
+  // the stream (linear_tile.cl, kernel_tuning.cpp).
+  uint32_t gemv_row_pairs = 0;
   // The bf16-compute GEMM (linear_bf16.cl, model.compute_dtype: bf16; CPU shape): tile rows and
   // weight rows (even: GLU splits them into gate and up), the same for batches below one
   // work-item's rows (decode, which streams the weights), rows per work-item, and whether PoCL

@@ -161,7 +161,7 @@ TuneWorkload::TuneWorkload(Device& dev, bool quick) : buffers_(std::make_unique<
                     double(N) * K * 2,
                     [&dev, x, y, &w, N, K] { ops::linear(dev, x, 0, K, w, nullptr, y, 0, N, 1); },
                     {"linear_wg", "linear_rows", "linear_vector"},
-                    {"gemv_stream_k", "gemv_stream_prefetch"}});
+                    {"gemv_stream_k", "gemv_stream_prefetch", "gemv_row_pairs"}});
   }
 
   // Batched decode, 8 rows of a bf16 N x K weight: the CPU shape's 4-row tiles, with and without
@@ -430,6 +430,7 @@ const std::vector<TuneField>& tunable_fields() {
       {"weight_prefetch", S::Chunks, {0, 1}},
       {"stream_prefetch", S::Chunks, {0, 2048, 4096, 8192, 16384}},
       {"gemv_stream_prefetch", S::Chunks, {0, 4096, 8192, 16384}},
+      {"gemv_row_pairs", S::Chunks, {0, 1}},
       {"gemm_bf16_tm", S::Chunks, {2, 4, 6}},
       {"gemm_bf16_tn", S::Chunks, {2, 4, 6}},
       {"gemm_bf16_batch_tm", S::Chunks, {2, 4, 8}},

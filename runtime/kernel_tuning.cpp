@@ -42,6 +42,13 @@ KernelTuning cpu_forced() {
   // runs), dsv3-mini fp8's 1.18x [0.96, 1.34] (its lm_head and the bf16 parts), llama3-1b bf16's
   // 1.16x [0.87, 1.32]. (The EPYC row turns it off.)
   t.gemv_stream_prefetch = 8192;
+  // Those tiles read their rows in pairs: one row's FMA chain had bounded the stream. On the Xeon
+  // with AMX (2026-11-29, bench_decode_breakdown --batch 1 --tuning-ab, 15 rounds in turn, each
+  // way round as the A/B tool's first and second) llama3-1b bf16's decode step 1.064x and 1.058x
+  // (q/k/v 1.06-1.10x, gate/up 1.10-1.11x, lm_head 1.06-1.12x, down 1.02-1.03x); a native loop of
+  // the same shape read 25-27 GB/s in pairs against 20-22 one row at a time, both with the 8 KiB
+  // prefetch. (The EPYC row keeps one row at a time, not measured there.)
+  t.gemv_row_pairs = 1;
   return t;
 }
 
@@ -113,6 +120,7 @@ KernelTuning amd_epyc_avx512() {
   // The bf16 one-row tiles' stream prefetch gained nothing on Zen 5 here (dsv3-mini bf16
   // 0.95-1.00x, llama3-1b 0.98-1.02x, 2026-11-28).
   t.gemv_stream_prefetch = 0;
+  t.gemv_row_pairs = 0;
   t.fp8_stream_k = 8192;
   t.gemm_bf16_tn = 6;
   t.gemm_bf16_packed_nv = 4;
@@ -164,6 +172,7 @@ const std::vector<std::pair<std::string, U32Field>>& u32_fields() {
       {"weight_prefetch", &KernelTuning::weight_prefetch},
       {"stream_prefetch", &KernelTuning::stream_prefetch},
       {"gemv_stream_prefetch", &KernelTuning::gemv_stream_prefetch},
+      {"gemv_row_pairs", &KernelTuning::gemv_row_pairs},
       {"gemm_bf16_tm", &KernelTuning::gemm_bf16_tm},
       {"gemm_bf16_tn", &KernelTuning::gemm_bf16_tn},
       {"gemm_bf16_batch_tm", &KernelTuning::gemm_bf16_batch_tm},
@@ -226,7 +235,8 @@ void apply_file(const DeviceInfo& info, KernelTuning& t) {
             where + ".tuning." + field + ": expected one of the fields (" + names +
             ") with a positive integer (blas_gemm_rows, gemm_bf16_packed_rows, "
             "gemm_bf16_amx_stream_rows, gemm_f32_amx_rows: 0 for never; weight_prefetch, "
-            "stream_prefetch, gemv_stream_prefetch, gemm_bf16_dot, gemm_bf16_amx: 0 for off), "
+            "stream_prefetch, gemv_stream_prefetch, gemv_row_pairs, gemm_bf16_dot, gemm_bf16_amx: "
+            "0 for off), "
             "got " +
             value.dump());
       }
@@ -253,7 +263,8 @@ bool kernel_tuning_zero_allowed(const std::string& field) {
   return field == "blas_gemm_rows" || field == "gemm_bf16_packed_rows" ||
          field == "gemm_bf16_amx_stream_rows" || field == "weight_prefetch" ||
          field == "stream_prefetch" || field == "gemv_stream_prefetch" ||
-         field == "gemm_bf16_dot" || field == "gemm_bf16_amx" || field == "gemm_f32_amx_rows";
+         field == "gemv_row_pairs" || field == "gemm_bf16_dot" || field == "gemm_bf16_amx" ||
+         field == "gemm_f32_amx_rows";
 }
 
 const std::vector<std::string>& kernel_tuning_fields() {

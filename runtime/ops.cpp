@@ -467,6 +467,7 @@ uint32_t in_turn_max_k(const Device& dev, DType dtype) {
 
 std::string columns_in_turn_option(const Device& dev) {
   std::string o = " -DCOLUMNS_IN_TURN=1";
+  if (dev.tuning().gemv_row_pairs != 0) o += " -DGEMV_ROW_PAIRS=1";
 #if defined(__x86_64__)
   const KernelTuning& t = dev.tuning();
   if (pocl_cpu(dev) && (t.stream_prefetch != 0 || t.gemv_stream_prefetch != 0)) {

@@ -173,7 +173,7 @@ TEST(KernelTuningFile, AnEntryOverridesTheBuiltInRowForItsDeviceOnly) {
   EXPECT_NE(error_of().find("with a positive integer (blas_gemm_rows, gemm_bf16_packed_rows, "
                             "gemm_bf16_amx_stream_rows, gemm_f32_amx_rows: 0 for never; "
                             "weight_prefetch, "
-                            "stream_prefetch, gemv_stream_prefetch, "
+                            "stream_prefetch, gemv_stream_prefetch, gemv_row_pairs, "
                             "gemm_bf16_dot, gemm_bf16_amx: 0 for off), got 0"),
             std::string::npos)
       << error_of();
@@ -196,6 +196,10 @@ TEST(KernelTuningFile, AnEntryOverridesTheBuiltInRowForItsDeviceOnly) {
   write({{"gemv_stream_prefetch", 0}});
   want = builtin_kernel_tuning(info);
   want.gemv_stream_prefetch = 0;
+  EXPECT_EQ(lookup_kernel_tuning(info), want);
+  write({{"gemv_row_pairs", 0}});
+  want = builtin_kernel_tuning(info);
+  want.gemv_row_pairs = 0;
   EXPECT_EQ(lookup_kernel_tuning(info), want);
   write({{"gemm_bf16_dot", 0}, {"gemm_bf16_amx", 0}, {"gemm_f32_amx_rows", 0}});
   want = builtin_kernel_tuning(info);
@@ -275,6 +279,9 @@ TEST(KernelTuningTable, TheAvx512EpycRowWidensTheBf16GemmTile) {
   // The bf16 / f32 GEMVs' stream prefetch: the CPU default, which the Zen 5 row turns off.
   EXPECT_EQ(b.gemv_stream_prefetch, 8192u);
   EXPECT_EQ(a.gemv_stream_prefetch, 0u);
+  // Their rows in pairs likewise (measured on the Xeon only).
+  EXPECT_EQ(b.gemv_row_pairs, 1u);
+  EXPECT_EQ(a.gemv_row_pairs, 0u);
 }
 
 }  // namespace

@@ -165,7 +165,8 @@ INSTANTIATE_TEST_SUITE_P(Widths, LinearRowsAgree,
 // gemv_stream_k; built with the option, not prefetching) and one-row tiles in turn (K = 300,
 // where gate/up prefetches), f32 / bf16 / f16 weights. So is the stream prefetch of one-row tiles
 // in turn (KernelTuning::gemv_stream_prefetch): 8 KiB ahead and 64 bytes (the next line) give
-// the bits of neither prefetch.
+// the bits of neither prefetch. And those tiles' rows read two at a time
+// (KernelTuning::gemv_row_pairs), with either prefetch or none, give the bits of one at a time.
 struct PrefetchCase {
   uint32_t M, K;
   DType dt;
@@ -187,16 +188,17 @@ TEST_P(LinearPrefetch, PrefetchesChangeNoBit) {
          norm = make_weight(dev, nv, {K}, dt);
   cl::Mem xm = upload(dev, x);
   const uint32_t Q = N + Nk;
-  auto run = [&](uint32_t prefetch, uint32_t ahead) {
+  auto run = [&](uint32_t prefetch, uint32_t ahead, uint32_t pairs) {
     KernelTuning t = saved;
     t.weight_prefetch = prefetch;
     t.stream_prefetch = 0;
     t.gemv_stream_prefetch = ahead;
+    t.gemv_row_pairs = pairs;
     dev.set_tuning(t);
     EXPECT_EQ(ops::weight_prefetch_option(dev),
               prefetch && test::x86_pocl(dev) ? " -DPREFETCH_X86=1" : "");
     EXPECT_EQ(ops::columns_in_turn_option(dev),
-              std::string(" -DCOLUMNS_IN_TURN=1") +
+              std::string(" -DCOLUMNS_IN_TURN=1") + (pairs ? " -DGEMV_ROW_PAIRS=1" : "") +
                   (ahead && test::x86_pocl(dev)
                        ? " -DPREFETCH_X86=1 -DGEMV_STREAM_PREFETCH=" + std::to_string(ahead)
                        : ""));
@@ -208,16 +210,19 @@ TEST_P(LinearPrefetch, PrefetchesChangeNoBit) {
                                              download(dev, q, size_t(M) * Q),
                                              download(dev, g, size_t(M) * F)};
   };
-  const auto off = run(0, 0);
+  const auto off = run(0, 0, 0);
   const char* names[3] = {"linear", "q/k/v", "gate/up"};
-  for (const auto& [prefetch, ahead] : {std::pair{1u, 0u}, {1u, 8192u}, {0u, 8192u}, {1u, 64u}}) {
-    const auto on = run(prefetch, ahead);
+  const std::array<uint32_t, 3> variants[] = {{1, 0, 0}, {1, 8192, 0}, {0, 8192, 0}, {1, 64, 0},
+                                              {0, 0, 1}, {1, 0, 1},    {1, 8192, 1}, {0, 64, 1}};
+  for (const auto& [prefetch, ahead, pairs] : variants) {
+    const auto on = run(prefetch, ahead, pairs);
     for (int op = 0; op < 3; ++op) {
       ASSERT_EQ(on[op].size(), off[op].size());
       for (size_t i = 0; i < on[op].size(); ++i)
         ASSERT_EQ(std::bit_cast<uint32_t>(on[op][i]), std::bit_cast<uint32_t>(off[op][i]))
             << names[op] << " element " << i << ": " << on[op][i] << " vs " << off[op][i]
-            << " (weight_prefetch " << prefetch << ", gemv_stream_prefetch " << ahead << ")";
+            << " (weight_prefetch " << prefetch << ", gemv_stream_prefetch " << ahead
+            << ", gemv_row_pairs " << pairs << ")";
     }
   }
 }
