@@ -318,6 +318,7 @@ TEST_P(Fp8Decodes, LinearStreamPrefetchChangesNoBit) {
         KernelTuning t = saved;
         t.stream_prefetch = ahead;
         t.gemv_stream_prefetch = 0;
+        t.gemv_row_pairs = 0;  // the bf16 / f32 tiles' (LinearPrefetch), not FP8's
         dev.set_tuning(t);
         const std::string prefetch =
             ahead && test::x86_pocl(dev)
