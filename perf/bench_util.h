@@ -2,7 +2,6 @@
 // warm-up that also builds the kernels) and the device's read bandwidth, the decode roofline.
 #pragma once
 
-#include <sys/mman.h>
 #include <sys/resource.h>
 
 #include <algorithm>
@@ -99,39 +98,6 @@ double median_time(int reps, F fn) {
 inline double measure_bandwidth(Device& dev, int reps = 7) {
   return measure_device_read_bandwidth(dev, size_t(256) << 20, reps).gb_s;
 }
-
-// One thread's share of the native read loop: the sum of n floats (n a multiple of 64).
-// The portable form keeps 32 independent accumulators so the adds never wait on each other; it
-// vectorises only as far as the build's flags let it (SSE2 at -O3, scalar at GCC 12's -O2, where
-// it read 14.8 GB/s here against 21.6 at -O3 and 26.9 for the AVX-512 form below).
-inline float stream_sum_portable(const float* p, size_t n) {
-  float acc[32] = {};
-  for (size_t j = 0; j < n; j += 32)
-    for (int k = 0; k < 32; ++k) acc[k] += p[j + k];
-  float s = 0;
-  for (float a : acc) s += a;
-  return s;
-}
-#if defined(__x86_64__) && defined(__GNUC__)
-// Full-width loads, four accumulators, and a prefetch 4 KiB ahead (the stride the GEMV kernels
-// prefetch at): the most a native loop read here, so a roofline taken against it is not flattered.
-__attribute__((target("avx512f"))) inline float stream_sum_avx512(const float* p, size_t n) {
-  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-  for (size_t j = 0; j < n; j += 64) {
-    for (int c = 0; c < 4; ++c)
-      _mm_prefetch(reinterpret_cast<const char*>(p + j + 1024 + 16 * c), _MM_HINT_T0);
-    a0 = _mm512_add_ps(a0, _mm512_load_ps(p + j));
-    a1 = _mm512_add_ps(a1, _mm512_load_ps(p + j + 16));
-    a2 = _mm512_add_ps(a2, _mm512_load_ps(p + j + 32));
-    a3 = _mm512_add_ps(a3, _mm512_load_ps(p + j + 48));
-  }
-  alignas(64) float lanes[16];
-  _mm512_store_ps(lanes, _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
-  float s = 0;
-  for (float x : lanes) s += x;
-  return s;
-}
-#endif
 
 // Read bandwidth in GB/s of a native STREAM-style loop over 512 MiB (16x the 32 MiB L3 of the
 // EPYC; past half of the Xeon's 300 MiB), one thread per hardware thread, best of `reps` passes:
