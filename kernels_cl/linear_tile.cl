@@ -19,6 +19,23 @@
 // for gate/up only (GLU): llama3-1b's decode step at batch 1 (bench_decode_breakdown
 // --prefetch-ab, prefetcht1, off/on) ran gate/up 1.19-1.33x and the whole step 1.02-1.08x faster
 // in 3 runs, while q/k/v and o_proj, single runs of consecutive rows, were 17-24% slower with it.
+#if TM == 1 && COLUMNS_IN_TURN
+// The prefetch of a one-row tile in turn at step k of weight row wr (one per 64-byte line).
+inline void in_turn_prefetch(global const wtype* wr, uint k, uint pf_stride) {
+  if ((k * 16 * sizeof(wtype)) % 64 != 0) return;
+#if PREFETCH_X86 && defined(GLU) && GLU
+  // Gate/up (GLU) alternates page-long runs of two matrices, which the hardware prefetcher
+  // does not follow: there the next tile's lines are prefetched too.
+  if (pf_stride) PREFETCH_LINE(wr + pf_stride + k * 16);
+#elif defined(GEMV_STREAM_PREFETCH)
+  // The line GEMV_STREAM_PREFETCH bytes ahead in the work-item's run of rows
+  // (KernelTuning::gemv_stream_prefetch): on the Xeon with AMX the hardware prefetcher alone
+  // left a bf16 decode step 1.19-1.45x slower (kernel_tuning.cpp).
+  PREFETCH_LINE((global const uchar*)(wr + k * 16) + GEMV_STREAM_PREFETCH);
+#endif
+}
+#endif
+
 inline void tile_dots(global const float* xr_in[TM], global const wtype* wr_in[TN],
                       uint K, uint pf_stride, float out[TM][TN]) {
   // The row pointers as locals: the prefetch is a volatile asm statement, which the compiler
@@ -35,8 +52,8 @@ inline void tile_dots(global const float* xr_in[TM], global const wtype* wr_in[T
 #if TM == 1 && COLUMNS_IN_TURN && GEMV_ROW_PAIRS && TN % 2 == 0
   // One row (decode), the columns two at a time (KernelTuning::gemv_row_pairs): each column's sum
   // is the same FMAs in the same order as below, but two independent chains are in flight, where
-  // one chain (an FMA's latency per 16 weights) had bounded the stream. The prefetches are those
-  // below, for both rows.
+  // one chain (an FMA's latency per 16 weights) had bounded the stream. Both rows prefetch as one
+  // row does.
 #pragma unroll
   for (int j = 0; j < TN; j += 2) {
     float16 acc0 = (float16)(0.0f), acc1 = (float16)(0.0f);
@@ -44,17 +61,8 @@ inline void tile_dots(global const float* xr_in[TM], global const wtype* wr_in[T
       const float16 xv = vload16(k, xr[0]);
       acc0 = fma(xv, LOADW16(k, wr[j]), acc0);
       acc1 = fma(xv, LOADW16(k, wr[j + 1]), acc1);
-#if PREFETCH_X86 && defined(GLU) && GLU
-      if (pf_stride && (k * 16 * sizeof(wtype)) % 64 == 0) {
-        PREFETCH_LINE(wr[j] + pf_stride + k * 16);
-        PREFETCH_LINE(wr[j + 1] + pf_stride + k * 16);
-      }
-#elif defined(GEMV_STREAM_PREFETCH)
-      if ((k * 16 * sizeof(wtype)) % 64 == 0) {
-        PREFETCH_LINE((global const uchar*)(wr[j] + k * 16) + GEMV_STREAM_PREFETCH);
-        PREFETCH_LINE((global const uchar*)(wr[j + 1] + k * 16) + GEMV_STREAM_PREFETCH);
-      }
-#endif
+      in_turn_prefetch(wr[j], k, pf_stride);
+      in_turn_prefetch(wr[j + 1], k, pf_stride);
     }
     out[0][j] = hsum16(acc0);
     out[0][j + 1] = hsum16(acc1);
@@ -69,17 +77,7 @@ inline void tile_dots(global const float* xr_in[TM], global const wtype* wr_in[T
     float16 acc = (float16)(0.0f);
     for (uint k = 0; k < K / 16; ++k) {
       acc = fma(vload16(k, xr[0]), LOADW16(k, wr[j]), acc);
-#if PREFETCH_X86 && defined(GLU) && GLU
-      // Gate/up (GLU) alternates page-long runs of two matrices, which the hardware prefetcher
-      // does not follow: there the next tile's lines are prefetched too.
-      if (pf_stride && (k * 16 * sizeof(wtype)) % 64 == 0) PREFETCH_LINE(wr[j] + pf_stride + k * 16);
-#elif defined(GEMV_STREAM_PREFETCH)
-      // The line GEMV_STREAM_PREFETCH bytes ahead in the work-item's run of rows
-      // (KernelTuning::gemv_stream_prefetch): on the Xeon with AMX the hardware prefetcher alone
-      // left a bf16 decode step 1.19-1.45x slower (kernel_tuning.cpp).
-      if ((k * 16 * sizeof(wtype)) % 64 == 0)
-        PREFETCH_LINE((global const uchar*)(wr[j] + k * 16) + GEMV_STREAM_PREFETCH);
-#endif
+      in_turn_prefetch(wr[j], k, pf_stride);
     }
     out[0][j] = hsum16(acc);
   }

@@ -43,11 +43,12 @@ KernelTuning cpu_forced() {
   // 1.16x [0.87, 1.32]. (The EPYC row turns it off.)
   t.gemv_stream_prefetch = 8192;
   // Those tiles read their rows in pairs: one row's FMA chain had bounded the stream. On the Xeon
-  // with AMX (2026-11-29, bench_decode_breakdown --batch 1 --tuning-ab, 15 rounds in turn, each
-  // way round as the A/B tool's first and second) llama3-1b bf16's decode step 1.064x and 1.058x
-  // (q/k/v 1.06-1.10x, gate/up 1.10-1.11x, lm_head 1.06-1.12x, down 1.02-1.03x); a native loop of
-  // the same shape read 25-27 GB/s in pairs against 20-22 one row at a time, both with the 8 KiB
-  // prefetch. (The EPYC row keeps one row at a time, not measured there.)
+  // with AMX (2026-11-29, bench_decode_breakdown --batch 1 --tuning-ab gemv_row_pairs=0, 15 rounds
+  // in turn) llama3-1b bf16's decode step 1.05x (gate/up 1.18x, lm_head 1.15x, o_proj 1.13x, q/k/v
+  // 1.06x, down 1.03x); a first form 1.06x either way round; dsv3-mini bf16 1.01-1.04x, within the
+  // noise. A native loop of the same shape read 25.1-27.2 GB/s in pairs against 19.8-22.0 one row
+  // at a time, both with the 8 KiB prefetch. (The EPYC row keeps one row at a time, not measured
+  // there.)
   t.gemv_row_pairs = 1;
   return t;
 }
