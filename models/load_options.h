@@ -11,6 +11,7 @@
 #include "parallel/topology.h"
 #include "runtime/dtype.h"
 #include "runtime/ops_lora.h"
+#include "runtime/safetensors.h"
 
 namespace clshard {
 
@@ -34,6 +35,9 @@ struct LoadOptions {
   // What the linear layers multiply in (model.compute_dtype): f32, or bf16 activations with f32
   // sums in the GEMMs (4+ rows) of bf16 and FP8 weights (runtime/ops.h, ops_mla.h).
   ComputeDType compute_dtype = ComputeDType::F32;
+  // model.mmap: the checkpoint's weights read where the files are mapped (true, the default), or
+  // from a copy read into memory at load (false; runtime/file_mapping.h's copy_checkpoint_file).
+  WeightMemory weight_memory = WeightMemory::Mapped;
   // cluster.transport: mpi — the deployment's devices are spread over mpi_ranks processes, each
   // driving devices.size() of them; this process is mpi_rank and drives `devices` (the topology's
   // devices mpi_rank * devices.size() ..). 0: every device is in this process.

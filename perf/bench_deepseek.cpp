@@ -74,6 +74,9 @@ int main(int argc, char** argv) {
   app.add_option("--compute-dtype", compute_dtype, "the deployment's model.compute_dtype")
       ->capture_default_str()
       ->check(CLI::IsMember({"f32", "bf16"}));
+  bool no_mmap = false;
+  app.add_flag("--no-mmap", no_mmap,
+               "model.mmap: false: each checkpoint read into memory at load, not mapped");
   TuningABOptions ab_opts;
   add_tuning_ab_options(app, ab_opts);
   parse_args(app, argc, argv);
@@ -81,6 +84,7 @@ int main(int argc, char** argv) {
   const int ab_rounds = ab_opts.rounds;
   LoadOptions opts{{nullptr}, std::nullopt};
   opts.compute_dtype = compute_dtype == "bf16" ? ComputeDType::BF16 : ComputeDType::F32;
+  if (no_mmap) opts.weight_memory = WeightMemory::Copied;
   const std::filesystem::path root = root_arg;
   DeviceManager mgr(DeviceSelection{});
   Device& dev = mgr[0];
@@ -97,13 +101,16 @@ int main(int argc, char** argv) {
     std::string dtype;
     double prefill_tok_s, t_prefill, t_token, cpu_token, bytes, t_step;
     std::string paths;
-    double weight_gb, active_m;
+    double weight_gb, active_m, load_s;
   };
   std::vector<Row> results;
   for (const auto& dt : dtypes) {
     const auto dir = ensure_preset("dsv3-mini", dt, root / ("dsv3-mini-" + dt));
     opts.devices = {&dev};
+    const auto t_load = std::chrono::steady_clock::now();
     deepseek_v3::DeepseekV3Model model(dir, opts);
+    const double load_s =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count();
     const auto plan = deepseek_v3::plan_memory(model.config());
     const uint32_t V = model.info().vocab_size;
     std::mt19937 rng(5);
@@ -168,8 +175,8 @@ int main(int argc, char** argv) {
                                   " path; decode at context " + std::to_string(context) +
                                   " on the " + ops::mla_path_name(decode_path);
     results.push_back({dt, prompt / t_prefill, t_prefill, t_token, cpu_token, bytes, t_step,
-                    path_note, double(model.info().weight_bytes) / 1e9,
-                    double(plan.params.active_per_token - plan.params.embedding) / 1e6});
+                       path_note, double(model.info().weight_bytes) / 1e9,
+                       double(plan.params.active_per_token - plan.params.embedding) / 1e6, load_s});
     std::fprintf(stderr, "%s: decode %.2f ms per token\n", dt.c_str(), t_token * 1e3);
   }
   const double bw = measure_roofline(dev, 5).best();
@@ -178,10 +185,11 @@ int main(int argc, char** argv) {
     std::printf("%-5s %10.1f %12.2f %12.2f %11.1f MB %10.1f %12.1f %8.0f%%\n", r.dtype.c_str(),
                 r.prefill_tok_s, 1.0 / r.t_token, r.t_token * 1e3, r.bytes / 1e6, bw, roof,
                 100.0 / r.t_token / roof);
-    std::printf("      (prefill %u tokens in %.2f s on the %s path, CPU time %.2f ms per token; "
-                "weights %.2f GB on disk, %.1f M parameters active per token)\n",
-                prompt, r.t_prefill, r.paths.c_str(), r.cpu_token * 1e3, r.weight_gb,
-                r.active_m);
+    std::printf(
+        "      (prefill %u tokens in %.2f s on the %s path, CPU time %.2f ms per token; "
+        "weights %.2f GB on disk, %s in %.2f s, %.1f M parameters active per token)\n",
+        prompt, r.t_prefill, r.paths.c_str(), r.cpu_token * 1e3, r.weight_gb,
+        no_mmap ? "read into memory" : "mapped", r.load_s, r.active_m);
     if (batch > 0)
       std::printf("      decode batch %u: %.2f ms per step = %.1f tok/s (%.2fx batch 1)\n", batch,
                   r.t_step * 1e3, batch / r.t_step, batch / r.t_step * r.t_token);

@@ -48,6 +48,9 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"f32", "bf16"}));
   app.add_option("--context", context, "the phase split also decodes after N cached positions")
       ->capture_default_str();
+  bool no_mmap = false;
+  app.add_flag("--no-mmap", no_mmap,
+               "model.mmap: false: the checkpoint read into memory at load, not mapped");
   TuningABOptions ab_opts;
   add_tuning_ab_options(app, ab_opts);
   parse_args(app, argc, argv);
@@ -57,6 +60,7 @@ int main(int argc, char** argv) {
   LoadOptions opts;
   opts.compute_dtype = compute_dtype == "bf16" ? ComputeDType::BF16 : ComputeDType::F32;
   opts.kv_cache_dtype = kv_dtype == "bf16" ? DType::BF16 : DType::F32;
+  if (no_mmap) opts.weight_memory = WeightMemory::Copied;
   ensure_preset("llama3-1b", "bf16", dir);
   DeviceManager mgr(DeviceSelection{});
   Device& dev = mgr[0];

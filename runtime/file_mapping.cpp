@@ -2,7 +2,10 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
+#include <algorithm>
+#include <cerrno>
 #include <cinttypes>
 #include <cstdint>
 #include <cstdio>
@@ -72,6 +75,35 @@ void* map_checkpoint_file(int fd, size_t size) {
   if (first_huge_page_is_huge(bytes))
     ::posix_fadvise(fd, off_t(kHugePage), off_t(size - kHugePage), POSIX_FADV_DONTNEED);
   return map;
+}
+
+void* copy_checkpoint_file(int fd, size_t size) {
+  // A 2 MiB-aligned start, as map_checkpoint_file's, so that huge pages can back it from the first.
+  const size_t bytes = (size + 4095) & ~size_t(4095);
+  void* reserved = ::mmap(nullptr, bytes + kHugePage, PROT_READ | PROT_WRITE,
+                          MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (reserved == MAP_FAILED) return nullptr;
+  const auto lo = reinterpret_cast<uintptr_t>(reserved);
+  const uintptr_t at = (lo + kHugePage - 1) & ~uintptr_t(kHugePage - 1);
+  if (at > lo) ::munmap(reserved, at - lo);
+  if (lo + bytes + kHugePage > at + bytes)
+    ::munmap(reinterpret_cast<void*>(at + bytes), lo + bytes + kHugePage - (at + bytes));
+  auto* base = reinterpret_cast<uint8_t*>(at);
+  ::madvise(base, bytes, MADV_HUGEPAGE);
+  for (size_t done = 0; done < size;) {
+    const ssize_t n =
+        ::pread(fd, base + done, std::min<size_t>(size - done, size_t(64) << 20), off_t(done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const int err = n == 0 ? EIO : errno;
+      ::munmap(base, bytes);
+      errno = err;
+      return nullptr;
+    }
+    done += size_t(n);
+  }
+  ::mprotect(base, bytes, PROT_READ);
+  return base;
 }
 
 }  // namespace clshard

@@ -120,7 +120,8 @@ SafetensorsHeader parse_safetensors(const uint8_t* base, size_t size,
   return out;
 }
 
-SafetensorsFile::SafetensorsFile(const std::filesystem::path& path) : path_(path) {
+SafetensorsFile::SafetensorsFile(const std::filesystem::path& path, WeightMemory memory)
+    : path_(path), memory_(memory) {
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) fail(path, std::string("cannot open: ") + std::strerror(errno));
   struct stat st {};
@@ -134,10 +135,13 @@ SafetensorsFile::SafetensorsFile(const std::filesystem::path& path) : path_(path
     fail(path, "truncated: " + std::to_string(map_size_) + " bytes, not even the 8-byte header "
                                                              "length");
   }
-  map_ = map_checkpoint_file(fd, map_size_);
+  const bool copied = memory == WeightMemory::Copied;
+  map_ = copied ? copy_checkpoint_file(fd, map_size_) : map_checkpoint_file(fd, map_size_);
   const int map_errno = errno;
   ::close(fd);
-  if (!map_) fail(path, std::string("cannot mmap: ") + std::strerror(map_errno));
+  if (!map_)
+    fail(path, std::string(copied ? "cannot read into memory: " : "cannot mmap: ") +
+                   std::strerror(map_errno));
   try {
     auto header = parse_safetensors(static_cast<const uint8_t*>(map_), map_size_, path);
     tensors_ = std::move(header.tensors);
@@ -148,12 +152,13 @@ SafetensorsFile::SafetensorsFile(const std::filesystem::path& path) : path_(path
     throw;
   }
   for (auto& [name, view] : tensors_) view.file = &path_;
-  guard_mapped_file(map_, map_size_, path_);
+  // A copy cannot lose its pages to a file truncated under it.
+  if (!copied) guard_mapped_file(map_, map_size_, path_);
 }
 
 SafetensorsFile::~SafetensorsFile() {
   if (!map_) return;
-  unguard_mapped_file(map_);
+  if (memory_ == WeightMemory::Mapped) unguard_mapped_file(map_);
   ::munmap(map_, map_size_);
 }
 
@@ -189,7 +194,7 @@ std::vector<std::string> safetensors_index_shards(const nlohmann::json& j,
   return {names.begin(), names.end()};
 }
 
-WeightStore::WeightStore(const std::filesystem::path& dir) : dir_(dir) {
+WeightStore::WeightStore(const std::filesystem::path& dir, WeightMemory memory) : dir_(dir) {
   namespace fs = std::filesystem;
   if (!fs::is_directory(dir)) throw std::runtime_error(dir.string() + ": not a directory");
   std::vector<fs::path> shards;
@@ -212,7 +217,7 @@ WeightStore::WeightStore(const std::filesystem::path& dir) : dir_(dir) {
     throw std::runtime_error(dir.string() + ": no model.safetensors, no "
                                             "model.safetensors.index.json and no *.safetensors");
   for (const auto& s : shards) {
-    files_.push_back(std::make_unique<SafetensorsFile>(s));
+    files_.push_back(std::make_unique<SafetensorsFile>(s, memory));
     for (const auto& [name, view] : files_.back()->tensors()) {
       if (index_.count(name))
         throw std::runtime_error(dir.string() + ": tensor '" + name + "' appears in " +

@@ -1,5 +1,6 @@
-// Safetensors checkpoints: single files and sharded directories, memory-mapped and validated.
-// A tensor is a view into the mapping; nothing is copied when it is read.
+// Safetensors checkpoints: single files and sharded directories, memory-mapped (or read into
+// memory: WeightMemory) and validated. A tensor is a view into the file's bytes; nothing is copied
+// when it is read.
 #pragma once
 
 #include <cstdint>
@@ -40,11 +41,18 @@ inline constexpr uint64_t kMaxSafetensorsHeaderBytes = 100ull << 20;
 SafetensorsHeader parse_safetensors(const uint8_t* bytes, size_t size,
                                     const std::filesystem::path& path_for_errors);
 
-// One mmapped .safetensors file (in huge pages where the kernel can: file_mapping.h). Validation on open: header length inside the file, header JSON,
-// dtype names, shape x dtype size == byte span, spans inside the data section and not overlapping.
+// Where a checkpoint's bytes are read from (model.mmap): the file's mapping (the page cache's
+// pages; nothing read before a weight is used) or a copy in memory of the process's own, made at
+// open (file_mapping.h's copy_checkpoint_file: llama.cpp's --no-mmap).
+enum class WeightMemory { Mapped, Copied };
+
+// One .safetensors file, mmapped (in huge pages where the kernel can: file_mapping.h) or copied
+// into memory. Validation on open: header length inside the file, header JSON, dtype names,
+// shape x dtype size == byte span, spans inside the data section and not overlapping.
 class SafetensorsFile {
  public:
-  explicit SafetensorsFile(const std::filesystem::path& path);
+  explicit SafetensorsFile(const std::filesystem::path& path,
+                           WeightMemory memory = WeightMemory::Mapped);
   ~SafetensorsFile();
   SafetensorsFile(const SafetensorsFile&) = delete;
   SafetensorsFile& operator=(const SafetensorsFile&) = delete;
@@ -57,6 +65,7 @@ class SafetensorsFile {
   std::filesystem::path path_;
   void* map_ = nullptr;
   size_t map_size_ = 0;
+  WeightMemory memory_ = WeightMemory::Mapped;
   std::map<std::string, TensorView> tensors_;
   std::map<std::string, std::string> metadata_;
 };
@@ -70,7 +79,8 @@ std::vector<std::string> safetensors_index_shards(const nlohmann::json& index,
 // model.safetensors.index.json, or else every *.safetensors file in the directory.
 class WeightStore {
  public:
-  explicit WeightStore(const std::filesystem::path& dir);
+  explicit WeightStore(const std::filesystem::path& dir,
+                       WeightMemory memory = WeightMemory::Mapped);
 
   bool has(const std::string& name) const { return index_.count(name) != 0; }
   // Throws "missing tensor NAME in DIR" when absent.

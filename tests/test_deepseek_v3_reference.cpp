@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <fstream>
 #include <iostream>
 
@@ -61,6 +62,36 @@ TEST(DeepseekV3Reference, RegistryLoadsAndRecognisesTheMtpLayer) {
   EXPECT_FALSE(ds->weights().layers[0].is_moe);
   EXPECT_TRUE(ds->weights().layers[1].is_moe);
   EXPECT_TRUE(ds->weights().layers[1].moe.experts[15].gate.fp8());
+}
+
+// model.mmap: false (WeightMemory::Copied) on the grouped checkpoint, whose experts one buffer
+// views in place (deepseek_v3/weights.cpp's group_experts): none of the checkpoint's files mapped,
+// the logits the mapped weights give, bit for bit, on both paths.
+TEST(DeepseekV3WeightMemory, CopiedWeightsGiveTheMappedLogitsBits) {
+  const RefCase rc = load_case("deepseek-v3-tiny-grouped-bf16/ragged8");
+  LoadOptions opts{{&test::default_device()}, std::nullopt};
+  opts.weight_memory = WeightMemory::Copied;
+  auto copied_model = std::make_unique<deepseek_v3::DeepseekV3Model>(rc.checkpoint, opts);
+  EXPECT_EQ(test::regions_mapping_files_of(rc.checkpoint), 0u);
+  ASSERT_TRUE(bool(copied_model->weights().layers[1].moe.grouped));
+  const auto copied = all_position_logits(*copied_model, sequences(rc), 16);
+  const auto copied_decode = test::prefill_then_decode(*copied_model, rc);
+  copied_model.reset();
+  auto mapped_model = load(rc);
+  EXPECT_GT(test::regions_mapping_files_of(rc.checkpoint), 0u) << "the mapped load maps its files";
+  const auto mapped = all_position_logits(*mapped_model, sequences(rc), 16);
+  const auto mapped_decode = test::prefill_then_decode(*mapped_model, rc);
+  ASSERT_EQ(copied.size(), mapped.size());
+  ASSERT_EQ(copied_decode.size(), mapped_decode.size());
+  for (size_t i = 0; i < mapped.size(); ++i) {
+    ASSERT_EQ(copied[i].size(), mapped[i].size()) << i;
+    EXPECT_EQ(std::memcmp(copied[i].data(), mapped[i].data(), mapped[i].size() * 4), 0) << i;
+    ASSERT_EQ(copied_decode[i].size(), mapped_decode[i].size()) << i;
+    EXPECT_EQ(
+        std::memcmp(copied_decode[i].data(), mapped_decode[i].data(), mapped_decode[i].size() * 4),
+        0)
+        << "decode " << i;
+  }
 }
 
 class DeepseekV3Reference : public ::testing::TestWithParam<std::string> {};

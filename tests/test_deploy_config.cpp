@@ -37,6 +37,7 @@ TEST(DeployConfig, MinimalFileKeepsEveryDefault) {
   EXPECT_EQ(c.model.path, fs::path("/models/tiny"));
   EXPECT_EQ(c.model.dtype, ModelDType::Auto);
   EXPECT_EQ(c.model.compute_dtype, ComputeDType::F32);
+  EXPECT_TRUE(c.model.mmap);
   EXPECT_FALSE(c.model.max_length.has_value());
   EXPECT_EQ(c.devices.platform, "");
   EXPECT_EQ(c.devices.type, "any");
@@ -78,6 +79,7 @@ TEST(DeployConfig, EveryKeySet) {
   dtype: bf16
   max_length: 4096
   compute_dtype: bf16
+  mmap: false
 devices:
   platform: "Portable Computing"
   type: cpu
@@ -110,6 +112,7 @@ job:
   DeployConfig c = parse(yaml);
   EXPECT_EQ(c.model.dtype, ModelDType::BF16);
   EXPECT_EQ(c.model.compute_dtype, ComputeDType::BF16);
+  EXPECT_FALSE(c.model.mmap);
   EXPECT_EQ(c.model.max_length, std::optional<int64_t>(4096));
   EXPECT_EQ(c.devices.platform, "Portable Computing");
   EXPECT_EQ(c.devices.type, "cpu");
@@ -132,10 +135,10 @@ job:
   EXPECT_EQ(c.speculative.draft_model, fs::path("/drafts/eagle"));
   EXPECT_EQ(c.job.input, fs::path("/data/in.jsonl"));
   EXPECT_EQ(c.job.output, fs::path("/data/out.jsonl"));
-  EXPECT_EQ(c.key_lines.at("devices.kernel_shape"), 10);
-  EXPECT_EQ(c.key_lines.at("parallel.placement"), 11);
-  EXPECT_EQ(c.key_lines.at("sampling.stop_token_ids"), 26);
-  EXPECT_EQ(c.where("batch.max_batch_size"), "deploy.yaml:16: batch.max_batch_size");
+  EXPECT_EQ(c.key_lines.at("devices.kernel_shape"), 11);
+  EXPECT_EQ(c.key_lines.at("parallel.placement"), 12);
+  EXPECT_EQ(c.key_lines.at("sampling.stop_token_ids"), 27);
+  EXPECT_EQ(c.where("batch.max_batch_size"), "deploy.yaml:17: batch.max_batch_size");
   EXPECT_EQ(c.where("model.max_length"), "deploy.yaml:4: model.max_length");
   EXPECT_EQ(c.where("devices.ids"), "deploy.yaml: devices.ids");
 }
@@ -202,7 +205,7 @@ TEST(DeployConfig, UnreadableFile) {
 
 TEST(DeployConfig, UnknownKeys) {
   EXPECT_EQ(error_of("model:\n  path: m\n  pth: x\n"),
-            "deploy.yaml:3: model.pth: unknown key (expected one of: path, dtype, max_length, fp8_activations, compute_dtype)");
+            "deploy.yaml:3: model.pth: unknown key (expected one of: path, dtype, max_length, fp8_activations, compute_dtype, mmap)");
   EXPECT_EQ(error_of("model: {path: m}\nbatches: {}\n"),
             "deploy.yaml:2: batches: unknown key (expected one of: model, devices, parallel, cluster, kv_cache, "
             "batch, sampling, speculative, lora, job, serve)");
@@ -249,6 +252,8 @@ TEST(DeployConfig, Choices) {
             "deploy.yaml:1: model.dtype: expected one of auto | f32 | bf16 | fp8, got \"fp16\"");
   EXPECT_EQ(error_of("model:\n  path: m\n  compute_dtype: fp16\n"),
             "deploy.yaml:3: model.compute_dtype: expected one of f32 | bf16, got \"fp16\"");
+  EXPECT_EQ(error_of("model:\n  path: m\n  mmap: no\n"),
+            "deploy.yaml:3: model.mmap: expected true or false, got \"no\"");
   EXPECT_EQ(error_of("model: {path: m}\ndevices: {type: GPU}\n"),
             "deploy.yaml:2: devices.type: expected one of cpu | gpu | accelerator | any, got \"GPU\"");
   EXPECT_EQ(error_of("model: {path: m}\ndevices:\n  type: cpu\n  kernel_shape: workgroups\n"),

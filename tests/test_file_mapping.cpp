@@ -1,12 +1,15 @@
 // Big checkpoint files are mapped at a 2 MiB boundary for huge pages (runtime/file_mapping.h).
 // Whichever pages the kernel gives, and whether or not it drops the file's small page-cache
 // folios, the mapping holds the file's bytes to the last one and leaves nothing mapped behind.
+// Copies (model.mmap: false) hold the same bytes, read-only, and do not depend on the file.
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <string>
 
@@ -61,6 +64,55 @@ TEST(FileMapping, SmallFilesMapWithTheirBytes) {
   ASSERT_NE(map, nullptr);
   EXPECT_EQ(std::string(static_cast<const char*>(map), text.size()), text);
   ::munmap(map, text.size());
+}
+
+// The permissions /proc/self/maps lists for the region starting at `base` ("" when none does).
+std::string region_permissions(const void* base) {
+  std::ifstream maps("/proc/self/maps");
+  for (std::string line; std::getline(maps, line);)
+    if (std::stoull(line.substr(0, line.find('-')), nullptr, 16) == uintptr_t(base))
+      return line.substr(line.find(' ') + 1, 4);
+  return "";
+}
+
+TEST(FileMapping, CopiesHoldTheFileBytesReadOnlyAndOutliveTheFile) {
+  const auto file = test::temp_dir("file_copy") / "ckpt.bin";
+  const size_t size = (size_t(5) << 20) + 17;  // past two 2 MiB pages, ends inside a page
+  std::vector<uint8_t> bytes(size);
+  for (size_t i = 0; i < size; ++i) bytes[i] = uint8_t((i * 2654435761u) >> 11);
+  {
+    std::ofstream out(file, std::ios::binary);
+    out.write(reinterpret_cast<const char*>(bytes.data()), std::streamsize(size));
+  }
+  const size_t regions = mapped_regions();
+  const int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  void* copy = copy_checkpoint_file(fd, size);
+  ::close(fd);
+  ASSERT_NE(copy, nullptr) << std::strerror(errno);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(copy) % (size_t(2) << 20), 0u);
+  EXPECT_EQ(region_permissions(copy), "r--p");
+  // Emptied on disk, the file no longer backs anything: the copy keeps every byte.
+  std::filesystem::resize_file(file, 0);
+  EXPECT_EQ(std::memcmp(copy, bytes.data(), size), 0);
+  ASSERT_EQ(::munmap(copy, size), 0);
+  EXPECT_EQ(mapped_regions(), regions) << "the copy left memory mapped behind";
+}
+
+TEST(FileMapping, CopyOfAFileShorterThanAskedFailsWithEio) {
+  const auto file = test::temp_dir("file_copy_short") / "short.bin";
+  {
+    std::ofstream out(file, std::ios::binary);
+    out << std::string(10000, 'x');
+  }
+  const size_t regions = mapped_regions();
+  const int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  errno = 0;
+  EXPECT_EQ(copy_checkpoint_file(fd, 20000), nullptr);
+  EXPECT_EQ(errno, EIO);
+  ::close(fd);
+  EXPECT_EQ(mapped_regions(), regions) << "the failed copy left memory mapped behind";
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <fstream>
 #include <iostream>
 
@@ -65,6 +66,28 @@ TEST_P(Llama3Reference, GreedyContinuationsEqual) {
   RefCase rc = load_case(GetParam());
   auto model = load(rc);
   test::expect_greedy_continuations(*model, rc, kTolerance);
+}
+
+// model.mmap: false (WeightMemory::Copied): the weights in memory of the process's own, none of
+// the checkpoint's files mapped, the logits the mapped weights give, bit for bit.
+TEST(Llama3WeightMemory, CopiedWeightsGiveTheMappedLogitsBits) {
+  const RefCase rc = load_case("llama3-tiny-bf16/ragged8");
+  std::vector<std::vector<int32_t>> seqs;
+  for (const auto& s : rc.seqs) seqs.push_back(s.tokens);
+  const auto mapped = all_position_logits(*load(rc), seqs, 16);
+  LoadOptions opts{{&test::default_device()}, std::nullopt};
+  opts.weight_memory = WeightMemory::Copied;
+  auto model = load_model(rc.checkpoint, opts);
+  EXPECT_EQ(test::regions_mapping_files_of(rc.checkpoint), 0u);
+  const auto copied = all_position_logits(*model, seqs, 16);
+  ASSERT_EQ(copied.size(), mapped.size());
+  for (size_t i = 0; i < mapped.size(); ++i) {
+    ASSERT_EQ(copied[i].size(), mapped[i].size()) << i;
+    EXPECT_EQ(std::memcmp(copied[i].data(), mapped[i].data(), mapped[i].size() * 4), 0) << i;
+  }
+  model.reset();
+  auto again = load(rc);
+  EXPECT_GT(test::regions_mapping_files_of(rc.checkpoint), 0u) << "the mapped load maps its files";
 }
 
 // ReturnLogits::Variable (speculative verification): the last n positions of each row, which

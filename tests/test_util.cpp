@@ -57,6 +57,15 @@ std::filesystem::path temp_dir(const std::string& name) {
   return p;
 }
 
+size_t regions_mapping_files_of(const std::filesystem::path& dir) {
+  const std::string prefix = std::filesystem::canonical(dir).string() + "/";
+  std::ifstream maps("/proc/self/maps");
+  size_t n = 0;
+  for (std::string line; std::getline(maps, line);)
+    if (line.find(prefix) != std::string::npos) ++n;
+  return n;
+}
+
 std::filesystem::path default_job_model() {
   const auto dir = std::filesystem::path(CLSHARD_BINARY_DIR) / "test-models" / "dsv3-mtp-trained";
   if (std::filesystem::is_regular_file(dir / "model.safetensors")) return dir;

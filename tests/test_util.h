@@ -29,6 +29,8 @@ std::filesystem::path tokenizers_dir();  // shared_dir()/tokenizers
 const nlohmann::json& reference_index(); // reference/index.json
 // A fresh empty dir under the build tree, in a folder of the running test's own.
 std::filesystem::path temp_dir(const std::string& name);
+// How many regions of this process map a file of `dir` (/proc/self/maps).
+size_t regions_mapping_files_of(const std::filesystem::path& dir);
 
 // The default job's checkpoint (what scripts/quickstart.sh writes into configs/models/): the
 // trained model of ../shared/models/dsv3-mtp-trained with its f32 tensors rounded to bf16 by

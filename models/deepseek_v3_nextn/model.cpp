@@ -20,10 +20,13 @@ DeepseekV3NextN::DeepseekV3NextN(const std::filesystem::path& target_dir,
              parallel::Topology(deepseek_v3::DeepseekV3Model::kLayout, opts.degrees(),
                                 opts.devices.size(), "DeepSeek-V3 NextN"),
              std::nullopt, "deepseek_v3_nextn") {
+  // The target's files stay mapped, the NextN block's among them when it ships inside them: a copy
+  // here would be a second one of the whole target beside the target model's. model.mmap applies
+  // to a NextN directory of its own.
   target_store_ = std::make_unique<WeightStore>(target_dir);
   const WeightStore* block = target_store_.get();
   if (nextn_dir) {
-    block_store_ = std::make_unique<WeightStore>(*nextn_dir);
+    block_store_ = std::make_unique<WeightStore>(*nextn_dir, opts.weight_memory);
     block = block_store_.get();
   }
   for (size_t r = 0; r < stack_.replicas(); ++r) {

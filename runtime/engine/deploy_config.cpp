@@ -119,6 +119,7 @@ const std::vector<std::string>& deploy_config_keys() {
       "model.max_length",
       "model.fp8_activations",
       "model.compute_dtype",
+      "model.mmap",
       "devices.platform",
       "devices.type",
       "devices.ids",
@@ -414,6 +415,8 @@ class Parser {
       } else if (k == "compute_dtype") {
         cfg_.model.compute_dtype =
             choice(v, p, line, {"f32", "bf16"}) == "bf16" ? ComputeDType::BF16 : ComputeDType::F32;
+      } else if (k == "mmap") {
+        cfg_.model.mmap = boolean(v, p, line);
       }
     });
   }

@@ -35,6 +35,10 @@ struct ModelSection {
   // compute_dtype: f32 (default) | bf16 (prefill GEMMs of bf16 weights round activations to bf16
   // and sum in f32, as llama.cpp's bf16 path: faster where the CPU has bf16 dot products).
   ComputeDType compute_dtype = ComputeDType::F32;
+  // mmap: true (default) reads the weights where the checkpoint's files are mapped; false reads the
+  // files into the process's own memory at load (llama.cpp's --no-mmap: slower start, pages that
+  // do not depend on the page cache's; runtime/file_mapping.h).
+  bool mmap = true;
   bool operator==(const ModelSection&) const = default;
 };
 

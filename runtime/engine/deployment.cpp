@@ -123,6 +123,7 @@ Deployment Deployment::open(const DeployConfig& cfg) {
   opts.quantize_fp8_activations = cfg.model.quantize_fp8_activations;
   opts.kv_cache_dtype = cfg.kv_cache.dtype;
   opts.compute_dtype = cfg.model.compute_dtype;
+  opts.weight_memory = cfg.model.mmap ? WeightMemory::Mapped : WeightMemory::Copied;
   opts.mpi_ranks = d.mpi_ranks;
   opts.mpi_rank = d.mpi_rank;
   for (const auto& [name, dir] : cfg.lora.adapters) opts.lora_adapters.push_back({name, dir});
