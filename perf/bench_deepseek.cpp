@@ -102,6 +102,7 @@ int main(int argc, char** argv) {
     double prefill_tok_s, t_prefill, t_token, cpu_token, bytes, t_step;
     std::string paths;
     double weight_gb, active_m, load_s;
+    std::filesystem::path dir;
   };
   std::vector<Row> results;
   for (const auto& dt : dtypes) {
@@ -176,7 +177,8 @@ int main(int argc, char** argv) {
                                   " on the " + ops::mla_path_name(decode_path);
     results.push_back({dt, prompt / t_prefill, t_prefill, t_token, cpu_token, bytes, t_step,
                        path_note, double(model.info().weight_bytes) / 1e9,
-                       double(plan.params.active_per_token - plan.params.embedding) / 1e6, load_s});
+                       double(plan.params.active_per_token - plan.params.embedding) / 1e6, load_s,
+                       dir});
     std::fprintf(stderr, "%s: decode %.2f ms per token\n", dt.c_str(), t_token * 1e3);
   }
   const double bw = measure_roofline(dev, 5).best();
@@ -193,6 +195,14 @@ int main(int argc, char** argv) {
     if (batch > 0)
       std::printf("      decode batch %u: %.2f ms per step = %.1f tok/s (%.2fx batch 1)\n", batch,
                   r.t_step * 1e3, batch / r.t_step, batch / r.t_step * r.t_token);
+    if (!no_mmap && dev.is_cpu()) {
+      // The roofline above reads fresh memory; the decode read the checkpoint's mapped pages.
+      const double own = mapped_weights_gbs(r.dir);
+      std::printf(
+          "      the native loop over this checkpoint's mapped weights: %.1f GB/s -> "
+          "decode at %.0f%% of a roofline there\n",
+          own, 100.0 * r.bytes / r.t_token / (own * 1e9));
+    }
   }
   return 0;
 }

@@ -195,6 +195,14 @@ int main(int argc, char** argv) {
           "= %.0f%% of roofline; whole steps: mean %.1f ms, slowest %.1f ms\n",
           uint32_t(cached), e * 1e3, w * 1e3, r * 1e3, (e + w + r) * 1e3, 1.0 / (e + w + r),
           100.0 * roofline_s / (e + w + r), mean * 1e3, slowest * 1e3);
+    if (!no_mmap && dev.is_cpu()) {
+      // The roofline above reads fresh memory; the decode read the checkpoint's mapped pages.
+      const double own = mapped_weights_gbs(dir);
+      std::printf(
+          "the native loop over the checkpoint's mapped weights: %.1f GB/s -> decode at "
+          "%.0f%% of a roofline there\n",
+          own, 100.0 * bytes_per_token / per_token / (own * 1e9));
+    }
   }
 
   // Prefill of a 512-token prompt (one step, last-token logits), median of 3 after a warm-up.

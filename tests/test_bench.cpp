@@ -5,13 +5,14 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <numeric>
 #include <set>
 
 #include "models/registry.h"
-#include "runtime/safetensors.h"
 #include "runtime/engine/bench.h"
 #include "runtime/engine/engine.h"
 #include "runtime/engine/generation.h"
+#include "runtime/safetensors.h"
 #include "tests/test_util.h"
 
 namespace clshard {
@@ -110,6 +111,32 @@ TEST(HostReadBandwidth, BothLoopsReadEveryWord) {
 #endif
       EXPECT_EQ(r.avx512, avx512) << what;
     }
+}
+
+// The loop over memory that is already there reads, from the base rounded up to 128 bytes, whole
+// blocks per thread and each word once: over words holding i + 1 from an unaligned base, the sum of
+// exactly the words in [start, start + r.bytes), for thread counts that do and do not divide it.
+TEST(HostReadBandwidth, OverGivenMemoryReadsEachWordOfWholeBlocksOnce) {
+  std::vector<uint64_t> words((size_t(1) << 20) + 77);
+  std::iota(words.begin(), words.end(), uint64_t(1));
+  const uint64_t* base = words.data() + 3;  // 24 bytes past whatever alignment the vector has
+  const size_t bytes = (words.size() - 3) * 8;
+  const auto at = reinterpret_cast<uintptr_t>(base);
+  const size_t skipped = ((at + 127) / 128 * 128 - at) / 8;  // words before the first block
+  for (const HostReadLoop loop : {HostReadLoop::Fastest, HostReadLoop::Portable})
+    for (const unsigned threads : {1u, 2u, 3u}) {
+      const HostReadBandwidth r = measure_read_bandwidth_of(base, bytes, threads, 2, loop);
+      const std::string what =
+          std::string(loop == HostReadLoop::Portable ? "portable" : "fastest") + ", " +
+          std::to_string(threads) + " threads";
+      EXPECT_EQ(r.bytes, (bytes - skipped * 8) / threads / 128 * 128 * threads) << what;
+      const uint64_t first = base[skipped], n = r.bytes / 8;  // words first .. first + n - 1
+      EXPECT_EQ(r.sum, n * first + n * (n - 1) / 2) << what;
+      EXPECT_GT(r.gb_s, 0.0) << what;
+    }
+  const HostReadBandwidth none = measure_read_bandwidth_of(base, 200, 2);
+  EXPECT_EQ(none.bytes, 0u);
+  EXPECT_EQ(none.gb_s, 0.0);
 }
 
 TEST(Bench, TinyPresetWritesTheRecordsAndTheTable) {

@@ -471,57 +471,105 @@ __attribute__((target("avx512f"))) uint64_t sum_blocks_avx512(const Lanes* p, si
 
 }  // namespace
 
-HostReadBandwidth measure_read_bandwidth(unsigned threads, size_t bytes, int repeats,
-                                         HostReadLoop loop) {
-  threads = std::max(1u, threads);
-  repeats = std::max(1, repeats);
-  const size_t blocks = std::max<size_t>(bytes / threads / (kLanesPerBlock * sizeof(Lanes)), 1);
-  const size_t part_bytes = blocks * kLanesPerBlock * sizeof(Lanes);
-  HostReadBandwidth r;
-  r.bytes = part_bytes * threads;
-  uint64_t (*sum_blocks)(const Lanes*, size_t) = sum_blocks_portable;
+namespace {
+
+using SumBlocks = uint64_t (*)(const Lanes*, size_t);
+
+SumBlocks pick_loop(HostReadLoop loop, HostReadBandwidth& r) {
 #if defined(__x86_64__) && defined(__GNUC__)
   if (loop == HostReadLoop::Fastest && __builtin_cpu_supports("avx512f")) {
-    sum_blocks = sum_blocks_avx512;
     r.avx512 = true;
+    return sum_blocks_avx512;
   }
 #endif
-  // Page-aligned parts in huge pages where the kernel gives them, as big checkpoints are mapped
-  // (runtime/file_mapping.h). Word i of the whole is i + 1, so a pass's sum says it read each once.
-  std::vector<Lanes*> parts(threads, nullptr);
+  (void)loop;
+  return sum_blocks_portable;
+}
+
+// `threads` threads, thread id summing `blocks` blocks from part(id) (nullptr: no memory, and no
+// rate), `repeats` timed passes between barriers: the best pass's rate into r.gb_s, the last
+// pass's sums into r.sum. part runs on the thread that reads the part (first touch).
+template <typename Part>
+void read_passes(unsigned threads, size_t blocks, int repeats, SumBlocks sum_blocks, Part part,
+                 HostReadBandwidth& r) {
+  std::vector<const Lanes*> parts(threads, nullptr);
   std::vector<uint64_t> sums(threads, 0);
   std::barrier gate{std::ptrdiff_t(threads)};
   Clock::time_point t0;
   bool all_parts = false;
   auto work = [&](unsigned id) {
-    void* mem =
-        ::mmap(nullptr, part_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    Lanes* part = mem == MAP_FAILED ? nullptr : static_cast<Lanes*>(mem);
-    if (part) {
-      ::madvise(part, part_bytes, MADV_HUGEPAGE);
-      // Each thread first touches its own part (its NUMA node's memory).
-      uint64_t* words = reinterpret_cast<uint64_t*>(part);
-      const uint64_t first = uint64_t(id) * (part_bytes / 8);
-      for (size_t i = 0; i < part_bytes / 8; ++i) words[i] = first + i + 1;
-    }
-    parts[id] = part;
+    parts[id] = part(id);
     gate.arrive_and_wait();
-    if (id == 0) all_parts = std::all_of(parts.begin(), parts.end(), [](Lanes* q) { return q; });
+    if (id == 0)
+      all_parts = std::all_of(parts.begin(), parts.end(), [](const Lanes* q) { return q; });
     for (int rep = 0; rep < repeats; ++rep) {
       gate.arrive_and_wait();
       if (id == 0) t0 = Clock::now();
-      if (part) sums[id] = sum_blocks(part, blocks);
+      if (parts[id]) sums[id] = sum_blocks(parts[id], blocks);
       gate.arrive_and_wait();
       if (id == 0 && all_parts)
         r.gb_s = std::max(r.gb_s, double(r.bytes) / seconds(t0, Clock::now()) / 1e9);
     }
-    if (part) ::munmap(part, part_bytes);
   };
   std::vector<std::thread> pool;
   for (unsigned id = 1; id < threads; ++id) pool.emplace_back(work, id);
   work(0);
   for (auto& t : pool) t.join();
   for (uint64_t s : sums) r.sum += s;
+}
+
+constexpr size_t kBlockBytes = kLanesPerBlock * sizeof(Lanes);
+
+}  // namespace
+
+HostReadBandwidth measure_read_bandwidth(unsigned threads, size_t bytes, int repeats,
+                                         HostReadLoop loop) {
+  threads = std::max(1u, threads);
+  const size_t blocks = std::max<size_t>(bytes / threads / kBlockBytes, 1);
+  const size_t part_bytes = blocks * kBlockBytes;
+  HostReadBandwidth r;
+  r.bytes = part_bytes * threads;
+  const SumBlocks sum_blocks = pick_loop(loop, r);
+  // Page-aligned parts in huge pages where the kernel gives them, as big checkpoints are mapped
+  // (runtime/file_mapping.h). Word i of the whole is i + 1, so a pass's sum says it read each once.
+  std::vector<void*> mapped(threads, nullptr);
+  read_passes(
+      threads, blocks, std::max(1, repeats), sum_blocks,
+      [&](unsigned id) -> const Lanes* {
+        void* mem =
+            ::mmap(nullptr, part_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (mem == MAP_FAILED) return nullptr;
+        mapped[id] = mem;
+        ::madvise(mem, part_bytes, MADV_HUGEPAGE);
+        // Each thread first touches its own part (its NUMA node's memory).
+        uint64_t* words = static_cast<uint64_t*>(mem);
+        const uint64_t first = uint64_t(id) * (part_bytes / 8);
+        for (size_t i = 0; i < part_bytes / 8; ++i) words[i] = first + i + 1;
+        return static_cast<const Lanes*>(mem);
+      },
+      r);
+  for (void* m : mapped)
+    if (m) ::munmap(m, part_bytes);
+  return r;
+}
+
+HostReadBandwidth measure_read_bandwidth_of(const void* base, size_t bytes, unsigned threads,
+                                            int repeats, HostReadLoop loop) {
+  threads = std::max(1u, threads);
+  const auto at = reinterpret_cast<uintptr_t>(base);
+  const uintptr_t start = (at + kBlockBytes - 1) / kBlockBytes * kBlockBytes;
+  const size_t usable = bytes > start - at ? bytes - (start - at) : 0;
+  const size_t blocks = usable / threads / kBlockBytes;
+  HostReadBandwidth r;
+  r.bytes = blocks * kBlockBytes * threads;
+  const SumBlocks sum_blocks = pick_loop(loop, r);
+  if (blocks == 0) return r;
+  read_passes(
+      threads, blocks, std::max(1, repeats), sum_blocks,
+      [&](unsigned id) {
+        return reinterpret_cast<const Lanes*>(start + size_t(id) * blocks * kBlockBytes);
+      },
+      r);
   return r;
 }
 

@@ -106,6 +106,14 @@ struct HostReadBandwidth {
 };
 HostReadBandwidth measure_read_bandwidth(unsigned threads, size_t bytes, int repeats = 5,
                                          HostReadLoop loop = HostReadLoop::Fastest);
+// The same loop over memory that is already there (a checkpoint's mapped weights, where they lie):
+// from `base` rounded up to 128 bytes, each thread its contiguous share of whole 128-byte blocks
+// (r.bytes: what a pass read; 0 and no rate where that is not one block a thread). Its sum is of
+// whatever the words hold. Next to measure_read_bandwidth's fresh memory it shows how fast the
+// weights' own pages read (model.mmap's comment in runtime/file_mapping.h).
+HostReadBandwidth measure_read_bandwidth_of(const void* base, size_t bytes, unsigned threads,
+                                            int repeats = 5,
+                                            HostReadLoop loop = HostReadLoop::Fastest);
 
 // Read bandwidth of an OpenCL device over a `bytes` buffer (rounded down to whole slabs) by the
 // probe of its kernel shape (kernels_cl/bandwidth.cl): on the CPU shape 64 work-items with 16-wide
