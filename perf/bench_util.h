@@ -9,7 +9,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
-#include <map>
 #include <numeric>
 #include <optional>
 #include <random>
@@ -29,7 +28,6 @@
 #include "runtime/engine/bench.h"
 #include "runtime/kernel_tuning.h"
 #include "runtime/model.h"
-#include "runtime/safetensors.h"
 #include "runtime/step.h"
 
 namespace clshard::bench {
@@ -112,31 +110,15 @@ inline double stream_read_gbs(int reps = 7, size_t bytes = size_t(512) << 20) {
       .gb_s;
 }
 
-// GB/s of the native loop over a checkpoint's weights where the page cache holds them: each file's
-// span of tensors read through a mapping of its own (map_checkpoint_file's, so the same pages the
-// model maps), one thread per hardware thread, best of `reps` passes per file, the files' rates
-// combined by their bytes. Next to stream_read_gbs (fresh memory) it says how fast the weights'
-// own pages read: on the VM here, 20-30% slower for some files (model.mmap's comment in
-// runtime/file_mapping.h), which model.mmap: false avoids.
+// GB/s of the native loop over a checkpoint's weights where the page cache holds them
+// (measure_checkpoint_read_bandwidth, which `clshard bench --roofline` reports too), one thread
+// per hardware thread. Next to stream_read_gbs (fresh memory) it says how fast the weights' own
+// pages read: on the VM here 20-30% slower for some files (runtime/file_mapping.h), which
+// model.mmap: false avoids.
 inline double mapped_weights_gbs(const std::filesystem::path& dir, int reps = 3) {
-  const WeightStore store(dir);
-  std::map<const std::filesystem::path*, std::pair<const uint8_t*, const uint8_t*>> spans;
-  for (const std::string& name : store.names()) {
-    const TensorView& v = store.get(name);
-    auto [it, fresh] = spans.try_emplace(v.file, v.data, v.data + v.bytes);
-    it->second.first = std::min(it->second.first, v.data);
-    it->second.second = std::max(it->second.second, v.data + v.bytes);
-  }
-  double bytes = 0, seconds = 0;
-  for (const auto& [file, span] : spans) {
-    const HostReadBandwidth r =
-        measure_read_bandwidth_of(span.first, size_t(span.second - span.first),
-                                  std::max(1u, std::thread::hardware_concurrency()), reps);
-    if (r.gb_s <= 0) continue;
-    bytes += double(r.bytes);
-    seconds += double(r.bytes) / (r.gb_s * 1e9);
-  }
-  return seconds > 0 ? bytes / seconds / 1e9 : 0;
+  return measure_checkpoint_read_bandwidth(dir, std::max(1u, std::thread::hardware_concurrency()),
+                                           reps)
+      .gb_s;
 }
 
 // MB of file mappings this process has in huge pages now (/proc/self/smaps_rollup's

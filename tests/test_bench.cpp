@@ -177,6 +177,52 @@ TEST(Bench, TinyPresetWritesTheRecordsAndTheTable) {
   EXPECT_NE(err.find("bench: [2/2] batch 3, prompt 8, gen 4"), std::string::npos) << err;
 }
 
+// --roofline on a CPU device: the native loop's rate over fresh memory of the asked size, and over
+// the checkpoint's mapped weights (a pass over all of its tensor bytes, less at most a 128-byte
+// block per thread and the start's alignment); none of the latter with model.mmap: false, whose
+// weights are not read from those pages.
+TEST(Bench, RooflineReadsFreshMemoryAndTheCheckpointsPages) {
+  auto dir = test::temp_dir("bench_roofline");
+  std::string out, err;
+  ASSERT_EQ(
+      test::run_clshard(
+          {"make-model", "--preset", "llama3-tiny", "--out", (dir / "model").string()}, &out, &err),
+      0)
+      << err;
+  uint64_t tensor_bytes = 0;
+  {
+    const WeightStore store(dir / "model");
+    for (const auto& name : store.names()) tensor_bytes += store.get(name).bytes;
+  }
+  for (const bool mapped : {true, false}) {
+    std::ofstream(dir / "d.yaml") << "model:\n  path: " << (dir / "model").string()
+                                  << "\n  mmap: " << (mapped ? "true" : "false")
+                                  << "\ndevices:\n  type: cpu\n";
+    const auto json_path = dir / "bench.json";
+    ASSERT_EQ(test::run_clshard({"bench", (dir / "d.yaml").string(), "--batch", "1", "--prompt-len",
+                                 "4", "--gen-len", "2", "--no-warmup", "--roofline",
+                                 "--roofline-mib", "8", "--json", json_path.string()},
+                                &out, &err),
+              0)
+        << err;
+    const auto env = read_json_file(json_path)["environment"];
+    const unsigned threads = env["read_bandwidth"]["threads"].get<unsigned>();
+    EXPECT_EQ(env["read_bandwidth"]["bytes"].get<uint64_t>(),
+              (uint64_t(8) << 20) / threads / 128 * 128 * threads);
+    EXPECT_GT(env["read_bandwidth"]["gb_s"].get<double>(), 0.0);
+    if (!mapped) {
+      EXPECT_FALSE(env.contains("checkpoint_read_bandwidth")) << "model.mmap: false";
+      continue;
+    }
+    ASSERT_TRUE(env.contains("checkpoint_read_bandwidth")) << err;
+    const uint64_t read = env["checkpoint_read_bandwidth"]["bytes"].get<uint64_t>();
+    EXPECT_LE(read, tensor_bytes);
+    EXPECT_GE(read + 128 * (threads + 1), tensor_bytes);
+    EXPECT_GT(env["checkpoint_read_bandwidth"]["gb_s"].get<double>(), 0.0);
+    EXPECT_NE(err.find("bench: the checkpoint's mapped weights read "), std::string::npos) << err;
+  }
+}
+
 // MTP speculative decoding on the bundled trained checkpoint: acceptance per draft position.
 TEST(Bench, SpeculativeDeploymentReportsAcceptance) {
   auto dir = test::temp_dir("bench_spec");

@@ -107,6 +107,18 @@ void run_bench_command(const BenchFlags& f) {
         {"method", std::string("native STREAM-style read loop (sum, ") +
                        (bw.avx512 ? "AVX-512" : "16-byte vectors") + "), best of 5"}};
     std::cerr << "bench: host read bandwidth " << gbs << " GB/s (" << threads << " threads)\n";
+    if (cfg.model.mmap) {
+      // The same loop over the pages the weights were read from, which on a VM can be slower
+      // than fresh memory (runtime/file_mapping.h; model.mmap: false then helps).
+      const HostReadBandwidth own = measure_checkpoint_read_bandwidth(cfg.model.path, threads);
+      env["checkpoint_read_bandwidth"] = {
+          {"gb_s", own.gb_s},
+          {"bytes", own.bytes},
+          {"method",
+           "the same loop over the checkpoint's mapped weights (model.path), best of 3 "
+           "per file"}};
+      std::cerr << "bench: the checkpoint's mapped weights read " << own.gb_s << " GB/s\n";
+    }
   }
 
   std::cout << format_bench_table(results) << std::flush;
@@ -155,8 +167,8 @@ void add_bench_command(CLI::App& app) {
                 "write {environment, records: one per configuration} to this file");
   b->add_flag("--roofline", f.roofline,
               "measure the read bandwidth into the environment record: the host's (native "
-              "multi-threaded STREAM-style loop) on a CPU device, the device's own OpenCL probe "
-              "on a GPU");
+              "multi-threaded STREAM-style loop, over fresh memory and over the checkpoint's "
+              "mapped weights) on a CPU device, the device's own OpenCL probe on a GPU");
   b->add_option("--roofline-mib", f.roofline_mib, "buffer size of --roofline, MiB")
       ->capture_default_str();
   b->callback([flags] { run_bench_command(*flags); });

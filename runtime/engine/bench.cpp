@@ -23,6 +23,7 @@
 #include <thread>
 
 #include "runtime/device.h"
+#include "runtime/safetensors.h"
 
 namespace clshard {
 
@@ -571,6 +572,30 @@ HostReadBandwidth measure_read_bandwidth_of(const void* base, size_t bytes, unsi
       },
       r);
   return r;
+}
+
+HostReadBandwidth measure_checkpoint_read_bandwidth(const std::filesystem::path& dir,
+                                                    unsigned threads, int repeats) {
+  const WeightStore store(dir);
+  std::map<const std::filesystem::path*, std::pair<const uint8_t*, const uint8_t*>> spans;
+  for (const std::string& name : store.names()) {
+    const TensorView& v = store.get(name);
+    auto [it, fresh] = spans.try_emplace(v.file, v.data, v.data + v.bytes);
+    it->second.first = std::min(it->second.first, v.data);
+    it->second.second = std::max(it->second.second, v.data + v.bytes);
+  }
+  HostReadBandwidth all;
+  double seconds = 0;
+  for (const auto& [file, span] : spans) {
+    const HostReadBandwidth r =
+        measure_read_bandwidth_of(span.first, size_t(span.second - span.first), threads, repeats);
+    all.avx512 = r.avx512;
+    if (r.gb_s <= 0) continue;
+    all.bytes += r.bytes;
+    seconds += double(r.bytes) / (r.gb_s * 1e9);
+  }
+  if (seconds > 0) all.gb_s = double(all.bytes) / seconds / 1e9;
+  return all;
 }
 
 }  // namespace clshard

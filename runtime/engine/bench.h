@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cstdint>
+#include <filesystem>
 #include <functional>
 #include <optional>
 #include <ostream>
@@ -114,6 +115,12 @@ HostReadBandwidth measure_read_bandwidth(unsigned threads, size_t bytes, int rep
 HostReadBandwidth measure_read_bandwidth_of(const void* base, size_t bytes, unsigned threads,
                                             int repeats = 5,
                                             HostReadLoop loop = HostReadLoop::Fastest);
+// measure_read_bandwidth_of over a checkpoint directory's weights where the page cache holds them:
+// each file's span of tensors through a mapping of its own (the pages the model maps), best of
+// `repeats` passes per file, the files' rates combined by their bytes (r.gb_s; r.bytes: a pass
+// over them all, r.sum unset).
+HostReadBandwidth measure_checkpoint_read_bandwidth(const std::filesystem::path& dir,
+                                                    unsigned threads, int repeats = 3);
 
 // Read bandwidth of an OpenCL device over a `bytes` buffer (rounded down to whole slabs) by the
 // probe of its kernel shape (kernels_cl/bandwidth.cl): on the CPU shape 64 work-items with 16-wide
