@@ -43,6 +43,19 @@ bool first_huge_page_is_huge(const uint8_t* base) {
   return huge_mapped_kib(base) >= kHugePage / 1024;
 }
 
+// `size` bytes (rounded up to pages) of anonymous memory with protection `prot`, starting at a
+// 2 MiB boundary: 2 MiB more reserved, the slack on either side given back. nullptr on failure.
+void* reserve_huge_aligned(size_t size, int prot) {
+  const size_t bytes = (size + 4095) & ~size_t(4095);
+  void* reserved = ::mmap(nullptr, bytes + kHugePage, prot, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (reserved == MAP_FAILED) return nullptr;
+  const auto lo = reinterpret_cast<uintptr_t>(reserved);
+  const uintptr_t at = (lo + kHugePage - 1) & ~uintptr_t(kHugePage - 1);
+  if (at > lo) ::munmap(reserved, at - lo);
+  if (lo + kHugePage > at) ::munmap(reinterpret_cast<void*>(at + bytes), lo + kHugePage - at);
+  return reinterpret_cast<void*>(at);
+}
+
 }  // namespace
 
 void* map_checkpoint_file(int fd, size_t size) {
@@ -50,20 +63,16 @@ void* map_checkpoint_file(int fd, size_t size) {
     void* map = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
     return map == MAP_FAILED ? nullptr : map;
   }
-  // A 2 MiB-aligned address: reserve 2 MiB more than the file, map the file over the aligned part
-  // and give back the rest.
-  void* reserved = ::mmap(nullptr, size + kHugePage, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (reserved == MAP_FAILED) return nullptr;
-  const auto lo = reinterpret_cast<uintptr_t>(reserved);
-  const uintptr_t at = (lo + kHugePage - 1) & ~uintptr_t(kHugePage - 1);
-  void* map = ::mmap(reinterpret_cast<void*>(at), size, PROT_READ, MAP_PRIVATE | MAP_FIXED, fd, 0);
+  // The file mapped over a 2 MiB-aligned reservation.
+  void* reserved = reserve_huge_aligned(size, PROT_NONE);
+  if (!reserved) return nullptr;
+  void* map = ::mmap(reserved, size, PROT_READ, MAP_PRIVATE | MAP_FIXED, fd, 0);
   if (map == MAP_FAILED) {
-    ::munmap(reserved, size + kHugePage);
+    const int err = errno;
+    ::munmap(reserved, size);
+    errno = err;
     return nullptr;
   }
-  if (at > lo) ::munmap(reserved, at - lo);
-  const uintptr_t end = at + ((size + 4095) & ~size_t(4095)), reserved_end = lo + size + kHugePage;
-  if (reserved_end > end) ::munmap(reinterpret_cast<void*>(end), reserved_end - end);
   if (::madvise(map, size, MADV_HUGEPAGE) != 0) return map;  // no THP here: small pages
   const auto* bytes = static_cast<const uint8_t*>(map);
   if (first_huge_page_is_huge(bytes)) return map;
@@ -79,16 +88,9 @@ void* map_checkpoint_file(int fd, size_t size) {
 
 void* copy_checkpoint_file(int fd, size_t size) {
   // A 2 MiB-aligned start, as map_checkpoint_file's, so that huge pages can back it from the first.
+  auto* base = static_cast<uint8_t*>(reserve_huge_aligned(size, PROT_READ | PROT_WRITE));
+  if (!base) return nullptr;
   const size_t bytes = (size + 4095) & ~size_t(4095);
-  void* reserved = ::mmap(nullptr, bytes + kHugePage, PROT_READ | PROT_WRITE,
-                          MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (reserved == MAP_FAILED) return nullptr;
-  const auto lo = reinterpret_cast<uintptr_t>(reserved);
-  const uintptr_t at = (lo + kHugePage - 1) & ~uintptr_t(kHugePage - 1);
-  if (at > lo) ::munmap(reserved, at - lo);
-  if (lo + bytes + kHugePage > at + bytes)
-    ::munmap(reinterpret_cast<void*>(at + bytes), lo + bytes + kHugePage - (at + bytes));
-  auto* base = reinterpret_cast<uint8_t*>(at);
   ::madvise(base, bytes, MADV_HUGEPAGE);
   for (size_t done = 0; done < size;) {
     const ssize_t n =
