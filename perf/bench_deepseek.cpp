@@ -77,6 +77,11 @@ int main(int argc, char** argv) {
   bool no_mmap = false;
   app.add_flag("--no-mmap", no_mmap,
                "model.mmap: false: each checkpoint read into memory at load, not mapped");
+  int mmap_ab_rounds = 0;
+  app.add_option("--mmap-ab", mmap_ab_rounds,
+                 "also load each checkpoint the other way (mapped / read into memory) and time "
+                 "the batch-1 decode of the two models in turn for this many rounds")
+      ->check(CLI::Range(0, 1000));
   TuningABOptions ab_opts;
   add_tuning_ab_options(app, ab_opts);
   parse_args(app, argc, argv);
@@ -144,6 +149,52 @@ int main(int argc, char** argv) {
         return seconds_since(ts) / n_decode;
       });
       print_tuning_ab(dt + " decode", *ab, ab_rounds, 1e3, "ms per token");
+    }
+    if (mmap_ab_rounds > 0) {
+      // The same decode steps on a second copy of the model whose weights live the other way, the
+      // two in turn (each round's first alternating), so the minute's speed cancels out.
+      LoadOptions other_opts = opts;
+      other_opts.weight_memory = no_mmap ? WeightMemory::Mapped : WeightMemory::Copied;
+      deepseek_v3::DeepseekV3Model other(dir, other_opts);
+      uint32_t oppr = 0;
+      auto otable = plan_static_pages(
+          other, std::vector<uint32_t>(rows, std::max(prompt, context + n_decode + 1)), 128, &oppr);
+      std::mt19937 orng(5);
+      other.forward(random_step(otable, oppr, 1, 0, context, V, orng)).read_logits();
+      std::vector<StepInputs> osteps;
+      for (uint32_t i = 0; i < n_decode; ++i)
+        osteps.push_back(random_step(otable, oppr, 1, context + i, 1, V, orng));
+      other.forward(osteps[0]).read_logits();
+      auto time_steps = [&](CausalLM& m, const std::vector<StepInputs>& ss) {
+        const auto ts = Clock::now();
+        for (const auto& s : ss) m.forward(s).read_logits();
+        return seconds_since(ts) / n_decode;
+      };
+      std::vector<double> mapped_t, copied_t, ratio;
+      for (int round = 0; round < mmap_ab_rounds; ++round) {
+        double t_this = 0, t_other = 0;
+        if (round % 2 == 0) {
+          t_this = time_steps(model, steps);
+          t_other = time_steps(other, osteps);
+        } else {
+          t_other = time_steps(other, osteps);
+          t_this = time_steps(model, steps);
+        }
+        const double tm = no_mmap ? t_other : t_this, tc = no_mmap ? t_this : t_other;
+        mapped_t.push_back(tm);
+        copied_t.push_back(tc);
+        ratio.push_back(tm / tc);
+      }
+      auto median = [](std::vector<double> v) {
+        std::sort(v.begin(), v.end());
+        return v[v.size() / 2];
+      };
+      std::printf(
+          "%s decode, mapped against read into memory, %d rounds in turn: %.2f -> %.2f ms "
+          "per token, mapped/copied median %.3f [%.3f, %.3f]\n",
+          dt.c_str(), mmap_ab_rounds, median(mapped_t) * 1e3, median(copied_t) * 1e3, median(ratio),
+          *std::min_element(ratio.begin(), ratio.end()),
+          *std::max_element(ratio.begin(), ratio.end()));
     }
 
     double t_step = 0;  // the batched decode's, when asked for
