@@ -170,31 +170,18 @@ int main(int argc, char** argv) {
         for (const auto& s : ss) m.forward(s).read_logits();
         return seconds_since(ts) / n_decode;
       };
-      std::vector<double> mapped_t, copied_t, ratio;
-      for (int round = 0; round < mmap_ab_rounds; ++round) {
-        double t_this = 0, t_other = 0;
-        if (round % 2 == 0) {
-          t_this = time_steps(model, steps);
-          t_other = time_steps(other, osteps);
-        } else {
-          t_other = time_steps(other, osteps);
-          t_this = time_steps(model, steps);
-        }
-        const double tm = no_mmap ? t_other : t_this, tc = no_mmap ? t_this : t_other;
-        mapped_t.push_back(tm);
-        copied_t.push_back(tc);
-        ratio.push_back(tm / tc);
-      }
-      auto median = [](std::vector<double> v) {
-        std::sort(v.begin(), v.end());
-        return v[v.size() / 2];
-      };
+      CausalLM& mapped = no_mmap ? static_cast<CausalLM&>(other) : model;
+      CausalLM& copied = no_mmap ? static_cast<CausalLM&>(model) : other;
+      const auto& mapped_steps = no_mmap ? osteps : steps;
+      const auto& copied_steps = no_mmap ? steps : osteps;
+      const InTurn t = time_in_turn(
+          mmap_ab_rounds, [&] { return time_steps(mapped, mapped_steps); },
+          [&] { return time_steps(copied, copied_steps); });
       std::printf(
           "%s decode, mapped against read into memory, %d rounds in turn: %.2f -> %.2f ms "
           "per token, mapped/copied median %.3f [%.3f, %.3f]\n",
-          dt.c_str(), mmap_ab_rounds, median(mapped_t) * 1e3, median(copied_t) * 1e3, median(ratio),
-          *std::min_element(ratio.begin(), ratio.end()),
-          *std::max_element(ratio.begin(), ratio.end()));
+          dt.c_str(), mmap_ab_rounds, t.a_median * 1e3, t.b_median * 1e3, t.ratio_median,
+          t.ratio_low, t.ratio_high);
     }
 
     double t_step = 0;  // the batched decode's, when asked for

@@ -339,6 +339,39 @@ inline void print_tuning_ab(const std::string& what, const TuningAB& ab, int rou
       ab.b_median * scale, unit, ab.ratio_median, ab.ratio_low, ab.ratio_high);
 }
 
+// Two timings (seconds, as a() and b() measure them) taken in turn `rounds` times, a first in
+// even rounds and b first in odd ones: the medians of each and of the per-round ratios a/b
+// (above 1: b is faster), and the lowest and highest ratio.
+struct InTurn {
+  double a_median = 0, b_median = 0, ratio_median = 0, ratio_low = 0, ratio_high = 0;
+};
+template <typename FA, typename FB>
+InTurn time_in_turn(int rounds, FA a, FB b) {
+  std::vector<double> ta, tb, ratio;
+  for (int r = 0; r < rounds; ++r) {
+    double t[2];
+    for (int k = 0; k < 2; ++k) {
+      const bool side_b = (k == 0) == (r % 2 == 1);
+      t[side_b] = side_b ? b() : a();
+    }
+    ta.push_back(t[0]);
+    tb.push_back(t[1]);
+    ratio.push_back(t[0] / t[1]);
+  }
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  InTurn out;
+  out.a_median = median(ta);
+  out.b_median = median(tb);
+  out.ratio_median = median(ratio);
+  std::sort(ratio.begin(), ratio.end());
+  out.ratio_low = ratio.front();
+  out.ratio_high = ratio.back();
+  return out;
+}
+
 // Times fn() (seconds, as it measures them) under both tunings; `dev`'s tuning is A again after.
 template <typename F>
 void run_tuning_ab(Device& dev, TuningAB& ab, int rounds, F fn) {
@@ -347,30 +380,22 @@ void run_tuning_ab(Device& dev, TuningAB& ab, int rounds, F fn) {
   set_kernel_tuning_field(b, ab.field, ab.value);
   dev.set_tuning(b);
   fn();  // builds B's kernels
+  const InTurn t = time_in_turn(
+      rounds,
+      [&] {
+        dev.set_tuning(a);
+        return fn();
+      },
+      [&] {
+        dev.set_tuning(b);
+        return fn();
+      });
   dev.set_tuning(a);
-  std::vector<double> ta, tb, ratio;
-  for (int r = 0; r < rounds; ++r) {
-    double t[2];
-    for (int k = 0; k < 2; ++k) {
-      const bool side_b = (k == 0) == (r % 2 == 1);
-      dev.set_tuning(side_b ? b : a);
-      t[side_b] = fn();
-    }
-    ta.push_back(t[0]);
-    tb.push_back(t[1]);
-    ratio.push_back(t[0] / t[1]);
-  }
-  dev.set_tuning(a);
-  auto median = [](std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v[v.size() / 2];
-  };
-  ab.a_median = median(ta);
-  ab.b_median = median(tb);
-  ab.ratio_median = median(ratio);
-  std::sort(ratio.begin(), ratio.end());
-  ab.ratio_low = ratio.front();
-  ab.ratio_high = ratio.back();
+  ab.a_median = t.a_median;
+  ab.b_median = t.b_median;
+  ab.ratio_median = t.ratio_median;
+  ab.ratio_low = t.ratio_low;
+  ab.ratio_high = t.ratio_high;
 }
 
 // The process's CPU time so far (user and system, every thread), in seconds.
