@@ -38,8 +38,8 @@ void* map_checkpoint_file(int fd, size_t size);
 // of their own, however the page cache's pages behave. On this machine (a 2-core KVM guest) the
 // page-cache pages of some checkpoint files read slower than fresh anonymous pages: after a
 // clflush, one thread read 2 MiB pages of dsv3-mini's file at 12-16 GB/s where anonymous pages
-// and llama3-1b's file read 17 (the same physical address ranges; the hypervisor backs them
-// differently), and a copy of its lm_head fed the GEMV at 23.9 GB/s against 17.1 mapped; the gap,
+// and llama3-1b's file read 17 (the same guest-physical ranges; presumably the hypervisor backs
+// them differently), and a copy of its lm_head fed the GEMV at 23.9 GB/s against 17.1 mapped; the gap,
 // and the copy's gain at decode, moved within the hour (README).
 void* copy_checkpoint_file(int fd, size_t size);
 
