@@ -130,24 +130,28 @@ int main(int argc, char** argv) {
     const double t_prefill = median_time(2, [&] { model.forward(pre).read_logits(); });
     const auto prefill_path = model.last_mla_path();
 
-    // Decode: a `context`-token request, then one token per step (absorbed MLA path).
-    model.forward(random_step(table, ppr, 1, 0, context, V, rng)).read_logits();
-    std::vector<StepInputs> steps;
-    for (uint32_t i = 0; i < n_decode; ++i)
-      steps.push_back(random_step(table, ppr, 1, context + i, 1, V, rng));
-    model.forward(steps[0]).read_logits();  // warm-up (kernel builds for one-row shapes)
+    // Decode: a `context`-token request, then one token per step (absorbed MLA path), the first
+    // step run once more before the timing as a warm-up (kernel builds for one-row shapes).
+    auto decode_steps = [&](CausalLM& m, const auto& tbl, uint32_t pages, std::mt19937& r) {
+      m.forward(random_step(tbl, pages, 1, 0, context, V, r)).read_logits();
+      std::vector<StepInputs> ss;
+      for (uint32_t i = 0; i < n_decode; ++i)
+        ss.push_back(random_step(tbl, pages, 1, context + i, 1, V, r));
+      m.forward(ss[0]).read_logits();
+      return ss;
+    };
+    auto time_decode = [&](CausalLM& m, const std::vector<StepInputs>& ss) {
+      const auto ts = Clock::now();
+      for (const auto& s : ss) m.forward(s).read_logits();
+      return seconds_since(ts) / n_decode;
+    };
+    const std::vector<StepInputs> steps = decode_steps(model, table, ppr, rng);
     const double c0 = cpu_seconds();
-    const auto t0 = Clock::now();
-    for (const auto& s : steps) model.forward(s).read_logits();
-    const double t_token = seconds_since(t0) / n_decode;
+    const double t_token = time_decode(model, steps);
     const double cpu_token = (cpu_seconds() - c0) / n_decode;
     const auto decode_path = model.last_mla_path();
     if (ab) {
-      run_tuning_ab(dev, *ab, ab_rounds, [&] {
-        const auto ts = Clock::now();
-        for (const auto& s : steps) model.forward(s).read_logits();
-        return seconds_since(ts) / n_decode;
-      });
+      run_tuning_ab(dev, *ab, ab_rounds, [&] { return time_decode(model, steps); });
       print_tuning_ab(dt + " decode", *ab, ab_rounds, 1e3, "ms per token");
     }
     if (mmap_ab_rounds > 0) {
@@ -160,23 +164,14 @@ int main(int argc, char** argv) {
       auto otable = plan_static_pages(
           other, std::vector<uint32_t>(rows, std::max(prompt, context + n_decode + 1)), 128, &oppr);
       std::mt19937 orng(5);
-      other.forward(random_step(otable, oppr, 1, 0, context, V, orng)).read_logits();
-      std::vector<StepInputs> osteps;
-      for (uint32_t i = 0; i < n_decode; ++i)
-        osteps.push_back(random_step(otable, oppr, 1, context + i, 1, V, orng));
-      other.forward(osteps[0]).read_logits();
-      auto time_steps = [&](CausalLM& m, const std::vector<StepInputs>& ss) {
-        const auto ts = Clock::now();
-        for (const auto& s : ss) m.forward(s).read_logits();
-        return seconds_since(ts) / n_decode;
-      };
+      const std::vector<StepInputs> osteps = decode_steps(other, otable, oppr, orng);
       CausalLM& mapped = no_mmap ? static_cast<CausalLM&>(other) : model;
       CausalLM& copied = no_mmap ? static_cast<CausalLM&>(model) : other;
       const auto& mapped_steps = no_mmap ? osteps : steps;
       const auto& copied_steps = no_mmap ? steps : osteps;
       const InTurn t = time_in_turn(
-          mmap_ab_rounds, [&] { return time_steps(mapped, mapped_steps); },
-          [&] { return time_steps(copied, copied_steps); });
+          mmap_ab_rounds, [&] { return time_decode(mapped, mapped_steps); },
+          [&] { return time_decode(copied, copied_steps); });
       std::printf(
           "%s decode, mapped against read into memory, %d rounds in turn: %.2f -> %.2f ms "
           "per token, mapped/copied median %.3f [%.3f, %.3f]\n",
