@@ -162,6 +162,10 @@ int main(int argc, char** argv) {
   cl::Mem h = dev.alloc(size_t(B) * H * 4), xn = dev.alloc(size_t(B) * H * 4);
   cl::Mem qkv = dev.alloc(size_t(B) * qkv_w * 4), att = dev.alloc(size_t(B) * nh * hd * 4);
   cl::Mem gu = dev.alloc(size_t(B) * 2 * F * 4), xs = dev.alloc(size_t(B) * H * 4);
+  // silu(gate) * up goes to a buffer of its own: written in place, the stage's repeats would
+  // compound it (each multiplies by up again) down to f32 denormals, and the down_proj reading
+  // them ran 25-30x slower (microcode assists), a figure of this program, not of a model.
+  cl::Mem act = dev.alloc(size_t(B) * F * 4);
   cl::Mem logits = dev.alloc(size_t(B) * V * 4);
   ops::embedding(dev, st.token_ids, B, w.embed, h, 1.0f);
   dev.finish();
@@ -178,13 +182,15 @@ int main(int argc, char** argv) {
     ops::linear(dev, att, 0, nh * hd, w.layers[l].o, nullptr, h, 0, H, B, 1.0f, true, cdt);
   };
   auto down = [&](size_t l) {
-    ops::linear(dev, gu, 0, 2 * F, w.layers[l].down, nullptr, h, 0, H, B, 1.0f, true, cdt);
+    ops::linear(dev, act, 0, F, w.layers[l].down, nullptr, h, 0, H, B, 1.0f, true, cdt);
   };
   auto lw = [&](size_t l) -> const llama3::LayerWeights& { return w.layers[l]; };
   const auto& L0 = w.layers[0];
   std::vector<Stage> unfused = {
       {"rmsnorm (attention)",
-       [&](size_t l) { ops::rmsnorm(dev, h, 0, H, nullptr, lw(l).input_norm, xn, 0, H, B, H, eps); }},
+       [&](size_t l) {
+         ops::rmsnorm(dev, h, 0, H, nullptr, lw(l).input_norm, xn, 0, H, B, H, eps);
+       }},
       {"q_proj", [&](size_t l) { ops::linear(dev, xn, 0, H, lw(l).q, nullptr, qkv, 0, qkv_w, B); },
        weight_bytes(L0.q)},
       {"k_proj",
@@ -202,11 +208,12 @@ int main(int argc, char** argv) {
        [&](size_t l) {
          ops::rmsnorm(dev, h, 0, H, nullptr, lw(l).post_attention_norm, xn, 0, H, B, H, eps);
        }},
-      {"gate_proj", [&](size_t l) { ops::linear(dev, xn, 0, H, lw(l).gate, nullptr, gu, 0, 2 * F, B); },
+      {"gate_proj",
+       [&](size_t l) { ops::linear(dev, xn, 0, H, lw(l).gate, nullptr, gu, 0, 2 * F, B); },
        weight_bytes(L0.gate)},
       {"up_proj", [&](size_t l) { ops::linear(dev, xn, 0, H, lw(l).up, nullptr, gu, F, 2 * F, B); },
        weight_bytes(L0.up)},
-      {"silu * up", [&](size_t) { ops::silu_mul(dev, gu, 0, 2 * F, gu, F, 2 * F, gu, 2 * F, B, F); }},
+      {"silu * up", [&](size_t) { ops::silu_mul(dev, gu, 0, 2 * F, gu, F, 2 * F, act, F, B, F); }},
       {"down_proj + residual", down, weight_bytes(L0.down)},
   };
   auto head = [&] {
