@@ -38,6 +38,8 @@ struct LoadOptions {
   // model.mmap: the checkpoint's weights read where the files are mapped (true, the default), or
   // from a copy read into memory at load (false; runtime/file_mapping.h's copy_checkpoint_file).
   WeightMemory weight_memory = WeightMemory::Mapped;
+  // Told how far a copy has read (weight_memory: Copied), per checkpoint directory; may be empty.
+  LoadProgress load_progress;
   // cluster.transport: mpi — the deployment's devices are spread over mpi_ranks processes, each
   // driving devices.size() of them; this process is mpi_rank and drives `devices` (the topology's
   // devices mpi_rank * devices.size() ..). 0: every device is in this process.

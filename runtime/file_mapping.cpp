@@ -86,7 +86,7 @@ void* map_checkpoint_file(int fd, size_t size) {
   return map;
 }
 
-void* copy_checkpoint_file(int fd, size_t size) {
+void* copy_checkpoint_file(int fd, size_t size, const std::function<void(size_t)>& on_read) {
   // A 2 MiB-aligned start, as map_checkpoint_file's, so that huge pages can back it from the first.
   auto* base = static_cast<uint8_t*>(reserve_huge_aligned(size, PROT_READ | PROT_WRITE));
   if (!base) return nullptr;
@@ -103,6 +103,7 @@ void* copy_checkpoint_file(int fd, size_t size) {
       return nullptr;
     }
     done += size_t(n);
+    if (on_read) on_read(size_t(n));
   }
   ::mprotect(base, bytes, PROT_READ);
   return base;

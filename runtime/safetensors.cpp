@@ -120,7 +120,8 @@ SafetensorsHeader parse_safetensors(const uint8_t* base, size_t size,
   return out;
 }
 
-SafetensorsFile::SafetensorsFile(const std::filesystem::path& path, WeightMemory memory)
+SafetensorsFile::SafetensorsFile(const std::filesystem::path& path, WeightMemory memory,
+                                 const std::function<void(size_t)>& on_read)
     : path_(path), memory_(memory) {
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) fail(path, std::string("cannot open: ") + std::strerror(errno));
@@ -136,7 +137,7 @@ SafetensorsFile::SafetensorsFile(const std::filesystem::path& path, WeightMemory
                                                              "length");
   }
   const bool copied = memory == WeightMemory::Copied;
-  map_ = copied ? copy_checkpoint_file(fd, map_size_) : map_checkpoint_file(fd, map_size_);
+  map_ = copied ? copy_checkpoint_file(fd, map_size_, on_read) : map_checkpoint_file(fd, map_size_);
   const int map_errno = errno;
   ::close(fd);
   if (!map_)
@@ -194,7 +195,9 @@ std::vector<std::string> safetensors_index_shards(const nlohmann::json& j,
   return {names.begin(), names.end()};
 }
 
-WeightStore::WeightStore(const std::filesystem::path& dir, WeightMemory memory) : dir_(dir) {
+WeightStore::WeightStore(const std::filesystem::path& dir, WeightMemory memory,
+                         const LoadProgress& progress)
+    : dir_(dir) {
   namespace fs = std::filesystem;
   if (!fs::is_directory(dir)) throw std::runtime_error(dir.string() + ": not a directory");
   std::vector<fs::path> shards;
@@ -216,8 +219,15 @@ WeightStore::WeightStore(const std::filesystem::path& dir, WeightMemory memory) 
   if (shards.empty())
     throw std::runtime_error(dir.string() + ": no model.safetensors, no "
                                             "model.safetensors.index.json and no *.safetensors");
+  uint64_t total = 0, done = 0;
+  std::function<void(size_t)> on_read;
+  if (memory == WeightMemory::Copied && progress) {
+    for (const auto& s : shards) total += fs::file_size(s);
+    on_read = [&](size_t bytes) { progress(dir_, done += bytes, total); };
+    progress(dir_, 0, total);
+  }
   for (const auto& s : shards) {
-    files_.push_back(std::make_unique<SafetensorsFile>(s, memory));
+    files_.push_back(std::make_unique<SafetensorsFile>(s, memory, on_read));
     for (const auto& [name, view] : files_.back()->tensors()) {
       if (index_.count(name))
         throw std::runtime_error(dir.string() + ": tensor '" + name + "' appears in " +

@@ -5,12 +5,12 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "runtime/dtype.h"
 
@@ -46,13 +46,21 @@ SafetensorsHeader parse_safetensors(const uint8_t* bytes, size_t size,
 // open (file_mapping.h's copy_checkpoint_file: llama.cpp's --no-mmap).
 enum class WeightMemory { Mapped, Copied };
 
+// A copy's progress (WeightMemory::Copied): the checkpoint directory, the bytes of its files read
+// so far and their total, told first with done == 0, then after each piece read (64 MiB at most),
+// the last time with done == total. A mapped store reads nothing at open and tells nothing.
+using LoadProgress =
+    std::function<void(const std::filesystem::path& dir, uint64_t done, uint64_t total)>;
+
 // One .safetensors file, mmapped (in huge pages where the kernel can: file_mapping.h) or copied
 // into memory. Validation on open: header length inside the file, header JSON, dtype names,
 // shape x dtype size == byte span, spans inside the data section and not overlapping.
 class SafetensorsFile {
  public:
+  // `on_read`: a copy's pieces as they are read (copy_checkpoint_file).
   explicit SafetensorsFile(const std::filesystem::path& path,
-                           WeightMemory memory = WeightMemory::Mapped);
+                           WeightMemory memory = WeightMemory::Mapped,
+                           const std::function<void(size_t bytes)>& on_read = {});
   ~SafetensorsFile();
   SafetensorsFile(const SafetensorsFile&) = delete;
   SafetensorsFile& operator=(const SafetensorsFile&) = delete;
@@ -79,8 +87,8 @@ std::vector<std::string> safetensors_index_shards(const nlohmann::json& index,
 // model.safetensors.index.json, or else every *.safetensors file in the directory.
 class WeightStore {
  public:
-  explicit WeightStore(const std::filesystem::path& dir,
-                       WeightMemory memory = WeightMemory::Mapped);
+  explicit WeightStore(const std::filesystem::path& dir, WeightMemory memory = WeightMemory::Mapped,
+                       const LoadProgress& progress = {});
 
   bool has(const std::string& name) const { return index_.count(name) != 0; }
   // Throws "missing tensor NAME in DIR" when absent.

@@ -646,5 +646,55 @@ TEST(Progress, EmptyJobAndDurations) {
   EXPECT_EQ(Progress::format_duration(3723), "1:02:03");
 }
 
+// A copy of the weights (model.mmap: false) on stderr: in a log, a line at the start, each 10% and
+// every 5 s, then the closing line with the rate; a new directory starts over.
+TEST(LoadProgressPrinter, PlainLinesThenTheClosingRate) {
+  FakeClock clock;
+  std::ostringstream err;
+  const LoadProgress p = load_progress_printer(err, false, clock.fn());
+  const uint64_t total = 10'000'000'000ull;
+  p("ckpt", 0, total);
+  EXPECT_EQ(err.str(), "reading ckpt into memory: 0.00 of 10.00 GB (0%), ETA ?\n");
+  err.str("");
+  clock.advance(1.0);
+  p("ckpt", total / 20, total);  // 5%: not yet a tenth, not yet 5 s
+  EXPECT_EQ(err.str(), "");
+  clock.advance(1.0);
+  p("ckpt", total / 10, total);
+  EXPECT_EQ(err.str(), "reading ckpt into memory: 1.00 of 10.00 GB (10%), ETA 0:18\n");
+  err.str("");
+  clock.advance(5.0);
+  p("ckpt", total * 3 / 20, total);  // 5 s since the last line, same tenth
+  EXPECT_EQ(err.str(), "reading ckpt into memory: 1.50 of 10.00 GB (15%), ETA 0:40\n");
+  err.str("");
+  clock.advance(3.0);
+  p("ckpt", total, total);
+  EXPECT_EQ(err.str(), "read ckpt into memory: 10.00 GB in 10.0 s (1.0 GB/s)\n");
+  err.str("");
+  p("draft", 0, 250'000'000ull);  // below 1 GB: in MB
+  EXPECT_EQ(err.str(), "reading draft into memory: 0.00 of 250.00 MB (0%), ETA ?\n");
+}
+
+// On a terminal: one line redrawn in place at most ten times a second, cleared for the closing one.
+TEST(LoadProgressPrinter, TerminalLineRedrawnInPlace) {
+  FakeClock clock;
+  std::ostringstream err;
+  const LoadProgress p = load_progress_printer(err, true, clock.fn());
+  const uint64_t total = 4'000'000'000ull;
+  p("ckpt", 0, total);
+  EXPECT_EQ(err.str(), "\rreading ckpt into memory: 0.00 of 4.00 GB (0%), ETA ?\x1b[K");
+  err.str("");
+  clock.advance(0.05);
+  p("ckpt", total / 8, total);  // 50 ms later: throttled
+  EXPECT_EQ(err.str(), "");
+  clock.advance(0.05);
+  p("ckpt", total / 4, total);
+  EXPECT_EQ(err.str(), "\rreading ckpt into memory: 1.00 of 4.00 GB (25%), ETA 0:00\x1b[K");
+  err.str("");
+  clock.advance(1.9);
+  p("ckpt", total, total);
+  EXPECT_EQ(err.str(), "\r\x1b[Kread ckpt into memory: 4.00 GB in 2.0 s (2.0 GB/s)\n");
+}
+
 }  // namespace
 }  // namespace clshard

@@ -119,6 +119,28 @@ TEST(Cli, MakeModelThenGenerateIsDeterministic) {
             0);
   EXPECT_EQ(a, b);
   EXPECT_EQ(std::count(a.begin(), a.end(), ','), 5) << a;
+  EXPECT_EQ(err.find("into memory"), std::string::npos) << "a mapped load reads nothing: " << err;
+
+  // model.mmap: false reads the weights into memory at load, its progress on stderr (a pipe here:
+  // plain lines), and generates the same tokens.
+  const auto yaml = dir / "deploy.yaml";
+  std::ofstream(yaml) << "model: {path: \"" << dir.string() << "\", mmap: false}\n";
+  std::string c;
+  ASSERT_EQ(
+      test::run_clshard({"generate", yaml.string(), "--tokens", "1,2,3", "--max-new-tokens", "6"},
+                        &c, &err),
+      0)
+      << err;
+  EXPECT_EQ(c, a);
+  char mb[16];  // the file is a few MB
+  std::snprintf(mb, sizeof mb, "%.2f",
+                double(std::filesystem::file_size(dir / "model.safetensors")) / 1e6);
+  EXPECT_NE(
+      err.find("reading " + dir.string() + " into memory: 0.00 of " + mb + " MB (0%), ETA ?\n"),
+      std::string::npos)
+      << err;
+  EXPECT_NE(err.find("read " + dir.string() + " into memory: " + mb + " MB in "), std::string::npos)
+      << err;
 }
 
 TEST(Cli, ErrorsAreClearAndExitNonZero) {

@@ -1,7 +1,8 @@
 // Big checkpoint files are mapped at a 2 MiB boundary for huge pages (runtime/file_mapping.h).
 // Whichever pages the kernel gives, and whether or not it drops the file's small page-cache
 // folios, the mapping holds the file's bytes to the last one and leaves nothing mapped behind.
-// Copies (model.mmap: false) hold the same bytes, read-only, and do not depend on the file.
+// Copies (model.mmap: false) hold the same bytes, read-only, and do not depend on the file; they
+// tell their progress piece by piece.
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/mman.h>
@@ -12,8 +13,11 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <tuple>
+#include <vector>
 
 #include "runtime/file_mapping.h"
+#include "runtime/safetensors.h"
 #include "tests/test_util.h"
 
 namespace clshard {
@@ -113,6 +117,56 @@ TEST(FileMapping, CopyOfAFileShorterThanAskedFailsWithEio) {
   EXPECT_EQ(errno, EIO);
   ::close(fd);
   EXPECT_EQ(mapped_regions(), regions) << "the failed copy left memory mapped behind";
+}
+
+// A copy tells each piece it reads: 64 MiB at most, in order, adding up to the file.
+TEST(FileMapping, CopyTellsEachPieceItReads) {
+  const auto file = test::temp_dir("file_copy_pieces") / "ckpt.bin";
+  const size_t size = (size_t(67) << 20) + 5;  // one whole 64 MiB piece and a part
+  std::vector<uint8_t> bytes(size);
+  for (size_t i = 0; i < size; ++i) bytes[i] = uint8_t(i * 131 >> 7);
+  {
+    std::ofstream out(file, std::ios::binary);
+    out.write(reinterpret_cast<const char*>(bytes.data()), std::streamsize(size));
+  }
+  const int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  std::vector<size_t> pieces;
+  void* copy = copy_checkpoint_file(fd, size, [&](size_t n) { pieces.push_back(n); });
+  ::close(fd);
+  ASSERT_NE(copy, nullptr) << std::strerror(errno);
+  EXPECT_EQ(pieces, (std::vector<size_t>{size_t(64) << 20, (size_t(3) << 20) + 5}));
+  EXPECT_EQ(std::memcmp(copy, bytes.data(), size), 0);
+  ASSERT_EQ(::munmap(copy, size), 0);
+  std::filesystem::remove(file);
+}
+
+// A copied store tells its progress over all its shards: first 0 of the total (the files' sizes
+// added), then after each piece (one per small file here), the last at the total. A mapped store
+// reads nothing at open and tells nothing.
+TEST(WeightStoreCopy, TellsItsProgressOverEveryShard) {
+  const auto dir = test::temp_dir("store_copy_progress");
+  const std::vector<float> values(1000, 0.5f);
+  std::vector<uint8_t> data(values.size() * 4);
+  std::memcpy(data.data(), values.data(), data.size());
+  write_safetensors(dir / "a.safetensors", {{"a", DType::F32, {1000}, data}});
+  write_safetensors(dir / "b.safetensors", {{"b", DType::F32, {10, 100}, data},
+                                            {"c", DType::F32, {500}, std::vector<uint8_t>(2000)}});
+  const uint64_t size_a = std::filesystem::file_size(dir / "a.safetensors");
+  const uint64_t size_b = std::filesystem::file_size(dir / "b.safetensors");
+  using Report = std::tuple<std::filesystem::path, uint64_t, uint64_t>;
+  std::vector<Report> reports;
+  const LoadProgress record = [&](const std::filesystem::path& d, uint64_t done, uint64_t total) {
+    reports.emplace_back(d, done, total);
+  };
+  WeightStore copied(dir, WeightMemory::Copied, record);
+  EXPECT_EQ(copied.get("c").bytes, 2000u);
+  const uint64_t total = size_a + size_b;
+  EXPECT_EQ(reports,
+            (std::vector<Report>{{dir, 0, total}, {dir, size_a, total}, {dir, total, total}}));
+  reports.clear();
+  WeightStore mapped(dir, WeightMemory::Mapped, record);
+  EXPECT_TRUE(reports.empty());
 }
 
 }  // namespace

@@ -23,7 +23,7 @@ DeepseekV3Model::DeepseekV3Model(const std::filesystem::path& dir, const LoadOpt
                                  std::optional<parallel::ExpertPlacement> placement)
     : cfg_(DeepseekV3Config::from_dir(dir)),
       stack_(cfg_, dir, opts, topology, std::move(placement), "deepseek_v3") {
-  store_ = std::make_unique<WeightStore>(dir, opts.weight_memory);
+  store_ = std::make_unique<WeightStore>(dir, opts.weight_memory, opts.load_progress);
   for (size_t r = 0; r < stack_.replicas(); ++r) {
     if (!stack_.local(r)) {  // another process loads it
       weights_.emplace_back();

@@ -26,7 +26,8 @@ DeepseekV3NextN::DeepseekV3NextN(const std::filesystem::path& target_dir,
   target_store_ = std::make_unique<WeightStore>(target_dir);
   const WeightStore* block = target_store_.get();
   if (nextn_dir) {
-    block_store_ = std::make_unique<WeightStore>(*nextn_dir, opts.weight_memory);
+    block_store_ =
+        std::make_unique<WeightStore>(*nextn_dir, opts.weight_memory, opts.load_progress);
     block = block_store_.get();
   }
   for (size_t r = 0; r < stack_.replicas(); ++r) {

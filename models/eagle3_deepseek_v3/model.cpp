@@ -71,7 +71,7 @@ Eagle3Draft::Eagle3Draft(const std::filesystem::path& target_dir,
 
   // model.mmap applies to the draft's own file; the target's stays mapped (the target model holds
   // its own copy where it copies, and the draft reads a few tensors of it).
-  store_ = std::make_unique<WeightStore>(draft_dir, opts.weight_memory);
+  store_ = std::make_unique<WeightStore>(draft_dir, opts.weight_memory, opts.load_progress);
   target_store_ = std::make_unique<WeightStore>(target_dir);
   layout_ = inspect_draft(cfg_, *store_);
   const auto inv =

@@ -38,7 +38,7 @@ Llama3Model::Llama3Model(const std::filesystem::path& dir, const LoadOptions& op
     throw std::invalid_argument(std::string("Llama3Model: kv_cache.dtype ") +
                                 dtype_name(opts.kv_cache_dtype) + " is not supported (f32, bf16 or fp8)");
   kv_dtype_ = opts.kv_cache_dtype;
-  store_ = std::make_unique<WeightStore>(dir, opts.weight_memory);
+  store_ = std::make_unique<WeightStore>(dir, opts.weight_memory, opts.load_progress);
   cfg_.finalize(*store_);
   if (cfg_.head_dim % 8 != 0)
     throw std::runtime_error((dir / "config.json").string() + ": head_dim " +

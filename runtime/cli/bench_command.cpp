@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "git_commit.h"  // generated at build time (cmake/git_commit.cmake): CLSHARD_GIT_COMMIT
+#include "runtime/cli/commands.h"
 #include "runtime/device.h"
 #include "runtime/engine/bench.h"
 #include "runtime/engine/deployment.h"
@@ -61,7 +62,7 @@ void run_bench_command(const BenchFlags& f) {
   // Start-up: reading the configs and tokenizer, mapping and uploading the weights, building (or
   // loading from the kernel cache) every program — until the deployment can take a request.
   const auto open_start = std::chrono::steady_clock::now();
-  Deployment d = Deployment::open(cfg);
+  Deployment d = Deployment::open(cfg, stderr_load_progress());
   const double open_s =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - open_start).count();
   // Over MPI rank 0 runs the bench and hands each step to the others (runtime/engine/mpi_steps.h),

@@ -124,6 +124,10 @@ std::string join_ids(const std::vector<int32_t>& ids) {
 
 }  // namespace
 
+LoadProgress stderr_load_progress() {
+  return load_progress_printer(std::cerr, Progress::stderr_is_terminal());
+}
+
 int run(int argc, char** argv) {
   CLI::App app{"clshard: LLM inference on OpenCL devices, one or many"};
   app.require_subcommand(1);
@@ -199,7 +203,7 @@ int run(int argc, char** argv) {
       cfg.speculative.num_speculative_tokens = 1;
       cfg.speculative.draft_model = lg_draft;
     }
-    Deployment d = Deployment::open(cfg);
+    Deployment d = Deployment::open(cfg, stderr_load_progress());
     auto& model = d.model;
     // Over MPI every process runs the same steps (the same sequences, read from the same
     // arguments); rank 0 holds the gathered logits and writes them.
@@ -259,7 +263,7 @@ int run(int argc, char** argv) {
       std::vector<std::vector<int32_t>> prompts;
       for (const auto& t : gen_tokens) prompts.push_back(parse_ids(t, "--tokens"));
       cfg.kv_cache.pages = 1;  // greedy_generate lays out its own pages
-      Deployment d = Deployment::open(cfg);
+      Deployment d = Deployment::open(cfg, stderr_load_progress());
       MpiSteps mpi{d};
       if (mpi.follow()) return;
       auto t0 = std::chrono::steady_clock::now();
@@ -270,7 +274,7 @@ int run(int argc, char** argv) {
       std::cerr << prompts.size() * max_new << " tokens in " << s << " s\n";
       return;
     }
-    Deployment d = Deployment::open(cfg);
+    Deployment d = Deployment::open(cfg, stderr_load_progress());
     MpiSteps mpi{d};
     if (mpi.follow()) return;
     auto engine = d.make_engine();
@@ -309,7 +313,7 @@ int run(int argc, char** argv) {
   std::string run_deploy;
   runc->add_option("deploy", run_deploy, "deployment YAML")->required();
   runc->callback([&] {
-    Deployment d = Deployment::open(load_deploy_config(run_deploy));
+    Deployment d = Deployment::open(load_deploy_config(run_deploy), stderr_load_progress());
     // Over MPI rank 0 runs the job and hands each step to the other ranks (mpi_steps.h).
     MpiSteps mpi{d};
     if (mpi.follow()) return;

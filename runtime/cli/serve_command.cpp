@@ -14,6 +14,7 @@
 #include <mutex>
 #include <thread>
 
+#include "runtime/cli/commands.h"
 #include "runtime/engine/deployment.h"
 #include "runtime/serve/http_server.h"
 
@@ -101,7 +102,7 @@ void run_server(const ServeFlags& flags) {
             << " (model `" << name << "` loading; /health answers 503 until it is ready)\n";
   if (!flags.port_file.empty()) write_port_file(flags.port_file, port);
 
-  auto deployment = std::make_unique<Deployment>(Deployment::open(cfg));
+  auto deployment = std::make_unique<Deployment>(Deployment::open(cfg, stderr_load_progress()));
   server.attach(std::move(deployment));
   std::cerr << "clshard serve: ready: POST /v1/completions, /v1/chat/completions; GET /v1/models, "
                "/health, /metrics\n";

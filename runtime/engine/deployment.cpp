@@ -71,7 +71,7 @@ void allocate_kv_pools(Deployment& d, const DeployConfig& cfg, uint32_t pages,
 
 }  // namespace
 
-Deployment Deployment::open(const DeployConfig& cfg) {
+Deployment Deployment::open(const DeployConfig& cfg, const LoadProgress& progress) {
   Deployment d;
   if (cfg.cluster.transport == ClusterTransport::Mpi) {
 #ifndef CLSHARD_HAVE_MPI
@@ -124,6 +124,7 @@ Deployment Deployment::open(const DeployConfig& cfg) {
   opts.kv_cache_dtype = cfg.kv_cache.dtype;
   opts.compute_dtype = cfg.model.compute_dtype;
   opts.weight_memory = cfg.model.mmap ? WeightMemory::Mapped : WeightMemory::Copied;
+  if (d.mpi_rank == 0) opts.load_progress = progress;
   opts.mpi_ranks = d.mpi_ranks;
   opts.mpi_rank = d.mpi_rank;
   for (const auto& [name, dir] : cfg.lora.adapters) opts.lora_adapters.push_back({name, dir});

@@ -14,6 +14,7 @@
 #include "runtime/engine/deploy_config.h"
 #include "runtime/engine/engine.h"
 #include "runtime/model.h"
+#include "runtime/safetensors.h"
 #include "runtime/text/tokenizer.h"
 
 namespace clshard {
@@ -38,7 +39,8 @@ struct Deployment {
   uint32_t mpi_rank = 0, mpi_ranks = 0;
 
   // Opens and loads everything the file names. Errors name the file and key where they can.
-  static Deployment open(const DeployConfig& cfg);
+  // `progress` is told how a copy of the weights (model.mmap: false) goes; over MPI, rank 0's.
+  static Deployment open(const DeployConfig& cfg, const LoadProgress& progress = {});
   std::unique_ptr<Engine> make_engine();
   // The YAML's sampling defaults as the sampler's parameters.
   static SamplingParams sampling_params(const SamplingDefaults& d);

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <memory>
 #include <string>
 
 namespace clshard {
@@ -107,6 +108,75 @@ void Progress::finish() {
        << tokens_in_ << " tokens in, " << tokens_out_ << " tokens out, " << fixed1(wall)
        << " s wall, " << fixed1(wall > 0 ? double(tokens_out_) / wall : 0.0) << " output tok/s\n"
        << std::flush;
+}
+
+namespace {
+
+// `bytes` in the unit that suits `scale` (GB from 1 GB on, else MB), two decimals, no unit name.
+std::string in_unit(uint64_t bytes, uint64_t scale) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.2f", double(bytes) / (scale >= 1'000'000'000 ? 1e9 : 1e6));
+  return buf;
+}
+const char* unit_name(uint64_t scale) { return scale >= 1'000'000'000 ? "GB" : "MB"; }
+
+// One directory's copy at a time: a report for another directory, or one starting over at 0,
+// begins a new one.
+struct LoadPrinter {
+  std::ostream& err;
+  bool terminal;
+  Progress::Clock clock;
+  std::filesystem::path dir;
+  std::chrono::steady_clock::time_point start, last_draw;
+  size_t tenths_printed = 0;
+  bool drawn = false;
+
+  void report(const std::filesystem::path& d, uint64_t done, uint64_t total) {
+    const auto now = clock();
+    if (d != dir || done == 0) {
+      dir = d;
+      start = last_draw = now;
+      tenths_printed = 0;
+      drawn = false;
+    }
+    const double elapsed = std::chrono::duration<double>(now - start).count();
+    if (done >= total) {
+      if (terminal && drawn) err << "\r\x1b[K";
+      err << "read " << dir.string() << " into memory: " << in_unit(total, total) << " "
+          << unit_name(total) << " in " << fixed1(elapsed) << " s ("
+          << (elapsed > 0 ? fixed1(double(total) / elapsed / 1e9) : "-") << " GB/s)\n"
+          << std::flush;
+      dir.clear();
+      return;
+    }
+    const size_t tenths = size_t(done * 10 / total);
+    const bool due = terminal
+                         ? !drawn || now - last_draw >= kTerminalInterval
+                         : done == 0 || tenths > tenths_printed || now - last_draw >= kLineInterval;
+    if (!due) return;
+    last_draw = now;
+    tenths_printed = std::max(tenths_printed, tenths);
+    const std::string eta =
+        done == 0 || elapsed <= 0
+            ? "?"
+            : Progress::format_duration(elapsed * double(total - done) / double(done));
+    err << (terminal ? "\r" : "") << "reading " << dir.string()
+        << " into memory: " << in_unit(done, total) << " of " << in_unit(total, total) << " "
+        << unit_name(total) << " (" << done * 100 / total << "%), ETA " << eta
+        << (terminal ? "\x1b[K" : "\n") << std::flush;
+    drawn = true;
+  }
+};
+
+}  // namespace
+
+LoadProgress load_progress_printer(std::ostream& err, bool is_terminal, Progress::Clock clock) {
+  auto printer = std::make_shared<LoadPrinter>(LoadPrinter{
+      err, is_terminal,
+      clock ? std::move(clock) : Progress::Clock([] { return std::chrono::steady_clock::now(); })});
+  return [printer](const std::filesystem::path& dir, uint64_t done, uint64_t total) {
+    printer->report(dir, done, total);
+  };
 }
 
 }  // namespace clshard

@@ -10,6 +10,8 @@
 #include <ostream>
 #include <string>
 
+#include "runtime/safetensors.h"
+
 namespace clshard {
 
 class Progress {
@@ -54,5 +56,12 @@ class Progress {
   size_t tenths_printed_ = 0;  // the last 10% step that got a line
   bool finished_ = false;
 };
+
+// A LoadProgress that shows a copy of the weights (model.mmap: false) on `err`: "reading DIR into
+// memory: 1.25 of 2.50 GB (50%), ETA 0:02" (MB below 1 GB), redrawn in place on a terminal (~10
+// times a second), otherwise a line at the start, each 10% and every 5 s; then "read DIR into
+// memory: 2.50 GB in 3.1 s (0.81 GB/s)". A DeepSeek-V3-sized checkpoint reads for minutes.
+// `clock` as Progress's.
+LoadProgress load_progress_printer(std::ostream& err, bool is_terminal, Progress::Clock clock = {});
 
 }  // namespace clshard
