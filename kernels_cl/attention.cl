@@ -362,7 +362,7 @@ void paged_attention_wg(global const float* q, uint q_ldt, uint q_ldh, global co
     if (lane < G) softmax_tile_max(pr + lane * TILE, n, m_run + lane, corr + lane);
     barrier(CLK_LOCAL_MEM_FENCE);
     for (uint idx = lane; idx < G * TILE; idx += ATT_WG)
-      pr[idx] = idx % TILE < n ? exp(pr[idx] - m_run[idx / TILE]) : 0.0f;
+      pr[idx] = idx % TILE < n ? softmax_exp(pr[idx] - m_run[idx / TILE]) : 0.0f;
     barrier(CLK_LOCAL_MEM_FENCE);
     if (lane < G) {
       float sum = 0.0f;
@@ -549,7 +549,7 @@ void paged_attention_prefill_wg(PAGED_PREFILL_PARAMS) {
         softmax_tile_max(pr + r * PF_KT, n, m_run + r, corr + r);
       barrier(CLK_LOCAL_MEM_FENCE);
       for (uint idx = lane; idx < PF_R * PF_KT; idx += PF_WG)
-        pr[idx] = pr[idx] == -INFINITY ? 0.0f : exp(pr[idx] - m_run[idx / PF_KT]);
+        pr[idx] = pr[idx] == -INFINITY ? 0.0f : softmax_exp(pr[idx] - m_run[idx / PF_KT]);
       barrier(CLK_LOCAL_MEM_FENCE);
       for (uint r = lane; r < PF_R; r += PF_WG) {
         float sum = 0.0f;

@@ -153,6 +153,9 @@ int main(int argc, char** argv) {
   app.add_option("--compute-dtype", compute_dtype, "the deployment's model.compute_dtype")
       ->capture_default_str()
       ->check(CLI::IsMember({"f32", "bf16"}));
+  bool no_mmap = false;
+  app.add_flag("--no-mmap", no_mmap,
+               "model.mmap: false: each checkpoint read into memory at load, not mapped");
   parse_args(app, argc, argv);
   const std::filesystem::path root = root_arg;
   DeviceManager mgr(DeviceSelection{});
@@ -160,6 +163,7 @@ int main(int argc, char** argv) {
   print_device(dev);
   LoadOptions opts{{&dev}, std::nullopt};
   opts.compute_dtype = compute_dtype == "bf16" ? ComputeDType::BF16 : ComputeDType::F32;
+  if (no_mmap) opts.weight_memory = WeightMemory::Copied;
   for (const auto& dt : dtypes) {
     const auto dir = ensure_preset("dsv3-mini", dt, root / ("dsv3-mini-" + dt));
     deepseek_v3::DeepseekV3Model model(dir, opts);
