@@ -50,9 +50,11 @@ struct PackedGemmShape {
 // compute over bf16 weights: the portable micro-kernel), or f32 as three bf16 terms each (f32
 // compute on AMX: linear_bf16.cl's bf16_terms, KernelTuning's gemm_f32_amx_rows).
 enum class PackedRows { Bf16, F32, F32Terms };
-// fp8: FP8 weights dequantized as they are packed (the NaN-code watch unless fp8_nan_free).
+// fp8: FP8 weights dequantized as they are packed (the NaN-code watch unless fp8_nan_free; the
+// decode as fp8_decode_option for fp8_subnormal_share).
 PackedGemmShape packed_gemm_shape(const Device& dev, PackedRows x, bool glu, bool fp8,
-                                  bool fp8_nan_free, bool pairs_aligned, uint32_t K);
+                                  bool fp8_nan_free, float fp8_subnormal_share, bool pairs_aligned,
+                                  uint32_t K);
 
 // The build option of the CPU-shape GEMM kernels that turns on their next-tile weight prefetch
 // (common.cl's PREFETCH_LINE, an x86 instruction): " -DPREFETCH_X86=1" for PoCL's CPU device on
@@ -117,19 +119,28 @@ void bf16_terms(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, uin
                 const cl::Mem& xt, uint32_t ldxt, const cl::Mem* x_rows = nullptr);
 
 // The build options of fp8_tile.cl's users (linear_fp8.cl, moe.cl, mla.cl). fp8_decode_option:
-// the e4m3 decode the device takes (common.cl's FP8_DENORM). fp8_tile_options: the NaN-code watch,
+// the e4m3 decode of a weight whose codes are `subnormal_share` subnormal (Weight::
+// fp8_subnormal_share; common.cl's FP8_DENORM): the short one that makes f32 denormals of the
+// subnormal codes where the device keeps denormals, but on CPUs only up to
+// kFp8DenormMaxSubnormalShare of them, the f16 one otherwise. On x86 each FMA that takes a
+// denormal costs a microcode assist: bench_fp8's 7168 x 2048 GEMV (M = 1) read 12-15 GB/s with the
+// short decode against 8-10 with the f16 one on codes without subnormals, 2.3 against 8.2 at 1% of
+// them, 0.5 against 8-10 at 11%; the two met near 0.05%. A trained model's weights quantized as
+// DeepSeek-V3's (128 x 128 blocks, amax / 448) held 0.012%. fp8_tile_options: the NaN-code watch,
 // left out where the load-time scan found no NaN code (Weight::fp8_nan_free); for tiles in turn
 // the bound on K of their private scaled x row (KernelTuning::fp8_stream_k); with `panel` the
 // decoded weight panel of K columns.
-std::string fp8_decode_option(const Device& dev);
+inline constexpr float kFp8DenormMaxSubnormalShare = 1.0f / 2048;
+std::string fp8_decode_option(const Device& dev, float subnormal_share);
 std::string fp8_tile_options(const Device& dev, bool nan_free, bool in_turn, bool panel = false,
                              uint32_t K = 0);
 
 // The build options of bf16_tile.cl's FP8 panels (FP8 weights under bf16 compute: each column
 // tile's rows dequantized to bf16 once per work-item): -DFP8_BF16_PANEL=1, the panel's row length
-// for K, the e4m3 decode the device takes, and the NaN-code watch unless the weights' load-time
-// scan found no NaN code (Weight::fp8_nan_free).
-std::string fp8_bf16_panel_options(const Device& dev, uint32_t K, bool nan_free);
+// for K, the e4m3 decode (fp8_decode_option for subnormal_share), and the NaN-code watch unless
+// the weights' load-time scan found no NaN code (Weight::fp8_nan_free).
+std::string fp8_bf16_panel_options(const Device& dev, uint32_t K, bool nan_free,
+                                   float subnormal_share);
 
 // The row stride (elements) of the bf16 rows the bf16-compute GEMMs read (linear_bf16.cl and the
 // grouped experts; round_bf16 writes them): whole 32-element steps and one step more.

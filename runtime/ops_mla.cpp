@@ -189,7 +189,8 @@ void mla_absorb_q(Device& dev, const cl::Mem& q, uint32_t q_off, uint32_t ldq,
   std::string opts = dims_option(s) + kv_b_option(kv_b, kv_b_scale) +
                      " -DABS_TM=" + std::to_string(tm) + " -DABS_CHUNK=" + std::to_string(chunk);
   if (kv_b.dtype == DType::F8_E4M3)
-    opts += " " + fp8_decode_option(dev) + " -DKV_B_NAN_FREE=" + (kv_b.fp8_nan_free ? "1" : "0");
+    opts += " " + fp8_decode_option(dev, kv_b.fp8_subnormal_share) +
+            " -DKV_B_NAN_FREE=" + (kv_b.fp8_nan_free ? "1" : "0");
   cl::Kernel k = dev.kernel("mla.cl", "mla_absorb_q", opts);
   cl::set_args(k, q, q_off, ldq, kv_b.mem, scale_mem(kv_b, kv_b_scale), scale_ld(kv_b_scale), T,
                s.n_heads, qf);
@@ -257,7 +258,9 @@ void mla_up_project(Device& dev, const cl::Mem& o_lat, const Weight& kv_b,
   std::string opts = dims_option(s) + kv_b_option(kv_b, kv_b_scale) +
                      " -DTM=" + std::to_string(tm) + " -DTN=" + std::to_string(tn) +
                      (in_turn ? ops::columns_in_turn_option(dev) : "");
-  if (fp8) opts += " " + fp8_decode_option(dev) + fp8_tile_options(dev, kv_b.fp8_nan_free, in_turn);
+  if (fp8)
+    opts += " " + fp8_decode_option(dev, kv_b.fp8_subnormal_share) +
+            fp8_tile_options(dev, kv_b.fp8_nan_free, in_turn);
   cl::Kernel k = dev.kernel("mla.cl", "mla_head_linear", opts);
   const uint32_t m_rows = std::min((T + tm - 1) / tm * tm, 64u);
   const uint32_t row_blocks = (T + m_rows - 1) / m_rows, head_tiles = (s.v + tn - 1) / tn;

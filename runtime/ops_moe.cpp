@@ -64,9 +64,10 @@ namespace ops {
 // Which e4m3 decode linear_fp8.cl compiles (see there): the shortest one builds f32 denormals and
 // needs a device that keeps them; others take the f16 route. CLSHARD_FP8_DECODE=f16 forces the
 // latter, so that it can be tested on devices where it would not be chosen.
-std::string fp8_decode_option(const Device& dev) {
+std::string fp8_decode_option(const Device& dev, float subnormal_share) {
   const auto fp = cl::device_value<cl_device_fp_config>(dev.id(), CL_DEVICE_SINGLE_FP_CONFIG);
-  bool denorm = (fp & CL_FP_DENORM) != 0;
+  bool denorm = (fp & CL_FP_DENORM) != 0 && (dev.info().kind != DeviceKind::Cpu ||
+                                             subnormal_share <= kFp8DenormMaxSubnormalShare);
   if (const char* force = std::getenv("CLSHARD_FP8_DECODE"); force && std::string(force) == "f16")
     denorm = false;
   return denorm ? "-DFP8_DENORM=1" : "-DFP8_DENORM=0";
@@ -96,9 +97,10 @@ std::pair<uint32_t, uint32_t> check_fp8_weight(const char* op, const Weight& w,
   return {N, K};
 }
 
-std::string fp8_bf16_panel_options(const Device& dev, uint32_t K, bool nan_free) {
+std::string fp8_bf16_panel_options(const Device& dev, uint32_t K, bool nan_free,
+                                   float subnormal_share) {
   return " -DFP8_BF16_PANEL=1 -DBF16_PANEL_K=" + std::to_string(ceil_div(K, 16) * 16) + " " +
-         fp8_decode_option(dev) + fp8_tile_options(dev, nan_free, false);
+         fp8_decode_option(dev, subnormal_share) + fp8_tile_options(dev, nan_free, false);
 }
 
 void linear_fp8(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const Weight& w,
@@ -109,8 +111,8 @@ void linear_fp8(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, con
     // linear_wg's layout and work-group size (KernelTuning::linear_wg, linear_rows).
     const uint32_t wg = dev.tuning().linear_wg, rb = dev.tuning().linear_rows;
     cl::Kernel k = dev.kernel("linear_fp8.cl", "linear_fp8_wg",
-                              fp8_decode_option(dev) + " -DWG=" + std::to_string(wg) +
-                                  " -DRB=" + std::to_string(rb));
+                              fp8_decode_option(dev, w.fp8_subnormal_share) +
+                                  " -DWG=" + std::to_string(wg) + " -DRB=" + std::to_string(rb));
     cl::set_args(k, x, x_off, ldx, w.mem, scale_inv.mem, ceil_div(K, kQuantBlock), y, y_off, ldy,
                  M, N, K, alpha, int(accumulate));
     const size_t local[3] = {wg, 1, 1};
@@ -127,8 +129,8 @@ void linear_fp8(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, con
   const bool in_turn = tm < 4 && K <= ops::in_turn_max_k(dev, w.dtype);
   cl::Kernel k = dev.kernel(
       "linear_fp8.cl", "linear_fp8",
-      fp8_decode_option(dev) + " -DTM=" + std::to_string(tm) + " -DTN=" + std::to_string(tn) +
-          (in_turn ? ops::columns_in_turn_option(dev) : "") +
+      fp8_decode_option(dev, w.fp8_subnormal_share) + " -DTM=" + std::to_string(tm) +
+          " -DTN=" + std::to_string(tn) + (in_turn ? ops::columns_in_turn_option(dev) : "") +
           fp8_tile_options(dev, w.fp8_nan_free, in_turn, tm == 4 && M >= kFp8PanelRowsFrom, K));
   // Work per work-item as ops::linear: up to 64 rows, and enough column tiles that a launch is a
   // few hundred work-items rather than thousands. Tiles in turn are split as
@@ -150,8 +152,9 @@ void launch_dequantize(Device& dev, const char* op, const Weight& w, const Weigh
                        const cl::Mem& out, bool bf16) {
   const auto [N, K] = check_fp8_weight(op, w, scale_inv);
   const bool wg = dev.kernel_shape() == KernelShape::WorkGroups;
-  cl::Kernel k = dev.kernel("linear_fp8.cl", wg ? "dequantize_fp8_wg" : "dequantize_fp8",
-                            fp8_decode_option(dev) + (bf16 ? " -DOUT_BF16=1" : ""));
+  cl::Kernel k =
+      dev.kernel("linear_fp8.cl", wg ? "dequantize_fp8_wg" : "dequantize_fp8",
+                 fp8_decode_option(dev, w.fp8_subnormal_share) + (bf16 ? " -DOUT_BF16=1" : ""));
   cl::set_args(k, w.mem, scale_inv.mem, ceil_div(K, kQuantBlock), out, N, K);
   if (wg) {
     const size_t local[3] = {64, 1, 1};
@@ -406,9 +409,10 @@ void grouped_bf16_launch(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::
     throw std::invalid_argument("moe_grouped_linear: bf16 compute over token rows needs x_count");
   const bool fp8 = g.dtype == DType::F8_E4M3;
   const uint32_t packed_from = bf16_packed_rows_from(dev);
-  const PackedGemmShape shape = packed_from != 0 ? packed_gemm_shape(dev, PackedRows::Bf16, glu,
-                                                                     fp8, g.fp8_nan_free, false, K)
-                                                 : PackedGemmShape{};
+  const PackedGemmShape shape =
+      packed_from != 0 ? packed_gemm_shape(dev, PackedRows::Bf16, glu, fp8, g.fp8_nan_free,
+                                           g.fp8_subnormal_share, false, K)
+                       : PackedGemmShape{};
   const bool packed = packed_from != 0 && shape.fits;
   const bool gather = packed && x_rows != nullptr;
   const uint32_t rows = x_rows && !gather ? x_count : plan.rows;
@@ -428,7 +432,7 @@ void grouped_bf16_launch(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::
   std::string opts = " -DTM=" + std::to_string(plan.tm) + " -DTN=" + std::to_string(tn) +
                      " -DGROUPED_BF16=1 -DWEIGHT_TYPE=1 -DPAIRS_ALIGNED=0 -DGLU=" +
                      (glu ? "1" : "0") + " -DBF16_DOT=" + (bf16_dot_product(dev) ? "1" : "0");
-  if (fp8) opts += fp8_bf16_panel_options(dev, K, g.fp8_nan_free);
+  if (fp8) opts += fp8_bf16_panel_options(dev, K, g.fp8_nan_free, g.fp8_subnormal_share);
   cl::Kernel k = dev.kernel("moe.cl", "moe_grouped_linear", opts);
   launch_grouped(dev, k, xb.mem(), ldxb, tile_rows, g, slot0, glu ? 1 : n_mats, plan, y, ldy, N, K,
                  glu ? tn / 2 : tn, false, packed ? packed_from : 0);
@@ -453,7 +457,7 @@ uint32_t grouped_f32_amx_terms(Device& dev, const cl::Mem& x, uint32_t ldx, cons
   const bool down = slot0 == 2;
   const uint32_t N = down ? g.hidden : g.inter, K = down ? g.inter : g.hidden;
   const PackedGemmShape shape =
-      packed_gemm_shape(dev, PackedRows::F32Terms, false, false, false, false, K);
+      packed_gemm_shape(dev, PackedRows::F32Terms, false, false, false, 0.0f, false, K);
   if (!shape.fits) return 0;
   const uint32_t ldr = bf16_gemm_row_stride(K);
   Scratch terms(dev, size_t(plan.rows) * 3 * ldr * 2);
@@ -517,7 +521,9 @@ void moe_grouped_linear(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::M
     case DType::F32: opts += " -DWEIGHT_TYPE=0"; break;
     case DType::BF16: opts += " -DWEIGHT_TYPE=1"; break;
     case DType::F16: opts += " -DWEIGHT_TYPE=2"; break;
-    case DType::F8_E4M3: opts += " -DGROUPED_FP8=1 " + fp8_decode_option(dev); break;
+    case DType::F8_E4M3:
+      opts += " -DGROUPED_FP8=1 " + fp8_decode_option(dev, g.fp8_subnormal_share);
+      break;
     default:
       throw std::invalid_argument(std::string("moe_grouped_linear: expert weights of dtype ") +
                                   dtype_name(g.dtype));

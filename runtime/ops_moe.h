@@ -23,8 +23,9 @@ namespace clshard::ops {
 // Dequantized inside the kernel (e4m3fn: 1 sign, 4 exponent bits bias 7, 3 mantissa bits,
 // subnormals, no infinities, 0x7F/0xFF NaN) — never expanded to an f32 copy in memory.
 // Same tiling as linear.cl (TM=1 for M<4 else 4; TN=4; 16-wide loads along K). The decode is
-// chosen per device (kernels_cl/linear_fp8.cl): f32-denormal based where the device keeps
-// denormals, f16 based elsewhere or when CLSHARD_FP8_DECODE=f16. Either agrees with f32 arithmetic
+// chosen per device and weight (ops::fp8_decode_option, kernels_cl/linear_fp8.cl): f32-denormal
+// based where the device keeps denormals (on CPUs, for weights with few subnormal codes), f16 based
+// elsewhere or when CLSHARD_FP8_DECODE=f16. Either agrees with f32 arithmetic
 // on the dequantized weight to rounding (the scale multiplies x, not W) while |x * scale| < 2^28.
 // A NaN code makes its output feature NaN.
 void linear_fp8(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const Weight& w,
@@ -108,6 +109,7 @@ struct GroupedExperts {
   DType dtype = DType::F32;  // F32, BF16, F16 or F8_E4M3 (then with scales)
   uint32_t n_experts = 0, hidden = 0, inter = 0;
   bool fp8_nan_free = false;  // as Weight::fp8_nan_free, over every expert's FP8 weights
+  float fp8_subnormal_share = 0.0f;  // as Weight::fp8_subnormal_share, over them all
   explicit operator bool() const { return bool(mem); }
 };
 

@@ -19,21 +19,32 @@ uint32_t mem_start_alignment(const cl::Mem& mem) {
   return uint32_t(start_bits & (~start_bits + 1));  // the lowest set bit
 }
 
-bool fp8_nan_free(const uint8_t* codes, size_t n) {
-  // Eight codes per word: a code's low 7 bits plus one carry into bit 7 only at 0x7F (no carry
-  // crosses into the next code), so a set bit 7 after the add marks a NaN code of either sign.
+Fp8CodeScan scan_fp8_codes(const uint8_t* codes, size_t n) {
+  // Eight codes per word, no carry crossing into the next code in any of the adds:
+  // - a code's low 7 bits plus one carry into bit 7 only at 0x7F: a NaN code of either sign;
+  // - its exponent bits (0x78) plus 0x78 set bit 7 unless they are 0, its mantissa bits (0x07)
+  //   plus 7 set bit 3 unless they are 0: subnormal where the first stays clear and the second not.
   constexpr uint64_t kLow7 = 0x7F7F7F7F7F7F7F7Full, kOne = 0x0101010101010101ull,
-                     kHigh = 0x8080808080808080ull;
-  uint64_t marks = 0;
+                     kHigh = 0x8080808080808080ull, kExp = 0x7878787878787878ull,
+                     kMant = 0x0707070707070707ull, kBit3 = 0x0808080808080808ull;
+  uint64_t marks = 0, subnormal = 0;
   size_t i = 0;
   for (; i + 8 <= n; i += 8) {
     uint64_t word;
     std::memcpy(&word, codes + i, 8);
     marks |= ((word & kLow7) + kOne) & kHigh;
+    const uint64_t exp_zero = ~((word & kExp) + kExp) & kHigh;
+    const uint64_t mant_set = (((word & kMant) + kMant) & kBit3) << 4;
+    subnormal += uint64_t(__builtin_popcountll(exp_zero & mant_set));
   }
-  for (; i < n; ++i) marks |= (codes[i] & 0x7F) == 0x7F;
-  return marks == 0;
+  for (; i < n; ++i) {
+    marks |= (codes[i] & 0x7F) == 0x7F;
+    subnormal += (codes[i] & 0x78) == 0 && (codes[i] & 0x07) != 0;
+  }
+  return {marks == 0, subnormal};
 }
+
+bool fp8_nan_free(const uint8_t* codes, size_t n) { return scan_fp8_codes(codes, n).nan_free; }
 
 namespace {
 // The scan of a weight's FP8 codes where it is built (to_device*): its rows `rows` of `row_bytes`
@@ -41,8 +52,15 @@ namespace {
 void scan_fp8(Weight& w, const uint8_t* data, size_t rows, size_t row_bytes, size_t stride) {
   if (w.dtype != DType::F8_E4M3) return;
   bool free = true;
-  for (size_t r = 0; r < rows && free; ++r) free = fp8_nan_free(data + r * stride, row_bytes);
+  uint64_t subnormal = 0;
+  for (size_t r = 0; r < rows; ++r) {
+    const Fp8CodeScan scan = scan_fp8_codes(data + r * stride, row_bytes);
+    free = free && scan.nan_free;
+    subnormal += scan.subnormal;
+  }
   w.fp8_nan_free = free;
+  w.fp8_subnormal_share =
+      rows * row_bytes ? float(double(subnormal) / double(rows * row_bytes)) : 0;
 }
 }  // namespace
 

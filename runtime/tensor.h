@@ -32,6 +32,9 @@ struct Weight {
   // (fp8_nan_free), so the FP8 tiles need not watch for them (kernels_cl/fp8_tile.cl). False where
   // unknown (a weight built by hand): the tiles watch.
   bool fp8_nan_free = false;
+  // F8_E4M3 only: the share of the codes the load-time scan found subnormal (exponent bits 0,
+  // mantissa not), which pick the e4m3 decode on CPUs (ops::fp8_decode_option). 0 where unknown.
+  float fp8_subnormal_share = 0.0f;
 
   int64_t dim(size_t i) const { return shape.at(i); }
   int64_t row_stride() const { return ld ? ld : shape.back(); }
@@ -48,6 +51,12 @@ uint32_t mem_start_alignment(const cl::Mem& mem);
 
 // Whether n e4m3fn codes hold no NaN (0x7F or 0xFF). Reads them all (about memory speed).
 bool fp8_nan_free(const uint8_t* codes, size_t n);
+// The same pass, also counting the subnormal codes (0x01-0x07, 0x81-0x87).
+struct Fp8CodeScan {
+  bool nan_free = true;
+  uint64_t subnormal = 0;
+};
+Fp8CodeScan scan_fp8_codes(const uint8_t* codes, size_t n);
 
 // Puts a checkpoint tensor on a device: wraps the mapped file on host-memory devices (no copy),
 // uploads it on discrete ones. F8_E4M3 tensors are scanned for NaN codes (Weight::fp8_nan_free).

@@ -16,6 +16,9 @@
 #include "runtime/device.h"
 #include "runtime/engine/generation.h"
 #include "runtime/model.h"
+#include "runtime/ops.h"
+#include "runtime/safetensors.h"
+#include "runtime/tensor.h"
 #include "tests/reference_cases.h"
 #include "tests/test_util.h"
 
@@ -62,6 +65,40 @@ TEST(DeepseekV3Reference, RegistryLoadsAndRecognisesTheMtpLayer) {
   EXPECT_FALSE(ds->weights().layers[0].is_moe);
   EXPECT_TRUE(ds->weights().layers[1].is_moe);
   EXPECT_TRUE(ds->weights().layers[1].moe.experts[15].gate.fp8());
+}
+
+// Each FP8 weight records its share of subnormal codes (the scan of its tensor's bytes), and the
+// grouped experts, which one launch decodes, the mean of theirs: what picks the e4m3 decode
+// (ops::fp8_decode_option). The reference checkpoint's quantized weights hold about 1e-4.
+TEST(DeepseekV3Weights, GroupedFp8ExpertsCarryTheMeanSubnormalShare) {
+  const auto dir = test::reference_dir() / "ckpt/deepseek-v3-tiny-grouped-fp8";
+  deepseek_v3::DeepseekV3Model model(dir, LoadOptions{{&test::default_device()}, std::nullopt});
+  WeightStore store(dir);
+  size_t moe_layers = 0;
+  for (const auto& L : model.weights().layers) {
+    if (!L.is_moe) continue;
+    ++moe_layers;
+    ASSERT_TRUE(bool(L.moe.grouped));
+    ASSERT_EQ(L.moe.grouped.dtype, DType::F8_E4M3);
+    ASSERT_TRUE(L.moe.grouped_has_shared);
+    double sum = 0;
+    size_t mats = 0;
+    auto add = [&](const deepseek_v3::MlpWeights& m) {
+      for (const Weight* w : {&m.gate.w, &m.up.w, &m.down.w}) {
+        const TensorView& t = store.get(w->name);
+        const double share = double(scan_fp8_codes(t.data, t.bytes).subnormal) / double(t.bytes);
+        EXPECT_EQ(w->fp8_subnormal_share, float(share)) << w->name;
+        sum += w->fp8_subnormal_share;
+        ++mats;
+      }
+    };
+    add(L.moe.shared);
+    for (const auto& m : L.moe.experts) add(m);
+    EXPECT_FLOAT_EQ(L.moe.grouped.fp8_subnormal_share, float(sum / double(mats)));
+    EXPECT_GT(L.moe.grouped.fp8_subnormal_share, 2e-5f);
+    EXPECT_LT(L.moe.grouped.fp8_subnormal_share, ops::kFp8DenormMaxSubnormalShare);
+  }
+  EXPECT_EQ(moe_layers, 2u);
 }
 
 // model.mmap: false (WeightMemory::Copied) on the grouped checkpoint, whose experts one buffer

@@ -540,6 +540,59 @@ TEST(Fp8NanScan, FindsExactlyTheNanCodesAnywhere) {
   EXPECT_TRUE(fp8_nan_free(nullptr, 0));
 }
 
+// The same pass counts the subnormal codes (exponent bits 0, mantissa not: 0x01-0x07 and
+// 0x81-0x87): every code at every place of an 18-byte run of one other code each, and all 256
+// codes at once (14 subnormal, 2 NaN).
+TEST(Fp8CodeScan, CountsExactlyTheSubnormalCodesAnywhere) {
+  for (int code = 0; code < 256; ++code)
+    for (const uint8_t around : {uint8_t(0x00), uint8_t(0x38), uint8_t(0x83)})
+      for (size_t at = 0; at < 18; ++at) {
+        std::vector<uint8_t> bytes(18, around);
+        bytes[at] = uint8_t(code);
+        auto subnormal = [](int c) { return (c & 0x78) == 0 && (c & 0x07) != 0; };
+        const Fp8CodeScan scan = scan_fp8_codes(bytes.data(), bytes.size());
+        ASSERT_EQ(scan.subnormal, 17 * subnormal(around) + subnormal(code))
+            << "code " << code << " at " << at << " among " << int(around);
+        ASSERT_EQ(scan.nan_free, (code & 0x7F) != 0x7F);
+      }
+  std::vector<uint8_t> all(256);
+  for (int c = 0; c < 256; ++c) all[size_t(c)] = uint8_t(c);
+  const Fp8CodeScan scan = scan_fp8_codes(all.data(), all.size());
+  EXPECT_EQ(scan.subnormal, 14u);
+  EXPECT_FALSE(scan.nan_free);
+}
+
+// to_device records the share of subnormal codes of the bytes it covers.
+TEST(Fp8CodeScan, ToDeviceRecordsTheSubnormalShare) {
+  Device& dev = device();
+  const int64_t N = 4, K = 64;
+  std::vector<uint8_t> bytes(N * K, 0x38);
+  for (int64_t i = 0; i < 32; ++i) bytes[size_t(i * 8)] = uint8_t(i % 2 ? 0x05 : 0x81);
+  TensorView v;
+  v.name = "test.fp8";
+  v.dtype = DType::F8_E4M3;
+  v.shape = {N, K};
+  v.data = bytes.data();
+  v.bytes = bytes.size();
+  EXPECT_EQ(to_device(dev, v).fp8_subnormal_share, 32.0f / 256);
+  EXPECT_EQ(to_device_rows(dev, v, 1, 2).fp8_subnormal_share, 8.0f / 64);
+  EXPECT_EQ(to_device_columns(dev, v, 1, 8).fp8_subnormal_share, 0.0f);  // misses column 0
+}
+
+// The e4m3 decode per weight: on the CPU device (which keeps f32 denormals) the short one up to
+// kFp8DenormMaxSubnormalShare of subnormal codes, the f16 one past it (each FMA on a denormal
+// costs x86 a microcode assist); CLSHARD_FP8_DECODE=f16 forces the latter.
+TEST(Fp8CodeScan, SubnormalShareChoosesTheDecodeOnCpus) {
+  Device& dev = device();
+  ASSERT_EQ(dev.info().kind, DeviceKind::Cpu);
+  EXPECT_EQ(ops::fp8_decode_option(dev, 0.0f), "-DFP8_DENORM=1");
+  EXPECT_EQ(ops::fp8_decode_option(dev, ops::kFp8DenormMaxSubnormalShare), "-DFP8_DENORM=1");
+  EXPECT_EQ(ops::fp8_decode_option(dev, 2 * ops::kFp8DenormMaxSubnormalShare), "-DFP8_DENORM=0");
+  setenv("CLSHARD_FP8_DECODE", "f16", 1);
+  EXPECT_EQ(ops::fp8_decode_option(dev, 0.0f), "-DFP8_DENORM=0");
+  unsetenv("CLSHARD_FP8_DECODE");
+}
+
 // to_device and its row and column slices record the scan of the bytes they cover.
 TEST(Fp8NanScan, ToDeviceRecordsItForTheBytesItCovers) {
   Device& dev = device();

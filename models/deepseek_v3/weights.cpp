@@ -231,6 +231,16 @@ LayerWeights load_layer(const DeepseekV3Config& c, const WeightStore& s, Device&
       bool all = !L.moe.grouped_has_shared || free(L.moe.shared);
       for (const MlpWeights& m : L.moe.experts) all = all && free(m);
       L.moe.grouped.fp8_nan_free = all;
+      // One launch decodes them all: their mean share of subnormal codes (all of one size).
+      double share = 0;
+      size_t mats = 0;
+      auto add = [&](const MlpWeights& m) {
+        for (const Weight* w : {&m.gate.w, &m.up.w, &m.down.w}) share += w->fp8_subnormal_share;
+        mats += 3;
+      };
+      if (L.moe.grouped_has_shared) add(L.moe.shared);
+      for (const MlpWeights& m : L.moe.experts) add(m);
+      L.moe.grouped.fp8_subnormal_share = mats ? float(share / double(mats)) : 0.0f;
     }
   } else {
     L.mlp = ld.mlp(p + "mlp.", H, c.intermediate_size);
