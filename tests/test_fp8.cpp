@@ -540,6 +540,17 @@ TEST(Fp8NanScan, FindsExactlyTheNanCodesAnywhere) {
   EXPECT_TRUE(fp8_nan_free(nullptr, 0));
 }
 
+// A checkpoint tensor view of N x K e4m3 codes held in `bytes`.
+TensorView fp8_view(const std::vector<uint8_t>& bytes, int64_t N, int64_t K) {
+  TensorView v;
+  v.name = "test.fp8";
+  v.dtype = DType::F8_E4M3;
+  v.shape = {N, K};
+  v.data = bytes.data();
+  v.bytes = bytes.size();
+  return v;
+}
+
 // The same pass counts the subnormal codes (exponent bits 0, mantissa not: 0x01-0x07 and
 // 0x81-0x87): every code at every place of an 18-byte run of one other code each, and all 256
 // codes at once (14 subnormal, 2 NaN).
@@ -568,12 +579,7 @@ TEST(Fp8CodeScan, ToDeviceRecordsTheSubnormalShare) {
   const int64_t N = 4, K = 64;
   std::vector<uint8_t> bytes(N * K, 0x38);
   for (int64_t i = 0; i < 32; ++i) bytes[size_t(i * 8)] = uint8_t(i % 2 ? 0x05 : 0x81);
-  TensorView v;
-  v.name = "test.fp8";
-  v.dtype = DType::F8_E4M3;
-  v.shape = {N, K};
-  v.data = bytes.data();
-  v.bytes = bytes.size();
+  TensorView v = fp8_view(bytes, N, K);
   EXPECT_EQ(to_device(dev, v).fp8_subnormal_share, 32.0f / 256);
   EXPECT_EQ(to_device_rows(dev, v, 1, 2).fp8_subnormal_share, 8.0f / 64);
   EXPECT_EQ(to_device_columns(dev, v, 1, 8).fp8_subnormal_share, 0.0f);  // misses column 0
@@ -599,12 +605,7 @@ TEST(Fp8NanScan, ToDeviceRecordsItForTheBytesItCovers) {
   const int64_t N = 6, K = 20;
   std::vector<uint8_t> bytes(N * K, 0x38);
   bytes[4 * K + 13] = 0xFF;  // row 4, column 13
-  TensorView v;
-  v.name = "test.fp8";
-  v.dtype = DType::F8_E4M3;
-  v.shape = {N, K};
-  v.data = bytes.data();
-  v.bytes = bytes.size();
+  TensorView v = fp8_view(bytes, N, K);
   EXPECT_FALSE(to_device(dev, v).fp8_nan_free);
   EXPECT_TRUE(to_device_rows(dev, v, 0, 4).fp8_nan_free);
   EXPECT_FALSE(to_device_rows(dev, v, 3, 6).fp8_nan_free);
