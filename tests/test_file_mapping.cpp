@@ -30,15 +30,19 @@ size_t mapped_regions() {
   return n;
 }
 
+// Writes `size` bytes of a fixed pattern to `file` and returns them.
+std::vector<uint8_t> write_pattern(const std::filesystem::path& file, size_t size) {
+  std::vector<uint8_t> bytes(size);
+  for (size_t i = 0; i < size; ++i) bytes[i] = uint8_t((i * 2654435761u) >> 11);
+  std::ofstream out(file, std::ios::binary);
+  out.write(reinterpret_cast<const char*>(bytes.data()), std::streamsize(size));
+  return bytes;
+}
+
 TEST(FileMapping, BigFilesMapAtA2MiBBoundaryWithTheirBytes) {
   const auto file = test::temp_dir("file_mapping") / "big.bin";
   const size_t size = kHugeMappingMinBytes + 3 * 4096 + 17;  // ends inside a page
-  std::vector<uint8_t> bytes(size);
-  for (size_t i = 0; i < size; ++i) bytes[i] = uint8_t((i * 2654435761u) >> 13);
-  {
-    std::ofstream out(file, std::ios::binary);
-    out.write(reinterpret_cast<const char*>(bytes.data()), std::streamsize(size));
-  }
+  const std::vector<uint8_t> bytes = write_pattern(file, size);
   // The second round finds the page cache as the first left it.
   for (int round = 0; round < 2; ++round) {
     const size_t regions = mapped_regions();
@@ -82,12 +86,7 @@ std::string region_permissions(const void* base) {
 TEST(FileMapping, CopiesHoldTheFileBytesReadOnlyAndOutliveTheFile) {
   const auto file = test::temp_dir("file_copy") / "ckpt.bin";
   const size_t size = (size_t(5) << 20) + 17;  // past two 2 MiB pages, ends inside a page
-  std::vector<uint8_t> bytes(size);
-  for (size_t i = 0; i < size; ++i) bytes[i] = uint8_t((i * 2654435761u) >> 11);
-  {
-    std::ofstream out(file, std::ios::binary);
-    out.write(reinterpret_cast<const char*>(bytes.data()), std::streamsize(size));
-  }
+  const std::vector<uint8_t> bytes = write_pattern(file, size);
   const size_t regions = mapped_regions();
   const int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
   ASSERT_GE(fd, 0);
@@ -123,12 +122,7 @@ TEST(FileMapping, CopyOfAFileShorterThanAskedFailsWithEio) {
 TEST(FileMapping, CopyTellsEachPieceItReads) {
   const auto file = test::temp_dir("file_copy_pieces") / "ckpt.bin";
   const size_t size = (size_t(67) << 20) + 5;  // one whole 64 MiB piece and a part
-  std::vector<uint8_t> bytes(size);
-  for (size_t i = 0; i < size; ++i) bytes[i] = uint8_t(i * 131 >> 7);
-  {
-    std::ofstream out(file, std::ios::binary);
-    out.write(reinterpret_cast<const char*>(bytes.data()), std::streamsize(size));
-  }
+  const std::vector<uint8_t> bytes = write_pattern(file, size);
   const int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
   ASSERT_GE(fd, 0);
   std::vector<size_t> pieces;

@@ -224,22 +224,21 @@ LayerWeights load_layer(const DeepseekV3Config& c, const WeightStore& s, Device&
                                   L.moe.grouped_has_shared);
     if (L.moe.grouped.dtype == DType::F8_E4M3) {
       // The experts' own load-time scans (to_device) cover the grouped buffer's weights: the same
-      // tensors, not read again.
-      auto free = [](const MlpWeights& m) {
-        return m.gate.w.fp8_nan_free && m.up.w.fp8_nan_free && m.down.w.fp8_nan_free;
-      };
-      bool all = !L.moe.grouped_has_shared || free(L.moe.shared);
-      for (const MlpWeights& m : L.moe.experts) all = all && free(m);
-      L.moe.grouped.fp8_nan_free = all;
-      // One launch decodes them all: their mean share of subnormal codes (all of one size).
+      // tensors, not read again. NaN-free where all are; one launch decodes them all, so their
+      // mean share of subnormal codes (all of one size).
+      bool nan_free = true;
       double share = 0;
       size_t mats = 0;
       auto add = [&](const MlpWeights& m) {
-        for (const Weight* w : {&m.gate.w, &m.up.w, &m.down.w}) share += w->fp8_subnormal_share;
-        mats += 3;
+        for (const Weight* w : {&m.gate.w, &m.up.w, &m.down.w}) {
+          nan_free = nan_free && w->fp8_nan_free;
+          share += w->fp8_subnormal_share;
+          ++mats;
+        }
       };
       if (L.moe.grouped_has_shared) add(L.moe.shared);
       for (const MlpWeights& m : L.moe.experts) add(m);
+      L.moe.grouped.fp8_nan_free = nan_free;
       L.moe.grouped.fp8_subnormal_share = mats ? float(share / double(mats)) : 0.0f;
     }
   } else {
