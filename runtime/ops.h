@@ -123,8 +123,8 @@ void bf16_terms(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, uin
 // fp8_subnormal_share; common.cl's FP8_DENORM): the short one that makes f32 denormals of the
 // subnormal codes where the device keeps denormals, but on CPUs only up to
 // kFp8DenormMaxSubnormalShare of them, the f16 one otherwise. On x86 each FMA that takes a
-// denormal costs a microcode assist: bench_fp8's 7168 x 2048 GEMV (M = 1) read 12-15 GB/s with the
-// short decode against 8-10 with the f16 one on codes without subnormals, 2.3 against 8.2 at 1% of
+// denormal costs a microcode assist: bench_fp8's 7168 x 2048 GEMV (M = 1) read 12-17 GB/s with the
+// short decode against 9-11 with the f16 one on codes without subnormals, 2.3 against 8.2 at 1% of
 // them, 0.5 against 8-10 at 11%; the two met near 0.05%. A trained model's weights quantized as
 // DeepSeek-V3's (128 x 128 blocks, amax / 448) held 0.012%. fp8_tile_options: the NaN-code watch,
 // left out where the load-time scan found no NaN code (Weight::fp8_nan_free); for tiles in turn
