@@ -123,9 +123,13 @@ inline void fp8_tile_dots(global const float* xr[TM], global const uchar* wr[TN]
         // the hardware prefetcher alone, a block's first load held most of the tile's profile
         // samples, and a thread of the kernel read 12-14 GB/s where a native loop of the same
         // instructions read 22 (bench_fp8, M = 1, 7168 x 2048, one PoCL thread); 8 KiB ahead,
-        // 23-27.
+        // 23-27. STREAM_PREFETCH_L1: the same lines nearer, into L1 (stream_prefetch_l1).
         PREFETCH_LINE(wb + STREAM_PREFETCH);
         PREFETCH_LINE(wb + STREAM_PREFETCH + 64);
+#endif
+#ifdef STREAM_PREFETCH_L1
+        PREFETCH_LINE_L1(wb + STREAM_PREFETCH_L1);
+        PREFETCH_LINE_L1(wb + STREAM_PREFETCH_L1 + 64);
 #endif
 #pragma unroll
         for (uint u = 0; u < VECS_PER_BLOCK; ++u) FP8_IN_TURN_VECTOR(u)

@@ -27,11 +27,18 @@ inline void in_turn_prefetch(global const wtype* wr, uint k, uint pf_stride) {
   // Gate/up (GLU) alternates page-long runs of two matrices, which the hardware prefetcher
   // does not follow: there the next tile's lines are prefetched too.
   if (pf_stride) PREFETCH_LINE(wr + pf_stride + k * 16);
-#elif defined(GEMV_STREAM_PREFETCH)
+#else
+#ifdef GEMV_STREAM_PREFETCH
   // The line GEMV_STREAM_PREFETCH bytes ahead in the work-item's run of rows
   // (KernelTuning::gemv_stream_prefetch): on the Xeon with AMX the hardware prefetcher alone
   // left a bf16 decode step 1.19-1.45x slower (kernel_tuning.cpp).
   PREFETCH_LINE((global const uchar*)(wr + k * 16) + GEMV_STREAM_PREFETCH);
+#endif
+#ifdef STREAM_PREFETCH_L1
+  // And, as FP8's stream (fp8_tile.cl), the line STREAM_PREFETCH_L1 bytes ahead into L1
+  // (KernelTuning::stream_prefetch_l1).
+  PREFETCH_LINE_L1((global const uchar*)(wr + k * 16) + STREAM_PREFETCH_L1);
+#endif
 #endif
 }
 #endif

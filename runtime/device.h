@@ -76,6 +76,10 @@ struct KernelTuning {
   // bytes ahead in their weight stream (0: off); as weight_prefetch, only on PoCL's CPU device on
   // an x86 host (ops::columns_in_turn_option).
   uint32_t stream_prefetch = 0;
+  // The decode GEMVs' weight streams, FP8 and the others (stream_prefetch's tiles and
+  // gemv_stream_prefetch's below), also prefetch the line this many bytes ahead into L1
+  // (prefetcht0; 0: off), beside their prefetch into L2, so that fewer loads wait on L2.
+  uint32_t stream_prefetch_l1 = 0;
   // The same for the decode GEMVs over f32, bf16 and f16 weights (linear_tile.cl's one-row tiles
   // in turn, but for gate/up, which prefetch their next tile): bytes ahead, 0 off. Apart from
   // stream_prefetch because the two CPUs measured here differ on it (kernel_tuning.cpp).

@@ -156,12 +156,13 @@ TuneWorkload::TuneWorkload(Device& dev, bool quick) : buffers_(std::make_unique<
     const uint32_t N = K == 2048 ? (quick ? 4096 : 8192) : (quick ? 1024 : 2048);
     const Weight& w = b.weights.emplace_back(bf16_weight(dev, {N, K}, 3 + K));
     cl::Mem x = keep(random_buffer(dev, K, 4)), y = keep(dev.alloc(N * 4));
-    ops_.push_back({"linear M=1 bf16",
-                    "N=" + std::to_string(N) + " K=" + std::to_string(K),
-                    double(N) * K * 2,
-                    [&dev, x, y, &w, N, K] { ops::linear(dev, x, 0, K, w, nullptr, y, 0, N, 1); },
-                    {"linear_wg", "linear_rows", "linear_vector"},
-                    {"gemv_stream_k", "gemv_stream_prefetch", "gemv_row_pairs"}});
+    ops_.push_back(
+        {"linear M=1 bf16",
+         "N=" + std::to_string(N) + " K=" + std::to_string(K),
+         double(N) * K * 2,
+         [&dev, x, y, &w, N, K] { ops::linear(dev, x, 0, K, w, nullptr, y, 0, N, 1); },
+         {"linear_wg", "linear_rows", "linear_vector"},
+         {"gemv_stream_k", "gemv_stream_prefetch", "stream_prefetch_l1", "gemv_row_pairs"}});
   }
 
   // Batched decode, 8 rows of a bf16 N x K weight: the CPU shape's 4-row tiles, with and without
@@ -193,7 +194,7 @@ TuneWorkload::TuneWorkload(Device& dev, bool quick) : buffers_(std::make_unique<
                     double(N) * K,
                     [&dev, x, y, &w, &s, N, K] { ops::linear_fp8(dev, x, 0, K, w, s, y, 0, N, 1); },
                     {"linear_wg", "linear_rows"},
-                    {"fp8_stream_k", "stream_prefetch"}});
+                    {"fp8_stream_k", "stream_prefetch", "stream_prefetch_l1"}});
   }
 
   // Prefill GEMM in the bf16 compute dtype (model.compute_dtype: bf16): M rows, bf16 N x K (M at
@@ -429,6 +430,7 @@ const std::vector<TuneField>& tunable_fields() {
       {"fp8_stream_k", S::Chunks, {2048, 4096, 8192, 16384}},
       {"weight_prefetch", S::Chunks, {0, 1}},
       {"stream_prefetch", S::Chunks, {0, 2048, 4096, 8192, 16384}},
+      {"stream_prefetch_l1", S::Chunks, {0, 512, 1024, 2048}},
       {"gemv_stream_prefetch", S::Chunks, {0, 4096, 8192, 16384}},
       {"gemv_row_pairs", S::Chunks, {0, 1}},
       {"gemm_bf16_tm", S::Chunks, {2, 4, 6}},

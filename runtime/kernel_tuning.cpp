@@ -36,6 +36,16 @@ KernelTuning cpu_forced() {
   // 8192 0.97x at 4096 and 1.01x at 16384; bench_fp8's M = 1 GEMVs 1.4-2.1x at 8192 (Zen 5, one
   // run).
   t.stream_prefetch = 8192;
+  // And 1 KiB ahead into L1 (prefetcht0) beside it, a small gain: on the Xeon with AMX
+  // (2026-11-29, against none, in turn in one process) linear_fp8 at M = 1 over a 512 MB ring of
+  // weight copies (15 rounds, two runs) 512 x 2048 1.01x and 1.01x, 2048 x 2048 1.05x and 1.07x,
+  // 7168 x 2048 1.02x and 1.04x, 2048 x 512 1.05x and 1.02x (2048 bytes: 1.01-1.04x);
+  // dsv3-mini fp8's whole decode step (bench_deepseek --tuning-ab, 25 rounds) 1.03x and 1.05x,
+  // its bf16 one 1.02x, llama3-1b's (bench_llama, 15 rounds) 1.01x. A native loop of the FP8
+  // GEMV's instructions (2 threads, 400 MB) read 17.1-20.1 GB/s with both prefetches against
+  // 14.8-17.8 with the L2 one alone (medians of 5, three runs). (The EPYC row leaves it off, not
+  // measured there.)
+  t.stream_prefetch_l1 = 1024;
   // The f32 / bf16 / f16 decode GEMVs the same (linear_tile.cl's one-row tiles in turn): on the
   // Xeon with AMX (2026-11-29, bench_deepseek / bench_llama --tuning-ab, 9 rounds in turn, against
   // none) dsv3-mini bf16's whole decode step 1.45x [1.34, 1.64] and 1.47x [1.33, 1.60] (two
@@ -122,6 +132,7 @@ KernelTuning amd_epyc_avx512() {
   // 0.95-1.00x, llama3-1b 0.98-1.02x, 2026-11-28).
   t.gemv_stream_prefetch = 0;
   t.gemv_row_pairs = 0;
+  t.stream_prefetch_l1 = 0;
   t.fp8_stream_k = 8192;
   t.gemm_bf16_tn = 6;
   t.gemm_bf16_packed_nv = 4;
@@ -172,6 +183,7 @@ const std::vector<std::pair<std::string, U32Field>>& u32_fields() {
       {"fp8_stream_k", &KernelTuning::fp8_stream_k},
       {"weight_prefetch", &KernelTuning::weight_prefetch},
       {"stream_prefetch", &KernelTuning::stream_prefetch},
+      {"stream_prefetch_l1", &KernelTuning::stream_prefetch_l1},
       {"gemv_stream_prefetch", &KernelTuning::gemv_stream_prefetch},
       {"gemv_row_pairs", &KernelTuning::gemv_row_pairs},
       {"gemm_bf16_tm", &KernelTuning::gemm_bf16_tm},
@@ -236,9 +248,8 @@ void apply_file(const DeviceInfo& info, KernelTuning& t) {
             where + ".tuning." + field + ": expected one of the fields (" + names +
             ") with a positive integer (blas_gemm_rows, gemm_bf16_packed_rows, "
             "gemm_bf16_amx_stream_rows, gemm_f32_amx_rows: 0 for never; weight_prefetch, "
-            "stream_prefetch, gemv_stream_prefetch, gemv_row_pairs, gemm_bf16_dot, gemm_bf16_amx: "
-            "0 for off), "
-            "got " +
+            "stream_prefetch, stream_prefetch_l1, gemv_stream_prefetch, gemv_row_pairs, "
+            "gemm_bf16_dot, gemm_bf16_amx: 0 for off), got " +
             value.dump());
       }
     }
@@ -263,9 +274,9 @@ KernelTuning lookup_kernel_tuning(const DeviceInfo& info) {
 bool kernel_tuning_zero_allowed(const std::string& field) {
   return field == "blas_gemm_rows" || field == "gemm_bf16_packed_rows" ||
          field == "gemm_bf16_amx_stream_rows" || field == "weight_prefetch" ||
-         field == "stream_prefetch" || field == "gemv_stream_prefetch" ||
-         field == "gemv_row_pairs" || field == "gemm_bf16_dot" || field == "gemm_bf16_amx" ||
-         field == "gemm_f32_amx_rows";
+         field == "stream_prefetch" || field == "stream_prefetch_l1" ||
+         field == "gemv_stream_prefetch" || field == "gemv_row_pairs" || field == "gemm_bf16_dot" ||
+         field == "gemm_bf16_amx" || field == "gemm_f32_amx_rows";
 }
 
 const std::vector<std::string>& kernel_tuning_fields() {

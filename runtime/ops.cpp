@@ -472,9 +472,11 @@ std::string columns_in_turn_option(const Device& dev) {
   if (dev.tuning().gemv_row_pairs != 0) o += " -DGEMV_ROW_PAIRS=1";
 #if defined(__x86_64__)
   const KernelTuning& t = dev.tuning();
-  if (pocl_cpu(dev) && (t.stream_prefetch != 0 || t.gemv_stream_prefetch != 0)) {
+  if (pocl_cpu(dev) &&
+      (t.stream_prefetch != 0 || t.stream_prefetch_l1 != 0 || t.gemv_stream_prefetch != 0)) {
     o += " -DPREFETCH_X86=1";
     if (t.stream_prefetch) o += " -DSTREAM_PREFETCH=" + std::to_string(t.stream_prefetch);
+    if (t.stream_prefetch_l1) o += " -DSTREAM_PREFETCH_L1=" + std::to_string(t.stream_prefetch_l1);
     if (t.gemv_stream_prefetch)
       o += " -DGEMV_STREAM_PREFETCH=" + std::to_string(t.gemv_stream_prefetch);
   }

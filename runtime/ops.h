@@ -63,8 +63,9 @@ std::string weight_prefetch_option(const Device& dev);
 // The options of CPU-shape tiles that read their columns in turn (one-row tiles, linear_tile.cl
 // and fp8_tile.cl): " -DCOLUMNS_IN_TURN=1", " -DGEMV_ROW_PAIRS=1" where the tuning's
 // gemv_row_pairs is not 0 (linear_tile.cl's rows two at a time), and where weight_prefetch_option
-// applies " -DPREFETCH_X86=1" with " -DSTREAM_PREFETCH=<bytes>" (FP8, the tuning's stream_prefetch)
-// and " -DGEMV_STREAM_PREFETCH=<bytes>" (the others, gemv_stream_prefetch) where they are not 0.
+// applies " -DPREFETCH_X86=1" with " -DSTREAM_PREFETCH=<bytes>" (FP8, the tuning's
+// stream_prefetch), " -DSTREAM_PREFETCH_L1=<bytes>" (both, stream_prefetch_l1) and
+// " -DGEMV_STREAM_PREFETCH=<bytes>" (the others, gemv_stream_prefetch) where they are not 0.
 std::string columns_in_turn_option(const Device& dev);
 // The longest K whose one-row tiles read their columns in turn over weights of `dtype`:
 // KernelTuning::fp8_stream_k for FP8 (fp8_tile.cl's private x row is that long), gemv_stream_k

@@ -295,8 +295,9 @@ TEST_P(Fp8Decodes, LinearLongRowsInTurnAtTheLargestStreamK) {
   check_linear_fp8(3, 40, 16376, 1.0f, true, 62);
 }
 
-// The stream prefetch of tiles in turn (KernelTuning::stream_prefetch, fp8_tile.cl) is a hint
-// only: with it off, at 8192 bytes ahead and at 64 (the block's own next line), one to three rows
+// The stream prefetch of tiles in turn (KernelTuning::stream_prefetch and stream_prefetch_l1,
+// fp8_tile.cl) is a hint only: with both off, at 8192 bytes ahead and at 64 (the block's own next
+// line) into L2, each with 1024 bytes ahead into L1, and the L1 one alone, one to three rows
 // give the same bits, over several work-items (N = 515) whose streams run past the weight's end,
 // on whole blocks (K = 2048), a partial last block with a tail (K = 300) and one whole block with
 // a tail past it (K = 136). On PoCL's CPU device on x86 the option is built in.
@@ -314,27 +315,32 @@ TEST_P(Fp8Decodes, LinearStreamPrefetchChangesNoBit) {
     cl::Mem xb = upload(dev, x);
     for (const uint32_t M : {1u, 2u, 3u}) {
       SCOPED_TRACE("K=" + std::to_string(K) + " M=" + std::to_string(M));
-      auto run = [&](uint32_t ahead) {
+      auto run = [&](uint32_t ahead, uint32_t ahead_l1) {
         KernelTuning t = saved;
         t.stream_prefetch = ahead;
+        t.stream_prefetch_l1 = ahead_l1;
         t.gemv_stream_prefetch = 0;
         t.gemv_row_pairs = 0;  // the bf16 / f32 tiles' (LinearPrefetch), not FP8's
         dev.set_tuning(t);
-        const std::string prefetch =
-            ahead && test::x86_pocl(dev)
-                ? " -DPREFETCH_X86=1 -DSTREAM_PREFETCH=" + std::to_string(ahead)
-                : "";
+        std::string prefetch;
+        if ((ahead || ahead_l1) && test::x86_pocl(dev)) {
+          prefetch = " -DPREFETCH_X86=1";
+          if (ahead) prefetch += " -DSTREAM_PREFETCH=" + std::to_string(ahead);
+          if (ahead_l1) prefetch += " -DSTREAM_PREFETCH_L1=" + std::to_string(ahead_l1);
+        }
         EXPECT_EQ(ops::columns_in_turn_option(dev), " -DCOLUMNS_IN_TURN=1" + prefetch);
         cl::Mem yb = dev.alloc(size_t(M) * N * sizeof(float));
         ops::linear_fp8(dev, xb, 0, K, wq, sc, yb, 0, N, M);
         return download(dev, yb, size_t(M) * N);
       };
-      const std::vector<float> off = run(0);
-      for (const uint32_t ahead : {8192u, 64u}) {
-        const std::vector<float> on = run(ahead);
+      const std::vector<float> off = run(0, 0);
+      for (const auto& [ahead, ahead_l1] :
+           {std::pair{8192u, 0u}, {64u, 0u}, {8192u, 1024u}, {64u, 1024u}, {0u, 1024u}}) {
+        const std::vector<float> on = run(ahead, ahead_l1);
         for (size_t i = 0; i < off.size(); ++i)
           ASSERT_EQ(std::bit_cast<uint32_t>(on[i]), std::bit_cast<uint32_t>(off[i]))
-              << "element " << i << " with the prefetch " << ahead << " bytes ahead";
+              << "element " << i << " with the prefetch " << ahead << " bytes ahead into L2 and "
+              << ahead_l1 << " into L1";
       }
     }
   }

@@ -173,11 +173,11 @@ TEST(KernelTuningFile, AnEntryOverridesTheBuiltInRowForItsDeviceOnly) {
   EXPECT_NE(error_of().find("with a positive integer (blas_gemm_rows, gemm_bf16_packed_rows, "
                             "gemm_bf16_amx_stream_rows, gemm_f32_amx_rows: 0 for never; "
                             "weight_prefetch, "
-                            "stream_prefetch, gemv_stream_prefetch, gemv_row_pairs, "
-                            "gemm_bf16_dot, gemm_bf16_amx: 0 for off), got 0"),
+                            "stream_prefetch, stream_prefetch_l1, gemv_stream_prefetch, "
+                            "gemv_row_pairs, gemm_bf16_dot, gemm_bf16_amx: 0 for off), got 0"),
             std::string::npos)
       << error_of();
-  write({{"blas_gemm_rows", 0}});  // the seven fields whose 0 is a value (never, off)
+  write({{"blas_gemm_rows", 0}});  // the fields whose 0 is a value (never, off)
   want = builtin_kernel_tuning(info);
   want.blas_gemm_rows = 0;
   EXPECT_EQ(lookup_kernel_tuning(info), want);
@@ -192,6 +192,10 @@ TEST(KernelTuningFile, AnEntryOverridesTheBuiltInRowForItsDeviceOnly) {
   write({{"stream_prefetch", 0}});
   want = builtin_kernel_tuning(info);
   want.stream_prefetch = 0;
+  EXPECT_EQ(lookup_kernel_tuning(info), want);
+  write({{"stream_prefetch_l1", 0}});
+  want = builtin_kernel_tuning(info);
+  want.stream_prefetch_l1 = 0;
   EXPECT_EQ(lookup_kernel_tuning(info), want);
   write({{"gemv_stream_prefetch", 0}});
   want = builtin_kernel_tuning(info);
@@ -276,6 +280,9 @@ TEST(KernelTuningTable, TheAvx512EpycRowWidensTheBf16GemmTile) {
   // row has it.
   EXPECT_EQ(b.stream_prefetch, 8192u);
   EXPECT_EQ(a.stream_prefetch, 8192u);
+  // Its L1 companion: the CPU default (measured on the Xeon only), off in the Zen 5 row.
+  EXPECT_EQ(b.stream_prefetch_l1, 1024u);
+  EXPECT_EQ(a.stream_prefetch_l1, 0u);
   // The bf16 / f32 GEMVs' stream prefetch: the CPU default, which the Zen 5 row turns off.
   EXPECT_EQ(b.gemv_stream_prefetch, 8192u);
   EXPECT_EQ(a.gemv_stream_prefetch, 0u);

@@ -165,8 +165,10 @@ INSTANTIATE_TEST_SUITE_P(Widths, LinearRowsAgree,
 // gemv_stream_k; built with the option, not prefetching) and one-row tiles in turn (K = 300,
 // where gate/up prefetches), f32 / bf16 / f16 weights. So is the stream prefetch of one-row tiles
 // in turn (KernelTuning::gemv_stream_prefetch): 8 KiB ahead and 64 bytes (the next line) give
-// the bits of neither prefetch. And those tiles' rows read two at a time
-// (KernelTuning::gemv_row_pairs), with either prefetch or none, give the bits of one at a time.
+// the bits of neither prefetch, with and without the L1 prefetch beside it
+// (KernelTuning::stream_prefetch_l1, 1 KiB ahead), which alone gives them too. And those tiles'
+// rows read two at a time (KernelTuning::gemv_row_pairs), with either prefetch or none, give the
+// bits of one at a time.
 struct PrefetchCase {
   uint32_t M, K;
   DType dt;
@@ -188,20 +190,24 @@ TEST_P(LinearPrefetch, PrefetchesChangeNoBit) {
          norm = make_weight(dev, nv, {K}, dt);
   cl::Mem xm = upload(dev, x);
   const uint32_t Q = N + Nk;
-  auto run = [&](uint32_t prefetch, uint32_t ahead, uint32_t pairs) {
+  auto run = [&](uint32_t prefetch, uint32_t ahead, uint32_t pairs, uint32_t ahead_l1) {
     KernelTuning t = saved;
     t.weight_prefetch = prefetch;
-    t.stream_prefetch = 0;
+    t.stream_prefetch = 0;  // FP8's, not these tiles'
+    t.stream_prefetch_l1 = ahead_l1;
     t.gemv_stream_prefetch = ahead;
     t.gemv_row_pairs = pairs;
     dev.set_tuning(t);
     EXPECT_EQ(ops::weight_prefetch_option(dev),
               prefetch && test::x86_pocl(dev) ? " -DPREFETCH_X86=1" : "");
+    std::string stream;
+    if ((ahead || ahead_l1) && test::x86_pocl(dev)) {
+      stream = " -DPREFETCH_X86=1";
+      if (ahead_l1) stream += " -DSTREAM_PREFETCH_L1=" + std::to_string(ahead_l1);
+      if (ahead) stream += " -DGEMV_STREAM_PREFETCH=" + std::to_string(ahead);
+    }
     EXPECT_EQ(ops::columns_in_turn_option(dev),
-              std::string(" -DCOLUMNS_IN_TURN=1") + (pairs ? " -DGEMV_ROW_PAIRS=1" : "") +
-                  (ahead && test::x86_pocl(dev)
-                       ? " -DPREFETCH_X86=1 -DGEMV_STREAM_PREFETCH=" + std::to_string(ahead)
-                       : ""));
+              std::string(" -DCOLUMNS_IN_TURN=1") + (pairs ? " -DGEMV_ROW_PAIRS=1" : "") + stream);
     cl::Mem y = upload(dev, y0), q = dev.alloc(size_t(M) * Q * 4), g = dev.alloc(size_t(M) * F * 4);
     ops::linear(dev, xm, 0, K, w, nullptr, y, 0, N, M, 0.5f, true);
     ops::linear_fused(dev, xm, 0, K, nullptr, &norm, 1e-5f, {&w, &wk}, q, 0, Q, M);
@@ -210,19 +216,21 @@ TEST_P(LinearPrefetch, PrefetchesChangeNoBit) {
                                              download(dev, q, size_t(M) * Q),
                                              download(dev, g, size_t(M) * F)};
   };
-  const auto off = run(0, 0, 0);
+  const auto off = run(0, 0, 0, 0);
   const char* names[3] = {"linear", "q/k/v", "gate/up"};
-  const std::array<uint32_t, 3> variants[] = {{1, 0, 0}, {1, 8192, 0}, {0, 8192, 0}, {1, 64, 0},
-                                              {0, 0, 1}, {1, 0, 1},    {1, 8192, 1}, {0, 64, 1}};
-  for (const auto& [prefetch, ahead, pairs] : variants) {
-    const auto on = run(prefetch, ahead, pairs);
+  const std::array<uint32_t, 4> variants[] = {
+      {1, 0, 0, 0},       {1, 8192, 0, 0},    {0, 8192, 0, 0}, {1, 64, 0, 0},
+      {0, 0, 1, 0},       {1, 0, 1, 0},       {1, 8192, 1, 0}, {0, 64, 1, 0},
+      {1, 8192, 0, 1024}, {0, 8192, 1, 1024}, {0, 0, 0, 1024}};
+  for (const auto& [prefetch, ahead, pairs, ahead_l1] : variants) {
+    const auto on = run(prefetch, ahead, pairs, ahead_l1);
     for (int op = 0; op < 3; ++op) {
       ASSERT_EQ(on[op].size(), off[op].size());
       for (size_t i = 0; i < on[op].size(); ++i)
         ASSERT_EQ(std::bit_cast<uint32_t>(on[op][i]), std::bit_cast<uint32_t>(off[op][i]))
             << names[op] << " element " << i << ": " << on[op][i] << " vs " << off[op][i]
             << " (weight_prefetch " << prefetch << ", gemv_stream_prefetch " << ahead
-            << ", gemv_row_pairs " << pairs << ")";
+            << ", gemv_row_pairs " << pairs << ", stream_prefetch_l1 " << ahead_l1 << ")";
     }
   }
 }
