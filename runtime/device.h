@@ -76,18 +76,17 @@ struct KernelTuning {
   // bytes ahead in their weight stream (0: off); as weight_prefetch, only on PoCL's CPU device on
   // an x86 host (ops::columns_in_turn_option).
   uint32_t stream_prefetch = 0;
-  // The decode GEMVs' weight streams, FP8 and the others (stream_prefetch's tiles and
-  // gemv_stream_prefetch's below), also prefetch the line this many bytes ahead into L1
-  // (prefetcht0; 0: off), beside their prefetch into L2, so that fewer loads wait on L2.
-  uint32_t stream_prefetch_l1 = 0;
   // The same for the decode GEMVs over f32, bf16 and f16 weights (linear_tile.cl's one-row tiles
   // in turn, but for gate/up, which prefetch their next tile): bytes ahead, 0 off. Apart from
   // stream_prefetch because the two CPUs measured here differ on it (kernel_tuning.cpp).
   uint32_t gemv_stream_prefetch = 0;
-  // Whether those one-row tiles read their weight rows two at a time (1) or one after another (0):
-  // each row's sum is the same FMAs in the same order either way, but two rows keep two
-  // independent FMA chains in flight, where one row's chain (4 cycles per 16 weights) had bounded
-  // the stream (linear_tile.cl, kernel_tuning.cpp).
+  // Both streams, FP8's and these, also prefetch the line this many bytes ahead into L1
+  // (prefetcht0; 0: off), beside their prefetch into L2, so that fewer loads wait on L2.
+  uint32_t stream_prefetch_l1 = 0;
+  // Whether the f32 / bf16 / f16 one-row tiles read their weight rows two at a time (1) or one
+  // after another (0): each row's sum is the same FMAs in the same order either way, but two rows
+  // keep two independent FMA chains in flight, where one row's chain (4 cycles per 16 weights)
+  // had bounded the stream (linear_tile.cl, kernel_tuning.cpp).
   uint32_t gemv_row_pairs = 0;
   // The bf16-compute GEMM (linear_bf16.cl, model.compute_dtype: bf16; CPU shape): tile rows and
   // weight rows (even: GLU splits them into gate and up), the same for batches below one
