@@ -2,7 +2,7 @@
 // linear_fp8.cl's tile, moe.cl's grouped FP8 tile and mla.cl's up-projection through #include, so
 // a row's sums are the same operations whichever launch computes them.
 // The including file defines TM, TN and COLUMNS_IN_TURN first (tile_shape.cl), and FP8_DENORM for
-// common.cl's decode; FP8_NAN_WATCH and FP8_XS_MAX below.
+// common.cl's decode; FP8_NAN_WATCH, FP8_TILE_ROWS_VARY and FP8_XS_MAX below.
 //
 // out[i][j] = x[i] . (W[j] * scale) over K, with K's blocks of 128 each under their scale
 // (srow: the scale row of the tile's weight rows; a TN-row tile never straddles two block rows,
@@ -31,6 +31,9 @@
 
 #ifndef FP8_NAN_WATCH
 #define FP8_NAN_WATCH 1
+#endif
+#ifndef FP8_TILE_ROWS_VARY
+#define FP8_TILE_ROWS_VARY 0  // 1: tiles in turn of fewer rows than TM (fp8_tile_dots' rows)
 #endif
 #ifndef FP8_XS_MAX
 #define FP8_XS_MAX 4096  // the largest K of tiles in turn (KernelTuning::gemv_stream_k)
@@ -69,6 +72,7 @@
 typedef struct {
 #if COLUMNS_IN_TURN
   float16 x[TM][FP8_XS_MAX / 16];
+  uint rows;  // how many of x's rows are made
 #endif
   global const float* row;
 #ifdef FP8_PANEL_K
@@ -78,45 +82,38 @@ typedef struct {
 #endif
 } Fp8TileCache;
 
-inline void fp8_tile_dots(global const float* xr[TM], global const uchar* wr[TN],
-                          global const float* srow, uint KB, uint K, Fp8TileCache* sx,
-                          float out[TM][TN], bool row_has_nan[TN]) {
-  float16 acc[TM][TN];
-#pragma unroll
-  for (int i = 0; i < TM; ++i)
-#pragma unroll
-    for (int j = 0; j < TN; ++j) acc[i][j] = (float16)(0.0f);
-  FP8_WATCH_DECLARE
-  const uint K16 = K / 16;
 #if COLUMNS_IN_TURN
-  if (sx->row != xr[0]) {
-#pragma unroll
-    for (int i = 0; i < TM; ++i)
-      for (uint v = 0; v < K16; ++v) sx->x[i][v] = vload16(v, xr[i]) * FP8_X_SCALE;
-    sx->row = xr[0];
-  }
+// The block sums of a tile in turn over its first R rows into acc, and the NaN watch of its
+// weight rows. R is a constant where fp8_tile_dots calls this, always inlined, so that the loops
+// over rows unroll as over TM (called, with R a variable, the grouped experts had run 3x
+// slower), and a tile of fewer rows than TM decodes each weight vector once for the rows it
+// has and does no FMA for the others.
+__attribute__((always_inline)) inline void fp8_in_turn_sums(
+    const int R, const Fp8TileCache* sx, global const uchar* wr[TN], global const float* srow,
+    uint K16, float16 acc[TM][TN], bool row_has_nan[TN]) {
+  FP8_WATCH_DECLARE
   // Whole blocks, then the partial last one (K % 128) with its V_TAIL vectors: the weight and x
   // pointers step a block at a time, so a whole block is loads, decodes and FMAs at constant
   // offsets with no per-vector index arithmetic.
   const uint KB_FULL = K16 / VECS_PER_BLOCK, V_TAIL = K16 - KB_FULL * VECS_PER_BLOCK;
   // One vector of row j's block: 16 codes decoded and summed into every x row's block sums.
-#define FP8_IN_TURN_VECTOR(u)                                                          \
-  {                                                                                    \
-    const uchar16 b = vload16((u), wb);                                                \
-    FP8_WATCH(j, b)                                                                    \
-    const float16 wv = e4m3x16_decode_scaled(b);                                       \
-    _Pragma("unroll") for (int i = 0; i < TM; ++i) blk[i] = fma(xb[i][(u)], wv, blk[i]); \
+#define FP8_IN_TURN_VECTOR(u)                                                         \
+  {                                                                                   \
+    const uchar16 b = vload16((u), wb);                                               \
+    FP8_WATCH(j, b)                                                                   \
+    const float16 wv = e4m3x16_decode_scaled(b);                                      \
+    _Pragma("unroll") for (int i = 0; i < R; ++i) blk[i] = fma(xb[i][(u)], wv, blk[i]); \
   }
 #pragma unroll
   for (int j = 0; j < TN; ++j) {
     global const uchar* wb = wr[j];
     const float16* xb[TM];
 #pragma unroll
-    for (int i = 0; i < TM; ++i) xb[i] = sx->x[i];
+    for (int i = 0; i < R; ++i) xb[i] = sx->x[i];
     for (uint kb = 0; kb < KB_FULL + (V_TAIL ? 1 : 0); ++kb) {
       float16 blk[TM];
 #pragma unroll
-      for (int i = 0; i < TM; ++i) blk[i] = (float16)(0.0f);
+      for (int i = 0; i < R; ++i) blk[i] = (float16)(0.0f);
       if (kb < KB_FULL) {
 #ifdef STREAM_PREFETCH
         // The block's two lines STREAM_PREFETCH bytes ahead (ops::columns_in_turn_option): with
@@ -138,7 +135,7 @@ inline void fp8_tile_dots(global const float* xr[TM], global const uchar* wr[TN]
       }
       const float16 s = (float16)(srow[kb]);
 #pragma unroll
-      for (int i = 0; i < TM; ++i) {
+      for (int i = 0; i < R; ++i) {
         acc[i][j] = fma(blk[i], s, acc[i][j]);
         xb[i] += VECS_PER_BLOCK;
       }
@@ -146,7 +143,44 @@ inline void fp8_tile_dots(global const float* xr[TM], global const uchar* wr[TN]
     }
   }
 #undef FP8_IN_TURN_VECTOR
+#pragma unroll
+  for (int j = 0; j < TN; ++j) row_has_nan[j] = FP8_WATCH_RESULT(j);
+}
+#endif
+
+// rows: how many of the tile's TM rows the caller stores. Tiles in turn with
+// FP8_TILE_ROWS_VARY compute only those (1, 2 or TM); other tiles compute every row, those past
+// `rows` on repeated x rows.
+inline void fp8_tile_dots(global const float* xr[TM], global const uchar* wr[TN],
+                          global const float* srow, uint KB, uint K, uint rows, Fp8TileCache* sx,
+                          float out[TM][TN], bool row_has_nan[TN]) {
+  float16 acc[TM][TN];
+#pragma unroll
+  for (int i = 0; i < TM; ++i)
+#pragma unroll
+    for (int j = 0; j < TN; ++j) acc[i][j] = (float16)(0.0f);
+  const uint K16 = K / 16;
+#if COLUMNS_IN_TURN
+  if (sx->row != xr[0] || sx->rows < rows) {
+#pragma unroll
+    for (int i = 0; i < TM; ++i)
+      if (i < rows)
+        for (uint v = 0; v < K16; ++v) sx->x[i][v] = vload16(v, xr[i]) * FP8_X_SCALE;
+    sx->row = xr[0];
+    sx->rows = rows;
+  }
+#if TM > 1 && FP8_TILE_ROWS_VARY
+  if (rows == 1)
+    fp8_in_turn_sums(1, sx, wr, srow, K16, acc, row_has_nan);
+#if TM > 2
+  else if (rows == 2)
+    fp8_in_turn_sums(2, sx, wr, srow, K16, acc, row_has_nan);
+#endif
+  else
+#endif
+    fp8_in_turn_sums(TM, sx, wr, srow, K16, acc, row_has_nan);
 #else
+  FP8_WATCH_DECLARE
 #ifdef FP8_PANEL_K
   if (sx->panel_row != wr[0]) {
 #pragma unroll
@@ -215,12 +249,14 @@ inline void fp8_tile_dots(global const float* xr[TM], global const uchar* wr[TN]
       }
     }
   }
+#if !COLUMNS_IN_TURN
 #pragma unroll
   for (int j = 0; j < TN; ++j)
-#if defined(FP8_PANEL_K) && !COLUMNS_IN_TURN
+#ifdef FP8_PANEL_K
     row_has_nan[j] = sx->panel_nan[j];
 #else
     row_has_nan[j] = FP8_WATCH_RESULT(j);
+#endif
 #endif
 }
 

@@ -38,7 +38,7 @@ inline void linear_fp8_tile(global const float* x, uint x_off, uint ldx, global 
   global const float* srow = fp8_scale_row(scale, n0, KB);
   float out[TM][TN];
   bool row_has_nan[TN];
-  fp8_tile_dots(xr, wr, srow, KB, K, sx, out, row_has_nan);
+  fp8_tile_dots(xr, wr, srow, KB, K, TM, sx, out, row_has_nan);
 
 #pragma unroll
   for (int i = 0; i < TM; ++i) {

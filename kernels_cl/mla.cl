@@ -358,8 +358,8 @@ kernel void mla_head_linear(global const float* x, global const wtype* w,
       float out[TM][TN];
 #if WKIND == 2
       bool row_has_nan[TN];
-      fp8_tile_dots(xr, wr, fp8_scale_row(wscale, r0 + n0, ld_scale), ld_scale, LKV, &sx, out,
-                    row_has_nan);
+      fp8_tile_dots(xr, wr, fp8_scale_row(wscale, r0 + n0, ld_scale), ld_scale, LKV, TM, &sx,
+                    out, row_has_nan);
 #else
       tile_dots(xr, wr, LKV, 0, out);
 #endif

@@ -357,6 +357,7 @@ kernel void moe_tiles(global const uint* expert_offsets, uint n_experts, uint ro
 typedef uchar gw_t;
 typedef float gx_t;
 #define GLU 0
+#define FP8_TILE_ROWS_VARY 1  // an expert's last row tile may have fewer rows than TM
 #include "fp8_tile.cl"
 #elif GROUPED_BF16
 // model.compute_dtype: bf16 with bf16 experts averaging 8 rows or more (4-row tiles; the host's
@@ -456,7 +457,7 @@ inline void grouped_tile(global const gx_t* x, uint ldx, global const uint* x_ro
 #endif
 #if GROUPED_FP8
   bool row_has_nan[TN];
-  fp8_tile_dots(xr, wr, srow, KB, K, sx, out, row_has_nan);
+  fp8_tile_dots(xr, wr, srow, KB, K, min((uint)TM, m_end - m0), sx, out, row_has_nan);
 #elif !GROUPED_BF16
   tile_dots(xr, wr, K, pf_stride, out);
 #endif
@@ -525,9 +526,9 @@ kernel void moe_grouped_linear(global const gx_t* x, uint ldx, global const uint
 #pragma unroll
   for (int j = 0; j < TN; ++j) panel_rows[j] = panel[j];
 #endif
-#if GROUPED_FP8 && TM == 1 && COLUMNS_IN_TURN
-  // Rows outer, as linear_fp8's one-row tiles in turn: each row's scaled x copy is made once.
-  for (uint m0 = r_begin; m0 < r_end; ++m0)
+#if GROUPED_FP8 && COLUMNS_IN_TURN
+  // Row tiles outer, as linear_fp8's tiles in turn: each row's scaled x copy is made once.
+  for (uint m0 = r_begin; m0 < r_end; m0 += TM)
     for (uint c = c_begin; c < c_end; ++c) {
 #else
   for (uint c = c_begin; c < c_end; ++c)

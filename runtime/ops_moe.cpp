@@ -498,6 +498,7 @@ void moe_grouped_linear(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::M
   const bool down = slot0 == 2;
   const uint32_t N = down ? g.hidden : g.inter, K = down ? g.inter : g.hidden;
   const uint32_t tn = 4;
+  const bool chunks = dev.kernel_shape() == KernelShape::Chunks, fp8 = g.dtype == DType::F8_E4M3;
   // The row tile: the plan's (4 rows from 4 rows per expert on average), and on the CPU shape 4
   // rows for f32, bf16 and f16 experts from one row per expert (batched decode), where the 4-row
   // tiles read their weight rows side by side with the next tile's prefetched and the one-row
@@ -505,11 +506,19 @@ void moe_grouped_linear(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::M
   // (dsv3-mini's layer, bf16 experts, 2-core Xeon with AMX, 2026-11-29): 8 tokens (43 experts)
   // 15.6-18.4 -> 20.0-22.8 GB/s, 16 tokens (56) 11.3-12.8 -> 17.7-22.3; dsv3-mini bf16's decode
   // at batch 8 (bench_deepseek, 3 interleaved pairs) 1.00, 1.07, 1.04x, at batch 16 1.16, 1.00x.
-  // FP8 experts keep one-row tiles there (their 4-row tiles: 0.6x at 8 tokens, 1.0x at 16).
-  const uint32_t tm = dev.kernel_shape() == KernelShape::Chunks && g.dtype != DType::F8_E4M3 &&
-                              plan.rows >= plan.n_experts
-                          ? 4
-                          : plan.tm;
+  // FP8 experts keep tiles in turn there (their 4-row tiles: 0.6x at 8 tokens, 1.0x at 16), of up
+  // to kGemmRowsFrom - 1 rows of one expert, each tile computing only the rows its expert has
+  // left (fp8_tile.cl's fp8_in_turn_sums): an expert's 2-3 rows decode its weights once.
+  // Against one-row tiles, in turn in one process on the 2-core Xeon with AMX: dsv3-mini fp8's
+  // decode (bench_deepseek, 15 rounds) at batch 8 99.3 -> 86.8 ms a step (1.14x), at batch 1
+  // 0.99x [0.81, 1.16]; bench_moe's layer (medians of 9-15) 8 tokens 1.10x, 16 tokens 1.36x,
+  // 1 token 0.96x and 0.84x (its spread about 10%).
+  const bool fp8_in_turn = chunks && fp8 && plan.tm == 1 && K <= ops::in_turn_max_k(dev, g.dtype);
+  uint32_t tm = plan.tm;
+  if (fp8_in_turn)
+    tm = kGemmRowsFrom - 1;
+  else if (chunks && !fp8 && plan.rows >= plan.n_experts)
+    tm = 4;
   std::string opts = " -DTM=" + std::to_string(tm) + " -DTN=" + std::to_string(tn);
   if (grouped_bf16(dev, g, plan, compute)) {
     grouped_bf16_launch(dev, x, ldx, x_rows, x_count, g, slot0, n_mats, false, plan, y, ldy);
@@ -528,23 +537,20 @@ void moe_grouped_linear(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::M
       throw std::invalid_argument(std::string("moe_grouped_linear: expert weights of dtype ") +
                                   dtype_name(g.dtype));
   }
-  // One-row tiles read their columns in turn, as ops::linear's (ops::in_turn_max_k);
-  // tiles prefetch their next tile's rows as ops::linear's. CPU shape only: the GPU shape's
-  // kernels have no such tiles, and their program need not hold the private x row.
-  const bool in_turn =
-      dev.kernel_shape() == KernelShape::Chunks && tm == 1 && K <= ops::in_turn_max_k(dev, g.dtype);
+  // One-row tiles (FP8: up to 3 rows) read their columns in turn, as ops::linear's
+  // (ops::in_turn_max_k); tiles prefetch their next tile's rows as ops::linear's. CPU shape only:
+  // the GPU shape's kernels have no such tiles, and their program need not hold the private x row.
+  const bool in_turn = fp8_in_turn || (chunks && tm == 1 && K <= ops::in_turn_max_k(dev, g.dtype));
   if (in_turn) opts += ops::columns_in_turn_option(dev);
-  if (g.dtype == DType::F8_E4M3)
-    opts += fp8_tile_options(dev, g.fp8_nan_free, in_turn,
-                             dev.kernel_shape() == KernelShape::Chunks && plan.tm == 4 &&
-                                 plan.rows >= kFp8PanelRowsFrom * plan.n_experts,
-                             K);
+  if (fp8)
+    opts += fp8_tile_options(
+        dev, g.fp8_nan_free, in_turn,
+        chunks && plan.tm == 4 && plan.rows >= kFp8PanelRowsFrom * plan.n_experts, K);
   opts += ops::weight_prefetch_option(dev);
   if (dev.kernel_shape() == KernelShape::WorkGroups) {
     // linear_wg's / linear_fp8_wg's order per row (ops::linear's and ops::linear_fp8's GPU
     // shape), with their work-group size.
     const uint32_t wg = dev.tuning().linear_wg, rb = dev.tuning().linear_rows;
-    const bool fp8 = g.dtype == DType::F8_E4M3;
     cl::Kernel k = dev.kernel("moe.cl", fp8 ? "moe_grouped_linear_fp8_wg" : "moe_grouped_linear_wg",
                               opts + " -DGROUPED_WG=" + std::to_string(wg) +
                                   " -DRB=" + std::to_string(rb) +

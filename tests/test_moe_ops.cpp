@@ -791,6 +791,14 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{DType::F8_E4M3, 30, 2, 4, 200, 136, false, KernelShape::Chunks, 0, true},
                       Case{DType::BF16, 1, 3, 8, 200, 70, true},
                       Case{DType::F8_E4M3, 3, 2, 6, 300, 150, true},
+                      // FP8 experts at a one-row plan (27 rows, 7 experts: 4, 6, 0, 3, 2, 3
+                      // and the shared expert's 9 rows): tiles in turn of up to 3 rows of one
+                      // expert, its last tile of 1, 2 or 3 rows; the NaN-watched decode and the
+                      // f16-based one.
+                      Case{DType::F8_E4M3, 9, 2, 7, 300, 150, true},
+                      Case{DType::F8_E4M3, 9, 2, 7, 300, 150, true, KernelShape::Chunks, 0, true},
+                      Case{DType::F8_E4M3, 9, 2, 7, 300, 150, true, KernelShape::Chunks, 0, false,
+                           ComputeDType::F32, false, true},
                       Case{DType::BF16, 1, 3, 7, 200, 70, false, kWg},
                       Case{DType::BF16, 13, 3, 5, 200, 70, true, kWg},
                       Case{DType::F32, 5, 2, 6, 72, 34, false, kWg},
