@@ -148,9 +148,9 @@ __attribute__((always_inline)) inline void fp8_in_turn_sums(
 }
 #endif
 
-// rows: how many of the tile's TM rows the caller stores. Tiles in turn with
-// FP8_TILE_ROWS_VARY compute only those (1, 2 or TM); other tiles compute every row, those past
-// `rows` on repeated x rows.
+// rows: how many of the tile's TM rows the caller stores; out's other rows are 0. Tiles in turn
+// with FP8_TILE_ROWS_VARY compute only those rows (1, 2 or TM); other tiles form every row's
+// block sums, those past `rows` on repeated x rows.
 inline void fp8_tile_dots(global const float* xr[TM], global const uchar* wr[TN],
                           global const float* srow, uint KB, uint K, uint rows, Fp8TileCache* sx,
                           float out[TM][TN], bool row_has_nan[TN]) {
@@ -232,10 +232,11 @@ inline void fp8_tile_dots(global const float* xr[TM], global const uchar* wr[TN]
       for (int j = 0; j < TN; ++j) acc[i][j] = fma(blk[i][j], s, acc[i][j]);
   }
 #endif
+  // Rows past `rows` are 0 from here on (no caller stores them).
 #pragma unroll
   for (int i = 0; i < TM; ++i)
 #pragma unroll
-    for (int j = 0; j < TN; ++j) out[i][j] = hsum16(acc[i][j]) * FP8_ACC_SCALE;
+    for (int j = 0; j < TN; ++j) out[i][j] = i < rows ? hsum16(acc[i][j]) * FP8_ACC_SCALE : 0.0f;
   // The K % 16 tail lies inside the last K block (128 is a multiple of 16); its decode is exact
   // and NaN-aware on its own.
   if (K16 * 16 < K) {
@@ -243,6 +244,7 @@ inline void fp8_tile_dots(global const float* xr[TM], global const uchar* wr[TN]
     for (uint k = K16 * 16; k < K; ++k) {
 #pragma unroll
       for (int i = 0; i < TM; ++i) {
+        if (i >= rows) break;
         const float xs = xr[i][k] * s_last;
 #pragma unroll
         for (int j = 0; j < TN; ++j) out[i][j] = fma(xs, e4m3_to_f32(wr[j][k]), out[i][j]);
