@@ -34,6 +34,21 @@ std::string shape_str(const std::vector<int64_t>& s) {
 // at f32 compute 0.92x at 8.9 rows per expert, 1.05-1.10x from 17.7 to 71.
 constexpr uint32_t kFp8PanelRowsFrom = 32;
 
+// The average rows per expert below which the CPU shape's grouped FP8 launches take tiles in turn
+// of up to kGemmRowsFrom - 1 rows of one expert, each tile computing only the rows its expert
+// has left (fp8_tile.cl's fp8_in_turn_sums: an expert's 2-3 rows decode its weights once), where
+// there had been one-row tiles below 4 rows (their 4-row tiles had run 0.6x at 8 tokens) and
+// 4-row tiles from 4 (an expert's 5 rows: a 4-row tile and a 4-row tile for one). In turn in one
+// process on the 2-core Xeon with AMX:
+// - dsv3-mini fp8's decode (bench_deepseek): batch 8, against one-row tiles, 99.3 -> 86.8 ms a
+//   step (1.14x, 15 rounds); batch 32 (4 rows per expert), against 4-row tiles, 283.6 -> 230.7
+//   (1.24x [1.19, 1.37], 9 rounds); batch 1 0.99x [0.81, 1.16];
+// - bench_moe's layer (medians of 5-15): against one-row tiles, 8 tokens 1.10x, 16 tokens 1.36x,
+//   1 token 0.96x and 0.84x (its spread about 10%); against 4-row tiles, 32 tokens (4 rows per
+//   expert) 1.37x, 48 tokens 1.59x, 64 1.30x, 96 1.44x, 128 (16 rows) 1.06x, 256 (32 rows, the
+//   decoded panels there) 0.81x.
+constexpr uint32_t kFp8InTurnRowsBelow = 16;
+
 // The plan's buffers and tile shape for `rows` grouped rows over n_experts: 4-row tiles where the
 // experts average 4 rows or more (prefill), one-row tiles for decode. A work-item takes up to
 // 64 rows of one expert on GPUs (a work-group per output feature and tile there, so smaller tiles
@@ -506,14 +521,9 @@ void moe_grouped_linear(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::M
   // (dsv3-mini's layer, bf16 experts, 2-core Xeon with AMX, 2026-11-29): 8 tokens (43 experts)
   // 15.6-18.4 -> 20.0-22.8 GB/s, 16 tokens (56) 11.3-12.8 -> 17.7-22.3; dsv3-mini bf16's decode
   // at batch 8 (bench_deepseek, 3 interleaved pairs) 1.00, 1.07, 1.04x, at batch 16 1.16, 1.00x.
-  // FP8 experts keep tiles in turn there (their 4-row tiles: 0.6x at 8 tokens, 1.0x at 16), of up
-  // to kGemmRowsFrom - 1 rows of one expert, each tile computing only the rows its expert has
-  // left (fp8_tile.cl's fp8_in_turn_sums): an expert's 2-3 rows decode its weights once.
-  // Against one-row tiles, in turn in one process on the 2-core Xeon with AMX: dsv3-mini fp8's
-  // decode (bench_deepseek, 15 rounds) at batch 8 99.3 -> 86.8 ms a step (1.14x), at batch 1
-  // 0.99x [0.81, 1.16]; bench_moe's layer (medians of 9-15) 8 tokens 1.10x, 16 tokens 1.36x,
-  // 1 token 0.96x and 0.84x (its spread about 10%).
-  const bool fp8_in_turn = chunks && fp8 && plan.tm == 1 && K <= ops::in_turn_max_k(dev, g.dtype);
+  // FP8 experts take tiles in turn instead, below kFp8InTurnRowsBelow rows per expert.
+  const bool fp8_in_turn = chunks && fp8 && plan.rows < kFp8InTurnRowsBelow * plan.n_experts &&
+                           K <= ops::in_turn_max_k(dev, g.dtype);
   uint32_t tm = plan.tm;
   if (fp8_in_turn)
     tm = kGemmRowsFrom - 1;

@@ -780,15 +780,19 @@ INSTANTIATE_TEST_SUITE_P(
     MoeOps, GroupedExperts,
     ::testing::Values(Case{DType::BF16, 1, 3, 7, 200, 70}, Case{DType::BF16, 13, 3, 5, 200, 70},
                       // Between one and four rows per expert (batched decode): 4-row tiles on the
-                      // CPU shape for bf16 / f32 / f16 experts, one-row tiles for FP8 ones.
+                      // CPU shape for bf16 / f32 / f16 experts, tiles in turn for FP8 ones (up to
+                      // 3 rows of one expert; below 16 rows per expert, as T30_E4's 15).
                       Case{DType::BF16, 4, 3, 7, 200, 70}, Case{DType::F8_E4M3, 4, 3, 7, 300, 150},
                       Case{DType::F32, 5, 2, 6, 72, 34}, Case{DType::F16, 9, 2, 3, 40, 18},
                       Case{DType::BF16, 100, 2, 3, 48, 20}, Case{DType::F8_E4M3, 1, 4, 9, 300, 150},
                       Case{DType::F8_E4M3, 30, 2, 4, 200, 136},
-                      // Enough rows per expert for the decoded weight panels (fp8_tile.cl).
+                      // FP8 4-row tiles (20 rows per expert) and, with enough rows per expert,
+                      // the decoded weight panels (fp8_tile.cl).
+                      Case{DType::F8_E4M3, 40, 2, 4, 200, 136},
                       Case{DType::F8_E4M3, 100, 2, 3, 200, 136},
                       Case{DType::F8_E4M3, 1, 4, 9, 300, 150, false, KernelShape::Chunks, 0, true},
                       Case{DType::F8_E4M3, 30, 2, 4, 200, 136, false, KernelShape::Chunks, 0, true},
+                      Case{DType::F8_E4M3, 40, 2, 4, 200, 136, false, KernelShape::Chunks, 0, true},
                       Case{DType::BF16, 1, 3, 8, 200, 70, true},
                       Case{DType::F8_E4M3, 3, 2, 6, 300, 150, true},
                       // FP8 experts at a one-row plan (27 rows, 7 experts: 4, 6, 0, 3, 2, 3
