@@ -35,6 +35,9 @@
 #ifndef FP8_TILE_ROWS_VARY
 #define FP8_TILE_ROWS_VARY 0  // 1: tiles in turn of fewer rows than TM (fp8_tile_dots' rows)
 #endif
+#if FP8_TILE_ROWS_VARY && COLUMNS_IN_TURN && TM > 4
+#error "fp8_tile_dots computes tiles in turn of 1-3 rows and of TM, so TM is at most 4"
+#endif
 #ifndef FP8_XS_MAX
 #define FP8_XS_MAX 4096  // the largest K of tiles in turn (KernelTuning::gemv_stream_k)
 #endif
@@ -90,7 +93,7 @@ typedef struct {
 // has and does no FMA for the others.
 __attribute__((always_inline)) inline void fp8_in_turn_sums(
     const int R, const Fp8TileCache* sx, global const uchar* wr[TN], global const float* srow,
-    uint K16, float16 acc[TM][TN], bool row_has_nan[TN]) {
+    uint K16, float out[TM][TN], bool row_has_nan[TN]) {
   FP8_WATCH_DECLARE
   // Whole blocks, then the partial last one (K % 128) with its V_TAIL vectors: the weight and x
   // pointers step a block at a time, so a whole block is loads, decodes and FMAs at constant
@@ -108,8 +111,12 @@ __attribute__((always_inline)) inline void fp8_in_turn_sums(
   for (int j = 0; j < TN; ++j) {
     global const uchar* wb = wr[j];
     const float16* xb[TM];
+    float16 acc[TM];
 #pragma unroll
-    for (int i = 0; i < R; ++i) xb[i] = sx->x[i];
+    for (int i = 0; i < R; ++i) {
+      xb[i] = sx->x[i];
+      acc[i] = (float16)(0.0f);
+    }
     for (uint kb = 0; kb < KB_FULL + (V_TAIL ? 1 : 0); ++kb) {
       float16 blk[TM];
 #pragma unroll
@@ -136,11 +143,13 @@ __attribute__((always_inline)) inline void fp8_in_turn_sums(
       const float16 s = (float16)(srow[kb]);
 #pragma unroll
       for (int i = 0; i < R; ++i) {
-        acc[i][j] = fma(blk[i], s, acc[i][j]);
+        acc[i] = fma(blk[i], s, acc[i]);
         xb[i] += VECS_PER_BLOCK;
       }
       wb += QBLOCK;
     }
+#pragma unroll
+    for (int i = 0; i < TM; ++i) out[i][j] = i < R ? hsum16(acc[i]) * FP8_ACC_SCALE : 0.0f;
   }
 #undef FP8_IN_TURN_VECTOR
 #pragma unroll
@@ -149,16 +158,11 @@ __attribute__((always_inline)) inline void fp8_in_turn_sums(
 #endif
 
 // rows: how many of the tile's TM rows the caller stores; out's other rows are 0. Tiles in turn
-// with FP8_TILE_ROWS_VARY compute only those rows (1, 2 or TM); other tiles form every row's
-// block sums, those past `rows` on repeated x rows.
+// with FP8_TILE_ROWS_VARY compute only those rows; other tiles form every row's block sums,
+// those past `rows` on repeated x rows.
 inline void fp8_tile_dots(global const float* xr[TM], global const uchar* wr[TN],
                           global const float* srow, uint KB, uint K, uint rows, Fp8TileCache* sx,
                           float out[TM][TN], bool row_has_nan[TN]) {
-  float16 acc[TM][TN];
-#pragma unroll
-  for (int i = 0; i < TM; ++i)
-#pragma unroll
-    for (int j = 0; j < TN; ++j) acc[i][j] = (float16)(0.0f);
   const uint K16 = K / 16;
 #if COLUMNS_IN_TURN
   if (sx->row != xr[0] || sx->rows < rows) {
@@ -171,15 +175,24 @@ inline void fp8_tile_dots(global const float* xr[TM], global const uchar* wr[TN]
   }
 #if TM > 1 && FP8_TILE_ROWS_VARY
   if (rows == 1)
-    fp8_in_turn_sums(1, sx, wr, srow, K16, acc, row_has_nan);
+    fp8_in_turn_sums(1, sx, wr, srow, K16, out, row_has_nan);
 #if TM > 2
   else if (rows == 2)
-    fp8_in_turn_sums(2, sx, wr, srow, K16, acc, row_has_nan);
+    fp8_in_turn_sums(2, sx, wr, srow, K16, out, row_has_nan);
+#endif
+#if TM > 3
+  else if (rows == 3)
+    fp8_in_turn_sums(3, sx, wr, srow, K16, out, row_has_nan);
 #endif
   else
 #endif
-    fp8_in_turn_sums(TM, sx, wr, srow, K16, acc, row_has_nan);
+    fp8_in_turn_sums(TM, sx, wr, srow, K16, out, row_has_nan);
 #else
+  float16 acc[TM][TN];
+#pragma unroll
+  for (int i = 0; i < TM; ++i)
+#pragma unroll
+    for (int j = 0; j < TN; ++j) acc[i][j] = (float16)(0.0f);
   FP8_WATCH_DECLARE
 #ifdef FP8_PANEL_K
   if (sx->panel_row != wr[0]) {
@@ -231,12 +244,12 @@ inline void fp8_tile_dots(global const float* xr[TM], global const uchar* wr[TN]
 #pragma unroll
       for (int j = 0; j < TN; ++j) acc[i][j] = fma(blk[i][j], s, acc[i][j]);
   }
-#endif
   // Rows past `rows` are 0 from here on (no caller stores them).
 #pragma unroll
   for (int i = 0; i < TM; ++i)
 #pragma unroll
     for (int j = 0; j < TN; ++j) out[i][j] = i < rows ? hsum16(acc[i][j]) * FP8_ACC_SCALE : 0.0f;
+#endif
   // The K % 16 tail lies inside the last K block (128 is a multiple of 16); its decode is exact
   // and NaN-aware on its own.
   if (K16 * 16 < K) {

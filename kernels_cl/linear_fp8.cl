@@ -10,8 +10,8 @@
 // dequantize_fp8: out[N, K] f32 = e4m3(W) * scale, one work-item per row; with -DOUT_BF16=1 the
 // same rounded to bf16 (nearest even), for the bf16-compute GEMM (model.compute_dtype: bf16).
 //
-// Build options: -DTM=1..4 -DTN=4 -DFP8_DENORM=1|0 -DCOLUMNS_IN_TURN=0|1 (tiles of 1-3 rows, as
-// linear.cl), -DFP8_NAN_WATCH=0|1 -DFP8_XS_MAX (fp8_tile.cl), -DOUT_BF16=0|1 (dequantize_fp8),
+// Build options: -DTM=1..4 -DTN=4 -DFP8_DENORM=1|0, -DCOLUMNS_IN_TURN=0|1 -DFP8_NAN_WATCH=0|1
+// -DFP8_XS_MAX (fp8_tile.cl), -DOUT_BF16=0|1 (dequantize_fp8),
 // -DWG -DRB (linear_fp8_wg, the GPU shape).
 //
 // At one byte per weight a GEMV's instructions, more than memory, set its time (on the 2-core EPYC
@@ -20,6 +20,8 @@
 // FMA. The tile's sums and its NaN watch are fp8_tile.cl's, shared with moe.cl's grouped FP8 tile.
 
 #include "tile_shape.cl"
+#define FP8_TILE_ROWS_VARY 1
+#define FP8_TILE_ROWS_VARY 1  // the last row block of a launch may have fewer rows than TM
 #include "fp8_tile.cl"
 
 // One TM x TN tile at (m0, n0).
@@ -38,7 +40,7 @@ inline void linear_fp8_tile(global const float* x, uint x_off, uint ldx, global 
   global const float* srow = fp8_scale_row(scale, n0, KB);
   float out[TM][TN];
   bool row_has_nan[TN];
-  fp8_tile_dots(xr, wr, srow, KB, K, TM, sx, out, row_has_nan);
+  fp8_tile_dots(xr, wr, srow, KB, K, min((uint)TM, M - m0), sx, out, row_has_nan);
 
 #pragma unroll
   for (int i = 0; i < TM; ++i) {
@@ -57,8 +59,8 @@ inline void linear_fp8_tile(global const float* x, uint x_off, uint ldx, global 
 // A work-item owns n_tiles column tiles x m_rows rows and loops over its tiles: PoCL pays about a
 // microsecond per work-group, which at one byte per weight is as long as streaming a few
 // 2048-wide rows. Column tile outer, so its TN weight rows stay in L1 while the rows use them;
-// tiles in turn (all of a launch's M < 4 rows in one tile) take the row blocks outer instead, so
-// that the scaled x copy (fp8_tile.cl) is made once.
+// tiles in turn (up to 4 rows each; the host's kFp8InTurnTileRows) take the row blocks outer
+// instead, so that the scaled x copy (fp8_tile.cl) is made once per row block.
 kernel void linear_fp8(global const float* x, uint x_off, uint ldx,
                        global const uchar* w, global const float* scale, uint KB,
                        global float* y, uint y_off, uint ldy,

@@ -31,22 +31,35 @@ std::string shape_str(const std::vector<int64_t>& s) {
 // into a private panel (fp8_tile.cl's Fp8TileCache): ops::linear_fp8's M, the grouped experts'
 // average rows per expert. Measured in-process on the 2-core EPYC (bench_fp8, 2048 x 2048): 32
 // rows 1.04x, 64 and 512 rows 1.11-1.13x, 8 and 16 rows 0.75-0.9x; dsv3-mini's grouped experts
-// at f32 compute 0.92x at 8.9 rows per expert, 1.05-1.10x from 17.7 to 71.
+// at f32 compute 0.92x at 8.9 rows per expert, 1.05-1.10x from 17.7 to 71. Below it the grouped
+// experts' tiles read their columns in turn (kFp8InTurnTileRows; ops::linear_fp8's below
+// kFp8InTurnRowsBelow).
 constexpr uint32_t kFp8PanelRowsFrom = 32;
 
-// The average rows per expert below which the CPU shape's grouped FP8 launches take tiles in turn
-// of up to kGemmRowsFrom - 1 rows of one expert, each tile computing only the rows its expert
-// has left (fp8_tile.cl's fp8_in_turn_sums: an expert's 2-3 rows decode its weights once), where
-// there had been one-row tiles below 4 rows (their 4-row tiles had run 0.6x at 8 tokens) and
-// 4-row tiles from 4 (an expert's 5 rows: a 4-row tile and a 4-row tile for one). In turn in one
-// process on the 2-core Xeon with AMX:
-// - dsv3-mini fp8's decode (bench_deepseek): batch 8, against one-row tiles, 99.3 -> 86.8 ms a
-//   step (1.14x, 15 rounds); batch 32 (4 rows per expert), against 4-row tiles, 283.6 -> 230.7
-//   (1.24x [1.19, 1.37], 9 rounds); batch 1 0.99x [0.81, 1.16];
-// - bench_moe's layer (medians of 5-15): against one-row tiles, 8 tokens 1.10x, 16 tokens 1.36x,
-//   1 token 0.96x and 0.84x (its spread about 10%); against 4-row tiles, 32 tokens (4 rows per
-//   expert) 1.37x, 48 tokens 1.59x, 64 1.30x, 96 1.44x, 128 (16 rows) 1.06x, 256 (32 rows, the
-//   decoded panels there) 0.81x.
+// The most rows of an FP8 tile in turn (fp8_tile.cl): their x rows, scaled, stay in L1 beside the
+// weight stream (4 x 8 KiB at K = 2048; 8 rows had been no faster than 4 at M = 8), and a tile
+// of fewer rows (the last of a launch or of an expert) computes only its own
+// (fp8_in_turn_sums), so an expert's 2-3 rows decode its weights once. The grouped experts take
+// these below kFp8PanelRowsFrom rows per expert, where there had been one-row tiles below 4 rows
+// (their 4-row tiles had run 0.6x at 8 tokens) and 4-row tiles from 4 (an expert's 5 rows: two
+// 4-row tiles). In turn in one process on the 2-core Xeon with AMX:
+// - dsv3-mini fp8's decode (bench_deepseek) with tiles of up to 3 rows: batch 8, against one-row
+//   tiles, 99.3 -> 86.8 ms a step (1.14x, 15 rounds); batch 32 (4 rows per expert), against 4-row
+//   tiles, 283.6 -> 230.7 (1.24x [1.19, 1.37], 9 rounds); batch 1 0.99x [0.81, 1.16];
+// - bench_moe's layer (medians of 5-15), tiles of up to 3 rows: against one-row tiles, 8 tokens
+//   1.10x, 16 tokens 1.36x, 1 token 0.96x and 0.84x (its spread about 10%); against 4-row tiles,
+//   32 tokens (4 rows per expert) 1.37x, 48 1.59x, 64 1.30x, 96 1.44x, 128 (16 rows) 1.06x,
+//   256 (32 rows, the decoded panels there) 0.81x. Up to 4 rows against 4-row tiles: 128 tokens
+//   1.36x, 192 (24 rows) 1.22x.
+constexpr uint32_t kFp8InTurnTileRows = 4;
+
+// The rows from which ops::linear_fp8 takes 4x4 tiles rather than tiles in turn. Tiles in turn of
+// up to 4 rows against 4x4 tiles (bench_fp8, medians of 5-7 in turn, the 2-core Xeon with AMX):
+// 2048 x 2048 4 rows 1.17x and 1.21x, 8 rows 1.27x and 1.24x, 12 rows 1.18x, 16 rows 1.12x and
+// 1.01x, 24 rows 1.13x; 7168 x 2048 4 rows 1.24x, 8 rows 1.18x, 12 rows 1.33x, 16 rows 1.10x and
+// 0.84x, 24 rows 0.87x; 8 x 2048 x 4608 0.99x, 8 x 2048 x 7168 1.17x; 32 rows 0.68x against the
+// panels (kFp8PanelRowsFrom). The grouped experts, whose 4-row tiles also end every expert's rows
+// with a tile of 1-4, take tiles in turn up to the panels.
 constexpr uint32_t kFp8InTurnRowsBelow = 16;
 
 // The plan's buffers and tile shape for `rows` grouped rows over n_experts: 4-row tiles where the
@@ -134,19 +147,21 @@ void linear_fp8(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, con
     dev.launch(k, {size_t(N) * wg, ceil_div(M, rb), 1}, 2, local);
     return;
   }
-  // Below 4 rows (decode, a speculative verify of 1-2 drafts) one tile of all M rows, which reads
-  // its columns in turn (KernelTuning::fp8_stream_k, see linear.cl) and decodes each weight vector
-  // once for every row: against one-row tiles per row, in-process A/B on the 2-core EPYC (e4m3 of
+  // Below kFp8InTurnRowsBelow rows (decode, a speculative verify, batched decode) tiles in turn
+  // of up to kFp8InTurnTileRows rows, which read their columns in turn (KernelTuning::fp8_stream_k,
+  // see linear.cl) and decode each weight vector once for the tile's rows: below 4 rows one tile
+  // of all M rows, against one-row tiles per row, in-process A/B on the 2-core EPYC (e4m3 of
   // normal weights) 2 x 2048 x 2048 1.24x, 3 rows 1.11x, 2 x 7168 x 2048 1.15x, 2 x 2048 x 512
   // 1.22x, 2 x 2048 x 7168 (past the then stream bound, 4096) 1.28x, 3 x 512 x 2048 1.03x; the same
-  // bits. 4x4 tiles from 4 rows on, which reuse every decoded weight vector four times.
-  const uint32_t tm = M < 4 ? M : 4, tn = 4;
-  const bool in_turn = tm < 4 && K <= ops::in_turn_max_k(dev, w.dtype);
+  // bits. From there 4x4 tiles, which read four weight rows side by side, over decoded panels
+  // from kFp8PanelRowsFrom rows.
+  const bool in_turn = M < kFp8InTurnRowsBelow && K <= ops::in_turn_max_k(dev, w.dtype);
+  const uint32_t tm = in_turn ? std::min(M, kFp8InTurnTileRows) : 4, tn = 4;
   cl::Kernel k = dev.kernel(
       "linear_fp8.cl", "linear_fp8",
       fp8_decode_option(dev, w.fp8_subnormal_share) + " -DTM=" + std::to_string(tm) +
           " -DTN=" + std::to_string(tn) + (in_turn ? ops::columns_in_turn_option(dev) : "") +
-          fp8_tile_options(dev, w.fp8_nan_free, in_turn, tm == 4 && M >= kFp8PanelRowsFrom, K));
+          fp8_tile_options(dev, w.fp8_nan_free, in_turn, !in_turn && M >= kFp8PanelRowsFrom, K));
   // Work per work-item as ops::linear: up to 64 rows, and enough column tiles that a launch is a
   // few hundred work-items rather than thousands. Tiles in turn are split as
   // ops::stream_launch_items says: each work-item scales its x rows first, which at 2 tiles
@@ -521,12 +536,12 @@ void moe_grouped_linear(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::M
   // (dsv3-mini's layer, bf16 experts, 2-core Xeon with AMX, 2026-11-29): 8 tokens (43 experts)
   // 15.6-18.4 -> 20.0-22.8 GB/s, 16 tokens (56) 11.3-12.8 -> 17.7-22.3; dsv3-mini bf16's decode
   // at batch 8 (bench_deepseek, 3 interleaved pairs) 1.00, 1.07, 1.04x, at batch 16 1.16, 1.00x.
-  // FP8 experts take tiles in turn instead, below kFp8InTurnRowsBelow rows per expert.
-  const bool fp8_in_turn = chunks && fp8 && plan.rows < kFp8InTurnRowsBelow * plan.n_experts &&
+  // FP8 experts take tiles in turn instead, below kFp8PanelRowsFrom rows per expert.
+  const bool fp8_in_turn = chunks && fp8 && plan.rows < kFp8PanelRowsFrom * plan.n_experts &&
                            K <= ops::in_turn_max_k(dev, g.dtype);
   uint32_t tm = plan.tm;
   if (fp8_in_turn)
-    tm = kGemmRowsFrom - 1;
+    tm = kFp8InTurnTileRows;
   else if (chunks && !fp8 && plan.rows >= plan.n_experts)
     tm = 4;
   std::string opts = " -DTM=" + std::to_string(tm) + " -DTN=" + std::to_string(tn);

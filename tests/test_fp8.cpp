@@ -270,9 +270,11 @@ void check_linear_fp8(uint32_t M, uint32_t N, uint32_t K, float alpha, bool accu
 
 TEST_P(Fp8Decodes, LinearPartialBlocksAllTileShapes) {
   // N=200, K=300: two block rows (128 + 72), three block columns (128 + 128 + 44), a 12-column
-  // tail past the last 16-wide vector and a last N tile of 4 that is complete; M covers the TM=1
-  // path (1, 3) and the TM=4 path with full and partial row tiles (4, 7, 65).
-  for (uint32_t M : {1u, 3u, 4u, 7u, 65u}) check_linear_fp8(M, 200, 300, 1.0f, false, 100 + M);
+  // tail past the last 16-wide vector and a last N tile of 4 that is complete; M covers one tile
+  // in turn (1, 3), tiles in turn of 4 rows and a last one of 1, 2, 3 or 4 (4, 5, 6, 7, 15), 4x4
+  // tiles with a partial last row tile (31) and 4x4 tiles over decoded panels (32, 65).
+  for (uint32_t M : {1u, 3u, 4u, 5u, 6u, 7u, 15u, 31u, 32u, 65u})
+    check_linear_fp8(M, 200, 300, 1.0f, false, 100 + M);
 }
 
 TEST_P(Fp8Decodes, LinearEdgeShapes) {
@@ -285,7 +287,7 @@ TEST_P(Fp8Decodes, LinearEdgeShapes) {
 
 // Tiles in turn keep their x rows in private memory, up to fp8_stream_k codes each: at the
 // largest candidate of `clshard tune` (16384), a K of 16,376 (the last block 120 codes, 8 of
-// them the tail), one row and a tile of three (192 KiB of private rows).
+// them the tail), one row, a tile of three and tiles of 4 and 1 (256 KiB of private rows).
 TEST_P(Fp8Decodes, LinearLongRowsInTurnAtTheLargestStreamK) {
   Device& dev = device();
   KernelTuning t = dev.tuning();
@@ -293,6 +295,7 @@ TEST_P(Fp8Decodes, LinearLongRowsInTurnAtTheLargestStreamK) {
   test::TuningScope tuned(dev, t);
   check_linear_fp8(1, 40, 16376, 1.0f, false, 61);
   check_linear_fp8(3, 40, 16376, 1.0f, true, 62);
+  check_linear_fp8(5, 40, 16376, 1.0f, false, 63);
 }
 
 // The stream prefetch of tiles in turn (KernelTuning::stream_prefetch and stream_prefetch_l1,
@@ -346,8 +349,9 @@ TEST_P(Fp8Decodes, LinearStreamPrefetchChangesNoBit) {
   }
 }
 
-// fp8_stream_k decides whether one to three rows read their columns in turn (K at most it) or
-// four weight rows side by side; both give the same bits. K = 4608 (dsv3-mini's dense
+// fp8_stream_k decides whether tiles of one to four rows read their columns in turn (K at most
+// it) or 4-row tiles read four weight rows side by side; both give the same bits (1-3 rows, and
+// 5: tiles of 4 and 1 in turn against two 4-row tiles). K = 4608 (dsv3-mini's dense
 // down_proj) and 7160 (a partial last block, 8 codes of tail), between the default 4096 and
 // 8192, so that one of the two launches takes each path; gemv_stream_k (the bf16 bound) left at
 // 4096 changes neither.
@@ -361,9 +365,9 @@ TEST_P(Fp8Decodes, LinearFp8StreamKChangesNoBit) {
     const Fp8Problem p = random_problem(N, K, 80 + K);
     Weight wq = fp8_weight(dev, p.w, N, K);
     Weight sc = to_device_f32(dev, p.scales, {ceil128(N), ceil128(K)}, "test.scale_inv");
-    const std::vector<float> x = random_vec(size_t(3) * K, 81 + K);
+    const std::vector<float> x = random_vec(size_t(5) * K, 81 + K);
     cl::Mem xb = upload(dev, x);
-    for (const uint32_t M : {1u, 2u, 3u}) {
+    for (const uint32_t M : {1u, 2u, 3u, 5u}) {
       SCOPED_TRACE("K=" + std::to_string(K) + " M=" + std::to_string(M));
       auto run = [&](uint32_t stream_k) {
         KernelTuning t = saved;

@@ -781,13 +781,13 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(Case{DType::BF16, 1, 3, 7, 200, 70}, Case{DType::BF16, 13, 3, 5, 200, 70},
                       // Between one and four rows per expert (batched decode): 4-row tiles on the
                       // CPU shape for bf16 / f32 / f16 experts, tiles in turn for FP8 ones (up to
-                      // 3 rows of one expert; below 16 rows per expert, as T30_E4's 15).
+                      // 4 rows of one expert; below 32 rows per expert, as T30_E4's 15).
                       Case{DType::BF16, 4, 3, 7, 200, 70}, Case{DType::F8_E4M3, 4, 3, 7, 300, 150},
                       Case{DType::F32, 5, 2, 6, 72, 34}, Case{DType::F16, 9, 2, 3, 40, 18},
                       Case{DType::BF16, 100, 2, 3, 48, 20}, Case{DType::F8_E4M3, 1, 4, 9, 300, 150},
                       Case{DType::F8_E4M3, 30, 2, 4, 200, 136},
-                      // FP8 4-row tiles (20 rows per expert) and, with enough rows per expert,
-                      // the decoded weight panels (fp8_tile.cl).
+                      // FP8 tiles in turn of up to 4 rows at 20 rows per expert, and from 32
+                      // rows per expert 4-row tiles over decoded weight panels (fp8_tile.cl).
                       Case{DType::F8_E4M3, 40, 2, 4, 200, 136},
                       Case{DType::F8_E4M3, 100, 2, 3, 200, 136},
                       Case{DType::F8_E4M3, 1, 4, 9, 300, 150, false, KernelShape::Chunks, 0, true},
@@ -795,10 +795,9 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{DType::F8_E4M3, 40, 2, 4, 200, 136, false, KernelShape::Chunks, 0, true},
                       Case{DType::BF16, 1, 3, 8, 200, 70, true},
                       Case{DType::F8_E4M3, 3, 2, 6, 300, 150, true},
-                      // FP8 experts at a one-row plan (27 rows, 7 experts: 4, 6, 0, 3, 2, 3
-                      // and the shared expert's 9 rows): tiles in turn of up to 3 rows of one
-                      // expert, its last tile of 1, 2 or 3 rows; the NaN-watched decode and the
-                      // f16-based one.
+                      // FP8 experts of 4, 6, 0, 3, 2, 3 and (shared) 9 rows: tiles in turn of up
+                      // to 4 rows of one expert, its last tile of 1, 2, 3 or 4 rows; the
+                      // NaN-watched decode and the f16-based one.
                       Case{DType::F8_E4M3, 9, 2, 7, 300, 150, true},
                       Case{DType::F8_E4M3, 9, 2, 7, 300, 150, true, KernelShape::Chunks, 0, true},
                       Case{DType::F8_E4M3, 9, 2, 7, 300, 150, true, KernelShape::Chunks, 0, false,
@@ -885,6 +884,50 @@ INSTANTIATE_TEST_SUITE_P(
              (i.param.H > 1024 ? "_H" + std::to_string(i.param.H) : "") +
              (i.param.f32_terms_both ? "_f32terms" : "");
     });
+
+// KernelTuning::fp8_stream_k decides whether grouped FP8 experts of fewer than 32 rows each read
+// their columns in turn (K at most it; tiles of up to 4 rows of one expert) or take 4-row tiles
+// that read four weight rows side by side; both give the same bits. 14 tokens on 2 of 4 experts
+// (4-10 rows each): gate|up over K = 300 and down over K = 150, at fp8_stream_k 4096 (both in
+// turn), 160 (down in turn) and 128 (neither).
+TEST(GroupedFp8, StreamKChangesNoBit) {
+  Device& dev = device();
+  test::ShapeScope scope(dev, KernelShape::Chunks);
+  const KernelTuning saved = dev.tuning();
+  test::TuningScope restore(dev, saved);
+  const uint32_t T = 14, k = 2, E = 4, H = 300, F = 150, S = T * k;
+  const Experts ex = make_experts(dev, DType::F8_E4M3, E, H, F, 91);
+  cl::Mem idb = upload(dev, random_ids(T, k, E, 92));
+  const ops::GroupedPlan plan = ops::plan_experts(dev, idb, T, k, E);
+  const std::vector<uint32_t> offsets = download<uint32_t>(dev, plan.expert_offsets.mem(), E + 1);
+  for (uint32_t e = 0; e < E; ++e) {
+    ASSERT_GE(offsets[e + 1] - offsets[e], 4u) << "expert " << e;
+  }
+  std::mt19937 rng(93);
+  std::uniform_real_distribution<float> u(-2.0f, 2.0f);
+  std::vector<float> x(size_t(T) * H);
+  for (float& v : x) v = u(rng);
+  cl::Mem xb = upload(dev, x);
+  auto run = [&](uint32_t stream_k) {
+    KernelTuning t = saved;
+    t.fp8_stream_k = stream_k;
+    dev.set_tuning(t);
+    cl::Mem gu = dev.alloc(size_t(S) * 2 * F * 4), out = dev.alloc(size_t(S) * H * 4);
+    ops::moe_grouped_linear(dev, xb, H, &plan.src_token.mem(), ex.grouped, 0, 2, plan, gu, 2 * F);
+    ops::moe_grouped_linear(dev, gu, 2 * F, nullptr, ex.grouped, 2, 1, plan, out, H);
+    std::vector<float> r = download<float>(dev, gu, size_t(S) * 2 * F);
+    const std::vector<float> o = download<float>(dev, out, size_t(S) * H);
+    r.insert(r.end(), o.begin(), o.end());
+    return r;
+  };
+  const std::vector<float> in_turn = run(4096);
+  for (const uint32_t stream_k : {160u, 128u}) {
+    const std::vector<float> other = run(stream_k);
+    for (size_t i = 0; i < in_turn.size(); ++i)
+      ASSERT_EQ(std::bit_cast<uint32_t>(other[i]), std::bit_cast<uint32_t>(in_turn[i]))
+          << "element " << i << " at fp8_stream_k " << stream_k;
+  }
+}
 
 }  // namespace grouped
 
