@@ -15,7 +15,7 @@
 // e4m3x16_decode_scaled leaves a power-of-two factor that FP8_X_SCALE (on x) and FP8_ACC_SCALE
 // (on the sums) take back.
 //
-// Tiles with COLUMNS_IN_TURN (one to three rows) read the columns one after another: one
+// Tiles with COLUMNS_IN_TURN (one to four rows) read the columns one after another: one
 // sequential stream of weight bytes, as linear.cl's tile_dots (two or four streams side by side,
 // even 128 bytes at a time, ran 1.3-2.4x slower on the 2-core EPYC), each weight vector decoded
 // once for the tile's rows. Their x rows times FP8_X_SCALE are made once in private memory

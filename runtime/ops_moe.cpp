@@ -562,7 +562,7 @@ void moe_grouped_linear(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::M
       throw std::invalid_argument(std::string("moe_grouped_linear: expert weights of dtype ") +
                                   dtype_name(g.dtype));
   }
-  // One-row tiles (FP8: up to 3 rows) read their columns in turn, as ops::linear's
+  // One-row tiles (FP8: up to 4 rows) read their columns in turn, as ops::linear's
   // (ops::in_turn_max_k); tiles prefetch their next tile's rows as ops::linear's. CPU shape only:
   // the GPU shape's kernels have no such tiles, and their program need not hold the private x row.
   const bool in_turn = fp8_in_turn || (chunks && tm == 1 && K <= ops::in_turn_max_k(dev, g.dtype));
