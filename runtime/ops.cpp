@@ -81,9 +81,8 @@ constexpr uint32_t kPackedPartialRows = 512;
 
 }  // namespace
 
-PackedGemmShape packed_gemm_shape(const Device& dev, PackedRows x, bool glu, bool fp8,
-                                  bool fp8_nan_free, float fp8_subnormal_share, bool pairs_aligned,
-                                  uint32_t K) {
+PackedGemmShape packed_gemm_shape(const Device& dev, PackedRows x, bool glu,
+                                  std::optional<Fp8Codes> fp8, bool pairs_aligned, uint32_t K) {
   const KernelTuning& t = dev.tuning();
   PackedGemmShape p;
   const bool x_f32 = x == PackedRows::F32;
@@ -113,8 +112,8 @@ PackedGemmShape packed_gemm_shape(const Device& dev, PackedRows x, bool glu, boo
   if (x == PackedRows::F32Terms) p.options += " -DX_SPLIT=3";
   if (p.partial_rows) p.options += " -DPANEL_ROWS=" + std::to_string(p.partial_rows);
   if (fp8)
-    p.options += " -DPANEL_FP8=1 " + fp8_decode_option(dev, fp8_subnormal_share) +
-                 fp8_tile_options(dev, fp8_nan_free, false);
+    p.options += " -DPANEL_FP8=1 " + fp8_decode_option(dev, fp8->subnormal_share) +
+                 fp8_tile_options(dev, fp8->nan_free, false);
   return p;
 }
 
@@ -132,9 +131,8 @@ bool launch_bf16_packed(Device& dev, const cl::Mem& xb, uint32_t xb_off, uint32_
                         const Weight* bias, const Weight* fp8_scale, bool pairs_aligned,
                         const cl::Mem& y, uint32_t y_off, uint32_t ldy, uint32_t M, uint32_t N,
                         uint32_t K, uint32_t n1, uint32_t n2, float alpha, bool accumulate) {
-  const PackedGemmShape shape =
-      packed_gemm_shape(dev, x, glu, fp8_scale != nullptr, ws[0]->fp8_nan_free,
-                        ws[0]->fp8_subnormal_share, pairs_aligned, K);
+  const PackedGemmShape shape = packed_gemm_shape(
+      dev, x, glu, fp8_scale ? std::optional(fp8_codes(*ws[0])) : std::nullopt, pairs_aligned, K);
   if (!shape.fits) return false;
   const uint32_t col_tiles = (N + shape.tile_cols - 1) / shape.tile_cols;
   // A work-item packs its column tile once for all its rows: all M where the column tiles alone
@@ -341,7 +339,7 @@ void gemm_bf16(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx,
                      " -DBF16_DOT=" + (bf16_dot_product(dev) ? "1" : "0") +
                      " -DPAIRS_ALIGNED=" + (pairs_aligned ? "1" : "0");
   if (fp8_scale)
-    opts += fp8_bf16_panel_options(dev, K, ws[0]->fp8_nan_free, ws[0]->fp8_subnormal_share);
+    opts += fp8_bf16_panel_options(dev, K, fp8_codes(*ws[0]));
   else if (batch)
     opts += weight_prefetch_option(dev);
   cl::Kernel k = dev.kernel("linear_bf16.cl", "linear_bf16", opts);

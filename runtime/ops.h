@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -50,11 +51,17 @@ struct PackedGemmShape {
 // compute over bf16 weights: the portable micro-kernel), or f32 as three bf16 terms each (f32
 // compute on AMX: linear_bf16.cl's bf16_terms, KernelTuning's gemm_f32_amx_rows).
 enum class PackedRows { Bf16, F32, F32Terms };
-// fp8: FP8 weights dequantized as they are packed (the NaN-code watch unless fp8_nan_free; the
-// decode as fp8_decode_option for fp8_subnormal_share).
-PackedGemmShape packed_gemm_shape(const Device& dev, PackedRows x, bool glu, bool fp8,
-                                  bool fp8_nan_free, float fp8_subnormal_share, bool pairs_aligned,
-                                  uint32_t K);
+// What the load-time scan found in FP8 weights' codes (Weight::fp8_nan_free and
+// fp8_subnormal_share; the grouped experts' over all their experts), from which their kernels'
+// NaN-code watch (fp8_tile_options) and e4m3 decode (fp8_decode_option) follow.
+struct Fp8Codes {
+  bool nan_free = false;
+  float subnormal_share = 0.0f;
+};
+inline Fp8Codes fp8_codes(const Weight& w) { return {w.fp8_nan_free, w.fp8_subnormal_share}; }
+// fp8: FP8 weights with those codes, dequantized as they are packed (none: bf16 weights).
+PackedGemmShape packed_gemm_shape(const Device& dev, PackedRows x, bool glu,
+                                  std::optional<Fp8Codes> fp8, bool pairs_aligned, uint32_t K);
 
 // The build option of the CPU-shape GEMM kernels that turns on their next-tile weight prefetch
 // (common.cl's PREFETCH_LINE, an x86 instruction): " -DPREFETCH_X86=1" for PoCL's CPU device on
@@ -138,10 +145,8 @@ std::string fp8_tile_options(const Device& dev, bool nan_free, bool in_turn, boo
 
 // The build options of bf16_tile.cl's FP8 panels (FP8 weights under bf16 compute: each column
 // tile's rows dequantized to bf16 once per work-item): -DFP8_BF16_PANEL=1, the panel's row length
-// for K, the e4m3 decode (fp8_decode_option for subnormal_share), and the NaN-code watch unless
-// the weights' load-time scan found no NaN code (Weight::fp8_nan_free).
-std::string fp8_bf16_panel_options(const Device& dev, uint32_t K, bool nan_free,
-                                   float subnormal_share);
+// for K, and the codes' e4m3 decode and NaN-code watch.
+std::string fp8_bf16_panel_options(const Device& dev, uint32_t K, Fp8Codes codes);
 
 // The row stride (elements) of the bf16 rows the bf16-compute GEMMs read (linear_bf16.cl and the
 // grouped experts; round_bf16 writes them): whole 32-element steps and one step more.

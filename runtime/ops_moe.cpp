@@ -125,10 +125,10 @@ std::pair<uint32_t, uint32_t> check_fp8_weight(const char* op, const Weight& w,
   return {N, K};
 }
 
-std::string fp8_bf16_panel_options(const Device& dev, uint32_t K, bool nan_free,
-                                   float subnormal_share) {
+std::string fp8_bf16_panel_options(const Device& dev, uint32_t K, Fp8Codes codes) {
   return " -DFP8_BF16_PANEL=1 -DBF16_PANEL_K=" + std::to_string(ceil_div(K, 16) * 16) + " " +
-         fp8_decode_option(dev, subnormal_share) + fp8_tile_options(dev, nan_free, false);
+         fp8_decode_option(dev, codes.subnormal_share) +
+         fp8_tile_options(dev, codes.nan_free, false);
 }
 
 void linear_fp8(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const Weight& w,
@@ -440,9 +440,10 @@ void grouped_bf16_launch(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::
   const bool fp8 = g.dtype == DType::F8_E4M3;
   const uint32_t packed_from = bf16_packed_rows_from(dev);
   const PackedGemmShape shape =
-      packed_from != 0 ? packed_gemm_shape(dev, PackedRows::Bf16, glu, fp8, g.fp8_nan_free,
-                                           g.fp8_subnormal_share, false, K)
-                       : PackedGemmShape{};
+      packed_from != 0
+          ? packed_gemm_shape(dev, PackedRows::Bf16, glu,
+                              fp8 ? std::optional(fp8_codes(g)) : std::nullopt, false, K)
+          : PackedGemmShape{};
   const bool packed = packed_from != 0 && shape.fits;
   const bool gather = packed && x_rows != nullptr;
   const uint32_t rows = x_rows && !gather ? x_count : plan.rows;
@@ -462,7 +463,7 @@ void grouped_bf16_launch(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::
   std::string opts = " -DTM=" + std::to_string(plan.tm) + " -DTN=" + std::to_string(tn) +
                      " -DGROUPED_BF16=1 -DWEIGHT_TYPE=1 -DPAIRS_ALIGNED=0 -DGLU=" +
                      (glu ? "1" : "0") + " -DBF16_DOT=" + (bf16_dot_product(dev) ? "1" : "0");
-  if (fp8) opts += fp8_bf16_panel_options(dev, K, g.fp8_nan_free, g.fp8_subnormal_share);
+  if (fp8) opts += fp8_bf16_panel_options(dev, K, fp8_codes(g));
   cl::Kernel k = dev.kernel("moe.cl", "moe_grouped_linear", opts);
   launch_grouped(dev, k, xb.mem(), ldxb, tile_rows, g, slot0, glu ? 1 : n_mats, plan, y, ldy, N, K,
                  glu ? tn / 2 : tn, false, packed ? packed_from : 0);
@@ -487,7 +488,7 @@ uint32_t grouped_f32_amx_terms(Device& dev, const cl::Mem& x, uint32_t ldx, cons
   const bool down = slot0 == 2;
   const uint32_t N = down ? g.hidden : g.inter, K = down ? g.inter : g.hidden;
   const PackedGemmShape shape =
-      packed_gemm_shape(dev, PackedRows::F32Terms, false, false, false, 0.0f, false, K);
+      packed_gemm_shape(dev, PackedRows::F32Terms, false, std::nullopt, false, K);
   if (!shape.fits) return 0;
   const uint32_t ldr = bf16_gemm_row_stride(K);
   Scratch terms(dev, size_t(plan.rows) * 3 * ldr * 2);

@@ -10,6 +10,7 @@
 
 #include "runtime/cl.h"
 #include "runtime/device.h"
+#include "runtime/ops.h"
 #include "runtime/tensor.h"
 
 namespace clshard {
@@ -112,6 +113,9 @@ struct GroupedExperts {
   float fp8_subnormal_share = 0.0f;  // as Weight::fp8_subnormal_share, over them all
   explicit operator bool() const { return bool(mem); }
 };
+inline Fp8Codes fp8_codes(const GroupedExperts& g) {
+  return {g.fp8_nan_free, g.fp8_subnormal_share};
+}
 
 // Where the grouped rows of a step are, on the device: expert_offsets [E + 1], the token of each
 // grouped row (src_token [rows]), the grouped row of each (token, slot) (slot_row [rows]) and the
