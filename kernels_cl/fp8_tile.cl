@@ -86,8 +86,9 @@ typedef struct {
 } Fp8TileCache;
 
 #if COLUMNS_IN_TURN
-// The block sums of a tile in turn over its first R rows into acc, and the NaN watch of its
-// weight rows. R is a constant where fp8_tile_dots calls this, always inlined, so that the loops
+// The sums of a tile in turn over its first R rows into out (its other rows 0), and the NaN
+// watch of its weight rows; each column's row sums are reduced as the column ends, so that only
+// R accumulators stay live. R is a constant where fp8_tile_dots calls this, always inlined, so that the loops
 // over rows unroll as over TM (called, with R a variable, the grouped experts had run 3x
 // slower), and a tile of fewer rows than TM decodes each weight vector once for the rows it
 // has and does no FMA for the others.

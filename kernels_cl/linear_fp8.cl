@@ -20,7 +20,6 @@
 // FMA. The tile's sums and its NaN watch are fp8_tile.cl's, shared with moe.cl's grouped FP8 tile.
 
 #include "tile_shape.cl"
-#define FP8_TILE_ROWS_VARY 1
 #define FP8_TILE_ROWS_VARY 1  // the last row block of a launch may have fewer rows than TM
 #include "fp8_tile.cl"
 

@@ -317,7 +317,8 @@ kernel void mla_decode_attention(global const float* qf, global const ctype* cac
 // operations as ops::linear's and ops::linear_fp8's tiles). A work-item owns n_tiles TN-row tiles
 // of one head (a tile never crosses a 128-row block: DN, DV and N are multiples of 8) for m_rows
 // tokens, as linear.cl's work-items do. Build options -DTM -DTN -DCOLUMNS_IN_TURN (chosen as
-// ops::linear and ops::linear_fp8 choose them) and for fp8 fp8_tile.cl's. Where there had been 512
+// ops::linear chooses them, and for fp8 one tile in turn of up to 3 tokens as ops::linear_fp8's)
+// and for fp8 fp8_tile.cl's. Where there had been 512
 // work-items a launch, each reading its 4 rows side by side (2 KB of fp8), on the 2-core EPYC (as
 // mla_absorb_q's figures): 1 token fp8 0.18-0.19 -> 0.08 ms, bf16 0.16-0.17 -> 0.10-0.11 ms;
 // 2-3 tokens fp8 0.33-0.48 -> 0.10-0.11 ms, bf16 0.24-0.38 -> 0.13-0.19 ms; 4-8 tokens fp8
