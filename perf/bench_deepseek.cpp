@@ -4,19 +4,22 @@
 // shared experts of each MoE layer, the router, lm_head; models/deepseek_v3/plan.h) plus the MLA
 // cache rows it attends to — at the memory bandwidth measured here, in the same program.
 //
-// The roofline takes the higher of the OpenCL read kernel's and a native STREAM loop's bandwidth,
-// both measured once after every decode run: measured before, it slowed the next decode steps on
-// the VM here for seconds (the first of 48 steps 170 ms, falling to 25-30 ms by the 30th; 32
-// steps averaged 51-55 ms against 28 ms without it). A batched decode figure follows each dtype:
-// B requests of C tokens each, one token per request per step (no roofline: the experts B tokens
-// touch depend on the routing).
+// The batch-1 decode is timed in rounds in turn with a pass of a native STREAM-style read loop
+// (bench_util.h's roofline_in_turn; the device's own probe on a GPU): the decode figure, the
+// bandwidth and the fraction of the roofline are the rounds' medians, each round's fraction
+// against its own pass, since on a shared machine the bandwidth moves within seconds. Both read
+// loops (OpenCL and native, over fresh memory) are printed once more after every decode run, for
+// the record: fresh buffers measured before a decode had slowed its next steps on the VM here for
+// seconds (the first of 48 steps 170 ms, falling to 25-30 ms by the 30th). A batched decode
+// figure follows each dtype: B requests of C tokens each, one token per request per step (no
+// roofline: the experts B tokens touch depend on the routing).
 //
 // On a shared machine the wall time moves with the neighbours' load; the CPU time the process
 // spends per decode token (every thread, PoCL's workers included) moves much less and is printed
 // beside it.
 //
 // Usage: bench_deepseek [--dir D] [--dtypes bf16,fp8] [--prompt P] [--context C] [--decode N]
-//                       [--batch B] [--tuning-ab FIELD=VALUE [--ab-rounds R]]
+//                       [--batch B] [--roofline-rounds R] [--tuning-ab FIELD=VALUE [--ab-rounds R]]
 //   D: where the checkpoints live (written with make-model's preset writer when missing;
 //      default $TMPDIR/clshard-bench), P: prefill length (512), C: context before decoding (128),
 //   N: decode steps timed (32), B: requests of the batched decode figure (8; 0: none).
@@ -82,6 +85,12 @@ int main(int argc, char** argv) {
                  "also load each checkpoint the other way (mapped / read into memory) and time "
                  "the batch-1 decode of the two models in turn for this many rounds")
       ->check(CLI::Range(0, 1000));
+  int roofline_rounds = 7;
+  app.add_option("--roofline-rounds", roofline_rounds,
+                 "rounds of the batch-1 decode in turn with a pass of the read loop (the decode "
+                 "figure and its fraction of the roofline are their medians)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1000));
   TuningABOptions ab_opts;
   add_tuning_ab_options(app, ab_opts);
   parse_args(app, argc, argv);
@@ -95,8 +104,8 @@ int main(int argc, char** argv) {
   Device& dev = mgr[0];
   std::printf("device: %s (%s), %u compute units; compute dtype %s\n", dev.info().name.c_str(),
               dev.info().platform.c_str(), dev.info().compute_units, compute_dtype.c_str());
-  // On a shared machine the bandwidth moves with the neighbours' load: it is measured right
-  // before each decode run, so the fraction of the roofline compares like with like.
+  // On a shared machine the bandwidth moves with the neighbours' load: each decode figure is
+  // taken in turn with the read loop (roofline_in_turn), so its fraction compares like with like.
   std::printf("%-5s %10s %12s %12s %14s %10s %12s %9s\n", "dtype", "prefill", "decode",
               "decode ms", "bytes/token", "bandwidth", "roofline", "of roof");
   std::printf("%-5s %10s %12s %12s %14s %10s %12s %9s\n", "", "tok/s", "tok/s", "per token",
@@ -104,7 +113,8 @@ int main(int argc, char** argv) {
   // One row per dtype, printed once the roofline is measured after them all.
   struct Row {
     std::string dtype;
-    double prefill_tok_s, t_prefill, t_token, cpu_token, bytes, t_step;
+    double prefill_tok_s, t_prefill, t_token, t_alone, cpu_token, bytes, t_step;
+    RooflineInTurn roof;
     std::string paths;
     double weight_gb, active_m, load_s;
     std::filesystem::path dir;
@@ -147,8 +157,15 @@ int main(int argc, char** argv) {
     };
     const std::vector<StepInputs> steps = decode_steps(model, table, ppr, rng);
     const double c0 = cpu_seconds();
-    const double t_token = time_decode(model, steps);
+    const double t_alone = time_decode(model, steps);
     const double cpu_token = (cpu_seconds() - c0) / n_decode;
+    // Bytes one decode token streams: active weights + the cache rows it reads (mid-run context).
+    const double bytes = double(plan.active_weight_bytes_per_token) +
+                         double(context + n_decode / 2) * double(model.kv_bytes_per_token());
+    // The decode figure and its roofline, in turn with the read loop (bench_util.h).
+    const RooflineInTurn roof =
+        roofline_in_turn(dev, roofline_rounds, bytes, [&] { return time_decode(model, steps); });
+    const double t_token = roof.t_median;
     const auto decode_path = model.last_mla_path();
     if (ab) {
       run_tuning_ab(dev, *ab, ab_rounds, [&] { return time_decode(model, steps); });
@@ -202,24 +219,27 @@ int main(int argc, char** argv) {
                         "ms per step");
       }
     }
-    // Bytes one decode token streams: active weights + the cache rows it reads (mid-run context).
-    const double bytes = double(plan.active_weight_bytes_per_token) +
-                         double(context + n_decode / 2) * double(model.kv_bytes_per_token());
     const std::string path_note = std::string(ops::mla_path_name(prefill_path)) +
                                   " path; decode at context " + std::to_string(context) +
                                   " on the " + ops::mla_path_name(decode_path);
-    results.push_back({dt, prompt / t_prefill, t_prefill, t_token, cpu_token, bytes, t_step,
-                       path_note, double(model.info().weight_bytes) / 1e9,
+    results.push_back({dt, prompt / t_prefill, t_prefill, t_token, t_alone, cpu_token, bytes,
+                       t_step, roof, path_note, double(model.info().weight_bytes) / 1e9,
                        double(plan.params.active_per_token - plan.params.embedding) / 1e6, load_s,
                        dir});
     std::fprintf(stderr, "%s: decode %.2f ms per token\n", dt.c_str(), t_token * 1e3);
   }
-  const double bw = measure_roofline(dev, 5).best();
+  // Both read loops once more, for the record (the rows' figures are their own rounds').
+  measure_roofline(dev, 5);
   for (const Row& r : results) {
-    const double roof = bw * 1e9 / r.bytes;
     std::printf("%-5s %10.1f %12.2f %12.2f %11.1f MB %10.1f %12.1f %8.0f%%\n", r.dtype.c_str(),
-                r.prefill_tok_s, 1.0 / r.t_token, r.t_token * 1e3, r.bytes / 1e6, bw, roof,
-                100.0 / r.t_token / roof);
+                r.prefill_tok_s, 1.0 / r.t_token, r.t_token * 1e3, r.bytes / 1e6, r.roof.gbs_median,
+                r.roof.gbs_median * 1e9 / r.bytes, 100.0 * r.roof.fraction_median);
+    std::printf(
+        "      (decode and bandwidth: medians of %d rounds in turn with a pass of the %s; the "
+        "rounds' own fractions of the roofline %.0f-%.0f%%; timed alone before them %.2f ms "
+        "per token)\n",
+        r.roof.rounds, dev.is_cpu() ? "native read loop" : "device's read probe",
+        100.0 * r.roof.fraction_low, 100.0 * r.roof.fraction_high, r.t_alone * 1e3);
     std::printf(
         "      (prefill %u tokens in %.2f s on the %s path, CPU time %.2f ms per token; "
         "weights %.2f GB on disk, %s in %.2f s, %.1f M parameters active per token)\n",

@@ -2,8 +2,10 @@
 // tokens/s for a 512-token prompt (median of 3), with decode as a fraction of the bandwidth
 // roofline (weight bytes read per token / measured bandwidth) and prefill's GFLOP/s in the linear
 // layers as a fraction of the CPU's register-only f32 FMA and bf16 dot-product peaks.
+// The batch-1 decode is timed in rounds in turn with a pass of a native read loop
+// (bench_util.h's roofline_in_turn): on a shared machine the bandwidth moves within seconds.
 // Usage: bench_llama [MODEL_DIR] [--compute-dtype f32|bf16] [--prefill-only]
-//                    [--tuning-ab FIELD=VALUE [--ab-rounds R]]
+//                    [--roofline-rounds R] [--tuning-ab FIELD=VALUE [--ab-rounds R]]
 //   (MODEL_DIR default: .cache/models/llama3-1b-bf16, made if missing; --compute-dtype as the
 //   deployment's model.compute_dtype, default f32; --tuning-ab times the batch-1 decode, a batch
 //   of 8 and the 512-token prefill also with one tuning field changed, the two in turn R times:
@@ -51,6 +53,12 @@ int main(int argc, char** argv) {
   bool no_mmap = false;
   app.add_flag("--no-mmap", no_mmap,
                "model.mmap: false: the checkpoint read into memory at load, not mapped");
+  int roofline_rounds = 7;
+  app.add_option("--roofline-rounds", roofline_rounds,
+                 "rounds of the batch-1 decode in turn with a pass of the read loop (the decode "
+                 "figure and its fraction of the roofline are their medians)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1000));
   TuningABOptions ab_opts;
   add_tuning_ab_options(app, ab_opts);
   parse_args(app, argc, argv);
@@ -180,14 +188,26 @@ int main(int argc, char** argv) {
     std::vector<std::array<double, 6>> split = {phases(0)};
     if (context > 0) split.push_back(phases(context));
 
-    // The roofline after the timed decode: measured before, its buffers slowed the next decode
-    // steps on the VM here for seconds (bench_deepseek.cpp).
-    const double bw = measure_roofline(dev).best();
-    const double roofline_s = bytes_per_token / (bw * 1e9);
-    std::printf("\ndecode, batch 1: %.1f ms/token, %.2f tokens/s; roofline %.1f ms/token "
-                "(%.2f GB read per token) -> %.0f%% of roofline\n",
-                per_token * 1e3, 1.0 / per_token, roofline_s * 1e3, bytes_per_token / 1e9,
-                100.0 * roofline_s / per_token);
+    // The decode's figures are its rounds in turn with the read loop (bench_util.h's
+    // roofline_in_turn), against which the phases too. Then both read loops over fresh memory,
+    // for the record: measured before, fresh buffers slowed the next decode steps on the VM here
+    // for seconds (bench_deepseek.cpp).
+    const RooflineInTurn roof = roofline_in_turn(dev, roofline_rounds, bytes_per_token, [&] {
+      const auto ts = Clock::now();
+      greedy_generate(*model, {prompt}, n, 128);
+      return (seconds_since(ts) - prefill16) / (n - 1);
+    });
+    measure_roofline(dev);
+    const double roofline_s = bytes_per_token / (roof.gbs_median * 1e9);
+    std::printf(
+        "\ndecode, batch 1: %.1f ms/token, %.2f tokens/s; roofline %.1f ms/token "
+        "(%.2f GB read per token at %.1f GB/s) -> %.0f%% of roofline (medians of %d "
+        "rounds in turn with a pass of the %s; the rounds' own fractions %.0f-%.0f%%; "
+        "timed alone before them %.1f ms/token)\n",
+        roof.t_median * 1e3, 1.0 / roof.t_median, roofline_s * 1e3, bytes_per_token / 1e9,
+        roof.gbs_median, 100.0 * roof.fraction_median, roof.rounds,
+        dev.is_cpu() ? "native read loop" : "device's read probe", 100.0 * roof.fraction_low,
+        100.0 * roof.fraction_high, per_token * 1e3);
     for (const auto& [cached, e, w, r, mean, slowest] : split)
       std::printf(
           "decode step phases at %u cached positions (median of 32): forward() host %.2f "
@@ -201,7 +221,7 @@ int main(int argc, char** argv) {
       std::printf(
           "the native loop over the checkpoint's mapped weights: %.1f GB/s -> decode at "
           "%.0f%% of a roofline there\n",
-          own, 100.0 * bytes_per_token / per_token / (own * 1e9));
+          own, 100.0 * bytes_per_token / roof.t_median / (own * 1e9));
     }
   }
 

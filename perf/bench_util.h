@@ -2,6 +2,7 @@
 // warm-up that also builds the kernels) and the device's read bandwidth, the decode roofline.
 #pragma once
 
+#include <sys/mman.h>
 #include <sys/resource.h>
 
 #include <algorithm>
@@ -9,10 +10,12 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <memory>
 #include <numeric>
 #include <optional>
 #include <random>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -369,6 +372,59 @@ InTurn time_in_turn(int rounds, FA a, FB b) {
   std::sort(ratio.begin(), ratio.end());
   out.ratio_low = ratio.front();
   out.ratio_high = ratio.back();
+  return out;
+}
+
+// The decode's fraction of the read roofline taken in turn with the read loop: `rounds` rounds,
+// each one decode timing (seconds per token, as time_decode() measures it) and right after it one
+// read pass (best of 2), each round's fraction bytes / t / bandwidth against its own pass. A
+// shared machine's bandwidth moves within minutes (the 2-core EPYC VM, 2026-11-30: the native
+// loop read 33-36 GB/s for most of an hour and 55-59 GB/s at times), so a figure taken minutes
+// from the decode put the same build's decode at 52% and at 104% of "the" roofline. On a CPU
+// device the pass is the native loop over one 512 MiB buffer mapped and touched once for all
+// rounds (a buffer mapped per pass had slowed the decode after it for seconds: bench_llama.cpp);
+// on any other device the device's own probe (host memory says nothing about a GPU's).
+struct RooflineInTurn {
+  int rounds = 0;
+  double t_median = 0, gbs_median = 0;  // seconds per token; GB/s
+  double fraction_median = 0, fraction_low = 0, fraction_high = 0;
+};
+template <typename F>
+RooflineInTurn roofline_in_turn(Device& dev, int rounds, double bytes_per_token, F time_decode) {
+  const size_t buffer_bytes = size_t(512) << 20;
+  const unsigned threads = std::max(1u, std::thread::hardware_concurrency());
+  // In huge pages where the kernel gives them, as measure_read_bandwidth's fresh memory.
+  void* mem = nullptr;
+  const auto unmap = [&](void* m) { ::munmap(m, buffer_bytes); };
+  std::unique_ptr<void, decltype(unmap)> mapping(nullptr, unmap);
+  if (dev.is_cpu()) {
+    mem = ::mmap(nullptr, buffer_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (mem == MAP_FAILED) throw std::runtime_error("roofline_in_turn: no 512 MiB read buffer");
+    mapping.reset(mem);
+    ::madvise(mem, buffer_bytes, MADV_HUGEPAGE);
+    uint64_t* w = static_cast<uint64_t*>(mem);
+    std::iota(w, w + buffer_bytes / 8, uint64_t(1));
+  }
+  std::vector<double> ts, gbs, fraction;
+  for (int r = 0; r < rounds; ++r) {
+    const double t = time_decode();
+    const double g = dev.is_cpu() ? measure_read_bandwidth_of(mem, buffer_bytes, threads, 2).gb_s
+                                  : measure_bandwidth(dev, 2);
+    ts.push_back(t);
+    gbs.push_back(g);
+    fraction.push_back(bytes_per_token / t / (g * 1e9));
+  }
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  RooflineInTurn out;
+  out.rounds = rounds;
+  out.t_median = median(ts);
+  out.gbs_median = median(gbs);
+  out.fraction_median = median(fraction);
+  out.fraction_low = *std::min_element(fraction.begin(), fraction.end());
+  out.fraction_high = *std::max_element(fraction.begin(), fraction.end());
   return out;
 }
 

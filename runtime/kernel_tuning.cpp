@@ -43,22 +43,23 @@ KernelTuning cpu_forced() {
   // dsv3-mini fp8's whole decode step (bench_deepseek --tuning-ab, 25 rounds) 1.03x and 1.05x,
   // its bf16 one 1.02x, llama3-1b's (bench_llama, 15 rounds) 1.01x. A native loop of the FP8
   // GEMV's instructions (2 threads, 400 MB) read 17.1-20.1 GB/s with both prefetches against
-  // 14.8-17.8 with the L2 one alone (medians of 5, three runs). (The EPYC row leaves it off, not
-  // measured there.)
+  // 14.8-17.8 with the L2 one alone (medians of 5, three runs). (The EPYC row leaves it off: on
+  // Zen 4, 2026-11-30, dsv3-mini fp8's decode step 0.97x [0.94, 1.00] with it, 15 rounds.)
   t.stream_prefetch_l1 = 1024;
   // The f32 / bf16 / f16 decode GEMVs the same (linear_tile.cl's one-row tiles in turn): on the
   // Xeon with AMX (2026-11-29, bench_deepseek / bench_llama --tuning-ab, 9 rounds in turn, against
   // none) dsv3-mini bf16's whole decode step 1.45x [1.34, 1.64] and 1.47x [1.33, 1.60] (two
   // runs), dsv3-mini fp8's 1.18x [0.96, 1.34] (its lm_head and the bf16 parts), llama3-1b bf16's
-  // 1.16x [0.87, 1.32]. (The EPYC row turns it off.)
+  // 1.16x [0.87, 1.32]. (The EPYC row turns it off: on Zen 4, 2026-11-30, dsv3-mini bf16's step
+  // 0.96x [0.92, 1.34] with it, 15 rounds.)
   t.gemv_stream_prefetch = 8192;
   // Those tiles read their rows in pairs: one row's FMA chain had bounded the stream. On the Xeon
   // with AMX (2026-11-29, bench_decode_breakdown --batch 1 --tuning-ab gemv_row_pairs=0, 15 rounds
   // in turn) llama3-1b bf16's decode step 1.05x (gate/up 1.18x, lm_head 1.15x, o_proj 1.13x, q/k/v
   // 1.06x, down 1.03x); a first form 1.06x either way round; dsv3-mini bf16 1.01-1.04x, within the
   // noise. A native loop of the same shape read 25.1-27.2 GB/s in pairs against 19.8-22.0 one row
-  // at a time, both with the 8 KiB prefetch. (The EPYC row keeps one row at a time, not measured
-  // there.)
+  // at a time, both with the 8 KiB prefetch. (The EPYC row keeps one row at a time: on Zen 4,
+  // 2026-11-30, pairs without that prefetch made dsv3-mini bf16's step 0.66x [0.54, 0.69].)
   t.gemv_row_pairs = 1;
   return t;
 }

@@ -51,6 +51,10 @@ constexpr uint32_t kFp8PanelRowsFrom = 32;
 //   32 tokens (4 rows per expert) 1.37x, 48 1.59x, 64 1.30x, 96 1.44x, 128 (16 rows) 1.06x,
 //   256 (32 rows, the decoded panels there) 0.81x. Up to 4 rows against 4-row tiles: 128 tokens
 //   1.36x, 192 (24 rows) 1.22x.
+// On the 2-core Zen 4 EPYC (2026-11-30, bench_deepseek, both rules in turn: these tiles and
+// linear_fp8's 16-row bound against the rules before them) dsv3-mini fp8's decode at batch 8
+// 55.1 -> 51.6 ms a step (1.06x [1.02, 1.09], 11 rounds), at batch 32 197.4 -> 164.5 (1.19x
+// [1.17, 1.23], 9 rounds), batch 1 0.99x.
 constexpr uint32_t kFp8InTurnTileRows = 4;
 
 // The rows from which ops::linear_fp8 takes 4x4 tiles rather than tiles in turn. Tiles in turn of
