@@ -49,9 +49,8 @@ struct Stage {
 double weight_bytes(const Weight& w) { return double(w.dim(0)) * w.dim(1) * dtype_size(w.dtype); }
 
 // Times each stage over all layers, then the whole sequence; prints the table.
-void time_sequence(Device& dev, const char* title, const std::vector<Stage>& stages,
-                   size_t layers, const std::function<void()>& head, double head_bytes,
-                   double roofline_gbs, int reps) {
+void time_sequence(Device& dev, const char* title, const std::vector<Stage>& stages, size_t layers,
+                   const std::function<void()>& head, double head_bytes, int reps) {
   std::printf("\n%s: %zu stages per layer\n", title, stages.size());
   std::printf("  %-28s %10s %10s %9s %8s\n", "stage (x layers)", "ms/step", "us/launch", "GB/s",
               "share");
@@ -65,12 +64,19 @@ void time_sequence(Device& dev, const char* title, const std::vector<Stage>& sta
     head();
     dev.finish();
   });
-  const double t_step = median_time(reps, [&] {
+  double bytes = head_bytes;
+  for (const auto& st : stages) bytes += st.bytes_per_layer * layers;
+  // The whole step in rounds in turn with a pass of the read loop (bench_util.h), whose
+  // bandwidth moves within seconds on a shared machine.
+  const RooflineInTurn roof = roofline_in_turn(dev, std::max(reps, 3), bytes, [&] {
+    const auto t0 = std::chrono::steady_clock::now();
     for (size_t l = 0; l < layers; ++l)
       for (const auto& st : stages) st.run(l);
     head();
     dev.finish();
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   });
+  const double t_step = roof.t_median;
   double sum = t_head;
   for (double x : t) sum += x;
   auto row = [&](const std::string& name, double secs, double launches, double bytes) {
@@ -82,12 +88,12 @@ void time_sequence(Device& dev, const char* title, const std::vector<Stage>& sta
   for (size_t s = 0; s < stages.size(); ++s)
     row(stages[s].name, t[s], double(layers), stages[s].bytes_per_layer * layers);
   row("final norm + lm_head", t_head, 1, head_bytes);
-  double bytes = head_bytes;
-  for (const auto& st : stages) bytes += st.bytes_per_layer * layers;
-  std::printf("  sum of stages %.2f ms; whole step chained %.2f ms = %.2f tok/s; %.2f GB of "
-              "weights -> %.0f%% of the %.1f GB/s roofline\n",
-              sum * 1e3, t_step * 1e3, 1 / t_step, bytes / 1e9,
-              100 * bytes / roofline_gbs / 1e9 / t_step, roofline_gbs);
+  std::printf(
+      "  sum of stages %.2f ms; whole step chained %.2f ms = %.2f tok/s; %.2f GB of "
+      "weights -> %.0f%% of the %.1f GB/s roofline (medians of %d rounds in turn with "
+      "the read loop; the rounds' own fractions %.0f-%.0f%%)\n",
+      sum * 1e3, t_step * 1e3, 1 / t_step, bytes / 1e9, 100 * roof.fraction_median, roof.gbs_median,
+      roof.rounds, 100 * roof.fraction_low, 100 * roof.fraction_high);
 }
 
 }  // namespace
@@ -122,7 +128,6 @@ int main(int argc, char** argv) {
   DeviceManager mgr(DeviceSelection{});
   Device& dev = mgr[0];
   print_device(dev);
-  const double roofline = measure_roofline(dev, reps).best();
 
   auto cfg = llama3::Llama3Config::from_dir(dir);
   WeightStore store(dir);
@@ -298,10 +303,9 @@ int main(int argc, char** argv) {
   // Interleaved, in turn forwards and backwards: the machine is shared and its bandwidth moves
   // between runs.
   for (int round = 0; round < rounds; ++round) {
-    if (!fused_only) time_sequence(dev, "unfused", unfused, L, head, head_bytes, roofline, reps);
+    if (!fused_only) time_sequence(dev, "unfused", unfused, L, head, head_bytes, reps);
     auto fused_run = [&] {
-      time_sequence(dev, "fused (what Llama3Model runs)", fused, L, fused_head, head_bytes,
-                    roofline, reps);
+      time_sequence(dev, "fused (what Llama3Model runs)", fused, L, fused_head, head_bytes, reps);
     };
     // The same launches without the next-tile weight prefetch (KernelTuning::weight_prefetch).
     auto no_prefetch_run = [&] {
@@ -310,7 +314,7 @@ int main(int argc, char** argv) {
       t.weight_prefetch = 0;
       dev.set_tuning(t);
       time_sequence(dev, "fused, next-tile weight prefetch off", fused, L, fused_head, head_bytes,
-                    roofline, reps);
+                    reps);
       dev.set_tuning(saved);
     };
     std::vector<std::function<void()>> tables = {fused_run, no_prefetch_run};
