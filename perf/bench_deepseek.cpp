@@ -86,11 +86,7 @@ int main(int argc, char** argv) {
                  "the batch-1 decode of the two models in turn for this many rounds")
       ->check(CLI::Range(0, 1000));
   int roofline_rounds = 7;
-  app.add_option("--roofline-rounds", roofline_rounds,
-                 "rounds of the batch-1 decode in turn with a pass of the read loop (the decode "
-                 "figure and its fraction of the roofline are their medians)")
-      ->capture_default_str()
-      ->check(CLI::Range(1, 1000));
+  add_roofline_rounds_option(app, roofline_rounds);
   TuningABOptions ab_opts;
   add_tuning_ab_options(app, ab_opts);
   parse_args(app, argc, argv);

@@ -54,11 +54,7 @@ int main(int argc, char** argv) {
   app.add_flag("--no-mmap", no_mmap,
                "model.mmap: false: the checkpoint read into memory at load, not mapped");
   int roofline_rounds = 7;
-  app.add_option("--roofline-rounds", roofline_rounds,
-                 "rounds of the batch-1 decode in turn with a pass of the read loop (the decode "
-                 "figure and its fraction of the roofline are their medians)")
-      ->capture_default_str()
-      ->check(CLI::Range(1, 1000));
+  add_roofline_rounds_option(app, roofline_rounds);
   TuningABOptions ab_opts;
   add_tuning_ab_options(app, ab_opts);
   parse_args(app, argc, argv);

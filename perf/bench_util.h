@@ -428,6 +428,15 @@ RooflineInTurn roofline_in_turn(Device& dev, int rounds, double bytes_per_token,
   return out;
 }
 
+// --roofline-rounds R: the rounds of roofline_in_turn a benchmark's batch-1 decode takes.
+inline void add_roofline_rounds_option(CLI::App& app, int& rounds) {
+  app.add_option("--roofline-rounds", rounds,
+                 "rounds of the batch-1 decode in turn with a pass of the read loop (the decode "
+                 "figure and its fraction of the roofline are their medians)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1000));
+}
+
 // Times fn() (seconds, as it measures them) under both tunings; `dev`'s tuning is A again after.
 template <typename F>
 void run_tuning_ab(Device& dev, TuningAB& ab, int rounds, F fn) {
