@@ -2,7 +2,8 @@
 // linear_fp8.cl's tile, moe.cl's grouped FP8 tile and mla.cl's up-projection through #include, so
 // a row's sums are the same operations whichever launch computes them.
 // The including file defines TM, TN and COLUMNS_IN_TURN first (tile_shape.cl), and FP8_DENORM for
-// common.cl's decode; FP8_NAN_WATCH, FP8_TILE_ROWS_VARY and FP8_XS_MAX below.
+// common.cl's decode; FP8_NAN_WATCH, FP8_TILE_ROWS_VARY, FP8_XS_MAX and FP8_BF16_DOT (bf16
+// compute's tiles in turn) below.
 //
 // out[i][j] = x[i] . (W[j] * scale) over K, with K's blocks of 128 each under their scale
 // (srow: the scale row of the tile's weight rows; a TN-row tile never straddles two block rows,
@@ -72,8 +73,15 @@
 //   2-core EPYC (bench_fp8, 2048 x 2048) M = 64 and 512 1.11-1.13x faster, M = 32 1.04x, M = 8
 //   and 16 0.75-0.9x (too few row tiles to pay for the panel), hence the host's
 //   kFp8PanelRowsFrom.
+#if FP8_BF16_DOT && (!COLUMNS_IN_TURN || !FP8_DENORM)
+#error "FP8_BF16_DOT: tiles in turn with the short decode (FP8_DENORM=1) only"
+#endif
+
 typedef struct {
-#if COLUMNS_IN_TURN
+#if COLUMNS_IN_TURN && FP8_BF16_DOT
+  ushort16 xb[TM][FP8_XS_MAX / 16];  // the x rows times FP8_X_SCALE, rounded to bf16
+  uint rows;
+#elif COLUMNS_IN_TURN
   float16 x[TM][FP8_XS_MAX / 16];
   uint rows;  // how many of x's rows are made
 #endif
@@ -85,7 +93,80 @@ typedef struct {
 #endif
 } Fp8TileCache;
 
-#if COLUMNS_IN_TURN
+#if COLUMNS_IN_TURN && FP8_BF16_DOT
+// bf16 compute's tiles in turn (-DFP8_BF16_DOT=1; ops::linear_fp8 from kGemmRowsFrom rows where
+// the host has vdpbf16ps): the sums of fp8_in_turn_sums below over the x rows rounded to bf16
+// (times FP8_X_SCALE, nearest even), 32 products per vdpbf16ps. Each 32 codes widen to bf16 words
+// by (sign-extended code << 4) & 0x87F0, e4m3's exponent and mantissa under bf16's exponent: the
+// code times 2^-120 as e4m3x16_decode_scaled's f32 words, which FP8_ACC_SCALE takes back. The
+// codes are exact in bf16, but vdpbf16ps reads denormal inputs as zero: subnormal codes (below
+// 2^-6 in e4m3's units; the host takes this path for weights with at most
+// kFp8DenormMaxSubnormalShare of them) count as 0. A block's products join the running sums under
+// its scale as in the f32 tiles. Per 32 codes the decode is 3 instructions instead of 6 and each
+// row's products 1 instead of 2.
+typedef int fp8_v16i __attribute__((__vector_size__(64)));
+typedef float fp8_v16f __attribute__((ext_vector_type(16)));
+#define FP8_BF16_TARGET __attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl")))
+inline short16 e4m3x16_bf16_words(uchar16 b) {
+  return (convert_short16(as_char16(b)) << 4) & (short16)(short)0x87F0;
+}
+// 32 lanes of two 16-lane halves, in order.
+#define FP8_BF16_JOIN(a, b)                                                                       \
+  ((fp8_v16i)__builtin_shufflevector((a), (b), 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, \
+                                     15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, \
+                                     30, 31))
+// Whole blocks only (fp8_tile_dots sums the partial last one in f32), and every one of the TM
+// rows (rows past the tile's are zero in sx): the tile's row count as a variable, or as a
+// constant through an always-inline helper as fp8_in_turn_sums takes it, made this loop 1.3-1.4x
+// slower, and a branch for the partial block 1.2-1.3x (bench_fp8, 8 x 2048 x 2048).
+FP8_BF16_TARGET __attribute__((noinline)) void fp8_in_turn_sums_bf16(
+    const Fp8TileCache* sx, global const uchar* const* wr_in, global const float* srow, uint K16,
+    float* out, bool* row_has_nan) {
+  global const uchar* wr[TN];
+#pragma unroll
+  for (int j = 0; j < TN; ++j) wr[j] = wr_in[j];
+  FP8_WATCH_DECLARE
+  const uint KB_FULL = K16 / VECS_PER_BLOCK;
+  // Vectors u and u + 1 of row j's block into every x row's sums.
+#define FP8_BF16_STEP(u, b0, b1)                                                              \
+  {                                                                                           \
+    FP8_WATCH(j, b0)                                                                          \
+    FP8_WATCH(j, b1)                                                                          \
+    const fp8_v16i wv = FP8_BF16_JOIN(e4m3x16_bf16_words(b0), e4m3x16_bf16_words(b1));       \
+    _Pragma("unroll") for (int i = 0; i < TM; ++i) blk[i] = __builtin_ia32_dpbf16ps_512(     \
+        blk[i], FP8_BF16_JOIN(sx->xb[i][x0 + (u)], sx->xb[i][x0 + (u) + 1]), wv);             \
+  }
+#pragma unroll
+  for (int j = 0; j < TN; ++j) {
+    global const uchar* wb = wr[j];
+    fp8_v16f acc[TM];
+#pragma unroll
+    for (int i = 0; i < TM; ++i) acc[i] = (fp8_v16f)(0.0f);
+    for (uint kb = 0; kb < KB_FULL; ++kb) {
+      const uint x0 = kb * VECS_PER_BLOCK;
+      fp8_v16f blk[TM];
+#pragma unroll
+      for (int i = 0; i < TM; ++i) blk[i] = (fp8_v16f)(0.0f);
+#ifdef STREAM_PREFETCH
+      PREFETCH_LINE(wb + STREAM_PREFETCH);
+      PREFETCH_LINE(wb + STREAM_PREFETCH + 64);
+#endif
+#pragma unroll
+      for (uint u = 0; u < VECS_PER_BLOCK; u += 2)
+        FP8_BF16_STEP(u, vload16(u, wb), vload16(u + 1, wb))
+      const fp8_v16f s = (fp8_v16f)(srow[kb]);
+#pragma unroll
+      for (int i = 0; i < TM; ++i) acc[i] = fma(blk[i], s, acc[i]);
+      wb += QBLOCK;
+    }
+#pragma unroll
+    for (int i = 0; i < TM; ++i) out[i * TN + j] = hsum16(acc[i]) * FP8_ACC_SCALE;
+  }
+#undef FP8_BF16_STEP
+#pragma unroll
+  for (int j = 0; j < TN; ++j) row_has_nan[j] = FP8_WATCH_RESULT(j);
+}
+#elif COLUMNS_IN_TURN
 // The sums of a tile in turn over its first R rows into out (its other rows 0), and the NaN
 // watch of its weight rows; each column's row sums are reduced as the column ends, so that only
 // R accumulators stay live. R is a constant where fp8_tile_dots calls this, always inlined, so that the loops
@@ -165,7 +246,26 @@ inline void fp8_tile_dots(global const float* xr[TM], global const uchar* wr[TN]
                           global const float* srow, uint KB, uint K, uint rows, Fp8TileCache* sx,
                           float out[TM][TN], bool row_has_nan[TN]) {
   const uint K16 = K / 16;
-#if COLUMNS_IN_TURN
+#if COLUMNS_IN_TURN && FP8_BF16_DOT
+  if (sx->row != xr[0] || sx->rows < rows) {
+#pragma unroll
+    for (int i = 0; i < TM; ++i)
+      for (uint v = 0; v < K16; ++v)
+        sx->xb[i][v] =
+            i < rows ? f32x16_to_bf16_rne(vload16(v, xr[i]) * FP8_X_SCALE) : (ushort16)(0);
+    sx->row = xr[0];
+    sx->rows = rows;
+  }
+  {
+    float flat[TM * TN];
+    fp8_in_turn_sums_bf16(sx, wr, srow, K16, flat, row_has_nan);
+    // Rows past `rows` are 0 from here on (no caller stores them).
+#pragma unroll
+    for (int i = 0; i < TM; ++i)
+#pragma unroll
+      for (int j = 0; j < TN; ++j) out[i][j] = i < rows ? flat[i * TN + j] : 0.0f;
+  }
+#elif COLUMNS_IN_TURN
   if (sx->row != xr[0] || sx->rows < rows) {
 #pragma unroll
     for (int i = 0; i < TM; ++i)
@@ -252,10 +352,17 @@ inline void fp8_tile_dots(global const float* xr[TM], global const uchar* wr[TN]
     for (int j = 0; j < TN; ++j) out[i][j] = i < rows ? hsum16(acc[i][j]) * FP8_ACC_SCALE : 0.0f;
 #endif
   // The K % 16 tail lies inside the last K block (128 is a multiple of 16); its decode is exact
-  // and NaN-aware on its own.
-  if (K16 * 16 < K) {
+  // and NaN-aware on its own. The bf16 sums take whole blocks only: their tail is the partial
+  // last block (K % 128), in f32 on x unrounded (a branch for it in the bf16 loop had made the
+  // whole blocks' loop 1.2-1.3x slower).
+#if COLUMNS_IN_TURN && FP8_BF16_DOT
+  const uint k_tail = K / QBLOCK * QBLOCK;
+#else
+  const uint k_tail = K16 * 16;
+#endif
+  if (k_tail < K) {
     const float s_last = srow[KB - 1];
-    for (uint k = K16 * 16; k < K; ++k) {
+    for (uint k = k_tail; k < K; ++k) {
 #pragma unroll
       for (int i = 0; i < TM; ++i) {
         if (i >= rows) break;

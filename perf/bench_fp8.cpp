@@ -120,7 +120,8 @@ void run(benchmark::State& state, bool fp8, ComputeDType compute = ComputeDType:
 
 void BM_LinearFp8(benchmark::State& state) { run(state, true); }
 void BM_LinearBf16(benchmark::State& state) { run(state, false); }
-// model.compute_dtype: bf16 — FP8 GEMMs of 4+ rows dequantize to bf16, then the bf16 GEMM.
+// model.compute_dtype: bf16 — FP8 GEMMs of 16+ rows dequantize to bf16, then the bf16 GEMM; 4-15
+// rows take tiles in turn with vdpbf16ps where the host has it.
 void BM_LinearFp8ComputeBf16(benchmark::State& state) { run(state, true, ComputeDType::BF16); }
 void BM_LinearBf16ComputeBf16(benchmark::State& state) { run(state, false, ComputeDType::BF16); }
 
@@ -148,6 +149,18 @@ BENCHMARK(BM_LinearBf16)->SHAPES;
       ->Unit(benchmark::kMicrosecond) \
       ->UseRealTime()                 \
       ->MinTime(0.5)
+// Batched decode: f32 tiles in turn against bf16 compute's (vdpbf16ps where the host has it).
+#define BATCH_SHAPES                  \
+  Args({4, 2048, 2048})               \
+      ->Args({8, 2048, 2048})         \
+      ->Args({8, 512, 2048})          \
+      ->Args({8, 7168, 2048})         \
+      ->ArgNames({"M", "N", "K"})     \
+      ->Unit(benchmark::kMicrosecond) \
+      ->UseRealTime()                 \
+      ->MinTime(0.5)
+BENCHMARK(BM_LinearFp8)->BATCH_SHAPES;
+BENCHMARK(BM_LinearFp8ComputeBf16)->BATCH_SHAPES;
 BENCHMARK(BM_LinearFp8)->GEMM_SHAPES;
 BENCHMARK(BM_LinearFp8ComputeBf16)->GEMM_SHAPES;
 BENCHMARK(BM_LinearBf16ComputeBf16)->GEMM_SHAPES;

@@ -19,7 +19,9 @@ namespace clshard::ops {
 // The linear ops take a ComputeDType (runtime/dtype.h). BF16: in GEMMs of kGemmRowsFrom rows and
 // more (prefill, batched decode) with bf16 weights, the activations are rounded to bf16 (nearest
 // even) and the products of bf16 pairs summed in f32 (linear_bf16.cl: vdpbf16ps where the CPU has
-// it). Smaller batches (GEMVs, bound by reading the weights) and other weight dtypes run as F32.
+// it). Smaller batches (GEMVs, bound by reading the weights) and other weight dtypes run as F32,
+// but for FP8 weights (ops::linear_any: linear_fp8_bf16 from 16 rows, linear_fp8's tiles in turn
+// summed in bf16 from kGemmRowsFrom where the host has vdpbf16ps).
 constexpr uint32_t kGemmRowsFrom = 4;
 
 // Whether linear_bf16.cl runs vdpbf16ps on this device: PoCL on a host CPU that reports

@@ -121,7 +121,7 @@ void linear_any(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, con
       blas_linear_fp8(dev, x, x_off, ldx, w, *scale_inv, y, y_off, ldy, M, alpha, accumulate);
       return;
     }
-    linear_fp8(dev, x, x_off, ldx, w, *scale_inv, y, y_off, ldy, M, alpha, accumulate);
+    linear_fp8(dev, x, x_off, ldx, w, *scale_inv, y, y_off, ldy, M, alpha, accumulate, compute);
   } else {
     linear(dev, x, x_off, ldx, w, nullptr, y, y_off, ldy, M, alpha, accumulate, compute);
   }

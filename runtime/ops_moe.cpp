@@ -137,7 +137,7 @@ std::string fp8_bf16_panel_options(const Device& dev, uint32_t K, Fp8Codes codes
 
 void linear_fp8(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const Weight& w,
                 const Weight& scale_inv, const cl::Mem& y, uint32_t y_off, uint32_t ldy, uint32_t M,
-                float alpha, bool accumulate) {
+                float alpha, bool accumulate, ComputeDType compute) {
   const auto [N, K] = check_fp8_weight("linear_fp8", w, scale_inv);
   if (dev.kernel_shape() == KernelShape::WorkGroups) {
     // linear_wg's layout and work-group size (KernelTuning::linear_wg, linear_rows).
@@ -161,11 +161,21 @@ void linear_fp8(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, con
   // from kFp8PanelRowsFrom rows.
   const bool in_turn = M < kFp8InTurnRowsBelow && K <= ops::in_turn_max_k(dev, w.dtype);
   const uint32_t tm = in_turn ? std::min(M, kFp8InTurnTileRows) : 4, tn = 4;
+  const std::string decode = fp8_decode_option(dev, w.fp8_subnormal_share);
+  // bf16 compute's tiles in turn take vdpbf16ps (fp8_tile.cl's fp8_in_turn_sums_bf16), for the
+  // weights with the short decode. Against the f32 tiles on the 2-core Zen 4 EPYC (bench_fp8,
+  // medians of 5 interleaved): 4 x 2048 x 2048 221 us against 358 (1.62x), 8 x 2048 x 2048
+  // 367-378 against 626-654 (1.66-1.78x), 8 x 512 x 2048 122 against 181 (1.49x), 8 x 7168 x 2048
+  // 1.30 ms against 2.25 (1.74x); dsv3-mini fp8's decode at batch 8 and bf16 compute 53.2 -> 47.9
+  // ms a step (bench_deepseek, 9 rounds in turn, 1.11x [1.09, 1.14]).
+  const bool bf16_dot = in_turn && compute == ComputeDType::BF16 && M >= kGemmRowsFrom &&
+                        decode == "-DFP8_DENORM=1" && bf16_dot_product(dev);
   cl::Kernel k = dev.kernel(
       "linear_fp8.cl", "linear_fp8",
-      fp8_decode_option(dev, w.fp8_subnormal_share) + " -DTM=" + std::to_string(tm) +
-          " -DTN=" + std::to_string(tn) + (in_turn ? ops::columns_in_turn_option(dev) : "") +
-          fp8_tile_options(dev, w.fp8_nan_free, in_turn, !in_turn && M >= kFp8PanelRowsFrom, K));
+      decode + " -DTM=" + std::to_string(tm) + " -DTN=" + std::to_string(tn) +
+          (in_turn ? ops::columns_in_turn_option(dev) : "") +
+          fp8_tile_options(dev, w.fp8_nan_free, in_turn, !in_turn && M >= kFp8PanelRowsFrom, K) +
+          (bf16_dot ? " -DFP8_BF16_DOT=1" : ""));
   // Work per work-item as ops::linear: up to 64 rows, and enough column tiles that a launch is a
   // few hundred work-items rather than thousands. Tiles in turn are split as
   // ops::stream_launch_items says: each work-item scales its x rows first, which at 2 tiles

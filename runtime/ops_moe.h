@@ -29,9 +29,14 @@ namespace clshard::ops {
 // elsewhere or when CLSHARD_FP8_DECODE=f16. Either agrees with f32 arithmetic
 // on the dequantized weight to rounding (the scale multiplies x, not W) while |x * scale| < 2^28.
 // A NaN code makes its output feature NaN.
+// compute BF16 (ops::linear_any below kFp8Bf16GemmRowsFrom rows): from kGemmRowsFrom rows, on
+// PoCL's CPU device where the host has vdpbf16ps (bf16_dot_product) and for weights with the
+// short decode, the tiles in turn round x to bf16 and sum 32 products per vdpbf16ps, subnormal
+// codes counting as 0 (fp8_tile.cl's fp8_in_turn_sums_bf16); elsewhere as F32.
 void linear_fp8(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const Weight& w,
                 const Weight& scale_inv, const cl::Mem& y, uint32_t y_off, uint32_t ldy, uint32_t M,
-                float alpha = 1.0f, bool accumulate = false);
+                float alpha = 1.0f, bool accumulate = false,
+                ComputeDType compute = ComputeDType::F32);
 
 // The (N, K) of an FP8 weight after checking it and its scale tensor against each other (an
 // error naming both, what they are and what was expected); `op` names the caller.

@@ -277,6 +277,89 @@ TEST_P(Fp8Decodes, LinearPartialBlocksAllTileShapes) {
     check_linear_fp8(M, 200, 300, 1.0f, false, 100 + M);
 }
 
+// model.compute_dtype: bf16 from 4 rows below the bf16 panels' 16 (ops::linear_any): where the host
+// has vdpbf16ps (ops::bf16_dot_product), the tiles in turn sum x rounded to bf16 (nearest even)
+// times the codes, each whole 128-code block's products under its scale, subnormal codes counting
+// as 0 (vdpbf16ps reads denormal inputs as zero); the partial last block in f32 on x as it is.
+// Checked against that sum in double precision (1e-5 of max |y|), and against the exact product
+// where the host lacks the instruction, for 2 rows (below 4, always exact), for a weight with more
+// subnormal codes than kFp8DenormMaxSubnormalShare (the f32 tiles) and at compute f32. A NaN code
+// in a whole block and one in the partial block make their features NaN.
+TEST(Fp8ComputeBf16, LinearInTurnSumsBf16RoundedRows) {
+  Device& dev = device();
+  test::ShapeScope scope(dev, KernelShape::Chunks);
+  const bool dot = ops::bf16_dot_product(dev);
+  std::printf("vdpbf16ps on this host's device: %s\n", dot ? "yes" : "no");
+  struct Case {
+    uint32_t M, N, K;
+    bool many_subnormal;
+  };
+  for (const Case c :
+       {Case{4, 200, 300, false}, Case{5, 131, 2048, false}, Case{8, 64, 256, false},
+        Case{15, 40, 136, false}, Case{2, 200, 300, false}, Case{8, 64, 256, true}}) {
+    for (const ComputeDType compute : {ComputeDType::BF16, ComputeDType::F32}) {
+      SCOPED_TRACE("M=" + std::to_string(c.M) + " N=" + std::to_string(c.N) +
+                   " K=" + std::to_string(c.K) + (c.many_subnormal ? " many subnormal codes" : "") +
+                   (compute == ComputeDType::BF16 ? " bf16 compute" : " f32 compute"));
+      const uint32_t M = c.M, N = c.N, K = c.K;
+      std::mt19937 rng(7 * M + N + K);
+      // Normal codes of both signs, but for 1 in 4096 subnormal ones (many: 1 in 8), and NaN
+      // codes in features 3 (a whole block) and 5 (the partial block, where K has one).
+      std::uniform_int_distribution<int> normal_code(0x08, 0x7E), sign(0, 1), one_in(0, 4095);
+      std::vector<uint8_t> w(size_t(N) * K);
+      size_t subnormal = 0;
+      for (auto& b : w) {
+        const bool sub = c.many_subnormal ? one_in(rng) < 512 : one_in(rng) == 0;
+        b = uint8_t((sub ? 1 + one_in(rng) % 7 : normal_code(rng)) | (sign(rng) ? 0x80 : 0));
+        subnormal += sub;
+      }
+      w[size_t(3) * K + 17] = 0x7F;
+      const bool tail = K % 128 != 0;
+      if (tail) w[size_t(5) * K + K - 1] = 0xFF;
+      std::vector<float> scales(size_t(ceil128(N)) * ceil128(K));
+      std::uniform_real_distribution<float> mant(0.5f, 1.0f);
+      for (auto& v : scales) v = std::ldexp(mant(rng), -8);
+      std::normal_distribution<float> nd;
+      std::vector<float> x(size_t(M) * K);
+      for (auto& v : x) v = nd(rng);
+      Weight wq = fp8_weight(dev, w, N, K);
+      wq.fp8_subnormal_share = float(double(subnormal) / double(w.size()));
+      ASSERT_EQ(wq.fp8_subnormal_share > ops::kFp8DenormMaxSubnormalShare, c.many_subnormal);
+      Weight sc = to_device_f32(dev, scales, {ceil128(N), ceil128(K)}, "test.scale_inv");
+      const bool bf16_sums =
+          dot && compute == ComputeDType::BF16 && M >= ops::kGemmRowsFrom && !c.many_subnormal;
+      const uint32_t whole = bf16_sums ? K / 128 * 128 : 0;
+      cl::Mem xb = upload(dev, x), y = dev.alloc(size_t(M) * N * 4);
+      ops::linear_any(dev, xb, 0, K, wq, &sc, y, 0, N, M, 1.0f, false, false, compute);
+      const std::vector<float> got = download(dev, y, size_t(M) * N);
+      double max_abs = 0, max_err = 0;
+      for (uint32_t m = 0; m < M; ++m)
+        for (uint32_t n = 0; n < N; ++n) {
+          double want = 0;
+          bool nan = false;
+          for (uint32_t k = 0; k < K; ++k) {
+            const uint8_t code = w[size_t(n) * K + k];
+            nan = nan || (code & 0x7F) == 0x7F;
+            const bool rounded = k < whole;
+            const double xv =
+                rounded ? bf16_to_f32(f32_to_bf16(x[size_t(m) * K + k])) : x[size_t(m) * K + k];
+            const double wv = rounded && (code & 0x78) == 0 ? 0.0 : reference::e4m3_to_f32(code);
+            want += xv * wv * scales[size_t(n / 128) * ceil128(K) + k / 128];
+          }
+          const float g = got[size_t(m) * N + n];
+          if (nan) {
+            EXPECT_TRUE(std::isnan(g)) << "feature " << n << " row " << m;
+            continue;
+          }
+          max_abs = std::max(max_abs, std::abs(want));
+          max_err = std::max(max_err, std::abs(double(g) - want));
+        }
+      EXPECT_LE(max_err, 1e-5 * max_abs) << "max abs error " << max_err << " of max |y| " << max_abs
+                                         << (bf16_sums ? " (bf16 sums)" : " (exact)");
+    }
+  }
+}
+
 TEST_P(Fp8Decodes, LinearEdgeShapes) {
   check_linear_fp8(5, 202, 96, 1.0f, false, 1);   // N tile cut at 2 of 4; K < one block
   check_linear_fp8(2, 131, 10, 1.0f, false, 2);   // K below one vector: the tail alone
@@ -656,7 +739,8 @@ TEST(LinearFp8, RejectsWrongDtypeAndScaleShape) {
 // and from gemm_bf16_packed_rows rows in the packed GEMM (dequantized as it packs; 129 rows with K
 // of two chunks and an odd tail), with the dot product and the portable micro-kernel, and with the
 // NaN watch (the weight's scan unknown: the exact decode); fewer rows, and every GEMM in the GPU
-// shape (which keeps FP8 weights in its tiles), keep linear_fp8's bits.
+// shape (which keeps FP8 weights in its tiles), keep linear_fp8's bits, but for 4-15 rows where
+// the host has vdpbf16ps (their own sums: Fp8ComputeBf16.LinearInTurnSumsBf16RoundedRows).
 TEST_P(Fp8Decodes, LinearAnyBf16ComputeIsTheBf16GemmOfTheDequantizedWeight) {
   Device& dev = device();
   test::ShapeScope scope(dev, dev.kernel_shape());  // the device's own shape back afterwards
@@ -671,6 +755,9 @@ TEST_P(Fp8Decodes, LinearAnyBf16ComputeIsTheBf16GemmOfTheDequantizedWeight) {
     if (portable) t.gemm_bf16_dot = t.gemm_bf16_amx = 0;
     test::TuningScope tuned(dev, t);
     const bool bf16_route = M >= 16 && shape == KernelShape::Chunks;
+    if (M >= ops::kGemmRowsFrom && M < 16 && shape == KernelShape::Chunks &&
+        ops::bf16_dot_product(dev))
+      continue;
     SCOPED_TRACE("M=" + std::to_string(M) + " N=" + std::to_string(N) + " K=" + std::to_string(K) +
                  (shape == KernelShape::Chunks ? " cpu shape" : " gpu shape") +
                  (portable ? " portable" : ""));
