@@ -349,6 +349,13 @@ inline float16 e4m3x16_decode_scaled(uchar16 b) {
 #define FP8_ACC_SCALE 1.0f
 #endif
 
+// 16 e4m3 codes as bf16 words: (sign-extended code << 4) & 0x87F0 puts e4m3's exponent and
+// mantissa under bf16's exponent, the code times 2^-120 as the FP8_DENORM=1 decode's f32 words,
+// exactly (subnormal codes become bf16 denormals). For fp8_tile.cl's bf16 sums (vdpbf16ps).
+inline short16 e4m3x16_bf16_words(uchar16 b) {
+  return (convert_short16(as_char16(b)) << 4) & (short16)(short)0x87F0;
+}
+
 // An FP8 weight row's codes dequantized to bf16 for the bf16-compute GEMMs (bf16_tile.cl's private
 // panels, bf16_packed.cl's packed ones): code x block scale in f32, nearest even (dequantize_fp8's
 // bf16 output, as DeepSeek's weight_dequant feeds its bf16 GEMMs); the 16 from column 16 v, or the

@@ -97,9 +97,9 @@ typedef struct {
 // bf16 compute's tiles in turn (-DFP8_BF16_DOT=1; ops::linear_fp8 from kGemmRowsFrom rows where
 // the host has vdpbf16ps): the sums of fp8_in_turn_sums below over the x rows rounded to bf16
 // (times FP8_X_SCALE, nearest even), 32 products per vdpbf16ps. Each 32 codes widen to bf16 words
-// by (sign-extended code << 4) & 0x87F0, e4m3's exponent and mantissa under bf16's exponent: the
-// code times 2^-120 as e4m3x16_decode_scaled's f32 words, which FP8_ACC_SCALE takes back. The
-// codes are exact in bf16, but vdpbf16ps reads denormal inputs as zero: subnormal codes (below
+// (common.cl's e4m3x16_bf16_words): the code times 2^-120 as e4m3x16_decode_scaled's f32 words,
+// which FP8_ACC_SCALE takes back. The codes are exact in bf16, but vdpbf16ps reads denormal
+// inputs as zero: subnormal codes (below
 // 2^-6 in e4m3's units; the host takes this path for weights with at most
 // kFp8DenormMaxSubnormalShare of them) count as 0. A block's products join the running sums under
 // its scale as in the f32 tiles. Per 32 codes the decode is 3 instructions instead of 6 and each
@@ -107,9 +107,6 @@ typedef struct {
 typedef int fp8_v16i __attribute__((__vector_size__(64)));
 typedef float fp8_v16f __attribute__((ext_vector_type(16)));
 #define FP8_BF16_TARGET __attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl")))
-inline short16 e4m3x16_bf16_words(uchar16 b) {
-  return (convert_short16(as_char16(b)) << 4) & (short16)(short)0x87F0;
-}
 // 32 lanes of two 16-lane halves, in order.
 #define FP8_BF16_JOIN(a, b)                                                                       \
   ((fp8_v16i)__builtin_shufflevector((a), (b), 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, \

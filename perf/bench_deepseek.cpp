@@ -109,7 +109,7 @@ int main(int argc, char** argv) {
   // One row per dtype, printed once the roofline is measured after them all.
   struct Row {
     std::string dtype;
-    double prefill_tok_s, t_prefill, t_token, t_alone, cpu_token, bytes, t_step;
+    double prefill_tok_s, t_prefill, t_alone, cpu_token, bytes, t_step;
     RooflineInTurn roof;
     std::string paths;
     double weight_gb, active_m, load_s;
@@ -161,7 +161,6 @@ int main(int argc, char** argv) {
     // The decode figure and its roofline, in turn with the read loop (bench_util.h).
     const RooflineInTurn roof =
         roofline_in_turn(dev, roofline_rounds, bytes, [&] { return time_decode(model, steps); });
-    const double t_token = roof.t_median;
     const auto decode_path = model.last_mla_path();
     if (ab) {
       run_tuning_ab(dev, *ab, ab_rounds, [&] { return time_decode(model, steps); });
@@ -218,18 +217,19 @@ int main(int argc, char** argv) {
     const std::string path_note = std::string(ops::mla_path_name(prefill_path)) +
                                   " path; decode at context " + std::to_string(context) +
                                   " on the " + ops::mla_path_name(decode_path);
-    results.push_back({dt, prompt / t_prefill, t_prefill, t_token, t_alone, cpu_token, bytes,
-                       t_step, roof, path_note, double(model.info().weight_bytes) / 1e9,
+    results.push_back({dt, prompt / t_prefill, t_prefill, t_alone, cpu_token, bytes, t_step, roof,
+                       path_note, double(model.info().weight_bytes) / 1e9,
                        double(plan.params.active_per_token - plan.params.embedding) / 1e6, load_s,
                        dir});
-    std::fprintf(stderr, "%s: decode %.2f ms per token\n", dt.c_str(), t_token * 1e3);
+    std::fprintf(stderr, "%s: decode %.2f ms per token\n", dt.c_str(), roof.t_median * 1e3);
   }
   // Both read loops once more, for the record (the rows' figures are their own rounds').
   measure_roofline(dev, 5);
   for (const Row& r : results) {
     std::printf("%-5s %10.1f %12.2f %12.2f %11.1f MB %10.1f %12.1f %8.0f%%\n", r.dtype.c_str(),
-                r.prefill_tok_s, 1.0 / r.t_token, r.t_token * 1e3, r.bytes / 1e6, r.roof.gbs_median,
-                r.roof.gbs_median * 1e9 / r.bytes, 100.0 * r.roof.fraction_median);
+                r.prefill_tok_s, 1.0 / r.roof.t_median, r.roof.t_median * 1e3, r.bytes / 1e6,
+                r.roof.gbs_median, r.roof.gbs_median * 1e9 / r.bytes,
+                100.0 * r.roof.fraction_median);
     std::printf(
         "      (decode and bandwidth: medians of %d rounds in turn with a pass of the %s; the "
         "rounds' own fractions of the roofline %.0f-%.0f%%; timed alone before them %.2f ms "
@@ -243,14 +243,14 @@ int main(int argc, char** argv) {
         no_mmap ? "read into memory" : "mapped", r.load_s, r.active_m);
     if (batch > 0)
       std::printf("      decode batch %u: %.2f ms per step = %.1f tok/s (%.2fx batch 1)\n", batch,
-                  r.t_step * 1e3, batch / r.t_step, batch / r.t_step * r.t_token);
+                  r.t_step * 1e3, batch / r.t_step, batch / r.t_step * r.roof.t_median);
     if (!no_mmap && dev.is_cpu()) {
       // The roofline above reads fresh memory; the decode read the checkpoint's mapped pages.
       const double own = mapped_weights_gbs(r.dir);
       std::printf(
           "      the native loop over this checkpoint's mapped weights: %.1f GB/s -> "
           "decode at %.0f%% of a roofline there\n",
-          own, 100.0 * r.bytes / r.t_token / (own * 1e9));
+          own, 100.0 * r.bytes / r.roof.t_median / (own * 1e9));
     }
   }
   return 0;

@@ -125,40 +125,32 @@ void BM_LinearBf16(benchmark::State& state) { run(state, false); }
 void BM_LinearFp8ComputeBf16(benchmark::State& state) { run(state, true, ComputeDType::BF16); }
 void BM_LinearBf16ComputeBf16(benchmark::State& state) { run(state, false, ComputeDType::BF16); }
 
+// What every shape list below is timed with: {M, N, K} arguments, microseconds of wall time.
+#define SHAPE_TIMING \
+  ArgNames({"M", "N", "K"})->Unit(benchmark::kMicrosecond)->UseRealTime()->MinTime(0.5)
+
 // {M, N, K}: decode GEMVs on a 2048x2048 projection, the expert gate/up (512x2048) and down
 // (2048x512) projections and a 7168-row projection; one prefill-sized GEMM.
-#define SHAPES                        \
-  Args({1, 2048, 2048})               \
-      ->Args({1, 512, 2048})          \
-      ->Args({1, 2048, 512})          \
-      ->Args({1, 7168, 2048})         \
-      ->Args({64, 2048, 2048})        \
-      ->ArgNames({"M", "N", "K"})     \
-      ->Unit(benchmark::kMicrosecond) \
-      ->UseRealTime()                 \
-      ->MinTime(0.5)
+#define SHAPES                 \
+  Args({1, 2048, 2048})        \
+      ->Args({1, 512, 2048})   \
+      ->Args({1, 2048, 512})   \
+      ->Args({1, 7168, 2048})  \
+      ->Args({64, 2048, 2048}) \
+      ->SHAPE_TIMING
 BENCHMARK(BM_LinearFp8)->SHAPES;
 BENCHMARK(BM_LinearBf16)->SHAPES;
 
 // GEMMs of decode batches, an expert's prefill rows and a prefill, in f32 and bf16 compute.
-#define GEMM_SHAPES                   \
-  Args({8, 2048, 2048})               \
-      ->Args({64, 2048, 2048})        \
-      ->Args({512, 2048, 2048})       \
-      ->ArgNames({"M", "N", "K"})     \
-      ->Unit(benchmark::kMicrosecond) \
-      ->UseRealTime()                 \
-      ->MinTime(0.5)
+#define GEMM_SHAPES \
+  Args({8, 2048, 2048})->Args({64, 2048, 2048})->Args({512, 2048, 2048})->SHAPE_TIMING
 // Batched decode: f32 tiles in turn against bf16 compute's (vdpbf16ps where the host has it).
-#define BATCH_SHAPES                  \
-  Args({4, 2048, 2048})               \
-      ->Args({8, 2048, 2048})         \
-      ->Args({8, 512, 2048})          \
-      ->Args({8, 7168, 2048})         \
-      ->ArgNames({"M", "N", "K"})     \
-      ->Unit(benchmark::kMicrosecond) \
-      ->UseRealTime()                 \
-      ->MinTime(0.5)
+#define BATCH_SHAPES          \
+  Args({4, 2048, 2048})       \
+      ->Args({8, 2048, 2048}) \
+      ->Args({8, 512, 2048})  \
+      ->Args({8, 7168, 2048}) \
+      ->SHAPE_TIMING
 BENCHMARK(BM_LinearFp8)->BATCH_SHAPES;
 BENCHMARK(BM_LinearFp8ComputeBf16)->BATCH_SHAPES;
 BENCHMARK(BM_LinearFp8)->GEMM_SHAPES;
