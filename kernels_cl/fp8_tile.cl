@@ -94,8 +94,8 @@ typedef struct {
 } Fp8TileCache;
 
 #if COLUMNS_IN_TURN && FP8_BF16_DOT
-// bf16 compute's tiles in turn (-DFP8_BF16_DOT=1; ops::linear_fp8 from kGemmRowsFrom rows where
-// the host has vdpbf16ps): the sums of fp8_in_turn_sums below over the x rows rounded to bf16
+// bf16 compute's tiles in turn (-DFP8_BF16_DOT=1; where the host has vdpbf16ps, ops::linear_fp8
+// from kGemmRowsFrom rows and the grouped experts' tiles at any row count): the sums of fp8_in_turn_sums below over the x rows rounded to bf16
 // (times FP8_X_SCALE, nearest even), 32 products per vdpbf16ps. Each 32 codes widen to bf16 words
 // (common.cl's e4m3x16_bf16_words): the code times 2^-120 as e4m3x16_decode_scaled's f32 words,
 // which FP8_ACC_SCALE takes back. The codes are exact in bf16, but vdpbf16ps reads denormal
@@ -112,57 +112,30 @@ typedef float fp8_v16f __attribute__((ext_vector_type(16)));
   ((fp8_v16i)__builtin_shufflevector((a), (b), 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, \
                                      15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, \
                                      30, 31))
-// Whole blocks only (fp8_tile_dots sums the partial last one in f32), and every one of the TM
-// rows (rows past the tile's are zero in sx): the tile's row count as a variable, or as a
-// constant through an always-inline helper as fp8_in_turn_sums takes it, made this loop 1.3-1.4x
-// slower, and a branch for the partial block 1.2-1.3x (bench_fp8, 8 x 2048 x 2048).
-FP8_BF16_TARGET __attribute__((noinline)) void fp8_in_turn_sums_bf16(
-    const Fp8TileCache* sx, global const uchar* const* wr_in, global const float* srow, uint K16,
-    float* out, bool* row_has_nan) {
-  global const uchar* wr[TN];
-#pragma unroll
-  for (int j = 0; j < TN; ++j) wr[j] = wr_in[j];
-  FP8_WATCH_DECLARE
-  const uint KB_FULL = K16 / VECS_PER_BLOCK;
-  // Vectors u and u + 1 of row j's block into every x row's sums.
-#define FP8_BF16_STEP(u, b0, b1)                                                              \
-  {                                                                                           \
-    FP8_WATCH(j, b0)                                                                          \
-    FP8_WATCH(j, b1)                                                                          \
-    const fp8_v16i wv = FP8_BF16_JOIN(e4m3x16_bf16_words(b0), e4m3x16_bf16_words(b1));       \
-    _Pragma("unroll") for (int i = 0; i < TM; ++i) blk[i] = __builtin_ia32_dpbf16ps_512(     \
-        blk[i], FP8_BF16_JOIN(sx->xb[i][x0 + (u)], sx->xb[i][x0 + (u) + 1]), wv);             \
-  }
-#pragma unroll
-  for (int j = 0; j < TN; ++j) {
-    global const uchar* wb = wr[j];
-    fp8_v16f acc[TM];
-#pragma unroll
-    for (int i = 0; i < TM; ++i) acc[i] = (fp8_v16f)(0.0f);
-    for (uint kb = 0; kb < KB_FULL; ++kb) {
-      const uint x0 = kb * VECS_PER_BLOCK;
-      fp8_v16f blk[TM];
-#pragma unroll
-      for (int i = 0; i < TM; ++i) blk[i] = (fp8_v16f)(0.0f);
-#ifdef STREAM_PREFETCH
-      PREFETCH_LINE(wb + STREAM_PREFETCH);
-      PREFETCH_LINE(wb + STREAM_PREFETCH + 64);
+// One function per row count R (fp8_in_turn_bf16.cl, included with FP8_BF16_ROWS = R), each
+// summing R rows: a 1-row tile then costs one vdpbf16ps per 32 codes, not TM.
+#define FP8_BF16_CAT(a, b) a##b
+#define FP8_BF16_SUMS(r) FP8_BF16_CAT(fp8_in_turn_sums_bf16_, r)
+#define FP8_BF16_ROWS TM
+#include "fp8_in_turn_bf16.cl"
+#undef FP8_BF16_ROWS
+#if FP8_TILE_ROWS_VARY
+#if TM > 1
+#define FP8_BF16_ROWS 1
+#include "fp8_in_turn_bf16.cl"
+#undef FP8_BF16_ROWS
 #endif
-#pragma unroll
-      for (uint u = 0; u < VECS_PER_BLOCK; u += 2)
-        FP8_BF16_STEP(u, vload16(u, wb), vload16(u + 1, wb))
-      const fp8_v16f s = (fp8_v16f)(srow[kb]);
-#pragma unroll
-      for (int i = 0; i < TM; ++i) acc[i] = fma(blk[i], s, acc[i]);
-      wb += QBLOCK;
-    }
-#pragma unroll
-    for (int i = 0; i < TM; ++i) out[i * TN + j] = hsum16(acc[i]) * FP8_ACC_SCALE;
-  }
-#undef FP8_BF16_STEP
-#pragma unroll
-  for (int j = 0; j < TN; ++j) row_has_nan[j] = FP8_WATCH_RESULT(j);
-}
+#if TM > 2
+#define FP8_BF16_ROWS 2
+#include "fp8_in_turn_bf16.cl"
+#undef FP8_BF16_ROWS
+#endif
+#if TM > 3
+#define FP8_BF16_ROWS 3
+#include "fp8_in_turn_bf16.cl"
+#undef FP8_BF16_ROWS
+#endif
+#endif
 #elif COLUMNS_IN_TURN
 // The sums of a tile in turn over its first R rows into out (its other rows 0), and the NaN
 // watch of its weight rows; each column's row sums are reduced as the column ends, so that only
@@ -255,7 +228,20 @@ inline void fp8_tile_dots(global const float* xr[TM], global const uchar* wr[TN]
   }
   {
     float flat[TM * TN];
-    fp8_in_turn_sums_bf16(sx, wr, srow, K16, flat, row_has_nan);
+#if TM > 1 && FP8_TILE_ROWS_VARY
+    if (rows == 1)
+      FP8_BF16_SUMS(1)(sx, wr, srow, K16, flat, row_has_nan);
+#if TM > 2
+    else if (rows == 2)
+      FP8_BF16_SUMS(2)(sx, wr, srow, K16, flat, row_has_nan);
+#endif
+#if TM > 3
+    else if (rows == 3)
+      FP8_BF16_SUMS(3)(sx, wr, srow, K16, flat, row_has_nan);
+#endif
+    else
+#endif
+      FP8_BF16_SUMS(TM)(sx, wr, srow, K16, flat, row_has_nan);
     // Rows past `rows` are 0 from here on (no caller stores them).
 #pragma unroll
     for (int i = 0; i < TM; ++i)

@@ -21,7 +21,8 @@ namespace clshard::ops {
 // even) and the products of bf16 pairs summed in f32 (linear_bf16.cl: vdpbf16ps where the CPU has
 // it). Smaller batches (GEMVs, bound by reading the weights) and other weight dtypes run as F32,
 // but for FP8 weights (ops::linear_any: linear_fp8_bf16 from 16 rows, linear_fp8's tiles in turn
-// summed in bf16 from kGemmRowsFrom where the host has vdpbf16ps).
+// summed in bf16 from kGemmRowsFrom where the host has vdpbf16ps; the grouped FP8 experts' tiles
+// in turn there at any row count, ops::moe_grouped_linear).
 constexpr uint32_t kGemmRowsFrom = 4;
 
 // Whether linear_bf16.cl runs vdpbf16ps on this device: PoCL on a host CPU that reports

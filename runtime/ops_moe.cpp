@@ -129,6 +129,17 @@ std::pair<uint32_t, uint32_t> check_fp8_weight(const char* op, const Weight& w,
   return {N, K};
 }
 
+namespace {
+
+// Whether bf16 compute's FP8 tiles in turn sum in bf16 (fp8_tile.cl's FP8_BF16_DOT): PoCL's CPU
+// device on a host with vdpbf16ps, for weights with the short decode (`decode`:
+// fp8_decode_option's), whose subnormal codes are few enough to count as 0.
+bool fp8_in_turn_bf16_sums(const Device& dev, ComputeDType compute, const std::string& decode) {
+  return compute == ComputeDType::BF16 && decode == "-DFP8_DENORM=1" && bf16_dot_product(dev);
+}
+
+}  // namespace
+
 std::string fp8_bf16_panel_options(const Device& dev, uint32_t K, Fp8Codes codes) {
   return " -DFP8_BF16_PANEL=1 -DBF16_PANEL_K=" + std::to_string(ceil_div(K, 16) * 16) + " " +
          fp8_decode_option(dev, codes.subnormal_share) +
@@ -168,8 +179,8 @@ void linear_fp8(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, con
   // 367-378 against 626-654 (1.66-1.78x), 8 x 512 x 2048 122 against 181 (1.49x), 8 x 7168 x 2048
   // 1.30 ms against 2.25 (1.74x); dsv3-mini fp8's decode at batch 8 and bf16 compute 53.2 -> 47.9
   // ms a step (bench_deepseek, 9 rounds in turn, 1.11x [1.09, 1.14]).
-  const bool bf16_dot = in_turn && compute == ComputeDType::BF16 && M >= kGemmRowsFrom &&
-                        decode == "-DFP8_DENORM=1" && bf16_dot_product(dev);
+  const bool bf16_dot =
+      in_turn && M >= kGemmRowsFrom && fp8_in_turn_bf16_sums(dev, compute, decode);
   cl::Kernel k = dev.kernel(
       "linear_fp8.cl", "linear_fp8",
       decode + " -DTM=" + std::to_string(tm) + " -DTN=" + std::to_string(tn) +
@@ -570,9 +581,19 @@ void moe_grouped_linear(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::M
     case DType::F32: opts += " -DWEIGHT_TYPE=0"; break;
     case DType::BF16: opts += " -DWEIGHT_TYPE=1"; break;
     case DType::F16: opts += " -DWEIGHT_TYPE=2"; break;
-    case DType::F8_E4M3:
-      opts += " -DGROUPED_FP8=1 " + fp8_decode_option(dev, g.fp8_subnormal_share);
+    case DType::F8_E4M3: {
+      const std::string decode = fp8_decode_option(dev, g.fp8_subnormal_share);
+      opts += " -DGROUPED_FP8=1 " + decode;
+      // bf16 compute: every tile in turn summed in bf16, from one row (fp8_tile.cl's
+      // fp8_in_turn_sums_bf16_R), so that an expert's row gets the same sums whatever the
+      // batch routes to it. dsv3-mini fp8 at bf16 compute on the 2-core Zen 4 EPYC
+      // (bench_deepseek --tuning-ab through a throwaway switch, 11 rounds in turn): batch 8
+      // 47.2 -> 39.6 ms a step, 1.19x [1.15, 1.20]; batch 1 12.97 -> 12.23 ms a token, 1.06x
+      // [1.03, 1.25] (again 1.02x [0.83, 1.04], 7 rounds); batch 32 139.1 -> 107.7 ms a step, 1.29x
+      // [1.28, 1.31] (7 rounds). Only tiles of 2 rows or more (batch 8): 1.18x [1.12, 1.19].
+      if (fp8_in_turn && fp8_in_turn_bf16_sums(dev, compute, decode)) opts += " -DFP8_BF16_DOT=1";
       break;
+    }
     default:
       throw std::invalid_argument(std::string("moe_grouped_linear: expert weights of dtype ") +
                                   dtype_name(g.dtype));

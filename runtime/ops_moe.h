@@ -148,7 +148,10 @@ GroupedPlan plan_expert_tiles(Device& dev, const std::vector<uint32_t>& expert_o
 // the rows are rounded to bf16 and each expert's rows take the sums ops::linear's bf16 GEMM gives
 // that many rows, bit for bit: the packed GEMM (moe_grouped_packed; AMX where the host has it)
 // for experts of ops::bf16_packed_rows_from rows or more, linear_bf16.cl's tiles for the others;
-// x_count is then the number of rows of x (the tokens, when x_rows is given).
+// x_count is then the number of rows of x (the tokens, when x_rows is given). Below that average
+// (decode), FP8 experts under ComputeDType::BF16 on the CPU shape, where ops::linear_fp8 sums in
+// bf16 (vdpbf16ps, the short decode), take those bf16 sums for every row, an expert of fewer than
+// kGemmRowsFrom rows included: each row the bits linear_fp8 gives it among 4 rows.
 void moe_grouped_linear(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::Mem* x_rows,
                         const GroupedExperts& experts, uint32_t slot0, uint32_t n_mats,
                         const GroupedPlan& plan, const cl::Mem& y, uint32_t ldy,

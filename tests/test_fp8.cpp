@@ -281,6 +281,7 @@ TEST_P(Fp8Decodes, LinearPartialBlocksAllTileShapes) {
 // has vdpbf16ps (ops::bf16_dot_product), the tiles in turn sum x rounded to bf16 (nearest even)
 // times the codes, each whole 128-code block's products under its scale, subnormal codes counting
 // as 0 (vdpbf16ps reads denormal inputs as zero); the partial last block in f32 on x as it is.
+// Row blocks of 4 and a last one of 1 (M = 5), 2 (6) and 3 (15) rows, each its own function.
 // Checked against that sum in double precision (1e-5 of max |y|), and against the exact product
 // where the host lacks the instruction, for 2 rows (below 4, always exact), for a weight with more
 // subnormal codes than kFp8DenormMaxSubnormalShare (the f32 tiles) and at compute f32. A NaN code
@@ -294,9 +295,9 @@ TEST(Fp8ComputeBf16, LinearInTurnSumsBf16RoundedRows) {
     uint32_t M, N, K;
     bool many_subnormal;
   };
-  for (const Case c :
-       {Case{4, 200, 300, false}, Case{5, 131, 2048, false}, Case{8, 64, 256, false},
-        Case{15, 40, 136, false}, Case{2, 200, 300, false}, Case{8, 64, 256, true}}) {
+  for (const Case c : {Case{4, 200, 300, false}, Case{5, 131, 2048, false}, Case{8, 64, 256, false},
+                       Case{15, 40, 136, false}, Case{6, 70, 384, false}, Case{2, 200, 300, false},
+                       Case{8, 64, 256, true}}) {
     for (const ComputeDType compute : {ComputeDType::BF16, ComputeDType::F32}) {
       SCOPED_TRACE("M=" + std::to_string(c.M) + " N=" + std::to_string(c.N) +
                    " K=" + std::to_string(c.K) + (c.many_subnormal ? " many subnormal codes" : "") +

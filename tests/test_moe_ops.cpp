@@ -618,9 +618,10 @@ TEST_P(GroupedExperts, MatchPerExpertOpsBitForBit) {
   ops::gather_rows(dev, xb, c.H, rows, S, c.H, xg, c.H);
   cl::Mem gu_ref = dev.alloc(size_t(S) * F2 * 4), out_ref = dev.alloc(size_t(S) * c.H * 4);
   // bf16 compute takes the grouped experts where they average 8 rows or more
-  // (kGroupedBf16RowsFrom); below, their tiles stay f32 and so does the reference.
+  // (kGroupedBf16RowsFrom); below, their tiles stay f32 and so does the reference (FP8 experts:
+  // fp8_bf16_sums below).
   const bool bf16_path = c.compute == ComputeDType::BF16 && S >= 8 * c.E;
-  if (c.compute == ComputeDType::BF16) {
+  if (bf16_path) {
     ASSERT_EQ(plan.tm, 4u) << "the case must plan 4-row tiles";
   }
   // The experts the packed GEMM takes (ops::bf16_packed_rows_from rows or more; these shapes'
@@ -681,7 +682,55 @@ TEST_P(GroupedExperts, MatchPerExpertOpsBitForBit) {
   // gemm_f32_amx_rows rows or more where the device selects AMX, which run on their rows' bf16
   // terms (moe_grouped_packed, -DX_SPLIT=3): their reference is ops::linear over their own rows
   // with AMX's terms, the streaming GEMM up to 32 rows and the packed one beyond.
-  if (!bf16_path) {
+  // FP8 experts under bf16 compute below that average, on the CPU shape, where linear_fp8 sums in
+  // bf16 (vdpbf16ps, the short decode): every row those sums, whatever its expert's row count.
+  // The reference: linear_fp8 under bf16 compute over the expert's rows in blocks of 4 (the last
+  // padded with zero rows), where its bf16 sums run.
+  const bool fp8_bf16_sums = c.compute == ComputeDType::BF16 && !bf16_path &&
+                             c.dtype == DType::F8_E4M3 && c.shape == KernelShape::Chunks &&
+                             !c.f16_decode && ops::bf16_dot_product(dev);
+  if (c.compute == ComputeDType::BF16 && c.dtype == DType::F8_E4M3 && !bf16_path)
+    std::printf("FP8 experts below 8 rows on average: %s\n",
+                fp8_bf16_sums ? "bf16 sums (vdpbf16ps)" : "the f32 tiles");
+  if (fp8_bf16_sums) {
+    auto rows_of = [&](const cl::Mem& in, uint32_t ld_in, uint32_t b, uint32_t n, uint32_t e,
+                       uint32_t mat, const cl::Mem& dst, uint32_t ld_dst, uint32_t col) {
+      const Weight& w = ex.w[e][mat];
+      const uint32_t N = uint32_t(w.dim(0)), K = uint32_t(w.dim(1));
+      cl::Mem block = dev.alloc(size_t(4) * K * 4), tmp = dev.alloc(size_t(4) * N * 4);
+      for (uint32_t r0 = 0; r0 < n; r0 += 4) {
+        const uint32_t m = std::min(4u, n - r0);
+        std::vector<float> rows(size_t(4) * K, 0.0f), got(size_t(4) * N);
+        for (uint32_t i = 0; i < m; ++i)
+          dev.read(in, &rows[size_t(i) * K], size_t(K) * 4, (size_t(b + r0 + i) * ld_in) * 4);
+        dev.write(block, rows.data(), rows.size() * 4);
+        ops::linear_fp8(dev, block, 0, K, w, ex.s[e][mat], tmp, 0, N, 4, 1.0f, false,
+                        ComputeDType::BF16);
+        dev.read(tmp, got.data(), got.size() * 4);
+        for (uint32_t i = 0; i < m; ++i)
+          dev.write(dst, &got[size_t(i) * N], size_t(N) * 4,
+                    (size_t(b + r0 + i) * ld_dst + col) * 4);
+      }
+    };
+    for (uint32_t e = 0; e < c.E; ++e) {
+      const uint32_t b = host.expert_offsets[e], n = host.expert_offsets[e + 1] - b;
+      rows_of(xg, c.H, b, n, e, 0, gu_ref, F2, 0);
+      rows_of(xg, c.H, b, n, e, 1, gu_ref, F2, c.F);
+      rows_of(gu, F2, b, n, e, 2, out_ref, c.H, 0);  // down reads the grouped gate|up rows
+    }
+    // Not the f32 tiles' sums: some outputs differ from them (x rounded to bf16).
+    cl::Mem gu_f32 = dev.alloc(size_t(S) * F2 * 4);
+    ops::moe_grouped_linear(dev, xb, c.H, &plan.src_token.mem(), ex.grouped, 0, 2, plan, gu_f32, F2,
+                            ComputeDType::F32, c.T);
+    const auto a = download<float>(dev, gu_f32, size_t(S) * F2);
+    const auto b = download<float>(dev, gu_ref, size_t(S) * F2);
+    EXPECT_GT(std::count_if(a.begin(), a.end(),
+                            [&, i = size_t(0)](float v) mutable {
+                              return std::bit_cast<uint32_t>(v) != std::bit_cast<uint32_t>(b[i++]);
+                            }),
+              0);
+  }
+  if (!bf16_path && !fp8_bf16_sums) {
     const uint32_t terms_from =
         c.dtype == DType::BF16 && c.shape == KernelShape::Chunks && ops::bf16_amx(dev)
             ? dev.tuning().gemm_f32_amx_rows
@@ -871,7 +920,19 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{DType::BF16, 28, 2, 4, 70, 45, false, KernelShape::Chunks, 0, false,
                            ComputeDType::F32, false, false, 0, true},
                       Case{DType::F8_E4M3, 300, 2, 3, 200, 136, true, KernelShape::Chunks, 0, false,
-                           ComputeDType::BF16}),
+                           ComputeDType::BF16},
+                      // FP8 experts under bf16 compute below 8 rows on average (batched decode):
+                      // tiles in turn of 1-4 rows summed in bf16 where the host has vdpbf16ps,
+                      // else the f32 tiles; whole blocks only (H 256) and partial ones (300, 150,
+                      // 136); the NaN-watched decode; the f16-based one (the f32 tiles).
+                      Case{DType::F8_E4M3, 9, 2, 7, 300, 150, true, KernelShape::Chunks, 0, false,
+                           ComputeDType::BF16},
+                      Case{DType::F8_E4M3, 9, 2, 7, 256, 136, true, KernelShape::Chunks, 0, true,
+                           ComputeDType::BF16},
+                      Case{DType::F8_E4M3, 1, 4, 9, 300, 150, false, KernelShape::Chunks, 0, false,
+                           ComputeDType::BF16},
+                      Case{DType::F8_E4M3, 9, 2, 7, 300, 150, true, KernelShape::Chunks, 0, false,
+                           ComputeDType::BF16, false, true}),
     [](const ::testing::TestParamInfo<Case>& i) {
       return std::string(dtype_name(i.param.dtype)) + "_T" + std::to_string(i.param.T) + "_E" +
              std::to_string(i.param.E) + (i.param.with_shared ? "_shared" : "") +
