@@ -62,7 +62,7 @@ FP8_BF16_TARGET __attribute__((noinline)) void FP8_BF16_SUMS(FP8_BF16_ROWS)(
           const uchar16 b0 = vload16(u, wb[c]), b1 = vload16(u + 1, wb[c]);
           FP8_WATCH(j + c, b0)
           FP8_WATCH(j + c, b1)
-          wv[c] = FP8_BF16_JOIN(e4m3x16_bf16_words(b0), e4m3x16_bf16_words(b1));
+          wv[c] = (fp8_v16i)e4m3x32_bf16_words(b0, b1);
         }
 #pragma unroll
         for (int i = 0; i < FP8_BF16_ROWS; ++i) {

@@ -97,7 +97,7 @@ typedef struct {
 // bf16 compute's tiles in turn (-DFP8_BF16_DOT=1; where the host has vdpbf16ps, ops::linear_fp8
 // from kGemmRowsFrom rows and the grouped experts' tiles at any row count): the sums of fp8_in_turn_sums below over the x rows rounded to bf16
 // (times FP8_X_SCALE, nearest even), 32 products per vdpbf16ps. Each 32 codes widen to bf16 words
-// (common.cl's e4m3x16_bf16_words): the code times 2^-120 as e4m3x16_decode_scaled's f32 words,
+// (common.cl's e4m3x32_bf16_words): the code times 2^-120 as e4m3x16_decode_scaled's f32 words,
 // which FP8_ACC_SCALE takes back. The codes are exact in bf16, but vdpbf16ps reads denormal
 // inputs as zero: subnormal codes (below
 // 2^-6 in e4m3's units; the host takes this path for weights with at most
