@@ -8,14 +8,9 @@
 // fp8_in_turn_sums takes it, made the 4-row loop 1.3-1.4x slower, and a branch for the partial
 // block 1.2-1.3x (bench_fp8, 8 x 2048 x 2048).
 //
-// From 2 rows the weight rows go two at a time (FP8_BF16_COLS), each x vector loaded once for
-// both: the 4-row loop is bound by its loads and shuffles more than by its vdpbf16ps. Against
-// one weight row at a time, dsv3-mini fp8's decode at bf16 compute on the 2-core Zen 4 EPYC
-// (bench_deepseek --tuning-ab through a throwaway switch, 7 rounds in turn): batch 32 1.05x
-// [1.04, 1.06], batch 8 1.03x [1.01, 1.05] (and 1.04x [1.03, 1.07] in a second run). One row
-// stays one stream: pairs for one-row tiles too, against none, batch 1 0.98x [0.97, 0.99] and
-// batch 8 1.02x [1.01, 1.04] where pairs from 2 rows had given 1.04x [1.03, 1.07].
-#if FP8_BF16_ROWS >= 2
+// Weight rows two at a time (FP8_BF16_COLS) from fp8_tile.cl's FP8_PAIRS_FROM_ROWS rows: the
+// 4-row loop is bound by its loads and shuffles more than by its vdpbf16ps.
+#if FP8_BF16_ROWS >= FP8_PAIRS_FROM_ROWS
 #define FP8_BF16_COLS 2
 #if TN % 2
 #error "FP8_BF16_COLS 2: TN even"

@@ -73,6 +73,17 @@
 //   2-core EPYC (bench_fp8, 2048 x 2048) M = 64 and 512 1.11-1.13x faster, M = 32 1.04x, M = 8
 //   and 16 0.75-0.9x (too few row tiles to pay for the panel), hence the host's
 //   kFp8PanelRowsFrom.
+// Tiles in turn of 2 rows or more take their weight rows two at a time, each x vector loaded once
+// for both (each column's sums the same operations either way); one-row tiles stay one stream.
+// In-process A/B against one weight row at a time on the 2-core Zen 4 EPYC (dsv3-mini fp8's
+// decode, bench_deepseek --tuning-ab through a throwaway switch, 7 rounds in turn): f32 compute
+// batch 8 1.08x [1.05, 1.09], batch 32 1.04x [0.99, 1.05]; bf16 compute (fp8_in_turn_bf16.cl)
+// batch 32 1.05x [1.04, 1.06], batch 8 1.03x [1.01, 1.05]. Pairs from one row: f32 batch 8 1.07x
+// (no better), batch 1 1.01x [0.97, 1.08]; bf16 batch 1 0.98x [0.97, 0.99].
+#define FP8_PAIRS_FROM_ROWS 2
+#if COLUMNS_IN_TURN && TN % 2
+#error "tiles in turn take their weight rows in pairs: TN even"
+#endif
 #if FP8_BF16_DOT && (!COLUMNS_IN_TURN || !FP8_DENORM)
 #error "FP8_BF16_DOT: tiles in turn with the short decode (FP8_DENORM=1) only"
 #endif
@@ -151,42 +162,61 @@ __attribute__((always_inline)) inline void fp8_in_turn_sums(
   // pointers step a block at a time, so a whole block is loads, decodes and FMAs at constant
   // offsets with no per-vector index arithmetic.
   const uint KB_FULL = K16 / VECS_PER_BLOCK, V_TAIL = K16 - KB_FULL * VECS_PER_BLOCK;
-  // One vector of row j's block: 16 codes decoded and summed into every x row's block sums.
-#define FP8_IN_TURN_VECTOR(u)                                                         \
-  {                                                                                   \
-    const uchar16 b = vload16((u), wb);                                               \
-    FP8_WATCH(j, b)                                                                   \
-    const float16 wv = e4m3x16_decode_scaled(b);                                      \
-    _Pragma("unroll") for (int i = 0; i < R; ++i) blk[i] = fma(xb[i][(u)], wv, blk[i]); \
+  // Weight rows two at a time (C) from FP8_PAIRS_FROM_ROWS rows.
+  const int C = R >= FP8_PAIRS_FROM_ROWS ? 2 : 1;
+  // One vector of the weight rows' block: 16 codes of each decoded and summed into every x row's
+  // block sums.
+#define FP8_IN_TURN_VECTOR(u)                                           \
+  {                                                                     \
+    float16 wv[2];                                                      \
+    _Pragma("unroll") for (int c = 0; c < C; ++c) {                     \
+      const uchar16 b = vload16((u), wb[c]);                            \
+      FP8_WATCH(j + c, b)                                               \
+      wv[c] = e4m3x16_decode_scaled(b);                                 \
+    }                                                                   \
+    _Pragma("unroll") for (int i = 0; i < R; ++i) {                     \
+      const float16 xv = xb[i][(u)];                                    \
+      _Pragma("unroll") for (int c = 0; c < C; ++c) blk[c][i] =         \
+          fma(xv, wv[c], blk[c][i]);                                    \
+    }                                                                   \
   }
 #pragma unroll
-  for (int j = 0; j < TN; ++j) {
-    global const uchar* wb = wr[j];
+  for (int j = 0; j < TN; j += C) {
+    global const uchar* wb[2];
     const float16* xb[TM];
-    float16 acc[TM];
+    float16 acc[2][TM];
+#pragma unroll
+    for (int c = 0; c < C; ++c) wb[c] = wr[j + c];
 #pragma unroll
     for (int i = 0; i < R; ++i) {
       xb[i] = sx->x[i];
-      acc[i] = (float16)(0.0f);
+#pragma unroll
+      for (int c = 0; c < C; ++c) acc[c][i] = (float16)(0.0f);
     }
     for (uint kb = 0; kb < KB_FULL + (V_TAIL ? 1 : 0); ++kb) {
-      float16 blk[TM];
+      float16 blk[2][TM];
 #pragma unroll
-      for (int i = 0; i < R; ++i) blk[i] = (float16)(0.0f);
+      for (int c = 0; c < C; ++c)
+#pragma unroll
+        for (int i = 0; i < R; ++i) blk[c][i] = (float16)(0.0f);
       if (kb < KB_FULL) {
+#pragma unroll
+        for (int c = 0; c < C; ++c) {
 #ifdef STREAM_PREFETCH
-        // The block's two lines STREAM_PREFETCH bytes ahead (ops::columns_in_turn_option): with
-        // the hardware prefetcher alone, a block's first load held most of the tile's profile
-        // samples, and a thread of the kernel read 12-14 GB/s where a native loop of the same
-        // instructions read 22 (bench_fp8, M = 1, 7168 x 2048, one PoCL thread); 8 KiB ahead,
-        // 23-27. STREAM_PREFETCH_L1: the same lines nearer, into L1 (stream_prefetch_l1).
-        PREFETCH_LINE(wb + STREAM_PREFETCH);
-        PREFETCH_LINE(wb + STREAM_PREFETCH + 64);
+          // The block's two lines STREAM_PREFETCH bytes ahead (ops::columns_in_turn_option):
+          // with the hardware prefetcher alone, a block's first load held most of the tile's
+          // profile samples, and a thread of the kernel read 12-14 GB/s where a native loop of
+          // the same instructions read 22 (bench_fp8, M = 1, 7168 x 2048, one PoCL thread); 8 KiB
+          // ahead, 23-27. STREAM_PREFETCH_L1: the same lines nearer, into L1
+          // (stream_prefetch_l1).
+          PREFETCH_LINE(wb[c] + STREAM_PREFETCH);
+          PREFETCH_LINE(wb[c] + STREAM_PREFETCH + 64);
 #endif
 #ifdef STREAM_PREFETCH_L1
-        PREFETCH_LINE_L1(wb + STREAM_PREFETCH_L1);
-        PREFETCH_LINE_L1(wb + STREAM_PREFETCH_L1 + 64);
+          PREFETCH_LINE_L1(wb[c] + STREAM_PREFETCH_L1);
+          PREFETCH_LINE_L1(wb[c] + STREAM_PREFETCH_L1 + 64);
 #endif
+        }
 #pragma unroll
         for (uint u = 0; u < VECS_PER_BLOCK; ++u) FP8_IN_TURN_VECTOR(u)
       } else {
@@ -195,13 +225,18 @@ __attribute__((always_inline)) inline void fp8_in_turn_sums(
       const float16 s = (float16)(srow[kb]);
 #pragma unroll
       for (int i = 0; i < R; ++i) {
-        acc[i] = fma(blk[i], s, acc[i]);
+#pragma unroll
+        for (int c = 0; c < C; ++c) acc[c][i] = fma(blk[c][i], s, acc[c][i]);
         xb[i] += VECS_PER_BLOCK;
       }
-      wb += QBLOCK;
+#pragma unroll
+      for (int c = 0; c < C; ++c) wb[c] += QBLOCK;
     }
 #pragma unroll
-    for (int i = 0; i < TM; ++i) out[i][j] = i < R ? hsum16(acc[i]) * FP8_ACC_SCALE : 0.0f;
+    for (int c = 0; c < C; ++c)
+#pragma unroll
+      for (int i = 0; i < TM; ++i)
+        out[i][j + c] = i < R ? hsum16(acc[c][i]) * FP8_ACC_SCALE : 0.0f;
   }
 #undef FP8_IN_TURN_VECTOR
 #pragma unroll
