@@ -106,8 +106,9 @@ typedef struct {
 
 #if COLUMNS_IN_TURN && FP8_BF16_DOT
 // bf16 compute's tiles in turn (-DFP8_BF16_DOT=1; where the host has vdpbf16ps, ops::linear_fp8
-// from kGemmRowsFrom rows and the grouped experts' tiles at any row count): the sums of fp8_in_turn_sums below over the x rows rounded to bf16
-// (times FP8_X_SCALE, nearest even), 32 products per vdpbf16ps. Each 32 codes widen to bf16 words
+// from kGemmRowsFrom rows and the grouped experts' tiles at any row count): the sums of
+// fp8_in_turn_sums below over the x rows rounded to bf16 (times FP8_X_SCALE, nearest even), 32
+// products per vdpbf16ps. Each 32 codes widen to bf16 words
 // (common.cl's e4m3x32_bf16_words): the code times 2^-120 as e4m3x16_decode_scaled's f32 words,
 // which FP8_ACC_SCALE takes back. The codes are exact in bf16, but vdpbf16ps reads denormal
 // inputs as zero: subnormal codes (below
@@ -150,10 +151,10 @@ typedef float fp8_v16f __attribute__((ext_vector_type(16)));
 #elif COLUMNS_IN_TURN
 // The sums of a tile in turn over its first R rows into out (its other rows 0), and the NaN
 // watch of its weight rows; each column's row sums are reduced as the column ends, so that only
-// R accumulators stay live. R is a constant where fp8_tile_dots calls this, always inlined, so that the loops
-// over rows unroll as over TM (called, with R a variable, the grouped experts had run 3x
-// slower), and a tile of fewer rows than TM decodes each weight vector once for the rows it
-// has and does no FMA for the others.
+// R accumulators (2 R with the weight rows in pairs) stay live. R is a constant where
+// fp8_tile_dots calls this, always inlined, so that the loops over rows unroll as over TM
+// (called, with R a variable, the grouped experts had run 3x slower), and a tile of fewer rows
+// than TM decodes each weight vector once for the rows it has and does no FMA for the others.
 __attribute__((always_inline)) inline void fp8_in_turn_sums(
     const int R, const Fp8TileCache* sx, global const uchar* wr[TN], global const float* srow,
     uint K16, float out[TM][TN], bool row_has_nan[TN]) {
