@@ -452,7 +452,7 @@ bool grouped_bf16(const Device& dev, const GroupedExperts& g, const GroupedPlan&
 // else the tokens as they are, read through x_rows. With glu gate and up in one tile, y getting
 // silu(gate) * up.
 // dsv3-mini bf16, 512-token prefill at bf16 compute on the 2-core Xeon with AMX
-// (bench_deepseek_breakdown, one run each): the grouped experts took 340 ms per step so, against
+// (bench_step_breakdown, one run each): the grouped experts took 340 ms per step so, against
 // 1272 ms in the dot-product tiles alone (FP8 experts 401 against 1299).
 void grouped_bf16_launch(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::Mem* x_rows,
                          uint32_t x_count, const GroupedExperts& g, uint32_t slot0,

@@ -1,6 +1,6 @@
-// Where a DeepSeek-V3 decode step's (or prefill's) time goes, kernel by kernel: dsv3-mini (bf16 and
-// fp8) decodes B requests at once (batch 1 unless --batch) as DeepseekV3Model::forward runs it,
-// with every launch timed on its own. This program defines clEnqueueNDRangeKernel,
+// Where a decode step's (or prefill's) time goes, kernel by kernel: a preset (dsv3-mini by default,
+// bf16 and fp8; llama3-1b, bf16) decodes B requests at once (batch 1 unless --batch) as the model's
+// forward runs it, with every launch timed on its own. This program defines clEnqueueNDRangeKernel,
 // clEnqueueReadBuffer and clEnqueueWriteBuffer itself (the library is linked in statically, so its
 // calls bind here) and forwards each to the OpenCL loader's; while timing is on, a launch waits for
 // the queue before and after, and its wall time goes to its kernel's name and grid (the global
@@ -11,8 +11,8 @@
 // thread, PoCL's workers included) moves much less, so it is printed beside it.
 // --prefill N times a prefill of N tokens from an empty cache instead (one request, the step
 // repeated over the same pages); --compute-dtype bf16 runs the deployment's bf16 compute.
-// Usage: bench_deepseek_breakdown [--dir D] [--dtypes bf16,fp8] [--context C] [--steps N]
-//                                 [--batch B] [--prefill N] [--compute-dtype f32|bf16]
+// Usage: bench_step_breakdown [--preset P] [--dir D] [--dtypes bf16,fp8] [--context C]
+//                             [--steps N] [--batch B] [--prefill N] [--compute-dtype f32|bf16]
 #include <dlfcn.h>
 
 #include <algorithm>
@@ -25,7 +25,7 @@
 #include <string>
 #include <vector>
 
-#include "models/deepseek_v3/model.h"
+#include "models/registry.h"
 #include "perf/bench_util.h"
 #include "runtime/device.h"
 #include "runtime/device_manager.h"
@@ -48,7 +48,7 @@ F real(const char* name) {
   static_assert(sizeof(F) == sizeof(void*));
   void* p = dlsym(RTLD_NEXT, name);
   if (!p) {
-    std::fprintf(stderr, "bench_deepseek_breakdown: no %s in the OpenCL loader\n", name);
+    std::fprintf(stderr, "bench_step_breakdown: no %s in the OpenCL loader\n", name);
     std::abort();
   }
   F f;
@@ -85,12 +85,14 @@ cl_int timed(cl_command_queue q, const std::string& what, F enqueue) {
 
 extern "C" {
 
-CL_API_ENTRY cl_int CL_API_CALL clEnqueueNDRangeKernel(
-    cl_command_queue q, cl_kernel k, cl_uint dims, const size_t* offset, const size_t* global,
-    const size_t* local, cl_uint n_wait, const cl_event* wait, cl_event* ev) {
-  using Fn = cl_int(CL_API_CALL*)(cl_command_queue, cl_kernel, cl_uint, const size_t*,
-                                  const size_t*, const size_t*, cl_uint, const cl_event*,
-                                  cl_event*);
+CL_API_ENTRY cl_int CL_API_CALL clEnqueueNDRangeKernel(cl_command_queue q, cl_kernel k,
+                                                       cl_uint dims, const size_t* offset,
+                                                       const size_t* global, const size_t* local,
+                                                       cl_uint n_wait, const cl_event* wait,
+                                                       cl_event* ev) {
+  using Fn =
+      cl_int(CL_API_CALL*)(cl_command_queue, cl_kernel, cl_uint, const size_t*, const size_t*,
+                           const size_t*, cl_uint, const cl_event*, cl_event*);
   static const Fn fn = real<Fn>("clEnqueueNDRangeKernel");
   return timed(q, g_timing ? kernel_name(k) + "/" + grid(dims, global) : std::string(),
                [&] { return fn(q, k, dims, offset, global, local, n_wait, wait, ev); });
@@ -100,19 +102,19 @@ CL_API_ENTRY cl_int CL_API_CALL clEnqueueReadBuffer(cl_command_queue q, cl_mem m
                                                     size_t off, size_t bytes, void* dst,
                                                     cl_uint n_wait, const cl_event* wait,
                                                     cl_event* ev) {
-  using Fn = cl_int(CL_API_CALL*)(cl_command_queue, cl_mem, cl_bool, size_t, size_t, void*,
-                                  cl_uint, const cl_event*, cl_event*);
+  using Fn = cl_int(CL_API_CALL*)(cl_command_queue, cl_mem, cl_bool, size_t, size_t, void*, cl_uint,
+                                  const cl_event*, cl_event*);
   static const Fn fn = real<Fn>("clEnqueueReadBuffer");
   return timed(q, "(host read)",
                [&] { return fn(q, m, blocking, off, bytes, dst, n_wait, wait, ev); });
 }
 
-CL_API_ENTRY cl_int CL_API_CALL clEnqueueWriteBuffer(cl_command_queue q, cl_mem m,
-                                                     cl_bool blocking, size_t off, size_t bytes,
-                                                     const void* src, cl_uint n_wait,
-                                                     const cl_event* wait, cl_event* ev) {
-  using Fn = cl_int(CL_API_CALL*)(cl_command_queue, cl_mem, cl_bool, size_t, size_t,
-                                  const void*, cl_uint, const cl_event*, cl_event*);
+CL_API_ENTRY cl_int CL_API_CALL clEnqueueWriteBuffer(cl_command_queue q, cl_mem m, cl_bool blocking,
+                                                     size_t off, size_t bytes, const void* src,
+                                                     cl_uint n_wait, const cl_event* wait,
+                                                     cl_event* ev) {
+  using Fn = cl_int(CL_API_CALL*)(cl_command_queue, cl_mem, cl_bool, size_t, size_t, const void*,
+                                  cl_uint, const cl_event*, cl_event*);
   static const Fn fn = real<Fn>("clEnqueueWriteBuffer");
   return timed(q, "(host write)",
                [&] { return fn(q, m, blocking, off, bytes, src, n_wait, wait, ev); });
@@ -120,22 +122,23 @@ CL_API_ENTRY cl_int CL_API_CALL clEnqueueWriteBuffer(cl_command_queue q, cl_mem 
 
 }  // extern "C"
 
-namespace {
-
-
-}  // namespace
-
 int main(int argc, char** argv) {
-  CLI::App app{"Where a DeepSeek-V3 decode step's (or --prefill's) time goes, kernel by kernel: "
-               "dsv3-mini (bf16, fp8) at batch 1 or --batch B, every launch timed on its own",
-               "bench_deepseek_breakdown"};
+  CLI::App app{
+      "Where a decode step's (or --prefill's) time goes, kernel by kernel: a preset "
+      "(dsv3-mini bf16 and fp8 by default) at batch 1 or --batch B, every launch timed "
+      "on its own",
+      "bench_step_breakdown"};
+  std::string preset = "dsv3-mini";
+  app.add_option("--preset", preset, "the checkpoint's preset (clshard make-model)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"dsv3-mini", "llama3-1b"}));
   std::string root_arg = (std::filesystem::temp_directory_path() / "clshard-bench").string();
   std::vector<std::string> dtypes = {"bf16", "fp8"};
   uint32_t context = 128, n_steps = 16, batch = 1, prefill = 0;
   std::string compute_dtype = "f32";
   app.add_option("--dir", root_arg, "where the checkpoints live (written when missing)")
       ->capture_default_str();
-  app.add_option("--dtypes", dtypes, "comma-separated checkpoint dtypes")
+  app.add_option("--dtypes", dtypes, "comma-separated checkpoint dtypes (llama3-1b: bf16 only)")
       ->delimiter(',')
       ->capture_default_str();
   app.add_option("--context", context, "cached tokens before the timed steps")
@@ -157,6 +160,7 @@ int main(int argc, char** argv) {
   app.add_flag("--no-mmap", no_mmap,
                "model.mmap: false: each checkpoint read into memory at load, not mapped");
   parse_args(app, argc, argv);
+  if (preset == "llama3-1b" && app.count("--dtypes") == 0) dtypes = {"bf16"};
   const std::filesystem::path root = root_arg;
   DeviceManager mgr(DeviceSelection{});
   Device& dev = mgr[0];
@@ -165,8 +169,9 @@ int main(int argc, char** argv) {
   opts.compute_dtype = compute_dtype == "bf16" ? ComputeDType::BF16 : ComputeDType::F32;
   if (no_mmap) opts.weight_memory = WeightMemory::Copied;
   for (const auto& dt : dtypes) {
-    const auto dir = ensure_preset("dsv3-mini", dt, root / ("dsv3-mini-" + dt));
-    deepseek_v3::DeepseekV3Model model(dir, opts);
+    const auto dir = ensure_preset(preset, dt, root / (preset + "-" + dt));
+    const std::unique_ptr<CausalLM> loaded = load_model(dir, opts);
+    CausalLM& model = *loaded;
     const uint32_t V = model.info().vocab_size;
     std::mt19937 rng(5);
     uint32_t ppr = 0;
@@ -207,25 +212,26 @@ int main(int argc, char** argv) {
     }
     if (prefill > 0)
       std::printf(
-          "\ndsv3-mini %s, prefill of %u tokens (compute %s): %.2f ms per step untouched "
+          "\n%s %s, prefill of %u tokens (compute %s): %.2f ms per step untouched "
           "(%.1f tok/s), CPU time %.2f ms per step; %.1f launches per step\n",
-          dt.c_str(), prefill, compute_dtype.c_str(), t_step * 1e3, prefill / t_step,
-          cpu_step * 1e3, double(launches) / n_steps);
+          preset.c_str(), dt.c_str(), prefill, compute_dtype.c_str(), t_step * 1e3,
+          prefill / t_step, cpu_step * 1e3, double(launches) / n_steps);
     else
       std::printf(
-          "\ndsv3-mini %s, decode batch %u at context %u (compute %s): %.2f ms per step "
+          "\n%s %s, decode batch %u at context %u (compute %s): %.2f ms per step "
           "untouched (%.1f tok/s), CPU time %.2f ms per step; %.1f launches per step\n",
-          dt.c_str(), batch, context, compute_dtype.c_str(), t_step * 1e3, batch / t_step,
-          cpu_step * 1e3, double(launches) / n_steps);
+          preset.c_str(), dt.c_str(), batch, context, compute_dtype.c_str(), t_step * 1e3,
+          batch / t_step, cpu_step * 1e3, double(launches) / n_steps);
     std::printf("  %-32s %9s %10s %10s %8s\n", "kernel/grid", "calls", "ms/step", "us/call",
                 "share");
     for (const auto& [name, t] : rows)
       std::printf("  %-32s %9.1f %10.3f %10.1f %7.1f%%\n", name.c_str(), double(t.calls) / n_steps,
                   t.seconds / n_steps * 1e3, t.seconds / double(t.calls) * 1e6,
                   100.0 * t.seconds / sum);
-    std::printf("  sum of the timed calls %.2f ms per step; the timed steps took %.2f ms (host "
-                "work between calls %.2f ms)\n",
-                sum / n_steps * 1e3, t_timed * 1e3, (t_timed - sum / n_steps) * 1e3);
+    std::printf(
+        "  sum of the timed calls %.2f ms per step; the timed steps took %.2f ms (host "
+        "work between calls %.2f ms)\n",
+        sum / n_steps * 1e3, t_timed * 1e3, (t_timed - sum / n_steps) * 1e3);
     std::fflush(stdout);
   }
   return 0;
