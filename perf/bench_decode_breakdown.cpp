@@ -8,14 +8,15 @@
 // Both sequences are timed: the unfused launches (12 per layer) and the fused ones the model runs;
 // and the fused ones without the CPU shape's next-tile weight prefetch
 // (KernelTuning::weight_prefetch).
-// --tuning-ab FIELD=VALUE compares the fused sequence under the device's tuning and with that
-// field changed (weight_prefetch=0: the next-tile weight prefetch off), stage by stage, each of
+// --tuning-ab FIELD=VALUE[,FIELD=VALUE...] compares the fused sequence under the device's tuning
+// and with those fields changed (weight_prefetch=0: the next-tile weight prefetch off), stage by
+// stage, each of
 // --ab-rounds repetitions timing both in turn (medians): the machine's bandwidth moves too much
 // between tables for a 10-20% difference.
 // --compute-dtype bf16 runs the fused sequence's GEMMs, and o_proj and down_proj in both, as
 // model.compute_dtype: bf16 does (batches of 4 rows and more: linear_bf16.cl).
 // Usage: bench_decode_breakdown [MODEL_DIR] [--batch B] [--reps N] [--fused-only] [--rounds R]
-//                               [--tuning-ab FIELD=VALUE [--ab-rounds N]]
+//                               [--tuning-ab FIELD=VALUE[,...] [--ab-rounds N]]
 //                               [--compute-dtype f32|bf16]
 #include <algorithm>
 #include <chrono>
@@ -256,8 +257,7 @@ int main(int argc, char** argv) {
     // Per repetition: every stage (all layers) and the whole step, the device's tuning (A) then
     // the changed one (B) or B then A (alternating), so both see the same moment of the machine.
     const KernelTuning saved = dev.tuning();
-    KernelTuning changed = saved;
-    set_kernel_tuning_field(changed, ab->field, ab->value);
+    const KernelTuning changed = ab->applied_to(saved);
     const size_t S = fused.size();
     std::vector<std::vector<double>> t[2];  // [A, B][stage S = head, S + 1 = whole step]
     for (auto& v : t) v.assign(S + 2, {});
@@ -289,10 +289,9 @@ int main(int argc, char** argv) {
       return v[v.size() / 2];
     };
     std::printf(
-        "\nthe device's tuning (A) against %s=%lu (B), in turn over %d repetitions "
+        "\nthe device's tuning (A) against %s (B), in turn over %d repetitions "
         "(medians, ms per step)\n  %-28s %10s %10s %8s\n",
-        ab->field.c_str(), (unsigned long)ab->value, ab_opts.rounds, "stage (x layers)", "A", "B",
-        "A/B");
+        ab->label().c_str(), ab_opts.rounds, "stage (x layers)", "A", "B", "A/B");
     for (size_t s = 0; s < S + 2; ++s) {
       const std::string name = s < S ? fused[s].name : s == S ? "final norm + lm_head" : "whole step chained";
       const double a = median(t[0][s]), b = median(t[1][s]);

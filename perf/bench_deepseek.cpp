@@ -19,13 +19,14 @@
 // beside it.
 //
 // Usage: bench_deepseek [--dir D] [--dtypes bf16,fp8] [--prompt P] [--context C] [--decode N]
-//                       [--batch B] [--roofline-rounds R] [--tuning-ab FIELD=VALUE [--ab-rounds R]]
+//                       [--batch B] [--roofline-rounds R]
+//                       [--tuning-ab FIELD=VALUE[,...] [--ab-rounds R]]
 //   D: where the checkpoints live (written with make-model's preset writer when missing;
 //      default $TMPDIR/clshard-bench), P: prefill length (512), C: context before decoding (128),
 //   N: decode steps timed (32), B: requests of the batched decode figure (8; 0: none).
-//   --tuning-ab: the batch-1 decode, and the batched one with B > 0, also timed with one tuning
-//   field changed, the two in turn R times (bench_util.h's TuningAB): what a tuning entry gives
-//   the whole step.
+//   --tuning-ab: the batch-1 decode, and the batched one with B > 0, also timed with one or more
+//   tuning fields changed, the two in turn R times (bench_util.h's TuningAB): what a tuning entry
+//   gives the whole step.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>

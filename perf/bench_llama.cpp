@@ -5,11 +5,11 @@
 // The batch-1 decode is timed in rounds in turn with a pass of a native read loop
 // (bench_util.h's roofline_in_turn): on a shared machine the bandwidth moves within seconds.
 // Usage: bench_llama [MODEL_DIR] [--compute-dtype f32|bf16] [--prefill-only]
-//                    [--roofline-rounds R] [--tuning-ab FIELD=VALUE [--ab-rounds R]]
+//                    [--roofline-rounds R] [--tuning-ab FIELD=VALUE[,...] [--ab-rounds R]]
 //   (MODEL_DIR default: .cache/models/llama3-1b-bf16, made if missing; --compute-dtype as the
 //   deployment's model.compute_dtype, default f32; --tuning-ab times the batch-1 decode, a batch
-//   of 8 and the 512-token prefill also with one tuning field changed, the two in turn R times:
-//   bench_util.h's TuningAB)
+//   of 8 and the 512-token prefill also with one or more tuning fields changed, the two in turn R
+//   times: bench_util.h's TuningAB)
 #include <algorithm>
 #include <array>
 #include <chrono>

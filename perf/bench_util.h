@@ -282,32 +282,47 @@ inline StepInputs replica_decode_step(uint32_t batch, uint32_t replicas, uint32_
 // in even rounds and B first in odd ones, so that the machine's load, which moves by tens of
 // percent between runs here, falls on both alike. Medians of each side and of the per-round
 // ratios A/B (above 1: B is faster).
+// B's tuning: the device's with one or more fields changed (FIELD=VALUE[,FIELD=VALUE...]), since
+// some fields only pay together (a prefetch that makes another field's access pattern stream).
 struct TuningAB {
-  std::string field;
-  uint64_t value = 0;
+  std::vector<std::pair<std::string, uint64_t>> fields;
   double a_median = 0, b_median = 0, ratio_median = 0, ratio_low = 0, ratio_high = 0;
+  // "F1=V1,F2=V2", as given.
+  std::string label() const {
+    std::string l;
+    for (const auto& [f, v] : fields) l += (l.empty() ? "" : ",") + f + "=" + std::to_string(v);
+    return l;
+  }
+  KernelTuning applied_to(KernelTuning t) const {
+    for (const auto& [f, v] : fields) set_kernel_tuning_field(t, f, v);
+    return t;
+  }
 };
 
-// Parses FIELD=VALUE against the tuning fields (a usage error naming the fields otherwise).
+// Parses FIELD=VALUE[,FIELD=VALUE...] against the tuning fields (a usage error naming the fields
+// otherwise).
 inline TuningAB parse_tuning_ab(const std::string& arg) {
-  const size_t eq = arg.find('=');
   TuningAB ab;
-  if (eq != std::string::npos) {
-    ab.field = arg.substr(0, eq);
-    const std::string v = arg.substr(eq + 1);
-    if (!v.empty() && v.find_first_not_of("0123456789") == std::string::npos)
-      ab.value = std::stoull(v);
-    else
-      ab.field.clear();
+  const auto& names = kernel_tuning_fields();
+  bool ok = !arg.empty();
+  for (size_t at = 0; ok && at <= arg.size();) {
+    const size_t end = std::min(arg.find(',', at), arg.size());
+    const std::string item = arg.substr(at, end - at);
+    const size_t eq = item.find('=');
+    const std::string field = eq == std::string::npos ? "" : item.substr(0, eq);
+    const std::string v = eq == std::string::npos ? "" : item.substr(eq + 1);
+    ok = !v.empty() && v.find_first_not_of("0123456789") == std::string::npos &&
+         std::find(names.begin(), names.end(), field) != names.end();
+    if (ok) ab.fields.emplace_back(field, std::stoull(v));
+    at = end + 1;
   }
-  const auto& fields = kernel_tuning_fields();
-  if (ab.field.empty() || std::find(fields.begin(), fields.end(), ab.field) == fields.end()) {
-    std::string names;
-    for (const std::string& n : fields) names += (names.empty() ? "" : ", ") + n;
+  if (!ok) {
+    std::string list;
+    for (const std::string& n : names) list += (list.empty() ? "" : ", ") + n;
     std::fprintf(stderr,
-                 "--tuning-ab %s: expected FIELD=VALUE with a non-negative integer VALUE "
-                 "and FIELD one of %s\n",
-                 arg.c_str(), names.c_str());
+                 "--tuning-ab %s: expected FIELD=VALUE[,FIELD=VALUE...] with non-negative integer "
+                 "VALUEs and each FIELD one of %s\n",
+                 arg.c_str(), list.c_str());
     std::exit(2);
   }
   return ab;
@@ -324,8 +339,8 @@ struct TuningABOptions {
 };
 inline void add_tuning_ab_options(CLI::App& app, TuningABOptions& o) {
   app.add_option("--tuning-ab", o.arg,
-                 "FIELD=VALUE: also time the decode with that tuning field against the device's, "
-                 "in turn (bench_util.h's TuningAB)");
+                 "FIELD=VALUE[,FIELD=VALUE...]: also time the decode with those tuning fields "
+                 "against the device's, in turn (bench_util.h's TuningAB)");
   app.add_option("--ab-rounds", o.rounds, "rounds of --tuning-ab")
       ->capture_default_str()
       ->check(CLI::Range(1, 1000));
@@ -336,10 +351,10 @@ inline void add_tuning_ab_options(CLI::App& app, TuningABOptions& o) {
 inline void print_tuning_ab(const std::string& what, const TuningAB& ab, int rounds, double scale,
                             const char* unit) {
   std::printf(
-      "%s, %s=%lu against the device's tuning (%d rounds in turn): %.3f -> %.3f %s, A/B "
+      "%s, %s against the device's tuning (%d rounds in turn): %.3f -> %.3f %s, A/B "
       "%.3f [%.3f, %.3f]\n",
-      what.c_str(), ab.field.c_str(), (unsigned long)ab.value, rounds, ab.a_median * scale,
-      ab.b_median * scale, unit, ab.ratio_median, ab.ratio_low, ab.ratio_high);
+      what.c_str(), ab.label().c_str(), rounds, ab.a_median * scale, ab.b_median * scale, unit,
+      ab.ratio_median, ab.ratio_low, ab.ratio_high);
 }
 
 // Two timings (seconds, as a() and b() measure them) taken in turn `rounds` times, a first in
@@ -441,8 +456,7 @@ inline void add_roofline_rounds_option(CLI::App& app, int& rounds) {
 template <typename F>
 void run_tuning_ab(Device& dev, TuningAB& ab, int rounds, F fn) {
   const KernelTuning a = dev.tuning();
-  KernelTuning b = a;
-  set_kernel_tuning_field(b, ab.field, ab.value);
+  const KernelTuning b = ab.applied_to(a);
   dev.set_tuning(b);
   fn();  // builds B's kernels
   const InTurn t = time_in_turn(
