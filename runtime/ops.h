@@ -20,9 +20,9 @@ namespace clshard::ops {
 // more (prefill, batched decode) with bf16 weights, the activations are rounded to bf16 (nearest
 // even) and the products of bf16 pairs summed in f32 (linear_bf16.cl: vdpbf16ps where the CPU has
 // it). Smaller batches (GEMVs, bound by reading the weights) and other weight dtypes run as F32,
-// but for FP8 weights (ops::linear_any: linear_fp8_bf16 from 16 rows, linear_fp8's tiles in turn
-// summed in bf16 from kGemmRowsFrom where the host has vdpbf16ps; the grouped FP8 experts' tiles
-// in turn there at any row count, ops::moe_grouped_linear).
+// but for FP8 weights (ops::linear_any: linear_fp8_bf16 from 16 rows; below that linear_fp8's
+// tiles in turn, and the grouped FP8 experts' (ops::moe_grouped_linear), summed in bf16 at any row
+// count where the host has vdpbf16ps).
 constexpr uint32_t kGemmRowsFrom = 4;
 
 // Whether linear_bf16.cl runs vdpbf16ps on this device: PoCL on a host CPU that reports

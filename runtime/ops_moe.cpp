@@ -179,8 +179,15 @@ void linear_fp8(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, con
   // 367-378 against 626-654 (1.66-1.78x), 8 x 512 x 2048 122 against 181 (1.49x), 8 x 7168 x 2048
   // 1.30 ms against 2.25 (1.74x); dsv3-mini fp8's decode at batch 8 and bf16 compute 53.2 -> 47.9
   // ms a step (bench_deepseek, 9 rounds in turn, 1.11x [1.09, 1.14]).
-  const bool bf16_dot =
-      in_turn && M >= kGemmRowsFrom && fp8_in_turn_bf16_sums(dev, compute, decode);
+  // Below kGemmRowsFrom rows too, as the grouped experts' tiles: a row's sums are the same among
+  // 1 to 4 rows (fp8_in_turn_sums_bf16_R). The f32 decode is some 4 instructions per 16 codes,
+  // so the GEMV had been bound by them rather than the memory whenever the weights read faster
+  // than about 35-40 GB/s. In-process on the Zen 4 EPYC (in turn, 7 rounds), weights in L3: M = 1
+  // 2048 x 2048 1.50-1.59x (36.7 -> 55.1 GB/s), 7168 x 2048 1.52x, 2048 x 512 1.26x, M = 2 1.55x;
+  // from memory at 28-30 GB/s M = 1 1.01x, M = 3 1.67x; dsv3-mini fp8's decode at bf16 compute
+  // (bench_deepseek, 11 rounds in turn, read loop 35 GB/s) batch 1 1.05x [1.01, 1.19], batch 2
+  // 1.04x [0.99, 1.08].
+  const bool bf16_dot = in_turn && fp8_in_turn_bf16_sums(dev, compute, decode);
   cl::Kernel k = dev.kernel(
       "linear_fp8.cl", "linear_fp8",
       decode + " -DTM=" + std::to_string(tm) + " -DTN=" + std::to_string(tn) +

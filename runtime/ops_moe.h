@@ -29,10 +29,11 @@ namespace clshard::ops {
 // elsewhere or when CLSHARD_FP8_DECODE=f16. Either agrees with f32 arithmetic
 // on the dequantized weight to rounding (the scale multiplies x, not W) while |x * scale| < 2^28.
 // A NaN code makes its output feature NaN.
-// compute BF16 (ops::linear_any below kFp8Bf16GemmRowsFrom rows): from kGemmRowsFrom rows, on
-// PoCL's CPU device where the host has vdpbf16ps (bf16_dot_product) and for weights with the
-// short decode, the tiles in turn round x to bf16 and sum 32 products per vdpbf16ps, subnormal
-// codes counting as 0 (fp8_tile.cl's fp8_in_turn_sums_bf16); elsewhere as F32.
+// compute BF16 (ops::linear_any below kFp8Bf16GemmRowsFrom rows): at any row count, on PoCL's CPU
+// device where the host has vdpbf16ps (bf16_dot_product) and for weights with the short decode,
+// the tiles in turn round x to bf16 and sum 32 products per vdpbf16ps, subnormal codes counting
+// as 0 (fp8_tile.cl's fp8_in_turn_sums_bf16), each row the same bits among 1 to 4 rows; elsewhere
+// as F32.
 void linear_fp8(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const Weight& w,
                 const Weight& scale_inv, const cl::Mem& y, uint32_t y_off, uint32_t ldy, uint32_t M,
                 float alpha = 1.0f, bool accumulate = false,
@@ -151,7 +152,7 @@ GroupedPlan plan_expert_tiles(Device& dev, const std::vector<uint32_t>& expert_o
 // x_count is then the number of rows of x (the tokens, when x_rows is given). Below that average
 // (decode), FP8 experts under ComputeDType::BF16 on the CPU shape, where ops::linear_fp8 sums in
 // bf16 (vdpbf16ps, the short decode), take those bf16 sums for every row, an expert of fewer than
-// kGemmRowsFrom rows included: each row the bits linear_fp8 gives it among 4 rows.
+// kGemmRowsFrom rows included: each row the bits linear_fp8 gives it (among any 1 to 4 rows).
 void moe_grouped_linear(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::Mem* x_rows,
                         const GroupedExperts& experts, uint32_t slot0, uint32_t n_mats,
                         const GroupedPlan& plan, const cl::Mem& y, uint32_t ldy,

@@ -277,15 +277,15 @@ TEST_P(Fp8Decodes, LinearPartialBlocksAllTileShapes) {
     check_linear_fp8(M, 200, 300, 1.0f, false, 100 + M);
 }
 
-// model.compute_dtype: bf16 from 4 rows below the bf16 panels' 16 (ops::linear_any): where the host
-// has vdpbf16ps (ops::bf16_dot_product), the tiles in turn sum x rounded to bf16 (nearest even)
+// model.compute_dtype: bf16 below the bf16 panels' 16 rows (ops::linear_any): where the host has
+// vdpbf16ps (ops::bf16_dot_product), the tiles in turn sum x rounded to bf16 (nearest even)
 // times the codes, each whole 128-code block's products under its scale, subnormal codes counting
 // as 0 (vdpbf16ps reads denormal inputs as zero); the partial last block in f32 on x as it is.
-// Row blocks of 4 and a last one of 1 (M = 5), 2 (6) and 3 (15) rows, each its own function.
-// Checked against that sum in double precision (1e-5 of max |y|), and against the exact product
-// where the host lacks the instruction, for 2 rows (below 4, always exact), for a weight with more
-// subnormal codes than kFp8DenormMaxSubnormalShare (the f32 tiles) and at compute f32. A NaN code
-// in a whole block and one in the partial block make their features NaN.
+// One tile of 1 (M = 1), 2 or 3 rows, and row blocks of 4 with a last one of 1 (M = 5), 2 (6) and
+// 3 (15) rows, each row count its own function. Checked against that sum in double precision
+// (1e-5 of max |y|), and against the exact product where the host lacks the instruction, for a
+// weight with more subnormal codes than kFp8DenormMaxSubnormalShare (the f32 tiles) and at compute
+// f32. A NaN code in a whole block and one in the partial block make their features NaN.
 TEST(Fp8ComputeBf16, LinearInTurnSumsBf16RoundedRows) {
   Device& dev = device();
   test::ShapeScope scope(dev, KernelShape::Chunks);
@@ -295,9 +295,10 @@ TEST(Fp8ComputeBf16, LinearInTurnSumsBf16RoundedRows) {
     uint32_t M, N, K;
     bool many_subnormal;
   };
-  for (const Case c : {Case{4, 200, 300, false}, Case{5, 131, 2048, false}, Case{8, 64, 256, false},
-                       Case{15, 40, 136, false}, Case{6, 70, 384, false}, Case{2, 200, 300, false},
-                       Case{8, 64, 256, true}}) {
+  for (const Case c :
+       {Case{4, 200, 300, false}, Case{5, 131, 2048, false}, Case{8, 64, 256, false},
+        Case{15, 40, 136, false}, Case{6, 70, 384, false}, Case{2, 200, 300, false},
+        Case{1, 131, 2048, false}, Case{3, 70, 384, false}, Case{8, 64, 256, true}}) {
     for (const ComputeDType compute : {ComputeDType::BF16, ComputeDType::F32}) {
       SCOPED_TRACE("M=" + std::to_string(c.M) + " N=" + std::to_string(c.N) +
                    " K=" + std::to_string(c.K) + (c.many_subnormal ? " many subnormal codes" : "") +
@@ -327,8 +328,7 @@ TEST(Fp8ComputeBf16, LinearInTurnSumsBf16RoundedRows) {
       wq.fp8_subnormal_share = float(double(subnormal) / double(w.size()));
       ASSERT_EQ(wq.fp8_subnormal_share > ops::kFp8DenormMaxSubnormalShare, c.many_subnormal);
       Weight sc = to_device_f32(dev, scales, {ceil128(N), ceil128(K)}, "test.scale_inv");
-      const bool bf16_sums =
-          dot && compute == ComputeDType::BF16 && M >= ops::kGemmRowsFrom && !c.many_subnormal;
+      const bool bf16_sums = dot && compute == ComputeDType::BF16 && !c.many_subnormal;
       const uint32_t whole = bf16_sums ? K / 128 * 128 : 0;
       cl::Mem xb = upload(dev, x), y = dev.alloc(size_t(M) * N * 4);
       ops::linear_any(dev, xb, 0, K, wq, &sc, y, 0, N, M, 1.0f, false, false, compute);
@@ -740,7 +740,7 @@ TEST(LinearFp8, RejectsWrongDtypeAndScaleShape) {
 // and from gemm_bf16_packed_rows rows in the packed GEMM (dequantized as it packs; 129 rows with K
 // of two chunks and an odd tail), with the dot product and the portable micro-kernel, and with the
 // NaN watch (the weight's scan unknown: the exact decode); fewer rows, and every GEMM in the GPU
-// shape (which keeps FP8 weights in its tiles), keep linear_fp8's bits, but for 4-15 rows where
+// shape (which keeps FP8 weights in its tiles), keep linear_fp8's bits, but for 1-15 rows where
 // the host has vdpbf16ps (their own sums: Fp8ComputeBf16.LinearInTurnSumsBf16RoundedRows).
 TEST_P(Fp8Decodes, LinearAnyBf16ComputeIsTheBf16GemmOfTheDequantizedWeight) {
   Device& dev = device();
@@ -756,9 +756,7 @@ TEST_P(Fp8Decodes, LinearAnyBf16ComputeIsTheBf16GemmOfTheDequantizedWeight) {
     if (portable) t.gemm_bf16_dot = t.gemm_bf16_amx = 0;
     test::TuningScope tuned(dev, t);
     const bool bf16_route = M >= 16 && shape == KernelShape::Chunks;
-    if (M >= ops::kGemmRowsFrom && M < 16 && shape == KernelShape::Chunks &&
-        ops::bf16_dot_product(dev))
-      continue;
+    if (M < 16 && shape == KernelShape::Chunks && ops::bf16_dot_product(dev)) continue;
     SCOPED_TRACE("M=" + std::to_string(M) + " N=" + std::to_string(N) + " K=" + std::to_string(K) +
                  (shape == KernelShape::Chunks ? " cpu shape" : " gpu shape") +
                  (portable ? " portable" : ""));
