@@ -79,6 +79,25 @@ void tile_dots_bf16(global const ushort* const* xr_in, BF16_W_SPACE const ushort
                     uint K32, global const ushort* const* pf_in, float* out) {
   BF16_TILE_ROWS_AS_LOCALS
   v16f acc[TM][TN];
+#if TM == 1 && COLUMNS_IN_TURN
+  // One row (decode): the weight rows one after another, one sequential stream, as linear_tile.cl's
+  // one-row tiles; each column's chain is the one below. With GLU the next tile's rows are
+  // prefetched as it goes (gate and up alternate runs of two matrices, which the hardware
+  // prefetcher does not follow).
+#pragma unroll
+  for (int j = 0; j < TN; ++j) {
+    v16f a = (v16f)(0.0f);
+    for (uint k = 0; k < K32; ++k) {
+      const v16i xv = (v16i)(*(global const v32s_u*)(xr[0] + (size_t)k * 32));
+      a = __builtin_ia32_dpbf16ps_512(
+          a, xv, (v16i)(*(BF16_W_SPACE const v32s_u*)(wr[j] + (size_t)k * 32)));
+#if PREFETCH_X86 && GLU
+      if (pf) PREFETCH_LINE(pf[j] + (size_t)k * 32);
+#endif
+    }
+    acc[0][j] = a;
+  }
+#else
 #pragma unroll
   for (int i = 0; i < TM; ++i)
 #pragma unroll
@@ -96,6 +115,7 @@ void tile_dots_bf16(global const ushort* const* xr_in, BF16_W_SPACE const ushort
       for (int j = 0; j < TN; ++j) acc[i][j] = __builtin_ia32_dpbf16ps_512(acc[i][j], xv, wv[j]);
     }
   }
+#endif
   // The sums in OUT_INDEX's order, 16 per vector (common.cl's hsum16_x16; the slots past the
   // tile's add zeros). A 4 x 6 tile's code after its loop went from 200 instructions to about 80;
   // with the GLU epilogue's sums 16 at a time (linear_bf16 below), the 512-row GEMMs ran

@@ -98,6 +98,9 @@ struct KernelTuning {
   uint32_t gemm_bf16_batch_tn = 4;
   uint32_t gemm_bf16_rows = 64;
   uint32_t gemm_bf16_dot = 1;
+  // Whether bf16 compute's GEMVs (below kGemmRowsFrom rows) sum in bf16 too where the host has
+  // vdpbf16ps and no AMX (ops::bf16_gemv): 1, or 0 for the f32 GEMV.
+  uint32_t gemm_bf16_gemv = 1;
   // From gemm_bf16_packed_rows rows (0: never), bf16 and FP8 weights take the packed GEMM instead
   // (linear_bf16.cl's linear_bf16_packed, bf16_packed.cl): a work-item packs its column tile's
   // weight pairs once and runs tiles of gemm_bf16_packed_tm rows x gemm_bf16_packed_nv vectors of

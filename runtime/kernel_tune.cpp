@@ -404,8 +404,8 @@ TuneWorkload::TuneWorkload(Device& dev, bool quick) : buffers_(std::make_unique<
 }
 
 const std::vector<TuneField>& tunable_fields() {
-  // gemm_bf16_dot and gemm_bf16_amx are no timing choices: 1 uses vdpbf16ps / AMX where the host
-  // has it. split_scratch_bytes is a memory cap.
+  // gemm_bf16_dot, gemm_bf16_gemv and gemm_bf16_amx are no timing choices: 1 uses vdpbf16ps /
+  // AMX where the host has it. split_scratch_bytes is a memory cap.
   using S = KernelShape;
   static const std::vector<TuneField> f = {
       {"norm_wg", S::WorkGroups, {32, 64, 128, 256}},

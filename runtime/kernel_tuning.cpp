@@ -193,6 +193,7 @@ const std::vector<std::pair<std::string, U32Field>>& u32_fields() {
       {"gemm_bf16_batch_tn", &KernelTuning::gemm_bf16_batch_tn},
       {"gemm_bf16_rows", &KernelTuning::gemm_bf16_rows},
       {"gemm_bf16_dot", &KernelTuning::gemm_bf16_dot},
+      {"gemm_bf16_gemv", &KernelTuning::gemm_bf16_gemv},
       {"gemm_bf16_amx", &KernelTuning::gemm_bf16_amx},
       {"gemm_bf16_amx_rows", &KernelTuning::gemm_bf16_amx_rows},
       {"gemm_bf16_amx_stream_rows", &KernelTuning::gemm_bf16_amx_stream_rows},
@@ -250,7 +251,7 @@ void apply_file(const DeviceInfo& info, KernelTuning& t) {
             ") with a positive integer (blas_gemm_rows, gemm_bf16_packed_rows, "
             "gemm_bf16_amx_stream_rows, gemm_f32_amx_rows: 0 for never; weight_prefetch, "
             "stream_prefetch, stream_prefetch_l1, gemv_stream_prefetch, gemv_row_pairs, "
-            "gemm_bf16_dot, gemm_bf16_amx: 0 for off), got " +
+            "gemm_bf16_dot, gemm_bf16_gemv, gemm_bf16_amx: 0 for off), got " +
             value.dump());
       }
     }
@@ -277,7 +278,7 @@ bool kernel_tuning_zero_allowed(const std::string& field) {
          field == "gemm_bf16_amx_stream_rows" || field == "weight_prefetch" ||
          field == "stream_prefetch" || field == "stream_prefetch_l1" ||
          field == "gemv_stream_prefetch" || field == "gemv_row_pairs" || field == "gemm_bf16_dot" ||
-         field == "gemm_bf16_amx" || field == "gemm_f32_amx_rows";
+         field == "gemm_bf16_gemv" || field == "gemm_bf16_amx" || field == "gemm_f32_amx_rows";
 }
 
 const std::vector<std::string>& kernel_tuning_fields() {

@@ -65,12 +65,14 @@ std::string tile_options(const Device& dev, const LinearBlocks& b, uint32_t tn, 
          (in_turn ? columns_in_turn_option(dev) : "") + weight_prefetch_option(dev);
 }
 
-// Whether a GEMM over `ws` runs in bf16 (ComputeDType in ops.h).
-bool bf16_gemm(ComputeDType compute, uint32_t M, const std::vector<const Weight*>& ws) {
-  if (compute != ComputeDType::BF16 || M < kGemmRowsFrom) return false;
+// Whether a GEMM over `ws` runs in bf16 (ComputeDType in ops.h): from kGemmRowsFrom rows, and
+// below that (the GEMVs of decode) on the CPU shape where the host has vdpbf16ps but not AMX.
+bool bf16_gemm(const Device& dev, ComputeDType compute, uint32_t M,
+               const std::vector<const Weight*>& ws) {
+  if (compute != ComputeDType::BF16) return false;
   for (const Weight* w : ws)
     if (w->dtype != DType::BF16) return false;
-  return true;
+  return M >= kGemmRowsFrom || bf16_gemv(dev);
 }
 
 // The pair steps a packed panel holds at once (bf16_packed.cl): K up to 2048 in one chunk; longer
@@ -309,11 +311,15 @@ void gemm_bf16(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx,
       launch_bf16_packed(dev, xb.mem(), 0, ldxb, PackedRows::Bf16, ws, glu, bias, fp8_scale,
                          pairs_aligned, y, y_off, ldy, M, N, K, n1, n2, alpha, accumulate))
     return;
-  // Batches below one work-item's rows (decode) take their own tile (KernelTuning).
-  const bool batch = M < t.gemm_bf16_rows;
-  const uint32_t tm = batch ? t.gemm_bf16_batch_tm : t.gemm_bf16_tm;
+  // Batches below one work-item's rows (decode) take their own tile (KernelTuning), and below
+  // kGemmRowsFrom rows one-row tiles that read their columns in turn (bf16_tile.cl).
+  const bool batch = M < t.gemm_bf16_rows, gemv = M < kGemmRowsFrom;
+  const uint32_t tm = gemv ? 1 : batch ? t.gemm_bf16_batch_tm : t.gemm_bf16_tm;
   const uint32_t tn_any = batch ? t.gemm_bf16_batch_tn : t.gemm_bf16_tn;
-  const uint32_t tn = glu ? (tn_any + 1) / 2 * 2 : tn_any;
+  // A GEMV's GLU tile is one gate row and its up row, as the f32 GEMV's (launch_fused): two of
+  // each, run in turn, took llama3-1b's gate|up stage at bf16 compute 1.08-1.10x longer than the
+  // f32 GEMV's, one of each 0.99-1.01x (bench_decode_breakdown --tuning-ab gemm_bf16_gemv=0).
+  const uint32_t tn = gemv && glu ? 2 : glu ? (tn_any + 1) / 2 * 2 : tn_any;
   const uint32_t tile_cols = glu ? tn / 2 : tn;
   // As linear_blocks: enough column tiles per work-item that a launch is a few hundred of them;
   // batches of at most 16 rows, bound by the weights' stream, are split as linear_fp8's GEMVs
@@ -334,10 +340,10 @@ void gemm_bf16(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx,
   // against 146.3-149.2 tok/s without, 3 interleaved pairs of a 512-token prefill).
   // An FP8 weight (one, no GLU, no bias) is dequantized per column tile into the work-item's
   // bf16 panel (bf16_tile.cl's FP8_BF16_PANEL), whose rows are aligned.
-  std::string opts = "-DLINEAR_BF16=1 -DWEIGHT_TYPE=1 -DTM=" + std::to_string(tm) +
-                     " -DTN=" + std::to_string(tn) + " -DGLU=" + (glu ? "1" : "0") +
-                     " -DBF16_DOT=" + (bf16_dot_product(dev) ? "1" : "0") +
-                     " -DPAIRS_ALIGNED=" + (pairs_aligned ? "1" : "0");
+  std::string opts =
+      "-DLINEAR_BF16=1 -DWEIGHT_TYPE=1 -DTM=" + std::to_string(tm) + " -DTN=" + std::to_string(tn) +
+      " -DGLU=" + (glu ? "1" : "0") + " -DBF16_DOT=" + (bf16_dot_product(dev) ? "1" : "0") +
+      " -DPAIRS_ALIGNED=" + (pairs_aligned ? "1" : "0") + (gemv ? " -DCOLUMNS_IN_TURN=1" : "");
   if (fp8_scale)
     opts += fp8_bf16_panel_options(dev, K, fp8_codes(*ws[0]));
   else if (batch)
@@ -406,6 +412,11 @@ bool bf16_dot_product(const Device& dev) {
 
 bool bf16_amx(const Device& dev) {
   return pocl_cpu(dev) && dev.tuning().gemm_bf16_amx != 0 && host_amx_bf16_permitted();
+}
+
+bool bf16_gemv(const Device& dev) {
+  return dev.kernel_shape() == KernelShape::Chunks && dev.tuning().gemm_bf16_gemv != 0 &&
+         bf16_dot_product(dev) && !bf16_amx(dev);
 }
 
 uint32_t bf16_packed_rows_from(const Device& dev) {
@@ -548,7 +559,7 @@ void linear(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const W
   const uint32_t N = uint32_t(w.dim(0)), K = uint32_t(w.dim(1));
   const uint32_t ldw = uint32_t(w.row_stride());
   const int has_bias = bias != nullptr;
-  if (bf16_gemm(compute, M, {&w}) && (!bias || bias->dtype == DType::BF16)) {
+  if (bf16_gemm(dev, compute, M, {&w}) && (!bias || bias->dtype == DType::BF16)) {
     if (dev.kernel_shape() == KernelShape::Chunks) {
       gemm_bf16(dev, x, x_off, ldx, {&w}, false, bias, y, y_off, ldy, M, alpha, accumulate);
       return;
@@ -654,7 +665,7 @@ void launch_fused_wg(Device& dev, ComputeDType compute, const cl::Mem& x_in, uin
   const uint32_t K = common_k(ws, glu ? "linear_swiglu" : "linear_fused");
   const cl::Mem* x = &x_in;
   Scratch rounded;
-  if (bf16_gemm(compute, M, ws)) {
+  if (bf16_gemm(dev, compute, M, ws)) {
     rounded = Scratch(dev, size_t(M) * K * 4);
     round_bf16(dev, x_in, x_off, ldx, M, K, rounded.mem(), K, true);
     x = &rounded.mem();
@@ -727,7 +738,7 @@ void linear_fused(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx,
   const uint32_t K = common_k(weights, "linear_fused");
   Scratch normed;
   const GemmInput in = gemm_input(dev, x, x_off, ldx, rows, norm, eps, M, K, normed);
-  if (bf16_gemm(compute, M, weights) && dev.kernel_shape() == KernelShape::Chunks) {
+  if (bf16_gemm(dev, compute, M, weights) && dev.kernel_shape() == KernelShape::Chunks) {
     gemm_bf16(dev, *in.x, in.off, in.ld, weights, false, nullptr, y, y_off, ldy, M, alpha,
               accumulate);
     return;
@@ -760,7 +771,7 @@ void linear_swiglu(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, 
   const uint32_t K = common_k({&gate, &up}, "linear_swiglu"), F = uint32_t(gate.dim(0));
   Scratch normed;
   const GemmInput in = gemm_input(dev, x, x_off, ldx, nullptr, norm, eps, M, K, normed);
-  if (bf16_gemm(compute, M, {&gate, &up}) && dev.kernel_shape() == KernelShape::Chunks) {
+  if (bf16_gemm(dev, compute, M, {&gate, &up}) && dev.kernel_shape() == KernelShape::Chunks) {
     gemm_bf16(dev, *in.x, in.off, in.ld, {&gate, &up}, true, nullptr, y, y_off, ldy, M, 1.0f,
               false);
     return;

@@ -19,15 +19,21 @@ namespace clshard::ops {
 // The linear ops take a ComputeDType (runtime/dtype.h). BF16: in GEMMs of kGemmRowsFrom rows and
 // more (prefill, batched decode) with bf16 weights, the activations are rounded to bf16 (nearest
 // even) and the products of bf16 pairs summed in f32 (linear_bf16.cl: vdpbf16ps where the CPU has
-// it). Smaller batches (GEMVs, bound by reading the weights) and other weight dtypes run as F32,
-// but for FP8 weights (ops::linear_any: linear_fp8_bf16 from 16 rows; below that linear_fp8's
-// tiles in turn, and the grouped FP8 experts' (ops::moe_grouped_linear), summed in bf16 at any row
-// count where the host has vdpbf16ps).
+// it). Smaller batches (GEMVs) do the same where bf16_gemv holds, else run as F32, as do other
+// weight dtypes, but for FP8 weights (ops::linear_any: linear_fp8_bf16 from 16 rows; below that
+// linear_fp8's tiles in turn, and the grouped FP8 experts' (ops::moe_grouped_linear), summed in
+// bf16 at any row count where the host has vdpbf16ps).
 constexpr uint32_t kGemmRowsFrom = 4;
 
 // Whether linear_bf16.cl runs vdpbf16ps on this device: PoCL on a host CPU that reports
 // AVX-512 BF16, and the device's tuning allows it (gemm_bf16_dot; 0 forces the portable kernel).
 bool bf16_dot_product(const Device& dev);
+// Whether bf16-compute GEMVs (below kGemmRowsFrom rows: decode) over bf16 weights sum in bf16 too
+// on this device: the CPU shape where the tuning allows it (gemm_bf16_gemv), bf16_dot_product
+// holds and bf16_amx does not
+// (linear_bf16.cl's one-row tiles, their columns in turn; each row the bits the tiles of 4 rows
+// and more give it). Elsewhere they run as F32.
+bool bf16_gemv(const Device& dev);
 // Whether the packed bf16-compute GEMM (bf16_packed.cl) takes Intel AMX's bf16 tiles: PoCL's CPU
 // device on a host whose CPU has AMX-BF16 and whose kernel grants the process the tile state, and
 // the device's tuning allows it (gemm_bf16_amx; 0 leaves it to bf16_dot_product's choice).

@@ -923,6 +923,89 @@ TEST_P(GemmBf16Prefetch, WeightPrefetchLeavesTheBits) {
     for (size_t i = 0; i < out[0][op].size(); ++i)
       ASSERT_EQ(std::memcmp(&out[0][op][i], &out[1][op][i], 4), 0) << "op " << op << " at " << i;
 }
+// bf16 compute below kGemmRowsFrom rows (decode's GEMVs): where ops::bf16_gemv holds, one-row
+// tiles reading their columns in turn (bf16_tile.cl), whose rows must carry the bits the same rows
+// get inside a 9-row batch (the batch tile), so that a row's logits do not depend on what else
+// the step holds (speculative decoding's verify against plain decode). Elsewhere those rows run
+// as compute f32: then their bits are the f32 GEMM's. 1, 2 and 3 rows; K = 333 (10 whole
+// 32-element steps, an odd tail, rows on 2-byte boundaries) and 1024; N = 23 over several column
+// tiles per work-item (3100); linear with bias, alpha and accumulate, linear_fused (norm, q/k/v
+// side by side) and linear_swiglu (norm, the GLU epilogue, whose gate|up rows prefetch the next
+// tile's). Where the bf16 sums run, over half the outputs must differ from the f32 GEMM's; with
+// the tuning's gemm_bf16_gemv = 0 one row gets the f32 GEMM's bits.
+TEST(GemmBf16Gemv, RowsBelowFourCarryTheBatchTilesBits) {
+  Device& dev = test::default_device();
+  test::ShapeScope shape(dev, KernelShape::Chunks);
+  const bool gemv = ops::bf16_gemv(dev);
+  std::printf("bf16 GEMVs on this device: %s\n", gemv ? "yes (vdpbf16ps, no AMX)" : "no (f32)");
+  const uint32_t B = 9;
+  for (const uint32_t K : {333u, 1024u})
+    for (const uint32_t N : {23u, 3100u}) {
+      std::vector<float> x = random_vec(size_t(B) * K, 51 + K, 3.0f), g = random_vec(K, 52, 2.0f),
+                         bv = random_vec(N, 53), y0 = random_vec(size_t(B) * N, 54);
+      Weight norm = bf16_weight(dev, g, {K}, "norm"), bias = bf16_weight(dev, bv, {N}, "bias");
+      std::vector<Weight> ws;
+      for (uint32_t i = 0; i < 3; ++i) {
+        std::vector<float> v = random_vec(size_t(N) * K, 55 + i);
+        ws.push_back(bf16_weight(dev, v, {N, K}, "w" + std::to_string(i)));
+      }
+      const cl::Mem xm = test::upload_bytes(dev, x.data(), x.size() * 4);
+      // The three ops over rows [r0, r0 + M) of x, at compute c: linear's, q/k/v's and SwiGLU's
+      // outputs one after another.
+      auto run = [&](uint32_t r0, uint32_t M, ComputeDType c) {
+        std::vector<float> out;
+        cl::Mem y = test::upload_bytes(dev, y0.data() + size_t(r0) * N, size_t(M) * N * 4);
+        ops::linear(dev, xm, r0 * K, K, ws[0], &bias, y, 0, N, M, 0.75f, true, c);
+        std::vector<float> part = download(dev, y, size_t(M) * N);
+        out.insert(out.end(), part.begin(), part.end());
+        y = dev.alloc(size_t(M) * 3 * N * 4);
+        ops::linear_fused(dev, xm, r0 * K, K, nullptr, &norm, 1e-5f, {&ws[0], &ws[1], &ws[2]}, y, 0,
+                          3 * N, M, 1.0f, false, c);
+        part = download(dev, y, size_t(M) * 3 * N);
+        out.insert(out.end(), part.begin(), part.end());
+        y = dev.alloc(size_t(M) * N * 4);
+        ops::linear_swiglu(dev, xm, r0 * K, K, &norm, 1e-5f, ws[1], ws[2], y, 0, N, M, c);
+        part = download(dev, y, size_t(M) * N);
+        out.insert(out.end(), part.begin(), part.end());
+        return out;
+      };
+      const std::vector<float> batch = run(0, B, ComputeDType::BF16);
+      for (const uint32_t M : {1u, 2u, 3u}) {
+        const uint32_t r0 = 5 - M;  // rows in the middle of the batch
+        SCOPED_TRACE("M=" + std::to_string(M) + " N=" + std::to_string(N) +
+                     " K=" + std::to_string(K));
+        const std::vector<float> got = run(r0, M, ComputeDType::BF16);
+        const std::vector<float> f32 = run(r0, M, ComputeDType::F32);
+        // Where output i of the M rows sits in the batch's outputs: each op's block of B rows.
+        size_t differ = 0;
+        const uint32_t widths[3] = {N, 3 * N, N};
+        size_t at_m = 0, at_b = 0;
+        for (const uint32_t w : widths) {
+          for (size_t i = 0; i < size_t(M) * w; ++i) {
+            const float want = gemv ? batch[at_b + size_t(r0) * w + i] : f32[at_m + i];
+            ASSERT_EQ(std::bit_cast<uint32_t>(got[at_m + i]), std::bit_cast<uint32_t>(want))
+                << "output " << i << " of an op of width " << w;
+            differ += got[at_m + i] != f32[at_m + i];
+          }
+          at_m += size_t(M) * w;
+          at_b += size_t(B) * w;
+        }
+        if (gemv) {
+          EXPECT_GT(differ, got.size() / 2);
+        }
+      }
+      // gemm_bf16_gemv = 0 in the tuning keeps them f32.
+      KernelTuning off = dev.tuning();
+      off.gemm_bf16_gemv = 0;
+      test::TuningScope scope(dev, off);
+      ASSERT_FALSE(ops::bf16_gemv(dev));
+      const std::vector<float> got = run(2, 1, ComputeDType::BF16),
+                               f32 = run(2, 1, ComputeDType::F32);
+      for (size_t i = 0; i < got.size(); ++i)
+        ASSERT_EQ(std::bit_cast<uint32_t>(got[i]), std::bit_cast<uint32_t>(f32[i])) << i;
+    }
+}
+
 INSTANTIATE_TEST_SUITE_P(Rows, GemmBf16Prefetch, ::testing::Values(9u, 130u),
                          [](const auto& info) { return "M" + std::to_string(info.param); });
 

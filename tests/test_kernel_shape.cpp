@@ -174,7 +174,8 @@ TEST(KernelTuningFile, AnEntryOverridesTheBuiltInRowForItsDeviceOnly) {
                             "gemm_bf16_amx_stream_rows, gemm_f32_amx_rows: 0 for never; "
                             "weight_prefetch, "
                             "stream_prefetch, stream_prefetch_l1, gemv_stream_prefetch, "
-                            "gemv_row_pairs, gemm_bf16_dot, gemm_bf16_amx: 0 for off), got 0"),
+                            "gemv_row_pairs, gemm_bf16_dot, gemm_bf16_gemv, gemm_bf16_amx: 0 for "
+                            "off), got 0"),
             std::string::npos)
       << error_of();
   write({{"blas_gemm_rows", 0}});  // the fields whose 0 is a value (never, off)
@@ -205,10 +206,13 @@ TEST(KernelTuningFile, AnEntryOverridesTheBuiltInRowForItsDeviceOnly) {
   want = builtin_kernel_tuning(info);
   want.gemv_row_pairs = 0;
   EXPECT_EQ(lookup_kernel_tuning(info), want);
-  write({{"gemm_bf16_dot", 0}, {"gemm_bf16_amx", 0}, {"gemm_f32_amx_rows", 0}});
+  write({{"gemm_bf16_dot", 0},
+         {"gemm_bf16_gemv", 0},
+         {"gemm_bf16_amx", 0},
+         {"gemm_f32_amx_rows", 0}});
   want = builtin_kernel_tuning(info);
   want.gemm_f32_amx_rows = 0;
-  want.gemm_bf16_dot = want.gemm_bf16_amx = 0;
+  want.gemm_bf16_dot = want.gemm_bf16_gemv = want.gemm_bf16_amx = 0;
   EXPECT_EQ(lookup_kernel_tuning(info), want);
   write({{"warp_size", 32}});
   EXPECT_EQ(error_of().rfind(prefix + "warp_size: expected one of the fields", 0), 0u) << error_of();
