@@ -361,7 +361,8 @@ typedef float gx_t;
 #include "fp8_tile.cl"
 #elif GROUPED_BF16
 // model.compute_dtype: bf16 with bf16 experts averaging 8 rows or more (4-row tiles; the host's
-// kGroupedBf16RowsFrom): x rows rounded to bf16, the sums of linear_bf16.cl's GEMM (bf16_tile.cl).
+// kGroupedBf16RowsFrom), or decode's one-row tiles (-DCOLUMNS_IN_TURN=1) where the host's
+// ops::bf16_gemv holds: x rows rounded to bf16, the sums of linear_bf16.cl's GEMM (bf16_tile.cl).
 // FP8_BF16_PANEL: FP8 experts the same way, through bf16_tile.cl's panels: a work-item
 // dequantizes each column tile's TN weight rows to bf16 once, for the tile's up to 64 row tiles.
 #if FP8_BF16_PANEL

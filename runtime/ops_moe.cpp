@@ -434,7 +434,8 @@ void check_grouped(const char* op, const GroupedExperts& g, uint32_t slot0, uint
 // then). In-process on the 2-core EPYC (dsv3-mini's experts: 64 + 1 shared, top-8, gate|up with
 // the SwiGLU then down), bf16 against f32 tiles: FP8 experts 0.75x at 4.4 rows, 0.89x at 5.5,
 // 0.99x at 6.6, 1.13x at 8.9, 1.40x at 17.7, 1.88x at 71 (512-token prefill); bf16 experts 0.90x,
-// 0.95x, 0.96x, 1.11x, 1.31x. Below it (decode batches up to ~50 streams) they stay f32.
+// 0.95x, 0.96x, 1.11x, 1.31x. Below it (decode batches up to ~50 streams) they stay f32, but for
+// bf16 experts in one-row tiles (under 4 rows per expert on average) where ops::bf16_gemv holds.
 constexpr uint32_t kGroupedBf16RowsFrom = 8;
 
 // bf16 compute as ops::linear's GEMMs of 4 rows and more, where the experts average
@@ -443,12 +444,19 @@ constexpr uint32_t kGroupedBf16RowsFrom = 8;
 // tiles in f32 (3 interleaved pairs, the 2-core EPYC).
 // FP8 experts too (moe.cl's FP8_BF16_PANEL): each column tile's weight rows dequantized to bf16
 // once into a work-item's private panel, read by the tile's up to 64 row tiles.
+// Decode's one-row tiles of bf16 experts (plan.tm 1) take the bf16 sums too where ops::bf16_gemv
+// holds: the dense GEMVs' one-row tiles in turn, so an expert's row gets the bits ops::linear
+// gives it at any row count. dsv3-mini bf16 at bf16 compute with the read loop at 25 GB/s
+// (bench_deepseek --tuning-ab gemm_bf16_gemv=0, dense and grouped GEMVs together, 9 rounds in
+// turn): batch 8 1.11x [1.03, 1.14], batch 1 0.98x [0.89, 1.01]; kernel by kernel at batch 1
+// (bench_step_breakdown, 2 runs each) the steps 20.8-22.3 ms against 21.1-22.3, with 37 more
+// launches (the x rows' rounding).
 bool grouped_bf16(const Device& dev, const GroupedExperts& g, const GroupedPlan& plan,
                   ComputeDType compute) {
-  return compute == ComputeDType::BF16 &&
-         (g.dtype == DType::BF16 || g.dtype == DType::F8_E4M3) && plan.tm >= kGemmRowsFrom &&
-         plan.rows >= kGroupedBf16RowsFrom * plan.n_experts &&
-         dev.kernel_shape() == KernelShape::Chunks;
+  if (compute != ComputeDType::BF16 || dev.kernel_shape() != KernelShape::Chunks) return false;
+  if (plan.tm == 1) return g.dtype == DType::BF16 && bf16_gemv(dev);
+  return (g.dtype == DType::BF16 || g.dtype == DType::F8_E4M3) && plan.tm >= kGemmRowsFrom &&
+         plan.rows >= kGroupedBf16RowsFrom * plan.n_experts;
 }
 
 // The bf16-compute grouped launches: the experts of ops::bf16_packed_rows_from rows or more in the
@@ -491,14 +499,20 @@ void grouped_bf16_launch(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::
     const uint32_t col_tiles = ceil_div(N, shape.tile_cols) * (glu ? 1 : n_mats);
     dev.launch(k, {col_tiles, plan.max_tiles, 1}, 2);
   }
-  const uint32_t tn_any = dev.tuning().gemm_bf16_tn, tn = glu ? (tn_any + 1) / 2 * 2 : tn_any;
-  std::string opts = " -DTM=" + std::to_string(plan.tm) + " -DTN=" + std::to_string(tn) +
-                     " -DGROUPED_BF16=1 -DWEIGHT_TYPE=1 -DPAIRS_ALIGNED=0 -DGLU=" +
-                     (glu ? "1" : "0") + " -DBF16_DOT=" + (bf16_dot_product(dev) ? "1" : "0");
+  // One-row tiles (decode) read their columns in turn, with GLU one gate row and its up row, as
+  // ops::linear's bf16 GEMVs.
+  const bool in_turn = plan.tm == 1;
+  const uint32_t tn_any = dev.tuning().gemm_bf16_tn;
+  const uint32_t tn = in_turn && glu ? 2 : glu ? (tn_any + 1) / 2 * 2 : tn_any;
+  std::string opts =
+      " -DTM=" + std::to_string(plan.tm) + " -DTN=" + std::to_string(tn) +
+      " -DGROUPED_BF16=1 -DWEIGHT_TYPE=1 -DPAIRS_ALIGNED=0 -DGLU=" + (glu ? "1" : "0") +
+      " -DBF16_DOT=" + (bf16_dot_product(dev) ? "1" : "0") +
+      (in_turn ? " -DCOLUMNS_IN_TURN=1" : "");
   if (fp8) opts += fp8_bf16_panel_options(dev, K, fp8_codes(g));
   cl::Kernel k = dev.kernel("moe.cl", "moe_grouped_linear", opts);
   launch_grouped(dev, k, xb.mem(), ldxb, tile_rows, g, slot0, glu ? 1 : n_mats, plan, y, ldy, N, K,
-                 glu ? tn / 2 : tn, false, packed ? packed_from : 0);
+                 glu ? tn / 2 : tn, in_turn, packed ? packed_from : 0);
 }
 
 // compute_dtype f32 over bf16 experts with AMX, as ops::linear's GEMMs from gemm_f32_amx_rows

@@ -624,6 +624,16 @@ TEST_P(GroupedExperts, MatchPerExpertOpsBitForBit) {
   if (bf16_path) {
     ASSERT_EQ(plan.tm, 4u) << "the case must plan 4-row tiles";
   }
+  // Below 4 rows per expert (one-row tiles), bf16 experts take the bf16 sums where ops::bf16_gemv
+  // holds: ops::linear's bf16 GEMV bits for each row, as the reference below gives them.
+  const bool bf16_gemv_path = !bf16_path && c.compute == ComputeDType::BF16 &&
+                              c.dtype == DType::BF16 && c.shape == KernelShape::Chunks &&
+                              plan.tm == 1 && ops::bf16_gemv(dev);
+  if (c.compute == ComputeDType::BF16 && c.dtype == DType::BF16 && !bf16_path)
+    std::printf("bf16 experts below 8 rows on average (%s tiles): %s\n",
+                plan.tm == 1 ? "one-row" : "4-row",
+                bf16_gemv_path ? "bf16 sums (vdpbf16ps)" : "the f32 tiles");
+  const bool bf16_sums = bf16_path || bf16_gemv_path;
   // The experts the packed GEMM takes (ops::bf16_packed_rows_from rows or more; these shapes'
   // panels fit any device's local memory).
   const uint32_t packed_from = ops::bf16_packed_rows_from(dev);
@@ -636,13 +646,13 @@ TEST_P(GroupedExperts, MatchPerExpertOpsBitForBit) {
     ASSERT_GT(packed, 0u) << "no expert of " << packed_from << " rows or more";
     ASSERT_GT(tiled, 0u) << "no expert of fewer than " << packed_from << " rows";
   }
-  if (bf16_path) {
+  if (bf16_sums) {
     // Each expert's reference is ops::linear under bf16 compute; FP8 experts: of the weight
     // dequantized to bf16 by dequantize_fp8_bf16 (ops::linear_any's FP8 GEMM under bf16
     // compute). An expert of packed_from rows or more: ops::linear over its own rows, the
     // packed GEMM. Fewer: the bf16 GEMM's tile sums, which do not depend on the rows around
     // them, so ops::linear over all S rows with the packed GEMM off, of which the expert's own
-    // are kept (an expert of fewer than 4 rows would take the f32 GEMV by itself).
+    // are kept (its bf16 GEMV, for fewer than 4 rows, gives them the same bits).
     auto rows_of = [&](const cl::Mem& in, uint32_t ld_in, uint32_t mat, uint32_t N,
                        const cl::Mem& dst, uint32_t ld_dst, uint32_t col) {
       cl::Mem tmp = dev.alloc(size_t(S) * N * 4);
@@ -729,7 +739,7 @@ TEST_P(GroupedExperts, MatchPerExpertOpsBitForBit) {
       differ += std::bit_cast<uint32_t>(f32[i]) != std::bit_cast<uint32_t>(bf16[i]);
     EXPECT_GT(differ, 0u);
   }
-  if (!bf16_path && !fp8_bf16_sums) {
+  if (!bf16_sums && !fp8_bf16_sums) {
     const uint32_t terms_from =
         c.dtype == DType::BF16 && c.shape == KernelShape::Chunks && ops::bf16_amx(dev)
             ? dev.tuning().gemm_f32_amx_rows
@@ -764,7 +774,7 @@ TEST_P(GroupedExperts, MatchPerExpertOpsBitForBit) {
     ops::silu_mul(dev, gu, 0, F2, gu, c.F, F2, act_ref, c.F, S, c.F);
     const auto a = download<float>(dev, act, size_t(S) * c.F);
     const auto ar = download<float>(dev, act_ref, size_t(S) * c.F);
-    const bool fused = bf16_path;
+    const bool fused = bf16_sums;
     size_t differ = 0;
     for (size_t i = 0; i < a.size(); ++i) {
       const bool same = fused ? std::abs(double(a[i]) - ar[i]) <= 4 * FLT_EPSILON * std::abs(ar[i])
@@ -863,13 +873,21 @@ INSTANTIATE_TEST_SUITE_P(
                       // bf16 compute (the experts average 8 rows or more): the bf16 GEMM's
                       // sums, with the dot product where the host has it and the portable
                       // micro-kernel; K % 32 tails on both GEMMs and an odd K on down. Below 8
-                      // (4.8 here) the f32 tiles' bits.
+                      // (4.8 here, 4-row tiles) the f32 tiles' bits; below 4 (one-row tiles:
+                      // one token with the shared expert, 3 tokens) the bf16 GEMVs' where the
+                      // host has vdpbf16ps, with the portable micro-kernel forced the f32 tiles'.
                       Case{DType::BF16, 100, 2, 3, 48, 20, false, KernelShape::Chunks, 0, false,
                            ComputeDType::BF16},
                       Case{DType::BF16, 40, 3, 5, 70, 45, true, KernelShape::Chunks, 0, false,
                            ComputeDType::BF16},
                       Case{DType::BF16, 12, 2, 5, 70, 45, false, KernelShape::Chunks, 0, false,
                            ComputeDType::BF16},
+                      Case{DType::BF16, 1, 3, 8, 200, 70, true, KernelShape::Chunks, 0, false,
+                           ComputeDType::BF16},
+                      Case{DType::BF16, 3, 3, 9, 333, 150, false, KernelShape::Chunks, 0, false,
+                           ComputeDType::BF16},
+                      Case{DType::BF16, 3, 3, 9, 333, 150, false, KernelShape::Chunks, 0, false,
+                           ComputeDType::BF16, true},
                       Case{DType::BF16, 40, 3, 5, 70, 45, true, KernelShape::Chunks, 0, false,
                            ComputeDType::BF16, true},
                       // Experts on both sides of the packed GEMM's row count (from 10 rows here,
