@@ -30,9 +30,8 @@ constexpr uint32_t kGemmRowsFrom = 4;
 bool bf16_dot_product(const Device& dev);
 // Whether bf16-compute GEMVs (below kGemmRowsFrom rows: decode) over bf16 weights sum in bf16 too
 // on this device: the CPU shape where the tuning allows it (gemm_bf16_gemv), bf16_dot_product
-// holds and bf16_amx does not
-// (linear_bf16.cl's one-row tiles, their columns in turn; each row the bits the tiles of 4 rows
-// and more give it). Elsewhere they run as F32.
+// holds and bf16_amx does not (linear_bf16.cl's one-row tiles, their columns in turn; each row the
+// bits the tiles of 4 rows and more give it). Elsewhere they run as F32.
 bool bf16_gemv(const Device& dev);
 // Whether the packed bf16-compute GEMM (bf16_packed.cl) takes Intel AMX's bf16 tiles: PoCL's CPU
 // device on a host whose CPU has AMX-BF16 and whose kernel grants the process the tile state, and
