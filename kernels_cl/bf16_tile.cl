@@ -80,10 +80,10 @@ void tile_dots_bf16(global const ushort* const* xr_in, BF16_W_SPACE const ushort
   BF16_TILE_ROWS_AS_LOCALS
   v16f acc[TM][TN];
 #if TM == 1 && COLUMNS_IN_TURN
-  // One row (decode): the weight rows one after another, one sequential stream, as linear_tile.cl's
-  // one-row tiles; each column's chain is the one below. With GLU the next tile's rows are
-  // prefetched as it goes (gate and up alternate runs of two matrices, which the hardware
-  // prefetcher does not follow).
+  // One row (decode, K up to gemv_stream_k): the weight rows one after another, one sequential
+  // stream, as linear_tile.cl's one-row tiles; each column's chain is the one below. With GLU the
+  // next tile's rows are prefetched as it goes (gate and up alternate runs of two matrices, which
+  // the hardware prefetcher does not follow).
 #pragma unroll
   for (int j = 0; j < TN; ++j) {
     v16f a = (v16f)(0.0f);

@@ -312,7 +312,10 @@ void gemm_bf16(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx,
                          pairs_aligned, y, y_off, ldy, M, N, K, n1, n2, alpha, accumulate))
     return;
   // Batches below one work-item's rows (decode) take their own tile (KernelTuning), and below
-  // kGemmRowsFrom rows one-row tiles that read their columns in turn (bf16_tile.cl).
+  // kGemmRowsFrom rows one-row tiles, which read their columns in turn (bf16_tile.cl) up to
+  // gemv_stream_k, as the f32 GEMV's: past it the tile's TN chains side by side gain more than
+  // the single stream. 2048 x 8192 (llama3-1b's down_proj) in turn ran 74 GB/s from L3 against
+  // 100 side by side; side by side against the f32 GEMV from memory at 29-31 GB/s 1.21-1.29x.
   const bool batch = M < t.gemm_bf16_rows, gemv = M < kGemmRowsFrom;
   const uint32_t tm = gemv ? 1 : batch ? t.gemm_bf16_batch_tm : t.gemm_bf16_tm;
   const uint32_t tn_any = batch ? t.gemm_bf16_batch_tn : t.gemm_bf16_tn;
@@ -340,10 +343,11 @@ void gemm_bf16(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx,
   // against 146.3-149.2 tok/s without, 3 interleaved pairs of a 512-token prefill).
   // An FP8 weight (one, no GLU, no bias) is dequantized per column tile into the work-item's
   // bf16 panel (bf16_tile.cl's FP8_BF16_PANEL), whose rows are aligned.
-  std::string opts =
-      "-DLINEAR_BF16=1 -DWEIGHT_TYPE=1 -DTM=" + std::to_string(tm) + " -DTN=" + std::to_string(tn) +
-      " -DGLU=" + (glu ? "1" : "0") + " -DBF16_DOT=" + (bf16_dot_product(dev) ? "1" : "0") +
-      " -DPAIRS_ALIGNED=" + (pairs_aligned ? "1" : "0") + (gemv ? " -DCOLUMNS_IN_TURN=1" : "");
+  std::string opts = "-DLINEAR_BF16=1 -DWEIGHT_TYPE=1 -DTM=" + std::to_string(tm) +
+                     " -DTN=" + std::to_string(tn) + " -DGLU=" + (glu ? "1" : "0") +
+                     " -DBF16_DOT=" + (bf16_dot_product(dev) ? "1" : "0") +
+                     " -DPAIRS_ALIGNED=" + (pairs_aligned ? "1" : "0") +
+                     (gemv && K <= t.gemv_stream_k ? " -DCOLUMNS_IN_TURN=1" : "");
   if (fp8_scale)
     opts += fp8_bf16_panel_options(dev, K, fp8_codes(*ws[0]));
   else if (batch)

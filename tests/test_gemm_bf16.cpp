@@ -928,7 +928,8 @@ TEST_P(GemmBf16Prefetch, WeightPrefetchLeavesTheBits) {
 // get inside a 9-row batch (the batch tile), so that a row's logits do not depend on what else
 // the step holds (speculative decoding's verify against plain decode). Elsewhere those rows run
 // as compute f32: then their bits are the f32 GEMM's. 1, 2 and 3 rows; K = 333 (10 whole
-// 32-element steps, an odd tail, rows on 2-byte boundaries) and 1024; N = 23 over several column
+// 32-element steps, an odd tail, rows on 2-byte boundaries), 1024 and 4133 (past gemv_stream_k's
+// 4096 on the EPYC: the one-row tile's columns side by side); N = 23 over several column
 // tiles per work-item (3100); linear with bias, alpha and accumulate, linear_fused (norm, q/k/v
 // side by side) and linear_swiglu (norm, the GLU epilogue, whose gate|up rows prefetch the next
 // tile's). Where the bf16 sums run, over half the outputs must differ from the f32 GEMM's; with
@@ -939,7 +940,7 @@ TEST(GemmBf16Gemv, RowsBelowFourCarryTheBatchTilesBits) {
   const bool gemv = ops::bf16_gemv(dev);
   std::printf("bf16 GEMVs on this device: %s\n", gemv ? "yes (vdpbf16ps, no AMX)" : "no (f32)");
   const uint32_t B = 9;
-  for (const uint32_t K : {333u, 1024u})
+  for (const uint32_t K : {333u, 1024u, 4133u})
     for (const uint32_t N : {23u, 3100u}) {
       std::vector<float> x = random_vec(size_t(B) * K, 51 + K, 3.0f), g = random_vec(K, 52, 2.0f),
                          bv = random_vec(N, 53), y0 = random_vec(size_t(B) * N, 54);
