@@ -14,7 +14,8 @@
 // --ab-rounds repetitions timing both in turn (medians): the machine's bandwidth moves too much
 // between tables for a 10-20% difference.
 // --compute-dtype bf16 runs the fused sequence's GEMMs, and o_proj and down_proj in both, as
-// model.compute_dtype: bf16 does (batches of 4 rows and more: linear_bf16.cl).
+// model.compute_dtype: bf16 does (linear_bf16.cl: batches of 4 rows and more, and GEMVs where
+// ops::bf16_gemv holds).
 // Usage: bench_decode_breakdown [MODEL_DIR] [--batch B] [--reps N] [--fused-only] [--rounds R]
 //                               [--tuning-ab FIELD=VALUE[,...] [--ab-rounds N]]
 //                               [--compute-dtype f32|bf16]
@@ -116,7 +117,8 @@ int main(int argc, char** argv) {
   std::string compute_arg = "f32";
   app.add_option("--compute-dtype", compute_arg,
                  "model.compute_dtype of the fused sequence's GEMMs and of o_proj and down_proj "
-                 "(bf16: batches of 4 rows and more on bf16 activations, linear_bf16.cl)")
+                 "(bf16: bf16 activations in linear_bf16.cl, from 4 rows, and in GEMVs where the "
+                 "host has vdpbf16ps)")
       ->check(CLI::IsMember({"f32", "bf16"}))
       ->capture_default_str();
   TuningABOptions ab_opts;

@@ -75,12 +75,9 @@ int main(int argc, char** argv) {
   app.add_option("--batch", batch, "requests of the batched decode figure (0: none)")
       ->capture_default_str();
   std::string compute_dtype = "f32";
-  app.add_option("--compute-dtype", compute_dtype, "the deployment's model.compute_dtype")
-      ->capture_default_str()
-      ->check(CLI::IsMember({"f32", "bf16"}));
+  add_compute_dtype_option(app, compute_dtype);
   bool no_mmap = false;
-  app.add_flag("--no-mmap", no_mmap,
-               "model.mmap: false: each checkpoint read into memory at load, not mapped");
+  add_no_mmap_flag(app, no_mmap);
   int mmap_ab_rounds = 0;
   app.add_option("--mmap-ab", mmap_ab_rounds,
                  "also load each checkpoint the other way (mapped / read into memory) and time "

@@ -41,9 +41,7 @@ int main(int argc, char** argv) {
   app.add_option("MODEL_DIR", dir_arg, "checkpoint directory (the llama3-1b bf16 preset is written "
                                        "there when missing)")
       ->capture_default_str();
-  app.add_option("--compute-dtype", compute_dtype, "the deployment's model.compute_dtype")
-      ->capture_default_str()
-      ->check(CLI::IsMember({"f32", "bf16"}));
+  add_compute_dtype_option(app, compute_dtype);
   app.add_flag("--prefill-only", prefill_only, "time prefill only");
   app.add_option("--kv-dtype", kv_dtype, "the KV cache's dtype")
       ->capture_default_str()
@@ -51,8 +49,7 @@ int main(int argc, char** argv) {
   app.add_option("--context", context, "the phase split also decodes after N cached positions")
       ->capture_default_str();
   bool no_mmap = false;
-  app.add_flag("--no-mmap", no_mmap,
-               "model.mmap: false: the checkpoint read into memory at load, not mapped");
+  add_no_mmap_flag(app, no_mmap);
   int roofline_rounds = 7;
   add_roofline_rounds_option(app, roofline_rounds);
   TuningABOptions ab_opts;

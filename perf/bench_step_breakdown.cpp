@@ -153,12 +153,9 @@ int main(int argc, char** argv) {
                  "time a prefill of this many tokens (one request) instead (0: decode)")
       ->capture_default_str()
       ->excludes(batch_opt);
-  app.add_option("--compute-dtype", compute_dtype, "the deployment's model.compute_dtype")
-      ->capture_default_str()
-      ->check(CLI::IsMember({"f32", "bf16"}));
+  add_compute_dtype_option(app, compute_dtype);
   bool no_mmap = false;
-  app.add_flag("--no-mmap", no_mmap,
-               "model.mmap: false: each checkpoint read into memory at load, not mapped");
+  add_no_mmap_flag(app, no_mmap);
   parse_args(app, argc, argv);
   if (preset == "llama3-1b" && app.count("--dtypes") == 0) dtypes = {"bf16"};
   const std::filesystem::path root = root_arg;

@@ -443,6 +443,18 @@ RooflineInTurn roofline_in_turn(Device& dev, int rounds, double bytes_per_token,
   return out;
 }
 
+// --compute-dtype f32|bf16 (the deployment's model.compute_dtype) and --no-mmap (model.mmap:
+// false), as the end-to-end benchmarks take them.
+inline void add_compute_dtype_option(CLI::App& app, std::string& compute_dtype) {
+  app.add_option("--compute-dtype", compute_dtype, "the deployment's model.compute_dtype")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"f32", "bf16"}));
+}
+inline void add_no_mmap_flag(CLI::App& app, bool& no_mmap) {
+  app.add_flag("--no-mmap", no_mmap,
+               "model.mmap: false: the checkpoint files read into memory at load, not mapped");
+}
+
 // --roofline-rounds R: the rounds of roofline_in_turn a benchmark's batch-1 decode takes.
 inline void add_roofline_rounds_option(CLI::App& app, int& rounds) {
   app.add_option("--roofline-rounds", rounds,
