@@ -105,8 +105,8 @@ typedef struct {
 } Fp8TileCache;
 
 #if COLUMNS_IN_TURN && FP8_BF16_DOT
-// bf16 compute's tiles in turn (-DFP8_BF16_DOT=1; where the host has vdpbf16ps, ops::linear_fp8
-// from kGemmRowsFrom rows and the grouped experts' tiles at any row count): the sums of
+// bf16 compute's tiles in turn (-DFP8_BF16_DOT=1; where the host has vdpbf16ps, ops::linear_fp8's
+// and the grouped experts' tiles at any row count): the sums of
 // fp8_in_turn_sums below over the x rows rounded to bf16 (times FP8_X_SCALE, nearest even), 32
 // products per vdpbf16ps. Each 32 codes widen to bf16 words
 // (common.cl's e4m3x32_bf16_words): the code times 2^-120 as e4m3x16_decode_scaled's f32 words,
