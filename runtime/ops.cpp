@@ -312,17 +312,12 @@ void gemm_bf16(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx,
                          pairs_aligned, y, y_off, ldy, M, N, K, n1, n2, alpha, accumulate))
     return;
   // Batches below one work-item's rows (decode) take their own tile (KernelTuning), and below
-  // kGemmRowsFrom rows one-row tiles, which read their columns in turn (bf16_tile.cl) up to
-  // gemv_stream_k, as the f32 GEMV's: past it the tile's TN chains side by side gain more than
-  // the single stream. 2048 x 8192 (llama3-1b's down_proj) in turn ran 74 GB/s from L3 against
-  // 100 side by side; side by side against the f32 GEMV from memory at 29-31 GB/s 1.21-1.29x.
+  // kGemmRowsFrom rows one-row tiles (bf16_one_row_tile).
   const bool batch = M < t.gemm_bf16_rows, gemv = M < kGemmRowsFrom;
+  const Bf16OneRowTile one_row = bf16_one_row_tile(dev, glu, K);
   const uint32_t tm = gemv ? 1 : batch ? t.gemm_bf16_batch_tm : t.gemm_bf16_tm;
   const uint32_t tn_any = batch ? t.gemm_bf16_batch_tn : t.gemm_bf16_tn;
-  // A GEMV's GLU tile is one gate row and its up row, as the f32 GEMV's (launch_fused): two of
-  // each, run in turn, took llama3-1b's gate|up stage at bf16 compute 1.08-1.10x longer than the
-  // f32 GEMV's, one of each 0.99-1.01x (bench_decode_breakdown --tuning-ab gemm_bf16_gemv=0).
-  const uint32_t tn = gemv && glu ? 2 : glu ? (tn_any + 1) / 2 * 2 : tn_any;
+  const uint32_t tn = gemv ? one_row.tn : glu ? (tn_any + 1) / 2 * 2 : tn_any;
   const uint32_t tile_cols = glu ? tn / 2 : tn;
   // As linear_blocks: enough column tiles per work-item that a launch is a few hundred of them;
   // batches of at most 16 rows, bound by the weights' stream, are split as linear_fp8's GEMVs
@@ -347,7 +342,7 @@ void gemm_bf16(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx,
                      " -DTN=" + std::to_string(tn) + " -DGLU=" + (glu ? "1" : "0") +
                      " -DBF16_DOT=" + (bf16_dot_product(dev) ? "1" : "0") +
                      " -DPAIRS_ALIGNED=" + (pairs_aligned ? "1" : "0") +
-                     (gemv && K <= t.gemv_stream_k ? " -DCOLUMNS_IN_TURN=1" : "");
+                     (gemv && one_row.columns_in_turn ? " -DCOLUMNS_IN_TURN=1" : "");
   if (fp8_scale)
     opts += fp8_bf16_panel_options(dev, K, fp8_codes(*ws[0]));
   else if (batch)
@@ -421,6 +416,17 @@ bool bf16_amx(const Device& dev) {
 bool bf16_gemv(const Device& dev) {
   return dev.kernel_shape() == KernelShape::Chunks && dev.tuning().gemm_bf16_gemv != 0 &&
          bf16_dot_product(dev) && !bf16_amx(dev);
+}
+
+// In turn up to gemv_stream_k, as the f32 GEMV's columns: past it the tile's TN chains side by
+// side gain more than the single stream. 2048 x 8192 (llama3-1b's down_proj) in turn ran 74 GB/s
+// from L3 against 100 side by side; side by side against the f32 GEMV from memory at 29-31 GB/s
+// 1.21-1.29x. The GLU tile is one gate row and its up row, as the f32 GEMV's (launch_fused): two
+// of each, run in turn, took llama3-1b's gate|up stage at bf16 compute 1.08-1.10x longer than the
+// f32 GEMV's, one of each 0.99-1.01x (bench_decode_breakdown --tuning-ab gemm_bf16_gemv=0).
+Bf16OneRowTile bf16_one_row_tile(const Device& dev, bool glu, uint32_t K) {
+  const KernelTuning& t = dev.tuning();
+  return {glu ? 2u : t.gemm_bf16_batch_tn, K <= t.gemv_stream_k};
 }
 
 uint32_t bf16_packed_rows_from(const Device& dev) {

@@ -33,6 +33,15 @@ bool bf16_dot_product(const Device& dev);
 // holds and bf16_amx does not (linear_bf16.cl's one-row tiles, their columns in turn; each row the
 // bits the tiles of 4 rows and more give it). Elsewhere they run as F32.
 bool bf16_gemv(const Device& dev);
+// The columns of linear_bf16.cl's one-row tiles where bf16_gemv holds (ops::linear's bf16 GEMVs
+// and the grouped experts' decode tiles, which must agree for an expert's row to get
+// ops::linear's bits): `tn` weight rows per tile, with GLU one gate row and its up row, and
+// whether the tile reads them in turn (K up to the tuning's gemv_stream_k) or side by side.
+struct Bf16OneRowTile {
+  uint32_t tn;
+  bool columns_in_turn;
+};
+Bf16OneRowTile bf16_one_row_tile(const Device& dev, bool glu, uint32_t K);
 // Whether the packed bf16-compute GEMM (bf16_packed.cl) takes Intel AMX's bf16 tiles: PoCL's CPU
 // device on a host whose CPU has AMX-BF16 and whose kernel grants the process the tile state, and
 // the device's tuning allows it (gemm_bf16_amx; 0 leaves it to bf16_dot_product's choice).

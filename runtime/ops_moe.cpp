@@ -499,11 +499,11 @@ void grouped_bf16_launch(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::
     const uint32_t col_tiles = ceil_div(N, shape.tile_cols) * (glu ? 1 : n_mats);
     dev.launch(k, {col_tiles, plan.max_tiles, 1}, 2);
   }
-  // One-row tiles (decode) read their columns in turn up to gemv_stream_k, with GLU one gate row
-  // and its up row, as ops::linear's bf16 GEMVs.
-  const bool in_turn = plan.tm == 1 && K <= dev.tuning().gemv_stream_k;
+  // One-row tiles (decode) as ops::linear's bf16 GEMVs.
+  const Bf16OneRowTile one_row = bf16_one_row_tile(dev, glu, K);
+  const bool in_turn = plan.tm == 1 && one_row.columns_in_turn;
   const uint32_t tn_any = dev.tuning().gemm_bf16_tn;
-  const uint32_t tn = in_turn && glu ? 2 : glu ? (tn_any + 1) / 2 * 2 : tn_any;
+  const uint32_t tn = plan.tm == 1 ? one_row.tn : glu ? (tn_any + 1) / 2 * 2 : tn_any;
   std::string opts =
       " -DTM=" + std::to_string(plan.tm) + " -DTN=" + std::to_string(tn) +
       " -DGROUPED_BF16=1 -DWEIGHT_TYPE=1 -DPAIRS_ALIGNED=0 -DGLU=" + (glu ? "1" : "0") +

@@ -760,7 +760,9 @@ TEST(GemmBf16Packed, AmxStreamGetsThePackedGemmsBits) {
                 << "row " << i / ldy << " column " << i % ldy;
             differ += std::memcmp(&streamed[op][i], &tiles[op][i], 4) != 0;
           }
-          if (amx) EXPECT_GT(differ, streamed[op].size() / 10) << "AMX must have run";
+          if (amx) {
+            EXPECT_GT(differ, streamed[op].size() / 10) << "AMX must have run";
+          }
         }
       }
     }
