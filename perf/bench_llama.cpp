@@ -70,14 +70,20 @@ int main(int argc, char** argv) {
   auto model = load_model(dir, opts);
   const double load_s = seconds_since(t_load);
   const auto& info = model->info();
-  WeightStore store(dir);
   // Bytes a decode step reads: every weight once; the embedding table only for its lookup row
-  // unless it doubles as the lm_head (tied), which reads it whole.
-  const auto& emb = store.get("model.embed_tokens.weight");
-  const bool tied = !store.has("lm_head.weight");
-  const double bytes_per_token = double(store.total_bytes()) - (tied ? 0.0 : double(emb.bytes));
+  // unless it doubles as the lm_head (tied), which reads it whole. The store is closed at once:
+  // a mapping of its own would count in the huge pages reported below.
+  double weight_bytes = 0, bytes_per_token = 0, embedding_numel = 0;
+  {
+    WeightStore store(dir);
+    const auto& emb = store.get("model.embed_tokens.weight");
+    const bool tied = !store.has("lm_head.weight");
+    weight_bytes = double(store.total_bytes());
+    bytes_per_token = weight_bytes - (tied ? 0.0 : double(emb.bytes));
+    embedding_numel = double(emb.numel());
+  }
   std::printf("model %s: %u layers, hidden %u, vocab %u, %.2f GB of weights\n", dir.c_str(),
-              info.num_layers, info.hidden_size, info.vocab_size, store.total_bytes() / 1e9);
+              info.num_layers, info.hidden_size, info.vocab_size, weight_bytes / 1e9);
   print_device(dev);
   std::printf("compute dtype: %s\n", compute_dtype_name(opts.compute_dtype));
   const ComputePeaks peaks = measure_compute_peaks();
@@ -224,7 +230,7 @@ int main(int argc, char** argv) {
   const double tp = median_time(3, [&] { greedy_generate(*model, {long_prompt}, 1, 128); });
   // The linear layers' multiply-adds: every weight but the embedding table (tied: the lm_head,
   // run for the last token only, is left out of both).
-  const double flops = 2.0 * 512 * (double(store.total_bytes()) / 2 - double(emb.numel()));
+  const double flops = 2.0 * 512 * (weight_bytes / 2 - embedding_numel);
   const double gflops = flops / tp / 1e9;
   std::printf("prefill, 512 tokens: %.2f s, %.1f tokens/s, %.1f GFLOP/s in the linear layers",
               tp, 512 / tp, gflops);

@@ -16,9 +16,10 @@
 // folios until they are dropped: a big file whose first 2 MiB come back small is dropped from the
 // page cache once (its clean pages that no process maps), so later reads fill it in huge folios.
 // Parts of a file also come back in small folios over time, spread over it (here, 45 minutes after
-// the drop, 1998 of 2356 MB were still huge; right after a second drop, 2308). Only the first
-// 2 MiB are checked at load: checking more would drop the whole file on every load wherever some
-// 2 MiB pages cannot be had in one piece.
+// the drop, 1998 of 2356 MB were still huge; right after a second drop, 2308). So where the first
+// 2 MiB come back huge, each load also reads again, in huge folios, the 2 MiB regions whose cached
+// pages sit in small ones (only those: where some 2 MiB pages cannot be had in one piece, each load
+// would drop and read again those regions, not the whole file).
 #pragma once
 
 #include <cstddef>

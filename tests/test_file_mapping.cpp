@@ -8,10 +8,14 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cinttypes>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <random>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -56,6 +60,93 @@ TEST(FileMapping, BigFilesMapAtA2MiBBoundaryWithTheirBytes) {
     ASSERT_EQ(::munmap(map, size), 0);
     EXPECT_EQ(mapped_regions(), regions) << "round " << round;
   }
+}
+
+constexpr size_t kHuge = size_t(2) << 20;
+
+// KiB of the mapping that starts at `base` mapped in huge pages now (smaps' FilePmdMapped).
+size_t huge_mapped_kib(const void* base) {
+  FILE* f = std::fopen("/proc/self/smaps", "r");
+  if (!f) return 0;
+  char line[512];
+  bool in_vma = false;
+  size_t kib = 0;
+  while (std::fgets(line, sizeof line, f)) {
+    uintptr_t start = 0, end = 0;
+    if (std::sscanf(line, "%" SCNxPTR "-%" SCNxPTR " ", &start, &end) == 2) {
+      if (in_vma) break;
+      in_vma = start == uintptr_t(base);
+      continue;
+    }
+    if (in_vma && std::sscanf(line, "FilePmdMapped: %zu kB", &kib) == 1) break;
+  }
+  std::fclose(f);
+  return in_vma ? kib : 0;
+}
+
+// KiB of `file`'s first `size` bytes in huge pages through a plain mapping: 2 MiB-aligned, huge
+// pages asked for, every page read, but none of map_checkpoint_file's drops.
+size_t huge_kib_as_cached(const std::filesystem::path& file, size_t size) {
+  const int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
+  void* reserved = ::mmap(nullptr, size + kHuge, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  const uintptr_t at = (uintptr_t(reserved) + kHuge - 1) & ~uintptr_t(kHuge - 1);
+  auto* map = static_cast<const uint8_t*>(
+      ::mmap(reinterpret_cast<void*>(at), size, PROT_READ, MAP_PRIVATE | MAP_FIXED, fd, 0));
+  ::close(fd);
+  ::madvise(const_cast<uint8_t*>(map), size, MADV_HUGEPAGE);
+  for (size_t i = 0; i < size; i += 4096) (void)*static_cast<const volatile uint8_t*>(map + i);
+  const size_t kib = huge_mapped_kib(map);
+  ::munmap(reserved, size + kHuge);
+  return kib;
+}
+
+// Bytes [at, at + bytes) of `file` dropped from the page cache and read back 4 KiB at a time in
+// shuffled order, so that no readahead window forms: the cache then holds them in small folios.
+void cache_in_small_folios(const std::filesystem::path& file, size_t at, size_t bytes) {
+  const int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
+  ::fdatasync(fd);  // dirty pages would stay
+  ::posix_fadvise(fd, off_t(at), off_t(bytes), POSIX_FADV_DONTNEED);
+  ::posix_fadvise(fd, off_t(at), off_t(bytes), POSIX_FADV_RANDOM);
+  std::vector<size_t> pages;
+  for (size_t o = at; o < at + bytes; o += 4096) pages.push_back(o);
+  std::shuffle(pages.begin(), pages.end(), std::mt19937(7));
+  char page[4096];
+  for (size_t o : pages) EXPECT_EQ(::pread(fd, page, sizeof page, off_t(o)), ssize_t(sizeof page));
+  ::close(fd);
+}
+
+// Parts of a file's page cache that sit in small folios (as they come back over time here) are
+// read again in huge ones at the next load, where the kernel gives the file huge pages at all
+// (Linux 6.16 on ext4 and later): 10 of the file's 40 whole 2 MiB regions cached in small folios,
+// the mapping has all 40 in huge pages again. Elsewhere (Debian 12's Linux 6.1 on ext4) the
+// file's pages stay small, and the mapping holds the file's bytes all the same.
+TEST(FileMapping, RegionsCachedInSmallFoliosComeBackInHugeOnes) {
+  const auto file = test::temp_dir("file_mapping_refill") / "big.bin";
+  const size_t size = kHugeMappingMinBytes + 8 * kHuge + 3 * 4096 + 17;  // 40 whole regions
+  const size_t whole_kib = size / kHuge * kHuge / 1024;
+  const std::vector<uint8_t> bytes = write_pattern(file, size);
+  auto load = [&](const char* when) {
+    const int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
+    void* map = map_checkpoint_file(fd, size);
+    ::close(fd);
+    EXPECT_NE(map, nullptr) << std::strerror(errno);
+    if (!map) return size_t(0);
+    EXPECT_EQ(std::memcmp(map, bytes.data(), size), 0) << when;
+    const size_t kib = huge_mapped_kib(map);
+    ::munmap(map, size);
+    return kib;
+  };
+  // The first load drops the small folios the write left.
+  const size_t first_kib = load("first load");
+  cache_in_small_folios(file, 10 * kHuge, 10 * kHuge);
+  if (first_kib == 0) {
+    EXPECT_EQ(load("small pages only"), 0u);
+    return;
+  }
+  EXPECT_EQ(first_kib, whole_kib);
+  EXPECT_EQ(huge_kib_as_cached(file, size), whole_kib - 10 * kHuge / 1024)
+      << "the 10 regions read back in 4 KiB pages should sit in small folios";
+  EXPECT_EQ(load("after the small folios"), whole_kib);
 }
 
 TEST(FileMapping, SmallFilesMapWithTheirBytes) {
