@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <numeric>
 #include <optional>
@@ -284,9 +285,21 @@ inline StepInputs replica_decode_step(uint32_t batch, uint32_t replicas, uint32_
 // ratios A/B (above 1: B is faster).
 // B's tuning: the device's with one or more fields changed (FIELD=VALUE[,FIELD=VALUE...]), since
 // some fields only pay together (a prefetch that makes another field's access pattern stream).
+// The rounds of an A/B split by the read bandwidth a pass of the native loop measured right after
+// each (the 2-core EPYC VM moves between ~25-37 and ~55-60 GB/s within minutes, and a change can
+// gain in one and nothing in the other: the f32 GEMVs' stream prefetch): the rounds whose pass read
+// at least halfway between the lowest and highest pass, and the others, with each side's median
+// ratio and its passes' range. Left empty (n_fast 0) when the passes are within 25% of each other.
+struct PhaseSplit {
+  int n_fast = 0, n_slow = 0;
+  double fast_ratio = 0, slow_ratio = 0;
+  double fast_lo = 0, fast_hi = 0, slow_lo = 0, slow_hi = 0;  // GB/s
+};
+
 struct TuningAB {
   std::vector<std::pair<std::string, uint64_t>> fields;
   double a_median = 0, b_median = 0, ratio_median = 0, ratio_low = 0, ratio_high = 0;
+  PhaseSplit phases;
   // "F1=V1,F2=V2", as given.
   std::string label() const {
     std::string l;
@@ -348,6 +361,7 @@ inline void add_tuning_ab_options(CLI::App& app, TuningABOptions& o) {
 
 // One line of an A/B's figures: "<what>, FIELD=VALUE against the device's tuning (R rounds in
 // turn): A -> B <unit>, A/B median [lowest, highest]", the times multiplied by `scale`.
+// With rounds in two bandwidth phases (PhaseSplit), a second line gives each phase's A/B.
 inline void print_tuning_ab(const std::string& what, const TuningAB& ab, int rounds, double scale,
                             const char* unit) {
   std::printf(
@@ -355,17 +369,58 @@ inline void print_tuning_ab(const std::string& what, const TuningAB& ab, int rou
       "%.3f [%.3f, %.3f]\n",
       what.c_str(), ab.label().c_str(), rounds, ab.a_median * scale, ab.b_median * scale, unit,
       ab.ratio_median, ab.ratio_low, ab.ratio_high);
+  const PhaseSplit& p = ab.phases;
+  if (p.n_fast > 0)
+    std::printf(
+        "  by the read pass after each round: %d rounds at %.1f-%.1f GB/s A/B %.3f, %d at "
+        "%.1f-%.1f GB/s A/B %.3f\n",
+        p.n_fast, p.fast_lo, p.fast_hi, p.fast_ratio, p.n_slow, p.slow_lo, p.slow_hi, p.slow_ratio);
 }
+
+// A pass of the native read loop over one 512 MiB buffer of the process's own, mapped and
+// touched once (a buffer mapped per pass had slowed the decode after it for seconds:
+// bench_llama.cpp), in huge pages where the kernel gives them, as measure_read_bandwidth's fresh
+// memory; on a device that is not the CPU, the device's own probe (host memory says nothing about
+// a GPU's).
+class ReadProbe {
+ public:
+  explicit ReadProbe(Device& dev) : dev_(dev) {
+    if (!dev.is_cpu()) return;
+    void* mem = ::mmap(nullptr, kBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (mem == MAP_FAILED) throw std::runtime_error("ReadProbe: no 512 MiB read buffer");
+    mem_.reset(mem);
+    ::madvise(mem, kBytes, MADV_HUGEPAGE);
+    uint64_t* w = static_cast<uint64_t*>(mem);
+    std::iota(w, w + kBytes / 8, uint64_t(1));
+  }
+  // GB/s, best of `passes`.
+  double gb_s(int passes = 2) {
+    if (!mem_) return measure_bandwidth(dev_, passes);
+    return measure_read_bandwidth_of(mem_.get(), kBytes,
+                                     std::max(1u, std::thread::hardware_concurrency()), passes)
+        .gb_s;
+  }
+
+ private:
+  static constexpr size_t kBytes = size_t(512) << 20;
+  struct Unmap {
+    void operator()(void* m) const { ::munmap(m, kBytes); }
+  };
+  Device& dev_;
+  std::unique_ptr<void, Unmap> mem_;
+};
 
 // Two timings (seconds, as a() and b() measure them) taken in turn `rounds` times, a first in
 // even rounds and b first in odd ones: the medians of each and of the per-round ratios a/b
 // (above 1: b is faster), and the lowest and highest ratio.
+// With read_gbs, a read pass after each round splits the ratios by bandwidth phase (PhaseSplit).
 struct InTurn {
   double a_median = 0, b_median = 0, ratio_median = 0, ratio_low = 0, ratio_high = 0;
+  PhaseSplit phases;
 };
 template <typename FA, typename FB>
-InTurn time_in_turn(int rounds, FA a, FB b) {
-  std::vector<double> ta, tb, ratio;
+InTurn time_in_turn(int rounds, FA a, FB b, const std::function<double()>& read_gbs = {}) {
+  std::vector<double> ta, tb, ratio, gbs;
   for (int r = 0; r < rounds; ++r) {
     double t[2];
     for (int k = 0; k < 2; ++k) {
@@ -375,6 +430,7 @@ InTurn time_in_turn(int rounds, FA a, FB b) {
     ta.push_back(t[0]);
     tb.push_back(t[1]);
     ratio.push_back(t[0] / t[1]);
+    if (read_gbs) gbs.push_back(read_gbs());
   }
   auto median = [](std::vector<double> v) {
     std::sort(v.begin(), v.end());
@@ -384,6 +440,26 @@ InTurn time_in_turn(int rounds, FA a, FB b) {
   out.a_median = median(ta);
   out.b_median = median(tb);
   out.ratio_median = median(ratio);
+  if (!gbs.empty()) {
+    const auto [lo, hi] = std::minmax_element(gbs.begin(), gbs.end());
+    if (*hi >= 1.25 * *lo) {
+      const double mid = (*lo + *hi) / 2;
+      std::vector<double> fast, slow, fast_g, slow_g;
+      for (size_t r = 0; r < gbs.size(); ++r) {
+        (gbs[r] >= mid ? fast : slow).push_back(ratio[r]);
+        (gbs[r] >= mid ? fast_g : slow_g).push_back(gbs[r]);
+      }
+      PhaseSplit& p = out.phases;
+      p.n_fast = int(fast.size());
+      p.n_slow = int(slow.size());
+      p.fast_ratio = median(fast);
+      p.slow_ratio = median(slow);
+      p.fast_lo = *std::min_element(fast_g.begin(), fast_g.end());
+      p.fast_hi = *std::max_element(fast_g.begin(), fast_g.end());
+      p.slow_lo = *std::min_element(slow_g.begin(), slow_g.end());
+      p.slow_hi = *std::max_element(slow_g.begin(), slow_g.end());
+    }
+  }
   std::sort(ratio.begin(), ratio.end());
   out.ratio_low = ratio.front();
   out.ratio_high = ratio.back();
@@ -395,10 +471,8 @@ InTurn time_in_turn(int rounds, FA a, FB b) {
 // read pass (best of 2), each round's fraction bytes / t / bandwidth against its own pass. A
 // shared machine's bandwidth moves within minutes (the 2-core EPYC VM, 2026-11-30: the native
 // loop read 33-36 GB/s for most of an hour and 55-59 GB/s at times), so a figure taken minutes
-// from the decode put the same build's decode at 52% and at 104% of "the" roofline. On a CPU
-// device the pass is the native loop over one 512 MiB buffer mapped and touched once for all
-// rounds (a buffer mapped per pass had slowed the decode after it for seconds: bench_llama.cpp);
-// on any other device the device's own probe (host memory says nothing about a GPU's).
+// from the decode put the same build's decode at 52% and at 104% of "the" roofline. The pass is
+// ReadProbe's.
 struct RooflineInTurn {
   int rounds = 0;
   double t_median = 0, gbs_median = 0;  // seconds per token; GB/s
@@ -406,25 +480,11 @@ struct RooflineInTurn {
 };
 template <typename F>
 RooflineInTurn roofline_in_turn(Device& dev, int rounds, double bytes_per_token, F time_decode) {
-  const size_t buffer_bytes = size_t(512) << 20;
-  const unsigned threads = std::max(1u, std::thread::hardware_concurrency());
-  // In huge pages where the kernel gives them, as measure_read_bandwidth's fresh memory.
-  void* mem = nullptr;
-  const auto unmap = [&](void* m) { ::munmap(m, buffer_bytes); };
-  std::unique_ptr<void, decltype(unmap)> mapping(nullptr, unmap);
-  if (dev.is_cpu()) {
-    mem = ::mmap(nullptr, buffer_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (mem == MAP_FAILED) throw std::runtime_error("roofline_in_turn: no 512 MiB read buffer");
-    mapping.reset(mem);
-    ::madvise(mem, buffer_bytes, MADV_HUGEPAGE);
-    uint64_t* w = static_cast<uint64_t*>(mem);
-    std::iota(w, w + buffer_bytes / 8, uint64_t(1));
-  }
+  ReadProbe probe(dev);
   std::vector<double> ts, gbs, fraction;
   for (int r = 0; r < rounds; ++r) {
     const double t = time_decode();
-    const double g = dev.is_cpu() ? measure_read_bandwidth_of(mem, buffer_bytes, threads, 2).gb_s
-                                  : measure_bandwidth(dev, 2);
+    const double g = probe.gb_s(2);
     ts.push_back(t);
     gbs.push_back(g);
     fraction.push_back(bytes_per_token / t / (g * 1e9));
@@ -471,6 +531,7 @@ void run_tuning_ab(Device& dev, TuningAB& ab, int rounds, F fn) {
   const KernelTuning b = ab.applied_to(a);
   dev.set_tuning(b);
   fn();  // builds B's kernels
+  ReadProbe probe(dev);
   const InTurn t = time_in_turn(
       rounds,
       [&] {
@@ -480,8 +541,10 @@ void run_tuning_ab(Device& dev, TuningAB& ab, int rounds, F fn) {
       [&] {
         dev.set_tuning(b);
         return fn();
-      });
+      },
+      [&] { return probe.gb_s(2); });
   dev.set_tuning(a);
+  ab.phases = t.phases;
   ab.a_median = t.a_median;
   ab.b_median = t.b_median;
   ab.ratio_median = t.ratio_median;
