@@ -81,18 +81,24 @@ bool page_mapped(int pagemap, const uint8_t* page) {
 // 31.2 GB/s); 40 regions found small after a morning's use were read again in 0.1 s.
 void refill_small_folios(int fd, uint8_t* base, size_t size) {
   const size_t regions = size / kHugePage, pages = kHugePage / 4096;
-  std::vector<unsigned char> cached(regions * pages);
-  if (regions == 0 || ::mincore(base, regions * kHugePage, cached.data()) != 0) return;
+  if (regions == 0) return;
   const int pagemap = ::open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC);
   if (pagemap < 0) return;
   std::vector<bool> small(regions, false);
-  for (size_t r = 0; r < regions; ++r) {
-    const unsigned char* c = &cached[r * pages];
-    if (std::none_of(c, c + pages, [](unsigned char v) { return (v & 1) != 0; })) continue;
-    const uint8_t* region = base + r * kHugePage;
-    volatile uint8_t first = region[0];
-    (void)first;
-    small[r] = !page_mapped(pagemap, region + kHugePage - 4096);
+  // mincore's answer a GiB at a time (a byte per 4 KiB page: 256 KiB).
+  constexpr size_t kChunk = 512;
+  std::vector<unsigned char> cached(kChunk * pages);
+  for (size_t r0 = 0; r0 < regions; r0 += kChunk) {
+    const size_t n = std::min(kChunk, regions - r0);
+    if (::mincore(base + r0 * kHugePage, n * kHugePage, cached.data()) != 0) break;
+    for (size_t r = r0; r < r0 + n; ++r) {
+      const unsigned char* c = &cached[(r - r0) * pages];
+      if (std::none_of(c, c + pages, [](unsigned char v) { return (v & 1) != 0; })) continue;
+      const uint8_t* region = base + r * kHugePage;
+      volatile uint8_t first = region[0];
+      (void)first;
+      small[r] = !page_mapped(pagemap, region + kHugePage - 4096);
+    }
   }
   ::close(pagemap);
   for (size_t r = 0; r < regions;) {
