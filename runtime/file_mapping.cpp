@@ -16,27 +16,6 @@ namespace {
 
 constexpr size_t kHugePage = size_t(2) << 20;
 
-// KiB of the mapping that starts at `base` mapped in huge pages now (smaps' FilePmdMapped).
-size_t huge_mapped_kib(const void* base) {
-  FILE* f = std::fopen("/proc/self/smaps", "r");
-  if (!f) return 0;
-  char line[512];
-  bool in_vma = false;
-  size_t kib = 0;
-  const auto want = uintptr_t(base);
-  while (std::fgets(line, sizeof line, f)) {
-    uintptr_t start = 0, end = 0;
-    if (std::sscanf(line, "%" SCNxPTR "-%" SCNxPTR " ", &start, &end) == 2) {  // a VMA's first line
-      if (in_vma) break;
-      in_vma = start == want;
-      continue;
-    }
-    if (in_vma && std::sscanf(line, "FilePmdMapped: %zu kB", &kib) == 1) break;
-  }
-  std::fclose(f);
-  return in_vma ? kib : 0;
-}
-
 // Whether the mapping's first 2 MiB are mapped as one huge page once read.
 bool first_huge_page_is_huge(const uint8_t* base) {
   volatile uint8_t first = base[0];  // the fault reads the folio and maps it
@@ -117,6 +96,26 @@ void refill_small_folios(int fd, uint8_t* base, size_t size) {
 }
 
 }  // namespace
+
+size_t huge_mapped_kib(const void* base) {
+  FILE* f = std::fopen("/proc/self/smaps", "r");
+  if (!f) return 0;
+  char line[512];
+  bool in_vma = false;
+  size_t kib = 0;
+  const auto want = uintptr_t(base);
+  while (std::fgets(line, sizeof line, f)) {
+    uintptr_t start = 0, end = 0;
+    if (std::sscanf(line, "%" SCNxPTR "-%" SCNxPTR " ", &start, &end) == 2) {  // a VMA's first line
+      if (in_vma) break;
+      in_vma = start == want;
+      continue;
+    }
+    if (in_vma && std::sscanf(line, "FilePmdMapped: %zu kB", &kib) == 1) break;
+  }
+  std::fclose(f);
+  return in_vma ? kib : 0;
+}
 
 void* map_checkpoint_file(int fd, size_t size) {
   if (size < kHugeMappingMinBytes) {

@@ -34,6 +34,10 @@ inline constexpr size_t kHugeMappingMinBytes = size_t(64) << 20;
 // munmap(base, size).
 void* map_checkpoint_file(int fd, size_t size);
 
+// KiB of the mapping that starts at `base` mapped in huge pages now (/proc/self/smaps'
+// FilePmdMapped; 0 where no mapping starts there or smaps cannot be read).
+size_t huge_mapped_kib(const void* base);
+
 // Reads `size` bytes of `fd` into fresh anonymous memory (2 MiB-aligned, huge pages asked for) and
 // makes it read-only; nullptr (errno set, EIO for a file that ends early) on failure. Free with
 // munmap(base, size). model.mmap: false (llama.cpp's --no-mmap): the weights then live in pages

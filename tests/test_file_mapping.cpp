@@ -10,7 +10,6 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <cinttypes>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -63,26 +62,6 @@ TEST(FileMapping, BigFilesMapAtA2MiBBoundaryWithTheirBytes) {
 }
 
 constexpr size_t kHuge = size_t(2) << 20;
-
-// KiB of the mapping that starts at `base` mapped in huge pages now (smaps' FilePmdMapped).
-size_t huge_mapped_kib(const void* base) {
-  FILE* f = std::fopen("/proc/self/smaps", "r");
-  if (!f) return 0;
-  char line[512];
-  bool in_vma = false;
-  size_t kib = 0;
-  while (std::fgets(line, sizeof line, f)) {
-    uintptr_t start = 0, end = 0;
-    if (std::sscanf(line, "%" SCNxPTR "-%" SCNxPTR " ", &start, &end) == 2) {
-      if (in_vma) break;
-      in_vma = start == uintptr_t(base);
-      continue;
-    }
-    if (in_vma && std::sscanf(line, "FilePmdMapped: %zu kB", &kib) == 1) break;
-  }
-  std::fclose(f);
-  return in_vma ? kib : 0;
-}
 
 // KiB of `file`'s first `size` bytes in huge pages through a plain mapping: 2 MiB-aligned, huge
 // pages asked for, every page read, but none of map_checkpoint_file's drops.
