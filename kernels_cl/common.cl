@@ -197,6 +197,19 @@ inline void wg_tree_sum(local float* partial, uint rows, uint wg, uint lane) {
 #define PREFETCH_LINE_L1(p)
 #endif
 
+// Up to which output column a GEMM work-item's tiles, each prefetching the next tile's weight
+// rows, prefetch (the column tiles from n_end on being the next work-item's): its own end, or
+// with one row block (decode batches) the weight's end N, so that its last tile prefetches the
+// next work-item's first. PoCL's CPU driver hands a thread runs of consecutive work-groups, so
+// that work-item is most likely the thread's next, and only a run's first tile starts cold.
+// llama3-1b's decode step (bench_llama --tuning-ab, Zen 4 EPYC, 2026-11-30, 30 rounds in turn,
+// split by the read pass after each: fast rounds at 49-60 GB/s, slow ones at 28-36): bf16
+// compute batch 1 1.19x fast, 0.99x / 1.00x slow (two runs), batch 8 1.07x / 1.08x fast, 1.03x /
+// 1.04x slow; f32 compute batch 1 1.03x fast, 1.00x slow, batch 8 1.10x in both.
+inline uint prefetch_end(uint n_end, uint N, uint row_blocks) {
+  return row_blocks == 1 ? N : n_end;
+}
+
 // The weight element type of kernels built with -DWEIGHT_TYPE=0|1|2 (f32 | bf16 | f16): wtype,
 // and loaders that widen to f32 in registers (a weight is never converted in memory).
 #ifdef WEIGHT_TYPE

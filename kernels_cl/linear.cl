@@ -66,10 +66,11 @@ kernel void linear(global const float* x, uint x_off, uint ldx,
   const uint m_end = min(m_begin + m_rows, M);
   global const wtype* w = w_base + w_off;
   global const wtype* bias = bias_base + b_off;
+  const uint pf_end = prefetch_end(n_end, N, get_global_size(1));  // row blocks: dimension 1
   for (uint n0 = n_begin; n0 < n_end; n0 += TN)
     for (uint m0 = m_begin; m0 < m_end; m0 += TM)  // the next tile's rows, while this one's stream
       linear_tile(x, x_off, ldx, w, ldw, bias, has_bias, y, y_off, ldy, M, N, K, alpha, accumulate,
-                  m0, n0, m0 == m_begin && n0 + TN < n_end ? TN * ldw : 0);
+                  m0, n0, m0 == m_begin && n0 + TN < pf_end ? TN * ldw : 0);
 }
 
 // y[m, :N] (+)= alpha * (x[m] [W0; W1; W2]^T), or with GLU y[m, n] = silu(x[m] . gate[n]) *
@@ -93,6 +94,7 @@ kernel void linear_fused(global const float* x, uint x_off, uint ldx,
   w0 += w0_off;
   w1 += w1_off;
   w2 += w2_off;
+  const uint pf_end = prefetch_end(n_end, N, get_global_size(1));  // row blocks: dimension 1
   for (uint m0 = m_begin; m0 < m_end; m0 += TM) {
     global const float* xr[TM];
 #pragma unroll
@@ -110,7 +112,7 @@ kernel void linear_fused(global const float* x, uint x_off, uint ldx,
       }
       float out[TM][TN];
       // The next tile's rows (GLU: the next gate and up rows), while this one's stream.
-      tile_dots(xr, wr, K, m0 == m_begin && n0 + tile_cols < n_end ? tile_cols * ldw0 : 0, out);
+      tile_dots(xr, wr, K, m0 == m_begin && n0 + tile_cols < pf_end ? tile_cols * ldw0 : 0, out);
 #if GLU
       float act[ROUND16(TM * (TN / 2))];
       silu_tile(&out[0][0], TN, TM, TN / 2, act);

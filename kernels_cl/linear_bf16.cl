@@ -208,12 +208,13 @@ kernel void linear_bf16(global const ushort* xb, uint ldxb,
     fp8_panel(codes, sr, K, panel);
 #else
   global const ushort* next[TN];
+  const uint pf_end = prefetch_end(n_end, N, get_global_size(0));  // row blocks: dimension 0
   tile_weight_rows(n_begin, N, w0, ldw0, n1, w1, ldw1, n2, w2, ldw2, next);
   for (uint n0 = n_begin; n0 < n_end; n0 += tile_cols) {
     global const ushort* wr[TN];
 #pragma unroll
     for (int j = 0; j < TN; ++j) wr[j] = next[j];
-    const bool has_next = n0 + tile_cols < n_end;
+    const bool has_next = n0 + tile_cols < pf_end;
     if (has_next) tile_weight_rows(n0 + tile_cols, N, w0, ldw0, n1, w1, ldw1, n2, w2, ldw2, next);
 #endif
     for (uint m0 = m_begin; m0 < m_end; m0 += TM) {
