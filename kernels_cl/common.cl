@@ -202,10 +202,13 @@ inline void wg_tree_sum(local float* partial, uint rows, uint wg, uint lane) {
 // with one row block (decode batches) the weight's end N, so that its last tile prefetches the
 // next work-item's first. PoCL's CPU driver hands a thread runs of consecutive work-groups, so
 // that work-item is most likely the thread's next, and only a run's first tile starts cold.
-// llama3-1b's decode step (bench_llama --tuning-ab, Zen 4 EPYC, 2026-11-30, 30 rounds in turn,
-// split by the read pass after each: fast rounds at 49-60 GB/s, slow ones at 28-36): bf16
-// compute batch 1 1.19x fast, 0.99x / 1.00x slow (two runs), batch 8 1.07x / 1.08x fast, 1.03x /
-// 1.04x slow; f32 compute batch 1 1.03x fast, 1.00x slow, batch 8 1.10x in both.
+// llama3-1b's decode step (bench_llama --tuning-ab, Zen 4 EPYC, 2026-11-30, 30-36 rounds in
+// turn, split by the read pass after each: fast rounds at 44-61 GB/s, slow ones at 27-36), with
+// against without: batch 8 at bf16 compute 1.07x / 1.08x / 1.06x fast and 1.03x / 1.04x / 1.04x
+// slow (three runs), at f32 compute 1.10x in both; batch 1 within the noise (bf16 compute 1.19x
+// fast and 0.99x slow in one run, 0.97x and 0.98x in another; f32 1.03x and 1.00x); dsv3-mini
+// bf16 at bf16 compute, whose few GEMVs that prefetch are about 5% of its step, 1.00x slow and
+// 0.85x in 5 fast rounds (noise of that size: the rounds ranged 0.76-1.03x), fp8 0.99x.
 inline uint prefetch_end(uint n_end, uint N, uint row_blocks) {
   return row_blocks == 1 ? N : n_end;
 }
