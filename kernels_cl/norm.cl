@@ -31,13 +31,24 @@ void rmsnorm_wg(global const float* x, uint x_off, uint ldx, global const uint* 
 // norm (bench_step_breakdown --preset llama3-1b --prefill 512, two runs).
 // In place (y == x) is safe: each element is read before it is written.
 // rows: optional row indexes into x (gather), when use_rows != 0: y row r = norm(x row rows[r]).
+// With -DOUT_BF16=1 y is the rows rounded to bf16 (round_bf16's bits and layout: from H to the
+// next 32 elements zeros) for a bf16-compute GEMM, which then needs no round_bf16 launch.
+#if OUT_BF16
+typedef ushort norm_out_t;
+#define NORM_STORE16(v, k, p) vstore16(f32x16_to_bf16_rne(v), k, p)
+#define NORM_STORE1(v, p) (*(p) = f32_to_bf16_rne(v))
+#else
+typedef float norm_out_t;
+#define NORM_STORE16(v, k, p) vstore16(v, k, p)
+#define NORM_STORE1(v, p) (*(p) = (v))
+#endif
 kernel void rmsnorm(global const float* x, uint x_off, uint ldx, global const uint* rows,
-                    int use_rows, global const wtype* w, global float* y, uint y_off, uint ldy,
-                    uint H, float eps) {
+                    int use_rows, global const wtype* w, global norm_out_t* y, uint y_off,
+                    uint ldy, uint H, float eps) {
   const uint r = get_global_id(0);
   const uint src = use_rows ? rows[r] : r;
   global const float* xr = x + x_off + (size_t)src * ldx;
-  global float* yr = y + y_off + (size_t)r * ldy;
+  global norm_out_t* yr = y + y_off + (size_t)r * ldy;
   const uint H16 = H / 16;
   float16 acc = (float16)(0.0f);
   for (uint k = 0; k < H16; ++k) {
@@ -47,6 +58,9 @@ kernel void rmsnorm(global const float* x, uint x_off, uint ldx, global const ui
   float ss = hsum16(acc);
   for (uint i = H16 * 16; i < H; ++i) ss = fma(xr[i], xr[i], ss);
   const float inv = 1.0f / sqrt(ss / (float)H + eps);
-  for (uint k = 0; k < H16; ++k) vstore16((vload16(k, xr) * inv) * LOADW16(k, w), k, yr);
-  for (uint i = H16 * 16; i < H; ++i) yr[i] = (xr[i] * inv) * LOADW1(w + i);
+  for (uint k = 0; k < H16; ++k) NORM_STORE16((vload16(k, xr) * inv) * LOADW16(k, w), k, yr);
+  for (uint i = H16 * 16; i < H; ++i) NORM_STORE1((xr[i] * inv) * LOADW1(w + i), yr + i);
+#if OUT_BF16
+  for (uint i = H; i < (H + 31) / 32 * 32; ++i) yr[i] = 0;
+#endif
 }

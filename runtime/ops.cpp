@@ -290,25 +290,33 @@ bool gemm_f32_amx_terms(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t 
 // y[M, :N] (+)= alpha * (bf16(x) [ws...]^T (+ bias)) on the CPU shape (linear_bf16.cl): the rows
 // rounded once into a scratch of 32-aligned rows, then the tiled GEMM, or from
 // gemm_bf16_packed_rows rows the packed one; batches with AMX stream their weights
-// (amx_stream_gemm). With glu, ws = {gate, up} and y gets silu(gate) * up.
+// (amx_stream_gemm). With glu, ws = {gate, up} and y gets silu(gate) * up. With x_rounded, x
+// holds those rounded rows already (from x_off 0, row stride ldx: round_bf16's layout, as the
+// fused ops' norm writes them), never where AMX streams.
 void gemm_bf16(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx,
-               const std::vector<const Weight*>& ws, bool glu, const Weight* bias,
-               const cl::Mem& y, uint32_t y_off, uint32_t ldy, uint32_t M, float alpha,
-               bool accumulate, const Weight* fp8_scale = nullptr) {
-  if (amx_stream_gemm(dev, ws, bias, fp8_scale, M))
+               const std::vector<const Weight*>& ws, bool glu, const Weight* bias, const cl::Mem& y,
+               uint32_t y_off, uint32_t ldy, uint32_t M, float alpha, bool accumulate,
+               const Weight* fp8_scale = nullptr, bool x_rounded = false) {
+  if (amx_stream_gemm(dev, ws, bias, fp8_scale, M)) {
+    if (x_rounded) throw std::logic_error("gemm_bf16: AMX's stream packs f32 rows, given bf16");
     return gemm_bf16_amx_stream(dev, x, x_off, ldx, ws, glu, bias, y, y_off, ldy, M, alpha,
                                 accumulate);
+  }
   const uint32_t K = uint32_t(ws[0]->dim(1));
-  const uint32_t ldxb = bf16_gemm_row_stride(K);
-  Scratch xb(dev, size_t(M) * ldxb * 2);
-  round_bf16(dev, x, x_off, ldx, M, K, xb.mem(), ldxb);
+  const uint32_t ldxb = x_rounded ? ldx : bf16_gemm_row_stride(K);
+  Scratch rounded;
+  if (!x_rounded) {
+    rounded = Scratch(dev, size_t(M) * ldxb * 2);
+    round_bf16(dev, x, x_off, ldx, M, K, rounded.mem(), ldxb);
+  }
+  const cl::Mem& xb = x_rounded ? x : rounded.mem();
   const WeightColumns wc = weight_columns(ws, glu, fp8_scale != nullptr);
   const uint32_t N = wc.N, n1 = wc.n1, n2 = wc.n2;
   const bool pairs_aligned = wc.pairs_aligned;
   const KernelTuning& t = dev.tuning();
   const uint32_t packed_from = bf16_packed_rows_from(dev);
   if (packed_from != 0 && M >= packed_from &&
-      launch_bf16_packed(dev, xb.mem(), 0, ldxb, PackedRows::Bf16, ws, glu, bias, fp8_scale,
+      launch_bf16_packed(dev, xb, 0, ldxb, PackedRows::Bf16, ws, glu, bias, fp8_scale,
                          pairs_aligned, y, y_off, ldy, M, N, K, n1, n2, alpha, accumulate))
     return;
   // Batches below one work-item's rows (decode) take their own tile (KernelTuning), and below
@@ -352,12 +360,11 @@ void gemm_bf16(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx,
   const Weight& w1 = *ws[std::min<size_t>(1, ws.size() - 1)];
   const Weight& w2 = *ws[std::min<size_t>(2, ws.size() - 1)];
   const int has_bias = bias != nullptr;
-  cl::set_args(k, xb.mem(), ldxb, w0.mem, uint32_t(w0.offset), uint32_t(w0.row_stride()), n1,
-               w1.mem, uint32_t(w1.offset), uint32_t(w1.row_stride()), n2, w2.mem,
-               uint32_t(w2.offset), uint32_t(w2.row_stride()), has_bias ? bias->mem : w0.mem,
-               uint32_t(has_bias ? bias->offset : 0), has_bias,
-               fp8_scale ? fp8_scale->mem : w0.mem, (K + 127) / 128, y, y_off, ldy, M, N, K,
-               alpha, int(accumulate), n_tiles, m_rows);
+  cl::set_args(k, xb, ldxb, w0.mem, uint32_t(w0.offset), uint32_t(w0.row_stride()), n1, w1.mem,
+               uint32_t(w1.offset), uint32_t(w1.row_stride()), n2, w2.mem, uint32_t(w2.offset),
+               uint32_t(w2.row_stride()), has_bias ? bias->mem : w0.mem,
+               uint32_t(has_bias ? bias->offset : 0), has_bias, fp8_scale ? fp8_scale->mem : w0.mem,
+               (K + 127) / 128, y, y_off, ldy, M, N, K, alpha, int(accumulate), n_tiles, m_rows);
   // Row blocks first (linear_bf16.cl): a column block's weights are read from memory once, not
   // once per row block; 1.01-1.10x at M = 512 (bench_kernels, interleaved pairs).
   dev.launch(k, {row_blocks, col_blocks, 1}, 2);
@@ -720,17 +727,42 @@ bool all_blas(const Device& dev, uint32_t M, const std::vector<const Weight*>& w
 // 1.27-1.33x (in-process A/B, 41 pairs each); gate/up slower in 8 of 9 pairs of
 // bench_decode_breakdown (22-33 ms against 18-27 ms a step). Decode and prefill now normalise a
 // row with the same launch (prefill had the norm apart already).
+// Where the CPU shape's bf16-compute GEMM follows (bf16_rows), the norm writes the rows rounded
+// to bf16 in round_bf16's layout, so that no round_bf16 launch comes between (rounded), with the
+// same bits. llama3-1b's decode step had 65 of those launches, 33 after a norm; all 65 skipped
+// (a throwaway switch, timing only) made the step 1.017x faster in fast bandwidth phases (median
+// of 16 rounds in turn) and 1.005x in slow ones. These 33 (bench_decode_breakdown --compute-dtype
+// bf16, A/B in turn, 30 runs of 20 rounds): 1.006x in fast phases (13 runs at 51-59 ms a step),
+// 1.005x in slow ones (17 at 74-79 ms); the 512-token prefill 196 -> 163 launches, round_bf16's
+// time 24.4 -> 17.1 ms of about 2480.
 struct GemmInput {
   const cl::Mem* x;
   uint32_t off, ld;
+  bool rounded = false;
 };
 GemmInput gemm_input(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx,
                      const cl::Mem* rows, const Weight* norm, float eps, uint32_t M, uint32_t K,
-                     Scratch& scratch) {
+                     Scratch& scratch, bool bf16_rows = false) {
   if (!norm) return {&x, x_off, ldx};
+  if (bf16_rows) {
+    const uint32_t ldxb = bf16_gemm_row_stride(K);
+    scratch = Scratch(dev, size_t(M) * ldxb * 2);
+    cl::Kernel k = dev.kernel("norm.cl", "rmsnorm", weight_option(*norm) + " -DOUT_BF16=1");
+    cl::set_args(k, x, x_off, ldx, rows ? *rows : x, int(rows != nullptr), norm->mem, scratch.mem(),
+                 0u, ldxb, K, eps);
+    dev.launch(k, {M, 1, 1}, 1);
+    return {&scratch.mem(), 0, ldxb, true};
+  }
   scratch = Scratch(dev, size_t(M) * K * 4);
   rmsnorm(dev, x, x_off, ldx, rows, *norm, scratch.mem(), 0, K, M, K, eps);
   return {&scratch.mem(), 0, K};
+}
+
+// Whether a fused op over `ws` at `compute` runs gemm_bf16 on rows it may take rounded (GemmInput).
+bool bf16_gemm_rows(Device& dev, ComputeDType compute, uint32_t M,
+                    const std::vector<const Weight*>& ws) {
+  return bf16_gemm(dev, compute, M, ws) && dev.kernel_shape() == KernelShape::Chunks &&
+         !amx_stream_gemm(dev, ws, nullptr, nullptr, M);
 }
 
 }  // namespace
@@ -747,10 +779,11 @@ void linear_fused(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx,
   if (M == 0) return;
   const uint32_t K = common_k(weights, "linear_fused");
   Scratch normed;
-  const GemmInput in = gemm_input(dev, x, x_off, ldx, rows, norm, eps, M, K, normed);
+  const bool bf16_rows = bf16_gemm_rows(dev, compute, M, weights);
+  const GemmInput in = gemm_input(dev, x, x_off, ldx, rows, norm, eps, M, K, normed, bf16_rows);
   if (bf16_gemm(dev, compute, M, weights) && dev.kernel_shape() == KernelShape::Chunks) {
     gemm_bf16(dev, *in.x, in.off, in.ld, weights, false, nullptr, y, y_off, ldy, M, alpha,
-              accumulate);
+              accumulate, nullptr, in.rounded);
     return;
   }
   if (dev.kernel_shape() == KernelShape::WorkGroups) {
@@ -780,10 +813,11 @@ void linear_swiglu(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, 
   if (M == 0) return;
   const uint32_t K = common_k({&gate, &up}, "linear_swiglu"), F = uint32_t(gate.dim(0));
   Scratch normed;
-  const GemmInput in = gemm_input(dev, x, x_off, ldx, nullptr, norm, eps, M, K, normed);
+  const bool bf16_rows = bf16_gemm_rows(dev, compute, M, {&gate, &up});
+  const GemmInput in = gemm_input(dev, x, x_off, ldx, nullptr, norm, eps, M, K, normed, bf16_rows);
   if (bf16_gemm(dev, compute, M, {&gate, &up}) && dev.kernel_shape() == KernelShape::Chunks) {
-    gemm_bf16(dev, *in.x, in.off, in.ld, {&gate, &up}, true, nullptr, y, y_off, ldy, M, 1.0f,
-              false);
+    gemm_bf16(dev, *in.x, in.off, in.ld, {&gate, &up}, true, nullptr, y, y_off, ldy, M, 1.0f, false,
+              nullptr, in.rounded);
     return;
   }
   if (dev.kernel_shape() == KernelShape::WorkGroups) {

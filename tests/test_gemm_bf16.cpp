@@ -1009,6 +1009,62 @@ TEST(GemmBf16Gemv, RowsBelowFourCarryTheBatchTilesBits) {
     }
 }
 
+// The fused ops' norm writes its rows rounded to bf16 where gemm_bf16 follows on the CPU shape
+// (ops.cpp's GemmInput), in round_bf16's layout, so that no round_bf16 launch comes between: the
+// outputs must keep the bits of the norm into f32 rows and the same op on them without a norm
+// (which rounds them with round_bf16). linear_fused (q/k/v side by side; and with a row gather,
+// as the logits' rows take it) and linear_swiglu, at 1 row (the GEMV where the host has
+// vdpbf16ps), 9 (the batch tile) and 130 (the packed GEMM), K = 333 (a partial 32-element step)
+// and 2048.
+TEST(GemmBf16Norm, RowsRoundedByTheNormKeepTheBits) {
+  Device& dev = test::default_device();
+  test::ShapeScope shape(dev, KernelShape::Chunks);
+  const uint32_t B = 130, N = 37;
+  const float eps = 1e-5f;
+  for (const uint32_t K : {333u, 2048u}) {
+    std::vector<float> x = random_vec(size_t(B) * K, 61 + K, 3.0f), g = random_vec(K, 62, 2.0f);
+    Weight norm = bf16_weight(dev, g, {K}, "norm");
+    std::vector<Weight> ws;
+    for (uint32_t i = 0; i < 3; ++i) {
+      std::vector<float> v = random_vec(size_t(N) * K, 63 + i);
+      ws.push_back(bf16_weight(dev, v, {N, K}, "w" + std::to_string(i)));
+    }
+    const cl::Mem xm = test::upload_bytes(dev, x.data(), x.size() * 4);
+    std::vector<uint32_t> gather(B);
+    for (uint32_t m = 0; m < B; ++m) gather[m] = (m * 7 + 3) % B;
+    const cl::Mem rows = test::upload_bytes(dev, gather.data(), gather.size() * 4);
+    for (const uint32_t M : {1u, 9u, 130u}) {
+      SCOPED_TRACE("M=" + std::to_string(M) + " K=" + std::to_string(K));
+      for (const bool gathered : {false, true}) {
+        const cl::Mem* r = gathered ? &rows : nullptr;
+        cl::Mem normed = dev.alloc(size_t(M) * K * 4);
+        ops::rmsnorm(dev, xm, 0, K, r, norm, normed, 0, K, M, K, eps);
+        cl::Mem want = dev.alloc(size_t(M) * 3 * N * 4), got = dev.alloc(size_t(M) * 3 * N * 4);
+        ops::linear_fused(dev, normed, 0, K, nullptr, nullptr, eps, {&ws[0], &ws[1], &ws[2]}, want,
+                          0, 3 * N, M, 0.5f, false, ComputeDType::BF16);
+        ops::linear_fused(dev, xm, 0, K, r, &norm, eps, {&ws[0], &ws[1], &ws[2]}, got, 0, 3 * N, M,
+                          0.5f, false, ComputeDType::BF16);
+        const std::vector<float> w = download(dev, want, size_t(M) * 3 * N),
+                                 o = download(dev, got, size_t(M) * 3 * N);
+        for (size_t i = 0; i < w.size(); ++i)
+          ASSERT_EQ(std::bit_cast<uint32_t>(o[i]), std::bit_cast<uint32_t>(w[i]))
+              << "q/k/v output " << i << (gathered ? " (gathered rows)" : "");
+        if (gathered) continue;
+        cl::Mem want_s = dev.alloc(size_t(M) * N * 4), got_s = dev.alloc(size_t(M) * N * 4);
+        ops::linear_swiglu(dev, normed, 0, K, nullptr, eps, ws[1], ws[2], want_s, 0, N, M,
+                           ComputeDType::BF16);
+        ops::linear_swiglu(dev, xm, 0, K, &norm, eps, ws[1], ws[2], got_s, 0, N, M,
+                           ComputeDType::BF16);
+        const std::vector<float> ws_ = download(dev, want_s, size_t(M) * N),
+                                 os = download(dev, got_s, size_t(M) * N);
+        for (size_t i = 0; i < ws_.size(); ++i)
+          ASSERT_EQ(std::bit_cast<uint32_t>(os[i]), std::bit_cast<uint32_t>(ws_[i]))
+              << "SwiGLU output " << i;
+      }
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Rows, GemmBf16Prefetch, ::testing::Values(9u, 130u),
                          [](const auto& info) { return "M" + std::to_string(info.param); });
 
