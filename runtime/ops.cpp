@@ -303,6 +303,9 @@ void gemm_bf16(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx,
                                 accumulate);
   }
   const uint32_t K = uint32_t(ws[0]->dim(1));
+  if (x_rounded && x_off != 0)
+    throw std::logic_error("gemm_bf16: rounded rows start at element 0, given " +
+                           std::to_string(x_off));
   const uint32_t ldxb = x_rounded ? ldx : bf16_gemm_row_stride(K);
   Scratch rounded;
   if (!x_rounded) {
@@ -731,10 +734,10 @@ bool all_blas(const Device& dev, uint32_t M, const std::vector<const Weight*>& w
 // to bf16 in round_bf16's layout, so that no round_bf16 launch comes between (rounded), with the
 // same bits. llama3-1b's decode step had 65 of those launches, 33 after a norm; all 65 skipped
 // (a throwaway switch, timing only) made the step 1.017x faster in fast bandwidth phases (median
-// of 16 rounds in turn) and 1.005x in slow ones. These 33 (bench_decode_breakdown --compute-dtype
-// bf16, A/B in turn, 30 runs of 20 rounds): 1.006x in fast phases (13 runs at 51-59 ms a step),
-// 1.005x in slow ones (17 at 74-79 ms); the 512-token prefill 196 -> 163 launches, round_bf16's
-// time 24.4 -> 17.1 ms of about 2480.
+// of 16 runs of 20 rounds in turn) and 1.005x in slow ones. These 33 (bench_decode_breakdown
+// --compute-dtype bf16, A/B in turn, 30 runs of 20 rounds): 1.006x in fast phases (13 runs at 51-59
+// ms a step), 1.005x in slow ones (17 at 74-79 ms); the 512-token prefill 196 -> 163 launches,
+// round_bf16's time 24.4 -> 17.1 ms of about 2480.
 struct GemmInput {
   const cl::Mem* x;
   uint32_t off, ld;
