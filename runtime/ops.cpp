@@ -738,6 +738,18 @@ bool all_blas(const Device& dev, uint32_t M, const std::vector<const Weight*>& w
 // --compute-dtype bf16, A/B in turn, 30 runs of 20 rounds): 1.006x in fast phases (13 runs at 51-59
 // ms a step), 1.005x in slow ones (17 at 74-79 ms); the 512-token prefill 196 -> 163 launches,
 // round_bf16's time 24.4 -> 17.1 ms of about 2480.
+// norm.cl's rmsnorm on the CPU shape (ops::rmsnorm's), with out_bf16 its rows rounded to bf16 in
+// round_bf16's layout (y's row stride ldy in bf16 elements).
+void rmsnorm_chunks(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx,
+                    const cl::Mem* rows, const Weight& w, const cl::Mem& y, uint32_t y_off,
+                    uint32_t ldy, uint32_t R, uint32_t H, float eps, bool out_bf16) {
+  cl::Kernel k =
+      dev.kernel("norm.cl", "rmsnorm", weight_option(w) + (out_bf16 ? " -DOUT_BF16=1" : ""));
+  cl::set_args(k, x, x_off, ldx, rows ? *rows : x, int(rows != nullptr), w.mem, y, y_off, ldy, H,
+               eps);
+  dev.launch(k, {R, 1, 1}, 1);
+}
+
 struct GemmInput {
   const cl::Mem* x;
   uint32_t off, ld;
@@ -750,10 +762,7 @@ GemmInput gemm_input(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx
   if (bf16_rows) {
     const uint32_t ldxb = bf16_gemm_row_stride(K);
     scratch = Scratch(dev, size_t(M) * ldxb * 2);
-    cl::Kernel k = dev.kernel("norm.cl", "rmsnorm", weight_option(*norm) + " -DOUT_BF16=1");
-    cl::set_args(k, x, x_off, ldx, rows ? *rows : x, int(rows != nullptr), norm->mem, scratch.mem(),
-                 0u, ldxb, K, eps);
-    dev.launch(k, {M, 1, 1}, 1);
+    rmsnorm_chunks(dev, x, x_off, ldx, rows, *norm, scratch.mem(), 0, ldxb, M, K, eps, true);
     return {&scratch.mem(), 0, ldxb, true};
   }
   scratch = Scratch(dev, size_t(M) * K * 4);
@@ -852,9 +861,7 @@ void rmsnorm(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const 
     dev.launch(k, {R * wg, 1, 1}, 1, &wg);
     return;
   }
-  cl::Kernel k = dev.kernel("norm.cl", "rmsnorm", weight_option(w));
-  cl::set_args(k, x, x_off, ldx, use_rows ? *rows : x, use_rows, w.mem, y, y_off, ldy, H, eps);
-  dev.launch(k, {R, 1, 1}, 1);
+  rmsnorm_chunks(dev, x, x_off, ldx, rows, w, y, y_off, ldy, R, H, eps, false);
 }
 
 void embedding(Device& dev, const cl::Mem& tokens, uint32_t T, const Weight& table,
