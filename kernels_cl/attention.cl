@@ -57,6 +57,168 @@
 // Query rows whose value accumulators are held in registers together (16 vectors).
 #define AT_PG (AT_VV >= 16 ? 1 : 16 / AT_VV)
 
+#ifndef AT_BF16
+#define AT_BF16 0
+#endif
+#if AT_BF16
+// -DAT_BF16=1 (model.compute_dtype: bf16 where the host has vdpbf16ps; ops::attention_bf16):
+// the scores and the weighted values as bf16 dot products, as bf16 flash attention takes them.
+// The queries times scale, the keys, the values and the softmax weights are rounded to bf16
+// (nearest even: an f32 cache's elements by vcvtne2ps2bf16, whose denormal inputs become zero as
+// vdpbf16ps would read them; a bf16 cache's as they are; fp8 codes exactly); the running maxima,
+// the factors and the sums stay f32 (softmax_rows16). Each vdpbf16ps adds two products per lane
+// in f32: a score's pair is dimensions 2w, 2w + 1 (a query's pair word broadcast against kp[w],
+// the block's keys transposed as pair words: lane j = key j's), a value's is positions 2p,
+// 2p + 1 (a weight pair broadcast against vp, two value rows interleaved: lane l = dimension l of
+// both). Half the multiply-adds and half the key transposes of the f32 tiles. A token's
+// operations still do not depend on the tokens beside it: both copies of at_run call the same
+// sums (one function per row count), and the second position of a pair past the block's last is
+// the last position again with weight 0. The sums are out-of-line functions with clang's
+// per-function target attribute on plain vector types, as bf16_packed.cl's micro-kernel.
+// MLA's decompressed prefill (-DAT_NOPE) takes it too: K-nope and V from its f32 rows. Against the
+// f32 tiles on the 2-core Zen 4 EPYC (bench_step_breakdown, the same build switched in turn, 2
+// pairs): llama3-1b's attention over a 512-token prefill 1.25x, over 2048 tokens 1.27-1.32x,
+// decode at 4096 cached positions 1.2-1.4x; dsv3-mini's MLA prefill over 512 tokens 1.3-1.45x.
+#define ROUND32(n) (((n) + 31) / 32 * 32)
+#define AT_PA (ROUND32(AT_NOPE) / 2)        // a key's pair words of K-nope (MLA), then
+#define AT_PK (AT_PA + ROUND32(AT_KC) / 2)  // the cache's (zeros past each part)
+typedef int at_v16i __attribute__((__vector_size__(64)));
+typedef float at_v16f __attribute__((ext_vector_type(16)));
+#define AT_BF16_TARGET \
+  __attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl"))) __attribute__((noinline))
+// Pair words of 32 bf16 values (a: 0-15, b: 16-31): word q holds elements 2q (low half), 2q + 1.
+#define PAIR_WORDS(a, b) ((uint16)(as_uint8(a), as_uint8(b)))
+// The value pairs' interleave: lanes 0-15 of a 32-word vector (position 2p's dimensions) with
+// lanes 16-31 (position 2p + 1's), word l of position 2p low.
+#define AT_INTERLEAVE(b)                                                                      \
+  as_uint16(__builtin_shufflevector(b, b, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, \
+                                    23, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, \
+                                    15, 31))
+
+// ---- f32 rows (an f32 cache; MLA's decompressed K-nope and V): two 16-float chunks become 32
+// bf16 in one vcvtne2ps2bf16 ----
+typedef float at_f16u __attribute__((ext_vector_type(16), aligned(4)));
+typedef float at_f8u __attribute__((ext_vector_type(8), aligned(4)));
+typedef short at_v32s __attribute__((__vector_size__(64)));
+// Chunk c (16 floats) of a row of D floats at p: zeros past D.
+#define AT_F32_CHUNK(p, c, D)                                                \
+  ((c) * 16 >= (D) ? (at_v16f)(0.0f)                                        \
+   : (D) % 16 && (c) == (D) / 16                                            \
+       ? (at_v16f)(*(global const at_f8u*)((p) + 16 * (c)), (float8)(0.0f)) \
+       : (at_v16f)(*(global const at_f16u*)((p) + 16 * (c))))
+// 32 bf16 words: lo's 16 values, then hi's.
+#define AT_CVT2(lo, hi) ((at_v32s)__builtin_ia32_cvtne2ps2bf16_512((hi), (lo)))
+// The pair words of dimensions [0, W) of the 16 rows at base + at[j], transposed: kp[w] lane j =
+// row j's pair word w.
+#define AT_KEY_PAIRS_F32(NAME, W)                                                             \
+  AT_BF16_TARGET void NAME(global const float* base, const size_t* at, uint16* kp) {          \
+    _Pragma("unroll") for (int g = 0; g < ROUND32(W) / 32; ++g) {                            \
+      uint16 r[16];                                                                          \
+      _Pragma("unroll") for (int j = 0; j < 16; ++j) r[j] = as_uint16(                        \
+          AT_CVT2(AT_F32_CHUNK(base + at[j], 2 * g, W), AT_F32_CHUNK(base + at[j], 2 * g + 1, W))); \
+      transpose16x16(r);                                                                     \
+      _Pragma("unroll") for (int i = 0; i < 16; ++i) kp[16 * g + i] = r[i];                  \
+    }                                                                                        \
+  }
+// np value pairs (vp[p * AT_VV + i]: dimensions 16 i .. of the rows at base + at[2p] and
+// base + at[2p + 1]) from f32 rows.
+AT_BF16_TARGET void at_value_pairs_f32(global const float* base, const size_t* at, uint np,
+                                       uint16* vp) {
+  for (uint p = 0; p < np; ++p) {
+#pragma unroll
+    for (int i = 0; i < AT_VV; ++i)
+      vp[p * AT_VV + i] = AT_INTERLEAVE(AT_CVT2(AT_F32_CHUNK(base + at[2 * p], i, AT_DV),
+                                                AT_F32_CHUNK(base + at[2 * p + 1], i, AT_DV)));
+  }
+}
+#if AT_NOPE
+AT_KEY_PAIRS_F32(at_key_pairs_nope, AT_NOPE)
+#endif
+#if CACHE_TYPE == 0
+AT_KEY_PAIRS_F32(at_key_pairs_cache, AT_KC)
+#else
+// ---- bf16 and fp8 caches: a bf16 cache's bits as they are, fp8 codes widened (exact in bf16) ----
+#if CACHE_TYPE == 1
+#define LOADB16(i, p) vload16((i), (p))
+#define LOADB8(i, p) vload8((i), (p))
+#else
+#define LOADB16(i, p) f32x16_to_bf16_rne(LOADC16((i), (p)))
+#define LOADB8(i, p) f32x16_to_bf16_rne((float16)(LOADC8((i), (p)), (float8)(0.0f))).lo
+#endif
+// Chunk i of a row of D as bf16 bits: zeros past D.
+#define BCHUNK16(i, p, D)                                                       \
+  ((i) * 16 >= (D) ? (ushort16)(0)                                              \
+   : (D) % 16 && (i) == (D) / 16 ? (ushort16)(LOADB8(2 * (i), p), (ushort8)(0)) \
+                                 : LOADB16(i, p))
+inline void at_key_pairs_cache(global const ctype* base, const size_t* at, uint16* kp) {
+#pragma unroll
+  for (int g = 0; g < ROUND32(AT_KC) / 32; ++g) {
+    uint16 r[16];
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+      r[j] = PAIR_WORDS(BCHUNK16(2 * g, base + at[j], AT_KC),
+                        BCHUNK16(2 * g + 1, base + at[j], AT_KC));
+    transpose16x16(r);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) kp[16 * g + i] = r[i];
+  }
+}
+inline void at_value_pairs_cache(global const ctype* base, const size_t* at, uint np,
+                                 uint16* vp) {
+  for (uint p = 0; p < np; ++p) {
+#pragma unroll
+    for (int i = 0; i < AT_VV; ++i)
+      vp[p * AT_VV + i] = convert_uint16(BCHUNK16(i, base + at[2 * p], AT_DV)) |
+                          (convert_uint16(BCHUNK16(i, base + at[2 * p + 1], AT_DV)) << 16);
+  }
+}
+#endif
+
+// Scores s[r] (lane j: key j) of ROWS query rows (qp: AT_PK pair words per row) against the
+// block's key pairs kp: one chain per row over the pair words in order.
+#define AT_BF16_SCORES(NAME, ROWS)                                                          \
+  AT_BF16_TARGET void NAME(const uint* qp, const uint16* kp, float16* s) {                  \
+    at_v16f a[ROWS];                                                                        \
+    _Pragma("unroll") for (int r = 0; r < ROWS; ++r) a[r] = (at_v16f)(0.0f);                \
+    for (int w = 0; w < AT_PK; ++w) {                                                       \
+      const at_v16i k = (at_v16i)kp[w];                                                     \
+      _Pragma("unroll") for (int r = 0; r < ROWS; ++r) a[r] =                               \
+          __builtin_ia32_dpbf16ps_512(a[r], (at_v16i)((int16)((int)qp[r * AT_PK + w])), k); \
+    }                                                                                       \
+    _Pragma("unroll") for (int r = 0; r < ROWS; ++r) s[r] = a[r];                           \
+  }
+// The np position pairs' values (vp) weighted by each row's weight pairs (wp: 8 words per row)
+// into the ROWS rows' accumulators acc (AT_VV vectors per row), first scaled by the rows'
+// factors corr; AT_PG rows' accumulators at a time in registers, as the f32 tiles.
+#define AT_BF16_VALUES(NAME, ROWS)                                                           \
+  AT_BF16_TARGET void NAME(const uint* wp, const uint16* vp, float16* acc, const float* corr, \
+                           uint np) {                                                        \
+    _Pragma("unroll") for (int g0 = 0; g0 < ROWS; g0 += AT_PG) {                             \
+      at_v16f a[AT_PG][AT_VV];                                                               \
+      _Pragma("unroll") for (int k = 0; k < AT_PG; ++k) if (g0 + k < ROWS)                   \
+          _Pragma("unroll") for (int i = 0; i < AT_VV; ++i) a[k][i] =                        \
+              acc[(g0 + k) * AT_VV + i] * corr[g0 + k];                                      \
+      for (uint p = 0; p < np; ++p) {                                                        \
+        at_v16i v[AT_VV];                                                                    \
+        _Pragma("unroll") for (int i = 0; i < AT_VV; ++i) v[i] = (at_v16i)vp[p * AT_VV + i]; \
+        _Pragma("unroll") for (int k = 0; k < AT_PG; ++k) if (g0 + k < ROWS) {               \
+          const at_v16i w = (at_v16i)((int16)((int)wp[(g0 + k) * 8 + p]));                   \
+          _Pragma("unroll") for (int i = 0; i < AT_VV; ++i) a[k][i] =                        \
+              __builtin_ia32_dpbf16ps_512(a[k][i], w, v[i]);                                 \
+        }                                                                                    \
+      }                                                                                      \
+      _Pragma("unroll") for (int k = 0; k < AT_PG; ++k) if (g0 + k < ROWS)                   \
+          _Pragma("unroll") for (int i = 0; i < AT_VV; ++i) acc[(g0 + k) * AT_VV + i] =      \
+              a[k][i];                                                                       \
+    }                                                                                        \
+  }
+// One copy per row count: a run of one token (AT_GH rows) and of AT_TQ tokens (AT_R).
+AT_BF16_SCORES(at_scores_bf16_one, AT_GH)
+AT_BF16_SCORES(at_scores_bf16_all, AT_R)
+AT_BF16_VALUES(at_values_bf16_one, AT_GH)
+AT_BF16_VALUES(at_values_bf16_all, AT_R)
+#endif
+
 // Dimensions [0, W) of the 16 keys at base + at[j], transposed: kt[d] lane j = key j's element
 // d (rows past W up to a multiple of 16 are zeros).
 #define AT_KEYS_T(kt, base, at, W, LOAD8, LOAD16)                                         \
@@ -96,20 +258,39 @@ __attribute__((always_inline)) inline void at_run(
       pos[i] = (int)token_pos[t + min(i, nt - 1)];
       last = max(last, (uint)pos[i]);
     }
+#if AT_BF16
+  uint qp[AT_R * AT_PK];  // the queries times scale as bf16 pair words, in kp's rows
+#else
   float qs[AT_R][AT_KR];  // the queries times scale, in kt's rows
+#endif
   float16 acc[AT_R][AT_VV];
   float16 m = (float16)(-INFINITY), l = (float16)(0.0f);  // lane r: row r's
 #pragma unroll
   for (uint r = 0; r < AT_R; ++r) {
     if (r >= rows) continue;
-    global const float* qp = q + q_off + (size_t)(t + min(r / AT_GH, nt - 1)) * q_ldt +
+    global const float* qr = q + q_off + (size_t)(t + min(r / AT_GH, nt - 1)) * q_ldt +
                              (size_t)(h0 + r % AT_GH) * q_ldh;
+#if AT_BF16
+    // Chunk c of the part of W at p times scale, rounded (zeros past W).
+#define AT_QB(c, p, W) \
+  ((c) * 16 >= (W) ? (ushort16)(0) : f32x16_to_bf16_rne(CHUNK16(c, p, W, vload8, vload16) * scale))
+#if AT_NOPE
+    for (int g = 0; g < AT_PA / 16; ++g)
+      vstore16(PAIR_WORDS(AT_QB(2 * g, qr, AT_NOPE), AT_QB(2 * g + 1, qr, AT_NOPE)), g,
+               qp + r * AT_PK);
+#endif
+    for (int g = 0; g < (AT_PK - AT_PA) / 16; ++g)
+      vstore16(PAIR_WORDS(AT_QB(2 * g, qr + AT_NOPE, AT_KC), AT_QB(2 * g + 1, qr + AT_NOPE, AT_KC)),
+               g, qp + r * AT_PK + AT_PA);
+#undef AT_QB
+#else
 #if AT_NOPE
     for (int c = 0; c < AT_RA / 16; ++c)
-      vstore16(CHUNK16(c, qp, AT_NOPE, vload8, vload16) * scale, c, qs[r]);
+      vstore16(CHUNK16(c, qr, AT_NOPE, vload8, vload16) * scale, c, qs[r]);
 #endif
     for (int c = 0; c < ROUND16(AT_KC) / 16; ++c)
-      vstore16(CHUNK16(c, qp + AT_NOPE, AT_KC, vload8, vload16) * scale, c, qs[r] + AT_RA);
+      vstore16(CHUNK16(c, qr + AT_NOPE, AT_KC, vload8, vload16) * scale, c, qs[r] + AT_RA);
+#endif
 #pragma unroll
     for (int i = 0; i < AT_VV; ++i) acc[r][i] = (float16)(0.0f);
   }
@@ -155,10 +336,47 @@ __attribute__((always_inline)) inline void at_run(
       }
     }
 #endif
-    float16 kt[AT_KR];
 #if AT_NOPE
     size_t nope_at[16];
     for (uint j = 0; j < 16; ++j) nope_at[j] = (size_t)(p0 + min(j, n - 1)) * ldkv;
+#endif
+#if AT_BF16
+    // The keys and the value pairs (past n the last position again, with weight 0).
+    const uint np = (n + 1) / 2;
+    uint16 kp[AT_PK], vp[8 * AT_VV];
+#if AT_NOPE
+    at_key_pairs_nope(kv_rows, nope_at, kp);
+#endif
+    at_key_pairs_cache(keys, at, kp + AT_PA);
+#if AT_NOPE
+    at_value_pairs_f32(kv_rows + AT_NOPE, nope_at, np, vp);
+#elif CACHE_TYPE == 0
+    at_value_pairs_f32(values, at, np, vp);
+#else
+    at_value_pairs_cache(values, at, np, vp);
+#endif
+    float16 s[16];
+    if (NQ == 1)
+      at_scores_bf16_one(qp, kp, s);
+    else
+      at_scores_bf16_all(qp, kp, s);
+#pragma unroll
+    for (uint r = 0; r < AT_R; ++r)
+      if (r < rows)
+        s[r] = select(s[r], (float16)(-INFINITY), lane > (int16)(pos[r / AT_GH] - (int)p0));
+    float corr[16];
+    vstore16(softmax_rows16(s, rows, &m, &l), 0, corr);
+    uint wp[AT_R * 8];
+#pragma unroll
+    for (uint r = 0; r < AT_R; ++r)
+      if (r < rows) vstore8(as_uint8(f32x16_to_bf16_rne(s[r])), r, wp);
+    if (NQ == 1)
+      at_values_bf16_one(wp, vp, &acc[0][0], corr, np);
+    else
+      at_values_bf16_all(wp, vp, &acc[0][0], corr, np);
+#else
+    float16 kt[AT_KR];
+#if AT_NOPE
     AT_KEYS_T(kt, kv_rows, nope_at, AT_NOPE, vload8, vload16);
 #endif
     AT_KEYS_T(kt + AT_RA, keys, at, AT_KC, LOADC8, LOADC16);
@@ -222,6 +440,7 @@ __attribute__((always_inline)) inline void at_run(
 #pragma unroll
           for (int i = 0; i < AT_VV; ++i) acc[g0 + k][i] = a[k][i];
     }
+#endif
   }
   float inv_l[16];
   vstore16(1.0f / l, 0, inv_l);

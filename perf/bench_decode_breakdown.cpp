@@ -15,7 +15,7 @@
 // between tables for a 10-20% difference.
 // --compute-dtype bf16 runs the fused sequence's GEMMs, and o_proj and down_proj in both, as
 // model.compute_dtype: bf16 does (linear_bf16.cl: batches of 4 rows and more, and GEMVs where
-// ops::bf16_gemv holds).
+// ops::bf16_gemv holds), and the attention in bf16 where ops::attention_bf16 holds.
 // Usage: bench_decode_breakdown [MODEL_DIR] [--batch B] [--reps N] [--fused-only] [--rounds R]
 //                               [--tuning-ab FIELD=VALUE[,...] [--ab-rounds N]]
 //                               [--compute-dtype f32|bf16]
@@ -184,7 +184,8 @@ int main(int argc, char** argv) {
                        kv[l]);
   };
   auto attention = [&](size_t l) {
-    ops::paged_attention(dev, qkv, qkv_w, kv[l], st.tokens, nh, nkv, hd, scale, att, nh * hd);
+    ops::paged_attention(dev, qkv, qkv_w, kv[l], st.tokens, nh, nkv, hd, scale, att, nh * hd,
+                         DType::F32, cdt);
   };
   auto o_proj = [&](size_t l) {
     ops::linear(dev, att, 0, nh * hd, w.layers[l].o, nullptr, h, 0, H, B, 1.0f, true, cdt);

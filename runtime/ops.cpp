@@ -947,9 +947,9 @@ uint64_t local_mem_bytes(const Device& dev) {
 }  // namespace
 
 void paged_attention(Device& dev, const cl::Mem& q, uint32_t ldq, const cl::Mem& cache_layer,
-                     const StepTokens& st, uint32_t n_heads, uint32_t n_kv_heads,
-                     uint32_t head_dim, float scale, const cl::Mem& out, uint32_t ldo,
-                     DType cache_dtype) {
+                     const StepTokens& st, uint32_t n_heads, uint32_t n_kv_heads, uint32_t head_dim,
+                     float scale, const cl::Mem& out, uint32_t ldo, DType cache_dtype,
+                     ComputeDType compute) {
   if (head_dim % 8 != 0)
     throw std::runtime_error("paged_attention: head_dim " + std::to_string(head_dim) +
                              " is not a multiple of 8");
@@ -965,7 +965,7 @@ void paged_attention(Device& dev, const cl::Mem& q, uint32_t ldq, const cl::Mem&
   lay.cache_dtype = cache_dtype;
   if (dev.kernel_shape() != KernelShape::WorkGroups || st.max_query_len > kPrefillAttentionFrom) {
     paged_attention_prefill(dev, q, 0, ldq, head_dim, cache_layer, st, n_heads, lay, nullptr, scale,
-                            out, ldo, head_dim);
+                            out, ldo, head_dim, compute);
     return;
   }
   const KernelTuning& tu = dev.tuning();
@@ -974,6 +974,11 @@ void paged_attention(Device& dev, const cl::Mem& q, uint32_t ldq, const cl::Mem&
   lay.max_heads = tu.attn_heads;
   paged_attention_split_k(dev, q, ldq, head_dim, cache_layer, st, n_heads, lay, scale, out, ldo,
                           head_dim);
+}
+
+bool attention_bf16(const Device& dev, ComputeDType compute) {
+  return compute == ComputeDType::BF16 && dev.kernel_shape() == KernelShape::Chunks &&
+         bf16_dot_product(dev);
 }
 
 namespace {
@@ -990,7 +995,8 @@ constexpr uint32_t kAttentionTileRows = 16;
 void paged_attention_tiles(Device& dev, const cl::Mem& q, uint32_t q_off, uint32_t q_ldt,
                            uint32_t q_ldh, const cl::Mem& cache_layer, const StepTokens& st,
                            uint32_t n_heads, const PagedKvLayout& lay, const DecompressedKv* dense,
-                           float scale, const cl::Mem& out, uint32_t o_ldt, uint32_t o_ldh) {
+                           float scale, const cl::Mem& out, uint32_t o_ldt, uint32_t o_ldh,
+                           bool bf16) {
   const uint32_t nope = dense ? dense->nope : 0;
   if (nope % 8 != 0 || (lay.dk - nope) % 8 != 0 || lay.dv % 8 != 0)
     throw std::invalid_argument("paged_attention_prefill: the CPU shape needs keys (" +
@@ -1005,7 +1011,7 @@ void paged_attention_tiles(Device& dev, const cl::Mem& q, uint32_t q_off, uint32
                  "-DAT_TQ=" + std::to_string(tq) + " -DAT_GH=" + std::to_string(gh) +
                      " -DAT_DK=" + std::to_string(lay.dk) + " -DAT_DV=" + std::to_string(lay.dv) +
                      " -DAT_NOPE=" + std::to_string(nope) + cache_type_option(lay.cache_dtype) +
-                     weight_prefetch_option(dev));
+                     (bf16 ? " -DAT_BF16=1" : "") + weight_prefetch_option(dev));
   cl::set_args(k, q, q_off, q_ldt, q_ldh, cache_layer, lay.page_stride, lay.slot_stride, lay.k_off,
                lay.v_off, lay.kv_head_stride, lay.heads_per_kv, dense ? *dense->kv : out,
                dense ? dense->ldkv : 0u, dense ? dense->head_ld : 0u,
@@ -1017,14 +1023,14 @@ void paged_attention_tiles(Device& dev, const cl::Mem& q, uint32_t q_off, uint32
 }  // namespace
 
 void paged_attention_prefill(Device& dev, const cl::Mem& q, uint32_t q_off, uint32_t q_ldt,
-                             uint32_t q_ldh,
-                             const cl::Mem& cache_layer, const StepTokens& st, uint32_t n_heads,
-                             const PagedKvLayout& lay, const DecompressedKv* dense, float scale,
-                             const cl::Mem& out, uint32_t o_ldt, uint32_t o_ldh) {
+                             uint32_t q_ldh, const cl::Mem& cache_layer, const StepTokens& st,
+                             uint32_t n_heads, const PagedKvLayout& lay,
+                             const DecompressedKv* dense, float scale, const cl::Mem& out,
+                             uint32_t o_ldt, uint32_t o_ldh, ComputeDType compute) {
   if (st.T == 0 || n_heads == 0) return;
   if (dev.kernel_shape() != KernelShape::WorkGroups) {
     paged_attention_tiles(dev, q, q_off, q_ldt, q_ldh, cache_layer, st, n_heads, lay, dense, scale,
-                          out, o_ldt, o_ldh);
+                          out, o_ldt, o_ldh, attention_bf16(dev, compute));
     return;
   }
   if (lay.dk % 2 != 0 || lay.dv % 2 != 0)

@@ -217,11 +217,20 @@ void rope_store_kv(Device& dev, const cl::Mem& qkv, uint32_t ld, uint32_t n_head
 // The CPU shape takes attention.cl's tiles for every step (paged_attention_prefill). On the
 // WorkGroups shape, steps whose longest row brings more than kPrefillAttentionFrom new tokens take
 // the tiled prefill kernel (query tiles share each K/V tile), others split-K.
+// compute BF16: the CPU shape's tiles take bf16 dot products where the host has vdpbf16ps
+// (attention_bf16); elsewhere f32 as with F32.
 constexpr uint32_t kPrefillAttentionFrom = 8;
 void paged_attention(Device& dev, const cl::Mem& q, uint32_t ldq, const cl::Mem& cache_layer,
-                     const StepTokens& st, uint32_t n_heads, uint32_t n_kv_heads,
-                     uint32_t head_dim, float scale, const cl::Mem& out, uint32_t ldo,
-                     DType cache_dtype = DType::F32);
+                     const StepTokens& st, uint32_t n_heads, uint32_t n_kv_heads, uint32_t head_dim,
+                     float scale, const cl::Mem& out, uint32_t ldo, DType cache_dtype = DType::F32,
+                     ComputeDType compute = ComputeDType::F32);
+
+// Whether attention at `compute` runs in bf16 on this device: compute BF16 on the CPU shape where
+// linear_bf16.cl's GEMMs take vdpbf16ps (bf16_dot_product). attention.cl's tiles (MHA's every
+// step, MLA's decompressed prefill) then round the queries, keys, values and softmax weights to
+// bf16 and sum their products in f32 (-DAT_BF16=1), so an MHA token's output keeps its bits in
+// any step. MLA's absorbed decode (mla.cl) stays f32.
+bool attention_bf16(const Device& dev, ComputeDType compute);
 
 // The build option of kernels that read or write a KV cache of `dtype` elements (common.cl's
 // CACHE_TYPE): empty for F32, so f32 caches build the kernels they always did. Throws for a dtype
@@ -271,10 +280,12 @@ struct DecompressedKv {
 // loaded and transposed once for all of them; a token's output has the same bits whichever
 // tokens share its step. The CPU shape needs each part of the key (the cache's, K-nope) and the
 // value in multiples of 8 floats.
+// compute: as paged_attention's (MLA's decompressed keys and values rounded as MHA's cache).
 void paged_attention_prefill(Device& dev, const cl::Mem& q, uint32_t q_off, uint32_t q_ldt,
                              uint32_t q_ldh, const cl::Mem& cache_layer, const StepTokens& st,
-                             uint32_t n_heads,
-                             const PagedKvLayout& layout, const DecompressedKv* dense, float scale,
-                             const cl::Mem& out, uint32_t o_ldt, uint32_t o_ldh);
+                             uint32_t n_heads, const PagedKvLayout& layout,
+                             const DecompressedKv* dense, float scale, const cl::Mem& out,
+                             uint32_t o_ldt, uint32_t o_ldh,
+                             ComputeDType compute = ComputeDType::F32);
 
 }  // namespace clshard::ops

@@ -356,7 +356,7 @@ void mla_attention_prefill(Device& dev, const cl::Mem& q, uint32_t q_off, uint32
   dense.head_ld = s.nope + s.v;
   dense.nope = s.nope;
   paged_attention_prefill(dev, q, q_off, ldq, s.qk(), cache_layer, st, s.n_heads, lay, &dense,
-                          scale, out, ldo, s.v);
+                          scale, out, ldo, s.v, compute);
 }
 
 }  // namespace clshard::ops

@@ -105,7 +105,7 @@ MlaPrefillPlan upload_mla_prefill_plan(Device& dev, const StepInputs& in, uint32
 
 // out[T, heads * v]: gathers the latent rows, decompresses K-nope|V = c_kv kv_b_proj^T
 // [rows, heads * (nope + v)] (a GEMM of the model's compute dtype, as linear_any), and attends
-// with the roped key part read from the cache.
+// with the roped key part read from the cache (in bf16 where ops::attention_bf16 holds).
 void mla_attention_prefill(Device& dev, const cl::Mem& q, uint32_t q_off, uint32_t ldq,
                            const cl::Mem& cache_layer, const StepTokens& st,
                            const MlaPrefillPlan& plan, const Weight& kv_b,

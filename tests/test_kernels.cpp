@@ -790,7 +790,11 @@ INSTANTIATE_TEST_SUITE_P(
 // output matches a double-precision computation over the values the cache holds (1e-5; outputs
 // of magnitude <= 1). max_query_len 19 routes the GPU shape to the tiled prefill kernel
 // (paged_attention_prefill_wg; query tiles straddle rows); "split_k" leaves it unknown (0), so
-// the same step takes the split-K kernel.
+// the same step takes the split-K kernel. Compute bf16 where the device takes it
+// (ops::attention_bf16: the CPU shape's tiles with vdpbf16ps): the reference rounds the queries
+// times scale, the keys and the values to bf16 as the kernel does, and the kernel also rounds
+// each softmax weight (relative error <= 2^-8), so an output may differ from the reference by up
+// to 2^-8 of the largest |value| (plus the 1e-5).
 struct PrefillCase {
   const char* name;
   KernelShape shape;
@@ -798,6 +802,7 @@ struct PrefillCase {
   uint32_t q_tile = 0, kv_tile = 0, wg = 0, heads = 0;  // 0: the device's tuning
   DType cache = DType::F32;
   bool split_k = false;
+  ComputeDType compute = ComputeDType::F32;
 };
 class PrefillAttention : public ::testing::TestWithParam<PrefillCase> {};
 
@@ -864,8 +869,14 @@ TEST_P(PrefillAttention, MatchesDoubleReferenceWithCachedPrefix) {
   cl::Mem om = upload(dev, init);
   ops::StepTokens st{rm, pm, lm, T, ppr, page};
   st.max_query_len = c.split_k ? 0 : 19;
-  ops::paged_attention(dev, qm, ldq, cm, st, nh, nkv, hd, scale, om, ldo, cdt);
+  ops::paged_attention(dev, qm, ldq, cm, st, nh, nkv, hd, scale, om, ldo, cdt, c.compute);
   const auto out = download(dev, om, init.size());
+  const bool bf16 = ops::attention_bf16(dev, c.compute);
+  auto rounded = [&](float x) { return bf16 ? test::cached(DType::BF16, x) : x; };
+  double vmax = 0;
+  for (const auto& v : vals)
+    for (float x : v) vmax = std::max(vmax, double(std::abs(rounded(x))));
+  const double tol = (bf16 ? std::ldexp(vmax, -8) : 0.0) + 1e-5;
   double worst = 0;
   for (uint32_t t = 0; t < T; ++t) {
     const uint32_t b = row[t], p = pos[t];
@@ -875,41 +886,50 @@ TEST_P(PrefillAttention, MatchesDoubleReferenceWithCachedPrefix) {
       double mx = -1e300, sum = 0;
       for (uint32_t j = 0; j <= p; ++j) {
         double d = 0;
-        for (uint32_t i = 0; i < hd; ++i)
-          d += double(q[size_t(t) * ldq + h * hd + i]) * keys[b][j * kv_row + kvh * hd + i];
-        mx = std::max(mx, s[j] = d * scale);
+        for (uint32_t i = 0; i < hd; ++i) {
+          const float qi = q[size_t(t) * ldq + h * hd + i];
+          d += bf16 ? double(rounded(qi * scale)) * rounded(keys[b][j * kv_row + kvh * hd + i])
+                    : double(qi) * keys[b][j * kv_row + kvh * hd + i] * scale;
+        }
+        mx = std::max(mx, s[j] = d);
       }
       for (auto& v : s) sum += (v = std::exp(v - mx));
       for (uint32_t i = 0; i < hd; ++i) {
         double o = 0;
-        for (uint32_t j = 0; j <= p; ++j) o += s[j] / sum * vals[b][j * kv_row + kvh * hd + i];
+        for (uint32_t j = 0; j <= p; ++j)
+          o += s[j] / sum * rounded(vals[b][j * kv_row + kvh * hd + i]);
         const double err = std::abs(out[size_t(t) * ldo + h * hd + i] - o);
         worst = std::max(worst, err);
-        ASSERT_LT(err, 1e-5) << "token " << t << " (row " << b << " pos " << p << ") head " << h;
+        ASSERT_LT(err, tol) << "token " << t << " (row " << b << " pos " << p << ") head " << h;
       }
     }
     for (uint32_t i = nh * hd; i < ldo; ++i) ASSERT_EQ(out[size_t(t) * ldo + i], 7.0f);
   }
-  std::printf("[ measured ] %s: max abs error %.3g\n", c.name, worst);
+  std::printf("[ measured ] %s: max abs error %.3g (bound %.3g)%s\n", c.name, worst, tol,
+              bf16 ? ", bf16 dot products" : "");
 }
 
 INSTANTIATE_TEST_SUITE_P(
     Shapes, PrefillAttention,
-    ::testing::Values(PrefillCase{"cpu_gqa3", KernelShape::Chunks, 6, 2},
-                      PrefillCase{"cpu_gqa4", KernelShape::Chunks, 8, 2},
-                      PrefillCase{"cpu_gqa5_bf16_cache", KernelShape::Chunks, 5, 1, 0, 0, 0, 0,
-                                  DType::BF16},
-                      PrefillCase{"cpu_gqa2_fp8_cache", KernelShape::Chunks, 4, 2, 0, 0, 0, 0,
-                                  DType::F8_E4M3},
-                      PrefillCase{"gpu_gqa3", KernelShape::WorkGroups, 6, 2},
-                      PrefillCase{"gpu_gqa5_q5_kv7_wg32", KernelShape::WorkGroups, 5, 1, 5, 7, 32, 5},
-                      PrefillCase{"gpu_gqa3_q3_kv16_heads1", KernelShape::WorkGroups, 6, 2, 3, 16, 64, 1},
-                      PrefillCase{"gpu_gqa5_bf16_cache", KernelShape::WorkGroups, 5, 1, 4, 8, 64, 0,
-                                  DType::BF16},
-                      PrefillCase{"gpu_gqa3_fp8_cache", KernelShape::WorkGroups, 6, 2, 0, 0, 0, 0,
-                                  DType::F8_E4M3},
-                      PrefillCase{"gpu_gqa5_split_k", KernelShape::WorkGroups, 5, 1, 0, 0, 0, 0,
-                                  DType::F32, true}),
+    ::testing::Values(
+        PrefillCase{"cpu_gqa3", KernelShape::Chunks, 6, 2},
+        PrefillCase{"cpu_gqa4", KernelShape::Chunks, 8, 2},
+        PrefillCase{"cpu_gqa5_bf16_cache", KernelShape::Chunks, 5, 1, 0, 0, 0, 0, DType::BF16},
+        PrefillCase{"cpu_gqa2_fp8_cache", KernelShape::Chunks, 4, 2, 0, 0, 0, 0, DType::F8_E4M3},
+        PrefillCase{"cpu_gqa3_bf16_compute", KernelShape::Chunks, 6, 2, 0, 0, 0, 0, DType::F32,
+                    false, ComputeDType::BF16},
+        PrefillCase{"cpu_gqa5_bf16_cache_bf16_compute", KernelShape::Chunks, 5, 1, 0, 0, 0, 0,
+                    DType::BF16, false, ComputeDType::BF16},
+        PrefillCase{"cpu_gqa2_fp8_cache_bf16_compute", KernelShape::Chunks, 4, 2, 0, 0, 0, 0,
+                    DType::F8_E4M3, false, ComputeDType::BF16},
+        PrefillCase{"gpu_gqa3", KernelShape::WorkGroups, 6, 2},
+        PrefillCase{"gpu_gqa5_q5_kv7_wg32", KernelShape::WorkGroups, 5, 1, 5, 7, 32, 5},
+        PrefillCase{"gpu_gqa3_q3_kv16_heads1", KernelShape::WorkGroups, 6, 2, 3, 16, 64, 1},
+        PrefillCase{"gpu_gqa5_bf16_cache", KernelShape::WorkGroups, 5, 1, 4, 8, 64, 0, DType::BF16},
+        PrefillCase{"gpu_gqa3_fp8_cache", KernelShape::WorkGroups, 6, 2, 0, 0, 0, 0,
+                    DType::F8_E4M3},
+        PrefillCase{"gpu_gqa5_split_k", KernelShape::WorkGroups, 5, 1, 0, 0, 0, 0, DType::F32,
+                    true}),
     [](const auto& info) { return std::string(info.param.name); });
 
 // The CPU shape's tiles read keys and values 8 floats at a time at least: other widths are an
@@ -938,61 +958,178 @@ TEST(AttentionTiles, KeyWidthsOfNoMultipleOf8AreAnError) {
 // in any step: the step of all new tokens of three rows (19 after 21 cached, 13 from position 0,
 // one decode token after 30), each token alone, and the rows in reverse order (tiles cut
 // elsewhere, other tokens beside each one). GQA groups of 4 (4 heads per work-item, 4 tokens)
-// and 3 (3 heads, 5 tokens); head_dim 24 (a half vector); pages of 16 scattered.
+// and 3 (3 heads, 5 tokens); head_dim 24 (a half vector); pages of 16 scattered. At both compute
+// dtypes (bf16: the bf16 dot products where ops::attention_bf16 holds, speculative decoding's
+// verified runs against decode).
 TEST(AttentionTiles, ATokensOutputHasTheSameBitsInAnyStep) {
   Device& dev = test::default_device();
   ShapeScope scope(dev, KernelShape::Chunks);
   const uint32_t hd = 24, page = 16, ppr = 3;
   const std::vector<uint32_t> cached = {21, 0, 30}, fresh = {19, 13, 1};
   const std::vector<uint32_t> lut = {7, 2, 10, 4, 0, 11, 9, 1, 5};
-  for (const auto& [nh, nkv] : {std::pair<uint32_t, uint32_t>{8, 2}, {6, 2}}) {
-    SCOPED_TRACE("heads " + std::to_string(nh) + "/" + std::to_string(nkv));
-    const size_t kv_row = size_t(nkv) * hd;
-    cl::Mem cache = upload(dev, random_vec(size_t(12) * 2 * page * kv_row, 90));
-    cl::Mem lm = upload(dev, lut);
-    std::vector<uint32_t> all_rows, all_pos;
-    for (uint32_t b = 0; b < 3; ++b)
-      for (uint32_t j = 0; j < fresh[b]; ++j) {
-        all_rows.push_back(b);
-        all_pos.push_back(cached[b] + j);
-      }
-    const uint32_t T = uint32_t(all_rows.size()), ldq = nh * hd;
-    const auto q = random_vec(size_t(T) * ldq, 91, 2.0f);
-    // The outputs of the given tokens (indexes into all_rows) as one step, in that order.
-    auto step = [&](const std::vector<uint32_t>& tokens) {
-      std::vector<uint32_t> row, pos;
-      std::vector<float> qs;
-      for (uint32_t t : tokens) {
-        row.push_back(all_rows[t]);
-        pos.push_back(all_pos[t]);
-        qs.insert(qs.end(), q.begin() + size_t(t) * ldq, q.begin() + size_t(t + 1) * ldq);
-      }
-      const uint32_t n = uint32_t(tokens.size());
-      cl::Mem qm = upload(dev, qs), rm = upload(dev, row), pm = upload(dev, pos),
-              om = dev.alloc(size_t(n) * ldq * 4);
-      ops::StepTokens st{rm, pm, lm, n, ppr, page};
-      st.max_query_len = 19;
-      ops::paged_attention(dev, qm, ldq, cache, st, nh, nkv, hd, 0.3f, om, ldq);
-      return download(dev, om, size_t(n) * ldq);
-    };
-    std::vector<uint32_t> in_order(T), reversed;
-    for (uint32_t t = 0; t < T; ++t) in_order[t] = t;
-    for (uint32_t b = 3; b-- > 0;)
-      for (uint32_t t = 0; t < T; ++t)
-        if (all_rows[t] == b) reversed.push_back(t);
-    const auto whole = step(in_order), other = step(reversed);
-    for (uint32_t i = 0; i < T; ++i) {
-      const uint32_t t = reversed[i];
-      const auto alone = step({t});
-      for (uint32_t k = 0; k < ldq; ++k) {
-        ASSERT_EQ(std::memcmp(&whole[size_t(t) * ldq + k], &alone[k], 4), 0)
-            << "token " << t << " (row " << all_rows[t] << " pos " << all_pos[t] << ") element "
-            << k << ": " << whole[size_t(t) * ldq + k] << " in the step, " << alone[k] << " alone";
-        ASSERT_EQ(std::memcmp(&whole[size_t(t) * ldq + k], &other[size_t(i) * ldq + k], 4), 0)
-            << "token " << t << " element " << k << " in reversed order";
+  for (ComputeDType compute : {ComputeDType::F32, ComputeDType::BF16})
+    for (const auto& [nh, nkv] : {std::pair<uint32_t, uint32_t>{8, 2}, {6, 2}}) {
+      SCOPED_TRACE("heads " + std::to_string(nh) + "/" + std::to_string(nkv) + ", compute " +
+                   compute_dtype_name(compute));
+      const size_t kv_row = size_t(nkv) * hd;
+      cl::Mem cache = upload(dev, random_vec(size_t(12) * 2 * page * kv_row, 90));
+      cl::Mem lm = upload(dev, lut);
+      std::vector<uint32_t> all_rows, all_pos;
+      for (uint32_t b = 0; b < 3; ++b)
+        for (uint32_t j = 0; j < fresh[b]; ++j) {
+          all_rows.push_back(b);
+          all_pos.push_back(cached[b] + j);
+        }
+      const uint32_t T = uint32_t(all_rows.size()), ldq = nh * hd;
+      const auto q = random_vec(size_t(T) * ldq, 91, 2.0f);
+      // The outputs of the given tokens (indexes into all_rows) as one step, in that order.
+      auto step = [&](const std::vector<uint32_t>& tokens) {
+        std::vector<uint32_t> row, pos;
+        std::vector<float> qs;
+        for (uint32_t t : tokens) {
+          row.push_back(all_rows[t]);
+          pos.push_back(all_pos[t]);
+          qs.insert(qs.end(), q.begin() + size_t(t) * ldq, q.begin() + size_t(t + 1) * ldq);
+        }
+        const uint32_t n = uint32_t(tokens.size());
+        cl::Mem qm = upload(dev, qs), rm = upload(dev, row), pm = upload(dev, pos),
+                om = dev.alloc(size_t(n) * ldq * 4);
+        ops::StepTokens st{rm, pm, lm, n, ppr, page};
+        st.max_query_len = 19;
+        ops::paged_attention(dev, qm, ldq, cache, st, nh, nkv, hd, 0.3f, om, ldq, DType::F32,
+                             compute);
+        return download(dev, om, size_t(n) * ldq);
+      };
+      std::vector<uint32_t> in_order(T), reversed;
+      for (uint32_t t = 0; t < T; ++t) in_order[t] = t;
+      for (uint32_t b = 3; b-- > 0;)
+        for (uint32_t t = 0; t < T; ++t)
+          if (all_rows[t] == b) reversed.push_back(t);
+      const auto whole = step(in_order), other = step(reversed);
+      for (uint32_t i = 0; i < T; ++i) {
+        const uint32_t t = reversed[i];
+        const auto alone = step({t});
+        for (uint32_t k = 0; k < ldq; ++k) {
+          ASSERT_EQ(std::memcmp(&whole[size_t(t) * ldq + k], &alone[k], 4), 0)
+              << "token " << t << " (row " << all_rows[t] << " pos " << all_pos[t] << ") element "
+              << k << ": " << whole[size_t(t) * ldq + k] << " in the step, " << alone[k]
+              << " alone";
+          ASSERT_EQ(std::memcmp(&whole[size_t(t) * ldq + k], &other[size_t(i) * ldq + k], 4), 0)
+              << "token " << t << " element " << k << " in reversed order";
+        }
       }
     }
+}
+
+// MLA's decompressed prefill (a DecompressedKv: K-nope and V from f32 rows, the roped key shared
+// by all heads from the cache) on the CPU shape's tiles at both compute dtypes: 3 heads, K-nope 16
+// + rope 8, values of 24 (a half vector), two rows (8 new tokens after 13 cached, 5 from position
+// 0), pages of 16 scattered. Each output against a double reference over the queries times scale,
+// keys and values as the kernel takes them (rounded to bf16 where ops::attention_bf16 holds):
+// 1e-5, and with bf16 the weights' rounding's bound 2^-8 of the largest |value| more.
+TEST(AttentionTiles, DecompressedKeysMatchTheReferenceAtBothComputeDtypes) {
+  Device& dev = test::default_device();
+  ShapeScope scope(dev, KernelShape::Chunks);
+  const uint32_t nh = 3, nope = 16, rope = 8, dv = 24, page = 16, ppr = 2, qk = nope + rope;
+  const std::vector<uint32_t> cached = {13, 0}, fresh = {8, 5}, ctx_start = {0, 21};
+  const std::vector<uint32_t> lut = {3, 0, 1, 2};
+  const uint32_t head_ld = nope + dv, ldkv = nh * head_ld, L = 26;
+  const auto kv = random_vec(size_t(L) * ldkv, 120);
+  const auto cache = random_vec(size_t(4) * page * rope, 121);
+  std::vector<uint32_t> row, pos;
+  for (uint32_t b = 0; b < 2; ++b)
+    for (uint32_t j = 0; j < fresh[b]; ++j) {
+      row.push_back(b);
+      pos.push_back(cached[b] + j);
+    }
+  const uint32_t T = uint32_t(row.size()), ldq = nh * qk, ldo = nh * dv;
+  const auto q = random_vec(size_t(T) * ldq, 122, 2.0f);
+  const float scale = 0.3f;
+  cl::Mem qm = upload(dev, q), cm = upload(dev, cache), kvm = upload(dev, kv),
+          csm = upload(dev, ctx_start), rm = upload(dev, row), pm = upload(dev, pos),
+          lm = upload(dev, lut), om = dev.alloc(size_t(T) * ldo * 4);
+  ops::StepTokens st{rm, pm, lm, T, ppr, page};
+  st.max_query_len = 8;
+  ops::PagedKvLayout lay;
+  lay.page_stride = uint64_t(page) * rope;
+  lay.slot_stride = rope;
+  lay.heads_per_kv = 1;
+  lay.dk = qk;
+  lay.dv = dv;
+  ops::DecompressedKv dense{&kvm, &csm, ldkv, head_ld, nope};
+  for (ComputeDType compute : {ComputeDType::F32, ComputeDType::BF16}) {
+    ops::paged_attention_prefill(dev, qm, 0, ldq, qk, cm, st, nh, lay, &dense, scale, om, ldo, dv,
+                                 compute);
+    const auto out = download(dev, om, size_t(T) * ldo);
+    const bool bf16 = ops::attention_bf16(dev, compute);
+    auto rounded = [&](float x) { return bf16 ? test::cached(DType::BF16, x) : x; };
+    double vmax = 0;
+    for (float x : kv) vmax = std::max(vmax, double(std::abs(rounded(x))));
+    const double tol = (bf16 ? std::ldexp(vmax, -8) : 0.0) + 1e-5;
+    double worst = 0;
+    for (uint32_t t = 0; t < T; ++t)
+      for (uint32_t h = 0; h < nh; ++h) {
+        const uint32_t b = row[t], p = pos[t];
+        auto kv_row = [&](uint32_t j) {
+          return kv.data() + size_t(ctx_start[b] + j) * ldkv + h * head_ld;
+        };
+        std::vector<double> s(p + 1);
+        double mx = -1e300, sum = 0;
+        for (uint32_t j = 0; j <= p; ++j) {
+          const float* rk =
+              cache.data() + (size_t(lut[b * ppr + j / page]) * page + j % page) * rope;
+          double d = 0;
+          for (uint32_t i = 0; i < qk; ++i) {
+            const float qi = q[size_t(t) * ldq + h * qk + i],
+                        ki = i < nope ? kv_row(j)[i] : rk[i - nope];
+            d += bf16 ? double(rounded(qi * scale)) * rounded(ki) : double(qi) * ki * scale;
+          }
+          mx = std::max(mx, s[j] = d);
+        }
+        for (auto& v : s) sum += (v = std::exp(v - mx));
+        for (uint32_t i = 0; i < dv; ++i) {
+          double o = 0;
+          for (uint32_t j = 0; j <= p; ++j) o += s[j] / sum * rounded(kv_row(j)[nope + i]);
+          const double err = std::abs(out[size_t(t) * ldo + h * dv + i] - o);
+          worst = std::max(worst, err);
+          ASSERT_LT(err, tol) << compute_dtype_name(compute) << ": token " << t << " head " << h
+                              << " element " << i;
+        }
+      }
+    std::printf("[ measured ] compute %s: max abs error %.3g (bound %.3g)%s\n",
+                compute_dtype_name(compute), worst, tol, bf16 ? ", bf16 dot products" : "");
   }
+}
+
+// Compute bf16 rounds the queries (times scale) and the softmax weights to bf16 where the device
+// takes bf16 attention (ops::attention_bf16), and not with f32. One token at position 1 over two
+// keys (head_dim 8): key 0 is zeros (score 0), key 1 is -e0 and q = (1 + 2^-10) e0, so the score is
+// -(1 + 2^-10) in f32 and -1 with q rounded; values 0 and e0. Output element 0 is w / (1 + w) in
+// f32 (w = exp(-(1 + 2^-10))), and with bf16 the weight rounded, 0.3671875 (exp(-1) = 0.36788 to
+// nearest even), over the f32 sum 1 + exp(-1).
+TEST(AttentionTiles, Bf16ComputeRoundsQueriesAndWeights) {
+  Device& dev = test::default_device();
+  ShapeScope scope(dev, KernelShape::Chunks);
+  const uint32_t hd = 8, page = 16;
+  std::vector<float> cache(size_t(2) * page * hd, 0.0f);  // one page: [K, V][slot][hd]
+  cache[size_t(1) * hd] = -1.0f;                          // key 1 = -e0
+  cache[size_t(page + 1) * hd] = 1.0f;                    // value 1 = e0
+  std::vector<float> q(hd, 0.0f);
+  q[0] = 1.0f + std::ldexp(1.0f, -10);
+  cl::Mem cm = upload(dev, cache), qm = upload(dev, q), om = dev.alloc(hd * 4);
+  cl::Mem rm = upload(dev, std::vector<uint32_t>{0}), pm = upload(dev, std::vector<uint32_t>{1}),
+          lm = upload(dev, std::vector<uint32_t>{0});
+  ops::StepTokens st{rm, pm, lm, 1, 1, page};
+  for (ComputeDType compute : {ComputeDType::F32, ComputeDType::BF16}) {
+    ops::paged_attention(dev, qm, hd, cm, st, 1, 1, hd, 1.0f, om, hd, DType::F32, compute);
+    const auto out = download(dev, om, hd);
+    const bool bf16 = ops::attention_bf16(dev, compute);
+    const double w = std::exp(-double(q[0]));
+    const double want = bf16 ? 0.3671875 / (1.0 + std::exp(-1.0)) : w / (1.0 + w);
+    EXPECT_NEAR(out[0], want, 1e-6) << compute_dtype_name(compute) << (bf16 ? " (bf16 dots)" : "");
+    for (uint32_t i = 1; i < hd; ++i) EXPECT_EQ(out[i], 0.0f) << i;
+  }
+  EXPECT_EQ(ops::attention_bf16(dev, ComputeDType::BF16), ops::bf16_dot_product(dev));
 }
 
 }  // namespace

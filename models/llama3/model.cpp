@@ -244,8 +244,8 @@ StepOutputs Llama3Model::forward(const StepInputs& in) {
       ops::rope_store_kv(d, w.qkv.mem(), w.qkv_w, w.nh, w.nkv, hd, shards_[r].inv_freq,
                          shards_[r].inv_freq_long, long_from_, w.st.tokens, shards_[r].kv[l],
                          kv_dtype_);
-      ops::paged_attention(d, w.qkv.mem(), w.qkv_w, shards_[r].kv[l], w.st.tokens, w.nh, w.nkv,
-                           hd, cfg_.attention_scale(), w.att.mem(), w.nh * hd, kv_dtype_);
+      ops::paged_attention(d, w.qkv.mem(), w.qkv_w, shards_[r].kv[l], w.st.tokens, w.nh, w.nkv, hd,
+                           cfg_.attention_scale(), w.att.mem(), w.nh * hd, kv_dtype_, compute_);
       if (!comm_)
         ops::linear(d, w.att.mem(), 0, w.nh * hd, L.o, nullptr, w.h.mem(), 0, H, T, m, true,
                     compute_);
