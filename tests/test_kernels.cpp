@@ -783,7 +783,8 @@ INSTANTIATE_TEST_SUITE_P(
                                     32, 1, 0, DType::F8_E4M3}),
     [](const auto& info) { return std::string(info.param.name); });
 
-// Prefill attention on odd sizes: GQA groups of 3 and 5 query heads, head_dim 24, three rows in
+// Prefill attention on odd sizes: GQA groups of 3 and 5 query heads, head_dim 24 (and 128, Llama
+// 3 8B's, on the CPU shape: 8 value vectors, 2 rows' accumulators at a time), three rows in
 // one step (a prefix of 21 cached tokens + 19 new ones ending in a partial page, 13 new tokens
 // from position 0, one decode token after 30 cached), pages scattered, strided q and out. The
 // keys and values are written into the cache from the host (as codes for narrow caches), and every
@@ -803,6 +804,7 @@ struct PrefillCase {
   DType cache = DType::F32;
   bool split_k = false;
   ComputeDType compute = ComputeDType::F32;
+  uint32_t hd = 24;  // head_dim
 };
 class PrefillAttention : public ::testing::TestWithParam<PrefillCase> {};
 
@@ -816,7 +818,7 @@ TEST_P(PrefillAttention, MatchesDoubleReferenceWithCachedPrefix) {
   if (c.wg) tu.prefill_wg = c.wg;
   if (c.heads) tu.prefill_heads = c.heads;
   test::TuningScope tuned(dev, tu);
-  const uint32_t nh = c.nh, nkv = c.nkv, hd = 24, page = 16, npages = 12, ppr = 3;
+  const uint32_t nh = c.nh, nkv = c.nkv, hd = c.hd, page = 16, npages = 12, ppr = 3;
   const std::vector<uint32_t> cached = {21, 0, 30}, fresh = {19, 13, 1};
   const std::vector<uint32_t> lut = {7, 2, 10, 4, 0, 12, 9, 1, 5};  // 12: the null page
   const DType cdt = c.cache;
@@ -922,6 +924,10 @@ INSTANTIATE_TEST_SUITE_P(
                     DType::BF16, false, ComputeDType::BF16},
         PrefillCase{"cpu_gqa2_fp8_cache_bf16_compute", KernelShape::Chunks, 4, 2, 0, 0, 0, 0,
                     DType::F8_E4M3, false, ComputeDType::BF16},
+        PrefillCase{"cpu_gqa4_hd128_bf16_compute", KernelShape::Chunks, 8, 2, 0, 0, 0, 0,
+                    DType::F32, false, ComputeDType::BF16, 128},
+        PrefillCase{"cpu_gqa4_hd128", KernelShape::Chunks, 8, 2, 0, 0, 0, 0, DType::F32, false,
+                    ComputeDType::F32, 128},
         PrefillCase{"gpu_gqa3", KernelShape::WorkGroups, 6, 2},
         PrefillCase{"gpu_gqa5_q5_kv7_wg32", KernelShape::WorkGroups, 5, 1, 5, 7, 32, 5},
         PrefillCase{"gpu_gqa3_q3_kv16_heads1", KernelShape::WorkGroups, 6, 2, 3, 16, 64, 1},
