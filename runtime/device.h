@@ -106,6 +106,12 @@ struct KernelTuning {
   // weight pairs once and runs tiles of gemm_bf16_packed_tm rows x gemm_bf16_packed_nv vectors of
   // 16 columns over them (with GLU an even number of vectors, half gate and half up).
   uint32_t gemm_bf16_packed_rows = 128;
+  // The grouped experts' (moe.cl, bf16 compute) threshold of the same, per expert: experts of this
+  // many rows or more (0: never) take the packed GEMM, the others the dot-product tiles. Apart
+  // from gemm_bf16_packed_rows because the two differ: on the EPYC a 512-token prefill's experts
+  // of ~48 rows ran faster packed, where a dense 32-row decode batch ran slower
+  // (kernel_tuning.cpp).
+  uint32_t moe_bf16_packed_rows = 128;
   uint32_t gemm_bf16_packed_tm = 4;
   uint32_t gemm_bf16_packed_nv = 3;
   // Whether the packed GEMM takes AMX's bf16 tiles where the host has them (ops::bf16_amx): 1, or

@@ -137,6 +137,14 @@ KernelTuning amd_epyc_avx512() {
   t.fp8_stream_k = 8192;
   t.gemm_bf16_tn = 6;
   t.gemm_bf16_packed_nv = 4;
+  // The grouped experts take the packed GEMM from 32 rows (gemm_bf16_packed_rows keeps 128):
+  // dsv3-mini bf16's 512-token prefill at bf16 compute on Zen 4 (bench_step_breakdown --prefill
+  // 512, 2026-11-30, 2 pairs in turn through tuning.json) took its experts in 404-409 ms against
+  // 486 (all of them packed: ~48 rows each), the whole step 726-739 ms against 812-826 (1.10x);
+  // from 16 rows 416 ms, from 64 431 ms; FP8 experts 446-455 ms from 16 or 32. The same 32 for
+  // the dense GEMMs made llama3-1b's 32-stream decode (clshard bench --batch 32, 2 pairs) run
+  // 107-108 tok/s against 116.
+  t.moe_bf16_packed_rows = 32;
   t.gemm_bf16_batch_tm = 8;
   t.gemm_bf16_batch_tn = 4;
   return t;
@@ -200,6 +208,7 @@ const std::vector<std::pair<std::string, U32Field>>& u32_fields() {
       {"gemm_bf16_amx_stream_na", &KernelTuning::gemm_bf16_amx_stream_na},
       {"gemm_f32_amx_rows", &KernelTuning::gemm_f32_amx_rows},
       {"gemm_bf16_packed_rows", &KernelTuning::gemm_bf16_packed_rows},
+      {"moe_bf16_packed_rows", &KernelTuning::moe_bf16_packed_rows},
       {"gemm_bf16_packed_tm", &KernelTuning::gemm_bf16_packed_tm},
       {"gemm_bf16_packed_nv", &KernelTuning::gemm_bf16_packed_nv},
       {"blas_gemm_rows", &KernelTuning::blas_gemm_rows}};
@@ -249,6 +258,7 @@ void apply_file(const DeviceInfo& info, KernelTuning& t) {
         throw std::runtime_error(
             where + ".tuning." + field + ": expected one of the fields (" + names +
             ") with a positive integer (blas_gemm_rows, gemm_bf16_packed_rows, "
+            "moe_bf16_packed_rows, "
             "gemm_bf16_amx_stream_rows, gemm_f32_amx_rows: 0 for never; weight_prefetch, "
             "stream_prefetch, stream_prefetch_l1, gemv_stream_prefetch, gemv_row_pairs, "
             "gemm_bf16_dot, gemm_bf16_gemv, gemm_bf16_amx: 0 for off), got " +
@@ -275,10 +285,11 @@ KernelTuning lookup_kernel_tuning(const DeviceInfo& info) {
 
 bool kernel_tuning_zero_allowed(const std::string& field) {
   return field == "blas_gemm_rows" || field == "gemm_bf16_packed_rows" ||
-         field == "gemm_bf16_amx_stream_rows" || field == "weight_prefetch" ||
-         field == "stream_prefetch" || field == "stream_prefetch_l1" ||
-         field == "gemv_stream_prefetch" || field == "gemv_row_pairs" || field == "gemm_bf16_dot" ||
-         field == "gemm_bf16_gemv" || field == "gemm_bf16_amx" || field == "gemm_f32_amx_rows";
+         field == "moe_bf16_packed_rows" || field == "gemm_bf16_amx_stream_rows" ||
+         field == "weight_prefetch" || field == "stream_prefetch" ||
+         field == "stream_prefetch_l1" || field == "gemv_stream_prefetch" ||
+         field == "gemv_row_pairs" || field == "gemm_bf16_dot" || field == "gemm_bf16_gemv" ||
+         field == "gemm_bf16_amx" || field == "gemm_f32_amx_rows";
 }
 
 const std::vector<std::string>& kernel_tuning_fields() {

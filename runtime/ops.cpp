@@ -439,10 +439,19 @@ Bf16OneRowTile bf16_one_row_tile(const Device& dev, bool glu, uint32_t K) {
   return {glu ? 2u : t.gemm_bf16_batch_tn, K <= t.gemv_stream_k};
 }
 
+namespace {
+uint32_t packed_rows_from(const Device& dev, uint32_t rows) {
+  if (rows == 0 || !bf16_amx(dev)) return rows;
+  return std::max(1u, std::min(rows, dev.tuning().gemm_bf16_amx_rows));
+}
+}  // namespace
+
 uint32_t bf16_packed_rows_from(const Device& dev) {
-  const KernelTuning& t = dev.tuning();
-  if (t.gemm_bf16_packed_rows == 0 || !bf16_amx(dev)) return t.gemm_bf16_packed_rows;
-  return std::max(1u, std::min(t.gemm_bf16_packed_rows, t.gemm_bf16_amx_rows));
+  return packed_rows_from(dev, dev.tuning().gemm_bf16_packed_rows);
+}
+
+uint32_t moe_bf16_packed_rows_from(const Device& dev) {
+  return packed_rows_from(dev, dev.tuning().moe_bf16_packed_rows);
 }
 
 uint32_t bf16_amx_stream_rows(const Device& dev) {

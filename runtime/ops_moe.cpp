@@ -459,8 +459,8 @@ bool grouped_bf16(const Device& dev, const GroupedExperts& g, const GroupedPlan&
          plan.rows >= kGroupedBf16RowsFrom * plan.n_experts;
 }
 
-// The bf16-compute grouped launches: the experts of ops::bf16_packed_rows_from rows or more in the
-// packed GEMM (moe.cl's moe_grouped_packed; AMX where the host has it), the others in the tiles
+// The bf16-compute grouped launches: the experts of ops::moe_bf16_packed_rows_from rows or more in
+// the packed GEMM (moe.cl's moe_grouped_packed; AMX where the host has it), the others in the tiles
 // of linear_bf16.cl's micro-kernels (moe.cl with -DGROUPED_BF16=1): each expert's rows get the
 // sums ops::linear's bf16 GEMM gives them at that expert's row count. The rows of x are rounded
 // once; where the packed GEMM runs, in plan order (its row tiles read rows one stride apart),
@@ -482,7 +482,7 @@ void grouped_bf16_launch(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::
   // steps launch no packed GEMM: dsv3-mini's batch-1 decode had two a layer of empty work-items
   // (139 launches a step, now 129; the step's time unchanged: 1.009x and 0.991x, 15 rounds each of
   // bench_deepseek --compute-dtype bf16 --tuning-ab gemm_bf16_packed_rows=0 before this).
-  const uint32_t packed_from = bf16_packed_rows_from(dev);
+  const uint32_t packed_from = moe_bf16_packed_rows_from(dev);
   const bool packed_rows = packed_from != 0 && plan.max_expert_rows >= packed_from;
   const PackedGemmShape shape =
       packed_rows ? packed_gemm_shape(dev, PackedRows::Bf16, glu,

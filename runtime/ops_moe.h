@@ -146,9 +146,11 @@ GroupedPlan plan_expert_tiles(Device& dev, const std::vector<uint32_t>& expert_o
 // else r. Each row's sums are those ops::linear / linear_fp8 form for it in the device's kernel
 // shape (linear_wg's order in the WorkGroups shape for f32 / bf16 / f16). With
 // ComputeDType::BF16, bf16 or FP8 experts averaging 8 rows or more (prefill), on the CPU shape,
-// the rows are rounded to bf16 and each expert's rows take the sums ops::linear's bf16 GEMM gives
-// that many rows, bit for bit: the packed GEMM (moe_grouped_packed; AMX where the host has it)
-// for experts of ops::bf16_packed_rows_from rows or more, linear_bf16.cl's tiles for the others;
+// the rows are rounded to bf16 and each expert's rows take the sums of ops::linear's bf16 GEMM,
+// bit for bit: the packed GEMM's (moe_grouped_packed; AMX where the host has it) for experts of
+// ops::moe_bf16_packed_rows_from rows or more, the tiles' of linear_bf16.cl for the others (what
+// ops::linear gives that many rows where the tuning's moe_bf16_packed_rows and
+// gemm_bf16_packed_rows agree);
 // x_count is then the number of rows of x (the tokens, when x_rows is given). Below that average
 // (decode), FP8 experts under ComputeDType::BF16 on the CPU shape, where ops::linear_fp8 sums in
 // bf16 (vdpbf16ps, the short decode), take those bf16 sums for every row, an expert of fewer than

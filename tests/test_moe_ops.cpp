@@ -552,8 +552,9 @@ struct Case {
   ComputeDType compute = ComputeDType::F32;
   bool portable = false;  // bf16 compute: the portable micro-kernel (gemm_bf16_dot 0)
   bool f16_decode = false;  // FP8: the f16-based e4m3 decode (CLSHARD_FP8_DECODE=f16) in both paths
-  // bf16 compute: KernelTuning::gemm_bf16_packed_rows (0: the device's), and the experts must then
-  // fall on both sides of ops::bf16_packed_rows_from (the packed GEMM and the dot-product tiles).
+  // bf16 compute: KernelTuning::moe_bf16_packed_rows (0: the device's), and the experts must then
+  // fall on both sides of ops::moe_bf16_packed_rows_from (the packed GEMM and the dot-product
+  // tiles).
   uint32_t packed_rows = 0;
   // f32 compute over bf16 experts where the device selects AMX: experts must fall on both sides of
   // gemm_f32_amx_rows (AMX's f32 terms and the f32 tiles).
@@ -582,7 +583,7 @@ TEST_P(GroupedExperts, MatchPerExpertOpsBitForBit) {
   KernelTuning tuning = dev.tuning();
   if (c.vector) tuning.linear_vector = c.vector;
   if (c.portable) tuning.gemm_bf16_dot = tuning.gemm_bf16_amx = 0;
-  if (c.packed_rows) tuning.gemm_bf16_packed_rows = c.packed_rows;
+  if (c.packed_rows) tuning.moe_bf16_packed_rows = c.packed_rows;
   test::TuningScope tuned(dev, tuning);
   const uint32_t routed = c.with_shared ? c.E - 1 : c.E, slots = c.k + (c.with_shared ? 1 : 0);
   const auto ids = random_ids(c.T, c.k, routed, 11 + c.T);
@@ -634,9 +635,9 @@ TEST_P(GroupedExperts, MatchPerExpertOpsBitForBit) {
                 plan.tm == 1 ? "one-row" : "4-row",
                 bf16_gemv_path ? "bf16 sums (vdpbf16ps)" : "the f32 tiles");
   const bool bf16_sums = bf16_path || bf16_gemv_path;
-  // The experts the packed GEMM takes (ops::bf16_packed_rows_from rows or more; these shapes'
+  // The experts the packed GEMM takes (ops::moe_bf16_packed_rows_from rows or more; these shapes'
   // panels fit any device's local memory).
-  const uint32_t packed_from = ops::bf16_packed_rows_from(dev);
+  const uint32_t packed_from = ops::moe_bf16_packed_rows_from(dev);
   if (bf16_path && c.packed_rows) {
     uint32_t packed = 0, tiled = 0;
     for (uint32_t e = 0; e < c.E; ++e) {
@@ -668,8 +669,10 @@ TEST_P(GroupedExperts, MatchPerExpertOpsBitForBit) {
           w.dtype = DType::BF16;
         }
         const bool packed = packed_from != 0 && n >= packed_from;
+        // ops::linear takes the packed GEMM from the grouped experts' row count for the packed
+        // ones (its own gemm_bf16_packed_rows may be more), never for the others.
         KernelTuning tiled = dev.tuning();
-        if (!packed) tiled.gemm_bf16_packed_rows = 0;
+        tiled.gemm_bf16_packed_rows = packed ? tiled.moe_bf16_packed_rows : 0;
         test::TuningScope scope(dev, tiled);
         ops::linear(dev, in, packed ? b * ld_in : 0, ld_in, w, nullptr, tmp, 0, N, packed ? n : S,
                     1.0f, false, ComputeDType::BF16);

@@ -101,18 +101,20 @@ std::vector<std::string> command(int np, const std::vector<std::string>& args,
 }
 
 // The environment of a process whose kernel tuning (a tuning file in its own kernel cache) turns
-// the packed GEMM off on this machine's device. From gemm_bf16_packed_rows rows (128) the bf16
-// weights' GEMM is the packed one, below them the tiles, which sum in another order (README): a
-// data-parallel replica holds a part of a step's rows and can take the other GEMM than one device
-// over the whole step, so those runs agree within a tolerance. With the tiles at every row count,
-// the route a piece takes (in process, over MPI) must leave one device's bits.
+// the packed GEMM off on this machine's device (dense GEMMs and grouped experts). From
+// gemm_bf16_packed_rows rows (128) the bf16 weights' GEMM is the packed one, below them the tiles,
+// which sum in another order (README): a data-parallel replica holds a part of a step's rows and
+// can take the other GEMM than one device over the whole step, so those runs agree within a
+// tolerance. With the tiles at every row count, the route a piece takes (in process, over MPI) must
+// leave one device's bits.
 std::string tiles_only_env(const std::filesystem::path& dir) {
   const DeviceInfo& info = test::default_device().info();
   std::filesystem::create_directories(dir);
-  const nlohmann::json doc = {{"entries",
-                               {{{"vendor", info.vendor},
-                                 {"name", info.name},
-                                 {"tuning", {{"gemm_bf16_packed_rows", 0}}}}}}};
+  const nlohmann::json doc = {
+      {"entries",
+       {{{"vendor", info.vendor},
+         {"name", info.name},
+         {"tuning", {{"gemm_bf16_packed_rows", 0}, {"moe_bf16_packed_rows", 0}}}}}}};
   std::ofstream(dir / "tuning.json") << doc.dump();
   return "CLSHARD_KERNEL_CACHE=" + dir.string();
 }
