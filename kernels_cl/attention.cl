@@ -86,8 +86,6 @@ typedef int at_v16i __attribute__((__vector_size__(64)));
 typedef float at_v16f __attribute__((ext_vector_type(16)));
 #define AT_BF16_TARGET \
   __attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl"))) __attribute__((noinline))
-// Pair words of 32 bf16 values (a: 0-15, b: 16-31): word q holds elements 2q (low half), 2q + 1.
-#define PAIR_WORDS(a, b) ((uint16)(as_uint8(a), as_uint8(b)))
 // The value pairs' interleave: lanes 0-15 of a 32-word vector (position 2p's dimensions) with
 // lanes 16-31 (position 2p + 1's), word l of position 2p low.
 #define AT_INTERLEAVE(b)                                                                      \
@@ -110,15 +108,16 @@ typedef short at_v32s __attribute__((__vector_size__(64)));
 #define AT_CVT2(lo, hi) ((at_v32s)__builtin_ia32_cvtne2ps2bf16_512((hi), (lo)))
 // The pair words of dimensions [0, W) of the 16 rows at base + at[j], transposed: kp[w] lane j =
 // row j's pair word w.
-#define AT_KEY_PAIRS_F32(NAME, W)                                                             \
-  AT_BF16_TARGET void NAME(global const float* base, const size_t* at, uint16* kp) {          \
-    _Pragma("unroll") for (int g = 0; g < ROUND32(W) / 32; ++g) {                            \
-      uint16 r[16];                                                                          \
-      _Pragma("unroll") for (int j = 0; j < 16; ++j) r[j] = as_uint16(                        \
-          AT_CVT2(AT_F32_CHUNK(base + at[j], 2 * g, W), AT_F32_CHUNK(base + at[j], 2 * g + 1, W))); \
-      transpose16x16(r);                                                                     \
-      _Pragma("unroll") for (int i = 0; i < 16; ++i) kp[16 * g + i] = r[i];                  \
-    }                                                                                        \
+#define AT_KEY_PAIRS_F32(NAME, W)                                                      \
+  AT_BF16_TARGET void NAME(global const float* base, const size_t* at, uint16* kp) {   \
+    _Pragma("unroll") for (int g = 0; g < ROUND32(W) / 32; ++g) {                     \
+      uint16 r[16];                                                                   \
+      _Pragma("unroll") for (int j = 0; j < 16; ++j) r[j] =                           \
+          as_uint16(AT_CVT2(AT_F32_CHUNK(base + at[j], 2 * g, W),                     \
+                            AT_F32_CHUNK(base + at[j], 2 * g + 1, W)));               \
+      transpose16x16(r);                                                              \
+      _Pragma("unroll") for (int i = 0; i < 16; ++i) kp[16 * g + i] = r[i];           \
+    }                                                                                 \
   }
 // np value pairs (vp[p * AT_VV + i]: dimensions 16 i .. of the rows at base + at[2p] and
 // base + at[2p + 1]) from f32 rows.
@@ -156,7 +155,7 @@ inline void at_key_pairs_cache(global const ctype* base, const size_t* at, uint1
     uint16 r[16];
 #pragma unroll
     for (int j = 0; j < 16; ++j)
-      r[j] = PAIR_WORDS(BCHUNK16(2 * g, base + at[j], AT_KC),
+      r[j] = bf16_pair_words(BCHUNK16(2 * g, base + at[j], AT_KC),
                         BCHUNK16(2 * g + 1, base + at[j], AT_KC));
     transpose16x16(r);
 #pragma unroll
@@ -276,11 +275,12 @@ __attribute__((always_inline)) inline void at_run(
   ((c) * 16 >= (W) ? (ushort16)(0) : f32x16_to_bf16_rne(CHUNK16(c, p, W, vload8, vload16) * scale))
 #if AT_NOPE
     for (int g = 0; g < AT_PA / 16; ++g)
-      vstore16(PAIR_WORDS(AT_QB(2 * g, qr, AT_NOPE), AT_QB(2 * g + 1, qr, AT_NOPE)), g,
+      vstore16(bf16_pair_words(AT_QB(2 * g, qr, AT_NOPE), AT_QB(2 * g + 1, qr, AT_NOPE)), g,
                qp + r * AT_PK);
 #endif
     for (int g = 0; g < (AT_PK - AT_PA) / 16; ++g)
-      vstore16(PAIR_WORDS(AT_QB(2 * g, qr + AT_NOPE, AT_KC), AT_QB(2 * g + 1, qr + AT_NOPE, AT_KC)),
+      vstore16(bf16_pair_words(AT_QB(2 * g, qr + AT_NOPE, AT_KC),
+                               AT_QB(2 * g + 1, qr + AT_NOPE, AT_KC)),
                g, qp + r * AT_PK + AT_PA);
 #undef AT_QB
 #else

@@ -63,13 +63,6 @@ typedef ushort panel_x_t;
 typedef int panel_xr_t;  // a pair word
 #endif
 
-// 32 bf16 values (a: elements 0-15, b: 16-31) as 16 pair words: their bytes as they are (little
-// endian: element 2 q is the low half of word q). (Through .even / .odd swizzles this had
-// compiled to a word insert per element.)
-inline uint16 bf16_pair_words(ushort16 a, ushort16 b) {
-  return (uint16)(as_uint8(a), as_uint8(b));
-}
-
 // The pair words kp0 .. kp0 + 15 of a weight row: panel_row_words where they lie within the row
 // (2 kp0 + 32 <= K), panel_row_tail where the row ends among them (words past it zero). A bf16
 // row is read as words where every row starts on a 4-byte boundary (-DPAIRS_ALIGNED=1), else as

@@ -38,6 +38,12 @@ inline ushort16 f32x16_to_bf16_rne(float16 f) {
   const uint16 nan = (u >> 16) | 0x40u;
   return convert_ushort16(select(f32x16_round_bf16_bits(u), nan, (u & 0x7FFFFFFFu) > 0x7F800000u));
 }
+// 32 bf16 values (a: elements 0-15, b: 16-31) as 16 pair words, vdpbf16ps's operand: their bytes
+// as they are (little endian: element 2 q is the low half of word q). (Through .even / .odd
+// swizzles this had compiled to a word insert per element.)
+inline uint16 bf16_pair_words(ushort16 a, ushort16 b) {
+  return (uint16)(as_uint8(a), as_uint8(b));
+}
 
 // The sum of 16 lanes, pairwise (halves, then quarters ...): every kernel that reduces a vector
 // accumulator uses this one order, so their results agree bit for bit.
