@@ -79,7 +79,6 @@
 // f32 tiles on the 2-core Zen 4 EPYC (bench_step_breakdown, the same build switched in turn, 2
 // pairs): llama3-1b's attention over a 512-token prefill 1.25x, over 2048 tokens 1.27-1.32x,
 // decode at 4096 cached positions 1.2-1.4x; dsv3-mini's MLA prefill over 512 tokens 1.3-1.45x.
-#define ROUND32(n) (((n) + 31) / 32 * 32)
 #define AT_PA (ROUND32(AT_NOPE) / 2)        // a key's pair words of K-nope (MLA), then
 #define AT_PK (AT_PA + ROUND32(AT_KC) / 2)  // the cache's (zeros past each part)
 typedef int at_v16i __attribute__((__vector_size__(64)));
@@ -106,35 +105,40 @@ typedef short at_v32s __attribute__((__vector_size__(64)));
        : (at_v16f)(*(global const at_f16u*)((p) + 16 * (c))))
 // 32 bf16 words: lo's 16 values, then hi's.
 #define AT_CVT2(lo, hi) ((at_v32s)__builtin_ia32_cvtne2ps2bf16_512((hi), (lo)))
-// The pair words of dimensions [0, W) of the 16 rows at base + at[j], transposed: kp[w] lane j =
-// row j's pair word w.
-#define AT_KEY_PAIRS_F32(NAME, W)                                                      \
-  AT_BF16_TARGET void NAME(global const float* base, const size_t* at, uint16* kp) {   \
-    _Pragma("unroll") for (int g = 0; g < ROUND32(W) / 32; ++g) {                     \
-      uint16 r[16];                                                                   \
-      _Pragma("unroll") for (int j = 0; j < 16; ++j) r[j] =                           \
-          as_uint16(AT_CVT2(AT_F32_CHUNK(base + at[j], 2 * g, W),                     \
-                            AT_F32_CHUNK(base + at[j], 2 * g + 1, W)));               \
-      transpose16x16(r);                                                              \
-      _Pragma("unroll") for (int i = 0; i < 16; ++i) kp[16 * g + i] = r[i];           \
-    }                                                                                 \
+// Row p's pair words of dimensions 32 g .. of W (zeros past W), and dimensions 16 i .. of the
+// values of rows p0 and p1 interleaved (lane l: p0's in the low half, p1's in the high one).
+#define AT_F32_WORDS(p, g, W) \
+  as_uint16(AT_CVT2(AT_F32_CHUNK(p, 2 * (g), W), AT_F32_CHUNK(p, 2 * (g) + 1, W)))
+#define AT_F32_PAIR(p0, p1, i) \
+  AT_INTERLEAVE(AT_CVT2(AT_F32_CHUNK(p0, i, AT_DV), AT_F32_CHUNK(p1, i, AT_DV)))
+
+// The two loaders of a block, one per source (f32 rows above, the bf16 and fp8 caches below: the
+// loops the same, the qualifiers and the loads not):
+// NAME(base, at, kp): the pair words of dimensions [0, W) of the 16 rows at base + at[j]
+// (elements of T), transposed: kp[w] lane j = row j's pair word w (WORDS above).
+#define AT_KEY_PAIRS(QUAL, NAME, T, W, WORDS)                                           \
+  QUAL void NAME(global const T* base, const size_t* at, uint16* kp) {                  \
+    _Pragma("unroll") for (int g = 0; g < ROUND32(W) / 32; ++g) {                      \
+      uint16 r[16];                                                                    \
+      _Pragma("unroll") for (int j = 0; j < 16; ++j) r[j] = WORDS(base + at[j], g, W); \
+      transpose16x16(r);                                                               \
+      _Pragma("unroll") for (int i = 0; i < 16; ++i) kp[16 * g + i] = r[i];            \
+    }                                                                                  \
   }
-// np value pairs (vp[p * AT_VV + i]: dimensions 16 i .. of the rows at base + at[2p] and
-// base + at[2p + 1]) from f32 rows.
-AT_BF16_TARGET void at_value_pairs_f32(global const float* base, const size_t* at, uint np,
-                                       uint16* vp) {
-  for (uint p = 0; p < np; ++p) {
-#pragma unroll
-    for (int i = 0; i < AT_VV; ++i)
-      vp[p * AT_VV + i] = AT_INTERLEAVE(AT_CVT2(AT_F32_CHUNK(base + at[2 * p], i, AT_DV),
-                                                AT_F32_CHUNK(base + at[2 * p + 1], i, AT_DV)));
+// NAME(base, at, np, vp): np value pairs, vp[p * AT_VV + i] dimensions 16 i .. of the rows at
+// base + at[2p] and base + at[2p + 1] (PAIR above).
+#define AT_VALUE_PAIRS(QUAL, NAME, T, PAIR)                                     \
+  QUAL void NAME(global const T* base, const size_t* at, uint np, uint16* vp) { \
+    for (uint p = 0; p < np; ++p)                                               \
+      _Pragma("unroll") for (int i = 0; i < AT_VV; ++i) vp[p * AT_VV + i] =     \
+          PAIR(base + at[2 * p], base + at[2 * p + 1], i);                      \
   }
-}
+AT_VALUE_PAIRS(AT_BF16_TARGET, at_value_pairs_f32, float, AT_F32_PAIR)
 #if AT_NOPE
-AT_KEY_PAIRS_F32(at_key_pairs_nope, AT_NOPE)
+AT_KEY_PAIRS(AT_BF16_TARGET, at_key_pairs_nope, float, AT_NOPE, AT_F32_WORDS)
 #endif
 #if CACHE_TYPE == 0
-AT_KEY_PAIRS_F32(at_key_pairs_cache, AT_KC)
+AT_KEY_PAIRS(AT_BF16_TARGET, at_key_pairs_cache, float, AT_KC, AT_F32_WORDS)
 #else
 // ---- bf16 and fp8 caches: a bf16 cache's bits as they are, fp8 codes widened (exact in bf16) ----
 #if CACHE_TYPE == 1
@@ -149,28 +153,12 @@ AT_KEY_PAIRS_F32(at_key_pairs_cache, AT_KC)
   ((i) * 16 >= (D) ? (ushort16)(0)                                              \
    : (D) % 16 && (i) == (D) / 16 ? (ushort16)(LOADB8(2 * (i), p), (ushort8)(0)) \
                                  : LOADB16(i, p))
-inline void at_key_pairs_cache(global const ctype* base, const size_t* at, uint16* kp) {
-#pragma unroll
-  for (int g = 0; g < ROUND32(AT_KC) / 32; ++g) {
-    uint16 r[16];
-#pragma unroll
-    for (int j = 0; j < 16; ++j)
-      r[j] = bf16_pair_words(BCHUNK16(2 * g, base + at[j], AT_KC),
-                        BCHUNK16(2 * g + 1, base + at[j], AT_KC));
-    transpose16x16(r);
-#pragma unroll
-    for (int i = 0; i < 16; ++i) kp[16 * g + i] = r[i];
-  }
-}
-inline void at_value_pairs_cache(global const ctype* base, const size_t* at, uint np,
-                                 uint16* vp) {
-  for (uint p = 0; p < np; ++p) {
-#pragma unroll
-    for (int i = 0; i < AT_VV; ++i)
-      vp[p * AT_VV + i] = convert_uint16(BCHUNK16(i, base + at[2 * p], AT_DV)) |
-                          (convert_uint16(BCHUNK16(i, base + at[2 * p + 1], AT_DV)) << 16);
-  }
-}
+#define AT_CACHE_WORDS(p, g, W) \
+  bf16_pair_words(BCHUNK16(2 * (g), p, W), BCHUNK16(2 * (g) + 1, p, W))
+#define AT_CACHE_PAIR(p0, p1, i) \
+  (convert_uint16(BCHUNK16(i, p0, AT_DV)) | (convert_uint16(BCHUNK16(i, p1, AT_DV)) << 16))
+AT_KEY_PAIRS(inline, at_key_pairs_cache, ctype, AT_KC, AT_CACHE_WORDS)
+AT_VALUE_PAIRS(inline, at_value_pairs_cache, ctype, AT_CACHE_PAIR)
 #endif
 
 // Scores s[r] (lane j: key j) of ROWS query rows (qp: AT_PK pair words per row) against the

@@ -56,6 +56,8 @@ inline float hsum16(float16 v) {
 
 // n rounded up to a multiple of 16: arrays filled or read 16 floats at a time.
 #define ROUND16(n) (((n) + 15) / 16 * 16)
+// And to a multiple of 32 (attention.cl's bf16 pair words, 32 elements a vector).
+#define ROUND32(n) (((n) + 31) / 32 * 32)
 
 // Chunk i (16 floats) of a row of D floats at p, read by LOAD8 / LOAD16 (vload8 / vload16 or a
 // cache's LOADC8 / LOADC16); with D % 16 == 8 the last chunk's upper half is zeros, whose products
