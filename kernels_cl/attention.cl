@@ -76,9 +76,10 @@
 // the last position again with weight 0. The sums are out-of-line functions with clang's
 // per-function target attribute on plain vector types, as bf16_packed.cl's micro-kernel.
 // MLA's decompressed prefill (-DAT_NOPE) takes it too: K-nope and V from its f32 rows. Against the
-// f32 tiles on the 2-core Zen 4 EPYC (bench_step_breakdown, the same build switched in turn, 2
-// pairs): llama3-1b's attention over a 512-token prefill 1.25x, over 2048 tokens 1.27-1.32x,
-// decode at 4096 cached positions 1.2-1.4x; dsv3-mini's MLA prefill over 512 tokens 1.3-1.45x.
+// f32 tiles on the 2-core Zen 4 EPYC (bench_step_breakdown): llama3-1b's attention over a
+// 512-token prefill 1.25x (one run of each build); the same build switched in turn, 2 pairs: over
+// 2048 tokens 1.27-1.32x, decode at 4096 cached positions 1.2-1.4x; dsv3-mini's MLA prefill over
+// 512 tokens 1.3-1.45x.
 #define AT_PA (ROUND32(AT_NOPE) / 2)        // a key's pair words of K-nope (MLA), then
 #define AT_PK (AT_PA + ROUND32(AT_KC) / 2)  // the cache's (zeros past each part)
 typedef int at_v16i __attribute__((__vector_size__(64)));
