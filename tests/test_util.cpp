@@ -28,6 +28,20 @@
 
 namespace clshard::test {
 
+namespace {
+// The compiled kernels (ours and PoCL's) of every test process and of the clshard processes the
+// tests start live in the build tree, so a second run skips every compile and nothing is written
+// under $HOME. Set here, before any OpenCL call, and not only by ctest: gtest_discover_tests
+// (CMake 3.25) passes just the first entry of a list-valued ENVIRONMENT property, so the suite's
+// processes had CLSHARD_SHARED_DIR but neither cache directory, and wrote to ~/.cache; a direct
+// run of clshard_tests gets them too. A value the caller set is kept.
+const bool kBuildTreeCaches = [] {
+  setenv("CLSHARD_KERNEL_CACHE", CLSHARD_BINARY_DIR "/kernel-cache", 0);
+  setenv("POCL_CACHE_DIR", CLSHARD_BINARY_DIR "/pocl-cache", 0);
+  return true;
+}();
+}  // namespace
+
 std::filesystem::path shared_dir() {
   if (const char* d = std::getenv("CLSHARD_SHARED_DIR"); d && *d) return d;
   return std::filesystem::path(CLSHARD_SOURCE_DIR) / ".." / "shared";
