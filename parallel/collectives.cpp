@@ -163,7 +163,7 @@ void Communicator::run_phase(const std::string& name, const std::vector<Copy>& c
     // one copy out.
     const bool via_temp = k > kMaxReduceInputs;
     const DeviceSpan out = via_temp ? DeviceSpan{reduce_temp(r.dst, count), 0, count} : r.out;
-    cl_event last = nullptr;
+    cl::Event last;
     for (size_t first = 0; first < k; first += kMaxReduceInputs) {
       const size_t m = std::min(kMaxReduceInputs, k - first);
       cl::set_args(kernel, out.buf, cl_ulong(out.offset_floats), cl_uint(count), cl_uint(chunk),
@@ -173,14 +173,7 @@ void Communicator::run_phase(const std::string& name, const std::vector<Copy>& c
         cl::detail::set_one(kernel.get(), cl_uint(6 + 2 * a), v.buf);
         cl::detail::set_one(kernel.get(), cl_uint(7 + 2 * a), cl_ulong(v.offset_floats));
       }
-      const size_t one = 1;
-      if (last) clReleaseEvent(last);
-      last = nullptr;
-      cl::check(clEnqueueNDRangeKernel(dst.queue(), kernel.get(), 1, nullptr, &items,
-                                       dst.is_cpu() ? &one : nullptr,
-                                       first == 0 ? cl_uint(w.size()) : 0,
-                                       first == 0 && !w.empty() ? w.data() : nullptr, &last),
-                name + ": reducing on " + dst.label());
+      last = dst.launch_after(kernel, items, first == 0 ? w : std::vector<cl_event>{});
     }
     if (via_temp) {
       cl_event copy = nullptr;
@@ -188,10 +181,9 @@ void Communicator::run_phase(const std::string& name, const std::vector<Copy>& c
                                     r.out.offset_floats * sizeof(float), count * sizeof(float), 0,
                                     nullptr, &copy),
                 name + ": copying partial sums on " + dst.label());
-      clReleaseEvent(last);
-      last = copy;
+      last = cl::Event(copy);
     }
-    cl::Event event(last);  // in-order queue: its completion covers the launches before it
+    const cl::Event& event = last;  // in-order queue: its completion covers the launches before it
     for (size_t i = 0; i < k; ++i) {
       if (r.inputs[i].count_floats == 0 || i == r.dst) continue;
       if (ins[i]->reads_source_buffer) readers_of[i].push_back(event);

@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <cstring>
 
+#include "runtime/pocl_kernel_order.h"
 #include "runtime/program_cache.h"
 
 namespace clshard {
@@ -145,6 +146,13 @@ Device::Device(cl_platform_id platform, cl_device_id id, cl::Context ctx, int in
   pool_ = std::make_unique<BufferPool>(ctx_.get());
   shape_ = info_.kind == DeviceKind::Cpu ? KernelShape::Chunks : KernelShape::WorkGroups;
   tuning_ = lookup_kernel_tuning(info_);
+  pocl_cpu_ = info_.kind == DeviceKind::Cpu &&
+              info_.platform.find("Portable Computing Language") != std::string::npos;
+  if (pocl_cpu_) PoclKernelOrder::instance().add(queue_.get());
+}
+
+Device::~Device() {
+  if (pocl_cpu_) PoclKernelOrder::instance().remove(queue_.get());
 }
 
 std::string Device::label() const {
@@ -158,8 +166,11 @@ cl::Kernel Device::kernel(const std::string& file, const std::string& name,
   const std::string kkey = pkey + "\n" + name;
   if (auto it = kernels_.find(kkey); it != kernels_.end()) return it->second;
   auto pit = programs_.find(pkey);
-  if (pit == programs_.end())
+  if (pit == programs_.end()) {
     pit = programs_.emplace(pkey, build_program(ctx_.get(), id_, info_, file, options)).first;
+    if (pocl_cpu_)
+      PoclKernelOrder::instance().name_program(pit->second.get(), info_.name + "\n" + pkey);
+  }
   cl_int err = CL_SUCCESS;
   cl::Kernel k(clCreateKernel(pit->second.get(), name.c_str(), &err));
   cl::check(err, "creating kernel " + name + " from kernels_cl/" + file);
@@ -212,10 +223,26 @@ void Device::launch(const cl::Kernel& k, std::array<size_t, 3> global, int dims,
                     const size_t* local) const {
   for (int i = 0; i < dims; ++i)
     if (global[i] == 0) return;  // nothing to do
+  enqueue(k, dims, global.data(), local, {}, nullptr);
+}
+
+cl::Event Device::launch_after(const cl::Kernel& k, size_t global,
+                               const std::vector<cl_event>& wait) const {
+  cl_event event = nullptr;
+  enqueue(k, 1, &global, nullptr, wait, &event);
+  return cl::Event(event);
+}
+
+void Device::enqueue(const cl::Kernel& k, int dims, const size_t* global, const size_t* local,
+                     const std::vector<cl_event>& wait, cl_event* event) const {
   static const size_t ones[3] = {1, 1, 1};
   const size_t* l = local ? local : (is_cpu() ? ones : nullptr);
-  cl_int err = clEnqueueNDRangeKernel(queue_.get(), k.get(), dims, nullptr, global.data(), l, 0,
-                                      nullptr, nullptr);
+  const cl_int err = pocl_cpu_
+                         ? PoclKernelOrder::instance().enqueue(queue_.get(), k.get(), cl_uint(dims),
+                                                               global, l, wait, event)
+                         : clEnqueueNDRangeKernel(queue_.get(), k.get(), cl_uint(dims), nullptr,
+                                                  global, l, cl_uint(wait.size()),
+                                                  wait.empty() ? nullptr : wait.data(), event);
   if (err != CL_SUCCESS) {
     char name[128] = {0};
     clGetKernelInfo(k.get(), CL_KERNEL_FUNCTION_NAME, sizeof name - 1, name, nullptr);

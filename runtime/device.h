@@ -198,6 +198,7 @@ class BufferPool {
 class Device {
  public:
   Device(cl_platform_id platform, cl_device_id id, cl::Context ctx, int index);
+  ~Device();
   Device(const Device&) = delete;
   Device& operator=(const Device&) = delete;
 
@@ -238,10 +239,17 @@ class Device {
   // contiguous chunk there), and lets the driver choose on GPUs unless `local` is given.
   void launch(const cl::Kernel& k, std::array<size_t, 3> global, int dims = 1,
               const size_t* local = nullptr) const;
+  // A one-dimensional launch as above, after the events in `wait` (of this device's context);
+  // returns the launch's event.
+  cl::Event launch_after(const cl::Kernel& k, size_t global,
+                         const std::vector<cl_event>& wait) const;
 
   BufferPool& pool() { return *pool_; }
 
  private:
+  void enqueue(const cl::Kernel& k, int dims, const size_t* global, const size_t* local,
+               const std::vector<cl_event>& wait, cl_event* event) const;
+
   cl_device_id id_;
   cl::Context ctx_;
   cl::Queue queue_;
@@ -249,6 +257,7 @@ class Device {
   int index_;
   KernelShape shape_;
   KernelTuning tuning_;
+  bool pocl_cpu_ = false;  // its launches go through PoclKernelOrder
   std::unique_ptr<BufferPool> pool_;
   std::map<std::string, cl::Program> programs_;
   std::map<std::string, cl::Kernel> kernels_;

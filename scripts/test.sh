@@ -48,8 +48,8 @@ if [ "${1:-}" = --sanitize ]; then
 fi
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release
 cmake --build build -j"$(nproc)"
-# Tests keep PoCL's compiled kernels and ours inside build/ (set by tests/CMakeLists.txt), so a
-# second run skips every kernel compile.
+# Tests keep PoCL's compiled kernels and ours inside build/ (set by tests/test_util.cpp and
+# perf/CMakeLists.txt), so a second run skips every kernel compile.
 ctest --test-dir build --output-on-failure -j1
 # The parsers under ASan + UBSan (clang, build-fuzz/): every fuzz seed and kept crasher once through
 # its libFuzzer target. A few minutes of CI; the full sanitizer run is --sanitize above.
