@@ -21,7 +21,8 @@ namespace {
 
 constexpr size_t kLocal = 8;
 constexpr int kRounds = 400;
-constexpr size_t kMaxElems = 1 << 14;
+constexpr int kDeathRounds = 2000;  // at most: the assertion usually ends it within a few dozen
+constexpr size_t kMaxElems = 1 << 16;
 constexpr uint32_t kSpin = 64;  // work per item, so that the launches of the four queues overlap
 
 const char* kSource =
@@ -33,10 +34,10 @@ const char* kSource =
     "  if (i < n) x[i] += 1u;\n"
     "}\n";
 
-// The element count of round r on device d: growing, different on every device; from round
-// kRounds on, the same in every round (each device its own).
-uint32_t elems(int r, size_t d) {
-  r = std::min(r, kRounds);
+// The element count of round r on device d: growing, different on every device; in the ordered
+// test, from round kRounds on the same in every round (each device its own).
+uint32_t elems(int r, size_t d, int last = kRounds) {
+  r = std::min(r, last);
   return uint32_t((r * 37 + d * 11) % 1024 + 1 + r * 29);
 }
 
@@ -69,10 +70,10 @@ Launches prepare(DeviceManager& mgr) {
 // each on its own grid. (Queues hundreds of launches deep, never waited for in between, did not
 // end in the assertion in 5 runs; waiting after every round did in 8 of 8.)
 template <typename Launch>
-void run_rounds(DeviceManager& mgr, Launches& l, int first, int end, Launch launch) {
+void run_rounds(DeviceManager& mgr, Launches& l, int first, int end, int last, Launch launch) {
   for (int r = first; r < end; ++r) {
     for (size_t d = 0; d < mgr.size(); ++d) {
-      const cl_uint n = elems(r, d);
+      const cl_uint n = elems(r, d, last);
       cl::set_args(l.kernels[d], l.bufs[d], l.spun[d], n, cl_uint(kSpin));
       launch(d, (n + kLocal - 1) / kLocal * kLocal);
     }
@@ -89,18 +90,16 @@ TEST(PoclKernelOrder, OneKernelOnFourSubDevicesWithGrowingGridsRunsEveryLaunch) 
   };
   const auto& order = PoclKernelOrder::instance();
   const uint64_t before = order.ordered_launches();
-  run_rounds(mgr, l, 0, kRounds, launch);
+  run_rounds(mgr, l, 0, kRounds, kRounds, launch);
   const uint64_t growing = order.ordered_launches() - before;
   std::cout << "[ pocl order ] " << growing << " of " << 4 * kRounds
             << " launches ordered while the grids grew\n";
   // Grids wider than every earlier one of the program (which the four devices share): about
   // one launch in two. Each of those is ordered.
   EXPECT_GE(growing, uint64_t(kRounds)) << "launches ordered while the grids grew";
-  // Two rounds on the last grids settle it (the last widening launches may still have run while
-  // the first of them was queued); after that nothing is ordered.
-  run_rounds(mgr, l, kRounds, kRounds + 2, launch);
+  // Rounds on the last grids, none wider than one before: nothing is ordered.
   const uint64_t settled = order.ordered_launches();
-  run_rounds(mgr, l, kRounds + 2, kRounds + 50, launch);
+  run_rounds(mgr, l, kRounds, kRounds + 50, kRounds, launch);
   EXPECT_EQ(order.ordered_launches(), settled) << "launches ordered on grids seen before";
   for (size_t d = 0; d < mgr.size(); ++d) {
     std::vector<uint32_t> got(kMaxElems);
@@ -118,7 +117,7 @@ TEST(PoclKernelOrderDeathTest, TheSameLaunchesUnorderedAbortPocl) {
       {
         DeviceManager mgr(test::cpu_devices("4"));
         Launches l = prepare(mgr);
-        run_rounds(mgr, l, 0, kRounds, [&](size_t d, size_t global) {
+        run_rounds(mgr, l, 0, kDeathRounds, kDeathRounds, [&](size_t d, size_t global) {
           cl::check(clEnqueueNDRangeKernel(mgr[d].queue(), l.kernels[d].get(), 1, nullptr, &global,
                                            &kLocal, 0, nullptr, nullptr),
                     "launching bump");
