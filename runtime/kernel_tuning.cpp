@@ -235,6 +235,34 @@ nlohmann::json& entries_of(nlohmann::json& doc, const std::filesystem::path& fil
 }
 
 // Applies the file's entry for `info`, if any, over `t`.
+// The fields whose 0 is a value, and what it means: a row threshold that is never reached, or a
+// switch that is off.
+const std::vector<std::pair<std::string, std::string>>& zero_fields() {
+  static const std::vector<std::pair<std::string, std::string>> fields = {
+      {"blas_gemm_rows", "never"},       {"gemm_bf16_packed_rows", "never"},
+      {"moe_bf16_packed_rows", "never"}, {"gemm_bf16_amx_stream_rows", "never"},
+      {"gemm_f32_amx_rows", "never"},    {"weight_prefetch", "off"},
+      {"stream_prefetch", "off"},        {"stream_prefetch_l1", "off"},
+      {"gemv_stream_prefetch", "off"},   {"gemv_row_pairs", "off"},
+      {"gemm_bf16_dot", "off"},          {"gemm_bf16_gemv", "off"},
+      {"gemm_bf16_amx", "off"}};
+  return fields;
+}
+
+// "a, b: 0 for never; c, d: 0 for off", in the table's order.
+std::string zero_fields_text() {
+  std::string text, names;
+  const auto& fields = zero_fields();
+  for (size_t i = 0; i < fields.size(); ++i) {
+    names += (names.empty() ? "" : ", ") + fields[i].first;
+    if (i + 1 == fields.size() || fields[i + 1].second != fields[i].second) {
+      text += (text.empty() ? "" : "; ") + names + ": 0 for " + fields[i].second;
+      names.clear();
+    }
+  }
+  return text;
+}
+
 void apply_file(const DeviceInfo& info, KernelTuning& t) {
   const std::filesystem::path file = kernel_tuning_file();
   nlohmann::json doc = read_file(file);
@@ -255,14 +283,9 @@ void apply_file(const DeviceInfo& info, KernelTuning& t) {
           !set_kernel_tuning_field(t, field, value.get<uint64_t>())) {
         std::string names;
         for (const std::string& n : kernel_tuning_fields()) names += (names.empty() ? "" : ", ") + n;
-        throw std::runtime_error(
-            where + ".tuning." + field + ": expected one of the fields (" + names +
-            ") with a positive integer (blas_gemm_rows, gemm_bf16_packed_rows, "
-            "moe_bf16_packed_rows, "
-            "gemm_bf16_amx_stream_rows, gemm_f32_amx_rows: 0 for never; weight_prefetch, "
-            "stream_prefetch, stream_prefetch_l1, gemv_stream_prefetch, gemv_row_pairs, "
-            "gemm_bf16_dot, gemm_bf16_gemv, gemm_bf16_amx: 0 for off), got " +
-            value.dump());
+        throw std::runtime_error(where + ".tuning." + field + ": expected one of the fields (" +
+                                 names + ") with a positive integer (" + zero_fields_text() +
+                                 "), got " + value.dump());
       }
     }
   }
@@ -284,12 +307,9 @@ KernelTuning lookup_kernel_tuning(const DeviceInfo& info) {
 }
 
 bool kernel_tuning_zero_allowed(const std::string& field) {
-  return field == "blas_gemm_rows" || field == "gemm_bf16_packed_rows" ||
-         field == "moe_bf16_packed_rows" || field == "gemm_bf16_amx_stream_rows" ||
-         field == "weight_prefetch" || field == "stream_prefetch" ||
-         field == "stream_prefetch_l1" || field == "gemv_stream_prefetch" ||
-         field == "gemv_row_pairs" || field == "gemm_bf16_dot" || field == "gemm_bf16_gemv" ||
-         field == "gemm_bf16_amx" || field == "gemm_f32_amx_rows";
+  for (const auto& [name, zero_means] : zero_fields())
+    if (name == field) return true;
+  return false;
 }
 
 const std::vector<std::string>& kernel_tuning_fields() {
