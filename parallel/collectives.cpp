@@ -173,7 +173,7 @@ void Communicator::run_phase(const std::string& name, const std::vector<Copy>& c
         cl::detail::set_one(kernel.get(), cl_uint(6 + 2 * a), v.buf);
         cl::detail::set_one(kernel.get(), cl_uint(7 + 2 * a), cl_ulong(v.offset_floats));
       }
-      last = dst.launch_after(kernel, items, first == 0 ? w : std::vector<cl_event>{});
+      last = dst.launch_after(kernel, items, first == 0 ? w : std::vector<cl_event>{}, name);
     }
     if (via_temp) {
       cl_event copy = nullptr;

@@ -223,18 +223,18 @@ void Device::launch(const cl::Kernel& k, std::array<size_t, 3> global, int dims,
                     const size_t* local) const {
   for (int i = 0; i < dims; ++i)
     if (global[i] == 0) return;  // nothing to do
-  enqueue(k, dims, global.data(), local, {}, nullptr);
+  enqueue(k, dims, global.data(), local, {}, nullptr, nullptr);
 }
 
 cl::Event Device::launch_after(const cl::Kernel& k, size_t global,
-                               const std::vector<cl_event>& wait) const {
+                               const std::vector<cl_event>& wait, const std::string& what) const {
   cl_event event = nullptr;
-  enqueue(k, 1, &global, nullptr, wait, &event);
+  enqueue(k, 1, &global, nullptr, wait, &event, what.c_str());
   return cl::Event(event);
 }
 
 void Device::enqueue(const cl::Kernel& k, int dims, const size_t* global, const size_t* local,
-                     const std::vector<cl_event>& wait, cl_event* event) const {
+                     const std::vector<cl_event>& wait, cl_event* event, const char* what) const {
   static const size_t ones[3] = {1, 1, 1};
   const size_t* l = local ? local : (is_cpu() ? ones : nullptr);
   const cl_int err = pocl_cpu_
@@ -246,7 +246,8 @@ void Device::enqueue(const cl::Kernel& k, int dims, const size_t* global, const 
   if (err != CL_SUCCESS) {
     char name[128] = {0};
     clGetKernelInfo(k.get(), CL_KERNEL_FUNCTION_NAME, sizeof name - 1, name, nullptr);
-    throw cl::Error(err, std::string("launching kernel ") + name + " on " + label());
+    throw cl::Error(err, (what ? std::string(what) + ": " : std::string()) + "launching kernel " +
+                             name + " on " + label());
   }
 }
 

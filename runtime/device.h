@@ -240,15 +240,17 @@ class Device {
   void launch(const cl::Kernel& k, std::array<size_t, 3> global, int dims = 1,
               const size_t* local = nullptr) const;
   // A one-dimensional launch as above, after the events in `wait` (of this device's context);
-  // returns the launch's event.
-  cl::Event launch_after(const cl::Kernel& k, size_t global,
-                         const std::vector<cl_event>& wait) const;
+  // returns the launch's event. `what` (the caller's work, e.g. a collective's name) leads an
+  // error's message.
+  cl::Event launch_after(const cl::Kernel& k, size_t global, const std::vector<cl_event>& wait,
+                         const std::string& what) const;
 
   BufferPool& pool() { return *pool_; }
 
  private:
+  // `what`, when not null, leads an error's message.
   void enqueue(const cl::Kernel& k, int dims, const size_t* global, const size_t* local,
-               const std::vector<cl_event>& wait, cl_event* event) const;
+               const std::vector<cl_event>& wait, cl_event* event, const char* what) const;
 
   cl_device_id id_;
   cl::Context ctx_;

@@ -1,6 +1,7 @@
 #include "runtime/pocl_kernel_order.h"
 
 #include <algorithm>
+#include <array>
 
 namespace clshard {
 
@@ -27,7 +28,7 @@ PoclKernelOrder& PoclKernelOrder::instance() {
 
 void PoclKernelOrder::start_over() {
   launches_.clear();
-  seen_.clear();
+  widest_.clear();
 }
 
 void PoclKernelOrder::add(cl_command_queue q) {
@@ -52,7 +53,7 @@ void PoclKernelOrder::remove(cl_command_queue q) {
   }
   // Its programs go with it, and a program made later at the same address may be another build.
   builds_.clear();
-  seen_.clear();
+  widest_.clear();
   if (queues_.size() < 2) start_over();
 }
 
@@ -82,10 +83,10 @@ cl_int PoclKernelOrder::enqueue(cl_command_queue q, cl_kernel k, cl_uint dims, c
   for (cl_uint i = 0; i < dims; ++i) key += local ? "/" + std::to_string(local[i]) : "/auto";
   Launches& launches = launches_[key];
   const auto build = builds_.find(program);
-  Seen& seen =
-      seen_[key + "@" +
-            (build != builds_.end() ? build->second
-                                    : std::to_string(reinterpret_cast<uintptr_t>(program)))];
+  size_t& widest =
+      widest_[key + "@" +
+              (build != builds_.end() ? build->second
+                                      : std::to_string(reinterpret_cast<uintptr_t>(program)))];
 
   // The grid width PoCL keys entries by: the widest dimension, local size times groups; its
   // third term is the local size squared (as written in PoCL 3.1). `wide` is at least and
@@ -101,7 +102,7 @@ cl_int PoclKernelOrder::enqueue(cl_command_queue q, cl_kernel k, cl_uint dims, c
     narrow = std::max({g[0], g[1], std::min(g[2], l[2] * l[2])});
   }
 
-  const bool may_make = !local || wide > seen.widest;
+  const bool may_make = !local || wide > widest;
   // The host waits, rather than the queue through an event: PoCL's basic device deadlocks on
   // events between its queue and another device's, and another context's events cannot be waited
   // for by this queue. What it waits for was enqueued before and waits only on commands enqueued
@@ -130,7 +131,7 @@ cl_int PoclKernelOrder::enqueue(cl_command_queue q, cl_kernel k, cl_uint dims, c
     launches.widening = launched;
     launches.widening_queue = q;
     ++ordered_;
-    seen.widest = narrow;
+    widest = narrow;
   }
   if (event) {
     clRetainEvent(done);

@@ -25,7 +25,6 @@
 // bench_deepseek_parallel, counted as PoCL's dlopen calls of kernel binaries).
 #pragma once
 
-#include <array>
 #include <cstdint>
 #include <mutex>
 #include <string>
@@ -64,17 +63,15 @@ class PoclKernelOrder {
     cl::Event widening;  // the latest ordered one, while it may run
     cl_command_queue widening_queue = nullptr;
   };
-  // One build's kernel and local size (never more than PoCL's key holds).
-  struct Seen {
-    size_t widest = 0;  // at most the widest grid PoCL has an entry for
-  };
 
   void start_over();
 
   mutable std::mutex mu_;
   std::vector<cl_command_queue> queues_;
   std::unordered_map<std::string, Launches> launches_;
-  std::unordered_map<std::string, Seen> seen_;
+  // Per build's kernel and local size (never more than PoCL's key holds): the widest grid
+  // launched, at most the widest PoCL has an entry for.
+  std::unordered_map<std::string, size_t> widest_;
   std::unordered_map<cl_program, std::string> builds_;
   uint64_t ordered_ = 0;
 };

@@ -60,7 +60,7 @@ void scan_fp8(Weight& w, const uint8_t* data, size_t rows, size_t row_bytes, siz
   }
   w.fp8_nan_free = free;
   w.fp8_subnormal_share =
-      rows * row_bytes ? float(double(subnormal) / double(rows * row_bytes)) : 0;
+      rows * row_bytes != 0 ? float(double(subnormal) / double(rows * row_bytes)) : 0;
 }
 }  // namespace
 
