@@ -28,7 +28,7 @@ PoclKernelOrder& PoclKernelOrder::instance() {
 
 void PoclKernelOrder::start_over() {
   launches_.clear();
-  widest_.clear();
+  known_.clear();
 }
 
 void PoclKernelOrder::add(cl_command_queue q) {
@@ -53,13 +53,27 @@ void PoclKernelOrder::remove(cl_command_queue q) {
   }
   // Its programs go with it, and a program made later at the same address may be another build.
   builds_.clear();
-  widest_.clear();
+  known_.clear();
   if (queues_.size() < 2) start_over();
 }
 
 void PoclKernelOrder::name_program(cl_program program, const std::string& build) {
+  size_t kernels = 0;
+  if (clGetProgramInfo(program, CL_PROGRAM_NUM_KERNELS, sizeof kernels, &kernels, nullptr) !=
+      CL_SUCCESS)
+    kernels = kEvictableAfter;  // unknown: as many as could push any entry out
   std::lock_guard lock(mu_);
   builds_[program] = build;
+  built_kernels_ += kernels;
+}
+
+uint64_t PoclKernelOrder::entries_since(const Known& k) const {
+  const uint64_t made = (ordered_ - k.ordered_then) + (built_kernels_ - k.built_then);
+  // Fewer launches than the bound since: fewer keys too, no need to count them.
+  if (made + (launch_clock_ - k.last) < kEvictableAfter) return made + (launch_clock_ - k.last);
+  uint64_t keys = 0;
+  for (const auto& [key, other] : known_) keys += other.last > k.last;
+  return made + keys;
 }
 
 uint64_t PoclKernelOrder::ordered_launches() const {
@@ -83,10 +97,10 @@ cl_int PoclKernelOrder::enqueue(cl_command_queue q, cl_kernel k, cl_uint dims, c
   for (cl_uint i = 0; i < dims; ++i) key += local ? "/" + std::to_string(local[i]) : "/auto";
   Launches& launches = launches_[key];
   const auto build = builds_.find(program);
-  size_t& widest =
-      widest_[key + "@" +
-              (build != builds_.end() ? build->second
-                                      : std::to_string(reinterpret_cast<uintptr_t>(program)))];
+  Known& known =
+      known_[key + "@" +
+             (build != builds_.end() ? build->second
+                                     : std::to_string(reinterpret_cast<uintptr_t>(program)))];
 
   // The grid width PoCL keys entries by: the widest dimension, local size times groups; its
   // third term is the local size squared (as written in PoCL 3.1). `wide` is at least and
@@ -102,7 +116,9 @@ cl_int PoclKernelOrder::enqueue(cl_command_queue q, cl_kernel k, cl_uint dims, c
     narrow = std::max({g[0], g[1], std::min(g[2], l[2] * l[2])});
   }
 
-  const bool may_make = !local || wide > widest;
+  // A key launched before whose entry may have been reused: what was known of it is not.
+  if (known.last != 0 && entries_since(known) >= kEvictableAfter) known.widest = 0;
+  const bool may_make = !local || wide > known.widest;
   // The host waits, rather than the queue through an event: PoCL's basic device deadlocks on
   // events between its queue and another device's, and another context's events cannot be waited
   // for by this queue. What it waits for was enqueued before and waits only on commands enqueued
@@ -131,8 +147,11 @@ cl_int PoclKernelOrder::enqueue(cl_command_queue q, cl_kernel k, cl_uint dims, c
     launches.widening = launched;
     launches.widening_queue = q;
     ++ordered_;
-    widest = narrow;
+    known.widest = narrow;
   }
+  known.last = ++launch_clock_;
+  known.ordered_then = ordered_;
+  known.built_then = built_kernels_;
   if (event) {
     clRetainEvent(done);
     *event = done;

@@ -18,11 +18,15 @@
 // before), nothing is ordered. Ordering every launch instead roughly halved the 2-replica
 // DeepSeek decode (bench_deepseek_parallel, batch 16: 80 against 150 tok/s).
 //
-// Left as it is: past 128 entries PoCL reuses the least recently used entry that no launch holds.
-// A kernel whose entry went that way makes a new one on a grid this order takes for known; it
-// goes wrong only if that kernel then also runs on another queue at once. The models' decode and
-// prefill make far fewer entries than that (36-40 in the 3-replica DeepSeek test and in
-// bench_deepseek_parallel, counted as PoCL's dlopen calls of kernel binaries).
+// Past 128 entries PoCL reuses the least recently used entry that no launch holds, and a kernel
+// whose entry went that way makes a new one on a grid that may be narrower than those launched
+// before. So a launch counts as known only while its key's entry cannot have gone: while fewer
+// than kEvictableAfter entries may have been used or made since the key's last launch (the
+// distinct keys launched since, the launches ordered since, and every kernel of the programs
+// built since, which PoCL may have compiled). Past that, the launch is ordered as widening and
+// its width is what is known. The models' decode and prefill make far fewer entries than 128
+// (36-40 in the 3-replica DeepSeek test and in bench_deepseek_parallel, counted as PoCL's dlopen
+// calls of kernel binaries), so a steady decode never reaches it.
 #pragma once
 
 #include <cstdint>
@@ -57,6 +61,10 @@ class PoclKernelOrder {
   // Launches ordered as widening a grid since the second queue came (tests).
   uint64_t ordered_launches() const;
 
+  // Entries used or made since a key's last launch from which its own may have been reused:
+  // PoCL 3.1 keeps 128, and at most one per queue is held by a running launch.
+  static constexpr uint64_t kEvictableAfter = 64;
+
  private:
   // The launches of one kernel name and local size on every queue (all PoCL's key can share).
   struct Launches {
@@ -69,9 +77,18 @@ class PoclKernelOrder {
   mutable std::mutex mu_;
   std::vector<cl_command_queue> queues_;
   std::unordered_map<std::string, Launches> launches_;
-  // Per build's kernel and local size (never more than PoCL's key holds): the widest grid
-  // launched, at most the widest PoCL has an entry for.
-  std::unordered_map<std::string, size_t> widest_;
+  // A build's kernel and local size (never more than PoCL's key holds).
+  struct Known {
+    size_t widest = 0;                          // at most the widest grid PoCL has an entry for
+    uint64_t last = 0;                          // launch_clock_ at its last launch
+    uint64_t ordered_then = 0, built_then = 0;  // ordered_ and built_kernels_ then
+  };
+  // Entries PoCL may have used or made since `k`'s last launch (see the header comment).
+  uint64_t entries_since(const Known& k) const;
+
+  std::unordered_map<std::string, Known> known_;
+  uint64_t launch_clock_ = 0;   // launches while ordering
+  uint64_t built_kernels_ = 0;  // kernels of the programs named
   std::unordered_map<cl_program, std::string> builds_;
   uint64_t ordered_ = 0;
 };

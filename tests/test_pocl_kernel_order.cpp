@@ -3,7 +3,9 @@
 // abort in pocl_release_dlhandle_cache. Through Device::launch the launches all run and every
 // element holds its count, and once the grids stop growing no launch is ordered any more; the
 // same launches straight through clEnqueueNDRangeKernel end the process on that assertion (a
-// death test: what the order is there for, on this machine's PoCL).
+// death test: what the order is there for, on this machine's PoCL). A kernel whose PoCL entry may
+// have been reused since its last launch (PoclKernelOrder::kEvictableAfter entries used or made
+// since) is ordered again, and only then.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -109,6 +111,56 @@ TEST(PoclKernelOrder, OneKernelOnFourSubDevicesWithGrowingGridsRunsEveryLaunch) 
       for (uint32_t i = 0; i < elems(r, d); ++i) ++want[i];
     EXPECT_EQ(got, want) << "device " << d;
   }
+}
+
+// Launches on device 0 of two sub-devices (the second makes the order active); each kernel key is
+// the kernel and its local size.
+TEST(PoclKernelOrder, AKernelIsOrderedAgainOnlyWhenItsEntryMayHaveBeenReused) {
+  DeviceManager mgr(test::cpu_devices("2"));
+  ASSERT_EQ(mgr.size(), 2u);
+  Launches l = prepare(mgr);
+  Device& dev = mgr[0];
+  cl::set_args(l.kernels[0], l.bufs[0], l.spun[0], cl_uint(0), cl_uint(1));
+  const auto& order = PoclKernelOrder::instance();
+  // Launches kernel `bump` with local size `local` on `groups` groups; returns whether it was
+  // ordered.
+  auto ordered = [&](size_t local, size_t groups) {
+    const uint64_t before = order.ordered_launches();
+    dev.launch(l.kernels[0], {local * groups, 1, 1}, 1, &local);
+    return order.ordered_launches() - before;
+  };
+  const uint64_t other_local0 = 9;  // other keys: local sizes 9, 10, ...
+  auto others = [&](size_t from, size_t count) {
+    uint64_t n = 0;
+    for (size_t i = from; i < from + count; ++i) n += ordered(other_local0 + i, 1);
+    return n;
+  };
+  const size_t R = 8;
+  EXPECT_EQ(ordered(R, 8), 1u) << "its first launch";
+  EXPECT_EQ(ordered(R, 4), 0u) << "a narrower grid";
+  // 20 new keys (each ordered, so each may have made an entry), then a known grid: 40 < 64.
+  EXPECT_EQ(others(0, 20), 20u);
+  EXPECT_EQ(ordered(R, 4), 0u) << "after 20 new keys";
+  // The same 20 keys over and over: 200 launches, but 20 distinct keys and no new entry since.
+  for (int round = 0; round < 10; ++round) EXPECT_EQ(others(0, 20), 0u) << "round " << round;
+  EXPECT_EQ(ordered(R, 4), 0u) << "after 200 launches of 20 keys seen before";
+  // 50 more new keys: 20 + 50 entries used or made since R's last launch.
+  EXPECT_EQ(others(20, 50), 50u);
+  EXPECT_EQ(ordered(R, 4), 1u) << "after 50 new keys: its entry may have gone";
+  EXPECT_EQ(ordered(R, 6), 1u) << "wider than that launch, narrower than the first";
+  EXPECT_EQ(ordered(R, 6), 0u) << "the same grid again";
+  // Programs built since count with their kernels: 64 of them, then a known grid again.
+  const char* one = "kernel void k(global uint* x) { x[0] = 1u; }\n";
+  cl_int err = CL_SUCCESS;
+  cl::Program built(clCreateProgramWithSource(dev.context(), 1, &one, nullptr, &err));
+  cl::check(err, "creating a one-kernel program");
+  const cl_device_id id = dev.id();
+  cl::check(clBuildProgram(built.get(), 1, &id, "", nullptr, nullptr), "building it");
+  EXPECT_EQ(ordered(R, 6), 0u);
+  for (uint64_t i = 0; i < PoclKernelOrder::kEvictableAfter; ++i)
+    PoclKernelOrder::instance().name_program(built.get(), "a one-kernel program");
+  EXPECT_EQ(ordered(R, 6), 1u) << "after 64 kernels built";
+  dev.finish();
 }
 
 TEST(PoclKernelOrderDeathTest, TheSameLaunchesUnorderedAbortPocl) {
