@@ -61,6 +61,13 @@ KernelTuning cpu_forced() {
   // at a time, both with the 8 KiB prefetch. (The EPYC row keeps one row at a time: on Zen 4,
   // 2026-11-30, pairs without that prefetch made dsv3-mini bf16's step 0.66x [0.54, 0.69].)
   t.gemv_row_pairs = 1;
+  // Those tiles read their rows in turn up to K = 8192 (the default 4096 reads a longer row's
+  // tiles side by side): on a 2-core Xeon without AMX or AVX-512 BF16 (family 6 model 207, 48 KiB
+  // L1D, 2026-12-01, bench_decode_breakdown --batch 1 --tuning-ab gemv_stream_k=8192, 11 and 15
+  // rounds in turn) llama3-1b bf16's down_proj (2048 x 8192) 1.11x and 1.12x, its whole step
+  // 1.03x and 1.01x; dsv3-mini bf16 and fp8 (bench_deepseek --tuning-ab, 11 rounds) 1.00x at
+  // batch 1 and 0.99x at batch 8. (The EPYC row keeps 4096: on Zen 4, 2026-11-30, 0.99-1.00x.)
+  t.gemv_stream_k = 8192;
   return t;
 }
 
@@ -133,6 +140,7 @@ KernelTuning amd_epyc_avx512() {
   // 0.95-1.00x, llama3-1b 0.98-1.02x, 2026-11-28).
   t.gemv_stream_prefetch = 0;
   t.gemv_row_pairs = 0;
+  t.gemv_stream_k = 4096;
   t.stream_prefetch_l1 = 0;
   t.fp8_stream_k = 8192;
   t.gemm_bf16_tn = 6;

@@ -97,7 +97,8 @@ INSTANTIATE_TEST_SUITE_P(
 // One row's outputs do not depend on the rows launched beside it: a decode launch (one-row tiles,
 // the columns in turn while K <= gemv_stream_k, else side by side) gives the bits of the same row
 // inside a 2-row and a 6-row launch (4-row tiles). Plain linear, q/k/v side by side and gate/up +
-// SiLU, f32 and bf16, K on both sides of gemv_stream_k (4096) and off the 16-wide loads.
+// SiLU, f32 and bf16, K on both sides of gemv_stream_k (4096 in the EPYC's row, 8192 in the
+// default CPU row) and off the 16-wide loads.
 struct RowsCase {
   uint32_t K;
   DType dt;
@@ -152,8 +153,8 @@ TEST_P(LinearRowsAgree, OneRowLaunchGivesTheBitsOfTheBatchedLaunch) {
 
 INSTANTIATE_TEST_SUITE_P(Widths, LinearRowsAgree,
                          ::testing::Values(RowsCase{37, DType::F32}, RowsCase{300, DType::BF16},
-                                           RowsCase{2048, DType::BF16},
-                                           RowsCase{4103, DType::BF16}),
+                                           RowsCase{2048, DType::BF16}, RowsCase{4103, DType::BF16},
+                                           RowsCase{8200, DType::BF16}),
                          [](const ::testing::TestParamInfo<RowsCase>& i) {
                            return "K" + std::to_string(i.param.K) + "_" + dtype_name(i.param.dt);
                          });
