@@ -155,7 +155,9 @@ typedef float fp8_v16f __attribute__((ext_vector_type(16)));
 // fp8_tile_dots calls this, always inlined, so that the loops over rows unroll as over TM
 // (called, with R a variable, the grouped experts had run 3x slower), and a tile of fewer rows
 // than TM decodes each weight vector once for the rows it has and does no FMA for the others.
-__attribute__((always_inline)) inline void fp8_in_turn_sums(
+// Static, so that no external copy is compiled with R a variable: its unroll pragmas failed there,
+// and PoCL's compiler printed "N warnings generated." to stderr at every build of the file.
+static __attribute__((always_inline)) inline void fp8_in_turn_sums(
     const int R, const Fp8TileCache* sx, global const uchar* wr[TN], global const float* srow,
     uint K16, float out[TM][TN], bool row_has_nan[TN]) {
   FP8_WATCH_DECLARE
@@ -384,10 +386,11 @@ inline void fp8_tile_dots(global const float* xr[TM], global const uchar* wr[TN]
     for (uint k = k_tail; k < K; ++k) {
 #pragma unroll
       for (int i = 0; i < TM; ++i) {
-        if (i >= rows) break;
-        const float xs = xr[i][k] * s_last;
+        if (i < rows) {
+          const float xs = xr[i][k] * s_last;
 #pragma unroll
-        for (int j = 0; j < TN; ++j) out[i][j] = fma(xs, e4m3_to_f32(wr[j][k]), out[i][j]);
+          for (int j = 0; j < TN; ++j) out[i][j] = fma(xs, e4m3_to_f32(wr[j][k]), out[i][j]);
+        }
       }
     }
   }
