@@ -31,14 +31,6 @@ std::string hex(uint64_t v) {
   return buf;
 }
 
-std::string build_log(cl_program p, cl_device_id d) {
-  size_t n = 0;
-  clGetProgramBuildInfo(p, d, CL_PROGRAM_BUILD_LOG, 0, nullptr, &n);
-  std::string log(n, '\0');
-  clGetProgramBuildInfo(p, d, CL_PROGRAM_BUILD_LOG, n, log.data(), nullptr);
-  return log;
-}
-
 void build(cl_program p, cl_device_id d, const std::string& options, const std::string& what) {
   cl_int err = clBuildProgram(p, 1, &d, options.c_str(), nullptr, nullptr);
   if (err != CL_SUCCESS) {
@@ -88,6 +80,14 @@ void append_expanded(const std::map<std::string, std::string_view>& all, const s
 }
 
 }  // namespace
+
+std::string build_log(cl_program p, cl_device_id d) {
+  size_t n = 0;
+  clGetProgramBuildInfo(p, d, CL_PROGRAM_BUILD_LOG, 0, nullptr, &n);
+  std::string log(n, '\0');
+  clGetProgramBuildInfo(p, d, CL_PROGRAM_BUILD_LOG, n, log.data(), nullptr);
+  return log;
+}
 
 std::string kernel_source(const std::string& file) {
   const auto& all = embedded_kernels();

@@ -18,6 +18,9 @@ struct DeviceInfo;
 // lines replaced by those embedded files.
 std::string kernel_source(const std::string& file);
 
+// The compiler's log of `p`'s last build for device `d` (empty where there was none).
+std::string build_log(cl_program p, cl_device_id d);
+
 // Where compiled binaries live: $CLSHARD_KERNEL_CACHE, else $XDG_CACHE_HOME/clshard/kernels,
 // else ~/.cache/clshard/kernels.
 std::filesystem::path kernel_cache_dir();

@@ -145,10 +145,7 @@ TEST(KernelSource, Fp8TilesBuildWithoutWarnings) {
     ASSERT_EQ(err, CL_SUCCESS);
     cl_device_id id = dev.id();
     err = clBuildProgram(p, 1, &id, options, nullptr, nullptr);
-    size_t n = 0;
-    clGetProgramBuildInfo(p, id, CL_PROGRAM_BUILD_LOG, 0, nullptr, &n);
-    std::string log(n, '\0');
-    clGetProgramBuildInfo(p, id, CL_PROGRAM_BUILD_LOG, n, log.data(), nullptr);
+    const std::string log = build_log(p, id);
     clReleaseProgram(p);
     ASSERT_EQ(err, CL_SUCCESS) << log;
     EXPECT_EQ(log.find("warning"), std::string::npos) << log;
