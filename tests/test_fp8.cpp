@@ -679,6 +679,31 @@ TEST(Fp8CodeScan, ToDeviceRecordsTheSubnormalShare) {
   EXPECT_EQ(to_device_columns(dev, v, 1, 8).fp8_subnormal_share, 0.0f);  // misses column 0
 }
 
+// Runs longer than the scan's 255-word count per byte lane: every code subnormal (each lane at
+// its most, 255, before the lanes are added), and random codes, against a count byte by byte, at
+// lengths on and around the multiples of 2040 bytes.
+TEST(Fp8CodeScan, CountsLongRunsByteForByte) {
+  auto subnormal = [](uint8_t c) { return (c & 0x78) == 0 && (c & 0x07) != 0; };
+  std::mt19937 rng(7);
+  for (const size_t n : {size_t(2040), size_t(2041), size_t(4079), size_t(4080), size_t(20413)}) {
+    const std::vector<uint8_t> all_subnormal(n, 0x85);
+    const Fp8CodeScan full = scan_fp8_codes(all_subnormal.data(), n);
+    EXPECT_EQ(full.subnormal, n) << n << " bytes";
+    EXPECT_TRUE(full.nan_free);
+    std::vector<uint8_t> random(n);
+    for (auto& c : random) c = uint8_t(rng() % 8 == 0 ? rng() % 8 : rng() % 256);  // many subnormal
+    uint64_t expected = 0;
+    bool nan = false;
+    for (uint8_t c : random) {
+      expected += subnormal(c);
+      nan = nan || (c & 0x7F) == 0x7F;
+    }
+    const Fp8CodeScan scan = scan_fp8_codes(random.data(), n);
+    EXPECT_EQ(scan.subnormal, expected) << n << " bytes";
+    EXPECT_EQ(scan.nan_free, !nan) << n << " bytes";
+  }
+}
+
 // The e4m3 decode per weight: on the CPU device (which keeps f32 denormals) the short one up to
 // kFp8DenormMaxSubnormalShare of subnormal codes, the f16 one past it (each FMA on a denormal
 // costs x86 a microcode assist); CLSHARD_FP8_DECODE=f16 forces the latter.
