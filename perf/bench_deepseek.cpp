@@ -47,6 +47,7 @@
 #include "runtime/device_manager.h"
 #include "runtime/engine/generation.h"
 #include "runtime/model.h"
+#include "runtime/safetensors.h"
 
 using namespace clshard;
 using namespace clshard::bench;
@@ -112,6 +113,7 @@ int main(int argc, char** argv) {
     std::string paths;
     double weight_gb, active_m, load_s;
     std::filesystem::path dir;
+    double fp8_bytes;  // of `bytes`, the FP8 weights' (the rest: bf16 lm_head, routers, cache rows)
   };
   std::vector<Row> results;
   for (const auto& dt : dtypes) {
@@ -215,14 +217,37 @@ int main(int argc, char** argv) {
     const std::string path_note = std::string(ops::mla_path_name(prefill_path)) +
                                   " path; decode at context " + std::to_string(context) +
                                   " on the " + ops::mla_path_name(decode_path);
+    // The token's weights that are not FP8 in an FP8 checkpoint: lm_head and the routers (bf16),
+    // read whole every token; the norms' few KB are counted with the FP8 bytes.
+    double other_weights = 0;
+    {
+      const WeightStore store(dir);
+      for (const std::string& name : store.names()) {
+        const TensorView& v = store.get(name);
+        const bool per_token =
+            name == "lm_head.weight" || (name.size() > 17 && name.ends_with(".mlp.gate.weight"));
+        if (per_token && v.dtype != DType::F8_E4M3) other_weights += double(v.bytes);
+      }
+    }
+    const double fp8_bytes =
+        dt == "fp8" ? double(plan.active_weight_bytes_per_token) - other_weights : 0.0;
     results.push_back({dt, prompt / t_prefill, t_prefill, t_alone, cpu_token, bytes, t_step, roof,
                        path_note, double(model.info().weight_bytes) / 1e9,
                        double(plan.params.active_per_token - plan.params.embedding) / 1e6, load_s,
-                       dir});
+                       dir, fp8_bytes});
     std::fprintf(stderr, "%s: decode %.2f ms per token\n", dt.c_str(), roof.t_median * 1e3);
   }
   // Both read loops once more, for the record (the rows' figures are their own rounds').
-  measure_roofline(dev, 5);
+  const Roofline end = measure_roofline(dev, 5);
+  // What the FP8 GEMV's instructions stream natively, beside the STREAM loop just measured.
+  const bool any_fp8 =
+      std::any_of(results.begin(), results.end(), [](const Row& r) { return r.fp8_bytes > 0; });
+  const double e4m3 = any_fp8 && dev.is_cpu() ? e4m3_decode_gbs(5) : 0.0;
+  if (e4m3 > 0)
+    std::printf(
+        "native e4m3 decode loop (the FP8 tile's instructions, %u threads): %.1f GB/s, "
+        "%.0f%% of the STREAM loop\n",
+        std::max(1u, std::thread::hardware_concurrency()), e4m3, 100.0 * e4m3 / end.stream_gbs);
   for (const Row& r : results) {
     std::printf("%-5s %10.1f %12.2f %12.2f %11.1f MB %10.1f %12.1f %8.0f%%\n", r.dtype.c_str(),
                 r.prefill_tok_s, 1.0 / r.roof.t_median, r.roof.t_median * 1e3, r.bytes / 1e6,
@@ -239,6 +264,16 @@ int main(int argc, char** argv) {
         "weights %.2f GB on disk, %s in %.2f s, %.1f M parameters active per token)\n",
         prompt, r.t_prefill, r.paths.c_str(), r.cpu_token * 1e3, r.weight_gb,
         no_mmap ? "read into memory" : "mapped", r.load_s, r.active_m);
+    if (r.fp8_bytes > 0 && e4m3 > 0) {
+      // The rounds' median STREAM rate, and the FP8 bytes at the decode loop's share of it.
+      const double fp8_gbs = r.roof.gbs_median * e4m3 / end.stream_gbs;
+      const double t_roof =
+          r.fp8_bytes / (fp8_gbs * 1e9) + (r.bytes - r.fp8_bytes) / (r.roof.gbs_median * 1e9);
+      std::printf(
+          "      with its %.1f MB of FP8 weights at the e4m3 decode loop's rate (%.1f GB/s) and "
+          "the rest at STREAM's: a roofline of %.1f tok/s, decode at %.0f%% of it\n",
+          r.fp8_bytes / 1e6, fp8_gbs, 1.0 / t_roof, 100.0 * t_roof / r.roof.t_median);
+    }
     if (batch > 0)
       std::printf("      decode batch %u: %.2f ms per step = %.1f tok/s (%.2fx batch 1)\n", batch,
                   r.t_step * 1e3, batch / r.t_step, batch / r.t_step * r.roof.t_median);

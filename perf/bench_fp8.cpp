@@ -1,10 +1,13 @@
 // FP8 block-scaled GEMV/GEMM (ops::linear_fp8) on the dsv3-mini shapes (hidden 2048, MoE FFN 512),
-// next to the bf16 ops::linear on the same shape, and the GEMMs at compute_dtype bf16. bytes_per_second counts weight bytes (1 per
-// element for fp8, 2 for bf16), the decode roofline's currency.
+// next to the bf16 ops::linear on the same shape, and the GEMMs at compute_dtype bf16.
+// bytes_per_second counts weight bytes (1 per element for fp8, 2 for bf16), the decode roofline's
+// currency.
 //
-// Each iteration walks a ring of weight copies larger than the last-level cache (32 MiB here) and
-// waits once at the end, so the weights stream from memory as in a real decode step rather than
-// sitting in L3.
+// Each iteration walks a ring of weight copies 3x the last-level cache (bench_util.h's
+// weight_ring_bytes) and waits once at the end, so the weights stream from memory as in a real
+// decode step rather than sitting in L3. BM_NativeRead times the native loops over 512 MiB in the
+// same run: the STREAM loop, and the FP8 one-row tile's instructions (e4m3 decode), what the FP8
+// GEMVs' bytes_per_second compares with.
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -13,6 +16,7 @@
 #include <vector>
 
 #include "models/deepseek_v3/presets.h"
+#include "perf/bench_util.h"
 #include "runtime/device.h"
 #include "runtime/device_manager.h"
 #include "runtime/ops.h"
@@ -22,8 +26,6 @@
 
 namespace clshard {
 namespace {
-
-constexpr size_t kRingBytes = 96ull << 20;  // 3x the L3
 
 Device& device() {
   static DeviceManager mgr(DeviceSelection{});
@@ -53,7 +55,7 @@ struct Ring {
 
 Ring make_ring(Device& dev, uint32_t N, uint32_t K, bool fp8) {
   const size_t elem = fp8 ? 1 : 2, bytes = size_t(N) * K * elem;
-  const size_t copies = std::max<size_t>(2, (kRingBytes + bytes - 1) / bytes);
+  const size_t copies = std::max<size_t>(2, (bench::weight_ring_bytes() + bytes - 1) / bytes);
   std::mt19937 rng(1);
   Ring ring;
   if (fp8) {
@@ -117,6 +119,21 @@ void run(benchmark::State& state, bool fp8, ComputeDType compute = ComputeDType:
   state.counters["s/call"] =
       benchmark::Counter(calls, benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
 }
+
+// The native read loops (runtime/engine/bench.h), one thread per hardware thread, best of 5
+// passes over 512 MiB: bytes_per_second is that pass's rate.
+void BM_NativeRead(benchmark::State& state, HostReadLoop loop) {
+  HostReadBandwidth r;
+  for (auto _ : state)
+    r = measure_read_bandwidth(std::max(1u, std::thread::hardware_concurrency()), size_t(512) << 20,
+                               5, loop);
+  if (r.gb_s <= 0) state.SkipWithError("this loop cannot run on this host");
+  state.counters["bytes_per_second"] = r.gb_s * 1e9;
+}
+BENCHMARK_CAPTURE(BM_NativeRead, stream, HostReadLoop::Fastest)->Iterations(1)->UseRealTime();
+BENCHMARK_CAPTURE(BM_NativeRead, e4m3_decode, HostReadLoop::E4m3Decode)
+    ->Iterations(1)
+    ->UseRealTime();
 
 void BM_LinearFp8(benchmark::State& state) { run(state, true); }
 void BM_LinearBf16(benchmark::State& state) { run(state, false); }

@@ -34,8 +34,6 @@
 namespace clshard {
 namespace {
 
-constexpr size_t kRingBytes = 96ull << 20;  // 3x the L3
-
 struct Shape {
   uint32_t M, N, K;
 };
@@ -200,7 +198,7 @@ Row run_shape(Device& dev, const Shape& s, int rounds, double roofline_gbs) {
   std::mt19937 rng(s.N * 7 + s.K + s.M);
   const HostWeight hw = make_weight(s.N, s.K, rng);
   const size_t bytes = size_t(s.N) * s.K;
-  const size_t copies = std::max<size_t>(2, (kRingBytes + bytes - 1) / bytes);
+  const size_t copies = std::max<size_t>(2, (bench::weight_ring_bytes() + bytes - 1) / bytes);
   std::vector<DeviceWeight> ring;
   for (size_t c = 0; c < copies; ++c) ring.push_back(upload(dev, hw, s.N, s.K));
 

@@ -4,6 +4,7 @@
 
 #include <sys/mman.h>
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -111,6 +112,25 @@ inline double measure_bandwidth(Device& dev, int reps = 7) {
 // measures well below what the memory gives.
 inline double stream_read_gbs(int reps = 7, size_t bytes = size_t(512) << 20) {
   return measure_read_bandwidth(std::max(1u, std::thread::hardware_concurrency()), bytes, reps)
+      .gb_s;
+}
+
+// Bytes of weight copies a kernel benchmark walks so that its weights stream from memory, not
+// from the last-level cache: 3x the host's L3 (sysconf; 96 MiB where it says nothing). The
+// 2-core Xeon's VM reports 260 MiB, where 96 MiB of copies had stayed in L3.
+inline size_t weight_ring_bytes() {
+  const long l3 = ::sysconf(_SC_LEVEL3_CACHE_SIZE);
+  return std::max(size_t(96) << 20, l3 > 0 ? 3 * size_t(l3) : 0);
+}
+
+// GB/s of the FP8 GEMV's one-row tile instructions as a native loop over the same 512 MiB
+// (HostReadLoop::E4m3Decode; 0 without AVX-512), one thread per hardware thread, best of `reps`:
+// the most those instructions stream on this CPU. On the 2-core Xeon without AMX it read 0.78-0.80x
+// of the STREAM loop: three vector instructions and an FMA per 16 codes on the two ports that
+// run 512-bit operations.
+inline double e4m3_decode_gbs(int reps = 7, size_t bytes = size_t(512) << 20) {
+  return measure_read_bandwidth(std::max(1u, std::thread::hardware_concurrency()), bytes, reps,
+                                HostReadLoop::E4m3Decode)
       .gb_s;
 }
 

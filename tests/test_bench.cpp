@@ -4,6 +4,10 @@
 // synthetic prompts, GenerationRequest::ignore_eos).
 #include <gtest/gtest.h>
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
+
 #include <fstream>
 #include <numeric>
 #include <set>
@@ -111,6 +115,34 @@ TEST(HostReadBandwidth, BothLoopsReadEveryWord) {
 #endif
       EXPECT_EQ(r.avx512, avx512) << what;
     }
+}
+
+// The FP8 decode loop (the FP8 tile's instructions over the same bytes) runs where the host has
+// AVX-512 F and BW, over the bytes the plain loop reads, and nowhere else (no rate); it reads
+// denormals as zero on the threads that run it, the caller's among them, whose floating-point
+// control word it must give back unchanged.
+TEST(HostReadBandwidth, E4m3DecodeLoopRunsOnAvx512HostsAndRestoresTheControlWord) {
+  const size_t asked = (size_t(4) << 20) + 1000;
+#if defined(__x86_64__) && defined(__GNUC__)
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  const unsigned csr = _mm_getcsr();
+#else
+  const bool avx512 = false;
+#endif
+  for (const unsigned threads : {1u, 2u, 3u}) {
+    const HostReadBandwidth r = measure_read_bandwidth(threads, asked, 2, HostReadLoop::E4m3Decode);
+    EXPECT_EQ(r.avx512, avx512) << threads << " threads";
+    EXPECT_EQ(r.bytes, asked / threads / 128 * 128 * threads) << threads << " threads";
+    if (avx512) {
+      EXPECT_GT(r.gb_s, 0.0) << threads << " threads";
+      EXPECT_LT(r.gb_s, 1e4) << threads << " threads";
+    } else {
+      EXPECT_EQ(r.gb_s, 0.0) << threads << " threads";
+    }
+#if defined(__x86_64__) && defined(__GNUC__)
+    EXPECT_EQ(_mm_getcsr(), csr) << threads << " threads";
+#endif
+  }
 }
 
 // The loop over memory that is already there reads, from the base rounded up to 128 bytes, whole

@@ -98,12 +98,15 @@ std::string format_bench_table(const std::vector<BenchResult>& results);
 // their part of a `bytes` buffer (rounded down to 128-byte blocks per thread), best of `repeats`
 // passes, in GB/s (1e9 bytes per second). The fastest loop uses AVX-512 loads with a prefetch
 // where the CPU has them; HostReadLoop::Portable forces the 16-byte vector loop.
-enum class HostReadLoop { Fastest, Portable };
+// HostReadLoop::E4m3Decode reads the bytes as FP8 weights with the instructions of the FP8 GEMV's
+// one-row tile (kernels_cl/fp8_tile.cl): what those instructions can stream on this CPU, next to
+// what plain loads can. AVX-512 hosts only (gb_s 0 elsewhere); its sum is not the words'.
+enum class HostReadLoop { Fastest, Portable, E4m3Decode };
 struct HostReadBandwidth {
-  double gb_s = 0;      // 0 where the buffer could not be mapped
+  double gb_s = 0;      // 0 where the buffer could not be mapped (or the loop cannot run here)
   size_t bytes = 0;     // bytes read per pass
   uint64_t sum = 0;     // the last pass's sum: word i is i + 1, so W (W + 1) / 2 of W = bytes / 8
-  bool avx512 = false;  // the AVX-512 loop ran
+  bool avx512 = false;  // an AVX-512 loop ran
 };
 HostReadBandwidth measure_read_bandwidth(unsigned threads, size_t bytes, int repeats = 5,
                                          HostReadLoop loop = HostReadLoop::Fastest);
