@@ -60,11 +60,16 @@ inline void linear_fp8_tile(global const float* x, uint x_off, uint ldx, global 
 // 2048-wide rows. Column tile outer, so its TN weight rows stay in L1 while the rows use them;
 // tiles in turn (up to 4 rows each; the host's kFp8InTurnTileRows) take the row blocks outer
 // instead, so that the scaled x copy (fp8_tile.cl) is made once per row block.
+// Two weights side by side (ops::linear_fp8_pair): y's columns [0, n1) are x w^T, [n1, N)
+// x w1^T, n1 a multiple of TN so that no tile straddles them; each tile is linear_fp8_tile on its
+// own weight and scales, the same operations as a launch of that weight alone. One weight: w1 = w,
+// scale1 = scale, n1 = N.
 kernel void linear_fp8(global const float* x, uint x_off, uint ldx,
                        global const uchar* w, global const float* scale, uint KB,
                        global float* y, uint y_off, uint ldy,
                        uint M, uint N, uint K, float alpha, int accumulate,
-                       uint n_tiles, uint m_rows) {
+                       uint n_tiles, uint m_rows,
+                       global const uchar* w1, global const float* scale1, uint n1) {
   const uint n_begin = get_global_id(0) * n_tiles * TN;
   const uint n_end = min(n_begin + n_tiles * TN, N);
   const uint m_begin = get_global_id(1) * m_rows;
@@ -81,8 +86,12 @@ kernel void linear_fp8(global const float* x, uint x_off, uint ldx,
   for (uint n0 = n_begin; n0 < n_end; n0 += TN)
     for (uint m0 = m_begin; m0 < m_end; m0 += TM)
 #endif
-      linear_fp8_tile(x, x_off, ldx, w, scale, KB, y, y_off, ldy, M, N, K, alpha, accumulate, m0,
-                      n0, &sx);
+      if (n0 < n1)
+        linear_fp8_tile(x, x_off, ldx, w, scale, KB, y, y_off, ldy, M, n1, K, alpha, accumulate,
+                        m0, n0, &sx);
+      else
+        linear_fp8_tile(x, x_off, ldx, w1, scale1, KB, y, y_off + n1, ldy, M, N - n1, K, alpha,
+                        accumulate, m0, n0 - n1, &sx);
 }
 
 #ifdef WG

@@ -127,6 +127,29 @@ void linear_any(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, con
   }
 }
 
+void linear_any_pair(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const Weight& w0,
+                     const Weight* scale0, const Weight& w1, const Weight* scale1, const cl::Mem& y,
+                     uint32_t y_off, uint32_t ldy, uint32_t M, bool quantize_fp8_activations,
+                     ComputeDType compute) {
+  // linear_any's FP8 routes other than linear_fp8: activation quantization, bf16 compute's GEMM,
+  // CLBlast.
+  auto fp8_tiles = [&](const Weight& w, const Weight* scale) {
+    return w.dtype == DType::F8_E4M3 && scale && *scale && !quantize_fp8_activations &&
+           !(compute == ComputeDType::BF16 && M >= kFp8Bf16GemmRowsFrom &&
+             dev.kernel_shape() == KernelShape::Chunks) &&
+           !blas_fp8_applies(dev, M, w);
+  };
+  if (fp8_tiles(w0, scale0) && fp8_tiles(w1, scale1)) {
+    linear_fp8_pair(dev, x, x_off, ldx, w0, *scale0, w1, *scale1, y, y_off, ldy, M, 1.0f, false,
+                    compute);
+    return;
+  }
+  linear_any(dev, x, x_off, ldx, w0, scale0, y, y_off, ldy, M, 1.0f, false,
+             quantize_fp8_activations, compute);
+  linear_any(dev, x, x_off, ldx, w1, scale1, y, y_off + uint32_t(w0.dim(0)), ldy, M, 1.0f, false,
+             quantize_fp8_activations, compute);
+}
+
 MlaPath choose_mla_path(MlaPath requested, uint32_t max_query_len) {
   if (requested != MlaPath::Auto) return requested;
   return max_query_len <= kMlaDecodeMaxQueryLen ? MlaPath::Decode : MlaPath::Prefill;

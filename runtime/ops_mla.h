@@ -48,6 +48,14 @@ void linear_any(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, con
                 uint32_t M, float alpha = 1.0f, bool accumulate = false,
                 bool quantize_fp8_activations = false,
                 ComputeDType compute = ComputeDType::F32);
+// linear_any of two weights with the same K side by side in y (w0's N0 columns, then w1's): one
+// launch (ops::linear_fp8_pair) where both are FP8 and linear_any would give each linear_fp8,
+// else linear_any each; the bits of linear_any over each weight either way.
+void linear_any_pair(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const Weight& w0,
+                     const Weight* scale0, const Weight& w1, const Weight* scale1, const cl::Mem& y,
+                     uint32_t y_off, uint32_t ldy, uint32_t M,
+                     bool quantize_fp8_activations = false,
+                     ComputeDType compute = ComputeDType::F32);
 
 // y[M, K] (contiguous) = x rows fake-quantized to fp8 per token per 128 columns (MAX's and
 // DeepSeek's activation quantization for FP8 weights).

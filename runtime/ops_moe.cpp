@@ -146,22 +146,16 @@ std::string fp8_bf16_panel_options(const Device& dev, uint32_t K, Fp8Codes codes
          fp8_tile_options(dev, codes.nan_free, false);
 }
 
-void linear_fp8(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const Weight& w,
-                const Weight& scale_inv, const cl::Mem& y, uint32_t y_off, uint32_t ldy, uint32_t M,
-                float alpha, bool accumulate, ComputeDType compute) {
-  const auto [N, K] = check_fp8_weight("linear_fp8", w, scale_inv);
-  if (dev.kernel_shape() == KernelShape::WorkGroups) {
-    // linear_wg's layout and work-group size (KernelTuning::linear_wg, linear_rows).
-    const uint32_t wg = dev.tuning().linear_wg, rb = dev.tuning().linear_rows;
-    cl::Kernel k = dev.kernel("linear_fp8.cl", "linear_fp8_wg",
-                              fp8_decode_option(dev, w.fp8_subnormal_share) +
-                                  " -DWG=" + std::to_string(wg) + " -DRB=" + std::to_string(rb));
-    cl::set_args(k, x, x_off, ldx, w.mem, scale_inv.mem, ceil_div(K, kQuantBlock), y, y_off, ldy,
-                 M, N, K, alpha, int(accumulate));
-    const size_t local[3] = {wg, 1, 1};
-    dev.launch(k, {size_t(N) * wg, ceil_div(M, rb), 1}, 2, local);
-    return;
-  }
+namespace {
+// linear_fp8's CPU-shape launch over w, and over w1 (scale1) side by side past w's columns where
+// w1 is given (linear_fp8_pair: the same K, w's rows a multiple of the tile's 4, the same decode).
+void linear_fp8_tiles(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const Weight& w,
+                      const Weight& scale_inv, const Weight* w1, const Weight* scale1,
+                      const cl::Mem& y, uint32_t y_off, uint32_t ldy, uint32_t M, float alpha,
+                      bool accumulate, ComputeDType compute) {
+  const auto [N0, K] = check_fp8_weight("linear_fp8", w, scale_inv);
+  const uint32_t N = N0 + (w1 ? uint32_t(w1->dim(0)) : 0);
+  const bool nan_free = w.fp8_nan_free && (!w1 || w1->fp8_nan_free);
   // Below kFp8InTurnRowsBelow rows (decode, a speculative verify, batched decode) tiles in turn
   // of up to kFp8InTurnTileRows rows, which read their columns in turn (KernelTuning::fp8_stream_k,
   // see linear.cl) and decode each weight vector once for the tile's rows: below 4 rows one tile
@@ -192,7 +186,7 @@ void linear_fp8(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, con
       "linear_fp8.cl", "linear_fp8",
       decode + " -DTM=" + std::to_string(tm) + " -DTN=" + std::to_string(tn) +
           (in_turn ? ops::columns_in_turn_option(dev) : "") +
-          fp8_tile_options(dev, w.fp8_nan_free, in_turn, !in_turn && M >= kFp8PanelRowsFrom, K) +
+          fp8_tile_options(dev, nan_free, in_turn, !in_turn && M >= kFp8PanelRowsFrom, K) +
           (bf16_dot ? " -DFP8_BF16_DOT=1" : ""));
   // Work per work-item as ops::linear: up to 64 rows, and enough column tiles that a launch is a
   // few hundred work-items rather than thousands. Tiles in turn are split as
@@ -203,8 +197,52 @@ void linear_fp8(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, con
   const uint64_t min_items = in_turn ? ops::stream_launch_items(dev) : 256;
   const uint32_t n_tiles = ops::tiles_per_item(uint64_t(col_tiles) * row_blocks, min_items);
   cl::set_args(k, x, x_off, ldx, w.mem, scale_inv.mem, ceil_div(K, kQuantBlock), y, y_off, ldy, M,
-               N, K, alpha, int(accumulate), n_tiles, m_rows);
+               N, K, alpha, int(accumulate), n_tiles, m_rows, w1 ? w1->mem : w.mem,
+               scale1 ? scale1->mem : scale_inv.mem, N0);
   dev.launch(k, {ceil_div(col_tiles, n_tiles), row_blocks, 1}, 2);
+}
+}  // namespace
+
+void linear_fp8(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const Weight& w,
+                const Weight& scale_inv, const cl::Mem& y, uint32_t y_off, uint32_t ldy, uint32_t M,
+                float alpha, bool accumulate, ComputeDType compute) {
+  const auto [N, K] = check_fp8_weight("linear_fp8", w, scale_inv);
+  if (dev.kernel_shape() == KernelShape::WorkGroups) {
+    // linear_wg's layout and work-group size (KernelTuning::linear_wg, linear_rows).
+    const uint32_t wg = dev.tuning().linear_wg, rb = dev.tuning().linear_rows;
+    cl::Kernel k = dev.kernel("linear_fp8.cl", "linear_fp8_wg",
+                              fp8_decode_option(dev, w.fp8_subnormal_share) +
+                                  " -DWG=" + std::to_string(wg) + " -DRB=" + std::to_string(rb));
+    cl::set_args(k, x, x_off, ldx, w.mem, scale_inv.mem, ceil_div(K, kQuantBlock), y, y_off, ldy, M,
+                 N, K, alpha, int(accumulate));
+    const size_t local[3] = {wg, 1, 1};
+    dev.launch(k, {size_t(N) * wg, ceil_div(M, rb), 1}, 2, local);
+    return;
+  }
+  linear_fp8_tiles(dev, x, x_off, ldx, w, scale_inv, nullptr, nullptr, y, y_off, ldy, M, alpha,
+                   accumulate, compute);
+}
+
+void linear_fp8_pair(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const Weight& w0,
+                     const Weight& scale0, const Weight& w1, const Weight& scale1, const cl::Mem& y,
+                     uint32_t y_off, uint32_t ldy, uint32_t M, float alpha, bool accumulate,
+                     ComputeDType compute) {
+  const auto [N0, K0] = check_fp8_weight("linear_fp8_pair", w0, scale0);
+  const auto [N1, K1] = check_fp8_weight("linear_fp8_pair", w1, scale1);
+  if (K0 != K1)
+    throw std::invalid_argument("linear_fp8_pair: '" + w0.name + "' has " + std::to_string(K0) +
+                                " columns, '" + w1.name + "' " + std::to_string(K1) +
+                                "; side by side they take the same x");
+  const bool one_launch = dev.kernel_shape() == KernelShape::Chunks && N0 % 4 == 0 &&
+                          fp8_decode_option(dev, w0.fp8_subnormal_share) ==
+                              fp8_decode_option(dev, w1.fp8_subnormal_share);
+  if (!one_launch) {
+    linear_fp8(dev, x, x_off, ldx, w0, scale0, y, y_off, ldy, M, alpha, accumulate, compute);
+    linear_fp8(dev, x, x_off, ldx, w1, scale1, y, y_off + N0, ldy, M, alpha, accumulate, compute);
+    return;
+  }
+  linear_fp8_tiles(dev, x, x_off, ldx, w0, scale0, &w1, &scale1, y, y_off, ldy, M, alpha,
+                   accumulate, compute);
 }
 
 namespace {

@@ -39,6 +39,15 @@ void linear_fp8(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, con
                 float alpha = 1.0f, bool accumulate = false,
                 ComputeDType compute = ComputeDType::F32);
 
+// linear_fp8 of two FP8 weights with the same K side by side in y: columns [0, N0) from w0,
+// [N0, N0 + N1) from w1, in one launch where both take its CPU shape's tiles (w0's rows a
+// multiple of 4, the same e4m3 decode), else one each; every output the bits of linear_fp8 over
+// its own weight. dsv3-mini's q_a_proj and kv_a_proj_with_mqa (MLA's first GEMVs).
+void linear_fp8_pair(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const Weight& w0,
+                     const Weight& scale0, const Weight& w1, const Weight& scale1, const cl::Mem& y,
+                     uint32_t y_off, uint32_t ldy, uint32_t M, float alpha = 1.0f,
+                     bool accumulate = false, ComputeDType compute = ComputeDType::F32);
+
 // The (N, K) of an FP8 weight after checking it and its scale tensor against each other (an
 // error naming both, what they are and what was expected); `op` names the caller.
 std::pair<uint32_t, uint32_t> check_fp8_weight(const char* op, const Weight& w,

@@ -621,6 +621,65 @@ TEST_P(Fp8Decodes, LinearRowBitsDoNotDependOnTheBatch) {
   }
 }
 
+// Two weights side by side in one launch (ops::linear_fp8_pair, MLA's q_a and kv_a): every output
+// the bits of linear_fp8 over its own weight, for M from one row (tiles in turn of 1-4 rows) to 4x4
+// tiles and decoded panels (40), with the second weight's columns written past the first's and
+// nothing around them touched. N0 = 132 (a multiple of the tile's 4 but not of 128, so the
+// second weight's scale rows start afresh mid-block of the first), and N0 = 130, which takes two
+// launches. A NaN code in the second weight poisons its feature alone (the watch on for both).
+TEST_P(Fp8Decodes, LinearPairIsTwoLinearsBitForBit) {
+  Device& dev = device();
+  const uint32_t K = 300, N1 = 76;
+  test::ShapeScope scope(dev, KernelShape::Chunks);
+  for (const uint32_t N0 : {132u, 130u}) {
+    const Fp8Problem p0 = random_problem(N0, K, 61), p1 = random_problem(N1, K, 62);
+    for (const bool nan : {false, true}) {
+      std::vector<uint8_t> w1_bytes = p1.w;
+      if (nan) w1_bytes[size_t(5) * K + 211] = 0xFF;  // feature N0 + 5
+      Weight w0 = fp8_weight(dev, p0.w, N0, K), w1 = fp8_weight(dev, w1_bytes, N1, K);
+      Weight s0 = to_device_f32(dev, p0.scales, {ceil128(N0), ceil128(K)}, "test.scale0");
+      Weight s1 = to_device_f32(dev, p1.scales, {ceil128(N1), ceil128(K)}, "test.scale1");
+      for (const uint32_t M : {1u, 2u, 3u, 5u, 40u}) {
+        SCOPED_TRACE("N0=" + std::to_string(N0) + " M=" + std::to_string(M) +
+                     (nan ? " with a NaN code" : ""));
+        std::mt19937 rng(M);
+        std::normal_distribution<float> normal(0.0f, 1.0f);
+        const uint32_t x_off = 3, ldx = K + 5, y_off = 2, ldy = N0 + N1 + 7;
+        std::vector<float> x(x_off + size_t(M) * ldx), y0(y_off + size_t(M) * ldy);
+        for (auto& v : x) v = normal(rng);
+        for (auto& v : y0) v = normal(rng);
+        cl::Mem xb = upload(dev, x), pair = upload(dev, y0), apart = upload(dev, y0);
+        ops::linear_fp8_pair(dev, xb, x_off, ldx, w0, s0, w1, s1, pair, y_off, ldy, M, 0.5f, true);
+        ops::linear_fp8(dev, xb, x_off, ldx, w0, s0, apart, y_off, ldy, M, 0.5f, true);
+        ops::linear_fp8(dev, xb, x_off, ldx, w1, s1, apart, y_off + N0, ldy, M, 0.5f, true);
+        const std::vector<float> got = download(dev, pair, y0.size()),
+                                 want = download(dev, apart, y0.size());
+        for (size_t i = 0; i < got.size(); ++i)
+          ASSERT_TRUE(same_bits_or_both_nan(got[i], want[i]))
+              << "element " << i << ": " << got[i] << " against " << want[i];
+        for (uint32_t m = 0; m < M; ++m)
+          for (uint32_t n = 0; n < N0 + N1; ++n) {
+            const float v = got[y_off + size_t(m) * ldy + n];
+            ASSERT_EQ(std::isnan(v), nan && n == N0 + 5) << "row " << m << " feature " << n;
+          }
+      }
+    }
+  }
+  Weight a = fp8_weight(dev, std::vector<uint8_t>(8 * 256, 0x38), 8, 256);
+  Weight b = fp8_weight(dev, std::vector<uint8_t>(8 * 128, 0x38), 8, 128);
+  Weight sa = to_device_f32(dev, std::vector<float>(2, 1.0f), {1, 2}, "test.scale_a");
+  Weight sb = to_device_f32(dev, std::vector<float>(1, 1.0f), {1, 1}, "test.scale_b");
+  cl::Mem xb = dev.alloc(256 * 4), yb = dev.alloc(16 * 4);
+  try {
+    ops::linear_fp8_pair(dev, xb, 0, 256, a, sa, b, sb, yb, 0, 16, 1);
+    FAIL() << "weights of 256 and 128 columns side by side";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("has 256 columns, 'test.fp8.weight' 128"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 // The load-time NaN scan: every code at every place of an 18-byte run (two 8-code words and a
 // tail of 2) is found exactly when it is 0x7F or 0xFF.
 TEST(Fp8NanScan, FindsExactlyTheNanCodesAnywhere) {

@@ -51,10 +51,17 @@ void mla_attention(Device& dev, const MlaWeights& a, const MlaParams& p, const c
     ops::linear_fused(dev, s.qkv_a.mem(), 0, qkv_a_width, nullptr, &a.q_a_norm, p.eps,
                       {&a.q_b.w}, s.q.mem(), 0, q_width, T, 1.0f, false, p.compute);
   } else if (Lq > 0) {
-    linear(x, ldx, a.q_a, s.qkv_a.mem(), 0, qkv_a_width, false);
-    lora.apply(kLoraQa, x, 0, ldx, s.qkv_a.mem(), 0, qkv_a_width);
-    linear(x, ldx, a.kv_a, s.qkv_a.mem(), Lq, qkv_a_width, false);
-    lora.apply(kLoraKvA, x, 0, ldx, s.qkv_a.mem(), Lq, qkv_a_width);
+    if (lora.active()) {
+      linear(x, ldx, a.q_a, s.qkv_a.mem(), 0, qkv_a_width, false);
+      lora.apply(kLoraQa, x, 0, ldx, s.qkv_a.mem(), 0, qkv_a_width);
+      linear(x, ldx, a.kv_a, s.qkv_a.mem(), Lq, qkv_a_width, false);
+      lora.apply(kLoraKvA, x, 0, ldx, s.qkv_a.mem(), Lq, qkv_a_width);
+    } else {
+      // FP8 q_a and kv_a in one launch where they take linear_fp8's tiles (the bits of two):
+      // dsv3-mini fp8's decode step 6 launches fewer.
+      ops::linear_any_pair(dev, x, 0, ldx, a.q_a.w, &a.q_a.scale_inv, a.kv_a.w, &a.kv_a.scale_inv,
+                           s.qkv_a.mem(), 0, qkv_a_width, T, aq, p.compute);
+    }
     ops::rmsnorm(dev, s.qkv_a.mem(), 0, qkv_a_width, nullptr, a.q_a_norm, s.qa_norm.mem(), 0, Lq, T,
                  Lq, p.eps);
     linear(s.qa_norm.mem(), Lq, a.q_b, s.q.mem(), 0, q_width, false);
