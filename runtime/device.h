@@ -88,6 +88,10 @@ struct KernelTuning {
   // keep two independent FMA chains in flight, where one row's chain (4 cycles per 16 weights)
   // had bounded the stream (linear_tile.cl, kernel_tuning.cpp).
   uint32_t gemv_row_pairs = 0;
+  // Rows per tile of linear.cl's tiles (compute f32: f32 / bf16 / f16 weights; CPU shape) for
+  // batches of this many to 64 rows (decode batches, which stream the weights; fewer rows, and
+  // prefill's, take 4): each weight vector loaded and widened once for all of a tile's rows.
+  uint32_t linear_batch_tm = 4;
   // The bf16-compute GEMM (linear_bf16.cl, model.compute_dtype: bf16; CPU shape): tile rows and
   // weight rows (even: GLU splits them into gate and up), the same for batches below one
   // work-item's rows (decode, which streams the weights), rows per work-item, and whether PoCL

@@ -165,17 +165,19 @@ TuneWorkload::TuneWorkload(Device& dev, bool quick) : buffers_(std::make_unique<
          {"gemv_stream_k", "gemv_stream_prefetch", "stream_prefetch_l1", "gemv_row_pairs"}});
   }
 
-  // Batched decode, 8 rows of a bf16 N x K weight: the CPU shape's 4-row tiles, with and without
-  // the next-tile weight prefetch (linear_tile.cl).
+  // Batched decode, 8 rows of a bf16 N x K weight: the CPU shape's tiles of 4 or 8 rows, with and
+  // without the next-tile weight prefetch (linear_tile.cl).
   {
     const uint32_t M = 8, N = quick ? 4096 : 16384, K = 2048;
     const Weight& w = b.weights.emplace_back(bf16_weight(dev, {N, K}, 13));
     cl::Mem x = keep(random_buffer(dev, size_t(M) * K, 14)), y = keep(dev.alloc(size_t(M) * N * 4));
-    ops_.push_back({"linear M=8 bf16", "N=" + std::to_string(N) + " K=" + std::to_string(K),
-                    double(N) * K * 2,
-                    [&dev, x, y, &w, M, N, K] { ops::linear(dev, x, 0, K, w, nullptr, y, 0, N, M); },
-                    {"linear_wg", "linear_rows", "linear_vector"},
-                    {"weight_prefetch"}});
+    ops_.push_back(
+        {"linear M=8 bf16",
+         "N=" + std::to_string(N) + " K=" + std::to_string(K),
+         double(N) * K * 2,
+         [&dev, x, y, &w, M, N, K] { ops::linear(dev, x, 0, K, w, nullptr, y, 0, N, M); },
+         {"linear_wg", "linear_rows", "linear_vector"},
+         {"weight_prefetch", "linear_batch_tm"}});
   }
 
   // The FP8 GEMV (DeepSeek-V3's block-scaled e4m3 weights), one byte per weight: 64 MiB, past a
@@ -433,6 +435,7 @@ const std::vector<TuneField>& tunable_fields() {
       {"stream_prefetch_l1", S::Chunks, {0, 512, 1024, 2048}},
       {"gemv_stream_prefetch", S::Chunks, {0, 4096, 8192, 16384}},
       {"gemv_row_pairs", S::Chunks, {0, 1}},
+      {"linear_batch_tm", S::Chunks, {4, 8}},
       {"gemm_bf16_tm", S::Chunks, {2, 4, 6}},
       {"gemm_bf16_tn", S::Chunks, {2, 4, 6}},
       {"gemm_bf16_batch_tm", S::Chunks, {2, 4, 8}},

@@ -68,6 +68,11 @@ KernelTuning cpu_forced() {
   // 1.03x and 1.01x; dsv3-mini bf16 and fp8 (bench_deepseek --tuning-ab, 11 rounds) 1.00x at
   // batch 1 and 0.99x at batch 8. (The EPYC row keeps 4096: on Zen 4, 2026-11-30, 0.99-1.00x.)
   t.gemv_stream_k = 8192;
+  // Decode batches of 8 to 64 rows in tiles of 8 rows (linear.cl; the default 4 reads and widens
+  // each weight vector once per 4 rows): on that Xeon (2026-12-01, bench_step_breakdown, llama3-1b
+  // bf16 at compute f32, two runs each way through a throwaway switch) a step of 8 rows 146-153 ->
+  // 123 ms, 16 rows 247-248 -> 213-219 ms, 32 rows 459-463 -> 420-425 ms.
+  t.linear_batch_tm = 8;
   return t;
 }
 
@@ -141,6 +146,9 @@ KernelTuning amd_epyc_avx512() {
   t.gemv_stream_prefetch = 0;
   t.gemv_row_pairs = 0;
   t.gemv_stream_k = 4096;
+  // Not measured on the EPYCs: 4-row tiles until an A/B there (bench_llama --tuning-ab
+  // linear_batch_tm=8, whose batch-8 steps take them) says otherwise.
+  t.linear_batch_tm = 4;
   t.stream_prefetch_l1 = 0;
   t.fp8_stream_k = 8192;
   t.gemm_bf16_tn = 6;
@@ -203,6 +211,7 @@ const std::vector<std::pair<std::string, U32Field>>& u32_fields() {
       {"stream_prefetch_l1", &KernelTuning::stream_prefetch_l1},
       {"gemv_stream_prefetch", &KernelTuning::gemv_stream_prefetch},
       {"gemv_row_pairs", &KernelTuning::gemv_row_pairs},
+      {"linear_batch_tm", &KernelTuning::linear_batch_tm},
       {"gemm_bf16_tm", &KernelTuning::gemm_bf16_tm},
       {"gemm_bf16_tn", &KernelTuning::gemm_bf16_tn},
       {"gemm_bf16_batch_tm", &KernelTuning::gemm_bf16_batch_tm},

@@ -42,8 +42,8 @@ struct LinearBlocks {
 };
 LinearBlocks linear_blocks(const Device& dev, uint32_t M, uint32_t N, uint32_t tile_cols) {
   LinearBlocks b;
-  b.tm = M < kTileRowsFrom ? 1 : 4;
-  b.m_rows = std::min<uint32_t>((M + b.tm - 1) / b.tm * b.tm, 64);
+  b.tm = linear_tile_rows(dev, M);
+  b.m_rows = std::min<uint32_t>((M + b.tm - 1) / b.tm * b.tm, 64 / b.tm * b.tm);
   const uint32_t col_tiles = (N + tile_cols - 1) / tile_cols;
   b.row_blocks = (M + b.m_rows - 1) / b.m_rows;
   b.n_tiles = dev.kernel_shape() == KernelShape::Chunks
@@ -82,6 +82,13 @@ constexpr uint32_t kPackedSteps = 1024;
 constexpr uint32_t kPackedPartialRows = 512;
 
 }  // namespace
+
+uint32_t linear_tile_rows(const Device& dev, uint32_t M) {
+  // Each row's sums are the same FMAs in the same order whatever the tile (linear_tile.cl), so
+  // the rows per tile change no bit.
+  const uint32_t batch_tm = dev.tuning().linear_batch_tm;
+  return M < kTileRowsFrom ? 1 : M >= batch_tm && M <= 64 ? batch_tm : 4;
+}
 
 PackedGemmShape packed_gemm_shape(const Device& dev, PackedRows x, bool glu,
                                   std::optional<Fp8Codes> fp8, bool pairs_aligned, uint32_t K) {

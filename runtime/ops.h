@@ -94,6 +94,10 @@ std::string weight_prefetch_option(const Device& dev);
 // stream_prefetch), " -DSTREAM_PREFETCH_L1=<bytes>" (both, stream_prefetch_l1) and
 // " -DGEMV_STREAM_PREFETCH=<bytes>" (the others, gemv_stream_prefetch) where they are not 0.
 std::string columns_in_turn_option(const Device& dev);
+// Rows per tile of linear.cl's CPU-shape tiles (ops::linear, linear_fused, linear_swiglu at
+// compute f32) over M rows: 1 below 4 rows, the tuning's linear_batch_tm from that many rows to 64
+// (decode batches), else 4.
+uint32_t linear_tile_rows(const Device& dev, uint32_t M);
 // The longest K whose one-row tiles read their columns in turn over weights of `dtype`:
 // KernelTuning::fp8_stream_k for FP8 (fp8_tile.cl's private x row is that long), gemv_stream_k
 // for the others.

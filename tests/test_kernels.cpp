@@ -247,6 +247,50 @@ INSTANTIATE_TEST_SUITE_P(Tiles, LinearPrefetch,
                                   std::to_string(i.param.K) + "_" + dtype_name(i.param.dt);
                          });
 
+// Decode batches' tile rows (KernelTuning::linear_batch_tm: 8-row tiles where 4-row ones were)
+// change no bit: linear, q/k/v side by side and gate/up + SiLU over f32, bf16 and f16 weights give
+// the same outputs with tiles of 4 and of 8 rows at M = 8 (one tile), 13 (a last tile of 5 rows
+// computed on 8), 40 and 64 (a work-item's rows), and 70 (past them: 4-row tiles either way,
+// where the field must not reach), N and F off the tile widths.
+TEST(LinearBatchTiles, TileRowsChangeNoBit) {
+  Device& dev = test::default_device();
+  ShapeScope scope(dev, KernelShape::Chunks);
+  const KernelTuning saved = dev.tuning();
+  test::TuningScope restore(dev, saved);
+  const uint32_t K = 131, N = 23, Nk = 5, F = 9, Q = N + Nk;
+  for (const DType dt : {DType::F32, DType::BF16, DType::F16}) {
+    auto wv = random_vec(size_t(N) * K, 31), kv = random_vec(size_t(Nk) * K, 32),
+         gv = random_vec(size_t(F) * K, 33), uv = random_vec(size_t(F) * K, 34);
+    Weight w = make_weight(dev, wv, {N, K}, dt), wk = make_weight(dev, kv, {Nk, K}, dt),
+           gate = make_weight(dev, gv, {F, K}, dt), up = make_weight(dev, uv, {F, K}, dt);
+    for (const uint32_t M : {8u, 13u, 40u, 64u, 70u}) {
+      SCOPED_TRACE(std::string(dtype_name(dt)) + " M=" + std::to_string(M));
+      cl::Mem xm = upload(dev, random_vec(size_t(M) * K, 35 + M));
+      auto run = [&](uint32_t tm) {
+        KernelTuning t = saved;
+        t.linear_batch_tm = tm;
+        dev.set_tuning(t);
+        cl::Mem y = dev.alloc(size_t(M) * N * 4), q = dev.alloc(size_t(M) * Q * 4),
+                g = dev.alloc(size_t(M) * F * 4);
+        ops::linear(dev, xm, 0, K, w, nullptr, y, 0, N, M);
+        ops::linear_fused(dev, xm, 0, K, nullptr, nullptr, 0.0f, {&w, &wk}, q, 0, Q, M);
+        ops::linear_swiglu(dev, xm, 0, K, nullptr, 0.0f, gate, up, g, 0, F, M);
+        return std::array<std::vector<float>, 3>{download(dev, y, size_t(M) * N),
+                                                 download(dev, q, size_t(M) * Q),
+                                                 download(dev, g, size_t(M) * F)};
+      };
+      const auto four = run(4), eight = run(8);
+      // The field reaches the tiles from 8 rows to 64, not past them.
+      EXPECT_EQ(ops::linear_tile_rows(dev, M), M <= 64 ? 8u : 4u);
+      const char* names[3] = {"linear", "q/k/v", "gate/up"};
+      for (int op = 0; op < 3; ++op)
+        for (size_t i = 0; i < four[op].size(); ++i)
+          ASSERT_EQ(std::bit_cast<uint32_t>(eight[op][i]), std::bit_cast<uint32_t>(four[op][i]))
+              << names[op] << " element " << i << ": " << eight[op][i] << " vs " << four[op][i];
+    }
+  }
+}
+
 // The CPU-shape attention tiles prefetch the next 16-position block's keys and values
 // (weight_prefetch, attention.cl; on x86 PoCL): a hint only, so with it and without, decode tokens
 // of three rows at positions 5, 40 and 70 over 16-slot pages (blocks ahead on the next page, and
