@@ -96,34 +96,49 @@ void act_quant_fp8(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, 
 // copy: about even at 64 rows).
 constexpr uint32_t kFp8Bf16GemmRowsFrom = 16;
 
+namespace {
+// The GEMM linear_any runs for an FP8 weight over M rows.
+enum class Fp8Gemm { ActQuant, Bf16, Blas, Tiles };
+Fp8Gemm fp8_gemm(const Device& dev, const Weight& w, uint32_t M, bool quantize_fp8_activations,
+                 ComputeDType compute) {
+  if (quantize_fp8_activations && M > 0) return Fp8Gemm::ActQuant;
+  if (compute == ComputeDType::BF16 && M >= kFp8Bf16GemmRowsFrom &&
+      dev.kernel_shape() == KernelShape::Chunks)
+    return Fp8Gemm::Bf16;
+  if (blas_fp8_applies(dev, M, w)) return Fp8Gemm::Blas;
+  return Fp8Gemm::Tiles;
+}
+}  // namespace
+
 void linear_any(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const Weight& w,
                 const Weight* scale_inv, const cl::Mem& y, uint32_t y_off, uint32_t ldy,
                 uint32_t M, float alpha, bool accumulate, bool quantize_fp8_activations,
                 ComputeDType compute) {
-  if (w.dtype == DType::F8_E4M3) {
-    if (!scale_inv || !*scale_inv)
-      throw std::runtime_error("weight '" + w.name + "' is F8_E4M3 but has no block scales");
-    if (quantize_fp8_activations && M > 0) {
+  if (w.dtype != DType::F8_E4M3) {
+    linear(dev, x, x_off, ldx, w, nullptr, y, y_off, ldy, M, alpha, accumulate, compute);
+    return;
+  }
+  if (!scale_inv || !*scale_inv)
+    throw std::runtime_error("weight '" + w.name + "' is F8_E4M3 but has no block scales");
+  switch (fp8_gemm(dev, w, M, quantize_fp8_activations, compute)) {
+    case Fp8Gemm::ActQuant: {
       const uint32_t K = uint32_t(w.dim(1));
       Scratch q(dev, size_t(M) * K * sizeof(float));
       act_quant_fp8(dev, x, x_off, ldx, M, K, q.mem());
       linear_fp8(dev, q.mem(), 0, K, w, *scale_inv, y, y_off, ldy, M, alpha, accumulate);
       return;
     }
-    if (compute == ComputeDType::BF16 && M >= kFp8Bf16GemmRowsFrom &&
-        dev.kernel_shape() == KernelShape::Chunks) {
+    case Fp8Gemm::Bf16:
       // bf16 compute: the bf16 GEMM over the weight dequantized to bf16 (w * scale, nearest
       // even) column tile by column tile (vdpbf16ps where the host has it).
       linear_fp8_bf16(dev, x, x_off, ldx, w, *scale_inv, y, y_off, ldy, M, alpha, accumulate);
       return;
-    }
-    if (blas_fp8_applies(dev, M, w)) {
+    case Fp8Gemm::Blas:
       blas_linear_fp8(dev, x, x_off, ldx, w, *scale_inv, y, y_off, ldy, M, alpha, accumulate);
       return;
-    }
-    linear_fp8(dev, x, x_off, ldx, w, *scale_inv, y, y_off, ldy, M, alpha, accumulate, compute);
-  } else {
-    linear(dev, x, x_off, ldx, w, nullptr, y, y_off, ldy, M, alpha, accumulate, compute);
+    case Fp8Gemm::Tiles:
+      linear_fp8(dev, x, x_off, ldx, w, *scale_inv, y, y_off, ldy, M, alpha, accumulate, compute);
+      return;
   }
 }
 
@@ -131,15 +146,11 @@ void linear_any_pair(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx
                      const Weight* scale0, const Weight& w1, const Weight* scale1, const cl::Mem& y,
                      uint32_t y_off, uint32_t ldy, uint32_t M, bool quantize_fp8_activations,
                      ComputeDType compute) {
-  // linear_any's FP8 routes other than linear_fp8: activation quantization, bf16 compute's GEMM,
-  // CLBlast.
-  auto fp8_tiles = [&](const Weight& w, const Weight* scale) {
-    return w.dtype == DType::F8_E4M3 && scale && *scale && !quantize_fp8_activations &&
-           !(compute == ComputeDType::BF16 && M >= kFp8Bf16GemmRowsFrom &&
-             dev.kernel_shape() == KernelShape::Chunks) &&
-           !blas_fp8_applies(dev, M, w);
+  auto tiles = [&](const Weight& w, const Weight* scale) {
+    return w.dtype == DType::F8_E4M3 && scale && *scale &&
+           fp8_gemm(dev, w, M, quantize_fp8_activations, compute) == Fp8Gemm::Tiles;
   };
-  if (fp8_tiles(w0, scale0) && fp8_tiles(w1, scale1)) {
+  if (tiles(w0, scale0) && tiles(w1, scale1)) {
     linear_fp8_pair(dev, x, x_off, ldx, w0, *scale0, w1, *scale1, y, y_off, ldy, M, 1.0f, false,
                     compute);
     return;
