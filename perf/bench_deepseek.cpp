@@ -47,7 +47,6 @@
 #include "runtime/device_manager.h"
 #include "runtime/engine/generation.h"
 #include "runtime/model.h"
-#include "runtime/safetensors.h"
 
 using namespace clshard;
 using namespace clshard::bench;
@@ -219,16 +218,16 @@ int main(int argc, char** argv) {
                                   " on the " + ops::mla_path_name(decode_path);
     // The token's weights that are not FP8 in an FP8 checkpoint: lm_head and the routers (bf16),
     // read whole every token; the norms' few KB are counted with the FP8 bytes.
-    double other_weights = 0;
-    {
-      const WeightStore store(dir);
-      for (const std::string& name : store.names()) {
-        const TensorView& v = store.get(name);
-        const bool per_token =
-            name == "lm_head.weight" || (name.size() > 17 && name.ends_with(".mlp.gate.weight"));
-        if (per_token && v.dtype != DType::F8_E4M3) other_weights += double(v.bytes);
-      }
-    }
+    auto bytes_of = [](const Weight& w) {
+      if (w.dtype == DType::F8_E4M3) return 0.0;
+      double n = double(dtype_size(w.dtype));
+      for (const int64_t d : w.shape) n *= double(d);
+      return n;
+    };
+    const deepseek_v3::DeepseekV3Weights& weights = model.weights();
+    double other_weights = bytes_of(weights.lm_head);
+    for (const auto& layer : weights.layers)
+      if (layer.is_moe) other_weights += bytes_of(layer.moe.router);
     const double fp8_bytes =
         dt == "fp8" ? double(plan.active_weight_bytes_per_token) - other_weights : 0.0;
     results.push_back({dt, prompt / t_prefill, t_prefill, t_alone, cpu_token, bytes, t_step, roof,

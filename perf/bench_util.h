@@ -125,7 +125,7 @@ inline size_t weight_ring_bytes() {
 
 // GB/s of the FP8 GEMV's one-row tile instructions as a native loop over the same 512 MiB
 // (HostReadLoop::E4m3Decode; 0 without AVX-512), one thread per hardware thread, best of `reps`:
-// the most those instructions stream on this CPU. On the 2-core Xeon without AMX it read 0.78-0.80x
+// the most those instructions stream on this CPU. On the 2-core Xeon without AMX it read 0.77-0.80x
 // of the STREAM loop: three vector instructions and an FMA per 16 codes on the two ports that
 // run 512-bit operations.
 inline double e4m3_decode_gbs(int reps = 7, size_t bytes = size_t(512) << 20) {

@@ -147,13 +147,13 @@ std::string fp8_bf16_panel_options(const Device& dev, uint32_t K, Fp8Codes codes
 }
 
 namespace {
-// linear_fp8's CPU-shape launch over w, and over w1 (scale1) side by side past w's columns where
-// w1 is given (linear_fp8_pair: the same K, w's rows a multiple of the tile's 4, the same decode).
+// linear_fp8's CPU-shape launch over w ([N0, K], checked by the caller), and over w1 (scale1)
+// side by side past w's columns where w1 is given (linear_fp8_pair: the same K, N0 a multiple of
+// the tile's 4, the same decode).
 void linear_fp8_tiles(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const Weight& w,
-                      const Weight& scale_inv, const Weight* w1, const Weight* scale1,
-                      const cl::Mem& y, uint32_t y_off, uint32_t ldy, uint32_t M, float alpha,
-                      bool accumulate, ComputeDType compute) {
-  const auto [N0, K] = check_fp8_weight("linear_fp8", w, scale_inv);
+                      const Weight& scale_inv, uint32_t N0, uint32_t K, const Weight* w1,
+                      const Weight* scale1, const cl::Mem& y, uint32_t y_off, uint32_t ldy,
+                      uint32_t M, float alpha, bool accumulate, ComputeDType compute) {
   const uint32_t N = N0 + (w1 ? uint32_t(w1->dim(0)) : 0);
   const bool nan_free = w.fp8_nan_free && (!w1 || w1->fp8_nan_free);
   // Below kFp8InTurnRowsBelow rows (decode, a speculative verify, batched decode) tiles in turn
@@ -219,8 +219,8 @@ void linear_fp8(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, con
     dev.launch(k, {size_t(N) * wg, ceil_div(M, rb), 1}, 2, local);
     return;
   }
-  linear_fp8_tiles(dev, x, x_off, ldx, w, scale_inv, nullptr, nullptr, y, y_off, ldy, M, alpha,
-                   accumulate, compute);
+  linear_fp8_tiles(dev, x, x_off, ldx, w, scale_inv, N, K, nullptr, nullptr, y, y_off, ldy, M,
+                   alpha, accumulate, compute);
 }
 
 void linear_fp8_pair(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const Weight& w0,
@@ -241,7 +241,7 @@ void linear_fp8_pair(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx
     linear_fp8(dev, x, x_off, ldx, w1, scale1, y, y_off + N0, ldy, M, alpha, accumulate, compute);
     return;
   }
-  linear_fp8_tiles(dev, x, x_off, ldx, w0, scale0, &w1, &scale1, y, y_off, ldy, M, alpha,
+  linear_fp8_tiles(dev, x, x_off, ldx, w0, scale0, N0, K0, &w1, &scale1, y, y_off, ldy, M, alpha,
                    accumulate, compute);
 }
 
