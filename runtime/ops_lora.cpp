@@ -343,6 +343,20 @@ void lora(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const Lor
     dev.launch(k, {size_t(T) * wg, 1, 1}, 1, local);
     return;
   }
+  if (dev.kernel_shape() == KernelShape::WorkGroups) {
+    // A work-group per (token, rank row) for v, then per (token, wg outputs) for y (lora.cl).
+    const std::string opts = "-DWG=" + std::to_string(wg);
+    const size_t local[3] = {wg, 1, 1};
+    cl::Kernel shrink = dev.kernel("lora.cl", "lora_shrink_wg", opts);
+    cl::set_args(shrink, x, x_off, ldx, stack.A, token_slot, stack.rank, stack.max_rank, stack.in,
+                 v);
+    dev.launch(shrink, {size_t(T) * wg, stack.max_rank, 1}, 2, local);
+    cl::Kernel expand = dev.kernel("lora.cl", "lora_expand_wg", opts);
+    cl::set_args(expand, v, stack.B, token_slot, stack.rank, stack.scale, stack.max_rank, stack.out,
+                 alpha, y, y_off, ldy);
+    dev.launch(expand, {size_t(T) * wg, (stack.out + wg - 1) / wg, 1}, 2, local);
+    return;
+  }
   constexpr uint32_t chunk = 64;  // CHUNK in lora.cl
   cl::Kernel shrink = dev.kernel("lora.cl", "lora_shrink");
   cl::set_args(shrink, x, x_off, ldx, stack.A, token_slot, stack.rank, stack.max_rank, stack.in,

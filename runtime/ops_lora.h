@@ -153,7 +153,8 @@ namespace ops {
 
 // y[t, y_off + n] += alpha * scale[s] * (B_s A_s x[t])[n] for t < T with s = token_slot[t] >= 0
 // (int [T]); rows with -1 are left alone. v is scratch of T * stack.max_rank floats (used when
-// max_rank is above 64: one launch per call up to that, a shrink and an expand past it).
+// max_rank is above 64: one launch per call up to that, a shrink and an expand past it, shaped
+// for the device's kernel shape).
 void lora(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const LoraStack& stack,
           const cl::Mem& token_slot, const cl::Mem& v, const cl::Mem& y, uint32_t y_off,
           uint32_t ldy, uint32_t T, float alpha = 1.0f);

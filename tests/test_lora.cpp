@@ -2,7 +2,10 @@
 //   * a request running an adapter gives, at every position, the logits of a checkpoint whose
 //     weights the test merged (W + (alpha / r) B A, computed in double) within 1e-4, for adapters
 //     the test writes (random A and B; rank 4 on q/v/o/down_proj, rank 16 on all seven targets,
-//     rank 72 on q/o/down_proj, past the one-launch kernel's 64);
+//     rank 72 on q/o/down_proj, past the one-launch kernel's 64, in both kernel shapes: the GPU
+//     one forced on PoCL);
+//   * ops::lora alone in both shapes against a double-precision reference, at ranks 16, 72 and
+//     200, within the bound of its f32 sums; the GPU shape's pair is its own (other bits);
 //   * a mixed batch (three adapters and the base model in one step) gives each row the logits it
 //     gets alone, and through the engine the greedy tokens it gets alone;
 //   * bad input: an adapter for another base model (shapes, layers), a rank above max_rank, a
@@ -10,18 +13,19 @@
 //     job) an unknown adapter name, which becomes an error record while the job goes on.
 #include <gtest/gtest.h>
 
+#include <cfloat>
 #include <cmath>
 #include <cstring>
 #include <fstream>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <random>
 #include <sstream>
-
-#include <nlohmann/json.hpp>
 
 #include "models/registry.h"
 #include "runtime/device.h"
 #include "runtime/engine/engine.h"
+#include "runtime/ops_lora.h"
 #include "runtime/safetensors.h"
 #include "tests/lora_adapters.h"
 #include "tests/test_util.h"
@@ -131,8 +135,11 @@ TEST(Lora, LogitsEqualTheMergedCheckpointsWithin1e4) {
 }
 
 // Ranks above 64 take the shrink / expand pair instead of the one-launch kernel: the same merged
-// equality, with a rank-72 adapter beside a rank-4 one (slots padded to 72).
-TEST(Lora, RanksAbove64EqualTheMergedCheckpointToo) {
+// equality, with a rank-72 adapter beside a rank-4 one (slots padded to 72), in both kernel shapes
+// (the GPU one on PoCL: the adapted and the merged model alike).
+class LoraRanksAbove64 : public test::BothShapes {};
+
+TEST_P(LoraRanksAbove64, EqualTheMergedCheckpointToo) {
   Rig rig;
   const TestAdapter r72 =
       write_adapter(rig.root / "r72", 72, 16.0, {"q_proj", "o_proj", "down_proj"}, 9);
@@ -146,6 +153,7 @@ TEST(Lora, RanksAbove64EqualTheMergedCheckpointToo) {
         << "adapter " << id;
   }
 }
+INSTANTIATE_TEST_SUITE_P(Shapes, LoraRanksAbove64, test::both_shapes(), test::ShapeParamName());
 
 TEST(Lora, AMixedBatchGivesEachRowWhatItGetsAlone) {
   Rig rig;
@@ -346,6 +354,124 @@ TEST(Lora, PlanCountsTheAdapters) {
                      std::to_string(16u * 2432u * 2u * 4u) + " bytes on every device"),
             std::string::npos)
       << out;
+}
+
+// ops::lora itself over a stack of three slots: K = 333 inputs, N = 257 outputs (four work-groups
+// of 64 and one output more), seven tokens of every slot and of none, at ranks padded to 16 (the
+// one-launch kernel), 72 and 200 (the shrink / expand pair; 200 leaves lora_expand_wg a partial
+// pass of 32 rank columns), slot 1 at 3/8 of the padded rank and slot 2 at rank 0.
+struct LoraRun {
+  std::vector<float> y;
+  std::vector<double> want, bound;  // bound 0: a token the adapters must leave alone
+};
+LoraRun run_lora(uint32_t max_rank) {
+  Device& dev = test::default_device();
+  const uint32_t K = 333, N = 257, T = 7, slots = 3;
+  const std::vector<uint32_t> rank = {max_rank, max_rank * 3 / 8, 0};
+  const std::vector<float> scale = {0.75f, -2.0f, 1.5f};
+  const std::vector<int32_t> slot = {0, -1, 1, 2, 0, 1, -1};
+  const float alpha = 0.5f;
+  std::mt19937 rng(max_rank);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  auto random = [&](size_t n) {
+    std::vector<float> v(n);
+    for (auto& e : v) e = u(rng);
+    return v;
+  };
+  const auto A = random(size_t(slots) * max_rank * K), B = random(size_t(slots) * N * max_rank);
+  const auto x = random(size_t(T) * K), y0 = random(size_t(T) * N);
+  auto upload = [&](const void* p, size_t bytes) {
+    cl::Mem m = dev.alloc(bytes);
+    dev.write(m, p, bytes);
+    return m;
+  };
+  LoraStack stack;
+  stack.A = upload(A.data(), A.size() * 4);
+  stack.B = upload(B.data(), B.size() * 4);
+  stack.rank = upload(rank.data(), rank.size() * 4);
+  stack.scale = upload(scale.data(), scale.size() * 4);
+  stack.slots = slots;
+  stack.max_rank = max_rank;
+  stack.in = K;
+  stack.out = N;
+  const cl::Mem xm = upload(x.data(), x.size() * 4), ym = upload(y0.data(), y0.size() * 4);
+  const cl::Mem sm = upload(slot.data(), slot.size() * 4);
+  const cl::Mem vm = dev.alloc(size_t(T) * max_rank * 4);
+  ops::lora(dev, xm, 0, K, stack, sm, vm, ym, 0, N, T, alpha);
+  LoraRun r;
+  r.y.resize(y0.size());
+  dev.read(ym, r.y.data(), r.y.size() * 4);
+  r.want.assign(y0.begin(), y0.end());
+  r.bound.assign(y0.size(), 0.0);
+  for (uint32_t t = 0; t < T; ++t) {
+    if (slot[t] < 0 || rank[size_t(slot[t])] == 0) continue;
+    const uint32_t s = uint32_t(slot[t]), rs = rank[s];
+    std::vector<double> v(rs), v_mag(rs);
+    for (uint32_t j = 0; j < rs; ++j)
+      for (uint32_t k = 0; k < K; ++k) {
+        const double p = double(A[(size_t(s) * max_rank + j) * K + k]) * x[size_t(t) * K + k];
+        v[j] += p;
+        v_mag[j] += std::abs(p);
+      }
+    const double c = double(alpha) * scale[s];
+    for (uint32_t n = 0; n < N; ++n) {
+      double sum = 0, mag = 0;
+      for (uint32_t j = 0; j < rs; ++j) {
+        const double b = B[(size_t(s) * N + n) * max_rank + j];
+        sum += b * v[j];
+        mag += std::abs(b) * v_mag[j];
+      }
+      const size_t i = size_t(t) * N + n;
+      r.want[i] += c * sum;
+      // f32 sums of K, then rs terms, and the final FMA: within (K + rs + 2) epsilons of the
+      // magnitudes they add.
+      r.bound[i] = (K + rs + 2) * double(FLT_EPSILON) * (std::abs(c) * mag + std::abs(y0[i]));
+    }
+  }
+  return r;
+}
+
+// In both kernel shapes (the GPU one on PoCL): each output of a token with an adapter is within
+// its bound of the double-precision y + alpha * scale * B A x, and moved by it; tokens of no
+// adapter and of the rank-0 slot keep their y bit for bit.
+class LoraKernels : public test::BothShapes {};
+
+TEST_P(LoraKernels, EveryTokenGetsItsSlotsProductWithinTheSumsBound) {
+  for (uint32_t max_rank : {16u, 72u, 200u}) {
+    const LoraRun r = run_lora(max_rank);
+    size_t adapted = 0;
+    for (size_t i = 0; i < r.y.size(); ++i) {
+      if (r.bound[i] == 0) {
+        EXPECT_EQ(r.y[i], float(r.want[i])) << "max_rank " << max_rank << ", output " << i;
+        continue;
+      }
+      ASSERT_LE(std::abs(r.y[i] - r.want[i]), r.bound[i])
+          << "max_rank " << max_rank << ", output " << i;
+      ++adapted;
+    }
+    EXPECT_EQ(adapted, size_t(4 * 257)) << "tokens 0, 2, 4 and 5 have an adapter of rank > 0";
+  }
+}
+INSTANTIATE_TEST_SUITE_P(Shapes, LoraKernels, test::both_shapes(), test::ShapeParamName());
+
+// The GPU shape runs its own pair past rank 64 (lora_shrink_wg's tree sums give other bits than
+// lora_shrink's sequential ones in some outputs) and the one-launch kernel up to it (the same bits
+// in both shapes).
+TEST(LoraKernelShapes, TheGpuShapeRunsItsOwnPairPastRank64) {
+  for (uint32_t max_rank : {16u, 72u}) {
+    std::vector<float> y[2];
+    for (int g = 0; g < 2; ++g) {
+      test::ShapeScope scope(test::default_device(),
+                             g ? KernelShape::WorkGroups : KernelShape::Chunks);
+      y[g] = run_lora(max_rank).y;
+    }
+    size_t differ = 0;
+    for (size_t i = 0; i < y[0].size(); ++i) differ += y[0][i] != y[1][i];
+    if (max_rank <= 64)
+      EXPECT_EQ(differ, 0u);
+    else
+      EXPECT_GT(differ, y[0].size() / 20) << "of " << y[0].size();
+  }
 }
 
 }  // namespace
