@@ -15,6 +15,7 @@
 // re-reads only the first 2 MiB). A file just written sits in small
 // folios until they are dropped: a big file whose first 2 MiB come back small is dropped from the
 // page cache once (its clean pages that no process maps), so later reads fill it in huge folios.
+// Dirty pages cannot be dropped, so a load writes the file back first (fdatasync).
 // Parts of a file also come back in small folios over time, spread over it (here, 45 minutes after
 // the drop, 1998 of 2356 MB were still huge; right after a second drop, 2308). So where the first
 // 2 MiB come back huge, each load also reads again, in huge folios, the 2 MiB regions whose cached

@@ -142,12 +142,17 @@ KernelTuning amd_epyc_avx512() {
   // 1536 x 7168 and 576 x 7168 0.82x and 0.89x, hence the two fields.
   KernelTuning t = cpu_forced();
   // The bf16 one-row tiles' stream prefetch gained nothing on Zen 5 here (dsv3-mini bf16
-  // 0.95-1.00x, llama3-1b 0.98-1.02x, 2026-11-28).
+  // 0.95-1.00x, llama3-1b 0.98-1.02x, 2026-11-28; llama3-1b 0.98x [0.79, 1.07] again on
+  // 2026-12-02). Reading their rows in pairs splits the two models on Zen 5 (2026-12-02,
+  // --tuning-ab in turn at batch 1): with the prefetch llama3-1b bf16's step 1.09x [1.06, 1.11] (15
+  // rounds) and 1.10x (9), dsv3-mini bf16's 0.89x [0.86, 0.94] and 1.00x (11 rounds, two runs),
+  // fp8's 0.96x; pairs alone llama3-1b 0.87x [0.86, 0.90] (9 rounds). One row at a time stays.
   t.gemv_stream_prefetch = 0;
   t.gemv_row_pairs = 0;
   t.gemv_stream_k = 4096;
-  // Not measured on the EPYCs: 4-row tiles until an A/B there (bench_llama --tuning-ab
-  // linear_batch_tm=8, whose batch-8 steps take them) says otherwise.
+  // 8-row tiles gain nothing on Zen 5 (2026-12-02, bench_llama --tuning-ab linear_batch_tm=8, 5
+  // rounds in turn): llama3-1b bf16's batch-8 step 0.99x [0.98, 1.02], prefill 0.99x. Not
+  // measured on Zen 4.
   t.linear_batch_tm = 4;
   t.stream_prefetch_l1 = 0;
   t.fp8_stream_k = 8192;
