@@ -94,6 +94,21 @@ void cache_in_small_folios(const std::filesystem::path& file, size_t at, size_t 
   ::close(fd);
 }
 
+// Loads `file` as a checkpoint file is loaded, checks that the mapping holds `bytes`, and returns
+// the KiB of it mapped in huge pages after every byte was read.
+size_t load_huge_kib(const std::filesystem::path& file, const std::vector<uint8_t>& bytes,
+                     const char* when) {
+  const int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
+  void* map = map_checkpoint_file(fd, bytes.size());
+  ::close(fd);
+  EXPECT_NE(map, nullptr) << std::strerror(errno);
+  if (!map) return 0;
+  EXPECT_EQ(std::memcmp(map, bytes.data(), bytes.size()), 0) << when;
+  const size_t kib = huge_mapped_kib(map);
+  ::munmap(map, bytes.size());
+  return kib;
+}
+
 // Parts of a file's page cache that sit in small folios (as they come back over time here) are
 // read again in huge ones at the next load, where the kernel gives the file huge pages at all
 // (Linux 6.16 on ext4 and later): 10 of the file's 40 whole 2 MiB regions cached in small folios,
@@ -104,17 +119,7 @@ TEST(FileMapping, RegionsCachedInSmallFoliosComeBackInHugeOnes) {
   const size_t size = kHugeMappingMinBytes + 8 * kHuge + 3 * 4096 + 17;  // 40 whole regions
   const size_t whole_kib = size / kHuge * kHuge / 1024;
   const std::vector<uint8_t> bytes = write_pattern(file, size);
-  auto load = [&](const char* when) {
-    const int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
-    void* map = map_checkpoint_file(fd, size);
-    ::close(fd);
-    EXPECT_NE(map, nullptr) << std::strerror(errno);
-    if (!map) return size_t(0);
-    EXPECT_EQ(std::memcmp(map, bytes.data(), size), 0) << when;
-    const size_t kib = huge_mapped_kib(map);
-    ::munmap(map, size);
-    return kib;
-  };
+  auto load = [&](const char* when) { return load_huge_kib(file, bytes, when); };
   // The first load drops the small folios the write left.
   const size_t first_kib = load("first load");
   cache_in_small_folios(file, 10 * kHuge, 10 * kHuge);
@@ -147,17 +152,7 @@ TEST(FileMapping, AFileJustWrittenIsMappedInHugePagesAtItsFirstLoad) {
       ASSERT_EQ(::write(out, bytes.data() + at, size_t(1) << 20), ssize_t(1) << 20);
     ::close(out);
   }
-  auto load = [&](const char* when) {
-    const int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
-    void* map = map_checkpoint_file(fd, size);
-    ::close(fd);
-    EXPECT_NE(map, nullptr) << std::strerror(errno);
-    if (!map) return size_t(0);
-    EXPECT_EQ(std::memcmp(map, bytes.data(), size), 0) << when;
-    const size_t kib = huge_mapped_kib(map);
-    ::munmap(map, size);
-    return kib;
-  };
+  auto load = [&](const char* when) { return load_huge_kib(file, bytes, when); };
   const size_t first_kib = load("first load");
   // Whether this kernel gives the file huge pages at all: written back, dropped, loaded again.
   const int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
