@@ -33,12 +33,20 @@ size_t mapped_regions() {
   return n;
 }
 
-// Writes `size` bytes of a fixed pattern to `file` and returns them.
-std::vector<uint8_t> write_pattern(const std::filesystem::path& file, size_t size) {
+// Writes `size` bytes of a fixed pattern to `file`, in write(2)s of `piece` bytes (0: one), and
+// returns them.
+std::vector<uint8_t> write_pattern(const std::filesystem::path& file, size_t size,
+                                   size_t piece = 0) {
   std::vector<uint8_t> bytes(size);
   for (size_t i = 0; i < size; ++i) bytes[i] = uint8_t((i * 2654435761u) >> 11);
-  std::ofstream out(file, std::ios::binary);
-  out.write(reinterpret_cast<const char*>(bytes.data()), std::streamsize(size));
+  if (piece == 0) piece = size;
+  const int out = ::open(file.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  EXPECT_GE(out, 0) << file;
+  for (size_t at = 0; at < size; at += piece) {
+    const size_t n = std::min(piece, size - at);
+    EXPECT_EQ(::write(out, bytes.data() + at, n), ssize_t(n)) << file;
+  }
+  ::close(out);
   return bytes;
 }
 
@@ -141,17 +149,9 @@ TEST(FileMapping, RegionsCachedInSmallFoliosComeBackInHugeOnes) {
 TEST(FileMapping, AFileJustWrittenIsMappedInHugePagesAtItsFirstLoad) {
   const auto file = test::temp_dir("file_mapping_dirty") / "big.bin";
   const size_t size = size_t(256) << 20;
-  std::vector<uint8_t> bytes(size);
-  for (size_t i = 0; i < size; ++i) bytes[i] = uint8_t((i * 2654435761u) >> 11);
-  {
-    // In 1 MiB writes, as checkpoint writers write (one write(2) of the whole file left huge
-    // folios here; writes of 1 MiB, as dd's and make-model's, small ones).
-    const int out = ::open(file.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    ASSERT_GE(out, 0);
-    for (size_t at = 0; at < size; at += size_t(1) << 20)
-      ASSERT_EQ(::write(out, bytes.data() + at, size_t(1) << 20), ssize_t(1) << 20);
-    ::close(out);
-  }
+  // In 1 MiB writes, as checkpoint writers write (one write(2) of the whole file left huge folios
+  // here; writes of 1 MiB, as dd's and make-model's, small ones).
+  const std::vector<uint8_t> bytes = write_pattern(file, size, size_t(1) << 20);
   auto load = [&](const char* when) { return load_huge_kib(file, bytes, when); };
   const size_t first_kib = load("first load");
   // Whether this kernel gives the file huge pages at all: written back, dropped, loaded again.
