@@ -2,6 +2,7 @@
 
 #include <CL/cl_ext.h>
 #include <hwloc.h>
+#include <sys/mman.h>
 
 #include <cstdio>
 #include <cstring>
@@ -78,7 +79,52 @@ DeviceLocality query_locality(cl_device_id id, DeviceKind kind, const std::strin
   return {};
 }
 
+constexpr size_t kHugePage = size_t(2) << 20;
+
+struct HostRegion {
+  void* base;
+  size_t len;
+};
+
+void CL_CALLBACK unmap_host_region(cl_mem, void* user) {
+  auto* r = static_cast<HostRegion*>(user);
+  munmap(r->base, r->len);
+  delete r;
+}
+
 }  // namespace
+
+cl_mem create_buffer(cl_context ctx, cl_mem_flags flags, size_t bytes, bool host_huge_pages,
+                     cl_int* err) {
+  constexpr cl_mem_flags kHostFlags =
+      CL_MEM_USE_HOST_PTR | CL_MEM_ALLOC_HOST_PTR | CL_MEM_COPY_HOST_PTR;
+  if (!host_huge_pages || bytes < kHugePage || (flags & kHostFlags) != 0)
+    return clCreateBuffer(ctx, flags, bytes ? bytes : 4, nullptr, err);
+  // Whole 2 MiB pages on a 2 MiB boundary: map one page more, then unmap the unaligned ends.
+  const size_t len = (bytes + kHugePage - 1) / kHugePage * kHugePage;
+  void* raw =
+      mmap(nullptr, len + kHugePage, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (raw == MAP_FAILED) return clCreateBuffer(ctx, flags, bytes, nullptr, err);
+  const uintptr_t at = (reinterpret_cast<uintptr_t>(raw) + kHugePage - 1) & ~(kHugePage - 1);
+  const size_t head = at - reinterpret_cast<uintptr_t>(raw);
+  if (head) munmap(raw, head);
+  if (kHugePage - head) munmap(reinterpret_cast<char*>(at) + len, kHugePage - head);
+  void* base = reinterpret_cast<void*>(at);
+  madvise(base, len, MADV_HUGEPAGE);  // where the kernel has no huge pages, 4 KiB ones as before
+  cl_mem m = clCreateBuffer(ctx, flags | CL_MEM_USE_HOST_PTR, bytes, base, err);
+  if (!m) {
+    munmap(base, len);
+    return nullptr;
+  }
+  auto* region = new HostRegion{base, len};
+  if (clSetMemObjectDestructorCallback(m, unmap_host_region, region) != CL_SUCCESS) {
+    clReleaseMemObject(m);
+    munmap(base, len);
+    delete region;
+    return clCreateBuffer(ctx, flags, bytes, nullptr, err);
+  }
+  return m;
+}
 
 DeviceInfo query_device_info(cl_device_id id, cl_platform_id platform) {
   DeviceInfo d;
@@ -125,7 +171,7 @@ cl::Mem BufferPool::take(size_t bytes) {
     }
   }
   cl_int err = CL_SUCCESS;
-  cl::Mem m(clCreateBuffer(ctx_, CL_MEM_READ_WRITE, c, nullptr, &err));
+  cl::Mem m(create_buffer(ctx_, CL_MEM_READ_WRITE, c, host_huge_pages_, &err));
   cl::check(err, "allocating a " + std::to_string(c) + "-byte scratch buffer");
   std::lock_guard lock(mu_);
   held_ += c;
@@ -143,11 +189,11 @@ Device::Device(cl_platform_id platform, cl_device_id id, cl::Context ctx, int in
   cl_queue_properties props[] = {0};
   queue_ = cl::Queue(clCreateCommandQueueWithProperties(ctx_.get(), id_, props, &err));
   cl::check(err, "creating a command queue on " + info_.name);
-  pool_ = std::make_unique<BufferPool>(ctx_.get());
   shape_ = info_.kind == DeviceKind::Cpu ? KernelShape::Chunks : KernelShape::WorkGroups;
   tuning_ = lookup_kernel_tuning(info_);
   pocl_cpu_ = info_.kind == DeviceKind::Cpu &&
               info_.platform.find("Portable Computing Language") != std::string::npos;
+  pool_ = std::make_unique<BufferPool>(ctx_.get(), pocl_cpu_);
   if (pocl_cpu_) PoclKernelOrder::instance().add(queue_.get());
 }
 
@@ -180,7 +226,7 @@ cl::Kernel Device::kernel(const std::string& file, const std::string& name,
 
 cl::Mem Device::alloc(size_t bytes, cl_mem_flags flags) const {
   cl_int err = CL_SUCCESS;
-  cl::Mem m(clCreateBuffer(ctx_.get(), flags, bytes ? bytes : 4, nullptr, &err));
+  cl::Mem m(create_buffer(ctx_.get(), flags, bytes, pocl_cpu_, &err));
   cl::check(err, "allocating " + std::to_string(bytes) + " bytes on " + label());
   return m;
 }

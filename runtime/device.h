@@ -182,11 +182,25 @@ DeviceInfo query_device_info(cl_device_id id, cl_platform_id platform);
 // and name match, else the default.
 KernelTuning lookup_kernel_tuning(const DeviceInfo& info);
 
+// clCreateBuffer, but with host_huge_pages (PoCL's CPU device, whose buffers are host memory) a
+// buffer of 2 MiB or more (and no host-pointer flags) lies in memory of its own: whole 2 MiB pages
+// on a 2 MiB boundary, advised to transparent huge pages (MADV_HUGEPAGE) and given to the driver
+// as CL_MEM_USE_HOST_PTR, unmapped when the buffer is released. PoCL's own allocations sit in
+// 4 KiB pages where the kernel gives huge pages only where advised (THP "madvise", Debian's
+// default). There a KV cache sized to its requests (one K and one V row of a head every 2 KiB,
+// each layer's pages after the weights' stream) made llama3-1b's decode attention at 1024 cached
+// positions take 714-907 us per layer, 269-279 us in huge pages (bench_step_breakdown --timeline,
+// 2-core Zen 5, 2026-12-02); `clshard bench` with a 12-page pool decoded 1.08-1.15x and prefilled
+// 1.06x faster (1024-token prompt). With the default pool (90% of free memory) it measured no
+// difference; why the larger buffers were spared was not found.
+cl_mem create_buffer(cl_context ctx, cl_mem_flags flags, size_t bytes, bool host_huge_pages,
+                     cl_int* err);
+
 // A buffer pool: scratch buffers are reused across steps by size class (powers of two), so a
 // decode loop does not allocate. Buffers go back to the pool when their Scratch handle dies.
 class BufferPool {
  public:
-  explicit BufferPool(cl_context ctx) : ctx_(ctx) {}
+  BufferPool(cl_context ctx, bool host_huge_pages) : ctx_(ctx), host_huge_pages_(host_huge_pages) {}
   cl::Mem take(size_t bytes);
   void give_back(cl::Mem m, size_t bytes);
   size_t bytes_held() const { return held_; }
@@ -194,6 +208,7 @@ class BufferPool {
  private:
   static size_t size_class(size_t bytes);
   cl_context ctx_;
+  bool host_huge_pages_;  // create_buffer's
   std::multimap<size_t, cl::Mem> free_;
   size_t held_ = 0;
   std::mutex mu_;
