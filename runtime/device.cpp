@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstring>
 
+#include "runtime/huge_pages.h"
 #include "runtime/pocl_kernel_order.h"
 #include "runtime/program_cache.h"
 
@@ -79,8 +80,6 @@ DeviceLocality query_locality(cl_device_id id, DeviceKind kind, const std::strin
   return {};
 }
 
-constexpr size_t kHugePage = size_t(2) << 20;
-
 struct HostRegion {
   void* base;
   size_t len;
@@ -100,16 +99,10 @@ cl_mem create_buffer(cl_context ctx, cl_mem_flags flags, size_t bytes, bool host
       CL_MEM_USE_HOST_PTR | CL_MEM_ALLOC_HOST_PTR | CL_MEM_COPY_HOST_PTR;
   if (!host_huge_pages || bytes < kHugePage || (flags & kHostFlags) != 0)
     return clCreateBuffer(ctx, flags, bytes ? bytes : 4, nullptr, err);
-  // Whole 2 MiB pages on a 2 MiB boundary: map one page more, then unmap the unaligned ends.
+  // Whole 2 MiB pages on a 2 MiB boundary.
   const size_t len = (bytes + kHugePage - 1) / kHugePage * kHugePage;
-  void* raw =
-      mmap(nullptr, len + kHugePage, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (raw == MAP_FAILED) return clCreateBuffer(ctx, flags, bytes, nullptr, err);
-  const uintptr_t at = (reinterpret_cast<uintptr_t>(raw) + kHugePage - 1) & ~(kHugePage - 1);
-  const size_t head = at - reinterpret_cast<uintptr_t>(raw);
-  if (head) munmap(raw, head);
-  if (kHugePage - head) munmap(reinterpret_cast<char*>(at) + len, kHugePage - head);
-  void* base = reinterpret_cast<void*>(at);
+  void* base = reserve_huge_aligned(len, PROT_READ | PROT_WRITE);
+  if (!base) return clCreateBuffer(ctx, flags, bytes, nullptr, err);
   madvise(base, len, MADV_HUGEPAGE);  // where the kernel has no huge pages, 4 KiB ones as before
   cl_mem m = clCreateBuffer(ctx, flags | CL_MEM_USE_HOST_PTR, bytes, base, err);
   if (!m) {

@@ -11,29 +11,16 @@
 #include <cstdio>
 #include <vector>
 
+#include "runtime/huge_pages.h"
+
 namespace clshard {
 namespace {
-
-constexpr size_t kHugePage = size_t(2) << 20;
 
 // Whether the mapping's first 2 MiB are mapped as one huge page once read.
 bool first_huge_page_is_huge(const uint8_t* base) {
   volatile uint8_t first = base[0];  // the fault reads the folio and maps it
   (void)first;
   return huge_mapped_kib(base) >= kHugePage / 1024;
-}
-
-// `size` bytes (rounded up to pages) of anonymous memory with protection `prot`, starting at a
-// 2 MiB boundary: 2 MiB more reserved, the slack on either side given back. nullptr on failure.
-void* reserve_huge_aligned(size_t size, int prot) {
-  const size_t bytes = (size + 4095) & ~size_t(4095);
-  void* reserved = ::mmap(nullptr, bytes + kHugePage, prot, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (reserved == MAP_FAILED) return nullptr;
-  const auto lo = reinterpret_cast<uintptr_t>(reserved);
-  const uintptr_t at = (lo + kHugePage - 1) & ~uintptr_t(kHugePage - 1);
-  if (at > lo) ::munmap(reserved, at - lo);
-  if (lo + kHugePage > at) ::munmap(reinterpret_cast<void*>(at + bytes), lo + kHugePage - at);
-  return reinterpret_cast<void*>(at);
 }
 
 // Whether the mapping's 4 KiB page at `page` is mapped now (/proc/self/pagemap's present bit,
@@ -96,6 +83,17 @@ void refill_small_folios(int fd, uint8_t* base, size_t size) {
 }
 
 }  // namespace
+
+void* reserve_huge_aligned(size_t size, int prot) {
+  const size_t bytes = (size + 4095) & ~size_t(4095);
+  void* reserved = ::mmap(nullptr, bytes + kHugePage, prot, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (reserved == MAP_FAILED) return nullptr;
+  const auto lo = reinterpret_cast<uintptr_t>(reserved);
+  const uintptr_t at = (lo + kHugePage - 1) & ~uintptr_t(kHugePage - 1);
+  if (at > lo) ::munmap(reserved, at - lo);
+  if (lo + kHugePage > at) ::munmap(reinterpret_cast<void*>(at + bytes), lo + kHugePage - at);
+  return reinterpret_cast<void*>(at);
+}
 
 size_t huge_mapped_kib(const void* base) {
   FILE* f = std::fopen("/proc/self/smaps", "r");
