@@ -289,7 +289,7 @@ class Device {
 // to the device's threads (about 25 us on PoCL on the 2-core EPYC VM). Each write is queued as it
 // comes; all have completed when wait() returns and when the batch goes out of scope (waiting
 // then too, without throwing: an exception may be on its way), so a source need live only as
-// long as the batch. upload_step: one wait for five buffers.
+// long as the batch. upload_mla_prefill_plan: one wait for two buffers.
 class WriteBatch {
  public:
   explicit WriteBatch(const Device& dev) : dev_(dev) {}

@@ -340,7 +340,7 @@ MlaPrefillPlan upload_mla_prefill_plan(Device& dev, const StepInputs& in, uint32
   plan.total_rows = uint32_t(rows.src_rows.size());
   plan.src_rows = Scratch(dev, std::max<size_t>(rows.src_rows.size(), 1) * 4);
   plan.ctx_start = Scratch(dev, std::max<size_t>(rows.ctx_start.size(), 1) * 4);
-  WriteBatch batch(dev);  // one wait for both, as upload_step's
+  WriteBatch batch(dev);  // one wait for both
   batch.write(plan.src_rows.mem(), rows.src_rows.data(), rows.src_rows.size() * 4);
   batch.write(plan.ctx_start.mem(), rows.ctx_start.data(), rows.ctx_start.size() * 4);
   batch.wait();

@@ -283,9 +283,12 @@ TEST(WriteBatch, SourcesMayGoWhenTheBatchDoes) {
   EXPECT_EQ(gb, b0);
 }
 
-// upload_step queues its five writes and waits once: each buffer holds the step when it returns
-// (two rows, one a 3-token prefill chunk after 5 cached tokens, one a decode token after 17).
-TEST(UploadStep, EveryBufferHoldsTheStepWhenItReturns) {
+// upload_step queues one write of its five arrays and does not wait for it: each view holds the
+// step for whatever the queue runs after it, also where the caller's inputs changed right after
+// the call (two rows, one a 3-token prefill chunk after 5 cached tokens, one a decode token
+// after 17). The views are sub-buffers of one buffer, each at the device's base-address alignment
+// and none overlapping the next.
+TEST(UploadStep, EveryViewHoldsTheStepForWhatIsQueuedAfterIt) {
   Device& dev = test::default_device();
   StepInputs in;
   in.tokens = {11, 12, 13, 40};
@@ -294,6 +297,30 @@ TEST(UploadStep, EveryBufferHoldsTheStepWhenItReturns) {
   in.pages_per_row = 3;
   in.lookup_table = {4, 9, 0, 2, 7, 8};
   const DeviceStep st = upload_step(dev, in, 8, 10, 100);
+  const std::vector<uint32_t> lookup = in.lookup_table;
+  in.tokens.assign(4, 99);  // the write reads its own copy
+  in.lookup_table.assign(6, 99);
+  const size_t align = cl::device_value<cl_uint>(dev.id(), CL_DEVICE_MEM_BASE_ADDR_ALIGN) / 8;
+  const cl::Mem* views[5] = {&st.token_ids, &st.tokens.token_row, &st.tokens.token_pos,
+                             &st.tokens.lookup, &st.logit_rows};
+  const size_t counts[5] = {4, 4, 4, 6, 2};
+  size_t end = 0;
+  for (int i = 0; i < 5; ++i) {
+    size_t offset = 0, size = 0;
+    cl_mem parent = nullptr;
+    ASSERT_EQ(clGetMemObjectInfo(views[i]->get(), CL_MEM_OFFSET, sizeof offset, &offset, nullptr),
+              CL_SUCCESS);
+    ASSERT_EQ(clGetMemObjectInfo(views[i]->get(), CL_MEM_SIZE, sizeof size, &size, nullptr),
+              CL_SUCCESS);
+    ASSERT_EQ(clGetMemObjectInfo(views[i]->get(), CL_MEM_ASSOCIATED_MEMOBJECT, sizeof parent,
+                                 &parent, nullptr),
+              CL_SUCCESS);
+    EXPECT_EQ(parent, st.inputs_buf.mem().get()) << "view " << i;
+    EXPECT_EQ(offset % align, 0u) << "view " << i;
+    EXPECT_GE(offset, end) << "view " << i;
+    EXPECT_GE(size, counts[i] * 4) << "view " << i;
+    end = offset + size;
+  }
   auto u32 = [&](const cl::Mem& m, size_t n) {
     std::vector<uint32_t> v(n);
     dev.read(m, v.data(), n * 4);
@@ -302,7 +329,7 @@ TEST(UploadStep, EveryBufferHoldsTheStepWhenItReturns) {
   EXPECT_EQ(u32(st.token_ids, 4), (std::vector<uint32_t>{11, 12, 13, 40}));
   EXPECT_EQ(u32(st.tokens.token_row, 4), (std::vector<uint32_t>{0, 0, 0, 1}));
   EXPECT_EQ(u32(st.tokens.token_pos, 4), (std::vector<uint32_t>{5, 6, 7, 17}));
-  EXPECT_EQ(u32(st.tokens.lookup, 6), in.lookup_table);
+  EXPECT_EQ(u32(st.tokens.lookup, 6), lookup);
   EXPECT_EQ(u32(st.logit_rows, 2), (std::vector<uint32_t>{2, 3}));  // each row's last token
   EXPECT_EQ(st.tokens.T, 4u);
   EXPECT_EQ(st.tokens.max_query_len, 3u);

@@ -266,7 +266,7 @@ void DecoderStack::moe(size_t layer, std::vector<ReplicaWork>& work) {
   // So does each rank's tile plan of its grouped experts over the rows it will receive, in
   // expert order (the shared expert, last in the buffer, gets none: it runs on the tokens'
   // devices after the combine). The tables are queued and a device waited for once, not once a
-  // table (each wait a round trip to the device's threads, as upload_step's).
+  // table (each wait a round trip to the device's threads).
   std::vector<Scratch> src_token(N), slot_row(N), fwd(N), back(N);
   std::vector<ops::GroupedPlan> plans(N);
   for (size_t r = 0; r < N; ++r) {
