@@ -90,11 +90,11 @@ void dense_mlp(Device& dev, const MlpWeights& m, const cl::Mem& x, uint32_t x_of
                uint32_t M, const cl::Mem& gu, const cl::Mem& y, uint32_t y_off, uint32_t ldy,
                bool accumulate, bool fp8_act_quant, const LayerLora& lora, ComputeDType compute) {
   const uint32_t F = m.gate.out_features();
-  ops::linear_any(dev, x, x_off, ldx, m.gate.w, &m.gate.scale_inv, gu, 0, 2 * F, M, 1.0f, false,
-                  fp8_act_quant, compute);
+  // gate and up side by side in gu ([gate | up] per row): FP8 weights in one launch, as q_a and
+  // kv_a (dsv3-mini fp8's decode step one launch fewer); the adapters add to their columns after.
+  ops::linear_any_pair(dev, x, x_off, ldx, m.gate.w, &m.gate.scale_inv, m.up.w, &m.up.scale_inv, gu,
+                       0, 2 * F, M, fp8_act_quant, compute);
   lora.apply(kLoraGate, x, x_off, ldx, gu, 0, 2 * F);
-  ops::linear_any(dev, x, x_off, ldx, m.up.w, &m.up.scale_inv, gu, F, 2 * F, M, 1.0f, false,
-                  fp8_act_quant, compute);
   lora.apply(kLoraUp, x, x_off, ldx, gu, F, 2 * F);
   // silu(gate) * up over the gate half, then the down projection.
   ops::silu_mul(dev, gu, 0, 2 * F, gu, F, 2 * F, gu, 2 * F, M, F);
