@@ -26,8 +26,8 @@ struct PendingUpload {
 struct DeviceStep {
   // One pooled buffer holding the five arrays below, each at the device's base-address alignment
   // (CL_DEVICE_MEM_BASE_ADDR_ALIGN) so that each is a sub-buffer of it, and the host copy its one
-  // write reads from (declared after the buffer: it waits for the write before the buffer goes
-  // back to the pool).
+  // write reads from (declared after the buffer, so that a step's end waits for the write before
+  // the buffer goes back to the pool; a pooled buffer is only reused behind it in the same queue).
   Scratch inputs_buf;
   PendingUpload inputs;
   ops::StepTokens tokens;             // views of the buffer above, for the kernels
