@@ -118,6 +118,11 @@ struct KernelTuning {
   uint32_t moe_bf16_packed_rows = 128;
   uint32_t gemm_bf16_packed_tm = 4;
   uint32_t gemm_bf16_packed_nv = 3;
+  // The pair steps (two elements of K each) of a packed panel at once: longer rows are packed and
+  // run in chunks of this many (rounded down to a multiple of 16, at least 16), a work-item's rows
+  // then at most 512, whose partial sums wait in local memory between chunks. A panel of 1024
+  // steps x 64 columns is 256 KiB: the chunk decides whether the panel stays in L2 or nearer.
+  uint32_t gemm_bf16_packed_kp = 1024;
   // Whether the packed GEMM takes AMX's bf16 tiles where the host has them (ops::bf16_amx): 1, or
   // 0 for gemm_bf16_dot's micro-kernel. With AMX its tile is 16 rows (one tile register) x at
   // most 5 of gemm_bf16_packed_nv's vectors (4 with GLU). With AMX the packed GEMM takes bf16

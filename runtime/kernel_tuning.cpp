@@ -233,6 +233,7 @@ const std::vector<std::pair<std::string, U32Field>>& u32_fields() {
       {"moe_bf16_packed_rows", &KernelTuning::moe_bf16_packed_rows},
       {"gemm_bf16_packed_tm", &KernelTuning::gemm_bf16_packed_tm},
       {"gemm_bf16_packed_nv", &KernelTuning::gemm_bf16_packed_nv},
+      {"gemm_bf16_packed_kp", &KernelTuning::gemm_bf16_packed_kp},
       {"blas_gemm_rows", &KernelTuning::blas_gemm_rows}};
   return f;
 }

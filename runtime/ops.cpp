@@ -75,10 +75,8 @@ bool bf16_gemm(const Device& dev, ComputeDType compute, uint32_t M,
   return M >= kGemmRowsFrom || bf16_gemv(dev);
 }
 
-// The pair steps a packed panel holds at once (bf16_packed.cl): K up to 2048 in one chunk; longer
-// rows run in chunks, a work-item's rows then at most kPackedPartialRows, whose partial sums wait
-// in local memory between chunks (1024 steps x 48 columns: 192 KB, and 512 rows x 48: 96 KB).
-constexpr uint32_t kPackedSteps = 1024;
+// A work-item's rows where its panel runs in chunks (KernelTuning's gemm_bf16_packed_kp steps at
+// a time): their partial sums wait in local memory between chunks (512 rows x 64 columns: 128 KiB).
 constexpr uint32_t kPackedPartialRows = 512;
 
 }  // namespace
@@ -107,8 +105,10 @@ PackedGemmShape packed_gemm_shape(const Device& dev, PackedRows x, bool glu,
   if (amx) p.nv = std::min(p.nv, glu ? 4u : 5u);
   p.tile_cols = glu ? 8 * p.nv : 16 * p.nv;
   const uint32_t steps = (K + 1) / 2;
-  p.chunk_steps = std::min(steps, kPackedSteps);
-  p.partial_rows = steps > kPackedSteps ? kPackedPartialRows / p.tm * p.tm : 0;
+  // Whole groups of 16 steps: AMX reads the panel 16 steps at a time.
+  const uint32_t chunk = std::max(16u, t.gemm_bf16_packed_kp / 16 * 16);
+  p.chunk_steps = std::min(steps, chunk);
+  p.partial_rows = steps > chunk ? kPackedPartialRows / p.tm * p.tm : 0;
   const uint64_t local_bytes = uint64_t((p.chunk_steps + 15) / 16 * 16) * 16 * p.nv * 4 +
                                uint64_t(p.partial_rows) * 16 * p.nv * 4;
   p.fits = local_bytes <= dev.info().local_mem;

@@ -576,6 +576,34 @@ TEST(GemmBf16Packed, OutputBitsDoNotDependOnTheTile) {
   });
 }
 
+// Nor on the chunks its panel runs in (gemm_bf16_packed_kp): a row's partial sums wait in local
+// memory between chunks as f32, and the chain goes on in the same order. K = 333 (167 pair steps)
+// in one chunk against chunks of 48 steps (the last one short); K = 2101 (1051 steps) in chunks of
+// 1024 against 256 and 16 (66 chunks).
+TEST(GemmBf16Packed, OutputBitsDoNotDependOnTheChunk) {
+  Device& dev = test::default_device();
+  test::ShapeScope shape(dev, KernelShape::Chunks);
+  const uint32_t M = 45, N = 90;
+  over_chunks_and_glu(dev, M, N, 83, [&](const GluOperands& o, uint32_t K, bool glu) {
+    const std::vector<uint32_t> chunks =
+        K < 1000 ? std::vector<uint32_t>{1024, 48} : std::vector<uint32_t>{1024, 256, 16};
+    std::vector<std::vector<float>> out;
+    for (const uint32_t kp : chunks) {
+      KernelTuning t = dev.tuning();
+      t.gemm_bf16_packed_rows = 8;
+      t.gemm_bf16_packed_kp = kp;
+      test::TuningScope scope(dev, t);
+      ASSERT_TRUE(packed(dev, M));
+      out.push_back(bf16_product(dev, glu, o.x, o.w, o.u, M, N, K));
+    }
+    for (size_t c = 1; c < out.size(); ++c) {
+      SCOPED_TRACE("chunk of " + std::to_string(chunks[c]) + " steps");
+      for (size_t i = 0; i < out[0].size(); ++i)
+        ASSERT_EQ(std::memcmp(&out[0][i], &out[c][i], 4), 0) << i;
+    }
+  });
+}
+
 // The packed GEMM takes bf16 weights from gemm_bf16_packed_rows rows and not below, sums each row
 // alone (the first 130 rows of a 200-row product are a 130-row product's, bit for bit), and rounds
 // in its own order: some of its outputs differ from the tiles' (where a row takes which GEMM, it
