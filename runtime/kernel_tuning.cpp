@@ -171,6 +171,23 @@ KernelTuning amd_epyc_avx512() {
   return t;
 }
 
+KernelTuning intel_xeon() {
+  // PoCL on the Xeons of this workplace (family 6 models 143 and 207, Sapphire and Emerald Rapids,
+  // named "Intel(R) Xeon(R) Processor" in their KVM guests): their vdpbf16ps runs at half the f32
+  // FMA's rate (register-only loops: 0.49-0.60x on one with AMX, 2026-11-29; 0.49-0.54x on one
+  // with AVX-512 BF16 and no AMX, 2026-12-03), so bf16 compute sums its bf16-rounded products
+  // with the portable FMA micro-kernel and attends and runs its GEMVs in f32 (gemm_bf16_dot 0;
+  // AMX's tiles, where the host has them, are apart from it: gemm_bf16_amx). On the one without
+  // AMX (2026-12-03, bench_llama --compute-dtype bf16 --tuning-ab gemm_bf16_dot=0, 9 rounds in
+  // turn; the prefill's 3) llama3-1b bf16's decode 1.31x [1.18, 1.45] (144 -> 113 ms per token),
+  // its batch-8 step 1.12x [1.00, 1.38], its 512-token prefill 1.34x [1.26, 1.34] and 1.27x [1.19,
+  // 1.28] (two runs; 6.8 -> 5.1 s); bench_kernels --gemm-bf16 at M = 512: the packed GEMM's FMA
+  // micro-kernel 159-216 GFLOP/s on llama3-1b's shapes against 84-158 with vdpbf16ps.
+  KernelTuning t = cpu_forced();
+  t.gemm_bf16_dot = 0;
+  return t;
+}
+
 const std::vector<TuningRow>& table() {
   // The first row that matches wins: specific names before their vendor's default.
   static const std::vector<TuningRow> rows = {
@@ -178,6 +195,7 @@ const std::vector<TuningRow>& table() {
       {DeviceKind::Gpu, "NVIDIA", "H200", nvidia_hopper()},
       {DeviceKind::Gpu, "NVIDIA", "", nvidia()},
       {DeviceKind::Cpu, "AuthenticAMD", "skylake-avx512-AMD EPYC", amd_epyc_avx512()},
+      {DeviceKind::Cpu, "GenuineIntel", "Intel(R) Xeon(R)", intel_xeon()},
       {DeviceKind::Cpu, "", "", cpu_forced()},
   };
   return rows;

@@ -288,6 +288,7 @@ TEST_P(Fp8Decodes, LinearPartialBlocksAllTileShapes) {
 // f32. A NaN code in a whole block and one in the partial block make their features NaN.
 TEST(Fp8ComputeBf16, LinearInTurnSumsBf16RoundedRows) {
   Device& dev = device();
+  test::DotProductScope dot_product(dev);
   test::ShapeScope scope(dev, KernelShape::Chunks);
   const bool dot = ops::bf16_dot_product(dev);
   std::printf("vdpbf16ps on this host's device: %s\n", dot ? "yes" : "no");
@@ -837,7 +838,8 @@ TEST_P(Fp8Decodes, LinearAnyBf16ComputeIsTheBf16GemmOfTheDequantizedWeight) {
   for (const bool portable : {false, true}) {
     dev.set_kernel_shape(shape);
     KernelTuning t = tuning;
-    if (portable) t.gemm_bf16_dot = t.gemm_bf16_amx = 0;
+    t.gemm_bf16_dot = portable ? 0 : 1;  // vdpbf16ps where the host has it, else the portable
+    if (portable) t.gemm_bf16_amx = 0;
     test::TuningScope tuned(dev, t);
     const bool bf16_route = M >= 16 && shape == KernelShape::Chunks;
     if (M < 16 && shape == KernelShape::Chunks && ops::bf16_dot_product(dev)) continue;

@@ -1,7 +1,7 @@
 // bf16 compute (model.compute_dtype: bf16): the rounding kernel against the nearest bf16 found on
 // the host, and the bf16 GEMMs (linear_bf16.cl's tiles and, from gemm_bf16_packed_rows rows, its
-// packed GEMM; both micro-kernels: vdpbf16ps where the device selects it, and the portable one
-// forced through the tuning's gemm_bf16_dot = 0) against a double-precision host reference
+// packed GEMM; both micro-kernels, forced through the tuning's gemm_bf16_dot: vdpbf16ps where the
+// host has it, and the portable one) against a double-precision host reference
 // computed on the bf16-rounded inputs, on sizes that are not multiples of the tiles or of the
 // 32-element steps: linear (bias, alpha, accumulate), linear_fused (norm, q/k/v side by side) and
 // linear_swiglu (norm, GLU epilogue).
@@ -101,7 +101,10 @@ TEST(RoundBf16, KernelRoundsToNearestEven) {
   EXPECT_EQ(b[2], 0x8000);
 }
 
-enum class Variant { Selected, Portable };
+// The micro-kernel a case forces: vdpbf16ps wherever the host has it (gemm_bf16_dot 1, whatever
+// the device's row says: the Xeons' row turns it off for speed, kernel_tuning.cpp, and the tests
+// still run it there), or the portable one (gemm_bf16_dot 0).
+enum class Variant { DotProduct, Portable };
 
 struct GemmCase {
   uint32_t M, N, K;
@@ -114,7 +117,7 @@ struct GemmCase {
 std::string case_name(const ::testing::TestParamInfo<GemmCase>& p) {
   const GemmCase& c = p.param;
   return "M" + std::to_string(c.M) + "_N" + std::to_string(c.N) + "_K" + std::to_string(c.K) +
-         (c.variant == Variant::Selected ? "_selected" : "_portable") +
+         (c.variant == Variant::DotProduct ? "_dot" : "_portable") +
          (c.shape == KernelShape::Chunks ? "" : "_workgroups") +
          (c.tm ? "_tile" + std::to_string(c.tm) + "x" + std::to_string(c.tn) : "") +
          (c.ptm ? "_packed" + std::to_string(c.ptm) + "x" + std::to_string(c.pnv) : "");
@@ -124,6 +127,7 @@ std::string case_name(const ::testing::TestParamInfo<GemmCase>& p) {
 KernelTuning case_tuning(const Device& d, const GemmCase& c) {
   KernelTuning t = d.tuning();
   if (c.variant == Variant::Portable) t.gemm_bf16_dot = t.gemm_bf16_amx = 0;
+  if (c.variant == Variant::DotProduct) t.gemm_bf16_dot = 1;
   if (c.tm) {
     t.gemm_bf16_amx = 0;  // the tiles, which AMX's packed GEMM would take from 8 rows
     t.gemm_bf16_tm = t.gemm_bf16_batch_tm = c.tm;
@@ -187,7 +191,7 @@ TEST_P(GemmBf16, SelectsTheDotProductWhereTheHostHasIt) {
   const bool pocl = dev.info().platform.find("Portable Computing Language") != std::string::npos;
   const bool host = __builtin_cpu_supports("avx512bf16");
   EXPECT_EQ(ops::bf16_dot_product(dev),
-            c.variant == Variant::Selected && pocl && host && dev.info().kind == DeviceKind::Cpu);
+            c.variant == Variant::DotProduct && pocl && host && dev.info().kind == DeviceKind::Cpu);
 }
 
 // Whether /proc/cpuinfo lists a flag of the first CPU (Linux names AMX's as amx_tile, amx_bf16
@@ -208,7 +212,7 @@ TEST_P(GemmBf16, SelectsAmxWhereTheHostHasIt) {
   DeviceScope scope(dev, c);
   const bool pocl = dev.info().platform.find("Portable Computing Language") != std::string::npos;
   const bool host = cpuinfo_flag("amx_tile") && cpuinfo_flag("amx_bf16");
-  EXPECT_EQ(ops::bf16_amx(dev), c.variant == Variant::Selected && c.tm == 0 && pocl && host &&
+  EXPECT_EQ(ops::bf16_amx(dev), c.variant == Variant::DotProduct && c.tm == 0 && pocl && host &&
                                     dev.info().kind == DeviceKind::Cpu);
 }
 
@@ -418,13 +422,13 @@ std::vector<float> bf16_product(Device& dev, bool glu, const cl::Mem& x, const W
 }
 
 // Case c's GEMM at bf16 compute over x (linear with w, or with glu linear_swiglu with gate w and up
-// u), run with the selected micro-kernel and with the portable one: the same bits. With
-// expect_packed, both runs must take the packed GEMM.
+// u), run with vdpbf16ps (where the host has it) and with the portable micro-kernel: the same bits.
+// With expect_packed, both runs must take the packed GEMM.
 void expect_variants_agree(Device& dev, GemmCase c, bool glu, const cl::Mem& x, const Weight& w,
                            const Weight& u, bool expect_packed) {
   const uint32_t M = c.M, N = c.N, K = c.K;
   std::vector<float> out[2];
-  for (Variant v : {Variant::Selected, Variant::Portable}) {
+  for (Variant v : {Variant::DotProduct, Variant::Portable}) {
     c.variant = v;
     DeviceScope scope(dev, c);
     if (expect_packed) {
@@ -472,7 +476,8 @@ TEST(GemmBf16Variants, DotProductAndPortableAgreeToTheBit) {
       for (const bool glu : {false, true}) {
         SCOPED_TRACE("K=" + std::to_string(K) + " tile " + std::to_string(tm) + "x" +
                      std::to_string(tn) + (glu ? " glu" : ""));
-        expect_variants_agree(dev, GemmCase{M, N, K, Variant::Selected, KernelShape::Chunks, tm, tn},
+        expect_variants_agree(dev,
+                              GemmCase{M, N, K, Variant::DotProduct, KernelShape::Chunks, tm, tn},
                               glu, xm, w, u, false);
       }
     }
@@ -498,7 +503,7 @@ TEST(GemmBf16Variants, PackedDotProductAndPortableAgreeToTheBit) {
       for (const bool glu : {false, true}) {
         SCOPED_TRACE("K=" + std::to_string(K) + " packed tile " + std::to_string(ptm) + "x" +
                      std::to_string(pnv) + (glu ? " glu" : ""));
-        GemmCase c{M, N, K, Variant::Selected};
+        GemmCase c{M, N, K, Variant::DotProduct};
         c.ptm = ptm;
         c.pnv = pnv;
         expect_variants_agree(dev, c, glu, xm, w, u, true);
@@ -1098,37 +1103,34 @@ INSTANTIATE_TEST_SUITE_P(Rows, GemmBf16Prefetch, ::testing::Values(9u, 130u),
 
 INSTANTIATE_TEST_SUITE_P(
     Sizes, GemmBf16,
-    ::testing::Values(GemmCase{4, 9, 32, Variant::Selected}, GemmCase{5, 37, 70, Variant::Selected},
-                      GemmCase{13, 29, 333, Variant::Selected},
-                      GemmCase{67, 19, 97, Variant::Selected}, GemmCase{5, 37, 70, Variant::Portable},
-                      GemmCase{13, 29, 333, Variant::Portable},
-                      GemmCase{67, 19, 97, Variant::Portable},
-                      GemmCase{6, 21, 45, Variant::Selected, KernelShape::WorkGroups},
-                      // Work-items of several column tiles: each loads its next tile's weight
-                      // rows ahead (and prefetches them on x86 PoCL) while the last row tile runs.
-                      GemmCase{9, 3100, 70, Variant::Selected},
-                      GemmCase{9, 3100, 70, Variant::Portable},
-                      // Several row blocks (64 rows each) by several column blocks: the launch's
-                      // two dimensions (row blocks first) each cover their whole range.
-                      GemmCase{130, 3100, 70, Variant::Selected},
-                      // The tiles the tuning table names (decode batches take the batch tile,
-                      // from gemm_bf16_rows rows the prefill one), forced whatever the device:
-                      // 8-row tiles over one partial row tile, two, and whole row blocks.
-                      GemmCase{5, 37, 70, Variant::Selected, KernelShape::Chunks, 8, 4},
-                      GemmCase{13, 3100, 333, Variant::Selected, KernelShape::Chunks, 8, 4},
-                      GemmCase{67, 29, 97, Variant::Selected, KernelShape::Chunks, 8, 4},
-                      GemmCase{13, 29, 333, Variant::Portable, KernelShape::Chunks, 8, 4},
-                      GemmCase{9, 3100, 70, Variant::Selected, KernelShape::Chunks, 4, 6},
-                      // The packed GEMM (from gemm_bf16_packed_rows rows): rows and columns past
-                      // its tiles, odd K, and K of several chunks (1051 pair steps) whose partial
-                      // sums wait in local memory; the tiles the tuning table can name.
-                      GemmCase{129, 61, 333, Variant::Selected},
-                      GemmCase{129, 61, 333, Variant::Portable},
-                      GemmCase{131, 37, 2101, Variant::Selected},
-                      GemmCase{131, 37, 2101, Variant::Portable},
-                      GemmCase{130, 70, 97, Variant::Selected, KernelShape::Chunks, 0, 0, 8, 2},
-                      GemmCase{130, 70, 97, Variant::Selected, KernelShape::Chunks, 0, 0, 6, 4},
-                      GemmCase{133, 200, 97, Variant::Portable, KernelShape::Chunks, 0, 0, 8, 3}),
+    ::testing::Values(
+        GemmCase{4, 9, 32, Variant::DotProduct}, GemmCase{5, 37, 70, Variant::DotProduct},
+        GemmCase{13, 29, 333, Variant::DotProduct}, GemmCase{67, 19, 97, Variant::DotProduct},
+        GemmCase{5, 37, 70, Variant::Portable}, GemmCase{13, 29, 333, Variant::Portable},
+        GemmCase{67, 19, 97, Variant::Portable},
+        GemmCase{6, 21, 45, Variant::DotProduct, KernelShape::WorkGroups},
+        // Work-items of several column tiles: each loads its next tile's weight
+        // rows ahead (and prefetches them on x86 PoCL) while the last row tile runs.
+        GemmCase{9, 3100, 70, Variant::DotProduct}, GemmCase{9, 3100, 70, Variant::Portable},
+        // Several row blocks (64 rows each) by several column blocks: the launch's
+        // two dimensions (row blocks first) each cover their whole range.
+        GemmCase{130, 3100, 70, Variant::DotProduct},
+        // The tiles the tuning table names (decode batches take the batch tile,
+        // from gemm_bf16_rows rows the prefill one), forced whatever the device:
+        // 8-row tiles over one partial row tile, two, and whole row blocks.
+        GemmCase{5, 37, 70, Variant::DotProduct, KernelShape::Chunks, 8, 4},
+        GemmCase{13, 3100, 333, Variant::DotProduct, KernelShape::Chunks, 8, 4},
+        GemmCase{67, 29, 97, Variant::DotProduct, KernelShape::Chunks, 8, 4},
+        GemmCase{13, 29, 333, Variant::Portable, KernelShape::Chunks, 8, 4},
+        GemmCase{9, 3100, 70, Variant::DotProduct, KernelShape::Chunks, 4, 6},
+        // The packed GEMM (from gemm_bf16_packed_rows rows): rows and columns past
+        // its tiles, odd K, and K of several chunks (1051 pair steps) whose partial
+        // sums wait in local memory; the tiles the tuning table can name.
+        GemmCase{129, 61, 333, Variant::DotProduct}, GemmCase{129, 61, 333, Variant::Portable},
+        GemmCase{131, 37, 2101, Variant::DotProduct}, GemmCase{131, 37, 2101, Variant::Portable},
+        GemmCase{130, 70, 97, Variant::DotProduct, KernelShape::Chunks, 0, 0, 8, 2},
+        GemmCase{130, 70, 97, Variant::DotProduct, KernelShape::Chunks, 0, 0, 6, 4},
+        GemmCase{133, 200, 97, Variant::Portable, KernelShape::Chunks, 0, 0, 8, 3}),
     case_name);
 
 }  // namespace

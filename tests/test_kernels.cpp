@@ -857,7 +857,7 @@ TEST_P(PrefillAttention, MatchesDoubleReferenceWithCachedPrefix) {
   const PrefillCase& c = GetParam();
   Device& dev = test::default_device();
   ShapeScope scope(dev, c.shape);
-  KernelTuning tu = dev.tuning();
+  KernelTuning tu = test::with_bf16_dot(dev.tuning());
   if (c.q_tile) tu.prefill_q = c.q_tile;
   if (c.kv_tile) tu.prefill_tile = c.kv_tile;
   if (c.wg) tu.prefill_wg = c.wg;
@@ -1014,6 +1014,7 @@ TEST(AttentionTiles, KeyWidthsOfNoMultipleOf8AreAnError) {
 // verified runs against decode).
 TEST(AttentionTiles, ATokensOutputHasTheSameBitsInAnyStep) {
   Device& dev = test::default_device();
+  test::DotProductScope dot(dev);
   ShapeScope scope(dev, KernelShape::Chunks);
   const uint32_t hd = 24, page = 16, ppr = 3;
   const std::vector<uint32_t> cached = {21, 0, 30}, fresh = {19, 13, 1};
@@ -1080,6 +1081,7 @@ TEST(AttentionTiles, ATokensOutputHasTheSameBitsInAnyStep) {
 // 1e-5, and with bf16 the weights' rounding's bound 2^-8 of the largest |value| more.
 TEST(AttentionTiles, DecompressedKeysMatchTheReferenceAtBothComputeDtypes) {
   Device& dev = test::default_device();
+  test::DotProductScope dot(dev);
   ShapeScope scope(dev, KernelShape::Chunks);
   const uint32_t nh = 3, nope = 16, rope = 8, dv = 24, page = 16, ppr = 2, qk = nope + rope;
   const std::vector<uint32_t> cached = {13, 0}, fresh = {8, 5}, ctx_start = {0, 21};
@@ -1160,6 +1162,7 @@ TEST(AttentionTiles, DecompressedKeysMatchTheReferenceAtBothComputeDtypes) {
 // nearest even), over the f32 sum 1 + exp(-1).
 TEST(AttentionTiles, Bf16ComputeRoundsQueriesAndWeights) {
   Device& dev = test::default_device();
+  test::DotProductScope dot(dev);
   ShapeScope scope(dev, KernelShape::Chunks);
   const uint32_t hd = 8, page = 16;
   std::vector<float> cache(size_t(2) * page * hd, 0.0f);  // one page: [K, V][slot][hd]

@@ -582,7 +582,9 @@ TEST_P(GroupedExperts, MatchPerExpertOpsBitForBit) {
   } decode(c.f16_decode);
   KernelTuning tuning = dev.tuning();
   if (c.vector) tuning.linear_vector = c.vector;
-  if (c.portable) tuning.gemm_bf16_dot = tuning.gemm_bf16_amx = 0;
+  // bf16 compute: vdpbf16ps where the host has it (test::with_bf16_dot), or the portable kernel.
+  tuning.gemm_bf16_dot = c.portable ? 0 : 1;
+  if (c.portable) tuning.gemm_bf16_amx = 0;
   if (c.packed_rows) tuning.moe_bf16_packed_rows = c.packed_rows;
   test::TuningScope tuned(dev, tuning);
   const uint32_t routed = c.with_shared ? c.E - 1 : c.E, slots = c.k + (c.with_shared ? 1 : 0);

@@ -102,6 +102,21 @@ class TuningScope {
   KernelTuning saved_;
 };
 
+// The device's tuning with gemm_bf16_dot 1 for one scope: bf16 compute's kernels with vdpbf16ps
+// wherever the host has it, also where the device's own row turns it off for speed (the Xeons',
+// kernel_tuning.cpp), so that their tests still run them there.
+inline KernelTuning with_bf16_dot(KernelTuning t) {
+  t.gemm_bf16_dot = 1;
+  return t;
+}
+class DotProductScope {
+ public:
+  explicit DotProductScope(Device& dev) : scope_(dev, with_bf16_dot(dev.tuning())) {}
+
+ private:
+  TuningScope scope_;
+};
+
 // Whether the prefetch hints apply to `dev` (ops::weight_prefetch_option): PoCL's CPU device on an
 // x86 host.
 bool x86_pocl(const Device& dev);
