@@ -172,17 +172,21 @@ KernelTuning amd_epyc_avx512() {
 }
 
 KernelTuning intel_xeon() {
-  // PoCL on the Xeons of this workplace (family 6 models 143 and 207, Sapphire and Emerald Rapids,
-  // named "Intel(R) Xeon(R) Processor" in their KVM guests): their vdpbf16ps runs at half the f32
-  // FMA's rate (register-only loops: 0.49-0.60x on one with AMX, 2026-11-29; 0.49-0.54x on one
-  // with AVX-512 BF16 and no AMX, 2026-12-03), so bf16 compute sums its bf16-rounded products
-  // with the portable FMA micro-kernel and attends and runs its GEMVs in f32 (gemm_bf16_dot 0;
-  // AMX's tiles, where the host has them, are apart from it: gemm_bf16_amx). On the one without
-  // AMX (2026-12-03, bench_llama --compute-dtype bf16 --tuning-ab gemm_bf16_dot=0, 9 rounds in
-  // turn; the prefill's 3) llama3-1b bf16's decode 1.31x [1.18, 1.45] (144 -> 113 ms per token),
-  // its batch-8 step 1.12x [1.00, 1.38], its 512-token prefill 1.34x [1.26, 1.34] and 1.27x [1.19,
-  // 1.28] (two runs; 6.8 -> 5.1 s); bench_kernels --gemm-bf16 at M = 512: the packed GEMM's FMA
-  // micro-kernel 159-216 GFLOP/s on llama3-1b's shapes against 84-158 with vdpbf16ps.
+  // PoCL on the Xeons of this workplace (KVM guests named "Intel(R) Xeon(R) Processor"; one with
+  // AMX, one of family 6 model 207 without; other Xeons take the row unmeasured): their vdpbf16ps
+  // runs at half the f32 FMA's rate (register-only loops: 0.49-0.60x on one with AMX, 2026-11-29;
+  // 0.49-0.54x on one with AVX-512 BF16 and no AMX, 2026-12-03), so bf16 compute sums its
+  // bf16-rounded products with the portable FMA micro-kernel and attends and runs its GEMVs in f32
+  // (gemm_bf16_dot 0; AMX's tiles, where the host has them, are apart from it: gemm_bf16_amx). On
+  // the one without AMX (2026-12-03, bench_llama --compute-dtype bf16 --tuning-ab gemm_bf16_dot=0,
+  // 9 rounds in turn; the prefill's 3) llama3-1b bf16's decode 1.31x [1.18, 1.45] (144 -> 113 ms
+  // per token), its batch-8 step 1.12x [1.00, 1.38], its 512-token prefill 1.34x [1.26, 1.34]
+  // and 1.27x [1.19, 1.28] (two runs; 6.8 -> 5.1 s); bench_kernels --gemm-bf16 at M = 512: the
+  // packed GEMM's FMA micro-kernel 159-216 GFLOP/s on llama3-1b's shapes against 84-158 with
+  // vdpbf16ps. dsv3-mini at bf16 compute (bench_deepseek --tuning-ab, 9 rounds) decode 1.37x
+  // [1.27, 1.44] (bf16) and 1.19x [0.89, 1.61] (fp8), its bf16 512-token prefill 1.01x
+  // (bench_step_breakdown, 2 pairs: 2137-2240 ms against 2154-2271). Not measured on the Xeon with
+  // AMX, whose FP8 experts and attention at bf16 compute it moves to the FMA kernels too.
   KernelTuning t = cpu_forced();
   t.gemm_bf16_dot = 0;
   return t;
