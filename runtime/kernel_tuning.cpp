@@ -189,6 +189,12 @@ KernelTuning intel_xeon() {
   // AMX, whose FP8 experts and attention at bf16 compute it moves to the FMA kernels too.
   KernelTuning t = cpu_forced();
   t.gemm_bf16_dot = 0;
+  // The grouped experts take the packed GEMM from 32 rows, as on the EPYC: dsv3-mini's 512-token
+  // prefill at bf16 compute on the Xeon without AMX (2026-12-03, bench_step_breakdown --prefill
+  // 512, 4 pairs in turn through tuning.json, gemm_bf16_dot 0 in both) took its experts in
+  // 994-1274 ms against 1250-1445 (bf16 weights; the whole step 1707-2149 ms against 1996-2397)
+  // and 1050-1225 against 1256-1302 (FP8); from 16 rows 947-1190 and 1034-1160 (2 runs).
+  t.moe_bf16_packed_rows = 32;
   return t;
 }
 
