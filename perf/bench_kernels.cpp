@@ -161,8 +161,13 @@ void gemm_bf16_section(Device& dev, int reps, bool tiles, uint32_t M) {
       ops::linear_swiglu(dev, x, 0, uint32_t(K), nullptr, 0.0f, gate, up, y, 0, uint32_t(F), M, c);
     });
   }
+  // Whether the dot columns (gemm_bf16_dot 1, whatever the device's row says) ran vdpbf16ps.
+  KernelTuning dot = own;
+  dot.gemm_bf16_dot = 1;
+  dev.set_tuning(dot);
   if (!ops::bf16_dot_product(dev))
     std::printf("  (no vdpbf16ps on this device: the dot columns are the portable kernels)\n");
+  dev.set_tuning(own);
 }
 
 // llama3-1b's prefill GEMMs (M tokens) in our kernels (f32 and bf16 weights) next to CLBlast's
