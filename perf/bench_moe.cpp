@@ -97,6 +97,7 @@ const Layer& layer(bool fp8) {
   L.grouped.n_experts = kE;
   L.grouped.hidden = kH;
   L.grouped.inter = kF;
+  L.grouped.pairs_aligned = ops::grouped_rows_aligned(table, kH, kF);
   return L;
 }
 

@@ -29,6 +29,8 @@ struct TuneWorkload::Buffers {
   std::deque<cl::Mem> mems;
   std::deque<Weight> weights;
   std::deque<DecodeRows> steps;
+  std::deque<ops::GroupedExperts> experts;
+  std::deque<ops::GroupedPlan> plans;
 };
 
 namespace {
@@ -88,6 +90,31 @@ std::pair<Weight, Weight> fp8_weight(Device& dev, uint32_t N, uint32_t K, uint32
   s.mem = dev.alloc(sc.size() * 4);
   dev.write(s.mem, sc.data(), sc.size() * 4);
   return {w, s};
+}
+
+// E bf16 experts of [gate F x H, up F x H, down H x F] in one buffer (ops::GroupedExperts), of a
+// checkpoint's magnitudes: N(0, 0.02), no bf16 denormals (whose products take the CPU's microcode
+// assists; perf/bench_moe.cpp).
+ops::GroupedExperts bf16_experts(Device& dev, uint32_t E, uint32_t H, uint32_t F, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 0.02f);
+  const size_t per_matrix = size_t(F) * H;
+  std::vector<uint16_t> v(size_t(E) * 3 * per_matrix);
+  for (auto& x : v) x = f32_to_bf16(normal(rng));
+  std::vector<uint64_t> table(size_t(E) * 6, 0);  // element offsets of gate, up, down (no scales)
+  for (uint32_t e = 0; e < E; ++e)
+    for (uint32_t m = 0; m < 3; ++m) table[size_t(e) * 6 + m] = (size_t(e) * 3 + m) * per_matrix;
+  ops::GroupedExperts g;
+  g.mem = dev.alloc(v.size() * 2);
+  dev.write(g.mem, v.data(), v.size() * 2);
+  g.table = dev.alloc(table.size() * 8);
+  dev.write(g.table, table.data(), table.size() * 8);
+  g.dtype = DType::BF16;
+  g.n_experts = E;
+  g.hidden = H;
+  g.inter = F;
+  g.pairs_aligned = ops::grouped_rows_aligned(table, H, F);
+  return g;
 }
 
 DecodeRows decode_rows(Device& dev, uint32_t B, uint32_t ctx, uint32_t page_size) {
@@ -222,7 +249,7 @@ TuneWorkload::TuneWorkload(Device& dev, bool quick) : buffers_(std::make_unique<
            dev.set_tuning(own);
          },
          {"linear_wg", "linear_rows", "linear_vector"},
-         {"gemm_bf16_tm", "gemm_bf16_tn", "gemm_bf16_rows"}});
+         {"gemm_bf16_dot", "gemm_bf16_tm", "gemm_bf16_tn", "gemm_bf16_rows"}});
     ops_.push_back(
         {"linear bf16 compute packed",
          "M=" + std::to_string(2 * M) + " N=" + std::to_string(N) + " K=" + std::to_string(K),
@@ -231,7 +258,7 @@ TuneWorkload::TuneWorkload(Device& dev, bool quick) : buffers_(std::make_unique<
            ops::linear(dev, x, 0, K, w, nullptr, y, 0, N, 2 * M, 1.0f, false, ComputeDType::BF16);
          },
          {},
-         {"gemm_bf16_packed_rows", "gemm_bf16_packed_tm", "gemm_bf16_packed_nv",
+         {"gemm_bf16_dot", "gemm_bf16_packed_rows", "gemm_bf16_packed_tm", "gemm_bf16_packed_nv",
           "gemm_bf16_packed_kp"}});
   }
   // The same at a decode batch of 8 rows (the batch tile), over 3 copies of the weight (96 MB,
@@ -243,6 +270,18 @@ TuneWorkload::TuneWorkload(Device& dev, bool quick) : buffers_(std::make_unique<
     for (uint32_t c = 0; c < copies; ++c)
       ws.push_back(&b.weights.emplace_back(bf16_weight(dev, {N, K}, 19 + c)));
     cl::Mem x = keep(random_buffer(dev, size_t(M) * K, 23)), y = keep(dev.alloc(size_t(M) * N * 4));
+    // One row (batch-1 decode): where the host has vdpbf16ps, gemm_bf16_dot decides whether the
+    // GEMV sums in bf16 with it (ops::bf16_gemv) or runs the f32 GEMV.
+    ops_.push_back(
+        {"linear M=1 bf16 compute",
+         "N=" + std::to_string(N) + " K=" + std::to_string(K) + " x" + std::to_string(copies),
+         double(N) * K * 2 * copies,
+         [&dev, x, y, ws, N, K] {
+           for (const Weight* w : ws)
+             ops::linear(dev, x, 0, K, *w, nullptr, y, 0, N, 1, 1.0f, false, ComputeDType::BF16);
+         },
+         {},
+         {"gemm_bf16_dot"}});
     ops_.push_back({"linear bf16 compute batch",
                     "M=" + std::to_string(M) + " N=" + std::to_string(N) +
                         " K=" + std::to_string(K) + " x" + std::to_string(copies),
@@ -259,7 +298,7 @@ TuneWorkload::TuneWorkload(Device& dev, bool quick) : buffers_(std::make_unique<
                       dev.set_tuning(own);
                     },
                     {},
-                    {"gemm_bf16_batch_tm", "gemm_bf16_batch_tn"}});
+                    {"gemm_bf16_dot", "gemm_bf16_batch_tm", "gemm_bf16_batch_tn"}});
     // As the device runs them: with AMX the streaming GEMM (bf16_amx_stream.cl), and its gate/up
     // GLU launch too, whose units pair gate and up rows.
     ops_.push_back({"linear bf16 compute batch AMX",
@@ -276,6 +315,41 @@ TuneWorkload::TuneWorkload(Device& dev, bool quick) : buffers_(std::make_unique<
                     },
                     {},
                     {"gemm_bf16_amx_stream_na"}});
+  }
+
+  // Prefills' grouped experts in the bf16 compute dtype: T tokens routed to top 8 of E bf16
+  // experts (H 2048, F 512: dsv3-mini's), 16 and 64 rows per expert on average (what 128- and
+  // 512-token prefills give dsv3-mini's 64 experts at top 8), each token's experts a random 8.
+  // Experts of moe_bf16_packed_rows rows or more take the packed GEMM, the others the tiles.
+  {
+    const uint32_t E = quick ? 16 : 32, H = quick ? 1024 : 2048, F = quick ? 256 : 512, top_k = 8;
+    const ops::GroupedExperts& g = b.experts.emplace_back(bf16_experts(dev, E, H, F, 31));
+    for (uint32_t rows : {16u, 64u}) {
+      const uint32_t T = E * rows / top_k;
+      std::mt19937 rng(32 + rows);
+      std::vector<uint32_t> ids(size_t(T) * top_k), perm(E);
+      for (uint32_t t = 0; t < T; ++t) {
+        for (uint32_t e = 0; e < E; ++e) perm[e] = e;
+        std::shuffle(perm.begin(), perm.end(), rng);
+        std::copy(perm.begin(), perm.begin() + top_k, ids.begin() + size_t(t) * top_k);
+      }
+      cl::Mem idm = keep(upload_u32(dev, ids)), x = keep(random_buffer(dev, size_t(T) * H, 33)),
+              act = keep(dev.alloc(size_t(T) * top_k * F * 4)),
+              y = keep(dev.alloc(size_t(T) * top_k * H * 4));
+      const ops::GroupedPlan& plan = b.plans.emplace_back(ops::plan_experts(dev, idm, T, top_k, E));
+      ops_.push_back({"moe experts bf16 compute",
+                      "T=" + std::to_string(T) + " E=" + std::to_string(E) +
+                          " top8 H=" + std::to_string(H) + " F=" + std::to_string(F),
+                      0.0,
+                      [&dev, &g, &plan, x, act, y, T, H, F] {
+                        ops::moe_grouped_swiglu(dev, x, H, &plan.src_token.mem(), g, plan, act, F,
+                                                ComputeDType::BF16, T);
+                        ops::moe_grouped_linear(dev, act, F, nullptr, g, 2, 1, plan, y, H,
+                                                ComputeDType::BF16);
+                      },
+                      {},
+                      {"moe_bf16_packed_rows"}});
+    }
   }
 
   // Prefill GEMMs in f32 (bf16 weight N x K) at M = 128 and 512 rows: in the GPU shape the
@@ -407,8 +481,10 @@ TuneWorkload::TuneWorkload(Device& dev, bool quick) : buffers_(std::make_unique<
 }
 
 const std::vector<TuneField>& tunable_fields() {
-  // gemm_bf16_dot, gemm_bf16_gemv and gemm_bf16_amx are no timing choices: 1 uses vdpbf16ps /
-  // AMX where the host has it. split_scratch_bytes is a memory cap.
+  // gemm_bf16_dot first among bf16 compute's fields, so that the tiles are timed with the
+  // micro-kernel it chose: vdpbf16ps ran at half the FMA's rate on this workplace's Xeons and at
+  // about twice it on the EPYC (kernel_tuning.cpp). gemm_bf16_gemv and gemm_bf16_amx are no timing
+  // choices: 1 uses vdpbf16ps / AMX where the host has it. split_scratch_bytes is a memory cap.
   using S = KernelShape;
   static const std::vector<TuneField> f = {
       {"norm_wg", S::WorkGroups, {32, 64, 128, 256}},
@@ -437,6 +513,7 @@ const std::vector<TuneField>& tunable_fields() {
       {"gemv_stream_prefetch", S::Chunks, {0, 4096, 8192, 16384}},
       {"gemv_row_pairs", S::Chunks, {0, 1}},
       {"linear_batch_tm", S::Chunks, {4, 8}},
+      {"gemm_bf16_dot", S::Chunks, {0, 1}},
       {"gemm_bf16_tm", S::Chunks, {2, 4, 6}},
       {"gemm_bf16_tn", S::Chunks, {2, 4, 6}},
       {"gemm_bf16_batch_tm", S::Chunks, {2, 4, 8}},
@@ -446,6 +523,7 @@ const std::vector<TuneField>& tunable_fields() {
       {"gemm_bf16_packed_tm", S::Chunks, {4, 6, 8}},
       {"gemm_bf16_packed_nv", S::Chunks, {2, 3, 4}},
       {"gemm_bf16_packed_kp", S::Chunks, {256, 512, 1024}},
+      {"moe_bf16_packed_rows", S::Chunks, {0, 8, 16, 32, 64, 128}},
       {"gemm_bf16_amx_stream_na", S::Chunks, {1, 2, 4}},
   };
   return f;

@@ -25,9 +25,9 @@ struct TuneOp {
   std::vector<std::string> cpu_fields;  // read in the Chunks shape
 };
 
-// The ops with their buffers (random data) on `dev`: RMSNorm, a bf16 GEMV, a bf16 GEMM in the
-// bf16 compute dtype, f32 prefill GEMMs (our kernels or CLBlast), RoPE + KV store, paged decode and prefill attention, MLA decode, the MoE
-// router.
+// The ops with their buffers (random data) on `dev`: RMSNorm, bf16 and FP8 GEMVs, bf16 GEMMs and
+// GEMVs and a prefill's grouped experts in the bf16 compute dtype, f32 prefill GEMMs (our kernels
+// or CLBlast), RoPE + KV store, paged decode and prefill attention, MLA decode, the MoE router.
 // `quick`: fewer and smaller shapes.
 class TuneWorkload {
  public:

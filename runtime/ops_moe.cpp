@@ -394,6 +394,12 @@ void moe_combine(Device& dev, const cl::Mem& expert_out, uint32_t ld, const cl::
   dev.launch(k, {T, ceil_div(H, kRowChunk), 1}, 2);
 }
 
+bool grouped_rows_aligned(const std::vector<uint64_t>& table, uint32_t hidden, uint32_t inter) {
+  if (hidden % 2 || inter % 2 || table.size() % 6) return false;
+  for (size_t i = 0; i < table.size(); ++i)
+    if (i % 6 < 3 && table[i] % 2) return false;
+  return true;
+}
 
 GroupedPlan plan_experts(Device& dev, const cl::Mem& topk_ids, uint32_t T, uint32_t top_k,
                          uint32_t n_experts, bool with_shared) {
@@ -522,10 +528,18 @@ void grouped_bf16_launch(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::
   // bench_deepseek --compute-dtype bf16 --tuning-ab gemm_bf16_packed_rows=0 before this).
   const uint32_t packed_from = moe_bf16_packed_rows_from(dev);
   const bool packed_rows = packed_from != 0 && plan.max_expert_rows >= packed_from;
+  // The x rows are rounded at an even stride; FP8 weights reach the micro-kernels from aligned
+  // panels. Aligned bf16 weight rows gave the portable tiles 2.2x: dsv3-mini-sized experts (32 of
+  // H 2048 and F 512, 192 tokens at top 8, none packed) 68-72 ms against 154-161 in pairs of
+  // ushorts (clshard tune's moe op), and dsv3-mini bf16's 128-token prefill at bf16 compute
+  // (bench_step_breakdown, 5 runs in turn) 677-727 ms per step against 913-1063, its tiles
+  // 373-469 ms against 705-860 (the 2-core Xeon without AMX, gemm_bf16_dot 0, 2026-12-03).
+  const bool pairs_aligned = fp8 || g.pairs_aligned;
   const PackedGemmShape shape =
-      packed_rows ? packed_gemm_shape(dev, PackedRows::Bf16, glu,
-                                      fp8 ? std::optional(fp8_codes(g)) : std::nullopt, false, K)
-                  : PackedGemmShape{};
+      packed_rows
+          ? packed_gemm_shape(dev, PackedRows::Bf16, glu,
+                              fp8 ? std::optional(fp8_codes(g)) : std::nullopt, pairs_aligned, K)
+          : PackedGemmShape{};
   const bool packed = packed_rows && shape.fits;
   const bool gather = packed && x_rows != nullptr;
   const uint32_t rows = x_rows && !gather ? x_count : plan.rows;
@@ -548,8 +562,8 @@ void grouped_bf16_launch(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::
   const uint32_t tn = plan.tm == 1 ? one_row.tn : glu ? (tn_any + 1) / 2 * 2 : tn_any;
   std::string opts =
       " -DTM=" + std::to_string(plan.tm) + " -DTN=" + std::to_string(tn) +
-      " -DGROUPED_BF16=1 -DWEIGHT_TYPE=1 -DPAIRS_ALIGNED=0 -DGLU=" + (glu ? "1" : "0") +
-      " -DBF16_DOT=" + (bf16_dot_product(dev) ? "1" : "0") +
+      " -DGROUPED_BF16=1 -DWEIGHT_TYPE=1 -DPAIRS_ALIGNED=" + (pairs_aligned ? "1" : "0") +
+      " -DGLU=" + (glu ? "1" : "0") + " -DBF16_DOT=" + (bf16_dot_product(dev) ? "1" : "0") +
       (in_turn ? " -DCOLUMNS_IN_TURN=1" : "");
   if (fp8) opts += fp8_bf16_panel_options(dev, K, fp8_codes(g));
   cl::Kernel k = dev.kernel("moe.cl", "moe_grouped_linear", opts);

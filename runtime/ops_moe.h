@@ -126,8 +126,15 @@ struct GroupedExperts {
   uint32_t n_experts = 0, hidden = 0, inter = 0;
   bool fp8_nan_free = false;  // as Weight::fp8_nan_free, over every expert's FP8 weights
   float fp8_subnormal_share = 0.0f;  // as Weight::fp8_subnormal_share, over them all
+  // Every bf16 weight row starts on a 4-byte boundary (grouped_rows_aligned, and `mem` itself
+  // 4-byte aligned): bf16 compute's portable micro-kernel then loads the pairs as words.
+  bool pairs_aligned = false;
   explicit operator bool() const { return bool(mem); }
 };
+// Whether every weight row of 2-byte experts at `table`'s element offsets (GroupedExperts::table's
+// layout, [n_experts][6]) starts an even number of elements into the buffer: even offsets of gate,
+// up and down, and rows of even length (hidden for gate and up, inter for down).
+bool grouped_rows_aligned(const std::vector<uint64_t>& table, uint32_t hidden, uint32_t inter);
 inline Fp8Codes fp8_codes(const GroupedExperts& g) {
   return {g.fp8_nan_free, g.fp8_subnormal_share};
 }

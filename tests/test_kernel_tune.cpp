@@ -118,10 +118,10 @@ TEST(KernelTune, DryRunWritesNothing) {
 TEST(KernelTune, UnknownAndUntunableFieldsAreRefusedWithTheirMessage) {
   const std::string cpu_fields =
       "gemv_stream_k, fp8_stream_k, weight_prefetch, stream_prefetch, stream_prefetch_l1, "
-      "gemv_stream_prefetch, gemv_row_pairs, linear_batch_tm, gemm_bf16_tm, gemm_bf16_tn, "
-      "gemm_bf16_batch_tm, "
-      "gemm_bf16_batch_tn, gemm_bf16_rows, gemm_bf16_packed_rows, gemm_bf16_packed_tm, "
-      "gemm_bf16_packed_nv, gemm_bf16_packed_kp, gemm_bf16_amx_stream_na";
+      "gemv_stream_prefetch, gemv_row_pairs, linear_batch_tm, gemm_bf16_dot, gemm_bf16_tm, "
+      "gemm_bf16_tn, gemm_bf16_batch_tm, gemm_bf16_batch_tn, gemm_bf16_rows, "
+      "gemm_bf16_packed_rows, gemm_bf16_packed_tm, gemm_bf16_packed_nv, gemm_bf16_packed_kp, "
+      "moe_bf16_packed_rows, gemm_bf16_amx_stream_na";
   struct Case {
     std::vector<std::string> args;
     std::string message;

@@ -528,6 +528,7 @@ Experts make_experts(Device& dev, DType dt, uint32_t E, uint32_t H, uint32_t F, 
   ex.grouped.n_experts = E;
   ex.grouped.hidden = H;
   ex.grouped.inter = F;
+  ex.grouped.pairs_aligned = es == 2 && ops::grouped_rows_aligned(table, H, F);
   ex.grouped.fp8_nan_free = dt == DType::F8_E4M3 && !nan_watch;
   for (const auto& w : ex.w)
     for (const Weight& m : w) ex.grouped.fp8_nan_free = ex.grouped.fp8_nan_free && m.fp8_nan_free;
@@ -560,6 +561,19 @@ struct Case {
   // gemm_f32_amx_rows (AMX's f32 terms and the f32 tiles).
   bool f32_terms_both = false;
 };
+
+// Every gate, up and down row of 2-byte experts starts on an even element: even offsets and even
+// H and F, checked over the table's weight slots only (3-5 are FP8 scales).
+TEST(GroupedRowsAligned, EvenOffsetsAndRowLengthsOnly) {
+  const std::vector<uint64_t> even = {32, 1032, 2032, 7, 9, 11, 3032, 4032, 5032, 0, 0, 0};
+  EXPECT_TRUE(ops::grouped_rows_aligned(even, 50, 20));
+  EXPECT_FALSE(ops::grouped_rows_aligned(even, 51, 20));
+  EXPECT_FALSE(ops::grouped_rows_aligned(even, 50, 21));
+  std::vector<uint64_t> odd = even;
+  odd[7] = 4033;  // expert 1's up matrix
+  EXPECT_FALSE(ops::grouped_rows_aligned(odd, 50, 20));
+  EXPECT_FALSE(ops::grouped_rows_aligned({32, 1032, 2032}, 50, 20));  // not [n][6]
+}
 
 class GroupedExperts : public ::testing::TestWithParam<Case> {};
 
@@ -604,6 +618,11 @@ TEST_P(GroupedExperts, MatchPerExpertOpsBitForBit) {
   EXPECT_EQ(download<uint32_t>(dev, plan.slot_row.mem(), S), host.slot_row);
 
   const Experts ex = make_experts(dev, c.dtype, c.E, c.H, c.F, 3 + c.E, c.nan_watch);
+  // make_experts packs its matrices from an even offset: 2-byte experts of even H and F have
+  // every row on a 4-byte boundary, and bf16 compute's tiles then load their pairs as words.
+  if (c.dtype == DType::BF16 || c.dtype == DType::F16) {
+    EXPECT_EQ(ex.grouped.pairs_aligned, c.H % 2 == 0 && c.F % 2 == 0);
+  }
   std::mt19937 rng(4);
   std::uniform_real_distribution<float> u(-2.0f, 2.0f);
   std::vector<float> x(size_t(c.T) * c.H);
@@ -903,6 +922,12 @@ INSTANTIATE_TEST_SUITE_P(
                            ComputeDType::BF16, false, false, 10},
                       Case{DType::BF16, 20, 3, 8, 70, 45, true, KernelShape::Chunks, 0, false,
                            ComputeDType::BF16, true, false, 10},
+                      // The same with every weight row on a 4-byte boundary (even H and F):
+                      // both micro-kernels loading the weights' pairs as words.
+                      Case{DType::BF16, 20, 3, 8, 70, 46, true, KernelShape::Chunks, 0, false,
+                           ComputeDType::BF16, false, false, 10},
+                      Case{DType::BF16, 20, 3, 8, 70, 46, true, KernelShape::Chunks, 0, false,
+                           ComputeDType::BF16, true, false, 10},
                       // gate|up over K = 2101: the packed panels in two chunks, the rows'
                       // partial sums between them.
                       Case{DType::BF16, 20, 3, 8, 2101, 45, true, KernelShape::Chunks, 0, false,
@@ -965,6 +990,8 @@ INSTANTIATE_TEST_SUITE_P(
              (i.param.portable ? "_portable" : "") + (i.param.f16_decode ? "_f16decode" : "") +
              (i.param.packed_rows ? "_packed" + std::to_string(i.param.packed_rows) : "") +
              (i.param.H > 1024 ? "_H" + std::to_string(i.param.H) : "") +
+             (i.param.dtype == DType::BF16 && i.param.H % 2 == 0 && i.param.F % 2 == 0 ? "_aligned"
+                                                                                       : "") +
              (i.param.f32_terms_both ? "_f32terms" : "");
     });
 

@@ -1,6 +1,7 @@
 #include "models/deepseek_v3/weights.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <map>
 #include <optional>
 #include <set>
@@ -151,6 +152,8 @@ ops::GroupedExperts group_experts(const WeightStore& s, Device& dev, const std::
   g.n_experts = uint32_t(views.size() / 6);
   g.hidden = uint32_t(H);
   g.inter = uint32_t(F);
+  g.pairs_aligned = reinterpret_cast<uintptr_t>(lo) % 4 == 0 &&
+                    ops::grouped_rows_aligned(table, g.hidden, g.inter);
   return g;
 }
 
