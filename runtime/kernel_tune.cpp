@@ -320,7 +320,10 @@ TuneWorkload::TuneWorkload(Device& dev, bool quick) : buffers_(std::make_unique<
   // Prefills' grouped experts in the bf16 compute dtype: T tokens routed to top 8 of E bf16
   // experts (H 2048, F 512: dsv3-mini's), 16 and 64 rows per expert on average (what 128- and
   // 512-token prefills give dsv3-mini's 64 experts at top 8), each token's experts a random 8.
-  // Experts of moe_bf16_packed_rows rows or more take the packed GEMM, the others the tiles.
+  // Experts of moe_bf16_packed_rows rows or more take the packed GEMM, the others the tiles. Not
+  // among gemm_bf16_dot's ops: from a start that leaves the experts to the tiles, their time would
+  // decide it (on the Xeon without AMX it kept vdpbf16ps so, 121 against 187 ms, where the GEMMs
+  // and a packed threshold chosen after it run faster without).
   {
     const uint32_t E = quick ? 16 : 32, H = quick ? 1024 : 2048, F = quick ? 256 : 512, top_k = 8;
     const ops::GroupedExperts& g = b.experts.emplace_back(bf16_experts(dev, E, H, F, 31));
