@@ -116,6 +116,10 @@ struct KernelTuning {
   // of ~48 rows ran faster packed, where a dense 32-row decode batch ran slower
   // (kernel_tuning.cpp).
   uint32_t moe_bf16_packed_rows = 128;
+  // The same for FP8 experts, whose panels dequantize e4m3 codes as they pack them. Apart from
+  // moe_bf16_packed_rows because the two differ: on the Xeon without AMX a 128-token prefill's
+  // bf16 experts ran faster packed from 8 rows, its FP8 experts slower (kernel_tuning.cpp).
+  uint32_t moe_fp8_packed_rows = 128;
   uint32_t gemm_bf16_packed_tm = 4;
   uint32_t gemm_bf16_packed_nv = 3;
   // The pair steps (two elements of K each) of a packed panel at once: longer rows are packed and

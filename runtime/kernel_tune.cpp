@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <deque>
 #include <random>
 #include <stdexcept>
@@ -92,28 +93,50 @@ std::pair<Weight, Weight> fp8_weight(Device& dev, uint32_t N, uint32_t K, uint32
   return {w, s};
 }
 
-// E bf16 experts of [gate F x H, up F x H, down H x F] in one buffer (ops::GroupedExperts), of a
-// checkpoint's magnitudes: N(0, 0.02), no bf16 denormals (whose products take the CPU's microcode
-// assists; perf/bench_moe.cpp).
-ops::GroupedExperts bf16_experts(Device& dev, uint32_t E, uint32_t H, uint32_t F, uint32_t seed) {
+// E experts of [gate F x H, up F x H, down H x F] in one buffer (ops::GroupedExperts), BF16 or
+// F8_E4M3 (then each matrix followed by its f32 block scales, 1/448), of a checkpoint's
+// magnitudes: bf16 from N(0, 0.02), e4m3 codes of random sign and mantissa with exponents 4-10;
+// no bf16 denormals (whose products take the CPU's microcode assists; perf/bench_moe.cpp), no
+// e4m3 NaNs or subnormals. H and F multiples of 128.
+ops::GroupedExperts grouped_experts(Device& dev, DType dt, uint32_t E, uint32_t H, uint32_t F,
+                                    uint32_t seed) {
+  const bool fp8 = dt == DType::F8_E4M3;
+  const size_t es = fp8 ? 1 : 2, per_matrix = size_t(F) * H;
   std::mt19937 rng(seed);
   std::normal_distribution<float> normal(0.0f, 0.02f);
-  const size_t per_matrix = size_t(F) * H;
-  std::vector<uint16_t> v(size_t(E) * 3 * per_matrix);
-  for (auto& x : v) x = f32_to_bf16(normal(rng));
-  std::vector<uint64_t> table(size_t(E) * 6, 0);  // element offsets of gate, up, down (no scales)
+  std::vector<uint8_t> bytes;
+  std::vector<uint64_t> table(size_t(E) * 6, 0);  // element offsets of gate, up, down, scales
+  const std::vector<float> scales(per_matrix / (128 * 128), 1.0f / 448);
   for (uint32_t e = 0; e < E; ++e)
-    for (uint32_t m = 0; m < 3; ++m) table[size_t(e) * 6 + m] = (size_t(e) * 3 + m) * per_matrix;
+    for (uint32_t m = 0; m < 3; ++m) {
+      table[size_t(e) * 6 + m] = bytes.size() / es;
+      const size_t at = bytes.size();
+      bytes.resize(at + per_matrix * es);
+      for (size_t i = 0; i < per_matrix; ++i) {
+        if (fp8) {
+          const uint32_t r = rng();
+          bytes[at + i] = uint8_t((r & 0x80) | ((4 + (r >> 8) % 7) << 3) | ((r >> 16) & 7));
+        } else {
+          const uint16_t b = f32_to_bf16(normal(rng));
+          std::memcpy(&bytes[at + 2 * i], &b, 2);
+        }
+      }
+      if (!fp8) continue;
+      table[size_t(e) * 6 + 3 + m] = bytes.size() / 4;  // per_matrix is a multiple of 4
+      const auto* p = reinterpret_cast<const uint8_t*>(scales.data());
+      bytes.insert(bytes.end(), p, p + scales.size() * 4);
+    }
   ops::GroupedExperts g;
-  g.mem = dev.alloc(v.size() * 2);
-  dev.write(g.mem, v.data(), v.size() * 2);
+  g.mem = dev.alloc(bytes.size());
+  dev.write(g.mem, bytes.data(), bytes.size());
   g.table = dev.alloc(table.size() * 8);
   dev.write(g.table, table.data(), table.size() * 8);
-  g.dtype = DType::BF16;
+  g.dtype = dt;
   g.n_experts = E;
   g.hidden = H;
   g.inter = F;
-  g.pairs_aligned = ops::grouped_rows_aligned(table, H, F);
+  g.fp8_nan_free = fp8;  // exponents 4-10: no NaN code
+  g.pairs_aligned = !fp8 && ops::grouped_rows_aligned(table, H, F);
   return g;
 }
 
@@ -317,16 +340,18 @@ TuneWorkload::TuneWorkload(Device& dev, bool quick) : buffers_(std::make_unique<
                     {"gemm_bf16_amx_stream_na"}});
   }
 
-  // Prefills' grouped experts in the bf16 compute dtype: T tokens routed to top 8 of E bf16
+  // Prefills' grouped experts in the bf16 compute dtype: T tokens routed to top 8 of E bf16 or FP8
   // experts (H 2048, F 512: dsv3-mini's), 16 and 64 rows per expert on average (what 128- and
   // 512-token prefills give dsv3-mini's 64 experts at top 8), each token's experts a random 8.
-  // Experts of moe_bf16_packed_rows rows or more take the packed GEMM, the others the tiles. Not
-  // among gemm_bf16_dot's ops: from a start that leaves the experts to the tiles, their time would
-  // decide it (on the Xeon without AMX it kept vdpbf16ps so, 121 against 187 ms, where the GEMMs
-  // and a packed threshold chosen after it run faster without).
-  {
+  // Experts of moe_bf16_packed_rows (FP8: moe_fp8_packed_rows) rows or more take the packed GEMM,
+  // the others the tiles. Not among gemm_bf16_dot's ops: from a start that leaves the experts to
+  // the tiles, their time would decide it (on the Xeon without AMX it kept vdpbf16ps so, 121
+  // against 187 ms, where the GEMMs and a packed threshold chosen after it run faster without).
+  for (const DType dt : {DType::BF16, DType::F8_E4M3}) {
+    const bool fp8 = dt == DType::F8_E4M3;
     const uint32_t E = quick ? 16 : 32, H = quick ? 1024 : 2048, F = quick ? 256 : 512, top_k = 8;
-    const ops::GroupedExperts& g = b.experts.emplace_back(bf16_experts(dev, E, H, F, 31));
+    const ops::GroupedExperts& g =
+        b.experts.emplace_back(grouped_experts(dev, dt, E, H, F, fp8 ? 34 : 31));
     for (uint32_t rows : {16u, 64u}) {
       const uint32_t T = E * rows / top_k;
       std::mt19937 rng(32 + rows);
@@ -340,7 +365,7 @@ TuneWorkload::TuneWorkload(Device& dev, bool quick) : buffers_(std::make_unique<
               act = keep(dev.alloc(size_t(T) * top_k * F * 4)),
               y = keep(dev.alloc(size_t(T) * top_k * H * 4));
       const ops::GroupedPlan& plan = b.plans.emplace_back(ops::plan_experts(dev, idm, T, top_k, E));
-      ops_.push_back({"moe experts bf16 compute",
+      ops_.push_back({fp8 ? "moe experts fp8 bf16 compute" : "moe experts bf16 compute",
                       "T=" + std::to_string(T) + " E=" + std::to_string(E) +
                           " top8 H=" + std::to_string(H) + " F=" + std::to_string(F),
                       0.0,
@@ -351,7 +376,7 @@ TuneWorkload::TuneWorkload(Device& dev, bool quick) : buffers_(std::make_unique<
                                                 ComputeDType::BF16);
                       },
                       {},
-                      {"moe_bf16_packed_rows"}});
+                      {fp8 ? "moe_fp8_packed_rows" : "moe_bf16_packed_rows"}});
     }
   }
 
@@ -527,6 +552,7 @@ const std::vector<TuneField>& tunable_fields() {
       {"gemm_bf16_packed_nv", S::Chunks, {2, 3, 4}},
       {"gemm_bf16_packed_kp", S::Chunks, {256, 512, 1024}},
       {"moe_bf16_packed_rows", S::Chunks, {0, 8, 16, 32, 64, 128}},
+      {"moe_fp8_packed_rows", S::Chunks, {0, 8, 16, 32, 64, 128}},
       {"gemm_bf16_amx_stream_na", S::Chunks, {1, 2, 4}},
   };
   return f;

@@ -166,6 +166,7 @@ KernelTuning amd_epyc_avx512() {
   // the dense GEMMs made llama3-1b's 32-stream decode (clshard bench --batch 32, 2 pairs) run
   // 107-108 tok/s against 116.
   t.moe_bf16_packed_rows = 32;
+  t.moe_fp8_packed_rows = 32;
   t.gemm_bf16_batch_tm = 8;
   t.gemm_bf16_batch_tn = 4;
   return t;
@@ -194,7 +195,14 @@ KernelTuning intel_xeon() {
   // 512, 4 pairs in turn through tuning.json, gemm_bf16_dot 0 in both) took its experts in
   // 994-1274 ms against 1250-1445 (bf16 weights; the whole step 1707-2149 ms against 1996-2397)
   // and 1050-1225 against 1256-1302 (FP8); from 16 rows 947-1190 and 1034-1160 (2 runs).
-  t.moe_bf16_packed_rows = 32;
+  // Shorter prefills, whose experts have fewer rows, part the two dtypes: at 128 tokens
+  // (2026-12-03, 2 pairs in turn) bf16 experts took 290-302 ms from 8 rows against 361-391 from
+  // 32 (the whole step 452-480 ms against 588-787; again with this row, 2 pairs: experts 294-307
+  // against 407-445, the timed steps 485-511 against 646-681), FP8 experts 432 ms from 8 against
+  // 380-423. clshard tune chose 8 for bf16 experts in 5 dry runs (by 2.5-5%) and kept 32 for
+  // FP8 ones (124.5 ms against 128.2 from 16 and 129.2 from 8).
+  t.moe_bf16_packed_rows = 8;
+  t.moe_fp8_packed_rows = 32;
   return t;
 }
 
@@ -259,6 +267,7 @@ const std::vector<std::pair<std::string, U32Field>>& u32_fields() {
       {"gemm_f32_amx_rows", &KernelTuning::gemm_f32_amx_rows},
       {"gemm_bf16_packed_rows", &KernelTuning::gemm_bf16_packed_rows},
       {"moe_bf16_packed_rows", &KernelTuning::moe_bf16_packed_rows},
+      {"moe_fp8_packed_rows", &KernelTuning::moe_fp8_packed_rows},
       {"gemm_bf16_packed_tm", &KernelTuning::gemm_bf16_packed_tm},
       {"gemm_bf16_packed_nv", &KernelTuning::gemm_bf16_packed_nv},
       {"gemm_bf16_packed_kp", &KernelTuning::gemm_bf16_packed_kp},
@@ -290,12 +299,19 @@ nlohmann::json& entries_of(nlohmann::json& doc, const std::filesystem::path& fil
 // switch that is off.
 const std::vector<std::pair<std::string, std::string>>& zero_fields() {
   static const std::vector<std::pair<std::string, std::string>> fields = {
-      {"blas_gemm_rows", "never"},       {"gemm_bf16_packed_rows", "never"},
-      {"moe_bf16_packed_rows", "never"}, {"gemm_bf16_amx_stream_rows", "never"},
-      {"gemm_f32_amx_rows", "never"},    {"weight_prefetch", "off"},
-      {"stream_prefetch", "off"},        {"stream_prefetch_l1", "off"},
-      {"gemv_stream_prefetch", "off"},   {"gemv_row_pairs", "off"},
-      {"gemm_bf16_dot", "off"},          {"gemm_bf16_gemv", "off"},
+      {"blas_gemm_rows", "never"},
+      {"gemm_bf16_packed_rows", "never"},
+      {"moe_bf16_packed_rows", "never"},
+      {"moe_fp8_packed_rows", "never"},
+      {"gemm_bf16_amx_stream_rows", "never"},
+      {"gemm_f32_amx_rows", "never"},
+      {"weight_prefetch", "off"},
+      {"stream_prefetch", "off"},
+      {"stream_prefetch_l1", "off"},
+      {"gemv_stream_prefetch", "off"},
+      {"gemv_row_pairs", "off"},
+      {"gemm_bf16_dot", "off"},
+      {"gemm_bf16_gemv", "off"},
       {"gemm_bf16_amx", "off"}};
   return fields;
 }

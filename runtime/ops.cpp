@@ -457,8 +457,10 @@ uint32_t bf16_packed_rows_from(const Device& dev) {
   return packed_rows_from(dev, dev.tuning().gemm_bf16_packed_rows);
 }
 
-uint32_t moe_bf16_packed_rows_from(const Device& dev) {
-  return packed_rows_from(dev, dev.tuning().moe_bf16_packed_rows);
+uint32_t moe_bf16_packed_rows_from(const Device& dev, DType experts) {
+  const KernelTuning& t = dev.tuning();
+  return packed_rows_from(
+      dev, experts == DType::F8_E4M3 ? t.moe_fp8_packed_rows : t.moe_bf16_packed_rows);
 }
 
 uint32_t bf16_amx_stream_rows(const Device& dev) {

@@ -49,9 +49,9 @@ bool bf16_amx(const Device& dev);
 // From how many rows the bf16-compute GEMM over bf16 or FP8 weights takes the packed GEMM on this
 // device (0: never): gemm_bf16_packed_rows, or with AMX gemm_bf16_amx_rows where fewer.
 uint32_t bf16_packed_rows_from(const Device& dev);
-// The same for the grouped experts (moe.cl), per expert: moe_bf16_packed_rows, or with AMX
-// gemm_bf16_amx_rows where fewer.
-uint32_t moe_bf16_packed_rows_from(const Device& dev);
+// The same for the grouped experts (moe.cl) of dtype `experts` (BF16 or F8_E4M3), per expert:
+// moe_bf16_packed_rows or moe_fp8_packed_rows, or with AMX gemm_bf16_amx_rows where fewer.
+uint32_t moe_bf16_packed_rows_from(const Device& dev, DType experts);
 // Up to how many rows the bf16-compute GEMM over bf16 weights reads them where they lie as AMX's
 // A operand (bf16_amx_stream.cl) on this device, before bf16_packed_rows_from applies: with AMX
 // gemm_bf16_amx_stream_rows (at most 32), else 0. Each output gets the packed GEMM's AMX bits.

@@ -526,7 +526,7 @@ void grouped_bf16_launch(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::
   // steps launch no packed GEMM: dsv3-mini's batch-1 decode had two a layer of empty work-items
   // (139 launches a step, now 129; the step's time unchanged: 1.009x and 0.991x, 15 rounds each of
   // bench_deepseek --compute-dtype bf16 --tuning-ab gemm_bf16_packed_rows=0 before this).
-  const uint32_t packed_from = moe_bf16_packed_rows_from(dev);
+  const uint32_t packed_from = moe_bf16_packed_rows_from(dev, g.dtype);
   const bool packed_rows = packed_from != 0 && plan.max_expert_rows >= packed_from;
   // The x rows are rounded at an even stride; FP8 weights reach the micro-kernels from aligned
   // panels. Aligned bf16 weight rows gave the portable tiles 2.2x: dsv3-mini-sized experts (32 of

@@ -165,8 +165,8 @@ GroupedPlan plan_expert_tiles(Device& dev, const std::vector<uint32_t>& expert_o
 // the rows are rounded to bf16 and each expert's rows take the sums of ops::linear's bf16 GEMM,
 // bit for bit: the packed GEMM's (moe_grouped_packed; AMX where the host has it) for experts of
 // ops::moe_bf16_packed_rows_from rows or more, the tiles' of linear_bf16.cl for the others (what
-// ops::linear gives that many rows where the tuning's moe_bf16_packed_rows and
-// gemm_bf16_packed_rows agree);
+// ops::linear gives that many rows where the tuning's moe_bf16_packed_rows, for FP8 experts
+// moe_fp8_packed_rows, and gemm_bf16_packed_rows agree);
 // x_count is then the number of rows of x (the tokens, when x_rows is given). Below that average
 // (decode), FP8 experts under ComputeDType::BF16 on the CPU shape, where ops::linear_fp8 sums in
 // bf16 (vdpbf16ps, the short decode), take those bf16 sums for every row, an expert of fewer than

@@ -141,13 +141,15 @@ INSTANTIATE_TEST_SUITE_P(
 // bits at any M, GemmBf16Packed), so the test holds it at gemm_bf16_packed_rows (128) and turns
 // the streaming AMX GEMM of decode batches off (gemm_bf16_amx_stream_rows 0) on every device:
 // AMX then runs no GEMM here, as before the lower threshold. The grouped experts' packed GEMM
-// (from moe_bf16_packed_rows rows per expert: 32 in the EPYC's row) is one more such boundary
-// (max |diff| 0.00024 with it at 32): held at 128 too.
+// (from moe_fp8_packed_rows rows per expert for these FP8 experts, moe_bf16_packed_rows for bf16
+// ones: 32 in the EPYC's row) is one more such boundary (max |diff| 0.00024 with it at 32): both
+// held at 128 too.
 TEST(DeepseekV3DataExpertParallelBf16, TwoSubDevicesGiveSingleDeviceLogits) {
   auto amx_at_packed_rows = [](const Device& d) {
     KernelTuning t = d.tuning();
     t.gemm_bf16_amx_rows = t.gemm_bf16_packed_rows;
     t.moe_bf16_packed_rows = t.gemm_bf16_packed_rows;
+    t.moe_fp8_packed_rows = t.gemm_bf16_packed_rows;
     t.gemm_bf16_amx_stream_rows = 0;
     return t;
   };

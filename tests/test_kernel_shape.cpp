@@ -201,13 +201,13 @@ TEST(KernelTuningFile, AnEntryOverridesTheBuiltInRowForItsDeviceOnly) {
   write({{"attn_wg", 0}});
   EXPECT_EQ(error_of().rfind(prefix + "attn_wg: expected one of the fields (norm_wg, ", 0), 0u)
       << error_of();
-  EXPECT_NE(error_of().find(
-                "with a positive integer (blas_gemm_rows, gemm_bf16_packed_rows, "
-                "moe_bf16_packed_rows, gemm_bf16_amx_stream_rows, gemm_f32_amx_rows: 0 for never; "
-                "weight_prefetch, "
-                "stream_prefetch, stream_prefetch_l1, gemv_stream_prefetch, "
-                "gemv_row_pairs, gemm_bf16_dot, gemm_bf16_gemv, gemm_bf16_amx: 0 for "
-                "off), got 0"),
+  EXPECT_NE(error_of().find("with a positive integer (blas_gemm_rows, gemm_bf16_packed_rows, "
+                            "moe_bf16_packed_rows, moe_fp8_packed_rows, gemm_bf16_amx_stream_rows, "
+                            "gemm_f32_amx_rows: 0 for never; "
+                            "weight_prefetch, "
+                            "stream_prefetch, stream_prefetch_l1, gemv_stream_prefetch, "
+                            "gemv_row_pairs, gemm_bf16_dot, gemm_bf16_gemv, gemm_bf16_amx: 0 for "
+                            "off), got 0"),
             std::string::npos)
       << error_of();
   write({{"blas_gemm_rows", 0}});  // the fields whose 0 is a value (never, off)

@@ -553,9 +553,9 @@ struct Case {
   ComputeDType compute = ComputeDType::F32;
   bool portable = false;  // bf16 compute: the portable micro-kernel (gemm_bf16_dot 0)
   bool f16_decode = false;  // FP8: the f16-based e4m3 decode (CLSHARD_FP8_DECODE=f16) in both paths
-  // bf16 compute: KernelTuning::moe_bf16_packed_rows (0: the device's), and the experts must then
-  // fall on both sides of ops::moe_bf16_packed_rows_from (the packed GEMM and the dot-product
-  // tiles).
+  // bf16 compute: KernelTuning::moe_bf16_packed_rows or moe_fp8_packed_rows, the experts' dtype's
+  // (0: the device's; the other dtype's field then 0, never), and the experts must then fall on
+  // both sides of ops::moe_bf16_packed_rows_from (the packed GEMM and the dot-product tiles).
   uint32_t packed_rows = 0;
   // f32 compute over bf16 experts where the device selects AMX: experts must fall on both sides of
   // gemm_f32_amx_rows (AMX's f32 terms and the f32 tiles).
@@ -599,7 +599,11 @@ TEST_P(GroupedExperts, MatchPerExpertOpsBitForBit) {
   // bf16 compute: vdpbf16ps where the host has it (test::with_bf16_dot), or the portable kernel.
   tuning.gemm_bf16_dot = c.portable ? 0 : 1;
   if (c.portable) tuning.gemm_bf16_amx = 0;
-  if (c.packed_rows) tuning.moe_bf16_packed_rows = c.packed_rows;
+  if (c.packed_rows) {
+    const bool fp8 = c.dtype == DType::F8_E4M3;
+    tuning.moe_bf16_packed_rows = fp8 ? 0 : c.packed_rows;
+    tuning.moe_fp8_packed_rows = fp8 ? c.packed_rows : 0;
+  }
   test::TuningScope tuned(dev, tuning);
   const uint32_t routed = c.with_shared ? c.E - 1 : c.E, slots = c.k + (c.with_shared ? 1 : 0);
   const auto ids = random_ids(c.T, c.k, routed, 11 + c.T);
@@ -658,7 +662,7 @@ TEST_P(GroupedExperts, MatchPerExpertOpsBitForBit) {
   const bool bf16_sums = bf16_path || bf16_gemv_path;
   // The experts the packed GEMM takes (ops::moe_bf16_packed_rows_from rows or more; these shapes'
   // panels fit any device's local memory).
-  const uint32_t packed_from = ops::moe_bf16_packed_rows_from(dev);
+  const uint32_t packed_from = ops::moe_bf16_packed_rows_from(dev, c.dtype);
   if (bf16_path && c.packed_rows) {
     uint32_t packed = 0, tiled = 0;
     for (uint32_t e = 0; e < c.E; ++e) {
@@ -693,7 +697,9 @@ TEST_P(GroupedExperts, MatchPerExpertOpsBitForBit) {
         // ops::linear takes the packed GEMM from the grouped experts' row count for the packed
         // ones (its own gemm_bf16_packed_rows may be more), never for the others.
         KernelTuning tiled = dev.tuning();
-        tiled.gemm_bf16_packed_rows = packed ? tiled.moe_bf16_packed_rows : 0;
+        tiled.gemm_bf16_packed_rows = !packed                     ? 0
+                                      : c.dtype == DType::F8_E4M3 ? tiled.moe_fp8_packed_rows
+                                                                  : tiled.moe_bf16_packed_rows;
         test::TuningScope scope(dev, tiled);
         ops::linear(dev, in, packed ? b * ld_in : 0, ld_in, w, nullptr, tmp, 0, N, packed ? n : S,
                     1.0f, false, ComputeDType::BF16);
@@ -922,8 +928,9 @@ INSTANTIATE_TEST_SUITE_P(
                            ComputeDType::BF16, false, false, 10},
                       Case{DType::BF16, 20, 3, 8, 70, 45, true, KernelShape::Chunks, 0, false,
                            ComputeDType::BF16, true, false, 10},
-                      // The same with every weight row on a 4-byte boundary (even H and F):
-                      // both micro-kernels loading the weights' pairs as words.
+                      // The same with every weight row on a 4-byte boundary (even H and F),
+                      // whose pairs are then loaded as words: by the packed GEMM's packing on
+                      // both micro-kernels, and by the portable tiles.
                       Case{DType::BF16, 20, 3, 8, 70, 46, true, KernelShape::Chunks, 0, false,
                            ComputeDType::BF16, false, false, 10},
                       Case{DType::BF16, 20, 3, 8, 70, 46, true, KernelShape::Chunks, 0, false,

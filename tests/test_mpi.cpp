@@ -110,11 +110,13 @@ std::vector<std::string> command(int np, const std::vector<std::string>& args,
 std::string tiles_only_env(const std::filesystem::path& dir) {
   const DeviceInfo& info = test::default_device().info();
   std::filesystem::create_directories(dir);
-  const nlohmann::json doc = {
-      {"entries",
-       {{{"vendor", info.vendor},
-         {"name", info.name},
-         {"tuning", {{"gemm_bf16_packed_rows", 0}, {"moe_bf16_packed_rows", 0}}}}}}};
+  const nlohmann::json doc = {{"entries",
+                               {{{"vendor", info.vendor},
+                                 {"name", info.name},
+                                 {"tuning",
+                                  {{"gemm_bf16_packed_rows", 0},
+                                   {"moe_bf16_packed_rows", 0},
+                                   {"moe_fp8_packed_rows", 0}}}}}}};
   std::ofstream(dir / "tuning.json") << doc.dump();
   return "CLSHARD_KERNEL_CACHE=" + dir.string();
 }
