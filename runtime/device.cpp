@@ -119,6 +119,11 @@ cl_mem create_buffer(cl_context ctx, cl_mem_flags flags, size_t bytes, bool host
   return m;
 }
 
+bool pocl_cpu(const DeviceInfo& info) {
+  return info.kind == DeviceKind::Cpu &&
+         info.platform.find("Portable Computing Language") != std::string::npos;
+}
+
 DeviceInfo query_device_info(cl_device_id id, cl_platform_id platform) {
   DeviceInfo d;
   d.platform = cl::platform_string(platform, CL_PLATFORM_NAME);
@@ -184,8 +189,7 @@ Device::Device(cl_platform_id platform, cl_device_id id, cl::Context ctx, int in
   cl::check(err, "creating a command queue on " + info_.name);
   shape_ = info_.kind == DeviceKind::Cpu ? KernelShape::Chunks : KernelShape::WorkGroups;
   tuning_ = lookup_kernel_tuning(info_);
-  pocl_cpu_ = info_.kind == DeviceKind::Cpu &&
-              info_.platform.find("Portable Computing Language") != std::string::npos;
+  pocl_cpu_ = pocl_cpu(info_);
   pool_ = std::make_unique<BufferPool>(ctx_.get(), pocl_cpu_);
   if (pocl_cpu_) PoclKernelOrder::instance().add(queue_.get());
 }

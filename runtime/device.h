@@ -186,6 +186,8 @@ struct DeviceInfo {
 };
 
 DeviceInfo query_device_info(cl_device_id id, cl_platform_id platform);
+// PoCL's CPU device: kernels compiled by its clang for the host and run on the host's cores.
+bool pocl_cpu(const DeviceInfo& info);
 
 // The table's entry for a device (runtime/kernel_tuning.cpp): the first row whose type, vendor
 // and name match, else the default.

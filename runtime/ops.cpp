@@ -412,12 +412,8 @@ bool host_cpu_has_avx512_bf16() {
 
 namespace {
 
-// PoCL's CPU device: it runs kernels on the host's cores, compiled by its clang for the host, so
-// the host's instructions are the kernel's.
-bool pocl_cpu(const Device& dev) {
-  return dev.info().kind == DeviceKind::Cpu &&
-         dev.info().platform.find("Portable Computing Language") != std::string::npos;
-}
+// PoCL's CPU device: the host's instructions are the kernel's.
+bool pocl_cpu(const Device& dev) { return clshard::pocl_cpu(dev.info()); }
 
 }  // namespace
 
