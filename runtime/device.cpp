@@ -205,19 +205,15 @@ std::string Device::label() const {
 cl::Kernel Device::kernel(const std::string& file, const std::string& name,
                           const std::string& options) {
   std::lock_guard lock(mu_);
-  const std::string pkey = file + "\n" + options;
-  const std::string kkey = pkey + "\n" + name;
-  if (auto it = kernels_.find(kkey); it != kernels_.end()) return it->second;
-  auto pit = programs_.find(pkey);
-  if (pit == programs_.end()) {
-    pit = programs_.emplace(pkey, build_program(ctx_.get(), id_, info_, file, options)).first;
-    if (pocl_cpu_)
-      PoclKernelOrder::instance().name_program(pit->second.get(), info_.name + "\n" + pkey);
-  }
+  const std::string key = file + "\n" + options + "\n" + name;
+  if (auto it = kernels_.find(key); it != kernels_.end()) return it->second;
+  // The kernel holds its program (clCreateKernel retains it).
+  const cl::Program program = build_program(ctx_.get(), id_, info_, file, name, options);
+  if (pocl_cpu_) PoclKernelOrder::instance().name_program(program.get(), info_.name + "\n" + key);
   cl_int err = CL_SUCCESS;
-  cl::Kernel k(clCreateKernel(pit->second.get(), name.c_str(), &err));
+  cl::Kernel k(clCreateKernel(program.get(), name.c_str(), &err));
   cl::check(err, "creating kernel " + name + " from kernels_cl/" + file);
-  kernels_.emplace(kkey, k);
+  kernels_.emplace(key, k);
   return k;
 }
 

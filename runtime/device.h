@@ -249,7 +249,8 @@ class Device {
   std::string label() const;
 
   // Kernels by name from a kernels_cl/ file, built with the given build options (-D...).
-  // The program is built once per (file, options) and cached on disk (program_cache.h).
+  // Each is a program of its own, built once per (file, options, name) and cached on disk
+  // (program_cache.h).
   cl::Kernel kernel(const std::string& file, const std::string& name,
                     const std::string& options = "");
 
@@ -291,7 +292,6 @@ class Device {
   KernelTuning tuning_;
   bool pocl_cpu_ = false;  // its launches go through PoclKernelOrder
   std::unique_ptr<BufferPool> pool_;
-  std::map<std::string, cl::Program> programs_;
   std::map<std::string, cl::Kernel> kernels_;
   std::mutex mu_;
 };

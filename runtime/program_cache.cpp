@@ -1,19 +1,20 @@
 #include "runtime/program_cache.h"
 
+#include <unistd.h>
+
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <map>
+#include <regex>
 #include <sstream>
 #include <stdexcept>
-#include <unistd.h>
+#include <vector>
 
 #include "runtime/device.h"
 
 namespace clshard {
-
-const std::map<std::string, std::string_view>& embedded_kernels();  // generated
 
 namespace {
 
@@ -89,7 +90,65 @@ std::string build_log(cl_program p, cl_device_id d) {
   return log;
 }
 
-std::string kernel_source(const std::string& file) {
+namespace {
+
+// src with every kernel but `keep` left out. A kernel runs from its line that starts "kernel " to
+// the next line that is "}" alone (clang-format ends a function there, and nothing else); its
+// preprocessor lines but #pragma stay (a #define in one body may serve the kernels after it) and
+// the rest become empty lines, so that the compiler's line numbers still point into kernels_cl/.
+std::string one_kernel(const std::string& src, const std::string& keep, const std::string& file) {
+  static const std::regex kName(R"(\bvoid\s+(\w+)\s*\()");
+  std::vector<std::string_view> lines;
+  for (std::string_view rest = src; !rest.empty();) {
+    const size_t eol = rest.find('\n');
+    lines.push_back(rest.substr(0, eol == std::string_view::npos ? rest.size() : eol + 1));
+    rest.remove_prefix(lines.back().size());
+  }
+  std::string out;
+  out.reserve(src.size());
+  bool found = false;
+  for (size_t i = 0; i < lines.size(); ++i) {
+    if (!lines[i].starts_with("kernel ")) {
+      out.append(lines[i]);
+      continue;
+    }
+    // The name follows "void", on this line or the next (after an __attribute__ line).
+    std::string head(lines[i]);
+    if (i + 1 < lines.size()) head.append(lines[i + 1]);
+    std::smatch m;
+    if (!std::regex_search(head, m, kName))
+      throw std::runtime_error("kernels_cl/" + file +
+                               ": a kernel line without \"void name(\": " + std::string(lines[i]));
+    if (m[1] == keep) {
+      found = true;
+      out.append(lines[i]);
+      continue;
+    }
+    size_t end = i;
+    while (end < lines.size() && lines[end] != "}\n" && lines[end] != "}") ++end;
+    if (end == lines.size())
+      throw std::runtime_error("kernels_cl/" + file + ": kernel " + m[1].str() +
+                               " has no closing \"}\" line");
+    bool continued = false;  // the directive kept last ends in a backslash
+    for (; i <= end; ++i) {
+      const std::string_view l = lines[i];
+      const size_t first = l.find_first_not_of(" \t");
+      const bool directive =
+          continued || (first != std::string_view::npos && l[first] == '#' &&
+                        l.find("pragma", first) == std::string_view::npos);  // a body's loops go
+      out.append(directive ? l : std::string_view("\n"));
+      const size_t last = l.find_last_not_of("\r\n");
+      continued = directive && last != std::string_view::npos && l[last] == '\\';
+    }
+    --i;
+  }
+  if (!found) throw std::runtime_error("kernels_cl/" + file + " has no kernel " + keep);
+  return out;
+}
+
+}  // namespace
+
+std::string kernel_source(const std::string& file, const std::string& kernel) {
   const auto& all = embedded_kernels();
   auto common = all.find("common.cl");
   auto it = all.find(file);
@@ -97,7 +156,7 @@ std::string kernel_source(const std::string& file) {
   std::string src;
   if (common != all.end() && file != "common.cl") src.append(common->second);
   append_expanded(all, file, it->second, file, 0, src);
-  return src;
+  return kernel.empty() ? src : one_kernel(src, kernel, file);
 }
 
 std::filesystem::path kernel_cache_dir() {
@@ -117,11 +176,13 @@ std::string program_cache_key(const DeviceInfo& info, std::string_view source,
 }
 
 cl::Program build_program(cl_context ctx, cl_device_id dev, const DeviceInfo& info,
-                          const std::string& file, const std::string& options) {
-  const std::string src = kernel_source(file);
-  const std::string what = "kernels_cl/" + file + " for " + info.name;
+                          const std::string& file, const std::string& kernel,
+                          const std::string& options) {
+  const std::string src = kernel_source(file, kernel);
+  const std::string what = "kernels_cl/" + file + " (kernel " + kernel + ") for " + info.name;
   const auto dir = kernel_cache_dir();
-  const auto path = dir / (file + "-" + program_cache_key(info, src, options) + ".bin");
+  const auto path =
+      dir / (file + "-" + kernel + "-" + program_cache_key(info, src, options) + ".bin");
 
   std::error_code ec;
   if (std::filesystem::exists(path, ec)) {

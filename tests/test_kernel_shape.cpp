@@ -8,8 +8,11 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <regex>
+#include <sstream>
 
 #include "runtime/device.h"
 #include "runtime/engine/deploy_config.h"
@@ -120,6 +123,84 @@ TEST(KernelSource, IncludesNestAndLeaveNoIncludeLine) {
   EXPECT_NE(src.find("} AmxTileConfig;", first + 1), std::string::npos)
       << "amx.cl's text is in both includes; its #ifndef guard keeps one definition";
   EXPECT_THROW(kernel_source("no_such_file.cl"), std::runtime_error);
+}
+
+// The lines of `text`, each without its newline.
+std::vector<std::string> lines_of(const std::string& text) {
+  std::vector<std::string> out;
+  std::string line;
+  std::istringstream in(text);
+  while (std::getline(in, line)) out.push_back(line);
+  return out;
+}
+
+// The kernels defined in `text`: the name after "void" on each line that starts "kernel " (or on
+// the line after, past an __attribute__).
+std::vector<std::string> kernels_in(const std::vector<std::string>& lines) {
+  static const std::regex name(R"(\bvoid\s+(\w+)\s*\()");
+  std::vector<std::string> out;
+  for (size_t i = 0; i < lines.size(); ++i) {
+    if (!lines[i].starts_with("kernel ")) continue;
+    const std::string head = lines[i] + (i + 1 < lines.size() ? "\n" + lines[i + 1] : "");
+    std::smatch m;
+    if (std::regex_search(head, m, name)) out.push_back(m[1]);
+  }
+  return out;
+}
+
+// A program of one kernel: for every kernel of every kernels_cl/ file, the text asked for that
+// kernel defines that one, line for line where the whole file's text has a line (the compiler's
+// line numbers unchanged), each line the whole text's or empty, and every preprocessor line but
+// #pragma kept (a #define in a body left out still serves the kernels after it). A kernel the
+// file lacks is an error naming both.
+TEST(KernelSource, OneKernelKeepsItsTextAndEveryDirective) {
+  size_t kernels = 0;
+  for (const auto& [file, text] : embedded_kernels()) {
+    const std::vector<std::string> whole = lines_of(kernel_source(file));
+    for (const std::string& kernel : kernels_in(whole)) {
+      ++kernels;
+      const std::vector<std::string> one = lines_of(kernel_source(file, kernel));
+      EXPECT_EQ(kernels_in(one), std::vector<std::string>{kernel}) << file;
+      ASSERT_EQ(one.size(), whole.size()) << file << " " << kernel;
+      for (size_t i = 0; i < one.size(); ++i) {
+        const bool directive = whole[i].find_first_not_of(" \t") != std::string::npos &&
+                               whole[i][whole[i].find_first_not_of(" \t")] == '#' &&
+                               whole[i].find("#pragma") == std::string::npos;
+        if (directive || !one[i].empty()) {
+          EXPECT_EQ(one[i], whole[i]) << file << " " << kernel << " line " << i;
+        }
+      }
+    }
+  }
+  EXPECT_GE(kernels, 60u) << "every kernels_cl/ file's kernels were looked at";
+  try {
+    kernel_source("norm.cl", "no_such_kernel");
+    ADD_FAILURE() << "a kernel norm.cl lacks was built";
+  } catch (const std::runtime_error& e) {
+    EXPECT_STREQ(e.what(), "kernels_cl/norm.cl has no kernel no_such_kernel");
+  }
+}
+
+// The device builds each kernel as a program of its own: the program of bandwidth.cl's read_sum
+// (a file of two kernels) holds read_sum alone, and read_sum_wg's another program.
+TEST(KernelSource, EachKernelIsAProgramOfItsOwn) {
+  Device& dev = test::default_device();
+  auto program_of = [&](const char* name) {
+    cl::Kernel k = dev.kernel("bandwidth.cl", name);
+    cl_program p = nullptr;
+    EXPECT_EQ(clGetKernelInfo(k.get(), CL_KERNEL_PROGRAM, sizeof p, &p, nullptr), CL_SUCCESS);
+    size_t n = 0;
+    EXPECT_EQ(clGetProgramInfo(p, CL_PROGRAM_KERNEL_NAMES, 0, nullptr, &n), CL_SUCCESS);
+    std::string names(n, '\0');
+    EXPECT_EQ(clGetProgramInfo(p, CL_PROGRAM_KERNEL_NAMES, n, names.data(), nullptr), CL_SUCCESS);
+    names.resize(std::strlen(names.c_str()));
+    return std::make_pair(p, names);
+  };
+  const auto [plain, plain_names] = program_of("read_sum");
+  const auto [wg, wg_names] = program_of("read_sum_wg");
+  EXPECT_EQ(plain_names, "read_sum");
+  EXPECT_EQ(wg_names, "read_sum_wg");
+  EXPECT_NE(plain, wg);
 }
 
 // The FP8 tiles (fp8_tile.cl through linear_fp8.cl) build without a warning in the device's log:
