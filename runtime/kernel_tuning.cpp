@@ -199,8 +199,9 @@ KernelTuning intel_xeon() {
   // (2026-12-03, 2 pairs in turn) bf16 experts took 290-302 ms from 8 rows against 361-391 from
   // 32 (the whole step 452-480 ms against 588-787; again with this row, 2 pairs: experts 294-307
   // against 407-445, the timed steps 485-511 against 646-681), FP8 experts 432 ms from 8 against
-  // 380-423. clshard tune chose 8 for bf16 experts in 5 dry runs (by 2.5-5%) and kept 32 for
-  // FP8 ones (124.5 ms against 128.2 from 16 and 129.2 from 8).
+  // 380-423. clshard tune chose 8 for bf16 experts in 5 dry runs (by 2.5-5%) and in a sixth with
+  // this row's FP8 field (100.7 ms against 102.9 from 16 and 105.9 from 32, by 5.2%), where it
+  // kept 32 for FP8 experts (124.5 ms against 128.2 from 16 and 129.2 from 8).
   t.moe_bf16_packed_rows = 8;
   t.moe_fp8_packed_rows = 32;
   return t;

@@ -49,8 +49,9 @@ fi
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release
 cmake --build build -j"$(nproc)"
 # Tests keep PoCL's compiled kernels and ours inside build/ (set by tests/test_util.cpp and
-# perf/CMakeLists.txt), so a second run skips every kernel compile.
-ctest --test-dir build --output-on-failure -j1
+# perf/CMakeLists.txt), so a second run skips every kernel compile. One test per core: a cold run
+# is mostly kernel compiles, one thread each (on the 2-core VM, 1017 tests took 864 s cold at -j2).
+ctest --test-dir build --output-on-failure -j"$(nproc)"
 # The parsers under ASan + UBSan (clang, build-fuzz/): every fuzz seed and kept crasher once through
 # its libFuzzer target. A few minutes of CI; the full sanitizer run is --sanitize above.
 bash scripts/fuzz.sh all 0
