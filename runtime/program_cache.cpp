@@ -133,9 +133,10 @@ std::string one_kernel(const std::string& src, const std::string& keep, const st
     for (; i <= end; ++i) {
       const std::string_view l = lines[i];
       const size_t first = l.find_first_not_of(" \t");
+      // A #pragma (unroll) belongs to a loop of the body, which goes.
       const bool directive =
           continued || (first != std::string_view::npos && l[first] == '#' &&
-                        l.find("pragma", first) == std::string_view::npos);  // a body's loops go
+                        l.find("pragma", first) == std::string_view::npos);
       out.append(directive ? l : std::string_view("\n"));
       const size_t last = l.find_last_not_of("\r\n");
       continued = directive && last != std::string_view::npos && l[last] == '\\';
