@@ -2,7 +2,8 @@
 // linear_bf16_packed), for prefill-sized M: an outer product, where bf16_tile.cl's tiles are dot
 // products. Build options: -DPANEL_TM (rows per tile), -DPANEL_NV (vectors of 16 columns per
 // tile), -DPANEL_KP (pair steps per panel), -DBF16_DOT=0|1 (the micro-kernel, below),
-// -DPAIRS_ALIGNED=0|1 (weight rows on 4-byte boundaries), -DPREFETCH_X86=1 (PanelPrefetch), and
+// -DPAIRS_ALIGNED=0|1 (weight rows on 4-byte boundaries), -DPREFETCH_X86=1 (PanelPrefetch),
+// -DPANEL_WF32=1 (the portable micro-kernel's weights widened at the pack, below), and
 // -DPANEL_FP8=1 for FP8 weights, dequantized to bf16 as they are packed (with common.cl's
 // -DFP8_DENORM and -DFP8_NAN_WATCH).
 //
@@ -48,6 +49,18 @@
 // are).
 
 #define PANEL_NC (16 * PANEL_NV)
+// With -DPANEL_WF32=1 (the portable micro-kernel only) the panel holds each step's weights widened
+// to f32, the odd (high) halves' PANEL_NC floats and then the even ones': the pack widens them
+// once for all the tile's rows, where the steps would each widen them again (a shift and a mask
+// per vector, which on Intel's cores share the two ports of the FMAs). The panel takes twice the
+// local memory; the host builds it where KernelTuning's gemm_bf16_packed_wf32 asks and it fits.
+#ifndef PANEL_WF32
+#define PANEL_WF32 0
+#endif
+#if PANEL_WF32 && (BF16_DOT || BF16_AMX)
+#error "-DPANEL_WF32=1: widened panels are the portable micro-kernel's (-DBF16_DOT=0 -DBF16_AMX=0)"
+#endif
+#define PANEL_STEP_WORDS (PANEL_NC * (PANEL_WF32 ? 2 : 1))
 
 // The x rows: bf16, rounded once and read as pair words (compute_dtype bf16), or with
 // -DPANEL_XF32=1 the f32 rows as they are (compute_dtype f32 over bf16 weights, whose values f32
@@ -107,8 +120,9 @@ inline uint16 panel_row_tail(global const ushort* row, global const float* srow,
 #endif
 
 // Packs pair steps [kp_begin, kp_end) of the tile's PANEL_NC weight rows (rows[c]; FP8: their
-// block-scale rows srows[c]) into panel[(kp - kp_begin) * PANEL_NC + c]: 16 rows x 16 steps at a
-// time, transposed in registers, so that each step's 16 words are one vector store.
+// block-scale rows srows[c]) into panel[(kp - kp_begin) * PANEL_NC + c] (with PANEL_WF32 each
+// step's odd then even halves, PANEL_STEP_WORDS apart): 16 rows x 16 steps at a time, transposed
+// in registers, so that each step's 16 words are one vector store.
 inline void pack_panel(global const panel_w_t* const* rows, global const float* const* srows,
                        uint K, uint kp_begin, uint kp_end, local uint* panel) {
   for (int g = 0; g < PANEL_NV; ++g)
@@ -123,13 +137,20 @@ inline void pack_panel(global const panel_w_t* const* rows, global const float* 
           r[c] = panel_row_tail(rows[16 * g + c], srows[16 * g + c], kp0, K);
       }
       transpose16x16(r);
-      local uint* dst = panel + (size_t)(kp0 - kp_begin) * PANEL_NC + 16 * g;
+      local uint* dst = panel + (size_t)(kp0 - kp_begin) * PANEL_STEP_WORDS + 16 * g;
 #if BF16_AMX
       const uint steps = 16;  // whole groups: words past K are zero (panel_row_tail)
 #else
       const uint steps = min(16u, kp_end - kp0);
 #endif
+#if PANEL_WF32
+      for (uint q = 0; q < steps; ++q) {
+        *(local uint16*)(dst + (size_t)q * PANEL_STEP_WORDS) = r[q] & 0xffff0000u;
+        *(local uint16*)(dst + (size_t)q * PANEL_STEP_WORDS + PANEL_NC) = r[q] << 16;
+      }
+#else
       for (uint q = 0; q < steps; ++q) *(local uint16*)(dst + (size_t)q * PANEL_NC) = r[q];
+#endif
     }
 }
 
@@ -304,13 +325,22 @@ void panel_tile_sums(global const panel_xr_t* const* xr, local const uint* panel
   const float16 x_even = (float16)(as_float(u << 16));                                     \
   const float16 x_odd = (float16)(as_float(u & 0xffff0000u));
 #endif
+#if PANEL_WF32
+#define PANEL_W_PAIR(kp, v)                                                                \
+  w_odd[v] = as_float16(vload16(0, panel + (size_t)(kp) * PANEL_STEP_WORDS + 16 * (v)));   \
+  w_even[v] =                                                                              \
+      as_float16(vload16(0, panel + (size_t)(kp) * PANEL_STEP_WORDS + PANEL_NC + 16 * (v)));
+#else
+#define PANEL_W_PAIR(kp, v)                                                                \
+  const uint16 u = vload16(0, panel + (size_t)(kp) * PANEL_NC + 16 * (v));                 \
+  w_even[v] = as_float16(u << 16);                                                         \
+  w_odd[v] = as_float16(u & 0xffff0000u);
+#endif
 #define PANEL_FMA_STEP(kp, keep)                                                           \
   {                                                                                        \
     float16 w_even[PANEL_NV], w_odd[PANEL_NV];                                             \
     _Pragma("unroll") for (int v = 0; v < PANEL_NV; ++v) {                                 \
-      const uint16 u = vload16(0, panel + (size_t)(kp) * PANEL_NC + 16 * v);               \
-      w_even[v] = as_float16(u << 16);                                                     \
-      w_odd[v] = as_float16(u & 0xffff0000u);                                              \
+      PANEL_W_PAIR(kp, v)                                                                  \
     }                                                                                      \
     _Pragma("unroll") for (int i = 0; i < PANEL_TM; ++i) {                                 \
       PANEL_X_PAIR(xr[i], kp, keep)                                                        \
@@ -328,6 +358,7 @@ void panel_tile_sums(global const panel_xr_t* const* xr, local const uint* panel
   for (uint kp = n_pf; kp < full; ++kp) PANEL_FMA_STEP(kp, 0xFFFFFFFFu)
   if (odd_tail) PANEL_FMA_STEP(full, 0xFFFFu)
 #undef PANEL_FMA_STEP
+#undef PANEL_W_PAIR
 #undef PANEL_X_PAIR
 #pragma unroll
   for (int i = 0; i < PANEL_TM; ++i)
@@ -374,12 +405,12 @@ inline void panel_store(const float* sums, uint m0, uint m_end, uint n0, uint N,
 // PANEL_ROWS, the rows' partial sums between chunks, which PACKED_PARTIAL names (0 without).
 #if PANEL_ROWS
 #define PACKED_LOCALS                                                                        \
-  local uint packed_panel[(PANEL_KP + 15) / 16 * 16 * PANEL_NC] __attribute__((aligned(64))); \
+  local uint packed_panel[(PANEL_KP + 15) / 16 * 16 * PANEL_STEP_WORDS] __attribute__((aligned(64))); \
   local float packed_partial[PANEL_ROWS * PANEL_NC] __attribute__((aligned(64)));
 #define PACKED_PARTIAL packed_partial
 #else
 #define PACKED_LOCALS \
-  local uint packed_panel[(PANEL_KP + 15) / 16 * 16 * PANEL_NC] __attribute__((aligned(64)));
+  local uint packed_panel[(PANEL_KP + 15) / 16 * 16 * PANEL_STEP_WORDS] __attribute__((aligned(64)));
 #define PACKED_PARTIAL 0
 #endif
 

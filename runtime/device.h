@@ -127,6 +127,10 @@ struct KernelTuning {
   // then at most 512, whose partial sums wait in local memory between chunks. A panel of 1024
   // steps x 64 columns is 256 KiB: the chunk decides whether the panel stays in L2 or nearer.
   uint32_t gemm_bf16_packed_kp = 1024;
+  // Whether the packed GEMM's portable micro-kernel (no vdpbf16ps, no AMX) reads a panel of the
+  // weights widened to f32 (1: twice the local memory, taken where it fits; the pack widens each
+  // weight once), or of bf16 pairs that each step widens (0).
+  uint32_t gemm_bf16_packed_wf32 = 0;
   // Whether the packed GEMM takes AMX's bf16 tiles where the host has them (ops::bf16_amx): 1, or
   // 0 for gemm_bf16_dot's micro-kernel. With AMX its tile is 16 rows (one tile register) x at
   // most 5 of gemm_bf16_packed_nv's vectors (4 with GLU). With AMX the packed GEMM takes bf16

@@ -282,7 +282,7 @@ TuneWorkload::TuneWorkload(Device& dev, bool quick) : buffers_(std::make_unique<
          },
          {},
          {"gemm_bf16_dot", "gemm_bf16_packed_rows", "gemm_bf16_packed_tm", "gemm_bf16_packed_nv",
-          "gemm_bf16_packed_kp"}});
+          "gemm_bf16_packed_kp", "gemm_bf16_packed_wf32"}});
   }
   // The same at a decode batch of 8 rows (the batch tile), over 3 copies of the weight (96 MB,
   // past a 32 MB last-level cache): decode streams its weights from memory, and a tile that
@@ -551,6 +551,7 @@ const std::vector<TuneField>& tunable_fields() {
       {"gemm_bf16_packed_tm", S::Chunks, {4, 6, 8}},
       {"gemm_bf16_packed_nv", S::Chunks, {2, 3, 4}},
       {"gemm_bf16_packed_kp", S::Chunks, {256, 512, 1024}},
+      {"gemm_bf16_packed_wf32", S::Chunks, {0, 1}},
       {"moe_bf16_packed_rows", S::Chunks, {0, 8, 16, 32, 64, 128}},
       {"moe_fp8_packed_rows", S::Chunks, {0, 8, 16, 32, 64, 128}},
       {"gemm_bf16_amx_stream_na", S::Chunks, {1, 2, 4}},

@@ -158,6 +158,11 @@ KernelTuning amd_epyc_avx512() {
   t.fp8_stream_k = 8192;
   t.gemm_bf16_tn = 6;
   t.gemm_bf16_packed_nv = 4;
+  // The widened panel (gemm_bf16_packed_wf32, the Xeon's) loses a little on Zen 5, whose shifts
+  // and masks do not compete with its FMAs (2026-12-04, bench_llama --prefill-only at f32 compute,
+  // 3 pairs in turn through tuning.json: 179.6/189.1/193.5 against 187.5/194.8/195.9 tokens/s;
+  // with gemm_bf16_packed_kp 512, so that down_proj's panel fits widened too, 177-182 against
+  // 179-189), so it stays off.
   // The grouped experts take the packed GEMM from 32 rows (gemm_bf16_packed_rows keeps 128):
   // dsv3-mini bf16's 512-token prefill at bf16 compute on Zen 4 (bench_step_breakdown --prefill
   // 512, 2026-11-30, 2 pairs in turn through tuning.json) took its experts in 404-409 ms against
@@ -204,6 +209,12 @@ KernelTuning intel_xeon() {
   // kept 32 for FP8 experts (124.5 ms against 128.2 from 16 and 129.2 from 8).
   t.moe_bf16_packed_rows = 8;
   t.moe_fp8_packed_rows = 32;
+  // The packed GEMM's portable micro-kernel (f32 compute over bf16 weights, and bf16 compute
+  // here) reads its weights widened to f32 at the pack: each step's shift and mask had shared the
+  // two ports of the FMAs. On the Xeon without AMX (2026-12-03, bench_llama --prefill-only, pairs
+  // in turn through tuning.json) llama3-1b bf16's 512-token prefill at f32 compute 1.21x, 1.12x and
+  // 1.30x (3.59-4.48 s against 4.32-5.03), at bf16 compute 1.12x and 1.17x.
+  t.gemm_bf16_packed_wf32 = 1;
   return t;
 }
 
@@ -272,6 +283,7 @@ const std::vector<std::pair<std::string, U32Field>>& u32_fields() {
       {"gemm_bf16_packed_tm", &KernelTuning::gemm_bf16_packed_tm},
       {"gemm_bf16_packed_nv", &KernelTuning::gemm_bf16_packed_nv},
       {"gemm_bf16_packed_kp", &KernelTuning::gemm_bf16_packed_kp},
+      {"gemm_bf16_packed_wf32", &KernelTuning::gemm_bf16_packed_wf32},
       {"blas_gemm_rows", &KernelTuning::blas_gemm_rows}};
   return f;
 }
@@ -313,7 +325,8 @@ const std::vector<std::pair<std::string, std::string>>& zero_fields() {
       {"gemv_row_pairs", "off"},
       {"gemm_bf16_dot", "off"},
       {"gemm_bf16_gemv", "off"},
-      {"gemm_bf16_amx", "off"}};
+      {"gemm_bf16_amx", "off"},
+      {"gemm_bf16_packed_wf32", "off"}};
   return fields;
 }
 

@@ -27,9 +27,8 @@ KernelTuning builtin_kernel_tuning(const DeviceInfo& info);
 const std::vector<std::string>& kernel_tuning_fields();
 uint64_t kernel_tuning_field(const KernelTuning& t, const std::string& field);
 bool set_kernel_tuning_field(KernelTuning& t, const std::string& field, uint64_t value);
-// Every field is a count or size, positive, but those whose 0 is a value: blas_gemm_rows and
-// gemm_bf16_packed_rows (0: never), weight_prefetch, stream_prefetch, gemm_bf16_dot,
-// gemm_bf16_gemv and gemm_bf16_amx (0: off).
+// Every field is a count or size, positive, but those whose 0 is a value: the row thresholds
+// (0: never) and the switches (0: off), kernel_tuning.cpp's zero_fields.
 bool kernel_tuning_zero_allowed(const std::string& field);
 
 // kernel_cache_dir() / "tuning.json".

@@ -109,12 +109,18 @@ PackedGemmShape packed_gemm_shape(const Device& dev, PackedRows x, bool glu,
   const uint32_t chunk = std::max(16u, t.gemm_bf16_packed_kp / 16 * 16);
   p.chunk_steps = std::min(steps, chunk);
   p.partial_rows = steps > chunk ? kPackedPartialRows / p.tm * p.tm : 0;
-  const uint64_t local_bytes = uint64_t((p.chunk_steps + 15) / 16 * 16) * 16 * p.nv * 4 +
-                               uint64_t(p.partial_rows) * 16 * p.nv * 4;
-  p.fits = local_bytes <= dev.info().local_mem;
+  const bool bf16_dot = !x_f32 && !amx && bf16_dot_product(dev);
+  auto local_bytes = [&](bool widened) {
+    return uint64_t((p.chunk_steps + 15) / 16 * 16) * 16 * p.nv * 4 * (widened ? 2 : 1) +
+           uint64_t(p.partial_rows) * 16 * p.nv * 4;
+  };
+  // The widened panel (twice the bytes) where the tuning asks for it and it fits, else the pairs.
+  const bool widened = !bf16_dot && !amx && t.gemm_bf16_packed_wf32 != 0 &&
+                       local_bytes(true) <= dev.info().local_mem;
+  p.fits = local_bytes(widened) <= dev.info().local_mem;
   p.options = " -DPANEL_TM=" + std::to_string(p.tm) + " -DPANEL_NV=" + std::to_string(p.nv) +
               " -DPANEL_KP=" + std::to_string(p.chunk_steps) + " -DGLU=" + (glu ? "1" : "0") +
-              " -DBF16_DOT=" + (!x_f32 && !amx && bf16_dot_product(dev) ? "1" : "0") +
+              " -DBF16_DOT=" + (bf16_dot ? "1" : "0") + (widened ? " -DPANEL_WF32=1" : "") +
               " -DBF16_AMX=" + (amx ? "1" : "0") +
               " -DPAIRS_ALIGNED=" + (pairs_aligned ? "1" : "0") + weight_prefetch_option(dev);
   if (x_f32) p.options += " -DPANEL_XF32=1";

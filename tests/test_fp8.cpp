@@ -823,10 +823,12 @@ TEST(LinearFp8, RejectsWrongDtypeAndScaleShape) {
 // more: linear_fp8_bf16's panels): the bits of the bf16 GEMM over the host's bf16 dequantization,
 // at odd sizes with partial blocks, alpha and accumulate, in the prefill tile and the batch tile,
 // and from gemm_bf16_packed_rows rows in the packed GEMM (dequantized as it packs; 129 rows with K
-// of two chunks and an odd tail), with the dot product and the portable micro-kernel, and with the
-// NaN watch (the weight's scan unknown: the exact decode); fewer rows, and every GEMM in the GPU
-// shape (which keeps FP8 weights in its tiles), keep linear_fp8's bits, but for 1-15 rows where
-// the host has vdpbf16ps (their own sums: Fp8ComputeBf16.LinearInTurnSumsBf16RoundedRows).
+// of two chunks and an odd tail), with the dot product and the portable micro-kernel (over the
+// panel of weights widened to f32 where the device's tuning has bf16 pairs, and the other way
+// round: gemm_bf16_packed_wf32), and with the NaN watch (the weight's scan unknown: the exact
+// decode); fewer rows, and every GEMM in the GPU shape (which keeps FP8 weights in its tiles), keep
+// linear_fp8's bits, but for 1-15 rows where the host has vdpbf16ps (their own sums:
+// Fp8ComputeBf16.LinearInTurnSumsBf16RoundedRows).
 TEST_P(Fp8Decodes, LinearAnyBf16ComputeIsTheBf16GemmOfTheDequantizedWeight) {
   Device& dev = device();
   test::ShapeScope scope(dev, dev.kernel_shape());  // the device's own shape back afterwards
@@ -839,7 +841,10 @@ TEST_P(Fp8Decodes, LinearAnyBf16ComputeIsTheBf16GemmOfTheDequantizedWeight) {
     dev.set_kernel_shape(shape);
     KernelTuning t = tuning;
     t.gemm_bf16_dot = portable ? 0 : 1;  // vdpbf16ps where the host has it, else the portable
-    if (portable) t.gemm_bf16_amx = 0;
+    if (portable) {
+      t.gemm_bf16_amx = 0;
+      t.gemm_bf16_packed_wf32 = tuning.gemm_bf16_packed_wf32 ? 0 : 1;  // the other panel
+    }
     test::TuningScope tuned(dev, t);
     const bool bf16_route = M >= 16 && shape == KernelShape::Chunks;
     if (M < 16 && shape == KernelShape::Chunks && ops::bf16_dot_product(dev)) continue;

@@ -28,6 +28,7 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <optional>
 #include <random>
 #include <string>
 
@@ -607,6 +608,76 @@ TEST(GemmBf16Packed, OutputBitsDoNotDependOnTheChunk) {
         ASSERT_EQ(std::memcmp(&out[0][i], &out[c][i], 4), 0) << i;
     }
   });
+}
+
+// Nor on whether the portable micro-kernel's panel holds the weights as bf16 pairs that each step
+// widens or as f32 widened once at the pack (gemm_bf16_packed_wf32): the same products in the same
+// order. bf16 rows (compute_dtype bf16, the dot product off) and f32 rows (f32 compute over bf16
+// weights, packed_f32_rows); linear and the GLU epilogue, a partial last row tile, K of one chunk
+// and of two.
+TEST(GemmBf16Packed, WidenedPanelGivesTheWordPanelsBits) {
+  Device& dev = test::default_device();
+  test::ShapeScope shape(dev, KernelShape::Chunks);
+  const uint32_t M = 45, N = 90;
+  over_chunks_and_glu(dev, M, N, 85, [&](const GluOperands& o, uint32_t K, bool glu) {
+    for (const ComputeDType compute : {ComputeDType::BF16, ComputeDType::F32}) {
+      SCOPED_TRACE(compute == ComputeDType::BF16 ? "bf16 rows" : "f32 rows");
+      std::vector<float> out[2];
+      for (const uint32_t wf32 : {0u, 1u}) {
+        KernelTuning t = dev.tuning();
+        t.gemm_bf16_dot = 0;
+        t.gemm_bf16_amx = 0;
+        t.gemm_f32_amx_rows = 0;
+        t.gemm_bf16_packed_rows = 8;
+        t.gemm_bf16_packed_kp = 256;  // a widened panel that fits (WidenedPanelWhereItFits)
+        t.gemm_bf16_packed_wf32 = wf32;
+        test::TuningScope scope(dev, t);
+        ASSERT_TRUE(packed(dev, M));
+        const ops::PackedRows rows =
+            compute == ComputeDType::BF16 ? ops::PackedRows::Bf16 : ops::PackedRows::F32;
+        EXPECT_EQ(ops::packed_gemm_shape(dev, rows, glu, std::nullopt, false, K)
+                          .options.find(" -DPANEL_WF32=1") != std::string::npos,
+                  wf32 == 1);
+        cl::Mem y = dev.alloc(size_t(M) * N * 4);
+        if (glu)
+          ops::linear_swiglu(dev, o.x, 0, K, nullptr, 0.0f, o.w, o.u, y, 0, N, M, compute);
+        else
+          ops::linear(dev, o.x, 0, K, o.w, nullptr, y, 0, N, M, 1.0f, false, compute);
+        out[wf32] = download(dev, y, size_t(M) * N);
+      }
+      for (size_t i = 0; i < out[0].size(); ++i)
+        ASSERT_EQ(std::memcmp(&out[0][i], &out[1][i], 4), 0) << i;
+    }
+  });
+}
+
+// The widened panel is taken where it fits the device's local memory with the rows' partial sums,
+// and the pairs' panel (half its bytes) beyond: over chunks of 16 to 65536 steps at K = 2^20 + 1,
+// the widened panel up to some chunk, then the pairs, which still fit.
+TEST(GemmBf16Packed, WidenedPanelWhereItFits) {
+  Device& dev = test::default_device();
+  KernelTuning t = dev.tuning();
+  t.gemm_bf16_dot = 0;
+  t.gemm_bf16_amx = 0;
+  t.gemm_bf16_packed_wf32 = 1;
+  uint32_t widened_up_to = 0, pairs_from = 0;
+  for (uint32_t kp = 16; kp <= 65536 && !pairs_from; kp += 16) {
+    t.gemm_bf16_packed_kp = kp;
+    test::TuningScope scope(dev, t);
+    const ops::PackedGemmShape s = ops::packed_gemm_shape(dev, ops::PackedRows::F32, true,
+                                                          std::nullopt, false, (1u << 20) + 1);
+    const bool widened = s.options.find(" -DPANEL_WF32=1") != std::string::npos;
+    if (widened) {
+      ASSERT_TRUE(s.fits) << kp;
+      widened_up_to = kp;
+    } else {
+      ASSERT_TRUE(s.fits) << "the pairs at " << kp << " steps (local memory "
+                          << dev.info().local_mem << " bytes)";
+      pairs_from = kp;
+    }
+  }
+  EXPECT_GE(widened_up_to, 256u);
+  EXPECT_EQ(pairs_from, widened_up_to + 16) << "local memory " << dev.info().local_mem << " bytes";
 }
 
 // The packed GEMM takes bf16 weights from gemm_bf16_packed_rows rows and not below, sums each row

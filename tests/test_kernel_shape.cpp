@@ -287,8 +287,8 @@ TEST(KernelTuningFile, AnEntryOverridesTheBuiltInRowForItsDeviceOnly) {
                             "gemm_f32_amx_rows: 0 for never; "
                             "weight_prefetch, "
                             "stream_prefetch, stream_prefetch_l1, gemv_stream_prefetch, "
-                            "gemv_row_pairs, gemm_bf16_dot, gemm_bf16_gemv, gemm_bf16_amx: 0 for "
-                            "off), got 0"),
+                            "gemv_row_pairs, gemm_bf16_dot, gemm_bf16_gemv, gemm_bf16_amx, "
+                            "gemm_bf16_packed_wf32: 0 for off), got 0"),
             std::string::npos)
       << error_of();
   write({{"blas_gemm_rows", 0}});  // the fields whose 0 is a value (never, off)

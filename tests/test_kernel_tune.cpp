@@ -121,7 +121,7 @@ TEST(KernelTune, UnknownAndUntunableFieldsAreRefusedWithTheirMessage) {
       "gemv_stream_prefetch, gemv_row_pairs, linear_batch_tm, gemm_bf16_dot, gemm_bf16_tm, "
       "gemm_bf16_tn, gemm_bf16_batch_tm, gemm_bf16_batch_tn, gemm_bf16_rows, "
       "gemm_bf16_packed_rows, gemm_bf16_packed_tm, gemm_bf16_packed_nv, gemm_bf16_packed_kp, "
-      "moe_bf16_packed_rows, moe_fp8_packed_rows, gemm_bf16_amx_stream_na";
+      "gemm_bf16_packed_wf32, moe_bf16_packed_rows, moe_fp8_packed_rows, gemm_bf16_amx_stream_na";
   struct Case {
     std::vector<std::string> args;
     std::string message;
