@@ -598,7 +598,13 @@ TEST_P(GroupedExperts, MatchPerExpertOpsBitForBit) {
   if (c.vector) tuning.linear_vector = c.vector;
   // bf16 compute: vdpbf16ps where the host has it (test::with_bf16_dot), or the portable kernel.
   tuning.gemm_bf16_dot = c.portable ? 0 : 1;
-  if (c.portable) tuning.gemm_bf16_amx = 0;
+  if (c.portable) {
+    tuning.gemm_bf16_amx = 0;
+    // The packed experts over the other panel than the device's row gives them (weights widened
+    // to f32 or bf16 pairs, gemm_bf16_packed_wf32; the reference below then takes it too): both
+    // are checked on any host.
+    tuning.gemm_bf16_packed_wf32 = tuning.gemm_bf16_packed_wf32 ? 0 : 1;
+  }
   if (c.packed_rows) {
     const bool fp8 = c.dtype == DType::F8_E4M3;
     tuning.moe_bf16_packed_rows = fp8 ? 0 : c.packed_rows;
