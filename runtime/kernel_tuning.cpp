@@ -158,11 +158,11 @@ KernelTuning amd_epyc_avx512() {
   t.fp8_stream_k = 8192;
   t.gemm_bf16_tn = 6;
   t.gemm_bf16_packed_nv = 4;
-  // The widened panel (gemm_bf16_packed_wf32, the Xeon's) loses a little on Zen 5, whose shifts
-  // and masks do not compete with its FMAs (2026-12-04, bench_llama --prefill-only at f32 compute,
-  // 3 pairs in turn through tuning.json: 179.6/189.1/193.5 against 187.5/194.8/195.9 tokens/s;
-  // with gemm_bf16_packed_kp 512, so that down_proj's panel fits widened too, 177-182 against
-  // 179-189), so it stays off.
+  // The widened panel (gemm_bf16_packed_wf32, the Xeon's) loses a little on Zen 5, where the
+  // steps' shifts and masks seem not to compete with the FMAs (not profiled). 2026-12-04,
+  // bench_llama --prefill-only at f32 compute, 3 pairs in turn through tuning.json:
+  // 179.6/189.1/193.5 against 187.5/194.8/195.9 tokens/s; with gemm_bf16_packed_kp 512, so that
+  // down_proj's panel fits widened too, 177-182 against 179-189. So it stays off.
   // The grouped experts take the packed GEMM from 32 rows (gemm_bf16_packed_rows keeps 128):
   // dsv3-mini bf16's 512-token prefill at bf16 compute on Zen 4 (bench_step_breakdown --prefill
   // 512, 2026-11-30, 2 pairs in turn through tuning.json) took its experts in 404-409 ms against
