@@ -24,6 +24,11 @@ enum class DeviceKind { Cpu, Gpu, Accelerator, Other };
 enum class KernelShape { Chunks, WorkGroups };
 const char* device_kind_name(DeviceKind k);
 const char* kernel_shape_name(KernelShape s);  // "cpu" | "gpu", as devices.kernel_shape says
+// Whether a launch that names no local size runs in work-groups of one work-item: on CPUs, and on
+// any device running the CPU shape. Kernels of that shape own their chunk alone, and some keep a
+// work-item's scratch in local memory (bf16_packed.cl's panel), which the work-items of a larger
+// group would share and overwrite. Elsewhere the driver chooses.
+bool single_work_item_groups(DeviceKind kind, KernelShape shape);
 
 // The parameters of the WorkGroups-shaped kernels on one device: host launch sizes and kernel
 // constants both come from here (the kernels get them as -D build options). Looked up by device
@@ -270,8 +275,8 @@ class Device {
   // Submits what is queued without waiting, so this device works while the host feeds others.
   void flush() const;
 
-  // Enqueues an NDRange with local size 1 in every dimension on CPU devices (a work-item owns a
-  // contiguous chunk there), and lets the driver choose on GPUs unless `local` is given.
+  // Enqueues an NDRange with local size 1 in every dimension where single_work_item_groups says
+  // so (CPUs, and the CPU shape anywhere), else lets the driver choose, unless `local` is given.
   void launch(const cl::Kernel& k, std::array<size_t, 3> global, int dims = 1,
               const size_t* local = nullptr) const;
   // A one-dimensional launch as above, after the events in `wait` (of this device's context);

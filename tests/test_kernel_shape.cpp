@@ -54,6 +54,17 @@ TEST(KernelShapeKey, AutoKeepsEachDevicesShapeAndCpuForcesTheChunkedOne) {
   }
 }
 
+// A launch that names no local size runs one work-item per group on CPUs and wherever the CPU
+// shape runs (a GPU forced to it too: the packed GEMM's panel in local memory is a work-item's
+// own), and leaves the choice to the driver only for the GPU shape on other devices.
+TEST(KernelShapeLaunch, TheCpuShapeRunsSingleWorkItemGroupsOnAnyDevice) {
+  for (DeviceKind kind : {DeviceKind::Cpu, DeviceKind::Gpu, DeviceKind::Accelerator}) {
+    EXPECT_TRUE(single_work_item_groups(kind, KernelShape::Chunks)) << device_kind_name(kind);
+    EXPECT_EQ(single_work_item_groups(kind, KernelShape::WorkGroups), kind == DeviceKind::Cpu)
+        << device_kind_name(kind);
+  }
+}
+
 class ForcedGpuShape : public ::testing::TestWithParam<std::string> {};
 
 // Every position of every sequence in one ragged prefill, then the decode path: within the
