@@ -768,7 +768,7 @@ TEST(Fp8CodeScan, CountsLongRunsByteForByte) {
 // kFp8DenormMaxSubnormalShare of subnormal codes, the f16 one past it (each FMA on a denormal
 // costs x86 a microcode assist); CLSHARD_FP8_DECODE=f16 forces the latter.
 TEST(Fp8CodeScan, SubnormalShareChoosesTheDecodeOnCpus) {
-  Device& dev = device();
+  Device& dev = test::cpu_device();
   ASSERT_EQ(dev.info().kind, DeviceKind::Cpu);
   EXPECT_EQ(ops::fp8_decode_option(dev, 0.0f), "-DFP8_DENORM=1");
   EXPECT_EQ(ops::fp8_decode_option(dev, ops::kFp8DenormMaxSubnormalShare), "-DFP8_DENORM=1");

@@ -138,6 +138,12 @@ Device& default_device() {
   return manager[0];
 }
 
+Device& cpu_device() {
+  if (default_device().is_cpu()) return default_device();
+  static DeviceManager manager(cpu_devices(""));
+  return manager[0];
+}
+
 namespace {
 std::string slurp(const std::filesystem::path& p) {
   std::ifstream in(p, std::ios::binary);

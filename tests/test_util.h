@@ -50,6 +50,9 @@ DeviceSelection cpu_devices(const std::string& split, bool all = false);
 
 // The first OpenCL device (PoCL's CPU device here), shared by the tests of one process.
 Device& default_device();
+// The first CPU device: default_device() where that is one, else one opened for it (what tests of
+// CPU-only behaviour use, so that on a machine without a CPU device they fail naming the want).
+Device& cpu_device();
 
 // Sets a device's kernel shape for one scope (the GPU shape runs on PoCL too), and puts the
 // device's own shape back at the end of it.
