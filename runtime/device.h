@@ -37,7 +37,7 @@ struct KernelTuning {
   uint32_t norm_wg = 256;         // RMSNorm: lanes per row
   uint32_t rope_wg = 64;          // RoPE + KV store: lanes per token
   uint32_t linear_wg = 64;        // linear_wg.cl: lanes per output feature
-  uint32_t linear_rows = 4;       // linear_wg.cl: rows per work-group
+  uint32_t linear_rows = 4;       // linear_wg.cl: rows per work-group (fewer where M is)
   // linear_wg.cl and the grouped experts' GPU shape (wg_dots.cl): weights each lane reads per
   // step, side by side (1, 2, 4 or 8); 1 is the plain one-element stride.
   uint32_t linear_vector = 1;

@@ -100,7 +100,10 @@ KernelTuning nvidia_hopper() {
   // prefill fields were timed on the H100 only: prefill_wg 256 took 2.05 ms against 128's 2.72 over
   // T=64 and T=512 after 512). Their choice of linear_rows (1 on the H200, 2 on the H100, 5% apart
   // from 4) is left out: prefill GEMMs of hundreds of rows were not among the timed ops, and they
-  // want the default 4.
+  // want the default 4. What made 1 win was the one-row GEMVs, which since 2026-12-04 run one row
+  // per group whatever the field (ops::wg_linear_rows): on the H200 that day they read 1,806, 1,121
+  // and 1,999 GB/s with one row per group against 1,277, 873 and 1,373 with four, while the 8-row
+  // GEMV read 509 GB/s against 830.
   KernelTuning t = nvidia();
   t.norm_wg = 256;
   t.rope_wg = 256;

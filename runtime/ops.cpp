@@ -81,6 +81,10 @@ constexpr uint32_t kPackedPartialRows = 512;
 
 }  // namespace
 
+uint32_t wg_linear_rows(const Device& dev, uint32_t M) {
+  return std::max(1u, std::min(dev.tuning().linear_rows, M));
+}
+
 uint32_t linear_tile_rows(const Device& dev, uint32_t M) {
   // Each row's sums are the same FMAs in the same order whatever the tile (linear_tile.cl), so
   // the rows per tile change no bit.
@@ -620,7 +624,7 @@ void linear(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, const W
     return;
   }
   if (dev.kernel_shape() == KernelShape::WorkGroups) {
-    const uint32_t wg = dev.tuning().linear_wg, rb = dev.tuning().linear_rows;
+    const uint32_t wg = dev.tuning().linear_wg, rb = wg_linear_rows(dev, M);
     cl::Kernel k = dev.kernel("linear_wg.cl", "linear_wg",
                               weight_option(w) + " -DWG=" + std::to_string(wg) +
                                   " -DRB=" + std::to_string(rb) +
@@ -718,7 +722,7 @@ void launch_fused_wg(Device& dev, ComputeDType compute, const cl::Mem& x_in, uin
     ends[i] = N;
   }
   if (glu) N = uint32_t(ws[0]->dim(0));
-  const uint32_t wg = dev.tuning().linear_wg, rb = dev.tuning().linear_rows;
+  const uint32_t wg = dev.tuning().linear_wg, rb = wg_linear_rows(dev, M);
   cl::Kernel k = dev.kernel("linear_wg.cl", "linear_fused_wg",
                             weight_option(*ws[0]) + " -DWG=" + std::to_string(wg) +
                                 " -DRB=" + std::to_string(rb) + (glu ? " -DGLU=1" : "") +

@@ -208,8 +208,8 @@ void linear_fp8(Device& dev, const cl::Mem& x, uint32_t x_off, uint32_t ldx, con
                 float alpha, bool accumulate, ComputeDType compute) {
   const auto [N, K] = check_fp8_weight("linear_fp8", w, scale_inv);
   if (dev.kernel_shape() == KernelShape::WorkGroups) {
-    // linear_wg's layout and work-group size (KernelTuning::linear_wg, linear_rows).
-    const uint32_t wg = dev.tuning().linear_wg, rb = dev.tuning().linear_rows;
+    // linear_wg's layout, work-group size and rows (KernelTuning::linear_wg, wg_linear_rows).
+    const uint32_t wg = dev.tuning().linear_wg, rb = wg_linear_rows(dev, M);
     cl::Kernel k = dev.kernel("linear_fp8.cl", "linear_fp8_wg",
                               fp8_decode_option(dev, w.fp8_subnormal_share) +
                                   " -DWG=" + std::to_string(wg) + " -DRB=" + std::to_string(rb));

@@ -381,7 +381,8 @@ INSTANTIATE_TEST_SUITE_P(Shapes, LinearStrides, test::both_shapes(), test::Shape
 // columns VW l + j + s VW WG (j < VW) for the whole steps, then l, l + WG, ... over the tail, then
 // the local tree (halves, quarters, ...). f32 / bf16 / f16 weights; K with whole steps and a
 // tail, and K below one step; x read from an aligned and from an unaligned offset (single vector
-// loads or vloadn), the same bits; q/k/v side by side and gate/up + SiLU equal linear's bits.
+// loads or vloadn), the same bits; 1, 2 and 5 rows (groups of fewer rows than linear_rows, and a
+// partial second group); q/k/v side by side and gate/up + SiLU equal linear's bits.
 struct VectorCase {
   uint32_t K;
   DType dt;
@@ -420,33 +421,35 @@ TEST_P(LinearVector, LaneStepsSumInTheStatedOrder) {
         for (uint32_t l = 0; l < stride; ++l) lanes[l] += lanes[l + stride];
       return lanes[0];
     };
-    for (uint32_t x0 : {0u, 1u}) {
-      SCOPED_TRACE("x offset " + std::to_string(x0));
-      cl::Mem y = dev.alloc(size_t(M) * N * 4), q = dev.alloc(size_t(M) * 2 * N * 4),
-              g = dev.alloc(size_t(M) * F * 4);
-      ops::linear(dev, xm, x0, K, w, nullptr, y, 0, N, M);
-      ops::linear_fused(dev, xm, x0, K, nullptr, nullptr, 0.0f, {&w, &w}, q, 0, 2 * N, M);
-      ops::linear_swiglu(dev, xm, x0, K, nullptr, 0.0f, gate, up, g, 0, F, M);
-      const auto yv = download(dev, y, size_t(M) * N), qv = download(dev, q, size_t(M) * 2 * N),
-                 gu = download(dev, g, size_t(M) * F);
-      for (uint32_t m = 0; m < M; ++m) {
-        for (uint32_t n = 0; n < N; ++n) {
-          const float want = expected(wv, n, m, x0), got = yv[size_t(m) * N + n];
-          ASSERT_EQ(std::bit_cast<uint32_t>(got), std::bit_cast<uint32_t>(want))
-              << "row " << m << " column " << n << ": " << got << " vs " << want;
-          for (uint32_t half : {0u, 1u})
-            ASSERT_EQ(std::bit_cast<uint32_t>(qv[size_t(m) * 2 * N + half * N + n]),
-                      std::bit_cast<uint32_t>(want))
-                << "q/k/v row " << m << " column " << half * N + n;
-        }
-        for (uint32_t f = 0; f < F; ++f) {
-          const float a = expected(gv, f, m, x0), b = expected(uv, f, m, x0);
-          const float want = a / (1.0f + std::exp(-a)) * b;
-          EXPECT_NEAR(gu[size_t(m) * F + f], want, 1e-5f * (1.0f + std::abs(want)))
-              << "gate/up row " << m << " feature " << f;
+    // 1 and 2 rows: fewer than a group's linear_rows (ops::wg_linear_rows), the same sums.
+    for (uint32_t rows : {1u, 2u, M})
+      for (uint32_t x0 : {0u, 1u}) {
+        SCOPED_TRACE("rows " + std::to_string(rows) + ", x offset " + std::to_string(x0));
+        cl::Mem y = dev.alloc(size_t(M) * N * 4), q = dev.alloc(size_t(M) * 2 * N * 4),
+                g = dev.alloc(size_t(M) * F * 4);
+        ops::linear(dev, xm, x0, K, w, nullptr, y, 0, N, rows);
+        ops::linear_fused(dev, xm, x0, K, nullptr, nullptr, 0.0f, {&w, &w}, q, 0, 2 * N, rows);
+        ops::linear_swiglu(dev, xm, x0, K, nullptr, 0.0f, gate, up, g, 0, F, rows);
+        const auto yv = download(dev, y, size_t(M) * N), qv = download(dev, q, size_t(M) * 2 * N),
+                   gu = download(dev, g, size_t(M) * F);
+        for (uint32_t m = 0; m < rows; ++m) {
+          for (uint32_t n = 0; n < N; ++n) {
+            const float want = expected(wv, n, m, x0), got = yv[size_t(m) * N + n];
+            ASSERT_EQ(std::bit_cast<uint32_t>(got), std::bit_cast<uint32_t>(want))
+                << "row " << m << " column " << n << ": " << got << " vs " << want;
+            for (uint32_t half : {0u, 1u})
+              ASSERT_EQ(std::bit_cast<uint32_t>(qv[size_t(m) * 2 * N + half * N + n]),
+                        std::bit_cast<uint32_t>(want))
+                  << "q/k/v row " << m << " column " << half * N + n;
+          }
+          for (uint32_t f = 0; f < F; ++f) {
+            const float a = expected(gv, f, m, x0), b = expected(uv, f, m, x0);
+            const float want = a / (1.0f + std::exp(-a)) * b;
+            EXPECT_NEAR(gu[size_t(m) * F + f], want, 1e-5f * (1.0f + std::abs(want)))
+                << "gate/up row " << m << " feature " << f;
+          }
         }
       }
-    }
   }
 }
 INSTANTIATE_TEST_SUITE_P(Widths, LinearVector,
