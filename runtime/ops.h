@@ -99,10 +99,10 @@ std::string columns_in_turn_option(const Device& dev);
 // (decode batches), else 4.
 uint32_t linear_tile_rows(const Device& dev, uint32_t M);
 // Rows per work-group of the GPU shape's GEMVs (linear_wg, linear_fused_wg, linear_fp8_wg) over M
-// rows: the tuning's linear_rows, or M where fewer. A group's rows past M would compute on the last
-// row and be dropped: on the H200 a bf16 GEMV of one row read 8192 x 2048 at 1,806 GB/s with one
-// row per group against 1,277 with four (bench_kernel_shapes, 2026-12-04); each row's sums are
-// the same in either.
+// rows: the tuning's linear_rows, or M where fewer. A group's rows past M add nothing, but they
+// keep their branches, registers and share of the local-memory tree: on the H200 a bf16 GEMV of
+// one row read 8192 x 2048 at 1,806 GB/s with one row per group against 1,277 with four
+// (bench_kernel_shapes, 2026-12-04). Each row's sums are the same in either.
 uint32_t wg_linear_rows(const Device& dev, uint32_t M);
 // The longest K whose one-row tiles read their columns in turn over weights of `dtype`:
 // KernelTuning::fp8_stream_k for FP8 (fp8_tile.cl's private x row is that long), gemv_stream_k
