@@ -616,6 +616,15 @@ void moe_grouped_swiglu(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::M
     grouped_bf16_launch(dev, x, ldx, x_rows, x_count, g, 0, 2, true, plan, y, ldy);
     return;
   }
+  // The f32 tiles stage [gate | up] for silu_mul. Tried on 2026-12-05 and left out: the same
+  // tiles taking gate and up in one launch with the SwiGLU in the epilogue, as the bf16-compute
+  // tiles above do (TN / 2 gate rows, then the same columns' up rows), ran slower on the 2-core
+  // Zen 5 EPYC (bench_step_breakdown --timeline, dsv3-mini at batch 1, 5 rounds in turn of the
+  // two builds; medians of the gate|up launches' time per step): bf16 experts 5.64 ms fused
+  // against 4.26 + 0.17 unfused (the gate|up launch, then silu_mul with its gaps), FP8 2.39
+  // against 2.16 + 0.15; without the next tile's prefetch 6.17 and 2.47 ms, with the bf16
+  // rounds spread over 4.2-7.0 ms. Alternating short runs of two matrices' rows (a page or two
+  // each) streams slower than one matrix's rows in order, and silu_mul costs less than that.
   const uint32_t F = g.inter;
   Scratch gu(dev, size_t(plan.rows) * 2 * F * 4);
   moe_grouped_linear(dev, x, ldx, x_rows, g, 0, 2, plan, gu.mem(), 2 * F, compute, x_count);
