@@ -146,30 +146,24 @@ void gemm_bf16_section(Device& dev, int reps, bool tiles, uint32_t M) {
       std::printf("\n");
     }
   };
-  // Two seconds of the first shape's GEMM, untimed, before the table: what runs in the seconds
-  // after the register-only peaks runs slower (bench_llama's prefill too). On the 2-core Zen 5
-  // EPYC (2026-12-05, --quick) the first row, q/k/v, read 46% of the bf16 peak in the packed
-  // GEMM, where the same shape later in the table read 78% and o read 74% when moved first;
-  // after this warm-up q/k/v read 84% and 94% in two runs.
-  {
-    const GemmShape& s = kPrefillShapes[0];
-    Weight w = random_weight(dev, s.N, s.K, DType::BF16, 3);
-    cl::Mem x = dev.alloc(size_t(M) * s.K * 4), y = dev.alloc(size_t(M) * s.N * 4);
-    dev.fill_zero(x, size_t(M) * s.K * 4);
-    const auto t0 = Clock::now();
-    while (seconds_since(t0) < 2.0) {
-      ops::linear(dev, x, 0, uint32_t(s.K), w, nullptr, y, 0, uint32_t(s.N), M, 1.0f, false,
-                  ComputeDType::BF16);
-      dev.finish();
-    }
-  }
   for (const GemmShape& s : kPrefillShapes) {
     Weight w = random_weight(dev, s.N, s.K, DType::BF16, 3);
     cl::Mem x = dev.alloc(size_t(M) * s.K * 4), y = dev.alloc(size_t(M) * s.N * 4);
     dev.fill_zero(x, size_t(M) * s.K * 4);
-    print_rows(s.name, 2.0 * M * s.N * s.K, [&](ComputeDType c) {
+    auto gemm = [&](ComputeDType c) {
       ops::linear(dev, x, 0, uint32_t(s.K), w, nullptr, y, 0, uint32_t(s.N), M, 1.0f, false, c);
-    });
+    };
+    // The first shape's GEMM for two seconds, untimed, before its row: what runs in the seconds
+    // after the register-only peaks runs slower (bench_llama's prefill too). On the 2-core Zen 5
+    // EPYC (2026-12-05, --quick) the first row, q/k/v, read 46% of the bf16 peak in the packed
+    // GEMM, where the same shape later in the table read 78% and o read 74% when moved first;
+    // after this warm-up q/k/v read 84% and 94% in two runs.
+    if (&s == &kPrefillShapes[0])
+      for (const auto t0 = Clock::now(); seconds_since(t0) < 2.0;) {
+        gemm(ComputeDType::BF16);
+        dev.finish();
+      }
+    print_rows(s.name, 2.0 * M * s.N * s.K, gemm);
   }
   // The model's gate/up: both weights in one launch with the SwiGLU epilogue (GLU tiles: gate
   // columns and the same columns' up rows), 2 x 8192 x 2048 at M rows.
