@@ -47,8 +47,8 @@ size_t huge_mapped_kib(const void* base);
 // clflush, one thread read 2 MiB pages of dsv3-mini's file at 12-16 GB/s where anonymous pages
 // and llama3-1b's file read 17 (the same guest-physical ranges; presumably the hypervisor backs
 // them differently), and a copy of its lm_head fed the GEMV at 23.9 GB/s against 17.1 mapped; the
-// gap, and the copy's gain at decode, moved within the hour (README). `on_read`, when set, is told
-// the bytes of each piece read (64 MiB at most), for a load's progress.
+// gap, and the copy's gain at decode, moved within the hour (perf/README.md, "Memory"). `on_read`,
+// when set, is told the bytes of each piece read (64 MiB at most), for a load's progress.
 void* copy_checkpoint_file(int fd, size_t size,
                            const std::function<void(size_t bytes)>& on_read = {});
 
