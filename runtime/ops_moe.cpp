@@ -625,6 +625,13 @@ void moe_grouped_swiglu(Device& dev, const cl::Mem& x, uint32_t ldx, const cl::M
   // against 2.16 + 0.15; without the next tile's prefetch 6.17 and 2.47 ms, with the bf16
   // rounds spread over 4.2-7.0 ms. Alternating short runs of two matrices' rows (a page or two
   // each) streams slower than one matrix's rows in order, and silu_mul costs less than that.
+  // Also tried that day and left out: the FP8 tiles in turn of the down projection reading the
+  // [gate | up] rows and taking silu(gate) * up in their private copy of x (no silu_mul launch;
+  // bit for bit the same sums). dsv3-mini fp8 at batch 1, 12 rounds in turn of the two builds:
+  // the untouched step was 0.45 ms slower (median; slower in 10 of 12), the queue's span no
+  // shorter (-0.04 ms), because the down launch's gap grew from 10.7 to 18.7 us (medians) and its
+  // time from 243 to 252 us: a short launch between two long ones hides PoCL's thread wake-up
+  // (perf/README.md, "Gaps between launches"), so dropping it saves less than its time.
   const uint32_t F = g.inter;
   Scratch gu(dev, size_t(plan.rows) * 2 * F * 4);
   moe_grouped_linear(dev, x, ldx, x_rows, g, 0, 2, plan, gu.mem(), 2 * F, compute, x_count);
