@@ -15,7 +15,15 @@
 //
 // Every loop that contains a barrier runs the same number of times on every lane and has a single
 // exit (no return or break inside it): a barrier inside a loop that some lanes leave early is
-// undefined, and PoCL's compiler spent minutes on such loops. SAMPLE_WG is a power of two >= 32
+// undefined, and PoCL's compiler spent minutes on such loops. Nor is a barrier inside a branch
+// that more barriers follow: PoCL copies the code after a branch that holds a barrier once per
+// path, and the copies multiply. A step that only some rows take runs on every row instead, its
+// loops running no times where it does not apply (a top-k of 0, no draw for a greedy row). With
+// its three such branches (greedy, top-k, top-p) wg_sample_row made PoCL 3.1 generate
+// sample_rows_wg's work-group function in 11.3-12.6 s on the 2-core EPYC and accept_rows_wg's in
+// 13.8-17.8 s; without them in 4.3-6.5 s and 7.8-8.7 s. accept_rows_wg's own branch (a relaxed or
+// a strict position) ends its loop's body, so nothing follows it to copy: one body running both
+// kinds, the other over a vocabulary of 0, took 26.5 s. SAMPLE_WG is a power of two >= 32
 // (runtime/engine/sampling.cpp passes it).
 
 #include "sampling_common.cl"
@@ -187,12 +195,13 @@ inline uint wg_walk_segments(global const float* work, global const float* row, 
 
 // The segment masses of `work` (restricted to the tokens ranked strictly above (pkey, pid) when
 // `restricted`) into seg, by all lanes; visible to every lane on return. Returns their sum in
-// sum_segments' order on lane 0 (0 on the others).
+// sum_segments' order on lane 0 (0 on the others). n_chunks: the row's chunks, or 0 for none
+// (alike on every lane).
 inline float wg_store_segment_masses(global const float* work, global const float* row,
-                                     uint vocab, int restricted, uint pkey, uint pid,
-                                     global float* seg, local float* lv, local float* lf) {
+                                     uint vocab, uint n_chunks, int restricted, uint pkey,
+                                     uint pid, global float* seg, local float* lv,
+                                     local float* lf) {
   const uint lane = get_local_id(0);
-  const uint n_chunks = (vocab + CHUNK - 1) / CHUNK;
   float total = 0.0f;
   for (uint base = 0; base < n_chunks; base += SAMPLE_WG) {
     const uint i = (base + lane) * CHUNK;
@@ -211,14 +220,14 @@ inline float wg_store_segment_masses(global const float* work, global const floa
 // The k-th best allowed token as (key, id), for 0 < k < allowed count: a radix select over the
 // 64-bit rank (key, ~id), 8 bits a level from the top, until the k-th token is alone in its
 // bucket; then the one token with that prefix. Every lane picks the bucket from the local
-// histogram itself, so the prefix needs no broadcast. hist: 256 uints, found: 2 uints of local
-// memory.
+// histogram itself, so the prefix needs no broadcast. k = 0 reads nothing and gives (0, ~0), the
+// boundary that keeps every token. hist: 256 uints, found: 2 uints of local memory.
 inline uint2 wg_topk_boundary(global const float* row, global const uint* mask_row, uint vocab,
                               uint k, local uint* hist, local uint* found) {
   const uint lane = get_local_id(0);
   uint kp = 0, km = 0, ip = 0, im = 0;  // key prefix and mask, ~id prefix and mask
   uint above = 0;                       // tokens ranked above every token with the prefix
-  uint done = 0;
+  uint done = k == 0;
   for (uint level = 0; level < 8; ++level) {
     for (uint b = lane; b < 256; b += SAMPLE_WG) hist[b] = 0;
     barrier(CLK_LOCAL_MEM_FENCE);
@@ -250,7 +259,7 @@ inline uint2 wg_topk_boundary(global const float* row, global const uint* mask_r
     }
     barrier(CLK_LOCAL_MEM_FENCE);  // every lane has read hist
   }
-  for (uint i = lane * CHUNK; i < vocab; i += SAMPLE_WG * CHUNK) {
+  for (uint i = lane * CHUNK; k > 0 && i < vocab; i += SAMPLE_WG * CHUNK) {
     const uint n = min((uint)CHUNK, vocab - i);
     const float16 l = load_logits(row, i, n);
     const uint16 key = order_keys(clamped(l));
@@ -265,7 +274,7 @@ inline uint2 wg_topk_boundary(global const float* row, global const uint* mask_r
     }
   }
   barrier(CLK_LOCAL_MEM_FENCE);
-  const uint2 boundary = (uint2)(found[0], found[1]);
+  const uint2 boundary = k > 0 ? (uint2)(found[0], found[1]) : (uint2)(0u, 0xFFFFFFFFu);
   barrier(CLK_LOCAL_MEM_FENCE);
   return boundary;
 }
@@ -281,7 +290,8 @@ inline uint2 wg_topk_boundary(global const float* row, global const uint* mask_r
 #define WG_SAMPLE_SCRATCH lk, li, lc, lv, lf, hist, state, fstate
 
 // sample_row's token (sampling.cl) drawn by the whole work-group, on every lane: -1 when the row
-// allows no token at all. work_row: the kept masses, then the segment masses. Every lane must call.
+// allows no token at all. work_row: the kept masses, then the segment masses. Every lane must
+// call.
 inline int wg_sample_row(global const float* row, global const uint* mask_row, uint vocab,
                          const SamplingRowArgs p, global float* work_row, local uint* lk,
                          local uint* li, local uint* lc, local float* lv, local float* lf,
@@ -289,91 +299,87 @@ inline int wg_sample_row(global const float* row, global const uint* mask_row, u
   const uint lane = get_local_id(0);
   global float* seg = work_row + vocab;
 
-  // 1. Allowed count and argmax.
+  // 1. Allowed count and argmax. The steps after it draw, and run no times where the row is
+  // greedy or allows no token.
   uint n_allowed;
   const uint argmax = wg_row_argmax(row, mask_row, vocab, lk, li, lc, &n_allowed);
-  int result = n_allowed == 0 ? -1 : (int)argmax;
-  if (n_allowed > 0 && !p.greedy) {
-    const float max_logit = fmin(row[argmax], FLT_MAX);
-    // 2. Top-k boundary; (0, ~0) keeps every allowed token.
-    uint2 boundary = (uint2)(0u, 0xFFFFFFFFu);
-    if (p.top_k > 0 && p.top_k < n_allowed)
-      boundary = wg_topk_boundary(row, mask_row, vocab, p.top_k, hist, state);
+  const int draws = n_allowed > 0 && !p.greedy;
+  const float max_logit = draws ? fmin(row[argmax], FLT_MAX) : 0.0f;
 
-    // 3. Kept masses into work, segment masses into seg; their sum (lane 0's).
-    const uint n_chunks = (vocab + CHUNK - 1) / CHUNK;
-    float total = 0.0f;
-    for (uint base = 0; base < n_chunks; base += SAMPLE_WG) {
-      const uint i = (base + lane) * CHUNK;
-      float16 w = 0.0f;
-      if (i < vocab) {
-        const uint n = min((uint)CHUNK, vocab - i);
-        const float16 l = load_logits(row, i, n);
-        const uint16 key = order_keys(clamped(l));
-        w = exp((clamped(l) - max_logit) * p.inv_temperature);
-        const int16 keep = allowed_lanes(l, mask_row, i, n) &
-                           at_or_above(key, (uint16)i + kLane, boundary.x, boundary.y) &
-                           (w >= p.min_p);
-        w = select((float16)0.0f, w, keep);
-        store_work(work_row, i, n, w);
-      }
-      vstore16(w, lane, lv);
-      barrier(CLK_LOCAL_MEM_FENCE);
-      wg_segment_sums(lv, lf);
-      wg_store_pass_segments(lf, base, vocab, seg, &total);
-      barrier(CLK_LOCAL_MEM_FENCE);
-    }
-    barrier(CLK_GLOBAL_MEM_FENCE);
+  // 2. Top-k boundary; k = 0 gives (0, ~0), which keeps every allowed token.
+  const uint2 boundary = wg_topk_boundary(
+      row, mask_row, vocab, draws && p.top_k > 0 && p.top_k < n_allowed ? p.top_k : 0, hist,
+      state);
 
-    // 4. Draw (wg_walk_segments: lane 0's token; the nucleus loop as sample_row's, seg holding
-    // the current set's segment masses). Only lane 0's total and draws are used.
-    const uint2 seed = (uint2)(p.seed_lo, p.seed_hi);
-    if (p.top_p >= 1.0f) {
-      const uint j = wg_walk_segments(work_row, row, vocab, seg, uniform_draw(seed, 0) * total, 0,
-                                      0, 0, lv, state + 6);
-      if (lane == 0) result = (int)j;
-    } else {
-      const float target = p.top_p * total;
-      // state: accepted, j, pkey, pid, restricted, jkey; fstate[0]: the current set's mass
-      if (lane == 0) {
-        for (uint q = 0; q < 8; ++q) state[q] = 0;
-        fstate[0] = total;
-      }
-      barrier(CLK_LOCAL_MEM_FENCE);
-      uint accepted = 0;
-      for (uint round = 0; !accepted; ++round) {
-        const float u = uniform_draw(seed, round);
-        const uint walked = wg_walk_segments(work_row, row, vocab, seg, u * fstate[0],
-                                             (int)state[4], state[2], state[3], lv, state + 6);
-        if (lane == 0) {
-          state[1] = walked;
-          state[5] = order_key(fmin(row[walked], FLT_MAX));
-        }
-        barrier(CLK_LOCAL_MEM_FENCE | CLK_GLOBAL_MEM_FENCE);
-        const uint j = state[1], jkey = state[5];
-        const float above = wg_store_segment_masses(work_row, row, vocab, 1, jkey, j, seg, lv, lf);
-        if (lane == 0) {
-          if (above < target) {
-            state[0] = 1;
-          } else {
-            state[4] = 1;
-            state[2] = jkey;
-            state[3] = j;
-            fstate[0] = above;
-          }
-        }
-        barrier(CLK_LOCAL_MEM_FENCE);
-        accepted = state[0];
-        barrier(CLK_LOCAL_MEM_FENCE);
-      }
-      result = (int)state[1];
+  // 3. Kept masses into work, segment masses into seg; their sum (lane 0's).
+  const uint n_chunks = draws ? (vocab + CHUNK - 1) / CHUNK : 0;
+  float total = 0.0f;
+  for (uint base = 0; base < n_chunks; base += SAMPLE_WG) {
+    const uint i = (base + lane) * CHUNK;
+    float16 w = 0.0f;
+    if (i < vocab) {
+      const uint n = min((uint)CHUNK, vocab - i);
+      const float16 l = load_logits(row, i, n);
+      const uint16 key = order_keys(clamped(l));
+      w = exp((clamped(l) - max_logit) * p.inv_temperature);
+      const int16 keep = allowed_lanes(l, mask_row, i, n) &
+                         at_or_above(key, (uint16)i + kLane, boundary.x, boundary.y) &
+                         (w >= p.min_p);
+      w = select((float16)0.0f, w, keep);
+      store_work(work_row, i, n, w);
     }
+    vstore16(w, lane, lv);
+    barrier(CLK_LOCAL_MEM_FENCE);
+    wg_segment_sums(lv, lf);
+    wg_store_pass_segments(lf, base, vocab, seg, &total);
+    barrier(CLK_LOCAL_MEM_FENCE);
+  }
+  barrier(CLK_GLOBAL_MEM_FENCE);
+
+  // 4. Draw: the nucleus loop as sample_row's (wg_walk_segments: lane 0's token; seg holding the
+  // current set's segment masses). Without top-p its first walk is the token, over every kept
+  // token as the nucleus loop's first round, so the loop ends there. Only lane 0's total and
+  // draws are used. state: accepted, j, pkey, pid, restricted, jkey; fstate[0]: the current set's
+  // mass.
+  const uint2 seed = (uint2)(p.seed_lo, p.seed_hi);
+  const int nucleus = p.top_p < 1.0f;
+  const float target = p.top_p * total;
+  if (lane == 0) {
+    for (uint q = 0; q < 8; ++q) state[q] = 0;
+    fstate[0] = total;
+  }
+  barrier(CLK_LOCAL_MEM_FENCE);
+  uint accepted = !draws;
+  for (uint round = 0; !accepted; ++round) {
+    const float u = uniform_draw(seed, round);
+    const uint walked = wg_walk_segments(work_row, row, vocab, seg, u * fstate[0],
+                                         (int)state[4], state[2], state[3], lv, state + 6);
+    if (lane == 0) {
+      state[1] = walked;
+      state[5] = order_key(fmin(row[walked], FLT_MAX));
+    }
+    barrier(CLK_LOCAL_MEM_FENCE | CLK_GLOBAL_MEM_FENCE);
+    const uint j = state[1], jkey = state[5];
+    const float above = wg_store_segment_masses(work_row, row, vocab, nucleus ? n_chunks : 0, 1,
+                                                jkey, j, seg, lv, lf);
+    if (lane == 0) {
+      if (!nucleus || above < target) {
+        state[0] = 1;
+      } else {
+        state[4] = 1;
+        state[2] = jkey;
+        state[3] = j;
+        fstate[0] = above;
+      }
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    accepted = state[0];
+    barrier(CLK_LOCAL_MEM_FENCE);
   }
   // Lane 0's walk decided the token: every lane returns it.
+  if (lane == 0) state[7] = draws ? state[1] : (uint)(n_allowed == 0 ? -1 : (int)argmax);
   barrier(CLK_LOCAL_MEM_FENCE);
-  if (lane == 0) state[7] = (uint)result;
-  barrier(CLK_LOCAL_MEM_FENCE);
-  result = (int)state[7];
+  const int result = (int)state[7];
   barrier(CLK_LOCAL_MEM_FENCE);
   return result;
 }
