@@ -120,8 +120,9 @@ TEST(DeviceBuffers, BelowTwoMiBAndWithHostPointersAreTheDriversOwn) {
   expect_holds_what_is_written(dev, small, 2 * kMiB - 4);
   std::vector<float> host(1 << 20, 1.5f);
   cl::Mem wrapped = dev.wrap_host(host.data(), host.size() * sizeof(float));
-  if (dev.info().host_unified_memory)
+  if (dev.info().host_unified_memory) {
     EXPECT_EQ(host_ptr(wrapped), host.data()) << "a wrapped buffer keeps the caller's memory";
+  }
 }
 
 TEST(DeviceBuffers, ScratchOfTwoMiBAndMoreLiesInHugePagesOnPoclsCpuDevice) {

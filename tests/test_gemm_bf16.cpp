@@ -689,7 +689,9 @@ TEST(GemmBf16Packed, WidenedPanelWhereItFits) {
     phase = now;
     if (widened) widened_up_to = kp;
   }
-  if (local_mem >= 512 * 1024) EXPECT_GE(widened_up_to, 256u);
+  if (local_mem >= 512 * 1024) {
+    EXPECT_GE(widened_up_to, 256u);
+  }
 }
 
 // The packed GEMM takes bf16 weights from gemm_bf16_packed_rows rows and not below, sums each row

@@ -11,15 +11,18 @@ namespace {
 
 enum class Message : char { Stop = 0, Forward = 1, AllocateCache = 2 };
 
-void put_u32(std::vector<char>& b, uint32_t v) {
-  const char* p = reinterpret_cast<const char*>(&v);
-  b.insert(b.end(), p, p + 4);
+// Appends n bytes at p. resize + memcpy rather than vector::insert of a byte range, which GCC 12
+// at -O2 flags with a false -Warray-bounds (a one-byte message grown by four).
+void put_bytes(std::vector<char>& b, const void* p, size_t n) {
+  const size_t at = b.size();
+  b.resize(at + n);
+  if (n) std::memcpy(b.data() + at, p, n);
 }
+void put_u32(std::vector<char>& b, uint32_t v) { put_bytes(b, &v, 4); }
 template <class T>
 void put_vec(std::vector<char>& b, const std::vector<T>& v) {
   put_u32(b, uint32_t(v.size()));
-  const char* p = reinterpret_cast<const char*>(v.data());
-  b.insert(b.end(), p, p + v.size() * sizeof(T));
+  put_bytes(b, v.data(), v.size() * sizeof(T));
 }
 
 struct Reader {
