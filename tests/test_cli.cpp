@@ -143,6 +143,27 @@ TEST(Cli, MakeModelThenGenerateIsDeterministic) {
       << err;
 }
 
+// A run that compiles kernels from source (nothing in clshard's kernel cache) says so on stderr,
+// once, naming the cache; the next run over the same cache does not, and both give the same
+// tokens.
+TEST(Cli, AFirstRunSaysItCompilesKernelsOnce) {
+  const auto cache = test::temp_dir("cli_kernel_cache");
+  const std::vector<std::string> run = {
+      "env", "CLSHARD_KERNEL_CACHE=" + cache.string(), CLSHARD_EXE, "generate", "--model",
+      (test::reference_dir() / "ckpt" / "llama3-tiny-bf16").string(), "--tokens", "1,2,3",
+      "--max-new-tokens", "4"};
+  std::string first, second, err;
+  ASSERT_EQ(test::run_program(run, &first, &err), 0) << err;
+  const std::string said = "clshard: compiling OpenCL kernels for ";
+  ASSERT_NE(err.find(said), std::string::npos) << err;
+  EXPECT_EQ(err.find(said), err.rfind(said)) << "said more than once: " << err;
+  EXPECT_NE(err.find("; they are kept in " + cache.string() + "\n"), std::string::npos) << err;
+  EXPECT_FALSE(std::filesystem::is_empty(cache));
+  ASSERT_EQ(test::run_program(run, &second, &err), 0) << err;
+  EXPECT_EQ(err.find("compiling"), std::string::npos) << "a warm cache compiles nothing: " << err;
+  EXPECT_EQ(first, second);
+}
+
 TEST(Cli, ErrorsAreClearAndExitNonZero) {
   std::string out, err;
   EXPECT_EQ(test::run_clshard({"generate", "--model", "/nonexistent", "--tokens", "1,2"}, &out,
