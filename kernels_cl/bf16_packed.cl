@@ -123,6 +123,15 @@ inline uint16 panel_row_tail(global const ushort* row, global const float* srow,
 // block-scale rows srows[c]) into panel[(kp - kp_begin) * PANEL_NC + c] (with PANEL_WF32 each
 // step's odd then even halves, PANEL_STEP_WORDS apart): 16 rows x 16 steps at a time, transposed
 // in registers, so that each step's 16 words are one vector store.
+// perf record of llama3-1b's 512-token prefill at bf16 compute (2-core Zen 5, 2026-12-06) put
+// 8.5-10% of each packed GEMM's samples here, nearly all on the 16 row loads. Two prefetches were
+// tried and left out, as neither made the GEMMs faster (old and new builds in turn):
+// - PanelPrefetch's lines issued in the last row tiles instead of the first: this function's
+//   share fell to 3-4% and the sums' grew by as much; the prefill (bench_llama, 3 pairs) 191.7 /
+//   194.2 / 189.1 tok/s against 189.4 / 199.1 / 191.5;
+// - the 16 rows prefetched 4 blocks ahead here: the five GEMMs of bench_kernels --gemm-bf16
+//   (their GFLOP/s summed) 0.89x and 0.98x into L1, 1.01x and 1.01x into L2 (one GEMM of one
+//   build moved by up to 16% between rounds).
 inline void pack_panel(global const panel_w_t* const* rows, global const float* const* srows,
                        uint K, uint kp_begin, uint kp_end, local uint* panel) {
   for (int g = 0; g < PANEL_NV; ++g)
