@@ -262,6 +262,9 @@ class Device {
   // (program_cache.h).
   cl::Kernel kernel(const std::string& file, const std::string& name,
                     const std::string& options = "");
+  // Kernels this device has built or read from the cache so far (serving's warm-up is checked by
+  // it: the requests after it build none).
+  size_t kernels_built() const { return kernels_.size(); }
 
   // Buffers.
   cl::Mem alloc(size_t bytes, cl_mem_flags flags = CL_MEM_READ_WRITE) const;

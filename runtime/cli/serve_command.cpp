@@ -103,7 +103,8 @@ void run_server(const ServeFlags& flags) {
   if (!flags.port_file.empty()) write_port_file(flags.port_file, port);
 
   auto deployment = std::make_unique<Deployment>(Deployment::open(cfg, stderr_load_progress()));
-  server.attach(std::move(deployment));
+  server.attach(std::move(deployment),
+                [](const std::string& line) { std::cerr << "clshard serve: " << line << "\n"; });
   std::cerr << "clshard serve: ready: POST /v1/completions, /v1/chat/completions; GET /v1/models, "
                "/health, /metrics\n";
 

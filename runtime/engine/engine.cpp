@@ -198,6 +198,12 @@ size_t Engine::num_waiting() const {
   return n;
 }
 
+void Engine::reset_stats() {
+  stats_ = EngineStats{};
+  stats_.speculative.drafted_at.assign(spec_.num_tokens, 0);
+  stats_.speculative.accepted_at.assign(spec_.num_tokens, 0);
+}
+
 uint64_t Engine::kv_pages_in_use() const {
   uint64_t n = 0;
   for (const auto& s : schedulers_) n += s.pages_in_use();

@@ -157,6 +157,10 @@ class Engine {
   // Which distribution logprobs describe (sampling.h); raw by default.
   void set_logprobs_mode(LogprobsMode mode) { logprobs_mode_ = mode; }
   const EngineStats& stats() const { return stats_; }
+  // Zeroes the stats (serving's warm-up: what a server reports counts clients' requests only).
+  void reset_stats();
+  size_t num_replicas() const { return schedulers_.size(); }
+  uint32_t vocab_size() const { return model_.info().vocab_size; }
   const Scheduler& scheduler(size_t replica = 0) const { return schedulers_.at(replica); }
   size_t replica_of(uint64_t handle) const { return live_.at(handle).replica; }
 

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <condition_variable>
+#include <cstdio>
 #include <ctime>
 #include <deque>
 #include <functional>
@@ -18,6 +19,7 @@
 #include <httplib.h>
 
 #include "runtime/engine/deployment.h"
+#include "runtime/engine/warm_up.h"
 #include "runtime/serve/engine_worker.h"
 #include "runtime/serve/openai_api.h"
 #include "runtime/text/chat_template.h"
@@ -261,7 +263,7 @@ class OpenAiServer::Http {
     std::string status = "ok";
     std::string detail;
     if (!s_.ready_) {
-      status = "loading";
+      status = s_.warming_up_ ? "warming_up" : "loading";
     } else if (auto f = s_.worker_->failure()) {
       status = "failed";
       detail = *f;
@@ -362,8 +364,10 @@ class OpenAiServer::Http {
                            served_names() + ").",
                        "model", "model_not_found");
       if (!s_.ready_)
-        throw ApiError(503, "service_unavailable", "the model is still loading", {},
-                       "model_loading");
+        throw ApiError(503, "service_unavailable",
+                       s_.warming_up_ ? "the model is warming up (its kernels are being built)"
+                                      : "the model is still loading",
+                       {}, "model_loading");
       if (s_.draining_)
         throw ApiError(503, "service_unavailable", "the server is shutting down", {},
                        "shutting_down");
@@ -621,11 +625,24 @@ void OpenAiServer::start() {
   listen_thread_ = std::thread([this] { http_->server.listen_after_bind(); });
 }
 
-void OpenAiServer::attach(std::unique_ptr<Deployment> deployment) {
+void OpenAiServer::attach(std::unique_ptr<Deployment> deployment,
+                          const std::function<void(const std::string&)>& note) {
   deployment_ = std::move(deployment);
-  worker_ = std::make_unique<EngineWorker>(
-      deployment_->make_engine(), size_t(settings_.max_waiting), settings_.request_deadline_s,
-      metrics_, deployment_->draft != nullptr);
+  std::unique_ptr<Engine> engine = deployment_->make_engine();
+  const WarmUpPlan plan = plan_warm_up(engine->scheduler(0).limits());
+  if (note) note("warming up: " + plan.describe() + " (kernels are built on first use)");
+  warming_up_ = true;
+  const WarmUpResult w = warm_up(*engine, plan);
+  warming_up_ = false;
+  if (note) {
+    char took[32];
+    std::snprintf(took, sizeof took, "%.2f", w.seconds);
+    note("warmed up in " + std::string(took) + " s (" + std::to_string(w.requests) +
+         " requests, " + std::to_string(w.steps) + " steps)");
+  }
+  worker_ = std::make_unique<EngineWorker>(std::move(engine), size_t(settings_.max_waiting),
+                                           settings_.request_deadline_s, metrics_,
+                                           deployment_->draft != nullptr);
   ready_ = true;
 }
 

@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -41,9 +42,11 @@ class OpenAiServer {
   int bind();
   // Serves on threads of its own from now on; /health answers 503 until attach().
   void start();
-  // The model has loaded: requests run from now on. The deployment's engine moves to the engine
-  // thread.
-  void attach(std::unique_ptr<Deployment> deployment);
+  // The model has loaded: its engine runs the warm-up (runtime/engine/warm_up.h; /health answers
+  // 503 "warming_up" meanwhile), then moves to the engine thread and requests run from then on.
+  // `note` hears the warm-up's plan before it and what it took after.
+  void attach(std::unique_ptr<Deployment> deployment,
+              const std::function<void(const std::string&)>& note = {});
   bool ready() const { return ready_.load(); }
 
   // Graceful stop: new requests get 503 (and /health 503), running ones have until `grace`
@@ -65,7 +68,7 @@ class OpenAiServer {
   std::thread listen_thread_;
   std::unique_ptr<Deployment> deployment_;
   std::unique_ptr<EngineWorker> worker_;
-  std::atomic<bool> ready_{false}, draining_{false}, stopped_{false};
+  std::atomic<bool> ready_{false}, warming_up_{false}, draining_{false}, stopped_{false};
   std::atomic<int> open_streams_{0};
   int64_t started_at_ = 0;  // unix time, for /v1/models
 };

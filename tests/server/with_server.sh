@@ -51,6 +51,12 @@ for _ in $(seq 1 600); do
   sleep 0.1
 done
 [ $ready = 1 ] || fail "/health did not answer 200 within 60 s"
+# The warm-up (runtime/engine/warm_up.h) ran within this deployment's limits before "ready".
+grep -q "clshard serve: warming up: prompts of 1-128 tokens, batches of 2-16 requests" \
+  "$work/serve.log" || fail "no warm-up plan for prompts of 1-128 tokens, batches of 2-16"
+awk '/clshard serve: warmed up in/ { w = NR } /clshard serve: ready:/ { r = NR }
+     END { exit !(w && r && w < r) }' "$work/serve.log" ||
+  fail "no 'warmed up in' line before the 'ready' line"
 
 export CLSHARD_URL=$url CLSHARD_MODEL=llama3-tiny CLSHARD_API_KEY=sk-clshard-test
 "$@"
